@@ -1,0 +1,164 @@
+"""The three hot operations as named PyTorch custom ops, each with an eager reference.
+
+The model calls only these ops for attention, the LM-head cross-entropy and the expert MLPs.
+Eagerly on CPU they run the references below (the ground truth); under torchax the bridge
+overrides each op with the JAX implementation chosen in the op registry
+(`jax_bridge/registry.py`), so fast paths enter the model only through these names.
+
+Backward passes of the references recompute the forward under autograd: simple and exact, and
+only ever used by eager PyTorch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAMESPACE = "torchlyra"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference math (plain torch, differentiable)
+# ---------------------------------------------------------------------------------------------
+def attention_reference(q, k, v, sinks, sliding_window: int, scale: float):
+    """Causal GQA attention with one learned sink logit per query head.
+
+    q: [B, Hq, Tq, D]; k, v: [B, Hkv, Tk, D] with Tk >= Tq (queries are the last Tq positions);
+    sinks: [Hq]. sliding_window W > 0 lets query i see keys i-W+1..i; 0 means all keys <= i.
+    The sink joins each score row before the softmax and is dropped after (GPT-OSS).
+    """
+    b, hq, tq, _ = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
+    kpos = torch.arange(tk, device=q.device)[None, :]
+    visible = kpos <= qpos
+    if sliding_window > 0:
+        visible = visible & (kpos > qpos - sliding_window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink_col = sinks.float().view(1, hq, 1, 1).expand(b, hq, tq, 1)
+    combined = torch.cat([scores, sink_col], dim=-1)
+    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def linear_cross_entropy_reference(hidden, weight, labels, ignore_index: int):
+    """Per-token negative log-likelihood and log-sum-exp of `hidden @ weight.T`.
+
+    hidden: [N, H]; weight: [V, H]; labels: [N] (ignore_index marks tokens without a target).
+    Returns (nll [N], lse [N]) in float32, both 0 at ignored tokens. The z-loss is a function
+    of lse, so the op never has to hand logits back.
+    """
+    logits = torch.matmul(hidden.float(), weight.float().t())
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    target = logits.gather(1, safe[:, None])[:, 0]
+    zero = torch.zeros_like(lse)
+    return torch.where(valid, lse - target, zero), torch.where(valid, lse, zero)
+
+
+def clamped_swiglu(gate_up, alpha: float, limit: float):
+    """GPT-OSS activation: gate/up interleaved in the last dim, both clamped."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha: float, limit: float):
+    """Grouped expert MLP: rows of x are sorted by expert, group_sizes[e] rows go to expert e.
+
+    x: [M, H]; group_sizes: [E] (sum == M); gate_up: [E, H, 2I]; gate_up_bias: [E, 2I];
+    down: [E, I, H]; down_bias: [E, H]. Each expert computes only its own rows.
+    """
+    outputs = []
+    start = 0
+    for e, n in enumerate(group_sizes.tolist()):
+        if n:
+            rows = x[start:start + n]
+            h = clamped_swiglu(rows @ gate_up[e] + gate_up_bias[e], alpha, limit)
+            outputs.append(h @ down[e] + down_bias[e])
+        start += n
+    if start != x.shape[0]:
+        raise ValueError(f"moe_experts: group sizes sum to {start}, but x has {x.shape[0]} rows")
+    return torch.cat(outputs) if outputs else x.new_zeros(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops: forward = reference, backward = autograd through the recomputed reference
+# ---------------------------------------------------------------------------------------------
+def _register_recompute_backward(op, reference, n_tensor_inputs: int, differentiable: tuple[int, ...]):
+    """Autograd formula for a custom op whose first n inputs are tensors: re-run the reference
+    with grad enabled and take the vector-Jacobian product for the differentiable inputs."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:n_tensor_inputs])
+        ctx.static = inputs[n_tensor_inputs:]
+
+    def backward(ctx, *grad_outputs):
+        saved = list(ctx.saved_tensors)
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(i in differentiable) for i, t in enumerate(saved)]
+            out = reference(*leaves, *ctx.static)
+            outs = out if isinstance(out, tuple) else (out,)
+            wrt = [leaves[i] for i in differentiable]
+            pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        result = [None] * (n_tensor_inputs + len(ctx.static))
+        for i, g in zip(differentiable, grads):
+            result[i] = g if g is not None else torch.zeros_like(saved[i])
+        return tuple(result)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+              sliding_window: int, scale: float) -> torch.Tensor:
+    return attention_reference(q, k, v, sinks, sliding_window, scale)
+
+
+@attention.register_fake
+def _(q, k, v, sinks, sliding_window, scale):
+    return torch.empty_like(q)
+
+
+_register_recompute_backward(attention, attention_reference, 4, (0, 1, 2, 3))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return linear_cross_entropy_reference(hidden, weight, labels, ignore_index)
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, labels, ignore_index):
+    n = hidden.shape[0]
+    return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
+
+
+_register_recompute_backward(linear_cross_entropy, linear_cross_entropy_reference, 3, (0, 1))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, group_sizes: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor,
+                down: torch.Tensor, down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    return moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit)
+
+
+@moe_experts.register_fake
+def _(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit):
+    return torch.empty_like(x)
+
+
+_register_recompute_backward(moe_experts, moe_experts_reference, 6, (0, 2, 3, 4, 5))
+
+# The op objects the model calls (torch.ops.torchlyra.<name>): one name per hot operation.
+OPS = {
+    "attention": torch.ops.torchlyra.attention,
+    "cross_entropy": torch.ops.torchlyra.linear_cross_entropy,
+    "moe": torch.ops.torchlyra.moe_experts,
+}
