@@ -1,0 +1,226 @@
+"""GPT-OSS decoder in plain torch.nn, with Hugging Face `GptOssForCausalLM` names and layouts.
+
+Read it like the paper: RMSNorm -> GQA attention with sinks (sliding or full) -> residual ->
+RMSNorm -> top-k MoE of clamped-SwiGLU experts -> residual. The three hot operations are
+called through `torch.ops.torchlyra.*` (see ops.py), the only door for fast paths.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_model import ops
+from torch_model.config import ModelConfig
+from torch_model.rope import apply_rope, rope_cos_sin
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    """Normalizes in float32 and returns the input dtype (as GptOssRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        d, hd = cfg.d_model, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.sliding_window = cfg.window_of_layer(layer)
+        self.q_proj = nn.Linear(d, cfg.n_heads * hd)
+        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd)
+        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, d)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ops.OPS["attention"](q, k, v, self.sinks.to(q.dtype), self.sliding_window, self.head_dim ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.weight = nn.Parameter(torch.zeros(cfg.n_experts, cfg.d_model))
+        self.bias = nn.Parameter(torch.zeros(cfg.n_experts))
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight, self.bias)              # [N, E]
+        top_logits, experts = torch.topk(logits, self.top_k, dim=-1)
+        weights = torch.softmax(top_logits, dim=-1)               # softmax over the k chosen
+        return logits, weights, experts
+
+
+class Experts(nn.Module):
+    """E expert MLPs stored as HF does: x @ W (not W @ x), gate/up interleaved in the last dim."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, d, i = cfg.n_experts, cfg.d_model, cfg.expert_dim
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, d, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.zeros(e, i, d))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, d))
+
+    def forward(self, x_sorted, group_sizes):
+        return ops.OPS["moe"](x_sorted, group_sizes, self.gate_up_proj, self.gate_up_proj_bias,
+                              self.down_proj, self.down_proj_bias, self.alpha, self.limit)
+
+
+class MoE(nn.Module):
+    """Dropless top-k MoE: tokens are grouped by expert (a sort), each expert computes only its
+    rows (grouped-GEMM op), and results return to token order by a gather (no scatter)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        logits, weights, experts = self.router(flat)
+        chosen = experts.reshape(-1)                                 # [N*k], token-major
+        order = torch.argsort(chosen, stable=True)                   # rows grouped by expert
+        group_sizes = F.one_hot(chosen, self.n_experts).sum(0)      # [E], static shape
+        out_sorted = self.experts(flat[order // self.top_k], group_sizes)
+        back = torch.argsort(order)                                  # inverse permutation
+        out = out_sorted[back].view(-1, self.top_k, d) * weights.unsqueeze(-1).to(x.dtype)
+        stats = router_stats(logits, group_sizes, self.n_experts, self.top_k)
+        return out.sum(1).view(b, t, d), stats
+
+
+def router_stats(logits, group_sizes, n_experts: int, top_k: int):
+    """Switch-style load-balancing loss E * sum_e f_e * P_e, router z-loss, and the per-expert
+    token fractions f_e (for metrics)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    fraction = group_sizes.float() / group_sizes.sum().clamp(min=1)
+    balance = n_experts * (fraction * probs.mean(0)).sum()
+    z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+    return {"balance": balance, "z": z, "fraction": fraction}
+
+
+class DenseMLP(nn.Module):
+    """The `dense` preset's MLP: one clamped-SwiGLU expert applied to every token (exported to
+    Hugging Face as a one-expert GptOss layer)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, i = cfg.d_model, cfg.dense_dim
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(d, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(2 * i))
+        self.down_proj = nn.Parameter(torch.zeros(i, d))
+        self.down_proj_bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        h = ops.clamped_swiglu(x @ self.gate_up_proj + self.gate_up_proj_bias, self.alpha, self.limit)
+        return h @ self.down_proj + self.down_proj_bias, None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe else DenseMLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        out, stats = self.mlp(self.post_attention_layernorm(x))
+        return x + out, stats
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, start_position: int = 0):
+        x = self.embed_tokens(input_ids)
+        positions = torch.arange(start_position, start_position + input_ids.shape[1], device=input_ids.device)
+        cos, sin = rope_cos_sin(self.cfg, positions, x.dtype)
+        stats = []
+        for layer in self.layers:
+            x, layer_stats = layer(x, cos, sin)
+            stats.append(layer_stats)
+        return self.norm(x), stats
+
+
+class GptOssForCausalLM(nn.Module):
+    """The language model. `forward(ids)` returns logits; `forward(ids, labels)` returns the
+    training loss and its parts without ever forming [tokens, vocab] logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None):
+        """Initialization as transformers' GptOss: normal(0, initializer_range) for matrices,
+        embeddings, sinks and router; zeros for biases; ones for norms."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.cfg.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias") and "router" not in name:
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, input_ids, labels=None):
+        hidden, stats = self.model(input_ids)
+        if labels is None:
+            return self.lm_head(hidden)
+        return self.loss(hidden, labels, stats)
+
+    def loss(self, hidden, labels, stats):
+        cfg = self.cfg
+        flat_labels = labels.reshape(-1)
+        nll, lse = ops.OPS["cross_entropy"](hidden.reshape(-1, cfg.d_model), self.lm_head.weight.to(hidden.dtype),
+                                            flat_labels, IGNORE_INDEX)
+        n_valid = (flat_labels != IGNORE_INDEX).sum().clamp(min=1).float()
+        ce = nll.sum() / n_valid
+        loss = ce
+        out = {"ce": ce}
+        if cfg.lm_z_loss_coef:
+            z = lse.pow(2).sum() / n_valid
+            loss = loss + cfg.lm_z_loss_coef * z
+            out["lm_z"] = z
+        if cfg.is_moe:
+            balance = torch.stack([s["balance"] for s in stats]).mean()
+            router_z = torch.stack([s["z"] for s in stats]).mean()
+            out.update(router_balance=balance, router_z=router_z,
+                       expert_fraction=torch.stack([s["fraction"] for s in stats]))
+            if cfg.router_aux_loss_coef:
+                loss = loss + cfg.router_aux_loss_coef * balance
+            if cfg.router_z_loss_coef:
+                loss = loss + cfg.router_z_loss_coef * router_z
+        out["loss"] = loss
+        return out
