@@ -1,0 +1,194 @@
+"""Hybrid Muon + AdamW optimizer in PyTorch.
+
+The math is one pure function, `muon_adamw_update(params, grads, state, ...)`, of dicts of
+tensors: the eager `torch.optim.Optimizer` below calls it in place, and the JAX bridge lowers
+the very same function through torchax into the jitted train step.
+
+Muon (momentum orthogonalized by a Newton-Schulz quintic) updates the 2-D weight matrices of
+the blocks, each expert's matrix on its own; AdamW updates embeddings, LM head, norms, biases,
+sinks and the router. The Muon math follows `optax.contrib.muon` (EMA momentum with bias
+correction, Nesterov, Frobenius pre-normalization, sqrt(max(1, fan_out/fan_in)) scaling,
+decoupled weight decay), which a test cross-checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+MUON, ADAMW = "muon", "adamw"
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 0.02                    # Muon learning rate
+    adam_lr: float = 3e-3               # AdamW learning rate
+    weight_decay: float = 0.0           # Muon decoupled weight decay
+    adam_weight_decay: float = 0.0
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coeffs: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    ns_dtype: str = "float32"           # "bfloat16" is faster on TPU; parity runs need float32
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0          # global-norm clipping; 0 disables
+
+    def __post_init__(self):
+        if self.ns_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"OptimizerConfig.ns_dtype must be 'float32' or 'bfloat16', found {self.ns_dtype!r}")
+        for name in ("lr", "adam_lr", "eps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"OptimizerConfig.{name} must be > 0, found {getattr(self, name)}")
+
+    def replace(self, **changes) -> "OptimizerConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """How one parameter is optimized. For Muon: which axes are the matrix's input (fan-in) and
+    output (fan-out); any leading axes are a batch of matrices (experts)."""
+    kind: str
+    in_axis: int = -1
+    out_axis: int = -2
+
+
+# Parameter-name rules, checked in order; every parameter must match exactly one.
+_LINEAR = ParamPlan(MUON, in_axis=-1, out_axis=-2)      # nn.Linear weight [out, in]
+_X_AT_W = ParamPlan(MUON, in_axis=-2, out_axis=-1)      # x @ W weight [..., in, out]
+_RULES: list[tuple[str, ParamPlan]] = [
+    ("self_attn.q_proj.weight", _LINEAR), ("self_attn.k_proj.weight", _LINEAR),
+    ("self_attn.v_proj.weight", _LINEAR), ("self_attn.o_proj.weight", _LINEAR),
+    ("mlp.experts.gate_up_proj", _X_AT_W), ("mlp.experts.down_proj", _X_AT_W),
+    ("mlp.gate_up_proj", _X_AT_W), ("mlp.down_proj", _X_AT_W),
+    ("embed_tokens.weight", ParamPlan(ADAMW)), ("lm_head.weight", ParamPlan(ADAMW)),
+    ("norm.weight", ParamPlan(ADAMW)),
+    ("bias", ParamPlan(ADAMW)), ("sinks", ParamPlan(ADAMW)), ("router.weight", ParamPlan(ADAMW)),
+]
+
+
+def plan_parameters(named_params) -> dict[str, ParamPlan]:
+    """Assign each parameter to Muon or AdamW by name; raise if any is unmatched or ambiguous."""
+    plan = {}
+    for name, p in named_params:
+        hits = [rule for suffix, rule in _RULES if name.endswith(suffix)]
+        if len(hits) != 1:
+            raise ValueError(f"optimizer: parameter {name!r} {tuple(p.shape)} matches {len(hits)} "
+                             f"parameter-group rules (expected exactly 1)")
+        if hits[0].kind == MUON and p.dim() < 2:
+            raise ValueError(f"optimizer: Muon parameter {name!r} must be a matrix, found shape {tuple(p.shape)}")
+        plan[name] = hits[0]
+    return plan
+
+
+def init_state(params: dict[str, torch.Tensor], plan: dict[str, ParamPlan]) -> dict:
+    """Optimizer state as a pytree of tensors (what the jitted step carries)."""
+    muon = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items() if plan[n].kind == MUON}
+    adam = [n for n, p in params.items() if plan[n].kind == ADAMW]
+    return {
+        "step": torch.zeros((), dtype=torch.float32),
+        "momentum": muon,
+        "exp_avg": {n: torch.zeros_like(params[n], dtype=torch.float32) for n in adam},
+        "exp_avg_sq": {n: torch.zeros_like(params[n], dtype=torch.float32) for n in adam},
+    }
+
+
+def newton_schulz(g: torch.Tensor, steps: int, coeffs, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Approximate orthogonal polar factor of each matrix in the last two axes (quintic)."""
+    a, b, c = coeffs
+    x = g.to(dtype)
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:                      # iterate on the smaller Gram matrix
+        x = x.mT
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if transposed:
+        x = x.mT
+    return x.to(g.dtype)
+
+
+def global_grad_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.sqrt(sum(g.float().pow(2).sum() for g in grads.values()))
+
+
+def muon_adamw_update(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], state: dict,
+                      plan: dict[str, ParamPlan], cfg: OptimizerConfig, lr_scale=1.0):
+    """One optimizer step as a pure function: returns (new_params, new_state, stats).
+
+    `lr_scale` multiplies both learning rates (the schedule); it may be a tensor.
+    """
+    step = state["step"] + 1
+    grad_norm = global_grad_norm(grads)
+    clip = torch.ones((), dtype=torch.float32)
+    if cfg.max_grad_norm > 0:
+        clip = torch.clamp(cfg.max_grad_norm / (grad_norm + 1e-6), max=1.0)
+    ns_dtype = torch.bfloat16 if cfg.ns_dtype == "bfloat16" else torch.float32
+    beta = cfg.momentum
+    b1, b2 = cfg.adam_betas
+    new_params, momentum, exp_avg, exp_avg_sq = {}, {}, {}, {}
+    for name, p in params.items():
+        g = grads[name].float() * clip
+        rule = plan[name]
+        if rule.kind == MUON:
+            m = beta * state["momentum"][name] + (1 - beta) * g
+            if cfg.nesterov:
+                u = beta * m / (1 - beta ** (step + 1)) + (1 - beta) * g / (1 - beta ** step)
+            else:
+                u = m / (1 - beta ** step)
+            ortho = newton_schulz(u, cfg.ns_steps, cfg.ns_coeffs, cfg.eps, ns_dtype)
+            fan_in, fan_out = p.shape[rule.in_axis], p.shape[rule.out_axis]
+            update = ortho * math.sqrt(max(1.0, fan_out / fan_in)) + cfg.weight_decay * p.float()
+            new_params[name] = (p.float() - cfg.lr * lr_scale * update).to(p.dtype)
+            momentum[name] = m
+        else:
+            m = b1 * state["exp_avg"][name] + (1 - b1) * g
+            v = b2 * state["exp_avg_sq"][name] + (1 - b2) * g * g
+            m_hat = m / (1 - b1 ** step)
+            v_hat = v / (1 - b2 ** step)
+            update = m_hat / (torch.sqrt(v_hat) + cfg.eps) + cfg.adam_weight_decay * p.float()
+            new_params[name] = (p.float() - cfg.adam_lr * lr_scale * update).to(p.dtype)
+            exp_avg[name], exp_avg_sq[name] = m, v
+    new_state = {"step": step, "momentum": momentum, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    return new_params, new_state, {"grad_norm": grad_norm}
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Eager wrapper: parameter groups built explicitly (one Muon, one AdamW), each parameter in
+    exactly one; `step()` applies `muon_adamw_update` in place."""
+
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig = OptimizerConfig()):
+        named = list(model.named_parameters())
+        self.plan = plan_parameters(named)
+        self.cfg = cfg
+        self.names = {id(p): n for n, p in named}
+        groups = [{"params": [p for n, p in named if self.plan[n].kind == kind], "kind": kind}
+                  for kind in (MUON, ADAMW)]
+        groups = [g for g in groups if g["params"]]
+        super().__init__(groups, defaults={})
+        covered = [id(p) for g in self.param_groups for p in g["params"]]
+        assert sorted(covered) == sorted(id(p) for _, p in named) and len(set(covered)) == len(covered), \
+            "every parameter must land in exactly one group"
+        self.pure_state = init_state({n: p.detach() for n, p in named}, self.plan)
+        self.lr_scale = 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        params, grads = {}, {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                name = self.names[id(p)]
+                params[name] = p.detach()
+                grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
+        new_params, self.pure_state, self.last_stats = muon_adamw_update(
+            params, grads, self.pure_state, self.plan, self.cfg, self.lr_scale)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.copy_(new_params[self.names[id(p)]])
+        return loss
