@@ -28,3 +28,609 @@ def attention_reference(q, k, v, sinks, *, sliding_window: int, scale: float):
     probs = jax.nn.softmax(combined, axis=-1)[..., :-1]
     out = jnp.einsum("bhgqk,bhkd->bhgqd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return out.reshape(b, hq, tq, d).astype(q.dtype)
+
+
+# ==================================================================================================
+# Pallas flash attention (forward + backward), sinks, GQA, causal / sliding window.
+#
+# Layout inside the kernels is the op's own [B, H, T, D]; K/V heads are shared through index_maps
+# (q head h reads kv head h // group), so repeated K/V is never materialized. The sequence is padded
+# to a multiple of the blocks. Padding needs no extra mask: causality already hides padded keys
+# (index >= T) from every real query, padded queries are sliced off, and their zero cotangent gives
+# them zero weight in dK/dV.
+# ==================================================================================================
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(mask - m) == 0, never NaN
+_LANES = 128  # TPU lane width: row statistics are kept lane-replicated, as in Splash
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _resolve_backend(backend: str | None) -> str:
+    """Maps the user's backend to one of the four kernel flavours."""
+    backend = (backend or jax.default_backend()).lower()
+    kinds = {"tpu": "tpu", "cpu": "tpu_interpret", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu",
+             "gpu_interpret": "gpu_interpret"}
+    if backend not in kinds:
+        raise ValueError(f"attention_pallas: unknown backend {backend!r}; expected one of {sorted(kinds)}")
+    return kinds[backend]
+
+
+def default_block_sizes(seq_len: int, head_dim: int, backend: str | None = None) -> tuple[int, int]:
+    """(block_q, block_kv) for a sequence length.
+
+    TPU (and CPU, which interprets the TPU kernel): big tiles, because each grid step costs
+    ~0.35 us of fixed overhead and 128-wide tiles left Splash at half the MFU. 512 for long
+    sequences, shrinking to 256/128 only when that saves more than 1/8 of padding; sequences
+    under 128 use one block of the (8-rounded) sequence, which TPU lowering allows as a full dim.
+    GPU (Triton): power-of-two tiles, 64x64 (the FA2 backward's register budget at D=128);
+    short sequences use one power-of-two block of at least 16 (tl.dot's minimum).
+    """
+    kind = _resolve_backend(backend)
+    if kind.startswith("gpu"):
+        b = 64 if seq_len >= 64 else max(16, _next_pow2(seq_len))
+        return b, b
+    if seq_len <= 128:
+        b = _round_up(seq_len, 8)
+        return b, b
+    for b in (512, 256):
+        if seq_len >= 2 * b and _round_up(seq_len, b) - seq_len <= seq_len // 8:
+            return b, b
+    return 128, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    """Static configuration of one attention call (hashable: custom_vjp nondiff argument)."""
+    window: int      # 0 = full causal (also used when the window covers the whole sequence)
+    scale: float
+    block_q: int
+    block_kv: int
+    seq_len: int     # real T
+    padded_len: int  # Tp, a multiple of both blocks
+    kind: str        # tpu | tpu_interpret | gpu | gpu_interpret
+
+    @property
+    def nq(self) -> int:
+        return self.padded_len // self.block_q
+
+    @property
+    def nk(self) -> int:
+        return self.padded_len // self.block_kv
+
+
+# ---- block ranges: which kv blocks a q block needs, and which q blocks a kv block feeds ---------
+# Written with lax ops so the same code serves index_maps (traced scalars) and Python ints.
+
+def _kv_range(i, cfg: _Cfg):
+    """First and last kv block seen by q block i (keys q_first-W+1 .. q_last)."""
+    q_first = i * cfg.block_q
+    hi = lax.div(q_first + cfg.block_q - 1, cfg.block_kv)
+    if cfg.window == 0:
+        return 0 * hi, hi
+    lo = lax.div(jnp.maximum(q_first - cfg.window + 1, 0), cfg.block_kv)
+    return lo, hi
+
+
+def _q_range(j, cfg: _Cfg):
+    """First and last q block that sees kv block j (queries k_first .. k_last+W-1)."""
+    k_first = j * cfg.block_kv
+    lo = lax.div(k_first, cfg.block_q)
+    if cfg.window == 0:
+        return lo, 0 * lo + (cfg.nq - 1)
+    hi = lax.div(jnp.minimum(k_first + cfg.block_kv - 1 + cfg.window - 1, cfg.padded_len - 1), cfg.block_q)
+    return lo, hi
+
+
+def _kv_steps(cfg: _Cfg) -> int:
+    """Kv grid extent of the forward/dq kernels: the widest kv range over q blocks (static)."""
+    return max(int(h) - int(l) + 1 for l, h in (_py_kv_range(i, cfg) for i in range(cfg.nq)))
+
+
+def _q_steps(cfg: _Cfg) -> int:
+    """Q grid extent (per query head of a group) of the dkv kernel."""
+    return max(int(h) - int(l) + 1 for l, h in (_py_q_range(j, cfg) for j in range(cfg.nk)))
+
+
+def _py_kv_range(i: int, cfg: _Cfg):
+    hi = (i * cfg.block_q + cfg.block_q - 1) // cfg.block_kv
+    lo = 0 if cfg.window == 0 else max(i * cfg.block_q - cfg.window + 1, 0) // cfg.block_kv
+    return lo, hi
+
+
+def _py_q_range(j: int, cfg: _Cfg):
+    lo = (j * cfg.block_kv) // cfg.block_q
+    if cfg.window == 0:
+        return lo, cfg.nq - 1
+    return lo, min(j * cfg.block_kv + cfg.block_kv + cfg.window - 2, cfg.padded_len - 1) // cfg.block_q
+
+
+def attention_grid(seq_len: int, *, sliding_window: int, block_q: int, block_kv: int) -> dict:
+    """The forward kernel's grid plan (for tests and cost reasoning).
+
+    Returns q_blocks, kv_steps (kv grid extent per q block), grid_steps (q_blocks * kv_steps, per
+    batch and head) and computed_blocks (steps that do work; the rest are skipped and re-use the
+    previous block, so they cost no DMA).
+    """
+    tp = _round_up(seq_len, math.lcm(block_q, block_kv))
+    window = 0 if sliding_window >= seq_len else sliding_window
+    cfg = _Cfg(window, 1.0, block_q, block_kv, seq_len, tp, "tpu")
+    steps = _kv_steps(cfg)
+    computed = sum(h - l + 1 for l, h in (_py_kv_range(i, cfg) for i in range(cfg.nq)))
+    return dict(q_blocks=cfg.nq, kv_steps=steps, grid_steps=cfg.nq * steps, computed_blocks=computed)
+
+
+def _visible(q_first, k_first, shape, window: int, transposed: bool = False):
+    """Causal (+ window) mask of one (q block, kv block) tile; rows are keys when transposed."""
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1)
+    qpos, kpos = (q_first + cols, k_first + rows) if transposed else (q_first + rows, k_first + cols)
+    vis = kpos <= qpos
+    if window:
+        vis = jnp.logical_and(vis, kpos > qpos - window)
+    return vis
+
+
+def _fully_visible(q_first, k_first, cfg: _Cfg):
+    """True when no entry of the tile is masked, so the mask can be skipped."""
+    ok = k_first + cfg.block_kv - 1 <= q_first
+    if cfg.window:
+        ok = jnp.logical_and(ok, k_first >= q_first + cfg.block_q - cfg.window)
+    return ok
+
+
+def _dot(a, b, contract, precision):
+    """2-D matmul with float32 accumulation; contract = (lhs dim, rhs dim)."""
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                           precision=precision, preferred_element_type=jnp.float32)
+
+
+def _precision(dtype):
+    # f32 inputs: true f32 matmuls (TPU would otherwise use bf16 passes, Triton tf32).
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+# ---- TPU (Mosaic) kernels: grid over (batch, head, block, inner block), VMEM accumulators -------
+
+def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *,
+                    cfg: _Cfg, precision):
+    h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    lo, hi = _kv_range(i, cfg)
+    kb = lo + j
+
+    @pl.when(j == 0)
+    def _init():
+        # The sink is the running max's starting point with weight exp(0) = 1: l starts at 1.
+        m_scr[...] = jnp.full(m_scr.shape, sinks_ref[h], jnp.float32)
+        l_scr[...] = jnp.ones(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    def step(masked: bool):
+        s = _dot(q_ref[...], k_ref[...], (1, 1), precision) * cfg.scale
+        if masked:
+            s = jnp.where(_visible(i * cfg.block_q, kb * cfg.block_kv, s.shape, cfg.window), s, _MASK_VALUE)
+        m_prev = m_scr[...]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.exp(s - m_next[:, :1])
+        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+        v = v_ref[...]
+        acc_scr[...] = acc_scr[...] * alpha[:, :1] + _dot(p.astype(v.dtype), v, (1, 0), precision)
+        m_scr[...] = m_next
+
+    # Steps past the last needed kv block are skipped (their index_map re-used the block: no DMA).
+    live = kb <= hi
+    full = _fully_visible(i * cfg.block_q, kb * cfg.block_kv, cfg)
+    pl.when(jnp.logical_and(live, full))(lambda: step(False))
+    pl.when(jnp.logical_and(live, jnp.logical_not(full)))(lambda: step(True))
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        l = l_scr[...]
+        o_ref[...] = (acc_scr[...] / l[:, :1]).astype(o_ref.dtype)
+        lse_ref[...] = m_scr[...] + jnp.log(l)
+
+
+def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, *,
+                   cfg: _Cfg, precision):
+    i, j = pl.program_id(2), pl.program_id(3)
+    lo, hi = _kv_range(i, cfg)
+    kb = lo + j
+
+    @pl.when(j == 0)
+    def _init():
+        dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+    def step(masked: bool):
+        k, v = k_ref[...], v_ref[...]
+        s = _dot(q_ref[...], k, (1, 1), precision) * cfg.scale
+        if masked:
+            s = jnp.where(_visible(i * cfg.block_q, kb * cfg.block_kv, s.shape, cfg.window), s, _MASK_VALUE)
+        p = jnp.exp(s - jnp.expand_dims(lse_ref[0], -1))          # lse includes the sink
+        dp = _dot(do_ref[...], v, (1, 1), precision)
+        ds = p * (dp - jnp.expand_dims(delta_ref[0], -1))
+        dq_scr[...] += _dot(ds.astype(k.dtype), k, (1, 0), precision)
+
+    live = kb <= hi
+    full = _fully_visible(i * cfg.block_q, kb * cfg.block_kv, cfg)
+    pl.when(jnp.logical_and(live, full))(lambda: step(False))
+    pl.when(jnp.logical_and(live, jnp.logical_not(full)))(lambda: step(True))
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = (dq_scr[...] * cfg.scale).astype(dq_ref.dtype)
+
+
+def _tpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr, dv_scr, *,
+                    cfg: _Cfg, q_steps: int, precision):
+    # Inner axis t walks (query head of the group, q block): the group's sum happens in VMEM.
+    j, t = pl.program_id(2), pl.program_id(3)
+    lo, hi = _q_range(j, cfg)
+    qb = lo + lax.rem(t, q_steps)
+
+    @pl.when(t == 0)
+    def _init():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    def step(masked: bool):
+        # Transposed tile (keys x queries) so lse/delta arrive as lane rows and no transpose is needed.
+        q, do = q_ref[...], do_ref[...]
+        st = _dot(k_ref[...], q, (1, 1), precision) * cfg.scale
+        if masked:
+            st = jnp.where(_visible(qb * cfg.block_q, j * cfg.block_kv, st.shape, cfg.window, transposed=True),
+                           st, _MASK_VALUE)
+        pt = jnp.exp(st - lse_ref[...])
+        dv_scr[...] += _dot(pt.astype(do.dtype), do, (1, 0), precision)
+        dpt = _dot(v_ref[...], do, (1, 1), precision)
+        dst = pt * (dpt - delta_ref[...])
+        dk_scr[...] += _dot(dst.astype(q.dtype), q, (1, 0), precision)
+
+    live = qb <= hi
+    full = _fully_visible(qb * cfg.block_q, j * cfg.block_kv, cfg)
+    pl.when(jnp.logical_and(live, full))(lambda: step(False))
+    pl.when(jnp.logical_and(live, jnp.logical_not(full)))(lambda: step(True))
+
+    @pl.when(t == pl.num_programs(3) - 1)
+    def _finish():
+        dk_ref[...] = (dk_scr[...] * cfg.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def _tpu_call_kwargs(cfg: _Cfg):
+    interpret = pltpu.InterpretParams() if cfg.kind == "tpu_interpret" else False
+    return dict(interpret=interpret, compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")))
+
+
+def _tpu_forward(cfg: _Cfg, q, k, v, sinks):
+    b, hq, tp, d = q.shape
+    group = hq // k.shape[1]
+    bq, bkv, steps = cfg.block_q, cfg.block_kv, _kv_steps(cfg)
+
+    def kv_map(bi, h, i, j):
+        lo, hi = _kv_range(i, cfg)
+        return bi, h // group, jnp.minimum(lo + j, hi), 0   # clamp: skipped steps re-use the block
+
+    out, lse = pl.pallas_call(
+        functools.partial(_tpu_fwd_kernel, cfg=cfg, precision=_precision(q.dtype)),
+        grid=(b, hq, cfg.nq, steps),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                  pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
+                  pl.BlockSpec((None, None, bkv, d), kv_map),
+                  pl.BlockSpec((None, None, bkv, d), kv_map)],
+        out_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
+                   pl.BlockSpec((None, None, bq, _LANES), lambda bi, h, i, j: (bi, h, i, 0))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((b, hq, tp, _LANES), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
+                        pltpu.VMEM((bq, d), jnp.float32)],
+        name="attention_fwd", **_tpu_call_kwargs(cfg),
+    )(sinks.astype(jnp.float32), q, k, v)
+    return out, lse[..., 0]   # the lane-replicated buffer is transient; keep one column
+
+
+def _tpu_backward(cfg: _Cfg, q, k, v, do, lse, delta):
+    b, hq, tp, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    bq, bkv = cfg.block_q, cfg.block_kv
+    prec = _precision(q.dtype)
+    # Row statistics as [B, H, 1, T]: a (1, block) tile is a lane row (legal for block % 128 == 0).
+    lse4, delta4 = lse[:, :, None, :], delta[:, :, None, :]
+
+    kv_steps = _kv_steps(cfg)
+
+    def kv_map(bi, h, i, j):
+        lo, hi = _kv_range(i, cfg)
+        return bi, h // group, jnp.minimum(lo + j, hi), 0
+
+    q_map = lambda bi, h, i, j: (bi, h, i, 0)
+    row_map = lambda bi, h, i, j: (bi, h, 0, i)
+    dq = pl.pallas_call(
+        functools.partial(_tpu_dq_kernel, cfg=cfg, precision=prec),
+        grid=(b, hq, cfg.nq, kv_steps),
+        in_specs=[pl.BlockSpec((None, None, bq, d), q_map),
+                  pl.BlockSpec((None, None, bkv, d), kv_map),
+                  pl.BlockSpec((None, None, bkv, d), kv_map),
+                  pl.BlockSpec((None, None, bq, d), q_map),
+                  pl.BlockSpec((None, None, 1, bq), row_map),
+                  pl.BlockSpec((None, None, 1, bq), row_map)],
+        out_specs=pl.BlockSpec((None, None, bq, d), q_map),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
+        name="attention_dq", **_tpu_call_kwargs(cfg),
+    )(q, k, v, do, lse4, delta4)
+
+    q_steps = _q_steps(cfg)
+
+    def qb_of(j, t):
+        lo, hi = _q_range(j, cfg)
+        return jnp.minimum(lo + lax.rem(t, q_steps), hi)
+
+    def gq_map(bi, h, j, t):   # query head h * group + t // q_steps of kv head h
+        return bi, h * group + lax.div(t, q_steps), qb_of(j, t), 0
+
+    def grow_map(bi, h, j, t):
+        return bi, h * group + lax.div(t, q_steps), 0, qb_of(j, t)
+
+    k_map = lambda bi, h, j, t: (bi, h, j, 0)
+    dk, dv = pl.pallas_call(
+        functools.partial(_tpu_dkv_kernel, cfg=cfg, q_steps=q_steps, precision=prec),
+        grid=(b, hkv, cfg.nk, group * q_steps),
+        in_specs=[pl.BlockSpec((None, None, bq, d), gq_map),
+                  pl.BlockSpec((None, None, bkv, d), k_map),
+                  pl.BlockSpec((None, None, bkv, d), k_map),
+                  pl.BlockSpec((None, None, bq, d), gq_map),
+                  pl.BlockSpec((None, None, 1, bq), grow_map),
+                  pl.BlockSpec((None, None, 1, bq), grow_map)],
+        out_specs=[pl.BlockSpec((None, None, bkv, d), k_map), pl.BlockSpec((None, None, bkv, d), k_map)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
+        name="attention_dkv", **_tpu_call_kwargs(cfg),
+    )(q, k, v, do, lse4, delta4)
+    return dq, dk, dv
+
+
+# ---- GPU (Triton) kernels: one program per (batch, head, block), fori_loop over the other axis ---
+# Simpler than the TPU grid: K/V (or Q/dO) of the head stay in HBM as whole-sequence refs and
+# the loop bounds are the exact block range, so nothing outside the window/diagonal is visited.
+
+def _gpu_fwd_kernel(q_ref, k_ref, v_ref, sink_ref, o_ref, lse_ref, *, cfg: _Cfg, precision):
+    i = pl.program_id(2)
+    bq, bkv = cfg.block_q, cfg.block_kv
+    q = q_ref[...]
+    lo, hi = _kv_range(i, cfg)
+
+    def body(kb, carry):
+        acc, m, l = carry
+        sl = pl.ds(pl.multiple_of(kb * bkv, bkv), bkv)
+        s = _dot(q, k_ref[sl, :], (1, 1), precision) * cfg.scale
+        s = jnp.where(_visible(i * bq, kb * bkv, s.shape, cfg.window), s, _MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_next)
+        p = jnp.exp(s - m_next[:, None])
+        v = v_ref[sl, :]
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0), precision)
+        return acc, m_next, alpha * l + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros(q.shape, jnp.float32), sink_ref[...], jnp.ones((bq,), jnp.float32))
+    acc, m, l = lax.fori_loop(lo, hi + 1, body, init)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _gpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Cfg, precision):
+    i = pl.program_id(2)
+    bq, bkv = cfg.block_q, cfg.block_kv
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
+    lo, hi = _kv_range(i, cfg)
+
+    def body(kb, dq):
+        sl = pl.ds(pl.multiple_of(kb * bkv, bkv), bkv)
+        k, v = k_ref[sl, :], v_ref[sl, :]
+        s = _dot(q, k, (1, 1), precision) * cfg.scale
+        s = jnp.where(_visible(i * bq, kb * bkv, s.shape, cfg.window), s, _MASK_VALUE)
+        p = jnp.exp(s - lse)
+        ds = p * (_dot(do, v, (1, 1), precision) - delta)
+        return dq + _dot(ds.astype(k.dtype), k, (1, 0), precision)
+
+    dq = lax.fori_loop(lo, hi + 1, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _gpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Cfg,
+                    group: int, precision):
+    j = pl.program_id(2)
+    bq, bkv = cfg.block_q, cfg.block_kv
+    k, v = k_ref[...], v_ref[...]
+    lo, hi = _q_range(j, cfg)
+
+    def head_body(g, carry):
+        def body(qb, carry):
+            dk, dv = carry
+            sl = pl.ds(pl.multiple_of(qb * bq, bq), bq)
+            q, do = q_ref[g, sl, :], do_ref[g, sl, :]
+            st = _dot(k, q, (1, 1), precision) * cfg.scale   # keys x queries
+            st = jnp.where(_visible(qb * bq, j * bkv, st.shape, cfg.window, transposed=True), st, _MASK_VALUE)
+            pt = jnp.exp(st - lse_ref[g, sl][None, :])
+            dv = dv + _dot(pt.astype(do.dtype), do, (1, 0), precision)
+            dst = pt * (_dot(v, do, (1, 1), precision) - delta_ref[g, sl][None, :])
+            return dk + _dot(dst.astype(q.dtype), q, (1, 0), precision), dv
+        return lax.fori_loop(lo, hi + 1, body, carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, group, head_body, (zeros, zeros))
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _gpu_call_kwargs(cfg: _Cfg, d: int):
+    from jax.experimental.pallas import triton as pltriton   # selects Triton over Mosaic GPU
+    return dict(interpret=cfg.kind == "gpu_interpret",
+                compiler_params=pltriton.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2))
+
+
+def _gpu_forward(cfg: _Cfg, q, k, v, sinks):
+    b, hq, tp, d = q.shape
+    group = hq // k.shape[1]
+    bq = cfg.block_q
+    sink_rows = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (hq, bq))  # a (bq,) tile per head
+    return pl.pallas_call(
+        functools.partial(_gpu_fwd_kernel, cfg=cfg, precision=_precision(q.dtype)),
+        grid=(b, hq, cfg.nq),
+        in_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0)),
+                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, h // group, 0, 0)),
+                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, h // group, 0, 0)),
+                  pl.BlockSpec((None, bq), lambda bi, h, i: (h, 0))],
+        out_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0)),
+                   pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, tp), jnp.float32)],
+        name="attention_fwd_triton", **_gpu_call_kwargs(cfg, d),
+    )(q, k, v, sink_rows)
+
+
+def _gpu_backward(cfg: _Cfg, q, k, v, do, lse, delta):
+    b, hq, tp, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    bq, bkv = cfg.block_q, cfg.block_kv
+    prec = _precision(q.dtype)
+    blk = lambda bi, h, i: (bi, h, i, 0)
+    kv_full = lambda bi, h, i: (bi, h // group, 0, 0)
+    dq = pl.pallas_call(
+        functools.partial(_gpu_dq_kernel, cfg=cfg, precision=prec),
+        grid=(b, hq, cfg.nq),
+        in_specs=[pl.BlockSpec((None, None, bq, d), blk),
+                  pl.BlockSpec((None, None, tp, d), kv_full),
+                  pl.BlockSpec((None, None, tp, d), kv_full),
+                  pl.BlockSpec((None, None, bq, d), blk),
+                  pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i)),
+                  pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i))],
+        out_specs=pl.BlockSpec((None, None, bq, d), blk),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        name="attention_dq_triton", **_gpu_call_kwargs(cfg, d),
+    )(q, k, v, do, lse, delta)
+    # dK/dV: one program per kv block of a kv head; it loops over the group's query heads.
+    group_map = lambda bi, h, j: (bi, h, 0, 0)        # block of `group` heads = kv head h's queries
+    dk, dv = pl.pallas_call(
+        functools.partial(_gpu_dkv_kernel, cfg=cfg, group=group, precision=prec),
+        grid=(b, hkv, cfg.nk),
+        in_specs=[pl.BlockSpec((None, group, tp, d), group_map),
+                  pl.BlockSpec((None, None, bkv, d), blk),
+                  pl.BlockSpec((None, None, bkv, d), blk),
+                  pl.BlockSpec((None, group, tp, d), group_map),
+                  pl.BlockSpec((None, group, tp), lambda bi, h, j: (bi, h, 0)),
+                  pl.BlockSpec((None, group, tp), lambda bi, h, j: (bi, h, 0))],
+        out_specs=[pl.BlockSpec((None, None, bkv, d), blk), pl.BlockSpec((None, None, bkv, d), blk)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        name="attention_dkv_triton", **_gpu_call_kwargs(cfg, d),
+    )(q, k, v, do, lse, delta)
+    return dq, dk, dv
+
+
+# ---- custom_vjp glue ------------------------------------------------------------------------------
+
+def _pad_seq(x, tp):
+    t = x.shape[2]
+    return x if t == tp else jnp.pad(x, ((0, 0), (0, 0), (0, tp - t), (0, 0)))
+
+
+def _forward(cfg: _Cfg, q, k, v, sinks):
+    qp, kp, vp = (_pad_seq(x, cfg.padded_len) for x in (q, k, v))
+    fwd = _gpu_forward if cfg.kind.startswith("gpu") else _tpu_forward
+    out, lse = fwd(cfg, qp, kp, vp, sinks)
+    return out[:, :, :cfg.seq_len], lse[:, :, :cfg.seq_len]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg: _Cfg, q, k, v, sinks):
+    return _forward(cfg, q, k, v, sinks)[0]
+
+
+def _attention_fwd(cfg: _Cfg, q, k, v, sinks):
+    out, lse = _forward(cfg, q, k, v, sinks)
+    return out, (q, k, v, sinks, out, lse)
+
+
+def _attention_bwd(cfg: _Cfg, res, do):
+    q, k, v, sinks, out, lse = res
+    # delta = rowsum(dO * O): the softmax-Jacobian term, shared by dQ, dK and the sink.
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    # The sink is one more softmax column with value 0: d(sink) = -sum p_sink * delta.
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    dsinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
+    tp = cfg.padded_len
+    pad_rows = lambda x: x if x.shape[2] == tp else jnp.pad(x, ((0, 0), (0, 0), (0, tp - x.shape[2])))
+    qp, kp, vp, dop = (_pad_seq(x, tp) for x in (q, k, v, do.astype(q.dtype)))
+    bwd = _gpu_backward if cfg.kind.startswith("gpu") else _tpu_backward
+    dq, dk, dv = bwd(cfg, qp, kp, vp, dop, pad_rows(lse), pad_rows(delta))   # padded rows: dO = 0
+    t = cfg.seq_len
+    return dq[:, :, :t], dk[:, :, :t], dv[:, :, :t], dsinks
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _check_inputs(q, k, v, sinks, sliding_window):
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [B,Hq,T,D], k/v [B,Hkv,T,D]; got {q.shape}, {k.shape}, {v.shape}")
+    b, hq, tq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head_dim")
+    if k.shape[2] != tq:
+        raise ValueError(f"this kernel needs Tq == Tk (training/prefill); got Tq={tq}, Tk={k.shape[2]}. "
+                         "Use attention_reference for decoding (Tk > Tq).")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads {hq} must be a multiple of kv heads {k.shape[1]}")
+    if sinks.shape != (hq,):
+        raise ValueError(f"sinks must be [Hq]={hq,}; got {sinks.shape}")
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0; got {sliding_window}")
+
+
+def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float,
+                     block_q: int | None = None, block_kv: int | None = None, backend: str | None = None):
+    """Flash attention with sinks, GQA, causal / sliding window; differentiable (custom_vjp).
+
+    backend: None -> jax.default_backend(); 'tpu' -> Mosaic kernel; 'cpu' -> the same TPU kernel
+    interpreted; 'gpu'/'cuda' -> Triton kernel; 'gpu_interpret' -> the Triton kernel interpreted
+    (for testing it without a GPU). Blocks default to default_block_sizes(T, D, backend); they are
+    clamped to the (rounded) sequence, and the sequence is padded to a multiple of both.
+    Requires Tq == Tk. On TPU, blocks must be multiples of 128 unless they cover the sequence.
+    """
+    _check_inputs(q, k, v, sinks, sliding_window)
+    kind = _resolve_backend(backend)
+    t, d = q.shape[2], q.shape[3]
+    dq_, dkv_ = default_block_sizes(t, d, kind.replace("_interpret", ""))
+    block_q, block_kv = block_q or dq_, block_kv or dkv_
+    if kind.startswith("gpu"):
+        if block_q & (block_q - 1) or block_kv & (block_kv - 1) or min(block_q, block_kv) < 16:
+            raise ValueError(f"Triton blocks must be powers of two >= 16; got {block_q}, {block_kv}")
+        cap = max(16, _next_pow2(t))
+        if d & (d - 1):
+            raise ValueError(f"the Triton kernel needs a power-of-two head_dim; got {d}")
+    else:
+        if block_q % 8 or block_kv % 8:
+            raise ValueError(f"TPU blocks must be multiples of 8; got {block_q}, {block_kv}")
+        cap = _round_up(t, 8)
+    block_q, block_kv = min(block_q, cap), min(block_kv, cap)
+    tp = _round_up(t, math.lcm(block_q, block_kv))
+    window = 0 if sliding_window >= t else int(sliding_window)   # a window covering T is plain causal
+    cfg = _Cfg(window, float(scale), block_q, block_kv, t, tp, kind)
+    return _attention(cfg, q, k, v, sinks)

@@ -18,3 +18,464 @@ def linear_cross_entropy_reference(hidden, weight, labels, *, ignore_index: int 
     safe = jnp.where(valid, labels, 0)
     target = jnp.take_along_axis(logits, safe[:, None].astype(jnp.int32), axis=-1)[:, 0]
     return jnp.where(valid, lse - target, 0.0), jnp.where(valid, lse, 0.0)
+
+
+# =============================================================================================
+# Pallas kernels
+#
+# Math, per token row r with valid label y (ignored rows give 0 and get no gradient):
+#   lse_r = log sum_c exp(z_rc),  nll_r = lse_r - z_ry,  z = hidden @ weight.T
+#   dz_rc = (g_nll_r + g_lse_r) * softmax_rc - g_nll_r * [c == y]
+# z is only ever held one (token tile x vocab tile) at a time: the forward keeps an online
+# log-sum-exp per token, the backward recomputes each tile from the saved lse.
+# =============================================================================================
+import functools
+import math
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+try:  # Triton-flavoured primitives (GPU variant); absent from some jax builds.
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T: the MXU / tensor-core friendly "q @ k.T" form
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b (GPU only; Triton transposes in registers)
+_MiB = 1 << 20
+_TPU_VMEM_CAP = 64 * _MiB       # smallest per-core VMEM among current TPUs (v7x); v5e/v6e: 128
+_TPU_VMEM_TARGET = 48 * _MiB    # what default tiles aim to stay under, leaving Mosaic headroom
+
+
+def _normalize_backend(backend: str | None) -> str:
+    """None -> the default backend; 'cuda'/'rocm'/'gpu' -> 'gpu'. 'gpu-interpret' runs the GPU
+    (Triton) kernels in the generic Pallas interpreter: for testing them on a CPU machine."""
+    backend = jax.default_backend() if backend is None else backend
+    backend = backend.lower()
+    if backend in ("cuda", "rocm", "gpu"):
+        return "gpu"
+    if backend in ("tpu", "cpu", "gpu-interpret"):
+        return backend
+    raise ValueError(f"linear_cross_entropy_pallas: unknown backend {backend!r} "
+                     "(expected None, 'tpu', 'cpu', 'gpu', 'cuda' or 'gpu-interpret')")
+
+
+def _precision(dtype):
+    # f32 inputs: real f32 products (TPU would otherwise use one bf16 pass). bf16: native MXU.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _tpu_vmem_estimate(bn: int, bv: int, h: int, itemsize: int) -> int:
+    """Bytes of VMEM the largest of the three TPU kernels needs (double-buffered tiles, f32
+    accumulators, ~4 live f32 copies of the logits tile). The dh kernel is the largest."""
+    tiles = 2 * (bn + bv) * h * itemsize
+    logits = 4 * bn * bv * 4
+    dh = bn * h * 4 + 2 * bn * h * itemsize
+    dw = bv * h * 4 + 2 * bv * h * itemsize
+    return tiles + logits + max(dh, dw) + 64 * 1024
+
+
+def default_block_sizes(n: int, h: int, v: int, backend: str | None = None,
+                        dtype=jnp.bfloat16) -> tuple[int, int]:
+    """(block_n, block_v) for `backend`.
+
+    TPU / CPU-interpret: vocab tiles of 512 (a multiple of the 256-wide v6e MXU) and the largest
+    token tile in (1024, 512, 256, 128) whose kernels fit `_TPU_VMEM_TARGET`: every vocab tile
+    is streamed once per token tile, so big token tiles keep the weight traffic below the
+    matmul time (N=16384, H=2048, V=201088: 16 passes over the 0.8 GB weight in bf16).
+    GPU (Triton): 64 tokens x 128 vocab (powers of two; the hidden dim is looped in 64-chunks).
+    """
+    backend = _normalize_backend(backend)
+    if backend in ("gpu", "gpu-interpret"):
+        return 64, 128
+    itemsize = jnp.dtype(dtype).itemsize
+    block_v = 512
+    for block_n in (1024, 512, 256, 128):
+        if _tpu_vmem_estimate(block_n, block_v, h, itemsize) <= _TPU_VMEM_TARGET:
+            break
+    else:
+        block_v = 256  # very wide hidden dims: shrink both
+    return min(block_n, n), min(block_v, v)
+
+
+def _check_tpu_blocks(n: int, v: int, bn: int, bv: int) -> None:
+    # Token vectors travel as lane-dense [1, N] rows and tokens sit on lanes in two kernels, so
+    # token tiles are multiples of 128 (or all of N); vocab tiles sit on sublanes and lanes.
+    if not (bn == n or bn % 128 == 0):
+        raise ValueError(f"TPU: block_n={bn} must be a multiple of 128 or equal N={n}")
+    if not (bv == v or bv % 128 == 0):
+        raise ValueError(f"TPU: block_v={bv} must be a multiple of 128 or equal V={v}")
+
+
+# ---- TPU (Mosaic) kernels ---------------------------------------------------------------------
+# Tokens live on lanes ([1, N] row vectors, logits tile transposed to [block_v, block_n]) in the
+# forward and dW kernels, so per-token statistics need no relayout; the dh kernel uses the
+# natural [block_n, block_v] orientation and reads the row vectors as columns (as splash
+# attention's dq kernel does). Matmuls are only the NT and NN forms.
+
+def _tpu_fwd_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, m_sc, l_sc, t_sc, *,
+                    v, bv, ignore_index, cdt, precision):
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        t_sc[...] = jnp.zeros(t_sc.shape, jnp.float32)
+
+    zt = lax.dot_general(w_ref[...].astype(cdt), h_ref[...].astype(cdt), _NT,
+                         preferred_element_type=jnp.float32, precision=precision)  # [bv, bn]
+    vid = j * bv + lax.broadcasted_iota(jnp.int32, zt.shape, 0)
+    if v % bv:  # the last vocab tile runs past V: those columns must not count
+        zt = jnp.where(vid < v, zt, -jnp.inf)
+    lab = lab_ref[...]                                                       # [1, bn]
+    t_sc[...] += jnp.sum(jnp.where(vid == lab, zt, 0.0), axis=0, keepdims=True)
+    m_prev = m_sc[...]
+    m_new = jnp.maximum(m_prev, jnp.max(zt, axis=0, keepdims=True))
+    l_sc[...] = (l_sc[...] * jnp.exp(m_prev - m_new)
+                 + jnp.sum(jnp.exp(zt - m_new), axis=0, keepdims=True))
+    m_sc[...] = m_new
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _finish():
+        lse = m_sc[...] + jnp.log(l_sc[...])
+        valid = lab != ignore_index
+        nll_ref[...] = jnp.where(valid, lse - t_sc[...], 0.0)
+        lse_ref[...] = jnp.where(valid, lse, 0.0)
+
+
+def _tpu_dh_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dh_ref, acc_sc, *,
+                   v, bv, cdt, precision):
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _init():
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    w = w_ref[...].astype(cdt)
+    z = lax.dot_general(h_ref[...].astype(cdt), w, _NT,
+                        preferred_element_type=jnp.float32, precision=precision)  # [bn, bv]
+    vid = j * bv + lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    col = lambda ref: ref[0][:, None]                                        # [1, bn] -> [bn, 1]
+    # lse is +inf on ignored rows (see _bwd), so their softmax is exactly 0; ca, cb are 0 there.
+    d = col(ca_ref) * jnp.exp(z - col(lse_ref)) - jnp.where(vid == col(lab_ref), col(cb_ref), 0.0)
+    if v % bv:  # padded vocab: no gradient, and the weight tile's padding rows may be garbage
+        d = jnp.where(vid < v, d, 0.0)
+        wid = j * bv + lax.broadcasted_iota(jnp.int32, w.shape, 0)
+        w = jnp.where(wid < v, w, jnp.zeros_like(w))
+    acc_sc[...] += lax.dot_general(d.astype(cdt), w, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32, precision=precision)
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _finish():
+        dh_ref[...] = acc_sc[...].astype(dh_ref.dtype)
+
+
+def _tpu_dw_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dw_ref, acc_sc, *,
+                   n, bn, bv, cdt, precision):
+    jv, i = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(i == 0)
+    def _init():
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    h = h_ref[...].astype(cdt)
+    zt = lax.dot_general(w_ref[...].astype(cdt), h, _NT,
+                         preferred_element_type=jnp.float32, precision=precision)  # [bv, bn]
+    vid = jv * bv + lax.broadcasted_iota(jnp.int32, zt.shape, 0)
+    dt = ca_ref[...] * jnp.exp(zt - lse_ref[...]) - jnp.where(vid == lab_ref[...], cb_ref[...], 0.0)
+    if n % bn:  # the last token tile runs past N: its padding (maybe NaN) must not reach dW
+        tok = i * bn + lax.broadcasted_iota(jnp.int32, zt.shape, 1)
+        dt = jnp.where(tok < n, dt, 0.0)
+        hid = i * bn + lax.broadcasted_iota(jnp.int32, h.shape, 0)
+        h = jnp.where(hid < n, h, jnp.zeros_like(h))
+    acc_sc[...] += lax.dot_general(dt.astype(cdt), h, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32, precision=precision)
+
+    @pl.when(i == pl.num_programs(1) - 1)
+    def _finish():
+        dw_ref[...] = acc_sc[...].astype(dw_ref.dtype)
+
+
+def _tpu_interpret(backend: str):
+    # 'cpu': the very same Mosaic kernel, run by the TPU interpreter (scratch, semantics, DMAs).
+    return pltpu.InterpretParams() if backend == "cpu" else False
+
+
+def _tpu_compiler_params(semantics, bn, bv, h, itemsize):
+    est = _tpu_vmem_estimate(bn, bv, h, itemsize)
+    limit = min(max(int(est * 1.25), 32 * _MiB), _TPU_VMEM_CAP)
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
+
+
+def _tpu_forward(hidden, weight, lab_row, *, ignore_index, bn, bv, backend):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    cdt = jnp.promote_types(hidden.dtype, weight.dtype)
+    row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
+    kernel = functools.partial(_tpu_fwd_kernel, v=v, bv=bv, ignore_index=ignore_index,
+                               cdt=cdt, precision=_precision(cdt))
+    nll, lse = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
+        in_specs=[row,
+                  pl.BlockSpec((bn, h), lambda i, j: (i, 0)),
+                  pl.BlockSpec((bv, h), lambda i, j: (j, 0))],
+        out_specs=[row, row],
+        out_shape=[jax.ShapeDtypeStruct((1, n), jnp.float32)] * 2,
+        scratch_shapes=[pltpu.VMEM((1, bn), jnp.float32)] * 3,
+        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h,
+                                             jnp.dtype(cdt).itemsize),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * n * v * h, transcendentals=n * v,
+            bytes_accessed=hidden.nbytes + pl.cdiv(n, bn) * weight.nbytes + 12 * n),
+        interpret=_tpu_interpret(backend),
+    )(lab_row, hidden, weight)
+    return nll, lse
+
+
+def _tpu_backward(hidden, weight, lab_row, lse_row, ca_row, cb_row, *, bn, bv, backend):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    cdt = jnp.promote_types(hidden.dtype, weight.dtype)
+    itemsize = jnp.dtype(cdt).itemsize
+    prec = _precision(cdt)
+    vectors = (lab_row, lse_row, ca_row, cb_row)
+
+    # dh: token tiles in parallel, vocab tiles accumulated in VMEM.
+    row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
+    dh = pl.pallas_call(
+        functools.partial(_tpu_dh_kernel, v=v, bv=bv, cdt=cdt, precision=prec),
+        grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
+        in_specs=[row] * 4 + [pl.BlockSpec((bn, h), lambda i, j: (i, 0)),
+                              pl.BlockSpec((bv, h), lambda i, j: (j, 0))],
+        out_specs=pl.BlockSpec((bn, h), lambda i, j: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, h), hidden.dtype),
+        scratch_shapes=[pltpu.VMEM((bn, h), jnp.float32)],
+        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, itemsize),
+        cost_estimate=pl.CostEstimate(
+            flops=4 * n * v * h, transcendentals=n * v,
+            bytes_accessed=2 * hidden.nbytes + pl.cdiv(n, bn) * weight.nbytes + 16 * n),
+        interpret=_tpu_interpret(backend),
+    )(*vectors, hidden, weight)
+
+    # dW: vocab tiles in parallel, token tiles accumulated in VMEM.
+    row_t = pl.BlockSpec((1, bn), lambda jv, i: (0, i))
+    dw = pl.pallas_call(
+        functools.partial(_tpu_dw_kernel, n=n, bn=bn, bv=bv, cdt=cdt, precision=prec),
+        grid=(pl.cdiv(v, bv), pl.cdiv(n, bn)),
+        in_specs=[row_t] * 4 + [pl.BlockSpec((bn, h), lambda jv, i: (i, 0)),
+                                pl.BlockSpec((bv, h), lambda jv, i: (jv, 0))],
+        out_specs=pl.BlockSpec((bv, h), lambda jv, i: (jv, 0)),
+        out_shape=jax.ShapeDtypeStruct((v, h), weight.dtype),
+        scratch_shapes=[pltpu.VMEM((bv, h), jnp.float32)],
+        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, itemsize),
+        cost_estimate=pl.CostEstimate(
+            flops=4 * n * v * h, transcendentals=n * v,
+            bytes_accessed=2 * weight.nbytes + pl.cdiv(v, bv) * (hidden.nbytes + 16 * n)),
+        interpret=_tpu_interpret(backend),
+    )(*vectors, hidden, weight)
+    return dh, dw
+
+
+# ---- GPU (Triton) kernels ---------------------------------------------------------------------
+# Triton has no scratch memory and no sequential grid axes, and a [block_n, H] accumulator does
+# not fit in registers, so: the forward loops over vocab tiles inside one program per token
+# tile (hidden dim looped in chunks of block_h); the backward runs one program per
+# (token tile, vocab tile), recomputes that logits tile and atomically adds its contributions
+# to f32 dh / dW buffers (the Cut-Cross-Entropy scheme). All loads and stores are masked, so
+# no dimension has to be a multiple of its tile.
+
+def _gpu_logits(h_ref, w_ref, r0, c0, rmask, cmask, *, h, bn, bv, bk, cdt, precision):
+    """[bn, bv] f32 logits of rows r0.., vocab c0.., looping over the hidden dim."""
+    def body(kk, acc):
+        k0 = kk * bk
+        kmask = (k0 + jnp.arange(bk)) < h
+        x = pltriton.load(h_ref.at[pl.ds(r0, bn), pl.ds(k0, bk)],
+                          mask=rmask[:, None] & kmask[None, :], other=0)
+        y = pltriton.load(w_ref.at[pl.ds(c0, bv), pl.ds(k0, bk)],
+                          mask=cmask[:, None] & kmask[None, :], other=0)
+        return acc + lax.dot_general(x.astype(cdt), y.astype(cdt), _NT,
+                                     preferred_element_type=jnp.float32, precision=precision)
+    return lax.fori_loop(0, pl.cdiv(h, bk), body, jnp.zeros((bn, bv), jnp.float32))
+
+
+def _gpu_fwd_kernel(h_ref, w_ref, lab_ref, nll_ref, lse_ref, *,
+                    n, h, v, bn, bv, bk, ignore_index, cdt, precision):
+    r0 = pl.program_id(0) * bn
+    rmask = (r0 + jnp.arange(bn)) < n
+    lab = pltriton.load(lab_ref.at[pl.ds(r0, bn)], mask=rmask, other=ignore_index)
+
+    def body(j, carry):
+        m, l, t = carry
+        c0 = j * bv
+        vid = c0 + jnp.arange(bv)
+        cmask = vid < v
+        z = _gpu_logits(h_ref, w_ref, r0, c0, rmask, cmask,
+                        h=h, bn=bn, bv=bv, bk=bk, cdt=cdt, precision=precision)
+        z = jnp.where(cmask[None, :], z, -jnp.inf)
+        t = t + jnp.sum(jnp.where(vid[None, :] == lab[:, None], z, 0.0), axis=1)
+        m_new = jnp.maximum(m, jnp.max(z, axis=1))
+        l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
+        return m_new, l, t
+
+    init = (jnp.full((bn,), -jnp.inf, jnp.float32), jnp.zeros((bn,), jnp.float32),
+            jnp.zeros((bn,), jnp.float32))
+    m, l, t = lax.fori_loop(0, pl.cdiv(v, bv), body, init)
+    lse = m + jnp.log(l)
+    valid = lab != ignore_index
+    pltriton.store(nll_ref.at[pl.ds(r0, bn)], jnp.where(valid, lse - t, 0.0), mask=rmask)
+    pltriton.store(lse_ref.at[pl.ds(r0, bn)], jnp.where(valid, lse, 0.0), mask=rmask)
+
+
+def _gpu_bwd_kernel(h_ref, w_ref, lab_ref, lse_ref, ca_ref, cb_ref, dh_in, dw_in,
+                    dh_ref, dw_ref, *, n, h, v, bn, bv, bk, cdt, precision):
+    del dh_in, dw_in  # aliased to dh_ref / dw_ref (zero-initialised accumulators)
+    r0, c0 = pl.program_id(0) * bn, pl.program_id(1) * bv
+    rmask = (r0 + jnp.arange(bn)) < n
+    vid = c0 + jnp.arange(bv)
+    cmask = vid < v
+    rows = pl.ds(r0, bn)
+    lab = pltriton.load(lab_ref.at[rows], mask=rmask, other=-1)
+    lse = pltriton.load(lse_ref.at[rows], mask=rmask, other=jnp.inf)
+    ca = pltriton.load(ca_ref.at[rows], mask=rmask, other=0.0)
+    cb = pltriton.load(cb_ref.at[rows], mask=rmask, other=0.0)
+    z = _gpu_logits(h_ref, w_ref, r0, c0, rmask, cmask,
+                    h=h, bn=bn, bv=bv, bk=bk, cdt=cdt, precision=precision)
+    d = ca[:, None] * jnp.exp(z - lse[:, None]) - jnp.where(vid[None, :] == lab[:, None],
+                                                            cb[:, None], 0.0)
+    d = jnp.where(rmask[:, None] & cmask[None, :], d, 0.0).astype(cdt)
+
+    @pl.loop(0, pl.cdiv(h, bk))
+    def _(kk):
+        k0 = kk * bk
+        kmask = (k0 + jnp.arange(bk)) < h
+        hmask = rmask[:, None] & kmask[None, :]
+        wmask = cmask[:, None] & kmask[None, :]
+        x = pltriton.load(h_ref.at[rows, pl.ds(k0, bk)], mask=hmask, other=0).astype(cdt)
+        y = pltriton.load(w_ref.at[pl.ds(c0, bv), pl.ds(k0, bk)], mask=wmask, other=0).astype(cdt)
+        dh = lax.dot_general(d, y, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32, precision=precision)
+        dw = lax.dot_general(d, x, _TN, preferred_element_type=jnp.float32, precision=precision)
+        pltriton.atomic_add(dh_ref, (rows, pl.ds(k0, bk)), dh, mask=hmask)
+        pltriton.atomic_add(dw_ref, (pl.ds(c0, bv), pl.ds(k0, bk)), dw, mask=wmask)
+
+
+def _gpu_block_h(h: int) -> int:
+    return max(16, min(64, pl.next_power_of_2(h)))
+
+
+def _check_gpu_blocks(bn: int, bv: int) -> None:
+    for name, b in (("block_n", bn), ("block_v", bv)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"GPU: {name}={b} must be a power of two >= 16 (Triton tiles)")
+
+
+def _gpu_params(backend, num_warps):
+    if backend == "gpu-interpret":
+        return dict(interpret=True)
+    return dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2))
+
+
+def _gpu_forward(hidden, weight, labels, *, ignore_index, bn, bv, backend):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    cdt = jnp.promote_types(hidden.dtype, weight.dtype)
+    kernel = functools.partial(_gpu_fwd_kernel, n=n, h=h, v=v, bn=bn, bv=bv, bk=_gpu_block_h(h),
+                               ignore_index=ignore_index, cdt=cdt, precision=_precision(cdt))
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(n, bn),),
+        out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32)] * 2,
+        **_gpu_params(backend, num_warps=4),
+    )(hidden, weight, labels)
+
+
+def _gpu_backward(hidden, weight, labels, lse, ca, cb, *, bn, bv, backend):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    cdt = jnp.promote_types(hidden.dtype, weight.dtype)
+    kernel = functools.partial(_gpu_bwd_kernel, n=n, h=h, v=v, bn=bn, bv=bv, bk=_gpu_block_h(h),
+                               cdt=cdt, precision=_precision(cdt))
+    dh, dw = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
+        out_shape=[jax.ShapeDtypeStruct((n, h), jnp.float32),
+                   jax.ShapeDtypeStruct((v, h), jnp.float32)],
+        input_output_aliases={6: 0, 7: 1},
+        **_gpu_params(backend, num_warps=8),
+    )(hidden, weight, labels, lse, ca, cb,
+      jnp.zeros((n, h), jnp.float32), jnp.zeros((v, h), jnp.float32))
+    return dh.astype(hidden.dtype), dw.astype(weight.dtype)
+
+
+# =============================================================================================
+# custom_vjp glue
+# =============================================================================================
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _lce(hidden, weight, labels, ignore_index, bn, bv, backend):
+    return _lce_fwd(hidden, weight, labels, ignore_index, bn, bv, backend)[0]
+
+
+def _lce_fwd(hidden, weight, labels, ignore_index, bn, bv, backend):
+    n = hidden.shape[0]
+    if backend in ("gpu", "gpu-interpret"):
+        nll, lse = _gpu_forward(hidden, weight, labels, ignore_index=ignore_index,
+                                bn=bn, bv=bv, backend=backend)
+    else:
+        nll, lse = _tpu_forward(hidden, weight, labels.reshape(1, n), ignore_index=ignore_index,
+                                bn=bn, bv=bv, backend=backend)
+        nll, lse = nll.reshape(n), lse.reshape(n)
+    return (nll, lse), (hidden, weight, labels, lse)
+
+
+def _lce_bwd(ignore_index, bn, bv, backend, res, g):
+    hidden, weight, labels, lse = res
+    g_nll, g_lse = (x.astype(jnp.float32) for x in g)
+    valid = labels != ignore_index
+    # Per-token coefficients of dz = ca * softmax - cb * onehot. Ignored tokens: ca = cb = 0 and
+    # lse = +inf, so their softmax is exactly 0 (no inf * 0 from a zeroed lse).
+    ca = jnp.where(valid, g_nll + g_lse, 0.0)
+    cb = jnp.where(valid, g_nll, 0.0)
+    lse_b = jnp.where(valid, lse, jnp.inf)
+    if backend in ("gpu", "gpu-interpret"):
+        dh, dw = _gpu_backward(hidden, weight, labels, lse_b, ca, cb, bn=bn, bv=bv,
+                               backend=backend)
+    else:
+        n = hidden.shape[0]
+        dh, dw = _tpu_backward(hidden, weight, *(x.reshape(1, n) for x in (labels, lse_b, ca, cb)),
+                               bn=bn, bv=bv, backend=backend)
+    return dh, dw, None
+
+
+_lce.defvjp(_lce_fwd, _lce_bwd)
+
+
+def linear_cross_entropy_pallas(hidden, weight, labels, *, ignore_index: int = -100,
+                                block_n: int | None = None, block_v: int | None = None,
+                                backend: str | None = None):
+    """Pallas linear cross-entropy; same contract as `linear_cross_entropy_reference`.
+
+    hidden [N, H], weight [V, H] (bf16 or f32; f32 accumulation), labels [N] int.
+    Returns (nll [N] f32, lse [N] f32), 0 at tokens whose label is `ignore_index`.
+    Differentiable in hidden and weight (custom_vjp); [N, V] logits never exist in memory.
+    backend: None (jax.default_backend()), 'tpu' (Mosaic), 'cpu' (the TPU kernel in the TPU
+    interpreter), 'gpu' / 'cuda' (Triton), 'gpu-interpret' (Triton kernels, interpreted).
+    block_n / block_v: token / vocab tile sizes; defaults from `default_block_sizes`.
+    Labels must lie in [0, V) or equal ignore_index.
+    """
+    backend = _normalize_backend(backend)
+    n, h = hidden.shape
+    v, h_w = weight.shape
+    if h_w != h or labels.shape != (n,):
+        raise ValueError(f"shapes: hidden {hidden.shape}, weight {weight.shape}, labels {labels.shape}")
+    dn, dv = default_block_sizes(n, h, v, backend, jnp.promote_types(hidden.dtype, weight.dtype))
+    bn, bv = block_n or dn, block_v or dv
+    if backend in ("gpu", "gpu-interpret"):
+        _check_gpu_blocks(bn, bv)
+    else:
+        bn, bv = min(bn, n), min(bv, v)  # a tile as large as the array is always legal
+        if backend == "tpu":
+            _check_tpu_blocks(n, v, bn, bv)
+    return _lce(hidden, weight, labels.astype(jnp.int32), int(ignore_index), bn, bv, backend)

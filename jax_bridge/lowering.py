@@ -1,0 +1,70 @@
+"""Lower the PyTorch model and optimizer into pure JAX functions through torchax.
+
+Nothing here re-implements the model or the optimizer: both run as their torch code, traced by
+torchax into JAX. Kernel routing happens at trace time (`registry.routed`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from jax_bridge.env import get_env
+from torch_model.optim import OptimizerConfig, init_state, muon_adamw_update, plan_parameters
+
+
+def params_to_jax(model: torch.nn.Module) -> dict[str, jax.Array]:
+    """The model's parameters as a flat dict of JAX arrays keyed by parameter name."""
+    env = get_env()
+    return {name: env.t2j_copy(p.detach()) for name, p in model.named_parameters()}
+
+
+def params_to_torch(params: dict[str, jax.Array]) -> dict[str, torch.Tensor]:
+    """JAX arrays back to CPU torch tensors (for checkpoints and eager use)."""
+    import numpy as np
+
+    out = {}
+    for name, value in params.items():
+        arr = np.asarray(jax.device_get(value))
+        if arr.dtype == jnp.bfloat16:
+            out[name] = torch.from_numpy(arr.astype(np.float32)).to(torch.bfloat16)
+        else:
+            out[name] = torch.from_numpy(np.array(arr))
+    return out
+
+
+def model_function(model: torch.nn.Module):
+    """fn(params, *args) -> model(*args) with `params` substituted, as a JAX function."""
+    env = get_env()
+
+    def fn(params, *args):
+        torch_params, torch_args = env.j2t_iso((params, args))
+        with env:
+            out = torch.func.functional_call(model, torch_params, torch_args)
+        return env.t2j_iso(out)
+
+    return fn
+
+
+def optimizer_function(plan, cfg: OptimizerConfig):
+    """update(params, grads, state, lr_scale) -> (params, state, stats): the torch optimizer's
+    own update, traced through torchax."""
+    env = get_env()
+
+    def update(params, grads, state, lr_scale):
+        torch_args = env.j2t_iso((params, grads, state, lr_scale))
+        with env:
+            out = muon_adamw_update(*torch_args[:3], plan, cfg, torch_args[3])
+        return env.t2j_iso(out)
+
+    return update
+
+
+def optimizer_state_to_jax(model: torch.nn.Module, plan) -> dict:
+    env = get_env()
+    state = init_state({n: p.detach() for n, p in model.named_parameters()}, plan)
+    return jax.tree.map(env.t2j_copy, state, is_leaf=lambda x: isinstance(x, torch.Tensor))
+
+
+__all__ = ["params_to_jax", "params_to_torch", "model_function", "optimizer_function",
+           "optimizer_state_to_jax", "plan_parameters"]
