@@ -87,6 +87,8 @@ class ModelConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ConfigError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
+        if "layer_types" not in changes and {"n_layers", "sliding_window"} & set(changes):
+            changes["layer_types"] = None      # re-derive the alternating pattern
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:

@@ -31,8 +31,8 @@ class _Packer:
 
     def __init__(self, ds: Dataset, row_len: int, pull: Callable[[], int | None], buffer_docs: int):
         self.ds, self.row_len, self.pull, self.buffer_docs = ds, row_len, pull, buffer_docs
-        # Parallel lists sorted by piece length, ties in insertion order. A document may sit in
-        # the buffer twice (pulled again in the next epoch before its first copy was used).
+        # Parallel lists sorted by piece length, ties oldest first. A document may sit in the
+        # buffer twice (pulled again in the next epoch before its first copy was used).
         self.items: list[tuple[int, int]] = []
         self.lens: list[int] = []
         self.pieces: list[np.ndarray] = []
@@ -68,7 +68,7 @@ class _Packer:
                 self.add_document(doc)
 
     def _take(self, pos: int) -> np.ndarray:
-        self.lens.pop(pos), self.items.pop(pos)
+        del self.lens[pos], self.items[pos]
         return self.pieces.pop(pos)
 
     def fill_row(self, row: np.ndarray) -> bool:
@@ -79,8 +79,11 @@ class _Packer:
             if not self.items:
                 return False
             room = len(row) - filled
-            pos = bisect.bisect_right(self.lens, room) - 1  # the longest piece that fits
-            piece = self._take(pos) if pos >= 0 else self._take(0)[:room]  # else crop the shortest
+            pos = bisect.bisect_right(self.lens, room) - 1  # the longest piece that fits...
+            if pos >= 0:  # ...the oldest of that length (a long document's full pieces in order)
+                piece = self._take(bisect.bisect_left(self.lens, self.lens[pos]))
+            else:  # nothing fits: crop the shortest
+                piece = self._take(0)[:room]
             row[filled:filled + len(piece)] = piece
             filled += len(piece)
         return True
@@ -92,7 +95,7 @@ class TokenLoader:
     Documents are shuffled per epoch from (seed, epoch); process process_index of process_count
     reads only every process_count-th document of that order (its share, disjoint from the other
     processes'), so batch_size is per process. Epochs follow one another forever; the packing
-    buffer (buffer_docs pieces) carries over an epoch boundary. state_dict() records epoch,
+    buffer (up to buffer_docs pieces) carries over an epoch boundary. state_dict() records epoch,
     position and the buffer: loading it continues the identical stream of rows (also under a
     different batch_size, since rows are packed one by one)."""
 
@@ -109,15 +112,17 @@ class TokenLoader:
             raise UserError(f"process_index: expected 0 <= process_index < process_count={process_count}, "
                             f"found {process_index}")
         self.ds = open_dataset(data_dir, split, vocab_size=vocab_size)
-        if len(range(process_index, len(self.ds), process_count)) == 0:
+        share = len(range(process_index, len(self.ds), process_count))
+        if share == 0:
             raise UserError(f"{data_dir}: split {split!r} holds {len(self.ds)} documents, too few for "
                             f"process {process_index} of {process_count} to get any")
         self.split, self.batch_size, self.seq_len, self.seed = split, batch_size, seq_len, seed
         self.process_index, self.process_count = process_index, process_count
-        self.buffer_docs = buffer_docs
+        # No more pieces than the share has documents: a small split must not buffer many epochs.
+        self.buffer_docs = max(1, min(buffer_docs, share))
         self.epoch, self.position = 0, 0
         self._order: tuple[int, np.ndarray] | None = None
-        self._packer = _Packer(self.ds, seq_len + 1, self._pull, buffer_docs)
+        self._packer = _Packer(self.ds, seq_len + 1, self._pull, self.buffer_docs)
 
     def documents(self, epoch: int) -> np.ndarray:
         """The indices of the documents this process reads in epoch, in reading order."""
@@ -147,8 +152,8 @@ class TokenLoader:
             yield self.next_batch()
 
     def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[np.ndarray]:
-        """Validation batches: one pass over this process's share in stored order (no shuffle),
-        the same every call; up to max_batches full batches (a trailing partial batch is dropped).
+        """Validation batches: one pass reading this process's share in stored order (no shuffle),
+        packed as in training, the same every call; up to max_batches full batches (a trailing partial batch is dropped).
         Independent of the training stream's state."""
         docs = iter(range(self.process_index, len(self.ds), self.process_count))
         packer = _Packer(self.ds, self.seq_len + 1, lambda: next(docs, None), self.buffer_docs)
@@ -168,12 +173,14 @@ class TokenLoader:
         return {"version": STATE_VERSION, "split": self.split, "seed": self.seed,
                 "seq_len": self.seq_len, "process_index": self.process_index,
                 "process_count": self.process_count, "num_docs": len(self.ds),
+                "buffer_docs": self.buffer_docs,
                 "epoch": self.epoch, "position": self.position,
                 "buffer": [list(item) for item in self._packer.items]}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
-        for key in ("version", "split", "seed", "seq_len", "process_index", "process_count", "num_docs"):
+        for key in ("version", "split", "seed", "seq_len", "process_index", "process_count", "num_docs",
+                    "buffer_docs"):
             if state.get(key) != mine[key]:
                 raise UserError(f"loader state: field {key!r} expected {mine[key]!r} (this loader), "
                                 f"found {state.get(key)!r}")

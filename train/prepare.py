@@ -25,7 +25,9 @@ from train.errors import UserError
 
 PREPARE_VERSION = 1  # bump when corpus splitting or tokenization changes what a run produces
 DEFAULT_OUT = "data/shakespeare"
-_STALE = re.compile(r"^\.?(train|val)-\d{5}\.array_record(\.tmp-\d+)?$")
+# Shards of an earlier run, and temporary files an interrupted run left behind.
+_STALE = re.compile(r"^(train|val)-\d{5}\.array_record$"
+                    r"|^\.((train|val)-\d{5}\.array_record|tokenizer\.(tiktoken|json)|manifest\.json)\.tmp-\d+$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,10 +93,12 @@ def split_documents(docs: list, seed: int, fraction: float) -> tuple[list, list]
     # Tiny slices: keep at least one document on each side when both are asked for.
     if fraction > 0 and not val and len(train) > 1:
         pick = min(train, key=lambda d: _unit_hash(d.doc_id, seed))
-        train.remove(pick), val.append(pick)
+        train.remove(pick)
+        val.append(pick)
     if not train and len(val) > 1:
         pick = max(val, key=lambda d: _unit_hash(d.doc_id, seed))
-        val.remove(pick), train.append(pick)
+        val.remove(pick)
+        train.append(pick)
     return train, val
 
 
@@ -110,6 +114,8 @@ def _tokenize(enc, docs: list, desc: str, chunk: int = 256) -> list[np.ndarray]:
 
 def _check_not_foreign(out: Path, force: bool) -> None:
     """Never overwrite a manifest.json that some other tool wrote, unless told to."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: expected a directory, found a file")
     path = out / shards.MANIFEST
     if path.exists() and not force:
         try:
@@ -122,7 +128,7 @@ def _check_not_foreign(out: Path, force: bool) -> None:
 def _remove_stale(out: Path, manifest: dict) -> None:
     keep = {s["file"] for split in manifest["splits"].values() for s in split["shards"]}
     for p in out.iterdir():
-        if _STALE.match(p.name) and p.name not in keep:
+        if _STALE.match(p.name) and p.name not in keep and p.is_file():
             p.unlink()
 
 
@@ -160,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
     shards.write_manifest(out, manifest)
     _remove_stale(out, manifest)
 
-    parts = "; ".join(f"{k} {v['docs']:,} docs / {v['tokens']:,} tokens in {len(v['shards'])} shards"
+    parts = "; ".join(f"{k} {v['docs']:,} docs / {v['tokens']:,} tokens in {len(v['shards'])} shard(s)"
                       for k, v in splits.items())
-    note = "" if enc.n_vocab == args.vocab_size else f" (asked {args.vocab_size}: corpus too small for more merges)"
+    note = "" if enc.n_vocab == args.vocab_size else f" (asked {args.vocab_size}: too little text for more)"
     print(f"prepared {out}: {parts}; vocab {enc.n_vocab}{note}, bos {tokenizer.bos_id(enc)}, "
           f"{dtype}; {time.perf_counter() - start:.1f} s")
     return 0
