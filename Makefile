@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test install clean-runs
+
+install: $(STAMP)
+
+# torch first, alone: 2.13.0 is a CPU wheel on disk; letting pip resolve torch freely pulls a
+# multi-GB CUDA build. Then the pinned set, then this package (editable, for the CLI).
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/torchlyra prepare
+	$(VENV)/bin/torchlyra train --out runs/tiny
+	$(VENV)/bin/torchlyra generate --checkpoint runs/tiny/checkpoint --prompt "ROMEO:" --max-tokens 100
+	@echo
+	@echo "metrics:    runs/tiny/metrics.jsonl"
+	@echo "plot:       runs/tiny/loss.png"
+	@echo "checkpoint: runs/tiny/checkpoint"
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+clean-runs:
+	rm -rf runs

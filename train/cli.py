@@ -1,0 +1,57 @@
+"""The `torchlyra` command: a thin layer of subcommands over the library.
+
+Bad input is reported as one line naming the problem, with exit code 2 and no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with add_arguments/run, help)
+COMMANDS = {
+    "prepare": ("train.prepare", "build the default data set (tokenizer + ArrayRecord shards)"),
+    "train": ("train.loop", "train a model on prepared data"),
+    "generate": ("train.generate", "sample from a checkpoint"),
+    "export": ("parity.hf_export", "write a checkpoint as a Hugging Face GptOss directory"),
+    "import": ("parity.hf_import", "read a Hugging Face GptOss directory into a checkpoint"),
+    "parity": ("parity.run", "compare eager PyTorch with the lowered JAX run, per kernel set"),
+    "bench": ("train.bench", "kernel memory and speed benchmarks"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchlyra", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            p.set_defaults(_missing=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jax_bridge.registry import KernelError
+    from torch_model.config import ConfigError
+    from train.errors import UserError
+
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", False):
+        print(f"torchlyra: error: the {args.command} command is not available in this build", file=sys.stderr)
+        return 2
+    try:
+        return importlib.import_module(args._module).run(args)
+    except (UserError, ConfigError, KernelError) as e:
+        print(f"torchlyra {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Training-run configuration: one typed dataclass; the CLI and `--config FILE` fill it."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from train.errors import UserError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "tiny"
+    data: str = "data/shakespeare"
+    out: str = "runs/tiny"
+    steps: int = 500
+    batch_size: int = 8
+    seq_len: int = 256
+    micro_batches: int = 1
+    lr: float = 0.02               # Muon
+    adam_lr: float = 3e-3          # AdamW
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1      # cosine decay floor, as a fraction of the peak
+    weight_decay: float = 0.0
+    kernels: str = "auto"
+    compute_dtype: str = "float32"
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    samples: int = 2
+    sample_tokens: int = 120
+    temperature: float = 0.8
+    top_k: int = 40
+    model: dict = field(default_factory=dict)      # ModelConfig overrides
+
+    def __post_init__(self):
+        positive = ("steps", "batch_size", "micro_batches", "eval_every", "log_every")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UserError(f"config: {name} must be a positive integer, found {value!r}")
+        if not isinstance(self.seq_len, int) or self.seq_len < 2:
+            raise UserError(f"config: seq_len must be an integer >= 2, found {self.seq_len!r}")
+        for name in ("lr", "adam_lr"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise UserError(f"config: {name} must be a number > 0, found {value!r}")
+        if self.batch_size % 1:
+            raise UserError("config: batch_size must be an integer")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UserError(f"config: min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise UserError(f"config: compute_dtype must be float32 or bfloat16, found {self.compute_dtype!r}")
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_config_file(path: str) -> dict:
+    """A JSON object with TrainConfig fields (and optional "model": {ModelConfig overrides})."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {path} does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"config file {path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path}: expected a JSON object, found {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"config file {path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return data
