@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 from jax_bridge.torchax_compat import import_torchax
 
 
 @functools.lru_cache(maxsize=None)
 def get_env():
+    # torch's int64 indices become int32 under JAX's default 32-bit mode, by design.
+    warnings.filterwarnings("ignore", message="Explicitly requested dtype int64", category=UserWarning)
     torchax = import_torchax()
     import torch_model.ops  # noqa: F401  (registers torch.ops.torchlyra.* before routing)
     return torchax.default_env()
