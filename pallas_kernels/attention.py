@@ -41,7 +41,6 @@ def attention_reference(q, k, v, sinks, *, sliding_window: int, scale: float):
 # ==================================================================================================
 import dataclasses
 import functools
-import math
 
 import numpy as np
 from jax import lax
@@ -114,49 +113,47 @@ class _Cfg:
 
 
 # ---- block ranges: which kv blocks a q block needs, and which q blocks a kv block feeds ---------
-# Written with lax ops so the same code serves index_maps (traced scalars) and Python ints.
+# One implementation for Python ints (grid sizing) and traced int32 scalars (index_maps, kernels);
+# lax.div, not //, because floor division lowers to `sign`, which Mosaic index_maps cannot lower.
+
+def _div(a, b):
+    return a // b if isinstance(a, int) else lax.div(a, b)
+
+
+def _max(a, b):
+    return max(a, b) if isinstance(a, int) else jnp.maximum(a, b)
+
+
+def _min(a, b):
+    return min(a, b) if isinstance(a, int) else jnp.minimum(a, b)
+
 
 def _kv_range(i, cfg: _Cfg):
     """First and last kv block seen by q block i (keys q_first-W+1 .. q_last)."""
     q_first = i * cfg.block_q
-    hi = lax.div(q_first + cfg.block_q - 1, cfg.block_kv)
+    hi = _div(q_first + cfg.block_q - 1, cfg.block_kv)
     if cfg.window == 0:
         return 0 * hi, hi
-    lo = lax.div(jnp.maximum(q_first - cfg.window + 1, 0), cfg.block_kv)
-    return lo, hi
+    return _div(_max(q_first - cfg.window + 1, 0), cfg.block_kv), hi
 
 
 def _q_range(j, cfg: _Cfg):
     """First and last q block that sees kv block j (queries k_first .. k_last+W-1)."""
     k_first = j * cfg.block_kv
-    lo = lax.div(k_first, cfg.block_q)
+    lo = _div(k_first, cfg.block_q)
     if cfg.window == 0:
         return lo, 0 * lo + (cfg.nq - 1)
-    hi = lax.div(jnp.minimum(k_first + cfg.block_kv - 1 + cfg.window - 1, cfg.padded_len - 1), cfg.block_q)
-    return lo, hi
+    return lo, _div(_min(k_first + cfg.block_kv + cfg.window - 2, cfg.padded_len - 1), cfg.block_q)
 
 
 def _kv_steps(cfg: _Cfg) -> int:
     """Kv grid extent of the forward/dq kernels: the widest kv range over q blocks (static)."""
-    return max(int(h) - int(l) + 1 for l, h in (_py_kv_range(i, cfg) for i in range(cfg.nq)))
+    return max(hi - lo + 1 for lo, hi in (_kv_range(i, cfg) for i in range(cfg.nq)))
 
 
 def _q_steps(cfg: _Cfg) -> int:
     """Q grid extent (per query head of a group) of the dkv kernel."""
-    return max(int(h) - int(l) + 1 for l, h in (_py_q_range(j, cfg) for j in range(cfg.nk)))
-
-
-def _py_kv_range(i: int, cfg: _Cfg):
-    hi = (i * cfg.block_q + cfg.block_q - 1) // cfg.block_kv
-    lo = 0 if cfg.window == 0 else max(i * cfg.block_q - cfg.window + 1, 0) // cfg.block_kv
-    return lo, hi
-
-
-def _py_q_range(j: int, cfg: _Cfg):
-    lo = (j * cfg.block_kv) // cfg.block_q
-    if cfg.window == 0:
-        return lo, cfg.nq - 1
-    return lo, min(j * cfg.block_kv + cfg.block_kv + cfg.window - 2, cfg.padded_len - 1) // cfg.block_q
+    return max(hi - lo + 1 for lo, hi in (_q_range(j, cfg) for j in range(cfg.nk)))
 
 
 def attention_grid(seq_len: int, *, sliding_window: int, block_q: int, block_kv: int) -> dict:
@@ -166,11 +163,11 @@ def attention_grid(seq_len: int, *, sliding_window: int, block_q: int, block_kv:
     batch and head) and computed_blocks (steps that do work; the rest are skipped and re-use the
     previous block, so they cost no DMA).
     """
-    tp = _round_up(seq_len, math.lcm(block_q, block_kv))
+    block_q, block_kv, tp = _plan_blocks(seq_len, block_q, block_kv, "tpu")
     window = 0 if sliding_window >= seq_len else sliding_window
     cfg = _Cfg(window, 1.0, block_q, block_kv, seq_len, tp, "tpu")
     steps = _kv_steps(cfg)
-    computed = sum(h - l + 1 for l, h in (_py_kv_range(i, cfg) for i in range(cfg.nq)))
+    computed = sum(hi - lo + 1 for lo, hi in (_kv_range(i, cfg) for i in range(cfg.nq)))
     return dict(q_blocks=cfg.nq, kv_steps=steps, grid_steps=cfg.nq * steps, computed_blocks=computed)
 
 
@@ -312,7 +309,9 @@ def _tpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_
 
 
 def _tpu_call_kwargs(cfg: _Cfg):
-    interpret = pltpu.InterpretParams() if cfg.kind == "tpu_interpret" else False
+    # Generic interpret mode runs this kernel (SMEM, VMEM scratch) ~500x faster than
+    # pltpu.InterpretParams() once compiled, with identical results.
+    interpret = cfg.kind == "tpu_interpret"
     return dict(interpret=interpret, compiler_params=pltpu.CompilerParams(
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")))
 
@@ -324,7 +323,7 @@ def _tpu_forward(cfg: _Cfg, q, k, v, sinks):
 
     def kv_map(bi, h, i, j):
         lo, hi = _kv_range(i, cfg)
-        return bi, h // group, jnp.minimum(lo + j, hi), 0   # clamp: skipped steps re-use the block
+        return bi, lax.div(h, group), jnp.minimum(lo + j, hi), 0   # clamp: skipped steps re-use the block
 
     out, lse = pl.pallas_call(
         functools.partial(_tpu_fwd_kernel, cfg=cfg, precision=_precision(q.dtype)),
@@ -357,7 +356,7 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse, delta):
 
     def kv_map(bi, h, i, j):
         lo, hi = _kv_range(i, cfg)
-        return bi, h // group, jnp.minimum(lo + j, hi), 0
+        return bi, lax.div(h, group), jnp.minimum(lo + j, hi), 0
 
     q_map = lambda bi, h, i, j: (bi, h, i, 0)
     row_map = lambda bi, h, i, j: (bi, h, 0, i)
@@ -495,8 +494,8 @@ def _gpu_forward(cfg: _Cfg, q, k, v, sinks):
         functools.partial(_gpu_fwd_kernel, cfg=cfg, precision=_precision(q.dtype)),
         grid=(b, hq, cfg.nq),
         in_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0)),
-                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, h // group, 0, 0)),
-                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, h // group, 0, 0)),
+                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, lax.div(h, group), 0, 0)),
+                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, lax.div(h, group), 0, 0)),
                   pl.BlockSpec((None, bq), lambda bi, h, i: (h, 0))],
         out_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0)),
                    pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i))],
@@ -512,7 +511,7 @@ def _gpu_backward(cfg: _Cfg, q, k, v, do, lse, delta):
     bq, bkv = cfg.block_q, cfg.block_kv
     prec = _precision(q.dtype)
     blk = lambda bi, h, i: (bi, h, i, 0)
-    kv_full = lambda bi, h, i: (bi, h // group, 0, 0)
+    kv_full = lambda bi, h, i: (bi, lax.div(h, group), 0, 0)
     dq = pl.pallas_call(
         functools.partial(_gpu_dq_kernel, cfg=cfg, precision=prec),
         grid=(b, hq, cfg.nq),
@@ -604,33 +603,89 @@ def _check_inputs(q, k, v, sinks, sliding_window):
         raise ValueError(f"sliding_window must be >= 0; got {sliding_window}")
 
 
+def _plan_blocks(t: int, block_q: int, block_kv: int, kind: str):
+    """Validated (block_q, block_kv, padded_len): blocks shrink to the sequence, one divides the other."""
+    gpu = kind.startswith("gpu")
+    if gpu and (block_q & (block_q - 1) or block_kv & (block_kv - 1) or min(block_q, block_kv) < 16):
+        raise ValueError(f"Triton blocks must be powers of two >= 16; got {block_q}, {block_kv}")
+    if not gpu and (block_q % 8 or block_kv % 8):
+        raise ValueError(f"TPU blocks must be multiples of 8; got {block_q}, {block_kv}")
+    small, large = sorted((block_q, block_kv))
+    small = min(small, max(16, _next_pow2(t)) if gpu else _round_up(t, 8))
+    cover = _round_up(t, small)           # the larger block never exceeds the padded sequence
+    large = min(large, _next_pow2(cover) if gpu else cover)
+    if large % small:
+        raise ValueError(f"block_q and block_kv must divide one another; got {block_q}, {block_kv}")
+    block_q, block_kv = (small, large) if block_q <= block_kv else (large, small)
+    return block_q, block_kv, _round_up(t, large)
+
+
 def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float,
                      block_q: int | None = None, block_kv: int | None = None, backend: str | None = None):
     """Flash attention with sinks, GQA, causal / sliding window; differentiable (custom_vjp).
 
     backend: None -> jax.default_backend(); 'tpu' -> Mosaic kernel; 'cpu' -> the same TPU kernel
     interpreted; 'gpu'/'cuda' -> Triton kernel; 'gpu_interpret' -> the Triton kernel interpreted
-    (for testing it without a GPU). Blocks default to default_block_sizes(T, D, backend); they are
-    clamped to the (rounded) sequence, and the sequence is padded to a multiple of both.
-    Requires Tq == Tk. On TPU, blocks must be multiples of 128 unless they cover the sequence.
+    (for testing it without a GPU). Blocks default to default_block_sizes(T, D, backend); one must
+    divide the other; they shrink to fit the sequence, which is padded to a multiple of both.
+    scale and sliding_window are static (Python numbers). Requires Tq == Tk (no decoding).
+    TPU lowering needs blocks that are multiples of 128 or cover the whole (padded) sequence;
+    Triton needs power-of-two blocks >= 16 and a power-of-two head_dim.
     """
     _check_inputs(q, k, v, sinks, sliding_window)
     kind = _resolve_backend(backend)
     t, d = q.shape[2], q.shape[3]
-    dq_, dkv_ = default_block_sizes(t, d, kind.replace("_interpret", ""))
-    block_q, block_kv = block_q or dq_, block_kv or dkv_
-    if kind.startswith("gpu"):
-        if block_q & (block_q - 1) or block_kv & (block_kv - 1) or min(block_q, block_kv) < 16:
-            raise ValueError(f"Triton blocks must be powers of two >= 16; got {block_q}, {block_kv}")
-        cap = max(16, _next_pow2(t))
-        if d & (d - 1):
-            raise ValueError(f"the Triton kernel needs a power-of-two head_dim; got {d}")
-    else:
-        if block_q % 8 or block_kv % 8:
-            raise ValueError(f"TPU blocks must be multiples of 8; got {block_q}, {block_kv}")
-        cap = _round_up(t, 8)
-    block_q, block_kv = min(block_q, cap), min(block_kv, cap)
-    tp = _round_up(t, math.lcm(block_q, block_kv))
+    if kind.startswith("gpu") and d & (d - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two head_dim; got {d}")
+    default_q, default_kv = default_block_sizes(t, d, kind.replace("_interpret", ""))
+    block_q, block_kv, tp = _plan_blocks(t, block_q or default_q, block_kv or default_kv, kind)
     window = 0 if sliding_window >= t else int(sliding_window)   # a window covering T is plain causal
     cfg = _Cfg(window, float(scale), block_q, block_kv, t, tp, kind)
     return _attention(cfg, q, k, v, sinks)
+
+
+# ---- Splash (jax-shipped TPU kernel) wrapper: a baseline and fall-back --------------------------
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(num_q_heads: int, padded_len: int, window: int, block: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    shape = (padded_len, padded_len)
+    # LocalMask's window_size=(left, right): keys q-left .. q+right, so left = W - 1.
+    mask = sm.LocalMask(shape, window_size=(window - 1, 0), offset=0) if window else sm.CausalMask(shape)
+    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                          block_q_dq=block, block_kv_dq=block)
+    return sk.make_splash_mha_single_device(sm.MultiHeadMask([mask] * num_q_heads), block_sizes=sizes,
+                                            interpret=interpret)
+
+
+def attention_splash(q, k, v, sinks, *, sliding_window: int, scale: float, backend: str | None = None,
+                     block: int | None = None):
+    """The same op through jax's shipped Splash attention (TPU only; interpreted on CPU).
+
+    Splash's MHA kernel takes GQA natively (q head h reads kv head h // (Hq // Hkv)) and has no
+    batch axis, so the batch is vmapped. Splash does not scale q: q is pre-scaled here (in q's
+    dtype, so bf16 inputs see one extra rounding). Gradients: splash's custom_vjp returns dq, dk,
+    dv AND d(sinks) (computed in plain jnp from o, dO and lse), so all four inputs are
+    differentiable. Its dots use default precision: on TPU float32 inputs are multiplied in bf16
+    passes (on CPU interpret they are real float32). The sequence is padded to a multiple of the
+    block (at least 128, splash's lane constraint); causality hides the padding from real queries.
+    """
+    _check_inputs(q, k, v, sinks, sliding_window)
+    kind = _resolve_backend(backend)
+    if kind.startswith("gpu"):
+        raise ValueError("attention_splash: Splash attention is a TPU (Mosaic) kernel; there is no GPU "
+                         "lowering. Use attention_pallas(..., backend='gpu') on GPUs.")
+    t = q.shape[2]
+    if block is None:
+        block = max(128, default_block_sizes(t, q.shape[3], "tpu")[0])
+    if block % 128:
+        raise ValueError(f"splash blocks must be multiples of 128; got {block}")
+    tp = _round_up(t, block)
+    window = 0 if sliding_window >= t else int(sliding_window)
+    kernel = _splash_kernel(q.shape[1], tp, window, block, kind == "tpu_interpret")
+    qs = _pad_seq((q.astype(jnp.float32) * scale).astype(q.dtype), tp)
+    kp, vp = _pad_seq(k, tp), _pad_seq(v, tp)
+    out = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1, sinks=sinks))(qs, kp, vp)
+    return out[:, :, :t].astype(q.dtype)

@@ -1,0 +1,221 @@
+"""Pallas flash attention (and the Splash wrapper) against the plain-JAX and eager-torch references.
+
+Kernels run in interpret mode on CPU; TPU (Mosaic) and CUDA (Triton) lowering is checked by
+jax.export, which traces and lowers without running. Shapes are small: every (shape, config) pair
+costs one ~3 s interpret-mode compile, so each case compiles forward and backward together once.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels.attention import (attention_grid, attention_pallas, attention_reference,
+                                      attention_splash, default_block_sizes)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make_inputs(seed, b, hq, hkv, t, d, dtype):
+    kq, kk, kv, ks, kd = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(kq, (b, hq, t, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, hkv, t, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, hkv, t, d), jnp.float32).astype(dtype)
+    sinks = jax.random.normal(ks, (hq,), jnp.float32)
+    dout = jax.random.normal(kd, (b, hq, t, d), jnp.float32).astype(dtype)
+    return q, k, v, sinks, dout
+
+
+@functools.lru_cache(maxsize=None)
+def out_and_grads(fn):
+    """jit(inputs, dO) -> (out, (dq, dk, dv, dsinks)): one compile for forward and backward."""
+    def run(q, k, v, sinks, dout):
+        out, vjp = jax.vjp(fn, q, k, v, sinks)
+        return out, vjp(dout)
+    # The interpreted kernels are tiny programs with big graphs: XLA's backend optimizations
+    # cost more compile time (~40%) than they save at run time.
+    return jax.jit(run, compiler_options={"xla_backend_optimization_level": 0})
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_fn(window, scale, block_q, block_kv, backend):
+    return functools.partial(attention_pallas, sliding_window=window, scale=scale,
+                             block_q=block_q, block_kv=block_kv, backend=backend)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_fn(window, scale):
+    return functools.partial(attention_reference, sliding_window=window, scale=scale)
+
+
+def check_against_reference(case, dtype, backend, fwd_tol, bwd_tol, seed):
+    b, hq, hkv, t, d, window, bq, bkv = case
+    scale = d ** -0.5
+    args = make_inputs(seed, b, hq, hkv, t, d, dtype)
+    out, grads = out_and_grads(pallas_fn(window, scale, bq, bkv, backend))(*args)
+    ref_out, ref_grads = out_and_grads(reference_fn(window, scale))(*args)
+    assert out.dtype == dtype and out.shape == (b, hq, t, d)
+    assert rel_err(out, ref_out) <= fwd_tol, rel_err(out, ref_out)
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        assert rel_err(g, r) <= bwd_tol, (name, rel_err(g, r))
+
+
+# (B, Hq, Hkv, T, D, sliding_window, block_q, block_kv)
+F32_CASES = [
+    (2, 4, 2, 37, 32, 0, 16, 16),     # GQA 2, T not a multiple of the block, full causal
+    (1, 4, 1, 64, 64, 16, 16, 32),    # MQA, window, block_kv > block_q
+    (1, 2, 2, 130, 32, 1, 32, 32),    # group 1, window 1 (only the diagonal and the sink)
+    (1, 4, 2, 37, 32, 100, 16, 32),   # window larger than T (plain causal)
+    (1, 4, 2, 130, 32, 40, 32, 16),   # window spanning several kv blocks, block_q > block_kv
+]
+
+
+@pytest.mark.parametrize("case", F32_CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-T{}-D{}-W{}-bq{}-bkv{}".format(*c))
+def test_tpu_kernel_matches_reference_f32(case):
+    check_against_reference(case, jnp.float32, "cpu", 1e-5, 1e-4, seed=sum(case))
+
+
+@pytest.mark.parametrize("case", [(2, 4, 2, 64, 64, 24, 16, 16), (1, 4, 4, 130, 32, 0, 32, 32)],
+                         ids=["GQA-window", "MHA-full-T130"])
+def test_tpu_kernel_matches_reference_bf16(case):
+    check_against_reference(case, jnp.bfloat16, "cpu", 1e-2, 1e-2, seed=sum(case))
+
+
+@pytest.mark.parametrize("case", [(2, 4, 2, 37, 32, 0, 16, 16), (1, 4, 1, 130, 32, 40, 32, 16)],
+                         ids=["GQA-full-T37", "MQA-window-T130"])
+def test_gpu_kernel_interpreted_matches_reference_f32(case):
+    # The Triton-structured kernel (fori_loop over blocks) run by the generic Pallas interpreter.
+    check_against_reference(case, jnp.float32, "gpu_interpret", 1e-5, 1e-4, seed=sum(case))
+
+
+def test_matches_eager_torch():
+    import torch
+    from torch_model.ops import attention_reference as torch_reference
+
+    b, hq, hkv, t, d, window, bq, bkv = F32_CASES[0]   # re-uses that case's compiled kernel
+    for window in (0,):
+        args = make_inputs(sum(F32_CASES[0]), b, hq, hkv, t, d, jnp.float32)
+        out, grads = out_and_grads(pallas_fn(window, d ** -0.5, bq, bkv, "cpu"))(*args)
+        tq, tk, tv, ts = (torch.tensor(np.asarray(x), requires_grad=True) for x in args[:4])
+        t_out = torch_reference(tq, tk, tv, ts, window, d ** -0.5)
+        t_out.backward(torch.tensor(np.asarray(args[4])))
+        assert rel_err(out, t_out.detach().numpy()) <= 1e-5
+        for g, tg in zip(grads, (tq.grad, tk.grad, tv.grad, ts.grad)):
+            assert rel_err(g, tg.numpy()) <= 1e-4
+
+
+def test_splash_matches_reference():
+    # Splash differentiates all four inputs, sinks included.
+    b, hq, hkv, t, d, window = 2, 4, 2, 130, 32, 20
+    args = make_inputs(7, b, hq, hkv, t, d, jnp.float32)
+    fn = functools.partial(attention_splash, sliding_window=window, scale=d ** -0.5, backend="cpu")
+    out, grads = out_and_grads(fn)(*args)
+    ref_out, ref_grads = out_and_grads(reference_fn(window, d ** -0.5))(*args)
+    assert rel_err(out, ref_out) <= 1e-5
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        assert rel_err(g, r) <= 1e-4, (name, rel_err(g, r))
+    with pytest.raises(ValueError, match="TPU"):
+        attention_splash(*args[:4], sliding_window=window, scale=1.0, backend="gpu")
+
+
+def _pallas_grids(fn, *args):
+    """Grids of every pallas_call in fn's backward+forward jaxpr, in trace order."""
+    grids = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids.append(tuple(eqn.params["grid_mapping"].grid))
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+def test_sliding_window_grid_is_linear_in_window():
+    t, w, blk = 4096, 128, 512
+    local = attention_grid(t, sliding_window=w, block_q=blk, block_kv=blk)
+    full = attention_grid(t, sliding_window=0, block_q=blk, block_kv=blk)
+    nq = t // blk
+    assert local["kv_steps"] <= -(-(w + blk) // blk) + 1 == 3
+    assert local["grid_steps"] == nq * local["kv_steps"] == 16 and full["grid_steps"] == nq * nq == 64
+    assert full["computed_blocks"] == nq * (nq + 1) // 2       # above-diagonal blocks skipped
+    small = attention_grid(t, sliding_window=w, block_q=128, block_kv=128)
+    assert small["kv_steps"] == 2 and small["computed_blocks"] <= 2 * (t // 128)   # O(T*W)
+
+    # The kernels' actual grids (forward, dq, dkv), read from the traced program.
+    q = jax.ShapeDtypeStruct((1, 4, t, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2, t, 64), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+    def loss(window):
+        return jax.grad(lambda *a: attention_pallas(*a, sliding_window=window, scale=0.125, block_q=blk,
+                                                    block_kv=blk, backend="tpu").astype(jnp.float32).sum(),
+                        argnums=(0, 1, 2, 3))
+    local_grids, full_grids = _pallas_grids(loss(w), q, k, k, s), _pallas_grids(loss(0), q, k, k, s)
+    assert (1, 4, nq, 2) in local_grids and (1, 4, nq, nq) in full_grids      # forward and dq
+    assert (1, 2, nq, 2 * 2) in local_grids and (1, 2, nq, 2 * nq) in full_grids  # dkv: group x q steps
+
+
+def _lower(platform, b, hq, hkv, t, d, window, backend):
+    q = jax.ShapeDtypeStruct((b, hq, t, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, hkv, t, d), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((hq,), jnp.float32)
+    fwd = functools.partial(attention_pallas, sliding_window=window, scale=d ** -0.5, backend=backend)
+    vag = jax.value_and_grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if platform == "cuda" else []
+    texts = [export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(q, k, k, s).mlir_module()
+             for f in (fwd, vag)]
+    return texts
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 256, 64, 64), (4, 16, 4, 4096, 128, 128), (4, 16, 4, 4096, 128, 0)],
+                         ids=["tiny", "lyra-small-window128", "lyra-small-full"])
+def test_tpu_lowering(shape):
+    fwd_text, vag_text = _lower("tpu", *shape, backend="tpu")
+    assert fwd_text.count("tpu_custom_call") == 1      # forward kernel
+    assert vag_text.count("tpu_custom_call") == 3      # forward, dq, dkv
+
+
+def test_cuda_lowering():
+    fwd_text, vag_text = _lower("cuda", 2, 4, 2, 130, 64, 32, backend="cuda")
+    assert "triton" in fwd_text and vag_text.count("__gpu$xla.gpu.triton") >= 3
+
+
+def test_default_block_sizes():
+    assert default_block_sizes(4096, 128, "tpu") == (512, 512)
+    assert default_block_sizes(2048, 128, "tpu") == (512, 512)
+    assert default_block_sizes(1024, 128, "tpu") == (512, 512)
+    assert default_block_sizes(512, 128, "tpu") == (256, 256)
+    assert default_block_sizes(300, 64, "tpu") == (128, 128)
+    assert default_block_sizes(37, 64, "tpu") == (40, 40)
+    assert default_block_sizes(4096, 128, "gpu") == (64, 64)
+    assert default_block_sizes(37, 64, "cuda") == (64, 64)
+    assert default_block_sizes(20, 64, "cuda") == (32, 32)
+    # Explicit blocks shrink to the sequence without breaking divisibility (or Triton's powers of 2).
+    from pallas_kernels.attention import _plan_blocks
+    assert _plan_blocks(200, 512, 128, "tpu") == (256, 128, 256)
+    assert _plan_blocks(200, 512, 512, "tpu") == (200, 200, 200)
+    assert _plan_blocks(130, 256, 64, "gpu") == (256, 64, 256)
+    with pytest.raises(ValueError, match="divide"):
+        _plan_blocks(256, 48, 32, "tpu")
+
+
+def test_rejects_bad_inputs():
+    q, k, v = np.zeros((1, 4, 16, 32), np.float32), np.zeros((1, 2, 16, 32), np.float32), np.zeros((1, 2, 16, 32), np.float32)
+    sinks = np.zeros((4,), np.float32)
+    with pytest.raises(ValueError, match="Tq == Tk"):
+        attention_pallas(q[:, :, :8], k, v, sinks, sliding_window=0, scale=1.0)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        attention_pallas(q[:, :3], k, v, sinks[:3], sliding_window=0, scale=1.0)
+    with pytest.raises(ValueError, match="powers of two"):
+        attention_pallas(q, k, v, sinks, sliding_window=0, scale=1.0, block_q=24, backend="gpu")
