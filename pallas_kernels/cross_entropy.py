@@ -5,8 +5,14 @@ Returns (nll [N], lse [N]) in float32, both 0 at ignored tokens; the z-loss is c
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 
 def linear_cross_entropy_reference(hidden, weight, labels, *, ignore_index: int = -100):
@@ -29,36 +35,32 @@ def linear_cross_entropy_reference(hidden, weight, labels, *, ignore_index: int 
 # z is only ever held one (token tile x vocab tile) at a time: the forward keeps an online
 # log-sum-exp per token, the backward recomputes each tile from the saved lse.
 # =============================================================================================
-import functools
-import math
-
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-
-try:  # Triton-flavoured primitives (GPU variant); absent from some jax builds.
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover
-    pltriton = None
-
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T: the MXU / tensor-core friendly "q @ k.T" form
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b (GPU only; Triton transposes in registers)
 _MiB = 1 << 20
 _TPU_VMEM_CAP = 64 * _MiB       # smallest per-core VMEM among current TPUs (v7x); v5e/v6e: 128
 _TPU_VMEM_TARGET = 48 * _MiB    # what default tiles aim to stay under, leaving Mosaic headroom
+_BACKENDS = ("tpu", "cpu", "interpret", "gpu", "gpu-interpret")
 
 
 def _normalize_backend(backend: str | None) -> str:
-    """None -> the default backend; 'cuda'/'rocm'/'gpu' -> 'gpu'. 'gpu-interpret' runs the GPU
-    (Triton) kernels in the generic Pallas interpreter: for testing them on a CPU machine."""
-    backend = jax.default_backend() if backend is None else backend
+    """None -> jax.default_backend(), except that a CPU host runs 'interpret' (fast enough to
+    train with); 'cuda' / 'rocm' -> 'gpu'.
+
+    'tpu': Mosaic kernels. 'cpu': the same kernels run by the TPU interpreter
+    (pltpu.InterpretParams: simulated VMEM, grid semantics, bounds checks; the faithful CPU mode,
+    and the one whose compiled memory analysis reflects the kernel). 'interpret': the same
+    kernels in the generic Pallas interpreter (much faster on CPU, but it copies every input
+    into its loop state). 'gpu': Triton kernels. 'gpu-interpret': Triton kernels, interpreted
+    (for testing them on a CPU machine)."""
+    if backend is None:
+        backend = "interpret" if jax.default_backend() == "cpu" else jax.default_backend()
     backend = backend.lower()
-    if backend in ("cuda", "rocm", "gpu"):
-        return "gpu"
-    if backend in ("tpu", "cpu", "gpu-interpret"):
-        return backend
-    raise ValueError(f"linear_cross_entropy_pallas: unknown backend {backend!r} "
-                     "(expected None, 'tpu', 'cpu', 'gpu', 'cuda' or 'gpu-interpret')")
+    backend = "gpu" if backend in ("cuda", "rocm") else backend
+    if backend not in _BACKENDS:
+        raise ValueError(f"linear_cross_entropy_pallas: unknown backend {backend!r} "
+                         f"(expected None, 'cuda' or one of {_BACKENDS})")
+    return backend
 
 
 def _precision(dtype):
@@ -80,10 +82,13 @@ def default_block_sizes(n: int, h: int, v: int, backend: str | None = None,
                         dtype=jnp.bfloat16) -> tuple[int, int]:
     """(block_n, block_v) for `backend`.
 
-    TPU / CPU-interpret: vocab tiles of 512 (a multiple of the 256-wide v6e MXU) and the largest
-    token tile in (1024, 512, 256, 128) whose kernels fit `_TPU_VMEM_TARGET`: every vocab tile
-    is streamed once per token tile, so big token tiles keep the weight traffic below the
-    matmul time (N=16384, H=2048, V=201088: 16 passes over the 0.8 GB weight in bf16).
+    TPU: vocab tiles of 512 (a multiple of the 256-wide v6e MXU; ~0.35 us of per-step overhead
+    wants big steps) and the largest token tile in (1024, 512, 256, 128) whose kernels fit
+    `_TPU_VMEM_TARGET`: every vocab tile is streamed once per token tile, so big token tiles
+    keep the weight traffic below the matmul time (N=16384, H=2048, V=201088, bf16: 16 passes
+    over the 0.8 GB weight, ~8 ms of HBM time against ~15 ms of MXU time on v6e).
+    CPU / interpret: the same, but preferring tiles that divide N and V (multiples of 128), since
+    the interpreters pad (copy) an input whose last tile is partial; a real TPU does not.
     GPU (Triton): 64 tokens x 128 vocab (powers of two; the hidden dim is looped in 64-chunks).
     """
     backend = _normalize_backend(backend)
@@ -96,7 +101,19 @@ def default_block_sizes(n: int, h: int, v: int, backend: str | None = None,
             break
     else:
         block_v = 256  # very wide hidden dims: shrink both
+    if backend != "tpu":
+        block_n, block_v = _dividing_tile(n, block_n), _dividing_tile(v, block_v)
     return min(block_n, n), min(block_v, v)
+
+
+def _dividing_tile(size: int, tile: int) -> int:
+    """The largest multiple of 128 <= tile that divides size (or size itself if it fits)."""
+    if size <= tile:
+        return size
+    for t in range(tile - tile % 128, 0, -128):
+        if size % t == 0:
+            return t
+    return tile
 
 
 def _check_tpu_blocks(n: int, v: int, bn: int, bv: int) -> None:
@@ -199,8 +216,7 @@ def _tpu_dw_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dw_ref, acc_s
 
 
 def _tpu_interpret(backend: str):
-    # 'cpu': the very same Mosaic kernel, run by the TPU interpreter (scratch, semantics, DMAs).
-    return pltpu.InterpretParams() if backend == "cpu" else False
+    return {"tpu": False, "cpu": pltpu.InterpretParams(), "interpret": True}[backend]
 
 
 def _tpu_compiler_params(semantics, bn, bv, h, itemsize):
@@ -329,8 +345,16 @@ def _gpu_fwd_kernel(h_ref, w_ref, lab_ref, nll_ref, lse_ref, *,
     pltriton.store(lse_ref.at[pl.ds(r0, bn)], jnp.where(valid, lse, 0.0), mask=rmask)
 
 
+def _accumulate(ref, idx, val, mask, interpret):
+    if interpret:  # the interpreter runs one program at a time and has no masked atomics
+        view = ref.at[idx]
+        pltriton.store(view, pltriton.load(view, mask=mask, other=0.0) + val, mask=mask)
+    else:
+        pltriton.atomic_add(ref, idx, val, mask=mask)
+
+
 def _gpu_bwd_kernel(h_ref, w_ref, lab_ref, lse_ref, ca_ref, cb_ref, dh_in, dw_in,
-                    dh_ref, dw_ref, *, n, h, v, bn, bv, bk, cdt, precision):
+                    dh_ref, dw_ref, *, n, h, v, bn, bv, bk, cdt, precision, interpret):
     del dh_in, dw_in  # aliased to dh_ref / dw_ref (zero-initialised accumulators)
     r0, c0 = pl.program_id(0) * bn, pl.program_id(1) * bv
     rmask = (r0 + jnp.arange(bn)) < n
@@ -358,8 +382,8 @@ def _gpu_bwd_kernel(h_ref, w_ref, lab_ref, lse_ref, ca_ref, cb_ref, dh_in, dw_in
         dh = lax.dot_general(d, y, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32, precision=precision)
         dw = lax.dot_general(d, x, _TN, preferred_element_type=jnp.float32, precision=precision)
-        pltriton.atomic_add(dh_ref, (rows, pl.ds(k0, bk)), dh, mask=hmask)
-        pltriton.atomic_add(dw_ref, (pl.ds(c0, bv), pl.ds(k0, bk)), dw, mask=wmask)
+        _accumulate(dh_ref, (rows, pl.ds(k0, bk)), dh, hmask, interpret)
+        _accumulate(dw_ref, (pl.ds(c0, bv), pl.ds(k0, bk)), dw, wmask, interpret)
 
 
 def _gpu_block_h(h: int) -> int:
@@ -397,7 +421,8 @@ def _gpu_backward(hidden, weight, labels, lse, ca, cb, *, bn, bv, backend):
     v = weight.shape[0]
     cdt = jnp.promote_types(hidden.dtype, weight.dtype)
     kernel = functools.partial(_gpu_bwd_kernel, n=n, h=h, v=v, bn=bn, bv=bv, bk=_gpu_block_h(h),
-                               cdt=cdt, precision=_precision(cdt))
+                               cdt=cdt, precision=_precision(cdt),
+                               interpret=backend == "gpu-interpret")
     dh, dw = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),

@@ -1,0 +1,216 @@
+"""Pallas linear cross-entropy against the plain-JAX reference and the eager PyTorch op.
+
+Everything runs on CPU: the TPU kernels in the Pallas interpreters ('interpret': generic and
+fast; 'cpu': the TPU interpreter), the Triton kernels in the generic interpreter
+('gpu-interpret'), and lowering for real TPU / CUDA through `jax.export`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels.cross_entropy import (default_block_sizes, linear_cross_entropy_pallas,
+                                          linear_cross_entropy_reference)
+
+IGNORE = -100
+S = jax.ShapeDtypeStruct
+LYRA_SMALL = (16384, 2048, 201088)  # tokens per step, hidden, vocabulary (1571 * 128)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make_inputs(n, h, v, dtype, seed, ignore_first_tile=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    hidden = jax.random.normal(k[0], (n, h), jnp.float32).astype(dtype)
+    weight = (jax.random.normal(k[1], (v, h), jnp.float32) * 0.5).astype(dtype)
+    labels = jax.random.randint(k[2], (n,), 0, v, jnp.int32)
+    labels = labels.at[::5].set(IGNORE)              # scattered ignored tokens
+    labels = labels.at[:ignore_first_tile].set(IGNORE)  # optionally a whole token tile
+    a = jax.random.normal(k[3], (n,), jnp.float32)
+    b = jax.random.normal(k[4], (n,), jnp.float32)
+    return hidden, weight, labels, a, b
+
+
+def loss_and_grads(fn):
+    """One jitted program: outputs, and value and gradients of a loss that uses both outputs
+    (so both cotangents, g_nll = a and g_lse = 2 b lse, are random and nonzero)."""
+    def loss(hidden, weight, labels, a, b):
+        nll, lse = fn(hidden, weight, labels)
+        return jnp.sum(nll * a) + jnp.sum(lse ** 2 * b), (nll, lse)
+
+    def run(hidden, weight, labels, a, b):
+        (value, (nll, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            hidden, weight, labels, a, b)
+        return nll, lse, value, grads
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_run(backend, block_n, block_v):
+    """Cached so that tests sharing a configuration compile once."""
+    return loss_and_grads(functools.partial(
+        linear_cross_entropy_pallas, ignore_index=IGNORE, block_n=block_n, block_v=block_v,
+        backend=backend))
+
+
+reference_run = loss_and_grads(functools.partial(linear_cross_entropy_reference,
+                                                 ignore_index=IGNORE))
+
+
+CASES = [
+    # n, h, v, dtype, backend, block_n, block_v, ignore_first_tile
+    (37, 32, 1000, jnp.float32, "interpret", 16, 128, 16),  # N, V not multiples of the tiles
+    (64, 64, 384, jnp.float32, "interpret", None, None, 0),  # default tiles
+    (37, 64, 257, jnp.bfloat16, "interpret", 16, 128, 0),   # bf16, one valid column in last tile
+    (37, 32, 257, jnp.float32, "cpu", 16, 128, 0),          # the TPU interpreter (VMEM, DMAs)
+    (37, 48, 1000, jnp.float32, "gpu-interpret", 16, 128, 16),  # Triton kernels; H % 64 != 0
+    (64, 64, 384, jnp.bfloat16, "gpu-interpret", 32, 128, 0),
+]
+
+
+@pytest.mark.parametrize("n,h,v,dtype,backend,block_n,block_v,ignore_first_tile", CASES)
+def test_matches_reference(n, h, v, dtype, backend, block_n, block_v, ignore_first_tile):
+    hidden, weight, labels, a, b = make_inputs(n, h, v, dtype, seed=n * v + h,
+                                               ignore_first_tile=ignore_first_tile)
+    nll, lse, loss, (dh, dw) = pallas_run(backend, block_n, block_v)(hidden, weight, labels, a, b)
+    nll_r, lse_r, loss_r, (dh_r, dw_r) = reference_run(hidden, weight, labels, a, b)
+
+    assert nll.shape == lse.shape == (n,) and nll.dtype == lse.dtype == jnp.float32
+    assert dh.shape == hidden.shape and dh.dtype == hidden.dtype
+    assert dw.shape == weight.shape and dw.dtype == weight.dtype
+    tol_f, tol_b = (1e-5, 1e-4) if dtype == jnp.float32 else (1e-2, 1e-2)
+    assert rel(nll, nll_r) <= tol_f and rel(lse, lse_r) <= tol_f
+    assert rel(loss, loss_r) <= tol_f
+    assert rel(dh, dh_r) <= tol_b and rel(dw, dw_r) <= tol_b
+    assert np.isfinite(np.asarray(dh, np.float32)).all()
+    assert np.isfinite(np.asarray(dw, np.float32)).all()
+
+    ignored = np.asarray(labels) == IGNORE
+    assert np.all(np.asarray(nll)[ignored] == 0) and np.all(np.asarray(lse)[ignored] == 0)
+    assert np.all(np.asarray(dh, np.float32)[ignored] == 0)
+    assert np.all(np.asarray(nll)[~ignored] > 0)
+
+
+def test_all_tokens_ignored_give_zero_loss_and_gradient():
+    hidden, weight, labels, a, b = make_inputs(37, 32, 1000, jnp.float32, seed=1)
+    labels = jnp.full_like(labels, IGNORE)
+    run = pallas_run("interpret", 16, 128)  # shares the first case's compilation
+    nll, lse, loss, (dh, dw) = run(hidden, weight, labels, a, b)
+    assert not np.any(np.asarray(nll)) and not np.any(np.asarray(lse)) and float(loss) == 0.0
+    assert not np.any(np.asarray(dh)) and not np.any(np.asarray(dw))
+
+
+def test_matches_eager_torch_op():
+    torch = pytest.importorskip("torch")
+    from torch_model.ops import linear_cross_entropy_reference as torch_reference
+
+    hidden, weight, labels, a, b = make_inputs(37, 32, 1000, jnp.float32, seed=7,
+                                               ignore_first_tile=16)
+    nll, lse, _, (dh, dw) = pallas_run("interpret", 16, 128)(hidden, weight, labels, a, b)
+
+    th = torch.tensor(np.asarray(hidden), requires_grad=True)
+    tw = torch.tensor(np.asarray(weight), requires_grad=True)
+    tl = torch.tensor(np.asarray(labels), dtype=torch.long)
+    t_nll, t_lse = torch_reference(th, tw, tl, IGNORE)
+    (torch.sum(t_nll * torch.tensor(np.asarray(a)))
+     + torch.sum(t_lse ** 2 * torch.tensor(np.asarray(b)))).backward()
+    assert rel(nll, t_nll.detach().numpy()) <= 1e-5
+    assert rel(lse, t_lse.detach().numpy()) <= 1e-5
+    assert rel(dh, th.grad.numpy()) <= 1e-4
+    assert rel(dw, tw.grad.numpy()) <= 1e-4
+
+
+# ---- block sizes and argument checks -----------------------------------------------------------
+def test_default_block_sizes():
+    n, h, v = LYRA_SMALL
+    assert default_block_sizes(n, h, v, "tpu") == (1024, 512)
+    bn, bv = default_block_sizes(n, h, v, "cpu")  # interpreters: tiles that divide N and V
+    assert n % bn == 0 and v % bv == 0 and bv % 128 == 0
+    assert default_block_sizes(n, h, v, "cuda") == (64, 128)
+    assert default_block_sizes(37, 64, 1000, "tpu") == (37, 512)  # a tile may be the whole dim
+    bn, bv = default_block_sizes(4096, 16384, v, "tpu")           # wide hidden: smaller tiles
+    assert bn % 128 == 0 and bv % 128 == 0 and bn * bv < 1024 * 512
+
+
+def test_rejects_bad_arguments():
+    hidden, weight, labels, _, _ = make_inputs(256, 32, 1000, jnp.float32, seed=0)
+    with pytest.raises(ValueError, match="block_n"):
+        linear_cross_entropy_pallas(hidden, weight, labels, block_n=100, backend="tpu")
+    with pytest.raises(ValueError, match="block_v"):
+        linear_cross_entropy_pallas(hidden, weight, labels, block_v=200, backend="tpu")
+    with pytest.raises(ValueError, match="power of two"):
+        linear_cross_entropy_pallas(hidden, weight, labels, block_v=96, backend="cuda")
+    with pytest.raises(ValueError, match="unknown backend"):
+        linear_cross_entropy_pallas(hidden, weight, labels, backend="metal")
+    with pytest.raises(ValueError, match="shapes"):
+        linear_cross_entropy_pallas(hidden, weight[:, :16], labels, backend="cpu")
+
+
+# ---- lowering for real hardware ----------------------------------------------------------------
+def _value_and_grad(backend):
+    def loss(hidden, weight, labels):
+        nll, lse = linear_cross_entropy_pallas(hidden, weight, labels, backend=backend)
+        return jnp.sum(nll) + 1e-4 * jnp.sum(lse ** 2)
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def _specs(n, h, v, dtype=jnp.bfloat16):
+    return S((n, h), dtype), S((v, h), dtype), S((n,), jnp.int32)
+
+
+@pytest.mark.parametrize("shape", [(2048, 256, 4096), LYRA_SMALL], ids=["tiny", "lyra_small"])
+def test_exports_for_tpu(shape):
+    n, h, v = shape
+    fwd = functools.partial(linear_cross_entropy_pallas, backend="tpu")
+    exp = export.export(jax.jit(fwd), platforms=["tpu"])(*_specs(n, h, v))
+    text = exp.mlir_module()
+    assert text.count("tpu_custom_call") == 1 and "stablehlo.pad" not in text
+    assert [o.shape for o in exp.out_avals] == [(n,), (n,)]
+
+    exp = export.export(jax.jit(_value_and_grad("tpu")), platforms=["tpu"])(*_specs(n, h, v))
+    text = exp.mlir_module()
+    # forward + dh + dW kernels, and no padded copy of the weight anywhere
+    assert text.count("tpu_custom_call") == 3 and "stablehlo.pad" not in text
+    assert [o.shape for o in exp.out_avals] == [(), (n, h), (v, h)]
+
+
+def test_exports_for_cuda():
+    n, h, v = 2048, 256, 4096
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    fwd = functools.partial(linear_cross_entropy_pallas, backend="cuda")
+    exp = export.export(jax.jit(fwd), platforms=["cuda"], disabled_checks=checks)(*_specs(n, h, v))
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
+    for dtype in (jnp.bfloat16, jnp.float32):
+        exp = export.export(jax.jit(_value_and_grad("cuda")), platforms=["cuda"],
+                            disabled_checks=checks)(*_specs(n, h, v, dtype))
+        assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 2  # forward, backward
+        assert [o.shape for o in exp.out_avals] == [(), (n, h), (v, h)]
+
+
+# ---- memory: nothing of size N x V, forward or backward ----------------------------------------
+def test_compiled_temporary_memory_at_lyra_small():
+    """Compile-only memory analysis on CPU, the kernels in the TPU interpreter (backend='cpu'),
+    against the reference that materializes the logits: >= 99.9% of its temporaries saved."""
+    specs = _specs(*LYRA_SMALL)
+
+    def temp(fn):
+        return jax.jit(fn).lower(*specs).compile().memory_analysis().temp_size_in_bytes
+
+    def vg(fn):
+        def loss(hidden, weight, labels):
+            nll, lse = fn(hidden, weight, labels)
+            return jnp.sum(nll) + 1e-4 * jnp.sum(lse ** 2)
+        return jax.value_and_grad(loss, argnums=(0, 1))
+
+    pallas = functools.partial(linear_cross_entropy_pallas, backend="cpu")
+    ref = linear_cross_entropy_reference
+    assert temp(pallas) <= 1e-3 * temp(ref)
+    assert temp(vg(pallas)) <= 1e-3 * temp(vg(ref))
