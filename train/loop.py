@@ -48,7 +48,7 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
     from train.loader import TokenLoader
     from train.metrics import MetricsWriter, plot_losses
     from train.schedule import lr_scale
-    from train.tokenizer import bos_id, load_tokenizer, save_tokenizer
+    from train.tokenizer import bos_id, load_tokenizer
 
     out = Path(cfg.out)
     tokenizer = load_tokenizer(cfg.data)
@@ -85,9 +85,8 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
 
     def save(step_number: int, tag: str = "checkpoint") -> Path:
         ckpt = out / tag
-        save_checkpoint(ckpt, params_to_torch(state.params), model_cfg, step=step_number,
-                        extra={"kernels": step.kernels, "tokenizer": {"dir": "."}, "train_config": cfg.to_dict()})
-        save_tokenizer(tokenizer, ckpt)
+        save_checkpoint(ckpt, params_to_torch(state.params), model_cfg, step=step_number, tokenizer=tokenizer,
+                        extra={"kernels": step.kernels, "train_config": cfg.to_dict()})
         return ckpt
 
     val_start = evaluate(step, state.params, val_batches)

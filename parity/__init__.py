@@ -1,0 +1,1 @@
+"""Parity with other implementations: transformers GptOss export/import and logit comparison."""
