@@ -80,17 +80,15 @@ def load_for_generation(checkpoint: str):
     import torch
 
     from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import load_checkpoint
+    from train.checkpoint import load_checkpoint, tokenizer_dir
     from train.tokenizer import load_tokenizer
 
     state, model_cfg, meta = load_checkpoint(checkpoint)
     model = GptOssForCausalLM(model_cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-    tok_dir = (meta.get("tokenizer") or {}).get("dir")
-    if not tok_dir:
+    tok_dir = tokenizer_dir(checkpoint, meta)
+    if tok_dir is None:
         raise UserError(f"checkpoint {checkpoint}: config.json names no tokenizer (field tokenizer.dir)")
-    if not Path(tok_dir).is_absolute():
-        tok_dir = str((Path(checkpoint) / tok_dir).resolve())
     return model, load_tokenizer(tok_dir)
 
 

@@ -51,6 +51,10 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
     from train.tokenizer import bos_id, load_tokenizer
 
     out = Path(cfg.out)
+    try:
+        registry.resolve(cfg.kernels)          # a bad kernel choice fails before any work
+    except registry.KernelError as e:
+        raise UserError(str(e)) from None
     tokenizer = load_tokenizer(cfg.data)
     bos = bos_id(tokenizer)
     model_cfg = build_model_config(cfg, tokenizer.n_vocab, bos)

@@ -1,0 +1,87 @@
+"""End to end through the CLI: prepare a small corpus, train briefly, generate, and bad input."""
+import json
+from pathlib import Path
+
+import pytest
+
+from train.cli import main
+
+LINES = [
+    "ROMEO: But soft, what light through yonder window breaks?",
+    "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
+    "HAMLET: To be, or not to be, that is the question.",
+    "MACBETH: Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace.",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    texts = root / "texts"
+    texts.mkdir()
+    for i in range(6):
+        (texts / f"play{i}.txt").write_text("\n\n".join(LINES[(i + j) % 4] for j in range(120)) + "\n")
+    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--vocab-size", "320",
+                 "--val-fraction", "0.2"]) == 0
+    config = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
+                        "n_experts": 4, "expert_dim": 64, "sliding_window": 16, "vocab_size": 320},
+              "eval_every": 20, "eval_batches": 2, "log_every": 5, "samples": 1, "sample_tokens": 20}
+    (root / "run.json").write_text(json.dumps(config))
+    assert main(["train", "--config", str(root / "run.json"), "--data", str(root / "data"), "--out",
+                 str(root / "run"), "--steps", "40", "--batch-size", "4", "--seq-len", "64", "--lr", "0.02",
+                 "--adam-lr", "0.01"]) == 0
+    return root
+
+
+def test_short_training_run_lowers_validation_loss_and_writes_artifacts(run_dir):
+    summary = json.loads((run_dir / "run" / "summary.json").read_text())
+    assert summary["val_loss_end"] < summary["val_loss_start"] - 1.0
+    assert summary["trace_count"] == 1
+    records = [json.loads(l) for l in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records}
+    assert {"run", "train", "eval"} <= kinds
+    assert records[0]["kernels"] == {"attention": "xla", "cross_entropy": "xla", "moe": "xla"}
+    train = [r for r in records if r["kind"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert all(k in train[-1] for k in ("tokens_per_s", "grad_norm", "lr_scale", "expert_load_max"))
+    png = run_dir / "run" / "loss.png"
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert summary["samples"] and summary["samples"][0]["text"].startswith("ROMEO:")
+
+
+def test_generate_from_the_checkpoint(run_dir, capsys):
+    ckpt = run_dir / "run" / "checkpoint"
+    meta = json.loads((ckpt / "config.json").read_text())
+    assert meta["kernels"]["attention"] == "xla" and meta["step"] == 40
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "JULIET:", "--max-tokens", "12",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "JULIET:" in out and len(out.split("JULIET:")[-1].strip()) > 0
+
+
+def _error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_input_is_one_line_naming_the_problem(run_dir, tmp_path, capsys):
+    data = str(run_dir / "data")
+    assert "unknown preset 'huge'" in _error(capsys, ["train", "--preset", "huge", "--data", data])
+    assert "steps must be a positive integer" in _error(capsys, ["train", "--steps", "0", "--data", data])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": {"n_heads": 3}}))
+    assert "n_heads" in _error(capsys, ["train", "--config", str(bad), "--data", data])
+    bad.write_text(json.dumps({"stepz": 3}))
+    assert "stepz" in _error(capsys, ["train", "--config", str(bad), "--data", data])
+    (tmp_path / "empty").mkdir()
+    assert "empty" in _error(capsys, ["train", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("hello")
+    assert "foreign" in _error(capsys, ["train", "--data", str(foreign), "--out", str(tmp_path / "o")])
+    assert "missing" in _error(capsys, ["generate", "--checkpoint", str(tmp_path / "missing")])
+    assert "nowhere" in _error(capsys, ["prepare", "--input", str(tmp_path / "nowhere"), "--out", str(tmp_path / "d")])
+    assert "attention=nope" in _error(capsys, ["train", "--kernels", "attention=nope", "--data", data,
+                                               "--out", str(tmp_path / "o")])
