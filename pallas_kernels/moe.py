@@ -3,11 +3,23 @@
 x [M, H] rows sorted by expert; group_sizes [E] int32 (sum == M, empty groups allowed);
 gate_up [E, H, 2I] with gate/up interleaved (gate = [..., ::2], up = [..., 1::2]);
 gate_up_bias [E, 2I]; down [E, I, H]; down_bias [E, H]. Each row goes through its own expert only.
+
+Implementations (same signature, plus keyword options):
+  moe_experts_reference  two jax.lax.ragged_dot (on CPU it computes every expert: ~10x dense)
+  moe_experts_xla        megablox's (row tile, expert) schedule as batched XLA ops; CPU training
+  moe_experts_pallas     Pallas grouped GEMMs, SwiGLU fused, custom_vjp (TPU; interpret on CPU)
+  moe_experts_megablox   jax-shipped megablox gmm around plain-JAX activation; a baseline
 """
 from __future__ import annotations
 
+import functools
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 
 def clamped_swiglu(gate_up, *, alpha: float, limit: float):
@@ -44,13 +56,6 @@ def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias
 # tile straddling a group boundary is visited once per group in it. In the row-sorted layout
 # there are at most num_tiles + E - 1 such pairs, so every grid/batch has that STATIC length;
 # items past the real count (`num_active`) repeat the last real item and do nothing.
-import functools
-import math
-from typing import NamedTuple
-
-import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 
 class GroupMetadata(NamedTuple):
@@ -146,7 +151,7 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
     if m == 0:
         return jnp.zeros_like(x)
     # Small tiles waste less on partial tiles but gather the weights more often.
-    tm = tile_rows or max(8, min(256, _round_up(max(m // (4 * num_groups), 1), 8)))
+    tm = tile_rows or max(8, min(512, _round_up(max(m // (4 * num_groups), 1), 8)))
     tm = min(tm, _round_up(m, 8))
     num_tiles = -(-m // tm)
     mp = num_tiles * tm
@@ -163,10 +168,400 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
     live &= (jnp.arange(num_items) < meta.num_active[0])[:, None]
 
     gu = jnp.einsum("wth,whn->wtn", xt, gate_up[meta.group_ids], precision=prec, preferred_element_type=acc)
-    gu = gu + gate_up_bias[meta.group_ids][:, None, :].astype(acc)
+    gu = gu + gate_up_bias.astype(acc)[meta.group_ids][:, None, :]   # cast first: bias grads sum in f32
     h = clamped_swiglu(gu, alpha=alpha, limit=limit).astype(x.dtype)
     y = jnp.einsum("wti,wih->wth", h, down[meta.group_ids], precision=prec, preferred_element_type=acc)
-    y = y + down_bias[meta.group_ids][:, None, :].astype(acc)
+    y = y + down_bias.astype(acc)[meta.group_ids][:, None, :]
     y = jnp.where(live[..., None], y, 0.0)   # select, not multiply: no 0 * inf leaking through
     y = jax.ops.segment_sum(y, meta.tile_ids, num_segments=num_tiles, indices_are_sorted=True)
     return y.reshape(mp, hdim)[:m].astype(x.dtype)
+
+
+# =============================================================================================
+# Pallas grouped-GEMM kernels (Mosaic TPU; interpret mode on CPU)
+# =============================================================================================
+# Every kernel takes the GroupMetadata as four scalar-prefetch operands (SMEM on TPU), so the
+# BlockSpec index maps can pick each work item's row tile and expert weight block.
+# Rows of a tile that belong to another expert are masked with a select (never a multiply, so
+# garbage in padding rows cannot leak in as NaN).
+_F32 = jnp.float32
+
+
+class MoETiling(NamedTuple):
+    tm: int   # rows per tile (the ragged dimension)
+    th: int   # hidden (H) tile: reduction tile of the up projection, output tile of the down one
+    ti: int   # intermediate (I) tile: gate_up blocks hold 2*ti columns, h blocks ti
+
+
+DEFAULT_TILING = {
+    # TPU: MXU-sized blocks (v6e MXU is 256x256), all well inside the default scoped VMEM
+    # (largest kernel ~5 MiB at tm=256, th=512, ti=384 in bf16). Untuned: tune on hardware.
+    "tpu": MoETiling(tm=256, th=512, ti=512),
+    # CPU interpret mode: each grid step costs fixed overhead, so use few, large blocks.
+    "cpu": MoETiling(tm=128, th=512, ti=512),
+}
+
+
+def _rows_mine(offsets, gids, tiles, w, tm: int, shape):
+    """[tm, n] bool: rows of work item w's tile that belong to its expert."""
+    g = gids[w]
+    rows = tiles[w] * tm + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    return (rows >= offsets[g]) & (rows < offsets[g + 1])
+
+
+def _store_rows(out_ref, val, offsets, gids, tiles, w, tm: int):
+    """Write this expert's rows of the tile; on the tile's first visit zero the other rows
+    (a later visit by the next expert fills its own), so every output row is defined."""
+    mine = _rows_mine(offsets, gids, tiles, w, tm, val.shape)
+    first_visit = (w == 0) | (tiles[jnp.maximum(w - 1, 0)] != tiles[w])
+
+    # Two branches rather than a select on a scalar predicate (a vector-of-i1 broadcast).
+    @pl.when(first_visit)
+    def _first():
+        out_ref[...] = jnp.where(mine, val, 0.0).astype(out_ref.dtype)
+
+    @pl.when(jnp.logical_not(first_visit))
+    def _again():
+        out_ref[...] = jnp.where(mine, val, out_ref[...].astype(_F32)).astype(out_ref.dtype)
+
+
+def _gmm(meta: GroupMetadata, lhs, rhs, bias, *, tm: int, tk: int, tn: int, out_dtype, interpret,
+         transpose_rhs: bool = False, swiglu: tuple[float, float] | None = None):
+    """out[rows of e] = epilogue(lhs[rows of e] @ rhs[e] (+ bias[e])).
+
+    lhs [Mp, K]; rhs [E, K, N] ([E, N, K] if transpose_rhs); bias [E, 1, N] or None.
+    swiglu=(alpha, limit): rhs columns are in _split_layout with tn = 2 * ti, and the clamped
+    SwiGLU runs on the float32 accumulator before the store, giving [Mp, N / 2].
+    Grid (N tiles, work items, K tiles); K is the innermost reduction into a VMEM accumulator.
+    """
+    mp, kdim = lhs.shape
+    ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tn_out = tn // 2 if swiglu else tn
+    n_out = ndim // 2 if swiglu else ndim
+    nk, nn, num_items = kdim // tk, ndim // tn, meta.group_ids.shape[0]
+    prec = _precision(lhs.dtype)
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+
+    def kernel(offsets, gids, tiles, nact, lhs_ref, rhs_ref, *rest):
+        bias_ref = rest[0] if bias is not None else None
+        out_ref, acc_ref = rest[-2:]
+        w, k = pl.program_id(1), pl.program_id(2)
+        active = w < nact[0]
+
+        @pl.when(k == 0)
+        def _zero():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        @pl.when(active)
+        def _accumulate():
+            acc_ref[...] += jax.lax.dot_general(lhs_ref[...], rhs_ref[...], dims, precision=prec,
+                                                preferred_element_type=_F32)
+
+        @pl.when(active & (k == nk - 1))
+        def _epilogue():
+            val = acc_ref[...]
+            if bias_ref is not None:
+                val = val + bias_ref[...].astype(_F32)
+            if swiglu:
+                val = _swiglu_fwd_split(val, tn_out, alpha=swiglu[0], limit=swiglu[1])
+            _store_rows(out_ref, val, offsets, gids, tiles, w, tm)
+
+    in_specs = [pl.BlockSpec((tm, tk), lambda n, w, k, o, g, t, a: (t[w], k))]
+    if transpose_rhs:
+        in_specs.append(pl.BlockSpec((None, tn, tk), lambda n, w, k, o, g, t, a: (g[w], n, k)))
+    else:
+        in_specs.append(pl.BlockSpec((None, tk, tn), lambda n, w, k, o, g, t, a: (g[w], k, n)))
+    operands = [lhs, rhs]
+    if bias is not None:
+        in_specs.append(pl.BlockSpec((None, 1, tn), lambda n, w, k, o, g, t, a: (g[w], 0, n)))
+        operands.append(bias)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, n_out), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(nn, num_items, nk),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, tn_out), lambda n, w, k, o, g, t, a: (t[w], n)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), _F32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=2 * mp * kdim * ndim, transcendentals=mp * n_out if swiglu else 0,
+                                      bytes_accessed=lhs.nbytes * nn + rhs.nbytes
+                                      + mp * n_out * jnp.dtype(out_dtype).itemsize),
+        interpret=interpret,
+    )(*meta, *operands)
+
+
+def _swiglu_grad(meta: GroupMetadata, x, dy, w1, b1, w2, *, tm: int, th: int, ti: int, alpha: float, limit: float,
+                 interpret):
+    """d(loss)/d(gate_up pre-activation), [Mp, 2I] in _split_layout, without storing it in forward:
+    recomputes gu = x @ w1[e] + b1[e] and dh = dy @ w2[e]^T together (both reduce over H), then
+    applies the SwiGLU derivative in the epilogue. Grid (I tiles, work items, H tiles)."""
+    mp, hdim = x.shape
+    two_i = w1.shape[2]
+    nk, nj, num_items = hdim // th, two_i // (2 * ti), meta.group_ids.shape[0]
+    prec = _precision(x.dtype)
+    nt = (((1,), (1,)), ((), ()))
+
+    def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref, out_ref, gu_acc, dh_acc):
+        w, k = pl.program_id(1), pl.program_id(2)
+        active = w < nact[0]
+
+        @pl.when(k == 0)
+        def _zero():
+            gu_acc[...] = jnp.zeros_like(gu_acc)
+            dh_acc[...] = jnp.zeros_like(dh_acc)
+
+        @pl.when(active)
+        def _accumulate():
+            gu_acc[...] += jnp.dot(x_ref[...], w1_ref[...], precision=prec, preferred_element_type=_F32)
+            dh_acc[...] += jax.lax.dot_general(dy_ref[...], w2_ref[...], nt, precision=prec,
+                                               preferred_element_type=_F32)
+
+        @pl.when(active & (k == nk - 1))
+        def _epilogue():
+            gu = gu_acc[...] + b1_ref[...].astype(_F32)
+            dgu = _swiglu_bwd_split(gu, dh_acc[...], ti, alpha=alpha, limit=limit)
+            _store_rows(out_ref, dgu, offsets, gids, tiles, w, tm)
+
+    row_block = pl.BlockSpec((tm, th), lambda j, w, k, o, g, t, a: (t[w], k))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, two_i), x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(nj, num_items, nk),
+            in_specs=[row_block, row_block,
+                      pl.BlockSpec((None, th, 2 * ti), lambda j, w, k, o, g, t, a: (g[w], k, j)),
+                      pl.BlockSpec((None, 1, 2 * ti), lambda j, w, k, o, g, t, a: (g[w], 0, j)),
+                      pl.BlockSpec((None, ti, th), lambda j, w, k, o, g, t, a: (g[w], j, k))],
+            out_specs=pl.BlockSpec((tm, 2 * ti), lambda j, w, k, o, g, t, a: (t[w], j)),
+            scratch_shapes=[pltpu.VMEM((tm, 2 * ti), _F32), pltpu.VMEM((tm, ti), _F32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=2 * mp * hdim * two_i * 3 // 2, transcendentals=mp * two_i // 2,
+                                      bytes_accessed=2 * x.nbytes * nj + w1.nbytes + w2.nbytes
+                                      + mp * two_i * x.dtype.itemsize),
+        interpret=interpret,
+    )(*meta, x, dy, w1, b1, w2)
+
+
+def _tgmm(meta: GroupMetadata, lhs, rhs, *, tm: int, tk: int, tn: int, num_groups: int, out_dtype, bias_dtype,
+          interpret):
+    """Transposed grouped GEMM (megablox tgmm) with the bias gradient fused in:
+    dw[e] = lhs[rows of e]^T @ rhs[rows of e]  -> [E, K, N]
+    db[e] = sum over rows of e of rhs          -> [E, 1, N]
+    Grid (K tiles, N tiles, work items): the work items of one expert are consecutive, so each
+    dw block accumulates in VMEM and is written once. `meta` must visit empty groups (they get
+    one all-masked item, which writes their zero gradient). db is produced once per K tile (a
+    separate output row each, so no block is revisited out of order); copy 0 is returned."""
+    mp, kdim = lhs.shape
+    ndim = rhs.shape[1]
+    nk, nn, num_items = kdim // tk, ndim // tn, meta.group_ids.shape[0]
+    dot_dtype = lhs.dtype
+    prec = _precision(dot_dtype)
+
+    def kernel(offsets, gids, tiles, nact, lhs_ref, rhs_ref, dw_ref, db_ref, acc, bacc):
+        w = pl.program_id(2)
+        g = gids[w]
+        active = w < nact[0]
+        first = (w == 0) | (gids[jnp.maximum(w - 1, 0)] != g)
+        last = active & ((w == nact[0] - 1) | (gids[jnp.minimum(w + 1, num_items - 1)] != g))
+
+        @pl.when(first)
+        def _zero():
+            acc[...] = jnp.zeros_like(acc)
+            bacc[...] = jnp.zeros_like(bacc)
+
+        @pl.when(active)
+        def _accumulate():
+            lhs_blk = lhs_ref[...].astype(_F32)
+            rhs_blk = rhs_ref[...].astype(_F32)
+            lhs_blk = jnp.where(_rows_mine(offsets, gids, tiles, w, tm, lhs_blk.shape), lhs_blk, 0.0)
+            rhs_blk = jnp.where(_rows_mine(offsets, gids, tiles, w, tm, rhs_blk.shape), rhs_blk, 0.0)
+            # Transpose in float32 then cast back, as megablox does (32-bit transposes lower on
+            # every TPU generation).
+            acc[...] += jnp.dot(lhs_blk.T.astype(dot_dtype), rhs_blk.astype(dot_dtype), precision=prec,
+                                preferred_element_type=_F32)
+            bacc[...] += jnp.sum(rhs_blk, axis=0, keepdims=True)
+
+        @pl.when(last)
+        def _store():
+            dw_ref[...] = acc[...].astype(dw_ref.dtype)
+            db_ref[...] = bacc[...].astype(db_ref.dtype)
+
+    dw, db = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((num_groups, kdim, ndim), out_dtype),
+                   jax.ShapeDtypeStruct((nk, num_groups, 1, ndim), bias_dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(nk, nn, num_items),
+            in_specs=[pl.BlockSpec((tm, tk), lambda kk, n, w, o, g, t, a: (t[w], kk)),
+                      pl.BlockSpec((tm, tn), lambda kk, n, w, o, g, t, a: (t[w], n))],
+            out_specs=[pl.BlockSpec((None, tk, tn), lambda kk, n, w, o, g, t, a: (g[w], kk, n)),
+                       pl.BlockSpec((None, None, 1, tn), lambda kk, n, w, o, g, t, a: (kk, g[w], 0, n))],
+            scratch_shapes=[pltpu.VMEM((tk, tn), _F32), pltpu.VMEM((1, tn), _F32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=2 * mp * kdim * ndim, transcendentals=0,
+                                      bytes_accessed=lhs.nbytes * nn + rhs.nbytes * nk
+                                      + num_groups * kdim * ndim * jnp.dtype(out_dtype).itemsize),
+        interpret=interpret,
+    )(*meta, lhs, rhs)
+    return dw, db[0]
+
+
+# =============================================================================================
+# custom_vjp glue for the Pallas path
+# =============================================================================================
+class _PallasConfig(NamedTuple):
+    tm: int
+    th: int
+    ti: int
+    alpha: float
+    limit: float
+    interpret: bool
+
+
+def _pallas_forward(xp, group_sizes, w1, b1, w2, b2, cfg: _PallasConfig):
+    meta = group_metadata(group_sizes, xp.shape[0] // cfg.tm, cfg.tm)
+    h = _gmm(meta, xp, w1, b1, tm=cfg.tm, tk=cfg.th, tn=2 * cfg.ti, out_dtype=xp.dtype, interpret=cfg.interpret,
+             swiglu=(cfg.alpha, cfg.limit))
+    y = _gmm(meta, h, w2, b2, tm=cfg.tm, tk=cfg.ti, tn=cfg.th, out_dtype=xp.dtype, interpret=cfg.interpret)
+    return y, h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _moe_pallas_core(xp, group_sizes, w1, b1, w2, b2, cfg: _PallasConfig):
+    return _pallas_forward(xp, group_sizes, w1, b1, w2, b2, cfg)[0]
+
+
+def _moe_pallas_core_fwd(xp, group_sizes, w1, b1, w2, b2, cfg):
+    y, h = _pallas_forward(xp, group_sizes, w1, b1, w2, b2, cfg)
+    # Residuals: inputs plus h [Mp, I] (needed for dW2); the [Mp, 2I] pre-activation is
+    # recomputed in backward rather than stored.
+    return y, (xp, group_sizes, w1, b1, w2, b2, h)
+
+
+def _moe_pallas_core_bwd(cfg, res, dy):
+    xp, group_sizes, w1, b1, w2, b2, h = res
+    num_tiles, num_groups = xp.shape[0] // cfg.tm, w1.shape[0]
+    meta = group_metadata(group_sizes, num_tiles, cfg.tm)
+    meta_all = group_metadata(group_sizes, num_tiles, cfg.tm, visit_empty=True)
+    common = dict(tm=cfg.tm, num_groups=num_groups, interpret=cfg.interpret)
+    dw2, db2 = _tgmm(meta_all, h, dy, tk=cfg.ti, tn=cfg.th, out_dtype=w2.dtype, bias_dtype=b2.dtype, **common)
+    dgu = _swiglu_grad(meta, xp, dy, w1, b1, w2, tm=cfg.tm, th=cfg.th, ti=cfg.ti, alpha=cfg.alpha, limit=cfg.limit,
+                       interpret=cfg.interpret)
+    dx = _gmm(meta, dgu, w1, None, tm=cfg.tm, tk=2 * cfg.ti, tn=cfg.th, out_dtype=xp.dtype, interpret=cfg.interpret,
+              transpose_rhs=True)
+    dw1, db1 = _tgmm(meta_all, xp, dgu, tk=cfg.th, tn=2 * cfg.ti, out_dtype=w1.dtype, bias_dtype=b1.dtype, **common)
+    return dx, None, dw1, db1, dw2, db2
+
+
+_moe_pallas_core.defvjp(_moe_pallas_core_fwd, _moe_pallas_core_bwd)
+
+
+def _resolve_tiling(tiling, backend: str, m: int, hdim: int, idim: int, dtype) -> tuple[MoETiling, int, int]:
+    """Tiles clipped to the problem; returns (tiling, padded H, padded I). On TPU every lane
+    block must be a multiple of 128 or the whole dimension, so an H with no such divisor near
+    the wanted tile is zero-padded to a multiple of 128 rather than taken whole into VMEM; I is
+    always padded to a multiple of 128 because kernels slice [gate ti | up ti] blocks at lane
+    offset ti. Zero weights and biases give h = 0 in padded columns, so results are unchanged."""
+    want = MoETiling(*(tiling if tiling is not None else DEFAULT_TILING[backend]))
+    on_tpu = backend == "tpu"
+    lane = 128 if on_tpu else 8
+    sub = (16 if jnp.dtype(dtype).itemsize < 4 else 8) if on_tpu else 8
+    hp, ip = hdim, idim
+    if on_tpu:
+        if hdim > want.th and _fit(hdim, want.th, lane) == hdim:
+            hp = _round_up(hdim, lane)
+        ip = _round_up(idim, lane)
+    tm = max(sub, min(_round_up(want.tm, sub), _round_up(m, sub)))
+    return MoETiling(tm, _fit(hp, want.th, lane), _fit(ip, want.ti, lane)), hp, ip
+
+
+def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
+                       limit: float = 7.0, tiling=None, backend: str | None = None):
+    """Pallas grouped-GEMM MoE: kernel 1 = x @ gate_up[e] + bias with the clamped SwiGLU in its
+    epilogue (writes h [M, I] only); kernel 2 = h @ down[e] + bias. Backward (custom_vjp):
+    one kernel recomputes the pre-activation and applies the SwiGLU derivative, dx is a grouped
+    GEMM against transposed gate_up, weight and bias grads are transposed grouped GEMMs.
+
+    tiling: MoETiling(tm, th, ti) or a 3-tuple (rows, H tile, I tile); None -> per-backend
+    DEFAULT_TILING, clipped to the problem. backend: None -> jax.default_backend(); 'tpu' ->
+    Mosaic; 'cpu' -> the same kernels in interpret mode. Float32 inputs use HIGHEST precision,
+    all matmuls accumulate in float32; outputs and gradients come back in the input dtypes.
+    """
+    backend = (backend or jax.default_backend()).lower()
+    if backend in ("gpu", "cuda", "rocm"):
+        raise NotImplementedError("moe_experts_pallas has no GPU kernel (its kernels are Mosaic TPU); on GPU use "
+                                  "the 'xla' implementation (moe_experts_xla) or 'ragged_dot' (moe_experts_reference)")
+    if backend not in ("tpu", "cpu"):
+        raise ValueError(f"moe_experts_pallas: unknown backend {backend!r} (expected 'tpu' or 'cpu')")
+    m, hdim = x.shape
+    num_groups, _, two_i = gate_up.shape
+    idim = two_i // 2
+    if m == 0:
+        return jnp.zeros_like(x)
+    cfg_t, hp, ip = _resolve_tiling(tiling, backend, m, hdim, idim, x.dtype)
+    cfg = _PallasConfig(cfg_t.tm, cfg_t.th, cfg_t.ti, float(alpha), float(limit), backend == "cpu")
+    mp = _round_up(m, cfg.tm)
+
+    dtype = x.dtype
+    w1 = gate_up.astype(dtype).reshape(num_groups, hdim, idim, 2)
+    b1 = gate_up_bias.reshape(num_groups, 1, idim, 2)
+    w2, b2 = down.astype(dtype), down_bias.reshape(num_groups, 1, hdim)
+    xp = jnp.pad(x, ((0, mp - m), (0, hp - hdim)))
+    if (hp, ip) != (hdim, idim):
+        w1 = jnp.pad(w1, ((0, 0), (0, hp - hdim), (0, ip - idim), (0, 0)))
+        b1 = jnp.pad(b1, ((0, 0), (0, 0), (0, ip - idim), (0, 0)))
+        w2 = jnp.pad(w2, ((0, 0), (0, ip - idim), (0, hp - hdim)))
+        b2 = jnp.pad(b2, ((0, 0), (0, 0), (0, hp - hdim)))
+    w1 = _split_layout(w1.reshape(num_groups, hp, 2 * ip), cfg.ti)
+    b1 = _split_layout(b1.reshape(num_groups, 1, 2 * ip), cfg.ti)
+    y = _moe_pallas_core(xp, group_sizes.astype(jnp.int32), w1, b1, w2, b2, cfg)
+    return y[:m, :hdim]
+
+
+# =============================================================================================
+# Baseline: jax-shipped megablox gmm (TPU kernel; interpret mode on CPU)
+# =============================================================================================
+def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
+                         limit: float = 7.0, tiling=None, backend: str | None = None):
+    """Two `jax.experimental.pallas.ops.tpu.megablox.gmm` calls (custom_vjp: gmm + tgmm
+    backward) with bias gathers and clamped_swiglu in plain JAX between them. A baseline and
+    fall-back: it stores the float32 [M, 2I] pre-activation, and its in-kernel dots use
+    default precision (bf16 passes for float32 on TPU). tiling: (tm, tk) or None; the
+    megablox k and n tiles are one size dividing both matmul dims (its backward swaps them)."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
+
+    backend = (backend or jax.default_backend()).lower()
+    if backend in ("gpu", "cuda", "rocm"):
+        raise NotImplementedError("megablox is a TPU kernel; on GPU use moe_experts_xla or moe_experts_reference "
+                                  "(ragged_dot)")
+    if backend not in ("tpu", "cpu"):
+        raise ValueError(f"moe_experts_megablox: unknown backend {backend!r} (expected 'tpu' or 'cpu')")
+    interpret = backend == "cpu"
+    m, hdim = x.shape
+    num_groups, _, two_i = gate_up.shape
+    if m == 0:
+        return jnp.zeros_like(x)
+    want_m, want_k = tiling if tiling is not None else (DEFAULT_TILING[backend].tm, DEFAULT_TILING[backend].th)
+    lane = 128 if backend == "tpu" else 8
+    tm = max(8, min(_round_up(want_m, 8), _round_up(m, 8)))
+    mp = _round_up(m, tm)
+    gs = group_sizes.astype(jnp.int32)
+    expert = expert_of_rows(gs, mp)
+    valid = (jnp.arange(mp) < m)[:, None]
+
+    def gmm(lhs, rhs):
+        t = _fit(math.gcd(rhs.shape[1], rhs.shape[2]), want_k, lane)
+        return megablox_gmm(lhs, rhs, gs, _F32, (tm, t, t), None, None, False, interpret)
+
+    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    # Rows past M are never written by megablox: select them to 0 so no garbage reaches the
+    # activation or (through the bias gather's transpose) the bias gradients. Biases are cast
+    # before the gather so their gradients are summed in float32.
+    gu = jnp.where(valid, gmm(xp, gate_up.astype(x.dtype)) + gate_up_bias.astype(_F32)[expert], 0.0)
+    h = clamped_swiglu(gu, alpha=alpha, limit=limit).astype(x.dtype)
+    y = gmm(h, down.astype(x.dtype)) + down_bias.astype(_F32)[expert]
+    return y[:m].astype(x.dtype)

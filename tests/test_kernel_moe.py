@@ -1,0 +1,219 @@
+"""Grouped expert MLP (pallas_kernels/moe.py): every implementation against the reference.
+
+All on CPU: the Pallas and megablox kernels run in interpret mode, TPU lowering is checked by
+exporting for 'tpu' (Mosaic custom calls) without compiling. Inputs are scaled so the
+pre-activations hit both clamps (gate > limit, |up| > limit) as well as the linear region.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe import (
+    expert_of_rows,
+    group_metadata,
+    moe_experts_megablox,
+    moe_experts_pallas,
+    moe_experts_reference,
+    moe_experts_xla,
+)
+
+ALPHA, LIMIT = 1.702, 7.0
+TOL = {jnp.float32: (1e-5, 1e-4), jnp.bfloat16: (1e-2, 1e-2)}   # (forward, backward), relative
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make_group_sizes(rng, m: int, e: int, kind: str) -> np.ndarray:
+    """'random': ragged sizes with at least one empty group when E > 1; 'one': every row in one
+    group (a middle one, so empty groups sit on both sides)."""
+    gs = np.zeros(e, np.int32)
+    if kind == "one" or e == 1:
+        gs[e // 2] = m
+        return gs
+    live = rng.choice(e, size=max(1, (e + 1) // 2), replace=False)   # the rest stay empty
+    cuts = np.sort(rng.integers(0, m + 1, size=len(live) - 1))
+    gs[np.sort(live)] = np.diff(np.concatenate([[0], cuts, [m]]))
+    return gs
+
+
+def make_inputs(seed: int, m: int, h: int, i: int, e: int, kind: str, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    # Pre-activation std ~8 (x std 2, weights 4/sqrt(H)): a good share beyond +-7 on both halves.
+    x = 2.0 * rng.standard_normal((m, h))
+    gate_up = 4.0 / np.sqrt(h) * rng.standard_normal((e, h, 2 * i))
+    gate_up_bias = rng.standard_normal((e, 2 * i))
+    down = rng.standard_normal((e, i, h)) / np.sqrt(i)
+    down_bias = rng.standard_normal((e, h))
+    dy = rng.standard_normal((m, h))    # cotangent for the backward checks
+    cast = lambda a: jnp.asarray(a, jnp.float32).astype(dtype)
+    gs = jnp.asarray(make_group_sizes(rng, m, e, kind))
+    return (cast(x), gs, cast(gate_up), cast(gate_up_bias), cast(down), cast(down_bias)), cast(dy)
+
+
+def value_and_grads(fn, args, dy):
+    """One jitted program: output and the gradients of <y, dy> for x, gate_up, gate_up_bias,
+    down, down_bias."""
+    x, gs, gate_up, gate_up_bias, down, down_bias = args
+
+    def loss(x, gate_up, gate_up_bias, down, down_bias):
+        y = fn(x, gs, gate_up, gate_up_bias, down, down_bias)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+    grads, y = jax.jit(grad)(x, gate_up, gate_up_bias, down, down_bias)
+    return y, grads
+
+
+def naive_moe(x, group_sizes, gate_up, gate_up_bias, down, down_bias):
+    """Row by row in float64 numpy: the definition."""
+    x, gate_up, gate_up_bias, down, down_bias = (np.asarray(a, np.float64) for a in
+                                                 (x, gate_up, gate_up_bias, down, down_bias))
+    expert = np.repeat(np.arange(len(group_sizes)), np.asarray(group_sizes))
+    out = np.zeros_like(x)
+    for r, e in enumerate(expert):
+        gu = x[r] @ gate_up[e] + gate_up_bias[e]
+        gate, up = np.minimum(gu[::2], LIMIT), np.clip(gu[1::2], -LIMIT, LIMIT)
+        h = (up + 1.0) * gate / (1.0 + np.exp(-ALPHA * gate))
+        out[r] = h @ down[e] + down_bias[e]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference and its oracles
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed,m,h,i,e,kind", [(0, 37, 32, 16, 3, "random"), (1, 200, 64, 48, 8, "random"),
+                                               (2, 64, 32, 16, 3, "one")])
+def test_reference_matches_naive_loop(seed, m, h, i, e, kind):
+    args, _ = make_inputs(seed, m, h, i, e, kind)
+    y = jax.jit(moe_experts_reference)(*args)
+    assert rel_err(y, naive_moe(*args)) <= 1e-5
+
+
+def test_inputs_hit_both_clamps():
+    args, _ = make_inputs(1, 200, 64, 48, 8, "random")
+    x, gs, gate_up, gate_up_bias, _, _ = args
+    expert = np.asarray(expert_of_rows(gs, x.shape[0]))
+    gu = np.einsum("mh,mhn->mn", np.asarray(x), np.asarray(gate_up)[expert]) + np.asarray(gate_up_bias)[expert]
+    gate, up = gu[:, ::2], gu[:, 1::2]
+    assert (gate > LIMIT).mean() > 0.05 and (up > LIMIT).mean() > 0.05 and (up < -LIMIT).mean() > 0.05
+    assert (np.abs(up) < LIMIT).mean() > 0.3 and (gate < LIMIT).mean() > 0.3
+
+
+def test_reference_matches_torch_op():
+    torch = pytest.importorskip("torch")
+    from torch_model import ops
+
+    args, dy = make_inputs(3, 50, 32, 16, 4, "random")
+    t_args = [torch.tensor(np.asarray(a)) for a in args]
+    leaves = [t_args[0]] + t_args[2:]
+    for t in leaves:
+        t.requires_grad_(True)
+    t_y = ops.moe_experts_reference(t_args[0], t_args[1], *t_args[2:], ALPHA, LIMIT)
+    t_grads = torch.autograd.grad(t_y, leaves, torch.tensor(np.asarray(dy)))
+    y, grads = value_and_grads(moe_experts_reference, args, dy)
+    assert rel_err(y, t_y.detach().numpy()) <= 1e-5
+    for g, tg in zip(grads, t_grads):
+        assert rel_err(g, tg.numpy()) <= 1e-4
+
+
+def test_group_metadata_enumerates_tile_expert_pairs():
+    rng = np.random.default_rng(4)
+    meta_fn = jax.jit(group_metadata, static_argnums=(1, 2), static_argnames="visit_empty")
+    for tm, e, m, kind in [(1, 3, 7, "random"), (3, 5, 20, "random"), (8, 6, 37, "random"), (8, 4, 32, "random"),
+                           (8, 6, 37, "one"), (8, 4, 32, "one"), (4, 1, 9, "one")] * 3:
+        gs = make_group_sizes(rng, m, e, kind)
+        num_tiles = -(-m // tm)
+        for visit_empty in (False, True):
+            meta = jax.tree.map(np.asarray, meta_fn(jnp.asarray(gs), num_tiles, tm, visit_empty=visit_empty))
+            starts = np.concatenate([[0], np.cumsum(gs)])
+            want = []
+            for g in range(e):
+                if gs[g]:
+                    want += [(g, t) for t in range(starts[g] // tm, (starts[g + 1] - 1) // tm + 1)]
+                elif visit_empty:
+                    want.append((g, min(starts[g] // tm, num_tiles - 1)))
+            n = int(meta.num_active[0])
+            assert meta.group_ids.shape == (num_tiles + e - 1,)
+            assert list(zip(meta.group_ids[:n], meta.tile_ids[:n])) == want
+            # Padding items repeat the last real one (same blocks, no extra work or writes).
+            assert (meta.group_ids[n:] == meta.group_ids[n - 1]).all()
+            assert (meta.tile_ids[n:] == meta.tile_ids[n - 1]).all()
+            np.testing.assert_array_equal(meta.offsets, starts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations against the reference: output and all five gradients
+# ---------------------------------------------------------------------------------------------
+# (id, seed, M, H, I, E, group kind, dtype, tiling (tm, th, ti))
+CASES = [
+    ("m37-e3-f32", 0, 37, 32, 16, 3, "random", jnp.float32, None),              # M not a tile multiple
+    ("m200-e8-f32-small-tiles", 1, 200, 64, 48, 8, "random", jnp.float32, (16, 16, 8)),   # every dim tiled
+    ("m64-e1-f32", 2, 64, 32, 48, 1, "one", jnp.float32, (8, 16, 16)),
+    ("m64-e3-one-group-bf16", 3, 64, 64, 16, 3, "one", jnp.bfloat16, None),
+    ("m200-e8-bf16", 4, 200, 64, 48, 8, "random", jnp.bfloat16, (16, 32, 16)),
+]
+
+IMPLS = {
+    "xla": lambda tiling: functools.partial(moe_experts_xla, tile_rows=tiling and tiling[0]),
+    "pallas": lambda tiling: functools.partial(moe_experts_pallas, tiling=tiling, backend="cpu"),
+    "megablox": lambda tiling: functools.partial(moe_experts_megablox, tiling=tiling and tiling[:2], backend="cpu"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def case_data(case_id):
+    _, seed, m, h, i, e, kind, dtype, tiling = next(c for c in CASES if c[0] == case_id)
+    args, dy = make_inputs(seed, m, h, i, e, kind, dtype)
+    # Oracle: the reference in float32 on the same (possibly bf16-rounded) values. The bf16
+    # reference itself sums bias gradients in bf16 (its gather's transpose) and is off ~1e-2.
+    up = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
+    y_ref, g_ref = value_and_grads(moe_experts_reference, up, dy.astype(jnp.float32))
+    return args, dy, dtype, tiling, y_ref, g_ref
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("case_id", [c[0] for c in CASES])
+def test_matches_reference(impl, case_id):
+    args, dy, dtype, tiling, y_ref, g_ref = case_data(case_id)
+    y, grads = value_and_grads(IMPLS[impl](tiling), args, dy)
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    assert rel_err(y, y_ref) <= fwd_tol
+    names = ("x", "gate_up", "gate_up_bias", "down", "down_bias")
+    for name, g, g0, a in zip(names, grads, g_ref, (args[0],) + args[2:]):
+        assert g.shape == a.shape and g.dtype == a.dtype, name
+        assert rel_err(g, g0) <= bwd_tol, (name, rel_err(g, g0))
+
+
+def test_pallas_gpu_backend_is_refused():
+    args, _ = make_inputs(0, 8, 32, 16, 2, "random")
+    with pytest.raises(NotImplementedError, match="xla.*ragged_dot"):
+        moe_experts_pallas(*args, backend="gpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU lowering (export only: Mosaic compilation and VMEM limits are not checked here)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,h,i,e", [(4096, 256, 256, 8), (32768, 2048, 384, 16), (37, 64, 48, 3)],
+                         ids=["tiny", "lyra-small", "odd-padded"])
+@pytest.mark.parametrize("mode", ["fwd", "value_and_grad"])
+def test_pallas_exports_for_tpu(m, h, i, e, mode):
+    dt = jnp.bfloat16
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in [((m, h), dt), ((e,), jnp.int32), ((e, h, 2 * i), dt),
+                                                       ((e, 2 * i), dt), ((e, i, h), dt), ((e, h), dt)]]
+    f = functools.partial(moe_experts_pallas, backend="tpu")
+    if mode == "value_and_grad":
+        def f(x, gs, *w, _f=f):
+            loss = lambda x, *w: _f(x, gs, *w).astype(jnp.float32).sum()
+            return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x, *w)
+    exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*shapes)
+    text = exported.mlir_module()
+    assert text.count("tpu_custom_call") >= (2 if mode == "fwd" else 6)
