@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jax_bridge import registry
+from jax_bridge import registry, sharding
 from jax_bridge.env import get_env
 from jax_bridge.lowering import model_function, optimizer_function, optimizer_state_to_jax, params_to_jax
 from torch_model.optim import OptimizerConfig, plan_parameters
@@ -52,8 +52,8 @@ class TrainStep:
     """
 
     def __init__(self, model: torch.nn.Module, opt_cfg: OptimizerConfig = OptimizerConfig(),
-                 step_cfg: StepConfig = StepConfig()):
-        self.model, self.opt_cfg, self.cfg = model, opt_cfg, step_cfg
+                 step_cfg: StepConfig = StepConfig(), mesh=None):
+        self.model, self.opt_cfg, self.cfg, self.mesh = model, opt_cfg, step_cfg, mesh
         self.env = get_env()
         self.kernels = registry.resolve(step_cfg.kernels)
         self.plan = plan_parameters(model.named_parameters())
@@ -66,7 +66,8 @@ class TrainStep:
 
     # ---- state --------------------------------------------------------------------------------
     def init_state(self) -> TrainState:
-        return TrainState(params_to_jax(self.model), optimizer_state_to_jax(self.model, self.plan))
+        state = TrainState(params_to_jax(self.model), optimizer_state_to_jax(self.model, self.plan))
+        return state if self.mesh is None else sharding.shard_state(state, self.mesh)
 
     # ---- traced functions -----------------------------------------------------------------------
     def loss_and_metrics(self, params, inputs, labels):
@@ -100,6 +101,8 @@ class TrainStep:
     # ---- public API ---------------------------------------------------------------------------
     def __call__(self, state: TrainState, tokens, lr_scale=1.0):
         tokens = jnp.asarray(tokens, dtype=jnp.int32)
+        if self.mesh is not None:
+            tokens = jax.device_put(tokens, sharding.batch_sharding(self.mesh))
         if tokens.ndim != 3 or tokens.shape[0] != self.cfg.micro_batches:
             raise ValueError(f"train step: tokens must be [micro_batches={self.cfg.micro_batches}, batch, "
                              f"seq_len+1], found shape {tuple(tokens.shape)}")
