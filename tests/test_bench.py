@@ -1,0 +1,128 @@
+"""`torchlyra bench kernels` and scripts/gpu_bench.py (its --smoke mode runs on CPU)."""
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_SCRIPT = os.path.join(ROOT, "scripts", "gpu_bench.py")
+
+
+def test_bench_kernels_cross_entropy_tiny(tmp_path, capsys):
+    from jax_bridge import registry
+    from train.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "kernels", "--shapes", "tiny", "--ops", "cross_entropy", "--no-time", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| op " in printed and "cross_entropy" in printed
+
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    impls = set(registry.implementations("cross_entropy"))
+    assert {(r["impl"], r["direction"]) for r in rows} == {(i, d) for i in impls for d in ("fwd", "fwd+bwd")}
+    assert len(rows) == 2 * len(impls)
+    for r in rows:
+        assert r["error"] is None, r
+        assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] > 0
+        assert r["shape"] == "tiny" and r["op"] == "cross_entropy"
+        if r["impl"] == "xla":
+            assert r["ratio_to_xla"] is None and r["analysed_as"] == "plain"
+        else:
+            assert r["ratio_to_xla"] == pytest.approx(
+                r["temp_bytes"] / next(b["temp_bytes"] for b in rows
+                                       if b["impl"] == "xla" and b["direction"] == r["direction"]))
+            assert r["saved_pct"] == pytest.approx(100 * (1 - r["ratio_to_xla"]))
+            assert r["goal_pct"] == 99.9 and isinstance(r["meets_goal"], bool)
+        assert r["time_s"] is None  # --no-time
+    pallas = {r["direction"]: r for r in rows if r["impl"] == "pallas"}
+    assert pallas["fwd"]["analysed_as"] == "tpu-interp"
+    # the tiled kernel never holds [N, V] logits: far less temp memory than the reference
+    assert pallas["fwd+bwd"]["ratio_to_xla"] < 0.5
+    assert report["settings"]["time"] is False and report["machine"]["nproc"] >= 1
+
+
+def test_bench_rejects_unknown_op(capsys):
+    from train.cli import main
+
+    assert main(["bench", "kernels", "--ops", "softmax", "--no-time"]) == 2
+    assert "--ops" in capsys.readouterr().err
+
+
+def test_gpu_script_imports_only_jax_and_kernels():
+    """The GPU image has no torchax / array_record: the script must not reach torch_model,
+    jax_bridge or train."""
+    tree = ast.parse(open(GPU_SCRIPT).read())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    third_party = roots - set(sys.stdlib_module_names)
+    assert third_party <= {"jax", "numpy", "pallas_kernels"}, third_party
+
+
+def test_gpu_script_smoke_on_cpu(tmp_path):
+    out = tmp_path / "gpu_bench.json"
+    # Run as a script, then check that nothing outside jax + pallas_kernels was imported.
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{GPU_SCRIPT!r}, '--smoke', {str(out)!r}]\n"
+        "rc = 0\n"
+        "try:\n"
+        f"    runpy.run_path({GPU_SCRIPT!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    rc = e.code\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'torchax', 'torch_model', 'jax_bridge', 'train', 'array_record'))\n"
+        "assert not bad, bad\n"
+        "sys.exit(rc)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True
+    assert report["checks"] and all(c["ok"] for c in report["checks"]), report["checks"]
+    assert {c["op"] for c in report["checks"]} == {"attention", "cross_entropy", "moe"}
+    rows = report["rows"]
+    assert {(r["op"], r["impl"], r["direction"]) for r in rows} == {
+        (op, impl, d) for op, impls in (("attention", ("xla", "pallas")), ("cross_entropy", ("xla", "pallas")),
+                                        ("moe", ("xla", "ragged_dot")))
+        for impl in impls for d in ("fwd", "fwd+bwd")}
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["time_s"] > 0 and r["temp_bytes"] is not None
+        assert (r["ratio_to_xla"] is None) == (r["impl"] == "xla")
+    assert "vs xla" in proc.stdout
+
+
+def test_bench_records_a_failing_implementation(tmp_path):
+    """An implementation that raises gets its error in its row; the run still succeeds."""
+    from jax_bridge import registry
+    from train.cli import main
+
+    def broken(hidden, weight, labels, *, ignore_index=-100, backend=None):
+        raise RuntimeError("kernel exploded")
+
+    registry.register_implementation("cross_entropy", "broken_for_test", broken)
+    try:
+        out = tmp_path / "bench.json"
+        rc = main(["bench", "kernels", "--shapes", "tiny", "--ops", "cross_entropy", "--impls", "broken_for_test",
+                   "--no-time", "--json", str(out)])
+    finally:
+        registry._TABLE["cross_entropy"].pop("broken_for_test", None)
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"xla", "broken_for_test"}
+    for r in rows:
+        if r["impl"] == "broken_for_test":
+            assert "kernel exploded" in r["error"] and r["temp_bytes"] is None and r["meets_goal"] is None
+        else:
+            assert r["error"] is None and r["temp_bytes"] > 0
