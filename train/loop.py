@@ -96,17 +96,19 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
     val_start = evaluate(step, state.params, val_batches)
     writer.write({"kind": "eval", "step": 0, "val_loss": val_start})
     val_loss, done, start_time = val_start, 0, time.perf_counter()
+    last_log_time, last_log_step = start_time, 0
     bar = tqdm(total=cfg.steps, desc="train", disable=not show_progress, dynamic_ncols=True)
     try:
         for i in range(cfg.steps):
             batch = np.stack([train_data.next_batch() for _ in range(cfg.micro_batches)])
-            t0 = time.perf_counter()
             scale = lr_scale(i, total=cfg.steps, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
             state, metrics = step(state, batch, scale)
             done = i + 1
             if done % cfg.log_every == 0 or done == cfg.steps or i == 0:
-                metrics = {k: float(v) for k, v in metrics.items()}   # blocks on the step
-                tok_s = tokens_per_step / (time.perf_counter() - t0)
+                metrics = {k: float(v) for k, v in metrics.items()}   # waits for the queued steps
+                now = time.perf_counter()
+                tok_s = tokens_per_step * (done - last_log_step) / (now - last_log_time)
+                last_log_time, last_log_step = now, done
                 writer.write({"kind": "train", "step": done, "lr_scale": scale, "tokens_per_s": tok_s,
                               "elapsed_s": time.perf_counter() - start_time, **metrics})
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
