@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 
 from torch_model.config import ConfigError, ModelConfig
+from train.atomic import fsync_path
 from train.errors import UserError
 
 FORMAT, VERSION = "torchlyra-checkpoint", 1
@@ -69,19 +70,11 @@ def config_from_dict(d, where: str) -> ModelConfig:
 
 
 # ---- atomic directory publication ----------------------------------------------------------
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for f in files:
-            _fsync(Path(dirpath) / f)
-        _fsync(Path(dirpath))
+            fsync_path(Path(dirpath) / f)
+        fsync_path(Path(dirpath))
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -107,7 +100,7 @@ def _publish(tmp: Path, target: Path) -> None:
         os.rename(target, old / "x")
         os.rename(tmp, target)
         shutil.rmtree(old)
-    _fsync(target.parent)
+    fsync_path(target.parent)
 
 
 @contextlib.contextmanager

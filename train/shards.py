@@ -17,6 +17,7 @@ from typing import Iterable
 import numpy as np
 from array_record.python import array_record_module as arm
 
+from train.atomic import fsync_path
 from train.errors import UserError
 
 FORMAT = "torchlyra-token-shards"
@@ -35,23 +36,11 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: Path, final: Path) -> None:
     """fsync a finished temporary file, then rename it over its final name."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(tmp)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
