@@ -7,14 +7,19 @@ gate_up_bias [E, 2I]; down [E, I, H]; down_bias [E, H]. Each row goes through it
 Implementations (same signature, plus keyword options):
   moe_experts_reference  two jax.lax.ragged_dot (on CPU it computes every expert: ~10x dense)
   moe_experts_xla        megablox's (row tile, expert) schedule as batched XLA ops; CPU training
-  moe_experts_pallas     Pallas grouped GEMMs, SwiGLU fused, custom_vjp (TPU; interpret on CPU)
+  moe_experts_pallas     fused Pallas expert MLP: up projection, clamped SwiGLU and down projection in
+                         one kernel per (row tile, expert); [M, I] never in HBM, forward or backward
+                         (custom_vjp with recomputing backward kernels); TPU, interpret on CPU
+  moe_experts_pallas_unfused  the earlier two grouped-GEMM Pallas kernels (h [M, I] in HBM)
   moe_experts_megablox   jax-shipped megablox gmm around plain-JAX activation; a baseline
+
+HBM temp memory of each (compile-only, forward and forward+backward): pallas_kernels/memory.py.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -193,7 +198,7 @@ class MoETiling(NamedTuple):
     ti: int   # intermediate (I) tile: gate_up blocks hold 2*ti columns, h blocks ti
 
 
-DEFAULT_TILING = {
+DEFAULT_TILING = {   # the unfused kernels' tiles (the fused path: DEFAULT_FUSED_TILING)
     # TPU: MXU-sized blocks (v6e MXU is 256x256), all well inside the default scoped VMEM
     # (largest kernel ~5 MiB at tm=256, th=512, ti=384 in bf16). Untuned: tune on hardware.
     "tpu": MoETiling(tm=256, th=512, ti=512),
@@ -479,9 +484,12 @@ def _resolve_tiling(tiling, backend: str, m: int, hdim: int, idim: int, dtype) -
     return MoETiling(tm, _fit(hp, want.th, lane), _fit(ip, want.ti, lane)), hp, ip
 
 
-def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                       limit: float = 7.0, tiling=None, backend: str | None = None):
-    """Pallas grouped-GEMM MoE: kernel 1 = x @ gate_up[e] + bias with the clamped SwiGLU in its
+def moe_experts_pallas_unfused(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
+                               limit: float = 7.0, tiling=None, backend: str | None = None):
+    """The earlier two-stage Pallas path (moe_experts_pallas is now the fused one; this stays as a
+    comparison and fall-back). It writes h [M, I] between its kernels, stores h as a residual,
+    writes the [M, 2I] pre-activation gradient in backward, and copies gate_up into a permuted
+    layout on every call. Kernel 1 = x @ gate_up[e] + bias with the clamped SwiGLU in its
     epilogue (writes h [M, I] only); kernel 2 = h @ down[e] + bias. Backward (custom_vjp):
     one kernel recomputes the pre-activation and applies the SwiGLU derivative, dx is a grouped
     GEMM against transposed gate_up, weight and bias grads are transposed grouped GEMMs.
@@ -493,10 +501,10 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     """
     backend = (backend or jax.default_backend()).lower()
     if backend in ("gpu", "cuda", "rocm"):
-        raise NotImplementedError("moe_experts_pallas has no GPU kernel (its kernels are Mosaic TPU); on GPU use "
-                                  "the 'xla' implementation (moe_experts_xla) or 'ragged_dot' (moe_experts_reference)")
+        raise NotImplementedError("moe_experts_pallas_unfused has no GPU kernel (its kernels are Mosaic TPU); on GPU "
+                                  "use the 'xla' implementation (moe_experts_xla) or 'ragged_dot' (moe_experts_reference)")
     if backend not in ("tpu", "cpu"):
-        raise ValueError(f"moe_experts_pallas: unknown backend {backend!r} (expected 'tpu' or 'cpu')")
+        raise ValueError(f"moe_experts_pallas_unfused: unknown backend {backend!r} (expected 'tpu' or 'cpu')")
     m, hdim = x.shape
     num_groups, _, two_i = gate_up.shape
     idim = two_i // 2
@@ -520,6 +528,420 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     b1 = _split_layout(b1.reshape(num_groups, 1, 2 * ip), cfg.ti)
     y = _moe_pallas_core(xp, group_sizes.astype(jnp.int32), w1, b1, w2, b2, cfg)
     return y[:m, :hdim]
+
+
+# =============================================================================================
+# Fused expert MLP (the default Pallas path): [M, I] and [M, 2I] never reach HBM
+# =============================================================================================
+# One work item = one (row tile, expert) pair, as above. For each item and each I tile j:
+#   pre = x_tile @ gate_up[e][:, j] + b1      [tm, 2ti] float32, gate/up still INTERLEAVED
+#   h   = clamped_swiglu(pre)                 [tm, ti], in VMEM only
+#   y_tile += h @ down[e][j, :]               accumulated over j in VMEM, + b2, rows of e stored
+# Backward recomputes pre and h in VMEM (residuals are the inputs only):
+#   dx kernel, grid (items, I tiles): dh = dy @ down[e][j]^T, dpre = swiglu'(pre) * dh,
+#     dx_tile += dpre @ gate_up[e][:, j]^T
+#   dW kernel, grid (I tiles, items), expert-major: per expert, accumulate in VMEM
+#     dgate_up[e][:, j] += x^T dpre, dbias1 += sum dpre, ddown[e][j] += h^T dy, dbias2 += sum dy
+#
+# Gate/up de-interleaving without a permuted copy of gate_up: Mosaic has no lane-strided loads
+# (its strided load rule rejects "Stride on last dim is not 1"), so the kernels work on the
+# interleaved [tm, 2ti] block directly. Two lane rotations (pltpu.roll, the XLU) give every lane
+# its pair partner (lane ^ 1), so the SwiGLU and its derivative are computed at every lane: in
+# backward dpre comes out already interleaved, which is exactly the layout dx and dgate_up need.
+# Only two small matmuls against constant 0/1 matrices remain (exact, the MXU's way to shuffle
+# lanes): `_compact_pairs` [tm, 2ti] -> [tm, ti] (h, before the down projection) and
+# `_spread_pairs` [tm, ti] -> [tm, 2ti] (dh, to both lanes of its pair). They add about
+# 2*ti/(3*H) to the forward's matmul FLOPs and 10*ti/(11*H) to the backward's (bf16, where the
+# spread takes two passes, hi and lo): ~6% / ~9% at Lyra Small (H = 2048, ti = 192 after the
+# VMEM budget). The rotation direction is read from a rotated iota, so the code does not depend
+# on which way the hardware rotates.
+#
+# HBM traffic: x/dy row tiles are read once per I tile; weight blocks are re-fetched for every
+# work item when there are several I tiles (once per expert when ti = I). Rows are not padded:
+# the last row tile may overhang M (rows past M belong to no expert and are masked).
+# Megacore: forward and dx grids are sequential ('arbitrary'); the dW grid's I axis is parallel.
+
+
+def _pair_partner(v):
+    """v[..., lane ^ 1] for a 2-D block (the other half of each interleaved (gate, up) pair)."""
+    n = v.shape[1]
+    lane = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1)
+    a, b = pltpu.roll(v, 1, 1), pltpu.roll(v, n - 1, 1)
+    from_a = pltpu.roll(lane, 1, 1) == jnp.bitwise_xor(lane, 1)
+    return jnp.where(from_a, a, b)
+
+
+def _swiglu_pairs(pre, *, alpha: float, limit: float, dh2=None):
+    """Clamped SwiGLU on an interleaved [rows, 2n] float32 block, evaluated at every lane (both
+    lanes of a pair hold the pair's h). With dh2 (d loss / d h, at both lanes of each pair) also
+    returns d loss / d pre, interleaved: d/dgate at even lanes, d/dup at odd lanes."""
+    partner = _pair_partner(pre)
+    even = jnp.bitwise_and(jax.lax.broadcasted_iota(jnp.int32, pre.shape, 1), 1) == 0
+    g_raw = jnp.where(even, pre, partner)
+    u_raw = jnp.where(even, partner, pre)
+    gate = jnp.minimum(g_raw, limit)
+    up = jnp.clip(u_raw, -limit, limit)
+    sig = jax.nn.sigmoid(alpha * gate)
+    glu = gate * sig
+    h2 = (up + 1.0) * glu
+    if dh2 is None:
+        return h2, None
+    dglu = sig + alpha * gate * sig * (1.0 - sig)
+    dgate = jnp.where(g_raw < limit, dh2 * (up + 1.0) * dglu, 0.0)
+    dup = jnp.where((u_raw > -limit) & (u_raw < limit), dh2 * glu, 0.0)
+    return h2, jnp.where(even, dgate, dup)
+
+
+def _pair_matrix(n: int, dtype, *, spread: bool):
+    """0/1 matrix: spread [n, 2n] has M[c, l] = (l // 2 == c); compact [2n, n] has
+    M[l, c] = (l == 2c)."""
+    shape = (n, 2 * n) if spread else (2 * n, n)
+    r = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    hit = (jax.lax.shift_right_logical(c, 1) == r) if spread else (r == 2 * c)
+    return jnp.where(hit, 1.0, 0.0).astype(dtype)
+
+
+def _compact_pairs(h2, dtype):
+    """[rows, 2n] (pairs hold equal values) -> [rows, n] in `dtype`: one matmul against a 0/1
+    matrix, exact (one non-zero term per output; float32 at HIGHEST precision)."""
+    n = h2.shape[1] // 2
+    v = h2.astype(dtype)
+    out = jnp.dot(v, _pair_matrix(n, dtype, spread=False), precision=_precision(dtype), preferred_element_type=_F32)
+    return out.astype(dtype)
+
+
+def _spread_pairs(v, dtype):
+    """float32 [rows, n] -> float32 [rows, 2n] with v[:, c] at lanes 2c and 2c+1. Exact for
+    float32 (HIGHEST); for 16-bit dtypes a hi + lo split in that dtype (~16 mantissa bits), far
+    below the rounding of dpre to that dtype that follows."""
+    n = v.shape[1]
+    mat = _pair_matrix(n, dtype, spread=True)
+    hi = v.astype(dtype)
+    out = jnp.dot(hi, mat, precision=_precision(dtype), preferred_element_type=_F32)
+    if jnp.dtype(dtype) != jnp.float32:
+        lo = (v - hi.astype(_F32)).astype(dtype)
+        out = out + jnp.dot(lo, mat, preferred_element_type=_F32)
+    return out
+
+
+_NT = (((1,), (1,)), ((), ()))   # a @ b^T
+
+
+class _FusedConfig(NamedTuple):
+    tm: int
+    ti: int
+    alpha: float
+    limit: float
+    interpret: Any           # False (Mosaic), True, or a pltpu.InterpretParams (hashable)
+    vmem_limit: int | None
+
+
+def _fused_params(cfg: _FusedConfig, semantics):
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=cfg.vmem_limit)
+
+
+def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
+    """y [M, H]; w1 [E, H, 2I] interleaved, b1 [E, 1, 2I], w2 [E, I, H], b2 [E, 1, H]."""
+    m, hdim = xp.shape
+    tm, ti = cfg.tm, cfg.ti
+    nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
+    dtype, prec = xp.dtype, _precision(xp.dtype)
+
+    def kernel(offsets, gids, tiles, nact, x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, acc_ref):
+        w, j = pl.program_id(0), pl.program_id(1)
+        active = w < nact[0]
+
+        @pl.when(j == 0)
+        def _zero():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        @pl.when(active)
+        def _accumulate():
+            pre = jnp.dot(x_ref[...], w1_ref[...], precision=prec, preferred_element_type=_F32)
+            h2, _ = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit)
+            acc_ref[...] += jnp.dot(_compact_pairs(h2, dtype), w2_ref[...], precision=prec,
+                                    preferred_element_type=_F32)
+
+        @pl.when(active & (j == nj - 1))
+        def _store():
+            _store_rows(y_ref, acc_ref[...] + b2_ref[...].astype(_F32), offsets, gids, tiles, w, tm)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, hdim), dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(num_items, nj),
+            in_specs=[pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0)),
+                      pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
+                      pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
+                      pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], j, 0)),
+                      pl.BlockSpec((None, 1, hdim), lambda w, j, o, g, t, a: (g[w], 0, 0))],
+            out_specs=pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0)),
+            scratch_shapes=[pltpu.VMEM((tm, hdim), _F32)]),
+        compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=num_items * tm * hdim * w2.shape[1] * 6,
+                                      transcendentals=num_items * tm * w2.shape[1] * 2,
+                                      bytes_accessed=2 * xp.nbytes + w1.nbytes + w2.nbytes),
+        interpret=cfg.interpret,
+    )(*meta, xp, w1, b1, w2, b2)
+
+
+def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
+    """dx [M, H]: per item, over I tiles: dpre = swiglu'(pre) * (dy @ w2[e]^T) spread to pairs,
+    dx += dpre @ w1[e]^T."""
+    m, hdim = xp.shape
+    tm, ti = cfg.tm, cfg.ti
+    nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
+    dtype, prec = xp.dtype, _precision(xp.dtype)
+
+    def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, acc_ref):
+        w, j = pl.program_id(0), pl.program_id(1)
+        active = w < nact[0]
+
+        @pl.when(j == 0)
+        def _zero():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        @pl.when(active)
+        def _accumulate():
+            w1_blk = w1_ref[...]
+            pre = jnp.dot(x_ref[...], w1_blk, precision=prec, preferred_element_type=_F32)
+            dh = jax.lax.dot_general(dy_ref[...], w2_ref[...], _NT, precision=prec, preferred_element_type=_F32)
+            _, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit,
+                                    dh2=_spread_pairs(dh, dtype))
+            acc_ref[...] += jax.lax.dot_general(dpre.astype(dtype), w1_blk, _NT, precision=prec,
+                                                preferred_element_type=_F32)
+
+        @pl.when(active & (j == nj - 1))
+        def _store():
+            _store_rows(dx_ref, acc_ref[...], offsets, gids, tiles, w, tm)
+
+    row = pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, hdim), dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(num_items, nj),
+            in_specs=[row, row,
+                      pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
+                      pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
+                      pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], j, 0))],
+            out_specs=row,
+            scratch_shapes=[pltpu.VMEM((tm, hdim), _F32)]),
+        compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=num_items * tm * hdim * w2.shape[1] * 10,
+                                      transcendentals=num_items * tm * w2.shape[1] * 2,
+                                      bytes_accessed=3 * xp.nbytes + w1.nbytes + w2.nbytes),
+        interpret=cfg.interpret,
+    )(*meta, xp, dy, w1, b1, w2)
+
+
+def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *, bias1_dtype, bias2_dtype):
+    """dw1 [E, H, 2I] (interleaved), db1 [E, 1, 2I], dw2 [E, I, H], db2 [E, 1, H]. Grid (I tiles,
+    items): one expert's items are consecutive, so its blocks accumulate in VMEM and are written
+    once. `meta_all` visits empty groups (one all-masked item writes their zero gradient). db2 is
+    written once per I tile into its own copy (no block revisited out of order); copy 0 is used."""
+    m, hdim = xp.shape
+    num_groups = w1.shape[0]
+    tm, ti = cfg.tm, cfg.ti
+    nj, num_items = w2.shape[1] // ti, meta_all.group_ids.shape[0]
+    dtype, prec = xp.dtype, _precision(xp.dtype)
+
+    def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref,
+               dw1_ref, db1_ref, dw2_ref, db2_ref, acc1, accb1, acc2, accb2):
+        w = pl.program_id(1)
+        g = gids[w]
+        active = w < nact[0]
+        first = (w == 0) | (gids[jnp.maximum(w - 1, 0)] != g)
+        last = active & ((w == nact[0] - 1) | (gids[jnp.minimum(w + 1, num_items - 1)] != g))
+
+        @pl.when(first)
+        def _zero():
+            acc1[...] = jnp.zeros_like(acc1)
+            accb1[...] = jnp.zeros_like(accb1)
+            acc2[...] = jnp.zeros_like(acc2)
+            accb2[...] = jnp.zeros_like(accb2)
+
+        @pl.when(active)
+        def _accumulate():
+            # Rows of other experts: x and dy select to 0 (select, not multiply: no NaN leaks),
+            # which makes their dpre and dy contributions exactly 0.
+            mine = _rows_mine(offsets, gids, tiles, w, tm, (tm, hdim))
+            xm = jnp.where(mine, x_ref[...].astype(_F32), 0.0)
+            dym = jnp.where(mine, dy_ref[...].astype(_F32), 0.0)
+            x_d, dy_d = xm.astype(dtype), dym.astype(dtype)
+            pre = jnp.dot(x_d, w1_ref[...], precision=prec, preferred_element_type=_F32)
+            dh = jax.lax.dot_general(dy_d, w2_ref[...], _NT, precision=prec, preferred_element_type=_F32)
+            h2, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit,
+                                     dh2=_spread_pairs(dh, dtype))
+            h = _compact_pairs(h2, dtype)
+            # Transposes in float32 then cast back, as megablox does (32-bit transposes lower on
+            # every TPU generation; Mosaic matmuls take no transposed LHS).
+            acc1[...] += jnp.dot(xm.T.astype(dtype), dpre.astype(dtype), precision=prec,
+                                 preferred_element_type=_F32)
+            accb1[...] += jnp.sum(dpre, axis=0, keepdims=True)
+            acc2[...] += jnp.dot(h.astype(_F32).T.astype(dtype), dy_d, precision=prec, preferred_element_type=_F32)
+            accb2[...] += jnp.sum(dym, axis=0, keepdims=True)
+
+        @pl.when(last)
+        def _store():
+            dw1_ref[...] = acc1[...].astype(dw1_ref.dtype)
+            db1_ref[...] = accb1[...].astype(db1_ref.dtype)
+            dw2_ref[...] = acc2[...].astype(dw2_ref.dtype)
+            db2_ref[...] = accb2[...].astype(db2_ref.dtype)
+
+    row = pl.BlockSpec((tm, hdim), lambda j, w, o, g, t, a: (t[w], 0))
+    w1_spec = pl.BlockSpec((None, hdim, 2 * ti), lambda j, w, o, g, t, a: (g[w], 0, j))
+    b1_spec = pl.BlockSpec((None, 1, 2 * ti), lambda j, w, o, g, t, a: (g[w], 0, j))
+    w2_spec = pl.BlockSpec((None, ti, hdim), lambda j, w, o, g, t, a: (g[w], j, 0))
+    dw1, db1, dw2, db2 = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(w1.shape, w1.dtype),
+                   jax.ShapeDtypeStruct(b1.shape, bias1_dtype),
+                   jax.ShapeDtypeStruct(w2.shape, w2.dtype),
+                   jax.ShapeDtypeStruct((nj, num_groups, 1, hdim), bias2_dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(nj, num_items),
+            in_specs=[row, row, w1_spec, b1_spec, w2_spec],
+            out_specs=[w1_spec, b1_spec, w2_spec,
+                       pl.BlockSpec((None, None, 1, hdim), lambda j, w, o, g, t, a: (j, g[w], 0, 0))],
+            scratch_shapes=[pltpu.VMEM((hdim, 2 * ti), _F32), pltpu.VMEM((1, 2 * ti), _F32),
+                            pltpu.VMEM((ti, hdim), _F32), pltpu.VMEM((1, hdim), _F32)]),
+        compiler_params=_fused_params(cfg, ("parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=num_items * tm * hdim * w2.shape[1] * 12,
+                                      transcendentals=num_items * tm * w2.shape[1] * 2,
+                                      bytes_accessed=2 * nj * xp.nbytes + 2 * (w1.nbytes + w2.nbytes)),
+        interpret=cfg.interpret,
+    )(*meta_all, xp, dy, w1, b1, w2)
+    return dw1, db1, dw2, db2[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _moe_fused_core(xp, group_sizes, w1, b1, w2, b2, cfg: _FusedConfig):
+    meta = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm), cfg.tm)
+    return _fused_forward(meta, xp, w1, b1, w2, b2, cfg)
+
+
+def _moe_fused_core_fwd(xp, group_sizes, w1, b1, w2, b2, cfg):
+    # Residuals are the inputs only: nothing of size [M, I] or [M, 2I] is kept.
+    return _moe_fused_core(xp, group_sizes, w1, b1, w2, b2, cfg), (xp, group_sizes, w1, b1, w2, b2)
+
+
+def _moe_fused_core_bwd(cfg, res, dy):
+    xp, group_sizes, w1, b1, w2, b2 = res
+    num_tiles = -(-xp.shape[0] // cfg.tm)
+    meta = group_metadata(group_sizes, num_tiles, cfg.tm)
+    meta_all = group_metadata(group_sizes, num_tiles, cfg.tm, visit_empty=True)
+    dy = dy.astype(xp.dtype)
+    dx = _fused_dx(meta, xp, dy, w1, b1, w2, cfg)
+    dw1, db1, dw2, db2 = _fused_dw(meta_all, xp, dy, w1, b1, w2, cfg, bias1_dtype=b1.dtype, bias2_dtype=b2.dtype)
+    return dx, None, dw1, db1, dw2, db2
+
+
+_moe_fused_core.defvjp(_moe_fused_core_fwd, _moe_fused_core_bwd)
+
+
+DEFAULT_FUSED_TILING = {
+    # th is unused by the fused kernels (they take H whole: the SwiGLU needs the full H
+    # reduction before the down projection). ti = I when it fits the VMEM budget below, so
+    # each expert's weight blocks are fetched once per expert rather than once per row tile.
+    # Untuned: tune on hardware.
+    "tpu": MoETiling(tm=256, th=0, ti=512),
+    "cpu": MoETiling(tm=128, th=0, ti=512),
+}
+_FUSED_VMEM_BUDGET = 40 * 2**20   # tiles are shrunk until the estimate fits (TPU only)
+_FUSED_VMEM_CAP = 64 * 2**20      # vmem_limit_bytes never above this (v7x has 64 MiB per core)
+
+
+def _fused_vmem_bytes(tm: int, hdim: int, ti: int, itemsize: int) -> int:
+    """Rough VMEM use of the largest fused kernel (the dW one): double-buffered blocks, float32
+    accumulators, and float32 temporaries of the [tm, H] and [tm, 2ti] intermediates."""
+    blocks = 2 * itemsize * (2 * tm * hdim + 2 * (3 * hdim * ti))   # x, dy; w1/w2 in and dw1/dw2 out
+    scratch = 4 * 3 * hdim * ti
+    temps = 4 * (3 * tm * hdim + 12 * tm * 2 * ti)
+    return blocks + scratch + temps
+
+
+def _resolve_fused_tiling(tiling, backend: str, m: int, hdim: int, idim: int, dtype) -> tuple[int, int, int]:
+    """(tm, ti, padded I). TPU block rules: the x/y/dx blocks take H whole (always legal); a
+    w1 block is [H, 2ti] and a w2 block [ti, H], so ti must be I itself or a multiple of 64
+    (2ti a multiple of 128 lanes, ti of 16 sublanes). An I with no such divisor <= the wanted
+    tile is zero-padded to a multiple of 128 (a weight copy: only in that case)."""
+    want = MoETiling(*(tiling if tiling is not None else DEFAULT_FUSED_TILING[backend]))
+    on_tpu = backend == "tpu"
+    itemsize = jnp.dtype(dtype).itemsize
+    sub = (16 if itemsize < 4 else 8) if on_tpu else 8
+    tm = max(sub, min(_round_up(want.tm, sub), _round_up(m, sub)))
+    if not on_tpu:
+        return tm, _fit(idim, want.ti, 8), idim
+    ip = idim
+    ti = _fit(idim, want.ti, 64)
+    if ti == idim and idim > want.ti:
+        ip = _round_up(idim, 128)
+        ti = _fit(ip, want.ti, 128)
+    # Shrink to the VMEM budget: first ti (to multiples of 64 dividing ip), then tm.
+    while _fused_vmem_bytes(tm, hdim, ti, itemsize) > _FUSED_VMEM_BUDGET:
+        smaller = _fit(ip, ti - 64, 64) if ti > 64 else ti
+        if smaller < ti:
+            ti = smaller
+        elif tm > sub:
+            tm = max(sub, _round_up(tm // 2, sub))
+        else:
+            break
+    return tm, ti, ip
+
+
+def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
+                       limit: float = 7.0, tiling=None, backend: str | None = None, interpret=None):
+    """Fused Pallas expert MLP: per (row tile, expert) work item, up projection, clamped SwiGLU
+    and down projection in one kernel; h [M, I] and the pre-activation [M, 2I] (or its gradient)
+    exist only as VMEM tiles, in forward and backward. Backward (custom_vjp) recomputes them in
+    a dx kernel and an expert-major dW/db kernel. gate_up is used in its interleaved layout (no
+    per-call permuted copy); see the section comment for how the kernels de-interleave.
+
+    tiling: MoETiling(tm, th, ti) or a 3-tuple (rows, unused, I tile); None -> per-backend
+    DEFAULT_FUSED_TILING, clipped to the problem and (TPU) to a VMEM budget. backend: None ->
+    jax.default_backend(); 'tpu' -> Mosaic; 'cpu' -> the same kernels in interpret mode.
+    interpret: None -> plain interpret mode exactly when backend is 'cpu'; a
+    pltpu.InterpretParams runs the TPU-simulating interpreter instead (NaN-filled buffers, race
+    detection, several cores; slower), with the TPU tiling rules unless backend='cpu'.
+    Float32 inputs use HIGHEST precision, all matmuls accumulate in float32; outputs and
+    gradients come back in the input dtypes.
+    """
+    backend = (backend or jax.default_backend()).lower()
+    if backend in ("gpu", "cuda", "rocm"):
+        raise NotImplementedError("moe_experts_pallas has no GPU kernel (its kernels are Mosaic TPU); on GPU use "
+                                  "the 'xla' implementation (moe_experts_xla) or 'ragged_dot' (moe_experts_reference)")
+    if backend not in ("tpu", "cpu"):
+        raise ValueError(f"moe_experts_pallas: unknown backend {backend!r} (expected 'tpu' or 'cpu')")
+    m, hdim = x.shape
+    num_groups, _, two_i = gate_up.shape
+    idim = two_i // 2
+    if m == 0:
+        return jnp.zeros_like(x)
+    tm, ti, ip = _resolve_fused_tiling(tiling, backend, m, hdim, idim, x.dtype)
+    vmem = None
+    if backend == "tpu":
+        est = _fused_vmem_bytes(tm, hdim, ti, jnp.dtype(x.dtype).itemsize)
+        vmem = int(min(_FUSED_VMEM_CAP, max(32 * 2**20, _round_up(est * 5 // 4, 2**20))))
+    cfg = _FusedConfig(tm, ti, float(alpha), float(limit), backend == "cpu" if interpret is None else interpret, vmem)
+    dtype = x.dtype
+    w1, b1 = gate_up.astype(dtype), gate_up_bias.reshape(num_groups, 1, two_i)
+    w2, b2 = down.astype(dtype), down_bias.reshape(num_groups, 1, hdim)
+    if ip != idim:   # zero gate/up columns and down rows give h = 0 there: results unchanged
+        w1 = jnp.pad(w1.reshape(num_groups, hdim, idim, 2),
+                     ((0, 0), (0, 0), (0, ip - idim), (0, 0))).reshape(num_groups, hdim, 2 * ip)
+        b1 = jnp.pad(b1.reshape(num_groups, 1, idim, 2),
+                     ((0, 0), (0, 0), (0, ip - idim), (0, 0))).reshape(num_groups, 1, 2 * ip)
+        w2 = jnp.pad(w2, ((0, 0), (0, ip - idim), (0, 0)))
+    # No row padding: when tm does not divide M the last row tile overhangs the arrays. Its rows
+    # past M belong to no expert (offsets[E] == M), so they are masked by select on store and
+    # zeroed in the dW kernel; their out-of-bounds block writes are dropped.
+    return _moe_fused_core(x, group_sizes.astype(jnp.int32), w1, b1, w2, b2, cfg)
 
 
 # =============================================================================================
