@@ -90,7 +90,7 @@ register_implementation("moe", "ragged_dot", f"{_K}.moe:moe_experts_reference",
 register_implementation("moe", "megablox", f"{_K}.moe:moe_experts_megablox", backends=("cpu", "tpu"),
                         description="jax-shipped megablox gmm (TPU; interpret on CPU)")
 register_implementation("moe", "pallas", f"{_K}.moe:moe_experts_pallas", backends=("cpu", "tpu"),
-                        description="grouped GEMM with fused clamped SwiGLU (Mosaic TPU; interpret on CPU)")
+                        description="fused grouped expert MLP: up + clamped SwiGLU + down in VMEM (Mosaic TPU; interpret on CPU)")
 
 
 # ---- selection --------------------------------------------------------------------------------

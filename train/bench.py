@@ -232,10 +232,17 @@ def _is_kernel(fn) -> bool:
         return False
 
 
-def _compile(f, abstract, budget: float, tpu_interp: bool):
+def _compile(f, abstract, budget: float, mode: str):
+    """mode 'opaque': each pallas_call becomes an opaque call with its output shapes, so the
+    figure is what the program allocates outside the kernels (what a TPU program would hold in
+    HBM; the interpreters instead copy kernel inputs into loop state). 'tpu-interp': the TPU
+    interpreter. 'interpret' / 'plain': as written."""
     import jax
+
+    from pallas_kernels.memory import opaque_pallas_calls
+
     jax.clear_caches()  # the same function lowered under another mode must not hit a cache
-    ctx = _tpu_interpreter() if tpu_interp else contextlib.nullcontext()
+    ctx = {"opaque": opaque_pallas_calls, "tpu-interp": _tpu_interpreter}.get(mode, contextlib.nullcontext)()
     start = time.perf_counter()
     with _time_budget(budget), ctx:
         compiled = jax.jit(f).lower(*abstract).compile()
@@ -282,15 +289,15 @@ def _bench_case(case: Case, impls: dict, args, log) -> list[dict]:
                 continue
             kernel = _is_kernel(fn)
             kernel_kwargs = {"backend": "cpu"} if kernel else {}
-            vjp = args.vjp and direction == "fwd+bwd"
+            vjp = not args.sum_loss and direction == "fwd+bwd"
             f = _make_fn(fn, case, direction, kernel_kwargs, vjp)
             compiled = None
-            attempts = [("tpu-interp", True), ("interpret", False)] if kernel else [("plain", False)]
+            attempts = ["opaque", "tpu-interp", "interpret"] if kernel else ["plain"]
             notes = []
-            for mode, tpu in attempts:
+            for mode in attempts:
                 try:
                     abstract = _abstract_inputs(case, fn, kernel_kwargs, vjp)
-                    compiled, secs = _compile(f, abstract, args.compile_timeout, tpu)
+                    compiled, secs = _compile(f, abstract, args.compile_timeout, mode)
                     row["analysed_as"], row["compile_s"] = mode, round(secs, 2)
                     break
                 except _Timeout as e:
@@ -457,9 +464,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
     parser.add_argument("--compile-timeout", type=float, default=180.0,
                         help="seconds allowed per compile before the row records an error (default 180)")
-    parser.add_argument("--vjp", action="store_true",
-                        help="forward+backward as (inputs, output cotangents) -> (outputs, grads) instead of "
-                             "value_and_grad of sum(outputs): outputs and cotangents are then not temps")
+    parser.add_argument("--sum-loss", action="store_true",
+                        help="measure forward+backward as value_and_grad of sum(outputs) instead of the default "
+                             "(inputs, output cotangents) -> (outputs, grads), where outputs and cotangents are "
+                             "the program's own outputs and arguments, not temps")
     parser.add_argument("--verbose", action="store_true", help="print each row as it is measured")
 
 
@@ -469,8 +477,8 @@ def _command_line(args) -> str:
         parts += ["--impls", args.impls]
     if not args.time:
         parts.append("--no-time")
-    if args.vjp:
-        parts.append("--vjp")
+    if args.sum_loss:
+        parts.append("--sum-loss")
     if args.json:
         parts += ["--json", args.json]
     return " ".join(parts)
@@ -508,8 +516,10 @@ def run(args) -> int:
     print(f"\n{len(rows)} rows in {elapsed:.0f} s; {errors} rows with errors. Goal (Lyra's published savings, "
           f"stated for Lyra Small shapes) met in {sum(r['meets_goal'] for r in big)} of {len(big)} lyra-small rows "
           f"that have one ({met} of {len(goal_rows)} over all shape sets; at tiny shapes fixed overheads dominate).")
-    print("temp memory: compiled-program temporaries (memory_analysis().temp_size_in_bytes), compile only. "
-          "tpu-interp: TPU kernel under the TPU interpreter; interpret: generic Pallas interpreter "
+    print("temp memory: compiled-program temporaries (memory_analysis().temp_size_in_bytes), compile only; "
+          "fwd+bwd is the vjp program (inputs, output cotangents) -> (outputs, grads) unless --sum-loss. "
+          "opaque: each pallas_call replaced by an opaque call with its output shapes, i.e. what the program "
+          "holds outside the kernels (kernel VMEM not counted); tpu-interp: TPU kernel under the TPU interpreter; interpret: generic Pallas interpreter "
           "(copies inputs, overstates); plain: plain JAX. Times: CPU, tiny shapes, plain-JAX implementations only.")
     if args.json:
         report = dict(
@@ -517,7 +527,7 @@ def run(args) -> int:
             date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             machine=machine_info(), elapsed_s=round(elapsed, 1), goals={f"{k[0]} {k[1]}": v for k, v in GOALS.items()},
             settings=dict(shapes=shapes, ops=ops, time=args.time, repeats=args.repeats, warmup=args.warmup,
-                          backward="vjp" if args.vjp else "value_and_grad of sum(outputs)",
+                          backward="value_and_grad of sum(outputs)" if args.sum_loss else "vjp with output cotangents as inputs",
                           compile_timeout_s=args.compile_timeout),
             rows=rows)
         directory = os.path.dirname(os.path.abspath(args.json))
