@@ -646,7 +646,8 @@ def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float,
 
 # ---- Splash (jax-shipped TPU kernel) wrapper: a baseline and fall-back --------------------------
 
-@functools.lru_cache(maxsize=32)
+# Not cached: the kernel object holds mask arrays, and one built inside a trace would leak that
+# trace's values into the next (UnexpectedTracerError on the second jit).
 def _splash_kernel(num_q_heads: int, padded_len: int, window: int, block: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm

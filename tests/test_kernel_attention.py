@@ -219,3 +219,13 @@ def test_rejects_bad_inputs():
         attention_pallas(q[:, :3], k, v, sinks[:3], sliding_window=0, scale=1.0)
     with pytest.raises(ValueError, match="powers of two"):
         attention_pallas(q, k, v, sinks, sliding_window=0, scale=1.0, block_q=24, backend="gpu")
+
+
+def test_splash_wrapper_can_be_traced_twice():
+    """Regression: a cached splash kernel built inside one trace leaked its values into the next."""
+    q = jnp.ones((1, 2, 64, 32))
+    k = jnp.ones((1, 1, 64, 32))
+    sinks = jnp.zeros(2)
+    for _ in range(2):
+        f = jax.jit(jax.grad(lambda q: attention_splash(q, k, k, sinks, sliding_window=8, scale=0.1).sum()))
+        assert f(q).shape == q.shape
