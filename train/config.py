@@ -14,7 +14,7 @@ class TrainConfig:
     preset: str = "tiny"
     data: str = "data/shakespeare"
     out: str = "runs/tiny"
-    steps: int = 500
+    steps: int = 300
     batch_size: int = 8
     seq_len: int = 256
     micro_batches: int = 1
