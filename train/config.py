@@ -26,7 +26,7 @@ class TrainConfig:
     kernels: str = "auto"
     compute_dtype: str = "float32"
     seed: int = 0
-    eval_every: int = 100
+    eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 10
     samples: int = 2
