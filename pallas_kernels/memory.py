@@ -5,9 +5,9 @@ on any backend, without running it or having the target hardware.
     temp_bytes(vjp_program(fn, argnums), *specs, dy_spec)   forward + backward
 
 `temp_size_in_bytes` excludes a program's arguments and outputs, so `vjp_program` takes the
-cotangent dy as an INPUT and returns only the cotangents: no loss reduction and no [M, H] buffer
-common to every implementation is added, and what is left is what the implementation itself
-allocates (residuals, intermediates, copies).
+cotangent dy as an INPUT and returns the outputs and the input cotangents: no loss reduction and
+no [M, H] buffer common to every implementation is added, and what is left is what the
+implementation itself allocates (residuals, intermediates, copies).
 
 Two modes, report both:
   opaque=False  the program as it is compiled here. On CPU a pallas_call runs in interpret mode,
@@ -65,13 +65,18 @@ def temp_bytes(fn: Callable, *specs, opaque: bool = False) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def vjp_program(fn: Callable, argnums: Sequence[int]) -> Callable:
-    """(*inputs, dy) -> cotangents of inputs[argnums]: `jax.vjp(fn, ...)[1](dy)` with the
-    cotangent an input, the non-differentiated inputs (e.g. integer group sizes) held fixed."""
+def vjp_program(fn: Callable, argnums: Sequence[int], n_inputs: int | None = None) -> Callable:
+    """(*inputs, *cotangents) -> (outputs, cotangents of inputs[argnums]).
+
+    `jax.vjp(fn, ...)` with the output cotangents as INPUTS and the outputs returned, so neither
+    counts as a temp: what remains is what the implementation itself holds (residuals, copies).
+    Non-differentiated inputs (e.g. integer group sizes) are held fixed. n_inputs: how many of
+    the arguments are inputs (default: all but the last, i.e. one output)."""
     argnums = tuple(argnums)
 
     def program(*args):
-        *inputs, dy = args
+        split = len(args) - 1 if n_inputs is None else n_inputs
+        inputs, cotangents = args[:split], args[split:]
 
         def f(*diff):
             full = list(inputs)
@@ -79,8 +84,8 @@ def vjp_program(fn: Callable, argnums: Sequence[int]) -> Callable:
                 full[i] = d
             return fn(*full)
 
-        _, pullback = jax.vjp(f, *(inputs[i] for i in argnums))
-        return pullback(dy)
+        out, pullback = jax.vjp(f, *(inputs[i] for i in argnums))
+        return out, pullback(tuple(cotangents) if isinstance(out, (tuple, list)) else cotangents[0])
 
     return program
 

@@ -115,18 +115,8 @@ def _make_fn(fn, case: Case, direction: str, kernel_kwargs: dict, vjp: bool = Fa
     floats = _float_positions(case)
 
     if vjp:
-        def fwd_vjp(*args_and_cts):
-            args, cts = args_and_cts[:len(case.specs)], args_and_cts[len(case.specs):]
-
-            def part(*fl):
-                full = list(args)
-                for pos, x in zip(floats, fl):
-                    full[pos] = x
-                return fwd(*full)
-            out, pullback = jax.vjp(part, *(args[p] for p in floats))
-            ct = tuple(cts) if isinstance(out, (tuple, list)) else cts[0]
-            return out, pullback(ct)
-        return fwd_vjp
+        from pallas_kernels.memory import vjp_program
+        return vjp_program(fwd, floats, n_inputs=len(case.specs))
 
     def fwd_bwd(*args):
         def loss(*fl):
