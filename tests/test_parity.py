@@ -214,7 +214,9 @@ OTHER_SETS = [kernel_label(s) for s in default_kernel_sets()[0][1:]]
 
 @pytest.fixture(scope="module")
 def matrix():
-    return run_parity(SMALL, kernel_sets=OTHER_SETS, dtypes=("float32", "bfloat16"), batch=BATCH, seq_len=SEQ)
+    """The full `tiny` preset (4 layers: sliding and full attention twice), every kernel set."""
+    return run_parity(config.get_preset("tiny"), kernel_sets=OTHER_SETS, dtypes=("float32", "bfloat16"),
+                      batch=BATCH, seq_len=SEQ)
 
 
 @pytest.mark.slow
