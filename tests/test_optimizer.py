@@ -42,6 +42,15 @@ def _run_ours(params, grads_seq, cfg):
     return params
 
 
+def _run_optax(tx, params, grads_seq):
+    jp = {n: jnp.asarray(p.numpy()) for n, p in params.items()}
+    state = tx.init(jp)
+    for grads in grads_seq:
+        updates, state = tx.update({n: jnp.asarray(g.numpy()) for n, g in grads.items()}, state, jp)
+        jp = optax.apply_updates(jp, updates)
+    return jp
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_matches_optax_contrib_muon(nesterov):
     """Linear weights [out, in], and a batch of expert matrices [E, in, out] each orthogonalized
@@ -61,11 +70,7 @@ def test_muon_matches_optax_contrib_muon(nesterov):
     tx = optax.contrib.muon(learning_rate=cfg.lr, ns_coeffs=cfg.ns_coeffs, ns_steps=cfg.ns_steps, beta=cfg.momentum,
                             eps=cfg.eps, weight_decay=cfg.weight_decay, nesterov=nesterov,
                             muon_weight_dimension_numbers=dims)
-    jp = {n: jnp.asarray(p.numpy()) for n, p in params.items()}
-    state = tx.init(jp)
-    for grads in grads_seq:
-        updates, state = tx.update({n: jnp.asarray(g.numpy()) for n, g in grads.items()}, state, jp)
-        jp = optax.apply_updates(jp, updates)
+    jp = _run_optax(tx, params, grads_seq)
     for n in shapes:
         assert rel_err(ours[n], jp[n]) < 1e-5, n
 
@@ -80,11 +85,7 @@ def test_adamw_matches_optax_adamw():
     ours = _run_ours(dict(params), grads_seq, cfg)
     tx = optax.adamw(cfg.adam_lr, b1=cfg.adam_betas[0], b2=cfg.adam_betas[1], eps=cfg.eps,
                      weight_decay=cfg.adam_weight_decay)
-    jp = {n: jnp.asarray(p.numpy()) for n, p in params.items()}
-    state = tx.init(jp)
-    for grads in grads_seq:
-        updates, state = tx.update({n: jnp.asarray(g.numpy()) for n, g in grads.items()}, state, jp)
-        jp = optax.apply_updates(jp, updates)
+    jp = _run_optax(tx, params, grads_seq)
     for n in shapes:
         assert rel_err(ours[n], jp[n]) < 1e-6, n
 
