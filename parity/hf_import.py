@@ -16,6 +16,7 @@ from safetensors import safe_open
 from parity import hf_mapping
 from train import checkpoint
 from train.errors import UserError
+from train.jsonfile import read_json
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,10 +28,7 @@ def read_hf_config(hf_dir: Path) -> dict:
         raise UserError(f"{hf_dir}: Hugging Face model directory not found")
     if not path.is_file():
         raise UserError(f"{path}: expected a transformers config.json, found no file")
-    try:
-        hf = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e})") from None
+    hf = read_json(path)
     if not isinstance(hf, dict):
         raise UserError(f"{path}: expected a JSON object, found {type(hf).__name__}")
     return hf

@@ -24,6 +24,7 @@ import torch
 from torch_model.config import ConfigError, ModelConfig
 from train.atomic import fsync_path
 from train.errors import UserError
+from train.jsonfile import read_json
 
 FORMAT, VERSION = "torchlyra-checkpoint", 1
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -176,10 +177,7 @@ def read_config(dir: str | os.PathLike) -> tuple[dict, ModelConfig]:
     path = dir / CONFIG_FILE
     if not path.is_file():
         raise UserError(f"{path}: expected a torchlyra checkpoint config, found no file")
-    try:
-        config = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e})") from None
+    config = read_json(path)
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         found = config.get("format") if isinstance(config, dict) else type(config).__name__
         hint = " (a Hugging Face model? use `torchlyra import`)" if isinstance(config, dict) and "model_type" in config else ""

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from train.errors import UserError
+from train.jsonfile import read_json
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,6 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise UserError(f"config: {name} must be a number > 0, found {value!r}")
-        if self.batch_size % 1:
-            raise UserError("config: batch_size must be an integer")
         if not 0 <= self.min_lr_ratio <= 1:
             raise UserError(f"config: min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
@@ -66,10 +64,7 @@ def load_config_file(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file {path} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"config file {path}: invalid JSON ({e})") from None
+    data = read_json(p)
     if not isinstance(data, dict):
         raise UserError(f"config file {path}: expected a JSON object, found {type(data).__name__}")
     known = {f.name for f in dataclasses.fields(TrainConfig)}

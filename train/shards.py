@@ -19,6 +19,7 @@ from array_record.python import array_record_module as arm
 
 from train.atomic import fsync_path
 from train.errors import UserError
+from train.jsonfile import read_json
 
 FORMAT = "torchlyra-token-shards"
 FORMAT_VERSION = 1
@@ -99,10 +100,7 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
     if not path.is_file():
         raise UserError(f"{data_dir}: expected {MANIFEST}, found none: not a prepared dataset "
                         f"(run `torchlyra prepare --out {data_dir}`)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e})") from e
+    manifest = read_json(path)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise UserError(f"{path}: field 'format' expected {FORMAT!r}, found {found!r}: "
