@@ -4,7 +4,6 @@ state donated.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 

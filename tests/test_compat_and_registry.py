@@ -1,5 +1,4 @@
 """The torchax/torch 2.13 shim and the op registry."""
-import jax
 import jax.numpy as jnp
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """A full train step of `tiny` with every op on its Pallas kernel (interpret mode on CPU)
 matches the `xla` step: loss, every gradient, and the parameters after the update."""
 import numpy as np
-import pytest
 import torch
 
 from helpers import rel_err

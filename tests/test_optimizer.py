@@ -1,5 +1,4 @@
 """Muon + AdamW: parameter groups, and the math cross-checked against optax."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -1,6 +1,5 @@
 """End to end through the CLI: prepare a small corpus, train briefly, generate, and bad input."""
 import json
-from pathlib import Path
 
 import pytest
 

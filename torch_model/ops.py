@@ -11,7 +11,6 @@ only ever used by eager PyTorch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 NAMESPACE = "torchlyra"
 

@@ -7,7 +7,6 @@ attention the padding after the current position cannot change its logits. (A KV
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
