@@ -33,17 +33,30 @@ def params_to_torch(params: dict[str, jax.Array]) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_function(model: torch.nn.Module):
-    """fn(params, *args) -> model(*args) with `params` substituted, as a JAX function."""
+def model_function(model: torch.nn.Module, method: str = "forward"):
+    """fn(params, *args) -> model.<method>(*args) with `params` substituted, as a JAX function."""
     env = get_env()
+    module = model if method == "forward" else _MethodAsForward(model, method)
+    prefix = "" if method == "forward" else "inner."
 
     def fn(params, *args):
-        torch_params, torch_args = env.j2t_iso((params, args))
+        torch_params, torch_args = env.j2t_iso(({prefix + k: v for k, v in params.items()}, args))
         with env:
-            out = torch.func.functional_call(model, torch_params, torch_args)
+            out = torch.func.functional_call(module, torch_params, torch_args)
         return env.t2j_iso(out)
 
     return fn
+
+
+class _MethodAsForward(torch.nn.Module):
+    """Calls another method of the wrapped model as `forward`, for `functional_call`."""
+
+    def __init__(self, inner: torch.nn.Module, method: str):
+        super().__init__()
+        self.inner, self.method = inner, method
+
+    def forward(self, *args):
+        return getattr(self.inner, self.method)(*args)
 
 
 def optimizer_function(plan, cfg: OptimizerConfig):

@@ -20,7 +20,8 @@ from typing import Callable
 
 import jax
 
-OPS = ("attention", "cross_entropy", "moe")
+OPS = ("attention", "cross_entropy", "moe")      # the training forward's ops
+GENERATION_OPS = ("cached_attention",)           # used only by the KV-cache forward (generation)
 BACKENDS = ("cpu", "gpu", "tpu")
 # What `auto` picks, best first, per backend.
 AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("xla",)}
@@ -52,13 +53,13 @@ class Implementation:
         return self._fn
 
 
-_TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS}
+_TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS + GENERATION_OPS}
 
 
 def register_implementation(op: str, name: str, fn: Callable | str, *, backends=BACKENDS, description: str = ""):
     """Add (or replace) implementation `name` of `op`. `fn` has the op's reference signature."""
     if op not in _TABLE:
-        raise KernelError(f"unknown op {op!r}; ops are: {', '.join(OPS)}")
+        raise KernelError(f"unknown op {op!r}; ops are: {', '.join(_TABLE)}")
     if name == "auto":
         raise KernelError("'auto' is reserved: it picks the best implementation for the backend")
     unknown = set(backends) - set(BACKENDS)
@@ -89,6 +90,8 @@ register_implementation("moe", "ragged_dot", f"{_K}.moe:moe_experts_reference",
                         description="jax.lax.ragged_dot (the reference)")
 register_implementation("moe", "megablox", f"{_K}.moe:moe_experts_megablox", backends=("cpu", "tpu"),
                         description="jax-shipped megablox gmm (TPU; interpret on CPU)")
+register_implementation("cached_attention", "xla", f"{_K}.decode_attention:cached_attention_reference",
+                        description="plain JAX over the cache slots, masked by token position")
 register_implementation("moe", "pallas", f"{_K}.moe:moe_experts_pallas", backends=("cpu", "tpu"),
                         description="fused grouped expert MLP: up + clamped SwiGLU + down in VMEM (Mosaic TPU; interpret on CPU)")
 
@@ -99,15 +102,15 @@ def current_backend() -> str:
     return "gpu" if backend in ("cuda", "rocm") else backend
 
 
-def parse_kernel_spec(spec: str | dict | None) -> dict[str, str]:
+def parse_kernel_spec(spec: str | dict | None, ops: tuple[str, ...] = OPS) -> dict[str, str]:
     """'attention=pallas,moe=xla' (or a dict, or 'auto', or a single name for every op) ->
     {op: implementation name}; ops not named get 'auto'."""
-    choice = {op: "auto" for op in OPS}
+    choice = {op: "auto" for op in ops}
     if spec is None or spec == "":
         return choice
     if isinstance(spec, str):
         if "=" not in spec:
-            return {op: spec.strip() for op in OPS}
+            return {op: spec.strip() for op in ops}
         items = {}
         for part in spec.split(","):
             if "=" not in part:
@@ -116,17 +119,18 @@ def parse_kernel_spec(spec: str | dict | None) -> dict[str, str]:
             items[op] = name
         spec = items
     for op, name in spec.items():
-        if op not in OPS:
-            raise KernelError(f"--kernels: unknown op {op!r}; ops are: {', '.join(OPS)}")
+        if op not in _TABLE:
+            raise KernelError(f"--kernels: unknown op {op!r}; ops are: {', '.join(_TABLE)}")
         choice[op] = name
     return choice
 
 
-def resolve(spec: str | dict | None, backend: str | None = None) -> dict[str, str]:
-    """Turn a kernel spec into concrete names that exist and can run on `backend`."""
+def resolve(spec: str | dict | None, backend: str | None = None, ops: tuple[str, ...] = OPS) -> dict[str, str]:
+    """Turn a kernel spec into concrete names that exist and can run on `backend` (for `ops`;
+    generation passes OPS + GENERATION_OPS)."""
     backend = backend or current_backend()
     resolved = {}
-    for op, name in parse_kernel_spec(spec).items():
+    for op, name in parse_kernel_spec(spec, ops).items():
         table = _TABLE[op]
         if name == "auto":
             name = next((n for n in AUTO_PREFERENCE.get(backend, ("xla",)) if n in table), None)
@@ -152,9 +156,8 @@ def describe(resolved: dict[str, str], backend: str | None = None) -> str:
 # ---- routing the torch ops --------------------------------------------------------------------
 def _adapters(resolved: dict[str, str]):
     """JAX callables with the torch ops' positional schemas, calling the chosen implementations."""
-    attn = _TABLE["attention"][resolved["attention"]].load()
-    ce = _TABLE["cross_entropy"][resolved["cross_entropy"]].load()
-    moe = _TABLE["moe"][resolved["moe"]].load()
+    fn = {op: _TABLE[op][name].load() for op, name in resolved.items()}
+    attn, ce, moe = fn["attention"], fn["cross_entropy"], fn["moe"]
 
     def attention(q, k, v, sinks, sliding_window, scale):
         return attn(q, k, v, sinks, sliding_window=int(sliding_window), scale=float(scale))
@@ -166,7 +169,14 @@ def _adapters(resolved: dict[str, str]):
         return moe(x, group_sizes.astype("int32"), gate_up, gate_up_bias, down, down_bias,
                    alpha=float(alpha), limit=float(limit))
 
-    return {"attention": attention, "cross_entropy": cross_entropy, "moe": moe_experts}
+    def cached_attention(q, k, v, sinks, q_positions, k_positions, sliding_window, scale):
+        return fn["cached_attention"](q, k, v, sinks, q_positions.astype("int32"), k_positions.astype("int32"),
+                                      sliding_window=int(sliding_window), scale=float(scale),
+                                      platform=current_backend())
+
+    adapters = {"attention": attention, "cross_entropy": cross_entropy, "moe": moe_experts,
+                "cached_attention": cached_attention}
+    return {op: adapters[op] for op in resolved}
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_model import ops
+from torch_model import kv_cache, ops
 from torch_model.config import ModelConfig
 from torch_model.rope import apply_rope, rope_cos_sin
 
@@ -51,6 +51,27 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ops.OPS["attention"](q, k, v, self.sinks.to(q.dtype), self.sliding_window, self.head_dim ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def forward_cached(self, x, cos, sin, keys, values, positions, slot_positions, new_slot_positions, start):
+        """Attention of T new tokens (positions [B, T]) over this layer's cache; `start` is the
+        sequence index of the first new token. Returns (out, keys, values) with the new keys and
+        values written; slot_positions / new_slot_positions: the cache's positions before / after."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_keys, new_values = kv_cache.write(keys, k, start, 2), kv_cache.write(values, v, start, 2)
+        if self.sliding_window and t > 1:
+            # Writing first could overwrite ring slots that this chunk's earlier queries still see.
+            k_all, v_all = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+            k_pos = torch.cat([slot_positions, positions], 1)
+        else:
+            k_all, v_all, k_pos = new_keys, new_values, new_slot_positions
+        out = ops.OPS["cached_attention"](q, k_all, v_all, self.sinks.to(q.dtype), positions, k_pos,
+                                          self.sliding_window, self.head_dim ** -0.5)
+        out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return out, new_keys, new_values
 
 
 class Router(nn.Module):
@@ -149,6 +170,12 @@ class DecoderLayer(nn.Module):
         out, stats = self.mlp(self.post_attention_layernorm(x))
         return x + out, stats
 
+    def forward_cached(self, x, cos, sin, *cache_args):
+        attn, keys, values = self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, *cache_args)
+        x = x + attn
+        out, _ = self.mlp(self.post_attention_layernorm(x))
+        return x + out, keys, values
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -167,6 +194,24 @@ class Backbone(nn.Module):
             x, layer_stats = layer(x, cos, sin)
             stats.append(layer_stats)
         return self.norm(x), stats
+
+    def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
+        """Hidden states of T new tokens [B, T] at per-row `positions` [B, T] (EMPTY for padding),
+        written into `cache` at sequence index `start` onward; returns (hidden, updated cache)."""
+        b, t = input_ids.shape
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.cfg, positions.clamp(min=0).reshape(-1), x.dtype)
+        cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)
+        full = kv_cache.write(cache.full_positions, positions.to(torch.int32), start, 1)
+        sliding = kv_cache.write(cache.sliding_positions, positions.to(torch.int32), start, 1)
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            before, after = (cache.sliding_positions, sliding) if layer.self_attn.sliding_window else (
+                cache.full_positions, full)
+            x, k, v = layer.forward_cached(x, cos, sin, cache.keys[i], cache.values[i], positions, before, after, start)
+            keys.append(k)
+            values.append(v)
+        return self.norm(x), kv_cache.KVCache(tuple(keys), tuple(values), full, sliding)
 
 
 class GptOssForCausalLM(nn.Module):
@@ -199,6 +244,13 @@ class GptOssForCausalLM(nn.Module):
         if labels is None:
             return self.lm_head(hidden)
         return self.loss(hidden, labels, stats)
+
+    def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
+        """Generation step: run T new tokens through the model with a KV cache (see
+        `Backbone.forward_cached`) and return (logits of the last position [B, V], cache). Only
+        that position's logits are formed: with left padding it is every row's newest token."""
+        hidden, cache = self.model.forward_cached(input_ids, positions, cache, start)
+        return self.lm_head(hidden[:, -1]), cache
 
     def loss(self, hidden, labels, stats):
         cfg = self.cfg

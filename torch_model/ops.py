@@ -1,4 +1,4 @@
-"""The three hot operations as named PyTorch custom ops, each with an eager reference.
+"""The hot operations as named PyTorch custom ops, each with an eager reference.
 
 The model calls only these ops for attention, the LM-head cross-entropy and the expert MLPs.
 Eagerly on CPU they run the references below (the ground truth); under torchax the bridge
@@ -25,16 +25,39 @@ def attention_reference(q, k, v, sinks, sliding_window: int, scale: float):
     sinks: [Hq]. sliding_window W > 0 lets query i see keys i-W+1..i; 0 means all keys <= i.
     The sink joins each score row before the softmax and is dropped after (GPT-OSS).
     """
-    b, hq, tq, _ = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    tq, tk = q.shape[2], k.shape[2]
     qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
     kpos = torch.arange(tk, device=q.device)[None, :]
+    return _attend_with_sinks(q, k, v, sinks, _visible(qpos, kpos, sliding_window), scale)
+
+
+def cached_attention_reference(q, k, v, sinks, q_positions, k_positions, sliding_window: int, scale: float):
+    """Attention of new queries over a KV cache, each row with its own positions.
+
+    q: [B, Hq, Tq, D]; k, v: [B, Hkv, S, D] (cache slots, in any order); q_positions: [B, Tq] and
+    k_positions: [B, S] integer token positions, -1 for an empty slot or padding (never seen).
+    Key j is visible to query i when 0 <= k_pos[j] <= q_pos[i] and, with W > 0,
+    k_pos[j] > q_pos[i] - W: the causal/sliding rule of `attention_reference`, by position.
+    """
+    qpos, kpos = q_positions[:, None, :, None], k_positions[:, None, None, :]
+    visible = _visible(qpos, kpos, sliding_window) & (kpos >= 0)
+    return _attend_with_sinks(q, k, v, sinks, visible, scale)
+
+
+def _visible(qpos, kpos, sliding_window: int):
     visible = kpos <= qpos
     if sliding_window > 0:
         visible = visible & (kpos > qpos - sliding_window)
+    return visible
+
+
+def _attend_with_sinks(q, k, v, sinks, visible, scale: float):
+    """softmax([q.k * scale masked by `visible`, sink]) @ v, dropping the sink column."""
+    b, hq, tq, _ = q.shape
+    hkv = k.shape[1]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
     sink_col = sinks.float().view(1, hq, 1, 1).expand(b, hq, tq, 1)
     combined = torch.cat([scores, sink_col], dim=-1)
@@ -127,6 +150,18 @@ def _(q, k, v, sinks, sliding_window, scale):
 _register_recompute_backward(attention, attention_reference, 4, (0, 1, 2, 3))
 
 
+@torch.library.custom_op(f"{NAMESPACE}::cached_attention", mutates_args=())
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                     q_positions: torch.Tensor, k_positions: torch.Tensor, sliding_window: int,
+                     scale: float) -> torch.Tensor:
+    return cached_attention_reference(q, k, v, sinks, q_positions, k_positions, sliding_window, scale)
+
+
+@cached_attention.register_fake
+def _(q, k, v, sinks, q_positions, k_positions, sliding_window, scale):
+    return torch.empty_like(q)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,4 +195,5 @@ OPS = {
     "attention": torch.ops.torchlyra.attention,
     "cross_entropy": torch.ops.torchlyra.linear_cross_entropy,
     "moe": torch.ops.torchlyra.moe_experts,
+    "cached_attention": torch.ops.torchlyra.cached_attention,   # generation with a KV cache
 }

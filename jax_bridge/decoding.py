@@ -1,0 +1,154 @@
+"""Generation through the lowered model: a prefill program and a decode-loop program per bucket.
+
+The torch model's `forward_cached` (KV cache, static shapes) is traced by torchax. Prefill runs
+the whole left-padded prompt batch in one call and samples the first token; the decode program
+is one `lax.while_loop` that feeds each token back, updates the cache in place and samples on
+device, until every row has stopped or a step limit is reached. The limit is an argument, so the
+same compiled program serves any number of new tokens and streaming (several calls, each
+continuing the donated state) alike. Programs are compiled ahead of time per bucket (batch,
+prompt length, total length, sampling mode); each compilation is counted and timed.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jax_bridge import registry
+from jax_bridge.env import get_env
+from jax_bridge.lowering import model_function, params_to_jax
+from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token
+from torch_model import kv_cache
+
+PROMPT_MULTIPLE = 32      # prompt lengths are padded up to a multiple of this
+LENGTH_MULTIPLE = 64      # and the total (prompt bucket + new tokens) to a multiple of this
+
+
+def batch_bucket(batch: int) -> int:
+    return 1 << max(0, (batch - 1).bit_length())
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class DecodeState(NamedTuple):
+    tokens: jax.Array       # [B, L] int32: the left-padded prompt, then generated tokens (-1 once stopped)
+    cache: kv_cache.KVCache
+    last: jax.Array         # [B] int32: the newest token, fed next
+    positions: jax.Array    # [B] int32: its position
+    step: jax.Array         # int32: tokens generated so far
+    done: jax.Array         # [B] bool: the row has produced a stop token (or is batch padding)
+    seen: jax.Array         # [B, V] bool for the repetition penalty ([B, 1] when off)
+    key: jax.Array          # PRNG key
+    prompt_len: jax.Array   # int32: P, the sequence index of the first generated token
+
+
+class Compilation(NamedTuple):
+    program: str            # prefill | decode
+    bucket: tuple
+    seconds: float
+
+
+class Decoder:
+    """Compiled prefill and decode programs for one model (parameters as JAX arrays)."""
+
+    def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla",
+                 matmul_precision: str = "highest"):
+        self.cfg = model.cfg
+        self.env = get_env()
+        self.kernels = registry.resolve(kernels, ops=registry.OPS + registry.GENERATION_OPS)
+        self.matmul_precision = matmul_precision
+        self.params = params_to_jax(model)
+        self._forward = model_function(model, "forward_cached")
+        self._programs: dict[tuple, object] = {}
+        self.compilations: list[Compilation] = []
+
+    # ---- traced pieces ------------------------------------------------------------------------
+    def _forward_cached(self, params, ids, positions, cache, start):
+        with registry.routed(self.env, self.kernels), jax.default_matmul_precision(self.matmul_precision):
+            return self._forward(params, ids, positions, cache, start)
+
+    def _empty_cache(self, batch: int, length: int) -> kv_cache.KVCache:
+        dtype = next(iter(self.params.values())).dtype
+        with self.env:
+            cache = kv_cache.init_cache(self.cfg, batch, length, dtype=getattr(torch, jnp.dtype(dtype).name),
+                                        device="jax")
+        return self.env.t2j_iso(cache)
+
+    def _prefill(self, params, ids, positions, active, values, key, *, length: int, mode: SamplingMode):
+        batch, prompt = ids.shape
+        cache = self._empty_cache(batch, length)
+        logits, cache = self._forward_cached(params, ids, positions, cache, jnp.int32(0))
+        prompt_tokens = jnp.where(positions >= 0, ids, -1)
+        seen = mark_seen(jnp.zeros((batch, self.cfg.vocab_size if mode.penalty else 1), bool),
+                         prompt_tokens if mode.penalty else jnp.full_like(ids, -1))
+        token, key = next_token(logits, seen, key, mode, values)
+        if mode.penalty:
+            seen = mark_seen(seen, token[:, None])
+        tokens = jnp.full((batch, length), -1, jnp.int32).at[:, :prompt].set(prompt_tokens)
+        tokens = tokens.at[:, prompt].set(jnp.where(active, token, -1))
+        done = ~active | is_stop(token, values.stop_ids)
+        return DecodeState(tokens, cache, token, positions[:, -1] + 1, jnp.int32(1), done, seen, key,
+                           jnp.int32(prompt))
+
+    def _decode(self, params, state: DecodeState, limit, values, *, mode: SamplingMode):
+        def running(s):
+            return (s.step < limit) & ~jnp.all(s.done)
+
+        def step(s: DecodeState):
+            start = s.prompt_len + s.step - 1          # sequence index of the token fed now
+            logits, cache = self._forward_cached(params, s.last[:, None], s.positions[:, None], s.cache, start)
+            token, key = next_token(logits, s.seen, s.key, mode, values)
+            seen = mark_seen(s.seen, token[:, None]) if mode.penalty else s.seen
+            out = jnp.where(s.done, -1, token)
+            tokens = jax.lax.dynamic_update_slice(s.tokens, out[:, None], (jnp.int32(0), start + 1))
+            done = s.done | is_stop(token, values.stop_ids)
+            return DecodeState(tokens, cache, token, s.positions + 1, s.step + 1, done, seen, key, s.prompt_len)
+
+        return jax.lax.while_loop(running, step, state)
+
+    # ---- compiled programs ----------------------------------------------------------------------
+    def _compiled(self, program: str, bucket: tuple, build):
+        key = (program, bucket)
+        if key not in self._programs:
+            started = time.perf_counter()
+            self._programs[key] = build()
+            self.compilations.append(Compilation(program, bucket, time.perf_counter() - started))
+        return self._programs[key]
+
+    def prefill_program(self, batch: int, prompt: int, length: int, mode: SamplingMode, n_stop: int):
+        def build():
+            fn = jax.jit(lambda *a: self._prefill(*a, length=length, mode=mode))
+            args = (self.params, _spec((batch, prompt), jnp.int32), _spec((batch, prompt), jnp.int32),
+                    _spec((batch,), jnp.bool_), _values_spec(n_stop), jax.random.key_data(jax.random.key(0)))
+            return fn.lower(*args).compile()
+        return self._compiled("prefill", (batch, prompt, length, mode, n_stop), build)
+
+    def decode_program(self, batch: int, length: int, mode: SamplingMode, n_stop: int, state_spec):
+        def build():
+            fn = jax.jit(lambda *a: self._decode(*a, mode=mode), donate_argnums=(1,))
+            return fn.lower(self.params, state_spec, _spec((), jnp.int32), _values_spec(n_stop)).compile()
+        return self._compiled("decode", (batch, length, mode, n_stop), build)
+
+    def compile_seconds(self) -> float:
+        return sum(c.seconds for c in self.compilations)
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _values_spec(n_stop: int) -> SamplingValues:
+    f32 = _spec((), jnp.float32)
+    return SamplingValues(f32, f32, f32, _spec((n_stop,), jnp.int32))
+
+
+def sampling_values(temperature: float, top_p: float, penalty: float, stop_ids: tuple[int, ...], n_stop: int):
+    stops = np.full(n_stop, -1, np.int32)
+    stops[:len(stop_ids)] = stop_ids
+    return SamplingValues(jnp.float32(temperature), jnp.float32(top_p), jnp.float32(penalty), jnp.asarray(stops))

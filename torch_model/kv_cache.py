@@ -1,0 +1,84 @@
+"""A preallocated, static-shape KV cache for generation, in plain torch.
+
+Full-attention layers keep one slot per position of the whole sequence ([max_len]); sliding
+layers keep a ring of min(W, max_len) slots, slot = sequence index mod ring size, so a prompt
+longer than W leaves only its last W positions. Writes are `index_copy` at a slot index that may
+be a tensor (a traced value once lowered), never a growing cache, so a compiled decode loop can
+carry it. Batches are left-padded: every row writes the same slot at each step; each row has its
+own token positions (transformers' convention: the cumulative sum of the attention mask, minus
+one), and a padding slot holds position -1, which no query ever sees.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from torch_model.config import ModelConfig
+
+EMPTY = -1   # the position of an empty or padding slot
+
+
+class KVCache(NamedTuple):
+    """Per layer keys/values [B, Hkv, slots, D]; per attention kind the positions [B, slots] of
+    the tokens in those slots (all full layers share one positions array, all sliding ones
+    another, since they write the same tokens)."""
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    full_positions: torch.Tensor
+    sliding_positions: torch.Tensor
+
+
+def cache_slots(cfg: ModelConfig, layer: int, max_len: int) -> int:
+    window = cfg.window_of_layer(layer)
+    return min(window, max_len) if window else max_len
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32, device=None) -> KVCache:
+    """An empty cache for `batch` rows of at most `max_len` tokens (prompt padding included)."""
+    shapes = [(batch, cfg.n_kv_heads, cache_slots(cfg, i, max_len), cfg.head_dim) for i in range(cfg.n_layers)]
+    ring = min(cfg.sliding_window, max_len) if cfg.sliding_window else max_len
+    return KVCache(
+        keys=tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),
+        values=tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),
+        full_positions=torch.full((batch, max_len), EMPTY, dtype=torch.int32, device=device),
+        sliding_positions=torch.full((batch, ring), EMPTY, dtype=torch.int32, device=device))
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Token positions of left-padded rows: cumsum(mask) - 1 (transformers' convention), and
+    EMPTY at padding. attention_mask: [B, T] of 0/1."""
+    mask = attention_mask.to(torch.int32)
+    return torch.where(mask.bool(), mask.cumsum(-1, dtype=torch.int32) - 1, torch.full_like(mask, EMPTY))
+
+
+def write_slots(start, num_new: int, num_slots: int, device=None):
+    """(first new token kept, slot indices [kept]) for `num_new` tokens at sequence indices
+    start..start+num_new-1 in a buffer of `num_slots` slots used as a ring. Only the last
+    `num_slots` tokens are kept when more arrive (a ring cannot hold more); `start` may be a
+    tensor, the rest are Python ints (static shapes)."""
+    first = max(0, num_new - num_slots)
+    index = torch.arange(first, num_new, dtype=torch.int64, device=device)
+    return first, torch.remainder(index + start, num_slots)
+
+
+def write(buffer: torch.Tensor, new: torch.Tensor, start, dim: int) -> torch.Tensor:
+    """`buffer` with `new` (num_new along `dim`) written at sequence index `start` onward, as a
+    ring of buffer.shape[dim] slots. Out of place: returns the updated buffer."""
+    first, slots = write_slots(start, new.shape[dim], buffer.shape[dim], buffer.device)
+    return buffer.index_copy(dim, slots, new.narrow(dim, first, new.shape[dim] - first))
+
+
+def left_pad(prompts: list[list[int]], length: int | None = None, pad_id: int = 0):
+    """(ids [B, length], positions [B, length]) for token lists of different lengths, padded on
+    the left so every row's last token sits in the last column; padding has position EMPTY."""
+    length = length or max(len(p) for p in prompts)
+    if any(len(p) > length for p in prompts):
+        raise ValueError(f"left_pad: a prompt of {max(len(p) for p in prompts)} tokens does not fit {length}")
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.int32)
+    for row, p in enumerate(prompts):
+        if p:
+            ids[row, length - len(p):] = torch.as_tensor(p, dtype=torch.long)
+            mask[row, length - len(p):] = 1
+    return ids, positions_from_mask(mask)
