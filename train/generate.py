@@ -1,118 +1,316 @@
-"""Sampling from a trained model through the lowered JAX forward.
+"""Text generation: one API (`generate`, `Generator`) for `torchlyra generate`, the trainer's
+samples and `torchlyra bench generate`.
 
-The sequence lives in a fixed [batch, window] buffer, so the forward compiles once: with causal
-attention the padding after the current position cannot change its logits. (A KV-cached
-`lax.while_loop` decoder is the next step; see ROADMAP.)
+Prompts of any lengths are left-padded into one batch and prefilled in one call; decoding runs
+in the compiled `lax.while_loop` of `jax_bridge.decoding` with a static KV cache and sampling
+on device. Shapes are bucketed (batch to a power of two, prompt to a multiple of 32, prompt +
+new tokens to a multiple of 64) so one pair of programs serves every request of a bucket; they
+are compiled once per process, and the persistent JAX compilation cache makes a later process
+load them instead of compiling. Compile time is reported apart from prefill and decode time.
 """
 from __future__ import annotations
 
 import argparse
-
-import jax
-import jax.numpy as jnp
-import numpy as np
+import codecs
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 from train.errors import UserError
 
+DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "torchlyra" / "jax-compile"
 
-class Sampler:
-    def __init__(self, model, *, kernels: str = "xla", window: int | None = None):
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to choose tokens. temperature 0 is greedy; top_k 0 and top_p 1 switch those off;
+    repetition_penalty 1 is none (transformers' convention: > 1 discourages repeats)."""
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    stop_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        checks = [("max_new_tokens", self.max_new_tokens >= 1, "an integer >= 1"),
+                  ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
+                  ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+                  ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
+                  ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)")]
+        for name, ok, expected in checks:
+            if not ok:
+                raise UserError(f"sampling: {name} must be {expected}, found {getattr(self, name)!r}")
+
+    def mode(self, vocab_size: int):
+        from jax_bridge.sampling import SamplingMode
+        greedy = self.temperature == 0
+        return SamplingMode(greedy=greedy, top_k=0 if greedy else min(self.top_k, vocab_size),
+                            top_p=not greedy and self.top_p < 1, penalty=self.repetition_penalty != 1)
+
+
+@dataclass
+class Generation:
+    """The result of one `generate` call. `tokens[i]`: the new tokens of prompt i (a stop token,
+    when one ended the row, is the last). Times in seconds; compile time is kept apart."""
+    tokens: list[list[int]]
+    stopped: list[bool]
+    bucket: tuple[int, int, int]          # (batch, prompt length, total length) compiled for
+    compile_seconds: float                # compilations this call needed (0 when all were cached)
+    compilations: list = field(default_factory=list)
+    prefill_seconds: float = 0.0          # time to first token: prefill + first sample
+    decode_seconds: float = 0.0
+    decode_steps: int = 0                 # loop iterations after the first token
+    rows: int = 0                         # real prompts (batch padding excluded)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens produced per second by the decode loop, all rows together."""
+        return self.rows * self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def enable_compile_cache(directory: str | os.PathLike | None = None) -> Path | None:
+    """Turn on JAX's persistent compilation cache (unless the process already set a directory):
+    `directory`, else $TORCHLYRA_COMPILE_CACHE, else ~/.cache/torchlyra/jax-compile; 'off'
+    leaves it off. Every program is cached, however fast it compiled."""
+    import jax
+
+    choice = directory or os.environ.get("TORCHLYRA_COMPILE_CACHE") or DEFAULT_COMPILE_CACHE
+    if str(choice) == "off":
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    Path(choice).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(choice))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return Path(choice)
+
+
+class Generator:
+    """A model ready to generate: its parameters on device and its compiled programs, kept
+    across calls. `kernels` applies to the prefill; `decode_kernels` to the decode loop (default:
+    the same, except the MoE's `decode` implementation on CPU, built for a step's few rows)."""
+
+    def __init__(self, model, *, kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
+                 compile_cache: str | os.PathLike | None = None):
         from jax_bridge import registry
-        from jax_bridge.env import get_env
-        from jax_bridge.lowering import model_function, params_to_jax
+        from jax_bridge.decoding import Decoder, default_decode_kernels
 
+        enable_compile_cache(compile_cache)
+        try:
+            if decode_kernels is None:
+                decode_kernels = default_decode_kernels(kernels, registry.current_backend())
+            self.decoder = Decoder(model, kernels=kernels, decode_kernels=decode_kernels)
+        except registry.KernelError as e:
+            raise UserError(str(e)) from None
         self.cfg = model.cfg
-        self.window = window or model.cfg.max_seq_len
-        self.params = params_to_jax(model)
-        env, resolved, forward = get_env(), registry.resolve(kernels), model_function(model)
 
-        def next_logits(params, ids, positions):
-            with registry.routed(env, resolved), jax.default_matmul_precision("highest"):
-                logits = forward(params, ids)
-            return jnp.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0]
+    @classmethod
+    def from_checkpoint(cls, directory: str | os.PathLike, **kwargs) -> "Generator":
+        return cls(load_model(directory), **kwargs)
 
-        self._next_logits = jax.jit(next_logits)
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig = SamplingConfig(), *,
+                 on_tokens: Callable[[list[list[int]]], None] | None = None,
+                 stream_every: int | None = None) -> Generation:
+        """Continue each prompt (a list of token ids). `on_tokens(new)` receives, per prompt, the
+        tokens produced since its previous call: after the first token and then every
+        `stream_every` decode steps (default: once, at the end)."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: int = 40, seed: int = 0, stop_token: int | None = None) -> list[list[int]]:
-        """Continue each prompt (token ids); returns only the new tokens of each."""
-        if any(len(p) == 0 for p in prompts):
-            raise UserError("generate: every prompt needs at least one token")
-        rng = np.random.default_rng(seed)
-        seqs = [list(p) for p in prompts]
-        new = [[] for _ in prompts]
-        done = [False] * len(prompts)
-        for _ in range(max_new_tokens):
-            ids = np.zeros((len(seqs), self.window), np.int32)
-            pos = np.zeros(len(seqs), np.int32)
-            for i, s in enumerate(seqs):
-                tail = s[-self.window:]
-                ids[i, :len(tail)] = tail
-                pos[i] = len(tail) - 1
-            logits = np.asarray(self._next_logits(self.params, ids, pos), dtype=np.float64)
-            for i in range(len(seqs)):
-                if done[i]:
-                    continue
-                token = sample_token(logits[i], temperature, top_k, rng)
-                seqs[i].append(token)
-                new[i].append(token)
-                done[i] = stop_token is not None and token == stop_token
-            if all(done):
-                break
-        return new
+        from jax_bridge.decoding import batch_bucket, round_up, sampling_values, PROMPT_MULTIPLE, LENGTH_MULTIPLE
+        from torch_model.kv_cache import left_pad
+
+        cfg, decoder = self.cfg, self.decoder
+        prompts = [list(p) for p in prompts]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise UserError("generate: give at least one prompt, each with at least one token")
+        bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise UserError(f"generate: token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
+        if stream_every is not None and stream_every < 1:
+            raise UserError(f"generate: stream_every must be >= 1, found {stream_every}")
+        longest, n_new = max(len(p) for p in prompts), sampling.max_new_tokens
+        if longest + n_new > cfg.max_position_embeddings:
+            raise UserError(f"generate: {longest} prompt tokens + {n_new} new ones exceed the model's "
+                            f"max_position_embeddings ({cfg.max_position_embeddings})")
+
+        rows = len(prompts)
+        batch, prompt_len = batch_bucket(rows), round_up(longest, PROMPT_MULTIPLE)
+        length = round_up(prompt_len + n_new, LENGTH_MULTIPLE)
+        mode = sampling.mode(cfg.vocab_size)
+        n_stop = round_up(max(1, len(sampling.stop_tokens)), 4)
+        before = len(decoder.compilations)
+        prefill = decoder.prefill_program(batch, prompt_len, length, mode, n_stop)
+        decode = decoder.decode_program(batch, length, mode, n_stop, prefill.out_info)
+        compiled = decoder.compilations[before:]
+
+        ids, positions = left_pad(prompts + [[]] * (batch - rows), prompt_len)
+        active = np.arange(batch) < rows
+        values = sampling_values(sampling.temperature or 1.0, sampling.top_p, sampling.repetition_penalty,
+                                 sampling.stop_tokens, n_stop)
+        args = (jnp.asarray(ids.numpy(), jnp.int32), jnp.asarray(positions.numpy(), jnp.int32),
+                jnp.asarray(active), values, jax.random.PRNGKey(sampling.seed))
+
+        started = time.perf_counter()
+        state = prefill(decoder.params_for(batch * prompt_len), *args)
+        tokens = np.asarray(state.tokens)
+        prefill_seconds = time.perf_counter() - started
+        emitted = 1
+        if on_tokens is not None:
+            on_tokens(_new_tokens(tokens, rows, prompt_len, 0, 1))
+
+        started = time.perf_counter()
+        steps, done = 1, bool(np.asarray(state.done).all())
+        chunk = stream_every or n_new
+        while steps < n_new and not done:
+            state = decode(decoder.params_for(batch), state, jnp.int32(min(steps + chunk, n_new)), values)
+            steps, done = int(state.step), bool(np.asarray(state.done).all())
+            if on_tokens is not None:
+                tokens = np.asarray(state.tokens)
+                on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, steps))
+                emitted = steps
+        tokens = np.asarray(state.tokens)
+        decode_seconds = time.perf_counter() - started
+
+        new = _new_tokens(tokens, rows, prompt_len, 0, steps)
+        stop = set(sampling.stop_tokens)
+        return Generation(tokens=new, stopped=[bool(t) and t[-1] in stop for t in new],
+                          bucket=(batch, prompt_len, length), compile_seconds=sum(c.seconds for c in compiled),
+                          compilations=compiled, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
+                          decode_steps=steps - 1, rows=rows)
 
 
-def sample_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        cutoff = np.partition(logits, -top_k)[-top_k]
-        logits = np.where(logits < cutoff, -np.inf, logits)
-    probs = np.exp(logits - logits.max())
-    probs /= probs.sum()
-    return int(rng.choice(len(probs), p=probs))
+def _new_tokens(tokens, rows: int, prompt_len: int, start: int, stop: int) -> list[list[int]]:
+    """Generated tokens start..stop-1 of each real row (-1 marks steps after the row stopped)."""
+    block = tokens[:rows, prompt_len + start:prompt_len + stop]
+    return [[int(t) for t in row if t >= 0] for row in block]
 
 
-def load_for_generation(checkpoint: str):
-    """(model, tokenizer) from a checkpoint directory written by `torchlyra train`."""
+def generate(model_or_checkpoint, prompts: list[list[int]], sampling: SamplingConfig | None = None, *,
+             kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
+             on_tokens=None, stream_every: int | None = None, **sampling_fields) -> Generation:
+    """Generate from a torch model, a checkpoint directory or a `Generator` (which keeps its
+    compiled programs: reuse one to generate repeatedly). Sampling settings come as a
+    SamplingConfig or as its fields (max_new_tokens=..., temperature=..., ...)."""
+    if sampling is None:
+        sampling = SamplingConfig(**sampling_fields)
+    elif sampling_fields:
+        sampling = dataclasses.replace(sampling, **sampling_fields)
+    if isinstance(model_or_checkpoint, Generator):
+        generator = model_or_checkpoint
+    elif isinstance(model_or_checkpoint, (str, os.PathLike)):
+        generator = Generator.from_checkpoint(model_or_checkpoint, kernels=kernels, decode_kernels=decode_kernels)
+    else:
+        generator = Generator(model_or_checkpoint, kernels=kernels, decode_kernels=decode_kernels)
+    return generator.generate(prompts, sampling, on_tokens=on_tokens, stream_every=stream_every)
+
+
+def load_model(checkpoint: str | os.PathLike):
+    """The float32 torch model of a checkpoint (through the one checkpoint loader)."""
     import torch
 
     from torch_model.model import GptOssForCausalLM
+    from train.checkpoint import load_checkpoint
+
+    state, model_cfg, _ = load_checkpoint(checkpoint)
+    model = GptOssForCausalLM(model_cfg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    return model.eval()
+
+
+def load_for_generation(checkpoint: str | os.PathLike):
+    """(model, tokenizer) from a checkpoint directory written by `torchlyra train`."""
     from train.checkpoint import load_checkpoint, tokenizer_dir
     from train.tokenizer import load_tokenizer
 
-    state, model_cfg, meta = load_checkpoint(checkpoint)
-    model = GptOssForCausalLM(model_cfg)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    _, _, meta = load_checkpoint(checkpoint)
     tok_dir = tokenizer_dir(checkpoint, meta)
     if tok_dir is None:
         raise UserError(f"checkpoint {checkpoint}: config.json names no tokenizer (field tokenizer.dir)")
-    return model, load_tokenizer(tok_dir)
+    return load_model(checkpoint), load_tokenizer(tok_dir)
 
 
+class TextStream:
+    """Prints one row's tokens as they arrive, decoding UTF-8 incrementally (a character split
+    across tokens is printed once complete)."""
+
+    def __init__(self, tokenizer, out=sys.stdout, skip: set[int] = frozenset()):
+        self.tokenizer, self.out, self.skip = tokenizer, out, set(skip)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def __call__(self, tokens: list[int]) -> None:
+        data = b"".join(self.tokenizer.decode_single_token_bytes(t) for t in tokens if t not in self.skip)
+        self.out.write(self.decoder.decode(data))
+        self.out.flush()
+
+    def close(self) -> None:
+        self.out.write(self.decoder.decode(b"", final=True))
+        self.out.flush()
+
+
+# ---- command line ---------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory written by `torchlyra train`")
     parser.add_argument("--prompt", action="append", default=None, help="prompt text (repeat for a batch)")
-    parser.add_argument("--max-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=200, help="new tokens per prompt at most")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=40, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats; 1 = off")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kernels", default="xla")
+    parser.add_argument("--stop", type=int, action="append", default=None,
+                        help="extra stop token id (repeatable; the model's eos always stops)")
+    parser.add_argument("--kernels", default="auto", help="prefill kernels, e.g. attention=xla,moe=xla")
+    parser.add_argument("--decode-kernels", default=None,
+                        help="decode-loop kernels (default: as --kernels, with moe=decode on CPU)")
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="print each result at the end instead of streaming a single prompt")
+    parser.add_argument("--stream-every", type=int, default=8, help="tokens per streamed chunk (default 8)")
+    parser.add_argument("--compile-cache", default=None,
+                        help="persistent compilation cache directory, or 'off' (default: "
+                             "$TORCHLYRA_COMPILE_CACHE or ~/.cache/torchlyra/jax-compile)")
+    parser.add_argument("--timings", action="store_true", help="print compile, prefill and decode times")
 
 
 def run(args) -> int:
-    if args.max_tokens <= 0:
-        raise UserError(f"--max-tokens must be > 0, found {args.max_tokens}")
+    sampling = SamplingConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     model, tokenizer = load_for_generation(args.checkpoint)
-    from train.tokenizer import bos_id
-
-    bos = bos_id(tokenizer)
-    prompts = args.prompt or [""]
-    sampler = Sampler(model, kernels=args.kernels)
-    outs = sampler.generate([[bos] + tokenizer.encode_ordinary(p) for p in prompts], max_new_tokens=args.max_tokens,
-                            temperature=args.temperature, top_k=args.top_k, seed=args.seed, stop_token=bos)
-    for prompt, ids in zip(prompts, outs):
-        text = tokenizer.decode([t for t in ids if t != bos])
-        print(f"--- prompt: {prompt!r}\n{prompt}{text}\n")
+    cfg = model.cfg
+    sampling = dataclasses.replace(sampling, stop_tokens=(cfg.eos_token_id, *(args.stop or ())))
+    texts = args.prompt or [""]
+    prompts = [[cfg.bos_token_id] + tokenizer.encode_ordinary(t) for t in texts]
+    generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
+                          compile_cache=args.compile_cache)
+    hidden = {cfg.bos_token_id, cfg.eos_token_id}
+    streaming = args.stream and len(texts) == 1
+    stream = TextStream(tokenizer, skip=hidden) if streaming else None
+    if streaming:
+        print(f"--- prompt: {texts[0]!r}\n{texts[0]}", end="", flush=True)
+    result = generator.generate(prompts, sampling, on_tokens=(lambda new: stream(new[0])) if streaming else None,
+                                stream_every=args.stream_every if streaming else None)
+    if streaming:
+        stream.close()
+        print("\n")
+    else:
+        for text, ids in zip(texts, result.tokens):
+            print(f"--- prompt: {text!r}\n{text}{tokenizer.decode([t for t in ids if t not in hidden])}\n")
+    if args.timings:
+        print(format_timings(result), file=sys.stderr)
     return 0
+
+
+def format_timings(result: Generation) -> str:
+    compiled = ", ".join(f"{c.program} {c.seconds:.1f} s" for c in result.compilations) or "none (cached)"
+    return (f"bucket batch={result.bucket[0]} prompt={result.bucket[1]} length={result.bucket[2]}; "
+            f"compile: {compiled}; time to first token {1e3 * result.prefill_seconds:.1f} ms; "
+            f"decode {result.decode_steps} steps in {result.decode_seconds:.3f} s = "
+            f"{result.decode_tokens_per_second:.0f} tokens/s")
