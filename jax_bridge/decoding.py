@@ -60,7 +60,21 @@ class DecodeState(NamedTuple):
 class Compilation(NamedTuple):
     program: str            # prefill | decode
     bucket: tuple
-    seconds: float
+    seconds: float          # tracing + lowering + compiling (or loading from the persistent cache)
+    from_cache: bool        # the persistent compilation cache held the executable
+
+
+_CACHE_EVENTS = {"hits": 0, "misses": 0}
+
+
+def _count_cache_events(event: str, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+        _CACHE_EVENTS["hits"] += 1
+    elif event == "/jax/compilation_cache/cache_misses":
+        _CACHE_EVENTS["misses"] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_events)
 
 
 class Decoder:
@@ -148,9 +162,10 @@ class Decoder:
     def _compiled(self, program: str, bucket: tuple, build):
         key = (program, bucket)
         if key not in self._programs:
-            started = time.perf_counter()
+            started, before = time.perf_counter(), dict(_CACHE_EVENTS)
             self._programs[key] = build()
-            self.compilations.append(Compilation(program, bucket, time.perf_counter() - started))
+            from_cache = _CACHE_EVENTS["hits"] > before["hits"] and _CACHE_EVENTS["misses"] == before["misses"]
+            self.compilations.append(Compilation(program, bucket, time.perf_counter() - started, from_cache))
         return self._programs[key]
 
     def prefill_program(self, batch: int, prompt: int, length: int, mode: SamplingMode, n_stop: int):

@@ -75,7 +75,7 @@ def first_argmax(logits):
 
 def is_stop(tokens, stop_ids):
     """[B] bool: the token is one of the stop ids (stop_ids [S], -1 entries never match)."""
-    return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+    return jnp.any((tokens[:, None] == stop_ids[None, :]) & (stop_ids[None, :] >= 0), axis=-1)
 
 
 def mark_seen(seen, tokens):

@@ -309,7 +309,8 @@ def run(args) -> int:
 
 
 def format_timings(result: Generation) -> str:
-    compiled = ", ".join(f"{c.program} {c.seconds:.1f} s" for c in result.compilations) or "none (cached)"
+    compiled = ", ".join(f"{c.program} {c.seconds:.1f} s" + (" (persistent cache)" if c.from_cache else "")
+                         for c in result.compilations) or "none (compiled earlier in this process)"
     return (f"bucket batch={result.bucket[0]} prompt={result.bucket[1]} length={result.bucket[2]}; "
             f"compile: {compiled}; time to first token {1e3 * result.prefill_seconds:.1f} ms; "
             f"decode {result.decode_steps} steps in {result.decode_seconds:.3f} s = "

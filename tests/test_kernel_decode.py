@@ -1,0 +1,139 @@
+"""Decode-time implementations against their references: cached attention (JAX vs the eager torch
+op), the MoE `decode` implementation (both of its paths vs ragged_dot), and the on-device
+sampling steps against transformers' logits processors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from helpers import rel_err
+from jax_bridge import registry
+from jax_bridge.sampling import (SamplingMode, SamplingValues, apply_repetition_penalty, first_argmax, is_stop,
+                                 mark_seen, next_token, top_p_keep)
+from pallas_kernels.decode_attention import cached_attention_reference
+from pallas_kernels.moe import moe_experts_reference
+from pallas_kernels.moe_decode import ROWS_ALONE, moe_experts_decode
+from torch_model import ops
+
+
+# ---- cached attention -----------------------------------------------------------------------
+@pytest.mark.parametrize("b,hq,hkv,tq,slots,d,window", [(2, 4, 2, 1, 9, 16, 0), (3, 8, 1, 5, 13, 8, 4),
+                                                         (1, 2, 2, 7, 7, 32, 1), (2, 6, 3, 2, 21, 64, 64)])
+def test_cached_attention_jax_matches_the_torch_op(b, hq, hkv, tq, slots, d, window):
+    g = torch.Generator().manual_seed(slots)
+    q, k, v = torch.randn(b, hq, tq, d, generator=g), torch.randn(b, hkv, slots, d, generator=g), \
+        torch.randn(b, hkv, slots, d, generator=g)
+    sinks = torch.randn(hq, generator=g)
+    kpos = torch.randint(-1, slots, (b, slots), generator=g, dtype=torch.int32)      # -1: empty / padding
+    qpos = torch.randint(-1, slots + 2, (b, tq), generator=g, dtype=torch.int32)
+    expected = ops.cached_attention_reference(q, k, v, sinks, qpos, kpos, window, d ** -0.5)
+    got = cached_attention_reference(*(jnp.asarray(t.numpy()) for t in (q, k, v, sinks, qpos, kpos)),
+                                     sliding_window=window, scale=d ** -0.5, platform="cpu")
+    assert rel_err(np.asarray(got), expected.numpy()) < 1e-6
+
+
+# ---- MoE for a decode step -------------------------------------------------------------------
+def moe_inputs(rows, experts, sizes, seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    h, i = 32, 24
+    weights = (jax.random.normal(ks[0], (experts, h, 2 * i)) * 0.3, jax.random.normal(ks[1], (experts, 2 * i)) * 0.1,
+               jax.random.normal(ks[2], (experts, i, h)) * 0.3, jax.random.normal(ks[3], (experts, h)) * 0.1)
+    x = jax.random.normal(ks[4], (rows, h))
+    return x.astype(dtype), jnp.asarray(sizes, jnp.int32), [w.astype(dtype) for w in weights]
+
+
+@pytest.mark.parametrize("sizes", [[0, 1, 0, 1], [1, 0, 2, 0, 0, 1],                       # one row per product
+                                   [0, 5, 0, 1, 2, 2, 3, 3], [9, 0, 0, 1], [0, 0, 0, 17]])    # work items
+def test_moe_decode_matches_ragged_dot_reference(sizes):
+    rows = sum(sizes)
+    x, group_sizes, w = moe_inputs(rows, len(sizes), sizes, seed=rows)
+    expected = jax.jit(moe_experts_reference)(x, group_sizes, *w)
+    got = jax.jit(moe_experts_decode)(x, group_sizes, *w)
+    assert rel_err(got, expected) < 1e-6
+    uses_work_items = "while" in str(jax.make_jaxpr(moe_experts_decode)(x, group_sizes, *w))
+    assert uses_work_items == (rows > ROWS_ALONE)
+
+
+def test_moe_decode_with_a_small_chunk_visits_each_expert_in_several_items():
+    x, group_sizes, w = moe_inputs(11, 3, [6, 0, 5], seed=3)
+    expected = jax.jit(moe_experts_reference)(x, group_sizes, *w)
+    assert rel_err(jax.jit(moe_experts_decode, static_argnames="chunk")(x, group_sizes, *w, chunk=2), expected) < 1e-6
+
+
+def test_moe_decode_in_bfloat16_stays_close_to_the_float32_reference():
+    x, group_sizes, w = moe_inputs(8, 4, [3, 0, 4, 1], seed=4)
+    expected = jax.jit(moe_experts_reference)(x, group_sizes, *w)
+    xb, wb = x.astype(jnp.bfloat16), [t.astype(jnp.bfloat16) for t in w]
+    got = jax.jit(moe_experts_decode)(xb, group_sizes, *wb)
+    assert got.dtype == jnp.bfloat16 and rel_err(got.astype(jnp.float32), expected) < 2e-2
+
+
+def test_decode_moe_is_registered_for_every_platform():
+    impl = registry.implementations("moe")["decode"]
+    assert impl.backends == registry.BACKENDS and impl.load() is moe_experts_decode
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+def hf_processors():
+    return pytest.importorskip("transformers.generation.logits_process")
+
+
+def test_repetition_penalty_matches_transformers():
+    lp = hf_processors()
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    history = torch.tensor([[1, 2, 2, 7], [0, 49, 3, 3], [5, 5, 5, 5]])
+    expected = lp.RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone())
+    seen = mark_seen(jnp.zeros((3, 50), bool), jnp.asarray(history.numpy()))
+    got = apply_repetition_penalty(jnp.asarray(logits.numpy()), seen, 1.3)
+    np.testing.assert_allclose(np.asarray(got), expected.numpy(), rtol=1e-6)
+
+
+def test_padding_never_counts_as_seen():
+    seen = mark_seen(jnp.zeros((1, 10), bool), jnp.asarray([[-1, -1, 4]]))
+    assert np.flatnonzero(np.asarray(seen[0])).tolist() == [4]
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_keeps_what_transformers_keeps(top_p):
+    lp = hf_processors()
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(int(top_p * 1000))) * 3
+    expected = torch.isfinite(lp.TopPLogitsWarper(top_p)(None, logits.clone()))
+    values, order = torch.sort(logits, descending=True)
+    keep_sorted = np.asarray(top_p_keep(jnp.asarray(values.numpy()), top_p))
+    kept = np.zeros_like(keep_sorted)
+    np.put_along_axis(kept, order.numpy(), keep_sorted, axis=-1)
+    assert (kept == expected.numpy()).all()
+
+
+def sample_many(logits, mode, values, n=200):
+    keys = jax.random.split(jax.random.PRNGKey(0), n)
+    draw = jax.jit(jax.vmap(lambda k: next_token(logits, jnp.zeros((1, 1), bool), k, mode, values)[0]))
+    return np.asarray(draw(keys))[:, 0]
+
+
+def values(temperature=1.0, top_p=1.0, penalty=1.0):
+    return SamplingValues(jnp.float32(temperature), jnp.float32(top_p), jnp.float32(penalty), jnp.asarray([-1]))
+
+
+def test_top_k_and_top_p_draw_only_from_their_sets():
+    logits = jnp.asarray(np.linspace(0, 4, 40, dtype=np.float32)[None])   # token 39 most likely
+    top3 = sample_many(logits, SamplingMode(False, 3, False, False), values())
+    assert set(top3) <= {37, 38, 39} and len(set(top3)) == 3
+    probs = np.asarray(jax.nn.softmax(logits[0]))
+    smallest = int(np.searchsorted(np.cumsum(probs[::-1]), 0.5) + 1)      # tokens needed to reach p = 0.5
+    nucleus = sample_many(logits, SamplingMode(False, 0, True, False), values(top_p=0.5))
+    assert set(nucleus) <= set(range(40 - smallest, 40)) and len(set(nucleus)) > 1
+
+
+def test_low_temperature_concentrates_and_greedy_takes_the_first_maximum():
+    logits = jnp.asarray([[0.0, 1.0, 0.9, 1.0]])
+    assert int(first_argmax(logits)[0]) == 1
+    cold = sample_many(logits, SamplingMode(False, 0, False, False), values(temperature=0.01))
+    assert set(cold) <= {1, 3}
+    warm = sample_many(logits, SamplingMode(False, 0, False, False), values(temperature=1.0))
+    assert set(warm) == {0, 1, 2, 3}
+
+
+def test_stop_ids_match_and_unused_slots_never_do():
+    assert np.asarray(is_stop(jnp.asarray([3, -1, 7]), jnp.asarray([7, -1, -1, -1]))).tolist() == [False, False, True]
