@@ -1,0 +1,186 @@
+"""Generation through the compiled prefill + decode loop, on a briefly trained micro checkpoint:
+greedy output equals eager PyTorch without a cache and transformers' `generate` on the exported
+checkpoint (float32; prompts shorter and longer than the sliding window, batched with mixed
+lengths), one compilation per bucket, a second process loads the programs from the persistent
+cache, streaming, stop tokens, seeded sampling, and bad requests."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from parity.generation import compare_greedy, eager_greedy, load_transformers, transformers_greedy
+from torch_model.config import get_preset
+from torch_model.model import GptOssForCausalLM
+from train.errors import UserError
+from train.generate import Generator, SamplingConfig, generate, load_model
+
+WINDOW, VOCAB, NEW = 8, 128, 24
+CFG = get_preset("tiny").replace(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                 n_experts=4, expert_dim=32, sliding_window=WINDOW, max_seq_len=64,
+                                 router_aux_loss_coef=0.01, bos_token_id=0, eos_token_id=0)
+GREEDY = SamplingConfig(max_new_tokens=NEW, temperature=0)
+
+
+def synthetic_batch(rng, rows=16, length=65):
+    """Periodic copies (periods 3-12, longer than the window for some) and counting sequences:
+    learnable in a few dozen steps, and they need attention to earlier tokens."""
+    out = []
+    for _ in range(rows):
+        if rng.random() < 0.5:
+            out.append(np.resize(rng.integers(1, VOCAB, rng.integers(3, 13)), length))
+        else:
+            out.append((rng.integers(0, VOCAB) + rng.integers(1, 4) * np.arange(length)) % VOCAB)
+    return np.stack(out)[None].astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(checkpoint dir, exported HF dir, eager model) after 80 steps of training."""
+    from jax_bridge.lowering import params_to_torch
+    from jax_bridge.step import StepConfig, TrainStep
+    from parity.hf_export import export_checkpoint
+    from torch_model.optim import OptimizerConfig
+    from train.checkpoint import save_checkpoint
+
+    root = tmp_path_factory.mktemp("generation")
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(CFG)
+    step = TrainStep(model, OptimizerConfig(lr=0.02, adam_lr=0.006), StepConfig(kernels="xla"))
+    state, rng, losses = step.init_state(), np.random.default_rng(0), []
+    for _ in range(80):
+        state, metrics = step(state, synthetic_batch(rng), 1.0)
+        losses.append(float(metrics["ce"]))
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 1.0, "the fixture model did not train"
+    save_checkpoint(root / "ck", params_to_torch(state.params), CFG, step=80)
+    export_checkpoint(root / "ck", root / "hf")
+    return root / "ck", root / "hf", load_model(root / "ck")
+
+
+@pytest.fixture(scope="module")
+def generator(trained):
+    return Generator.from_checkpoint(trained[0])
+
+
+def prompts_around_the_window():
+    rng = np.random.default_rng(7)
+    pattern = rng.integers(1, VOCAB, 5)
+    return [np.resize(pattern, 20).tolist(),                     # longer than the window (8)
+            [3, 5, 7, 9, 11],                                    # shorter
+            rng.integers(1, VOCAB, 13).tolist(),                 # longer, no pattern
+            [42]]                                                # one token
+
+
+def assert_greedy_equal(got, expected, margins):
+    report = compare_greedy(got, expected, margins)
+    assert all(r["ok"] for r in report), report
+    return report
+
+
+def test_greedy_batch_equals_eager_pytorch_without_cache_and_transformers_generate(trained, generator):
+    _, hf_dir, model = trained
+    prompts = prompts_around_the_window()
+    result = generator.generate(prompts, GREEDY)
+    eager, margins = eager_greedy(model, prompts, NEW)
+    report = assert_greedy_equal(result.tokens, eager, margins)
+    hf = transformers_greedy(load_transformers(hf_dir), prompts, NEW)
+    assert_greedy_equal(hf, eager, margins)
+    assert_greedy_equal(result.tokens, hf, margins)
+    # The comparison must mean something: the model is trained, most steps are far from ties.
+    assert sum(r["first_difference"] is None for r in report) >= 3
+    assert np.median([m for row in margins for m in row]) > 0.05
+
+
+def test_one_prompt_at_a_time_equals_eager_pytorch(trained, generator):
+    """Batch 1 takes other programs (matrix-vector layout, MoE one row per product)."""
+    model = trained[2]
+    for prompt in (prompts_around_the_window()[0], [3, 5, 7, 9, 11]):
+        got = generator.generate([prompt], GREEDY).tokens
+        eager, margins = eager_greedy(model, [prompt], NEW)
+        assert_greedy_equal(got, eager, margins)
+
+
+def test_one_compilation_per_bucket_whatever_the_lengths(generator):
+    before = len(generator.decoder.compilations)
+    first = generator.generate([[1, 2, 3], [4, 5]], SamplingConfig(max_new_tokens=10, temperature=0))
+    again = generator.generate([[9] * 30, [4, 5, 6]], SamplingConfig(max_new_tokens=30, temperature=0))
+    new = generator.decoder.compilations[before:]
+    assert first.bucket == again.bucket == (2, 32, 64)
+    assert sorted(c.program for c in new) == ["decode", "prefill"], new
+    assert again.compile_seconds == 0 and again.compilations == []
+    assert len(again.tokens[0]) == 30 and first.decode_steps == 9
+
+
+def test_streaming_delivers_every_token_once_in_order(generator):
+    chunks = []
+    result = generator.generate(prompts_around_the_window()[:3], GREEDY, on_tokens=chunks.append, stream_every=5)
+    assert [len(c[0]) for c in chunks] == [1, 5, 5, 5, 5, 3]
+    for row in range(3):
+        assert sum((c[row] for c in chunks), []) == result.tokens[row]
+
+
+def test_a_stop_token_ends_its_row_and_the_others_continue(generator):
+    prompts = prompts_around_the_window()[:2]
+    free = generator.generate(prompts, GREEDY).tokens
+    stop = free[0][6]
+    assert stop not in free[1][:NEW]            # else both rows would stop
+    first = free[0].index(stop)
+    result = generator.generate(prompts, SamplingConfig(max_new_tokens=NEW, temperature=0, stop_tokens=(stop,)))
+    assert result.tokens[0] == free[0][:first + 1] and result.stopped == [True, False]
+    assert result.tokens[1] == free[1]
+
+
+def test_sampling_is_reproducible_by_seed_and_varies_across_seeds(generator):
+    prompts = prompts_around_the_window()[:2]
+    settings = dict(max_new_tokens=16, temperature=1.2, top_k=20, top_p=0.95, repetition_penalty=1.2)
+    a = generator.generate(prompts, SamplingConfig(seed=1, **settings)).tokens
+    b = generator.generate(prompts, SamplingConfig(seed=1, **settings)).tokens
+    c = generator.generate(prompts, SamplingConfig(seed=2, **settings)).tokens
+    assert a == b and a != c
+    assert all(0 <= t < VOCAB for row in a + c for t in row)
+
+
+def test_generate_accepts_a_checkpoint_a_model_or_a_generator(trained, generator):
+    ck, _, model = trained
+    prompt = [[3, 5, 7, 9, 11]]
+    want = generator.generate(prompt, SamplingConfig(max_new_tokens=4, temperature=0)).tokens
+    assert generate(generator, prompt, max_new_tokens=4, temperature=0).tokens == want
+    assert generate(str(ck), prompt, max_new_tokens=4, temperature=0).tokens == want
+
+
+@pytest.mark.parametrize("prompts, sampling, message", [
+    ([[]], GREEDY, "at least one token"),
+    ([[1, VOCAB]], GREEDY, f"token id {VOCAB} is outside"),
+    ([[1] * 10], SamplingConfig(max_new_tokens=CFG.max_position_embeddings), "max_position_embeddings"),
+])
+def test_bad_requests_are_one_line_errors(generator, prompts, sampling, message):
+    with pytest.raises(UserError, match=message):
+        generator.generate(prompts, sampling)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0), ("top_k", -2), ("max_new_tokens", 0),
+                                          ("repetition_penalty", 0)])
+def test_sampling_settings_are_validated(field, value):
+    with pytest.raises(UserError, match=field):
+        SamplingConfig(**{field: value})
+
+
+def test_a_second_process_loads_the_programs_from_the_persistent_cache(trained, tmp_path):
+    script = textwrap.dedent(f"""
+        import json, sys
+        from train.generate import Generator, SamplingConfig
+        g = Generator.from_checkpoint({str(trained[0])!r}, compile_cache={str(tmp_path / 'cache')!r})
+        r = g.generate([[3, 5, 7]], SamplingConfig(max_new_tokens=6, temperature=0))
+        print(json.dumps({{"tokens": r.tokens, "from_cache": [c.from_cache for c in r.compilations]}}))
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], cwd=root, env=env, check=True,
+                                      capture_output=True, text=True).stdout.strip().splitlines()[-1])
+            for _ in range(2)]
+    assert runs[0]["from_cache"] == [False, False] and runs[1]["from_cache"] == [True, True]
+    assert runs[0]["tokens"] == runs[1]["tokens"]
