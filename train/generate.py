@@ -242,8 +242,8 @@ class TextStream:
     """Prints one row's tokens as they arrive, decoding UTF-8 incrementally (a character split
     across tokens is printed once complete)."""
 
-    def __init__(self, tokenizer, out=sys.stdout, skip: set[int] = frozenset()):
-        self.tokenizer, self.out, self.skip = tokenizer, out, set(skip)
+    def __init__(self, tokenizer, out=None, skip: set[int] = frozenset()):
+        self.tokenizer, self.out, self.skip = tokenizer, out or sys.stdout, set(skip)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def __call__(self, tokens: list[int]) -> None:

@@ -139,17 +139,17 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
 
 
 def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
-    from train.generate import Sampler
-    from train.tokenizer import bos_id
+    from train.generate import generate
 
     if cfg.samples <= 0:
         return []
-    bos = bos_id(tokenizer)
+    bos, eos = model.cfg.bos_token_id, model.cfg.eos_token_id
     prompts = (DEFAULT_PROMPTS * cfg.samples)[:cfg.samples]
-    outs = Sampler(model, kernels="xla").generate(
-        [[bos] + tokenizer.encode_ordinary(p) for p in prompts], max_new_tokens=cfg.sample_tokens,
-        temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed, stop_token=bos)
-    return [{"prompt": p, "text": p + tokenizer.decode([t for t in ids if t != bos])} for p, ids in zip(prompts, outs)]
+    outs = generate(model, [[bos] + tokenizer.encode_ordinary(p) for p in prompts],
+                    max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                    seed=cfg.seed, stop_tokens=(eos,)).tokens
+    return [{"prompt": p, "text": p + tokenizer.decode([t for t in ids if t not in (bos, eos)])}
+            for p, ids in zip(prompts, outs)]
 
 
 # ---- command line -------------------------------------------------------------------------------
