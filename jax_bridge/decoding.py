@@ -36,13 +36,19 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def default_decode_kernels(kernels: str | dict | None, platform: str) -> dict[str, str]:
-    """The decode loop's kernels: the prefill's choice, except that on CPU an MoE left at `auto`
-    gets the `decode` implementation (a step's few rows; see pallas_kernels/moe_decode.py)."""
+def generation_kernels(kernels: str | dict | None, platform: str) -> dict[str, str]:
+    """Kernels for generation: `kernels` over the ops the cached forward uses, except that on CPU
+    an MoE left at `auto` gets the `decode` implementation, built for generation's row counts
+    (pallas_kernels/moe_decode.py; the tiled `xla` one is tuned for training batches)."""
     choice = registry.parse_kernel_spec(kernels, ops=registry.OPS + registry.GENERATION_OPS)
     if platform == "cpu" and choice["moe"] == "auto":
         choice["moe"] = "decode"
     return choice
+
+
+class Layout(NamedTuple):
+    transposed: bool        # Linear weights as [in, out]
+    split_experts: bool     # expert weight matrices as one array per expert
 
 
 class DecodeState(NamedTuple):
@@ -91,30 +97,49 @@ class Decoder:
         self.matmul_precision = matmul_precision
         self.compiler_options = dict(compiler_options or {})
         self.params = params_to_jax(model)
-        self.linear_weights = frozenset(f"{name}.weight" for name, module in model.named_modules()
-                                        if isinstance(module, torch.nn.Linear))
-        self._transposed_params = None
+        # Tuples in model order, never sets: the traced program (hence the persistent cache key)
+        # must not depend on the process's string hashing.
+        self.linear_weights = tuple(f"{name}.weight" for name, module in model.named_modules()
+                                    if isinstance(module, torch.nn.Linear))
+        self.expert_weights = tuple(name for name in self.params
+                                    if name.endswith(("experts.gate_up_proj", "experts.down_proj")))
+        self._layouts: dict[Layout, dict] = {}
         self._forward = model_function(model, "forward_cached")
         self._programs: dict[tuple, object] = {}
         self.compilations: list[Compilation] = []
 
-    # ---- traced pieces ------------------------------------------------------------------------
-    def params_for(self, rows: int):
-        """The parameters as the program for `rows` rows per step takes them. With several rows,
-        Linear weights are passed transposed ([in, out]) and transposed back in the program,
-        which XLA folds into the matmul: XLA:CPU multiplies a few rows by an [in, out] matrix
-        ~1.5x faster than by an [out, in] one (lm head at batch 8: 192 vs 298 us), while one
-        row is fastest as a matrix-vector product on the original layout."""
-        if rows == 1:
-            return self.params
-        if self._transposed_params is None:
-            self._transposed_params = {k: (jnp.transpose(v) if k in self.linear_weights else v)
-                                       for k, v in self.params.items()}
-        return self._transposed_params
+    # ---- parameter layouts ----------------------------------------------------------------------
+    def layout(self, program: str, rows: int) -> "Layout":
+        """How a program takes the parameters (`rows`: token rows per forward call).
 
-    def _forward_cached(self, params, ids, positions, cache, start, kernels):
-        if ids.size > 1:
-            params = {k: (v.T if k in self.linear_weights else v) for k, v in params.items()}
+        transposed: Linear weights come as [in, out] and are transposed back inside the program,
+          which XLA folds into the matmul: XLA:CPU multiplies a few rows by an [in, out] matrix
+          ~1.5x faster than by an [out, in] one (lm head at batch 8: 192 vs 298 us); one row is
+          fastest as a matrix-vector product on the original layout.
+        split_experts: each expert's weight matrices come as separate arrays, stacked inside the
+          program; the `decode` MoE then reads an expert through a static slice of the stack,
+          which XLA resolves to that expert's own buffer (no copy), where a dynamic slice of one
+          [E, ...] array copies the expert's weights on every step.
+        """
+        split = program == "decode" and self.decode_kernels.get("moe") == "decode"
+        return Layout(transposed=rows > 1, split_experts=split)
+
+    def params_for(self, layout: "Layout") -> dict:
+        if layout not in self._layouts:
+            params = dict(self.params)
+            if layout.transposed:
+                params.update({k: jnp.transpose(params[k]) for k in self.linear_weights})
+            if layout.split_experts:
+                params.update({k: tuple(params[k]) for k in self.expert_weights})
+            self._layouts[layout] = params
+        return self._layouts[layout]
+
+    def _forward_cached(self, params, ids, positions, cache, start, kernels, layout: "Layout"):
+        params = dict(params)
+        if layout.transposed:
+            params.update({k: params[k].T for k in self.linear_weights})
+        if layout.split_experts:
+            params.update({k: jnp.stack(params[k]) for k in self.expert_weights})
         with registry.routed(self.env, kernels), jax.default_matmul_precision(self.matmul_precision):
             return self._forward(params, ids, positions, cache, start)
 
@@ -128,7 +153,8 @@ class Decoder:
     def _prefill(self, params, ids, positions, active, values, key, *, length: int, mode: SamplingMode):
         batch, prompt = ids.shape
         cache = self._empty_cache(batch, length)
-        logits, cache = self._forward_cached(params, ids, positions, cache, jnp.int32(0), self.kernels)
+        logits, cache = self._forward_cached(params, ids, positions, cache, jnp.int32(0), self.kernels,
+                                             self.layout("prefill", batch * prompt))
         prompt_tokens = jnp.where(positions >= 0, ids, -1)
         seen = mark_seen(jnp.zeros((batch, self.cfg.vocab_size if mode.penalty else 1), bool),
                          prompt_tokens if mode.penalty else jnp.full_like(ids, -1))
@@ -148,7 +174,7 @@ class Decoder:
         def step(s: DecodeState):
             start = s.prompt_len + s.step - 1          # sequence index of the token fed now
             logits, cache = self._forward_cached(params, s.last[:, None], s.positions[:, None], s.cache, start,
-                                                self.decode_kernels)
+                                                 self.decode_kernels, self.layout("decode", s.last.shape[0]))
             token, key = next_token(logits, s.seen, s.key, mode, values)
             seen = mark_seen(s.seen, token[:, None]) if mode.penalty else s.seen
             out = jnp.where(s.done, -1, token)
@@ -171,7 +197,8 @@ class Decoder:
     def prefill_program(self, batch: int, prompt: int, length: int, mode: SamplingMode, n_stop: int):
         def build():
             fn = jax.jit(lambda *a: self._prefill(*a, length=length, mode=mode))
-            args = (self.params_for(batch * prompt), _spec((batch, prompt), jnp.int32), _spec((batch, prompt), jnp.int32),
+            args = (self.params_for(self.layout("prefill", batch * prompt)), _spec((batch, prompt), jnp.int32),
+                    _spec((batch, prompt), jnp.int32),
                     _spec((batch,), jnp.bool_), _values_spec(n_stop), jax.random.key_data(jax.random.key(0)))
             return fn.lower(*args).compile(self.compiler_options)
         return self._compiled("prefill", (batch, prompt, length, mode, n_stop), build)
@@ -179,7 +206,8 @@ class Decoder:
     def decode_program(self, batch: int, length: int, mode: SamplingMode, n_stop: int, state_spec):
         def build():
             fn = jax.jit(lambda *a: self._decode(*a, mode=mode), donate_argnums=(1,))
-            return fn.lower(self.params_for(batch), state_spec, _spec((), jnp.int32), _values_spec(n_stop)).compile(
+            params = self.params_for(self.layout("decode", batch))
+            return fn.lower(params, state_spec, _spec((), jnp.int32), _values_spec(n_stop)).compile(
                 self.compiler_options)
         return self._compiled("decode", (batch, length, mode, n_stop), build)
 

@@ -2,14 +2,19 @@
 
 Same signature and result as `moe.moe_experts_reference` (rows sorted by expert, group_sizes
 [E]). At decode shapes the cost is reading the experts' weights, not arithmetic, so this path
-reads each expert in use once and no other:
-  - up to ROWS_ALONE rows: one matrix-vector product per row with its own expert's weights;
+reads only the experts in use:
+  - up to ROWS_ALONE rows: each row goes through its own expert, chosen by `lax.switch` among
+    static slices `gate_up[e]` (in a loop over the rows). When the decoder passes every expert's weights as a separate
+    array stacked in the program (jax_bridge/decoding.py, `split_experts`), XLA resolves those
+    slices to the experts' own buffers: matrix-vector products on the weights in place, nothing
+    copied. (On an ordinary [E, ...] array the slices are copies: still correct.)
   - more rows: a loop over work items, each one expert and up to `chunk` of its (contiguous,
-    sorted) rows: the expert's weights are sliced once and multiplied by its rows together.
+    sorted) rows, the expert's weights taken once by a dynamic slice.
 The tiled `xla` implementation instead gathers a weight copy for every (row tile, expert) pair,
 whether the expert has rows or not. Measured on the 2-core CPU (tiny: 8 experts of 256x512,
-four layers' weights in turn so they do not stay cached; a busy machine, so ratios only):
-2 rows 101 vs 1117 us per layer, 16 rows 734 vs 1259 us. `bench generate` times whole steps.
+four layers' weights in turn so they do not stay cached; a busy machine, so ratios only), per
+layer: 2 rows 22 us (switch) vs 691 us (xla); 16 rows 315 us (switch) vs 562 (work items) vs
+775 (xla). `bench generate` times whole decode steps.
 """
 from __future__ import annotations
 
@@ -18,40 +23,39 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import clamped_swiglu, expert_of_rows
 
-ROWS_ALONE = 4
+ROWS_ALONE = 32
 
 
 def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _expert_mlp(x, expert, gate_up, gate_up_bias, down, down_bias, alpha, limit):
-    """x [..., H] through expert `expert` (a traced index) with weights sliced, not gathered."""
+def _mlp(x, w_up, b_up, w_down, b_down, alpha, limit):
+    """One expert on x [..., H] (clamped SwiGLU between the two projections)."""
     precision = _precision(x.dtype)
-    w_up = jax.lax.dynamic_index_in_dim(gate_up, expert, 0, keepdims=False)
-    w_down = jax.lax.dynamic_index_in_dim(down, expert, 0, keepdims=False)
     h = jnp.dot(x, w_up, precision=precision, preferred_element_type=jnp.float32)
-    h = clamped_swiglu(h + gate_up_bias[expert].astype(jnp.float32), alpha=alpha, limit=limit).astype(x.dtype)
+    h = clamped_swiglu(h + b_up.astype(jnp.float32), alpha=alpha, limit=limit).astype(x.dtype)
     y = jnp.dot(h, w_down, precision=precision, preferred_element_type=jnp.float32)
-    return (y + down_bias[expert].astype(jnp.float32)).astype(x.dtype)
+    return (y + b_down.astype(jnp.float32)).astype(x.dtype)
 
 
-def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                       limit: float = 7.0, chunk: int | None = None, platform: str = "cpu"):
-    """x: [M, H] sorted by expert; group_sizes: [E]; weights as the reference. `chunk`: rows per
-    work item (default: twice the mean rows per expert, at least 2). `platform` is accepted for
-    the registry's uniform signature (plain JAX needs none)."""
-    del platform
-    rows, experts = x.shape[0], group_sizes.shape[0]
-    sizes = group_sizes.astype(jnp.int32)
-    weights = (gate_up, gate_up_bias, down, down_bias, alpha, limit)
-    if rows == 0:
-        return x
-    if rows <= ROWS_ALONE:
-        expert = expert_of_rows(sizes, rows)
-        return jnp.stack([_expert_mlp(x[r], expert[r], *weights) for r in range(rows)])
+def _rows_alone(x, expert, gate_up, gate_up_bias, down, down_bias, alpha, limit):
+    """Row r through expert[r]: a loop over rows around a switch whose branch e uses static
+    slices of expert e (a loop, not an unrolled list, keeps the program small to compile)."""
+    experts = gate_up.shape[0]
+    weights = [t for e in range(experts) for t in (gate_up[e], gate_up_bias[e], down[e], down_bias[e])]
+    branches = [lambda row, *w, e=e: _mlp(row, *w[4 * e:4 * e + 4], alpha, limit) for e in range(experts)]
 
-    chunk = chunk or max(2, -(-2 * rows // experts))
+    def one_row(r, out):
+        row = jax.lax.dynamic_index_in_dim(x, r, 0, keepdims=False)
+        return out.at[r].set(jax.lax.switch(expert[r], branches, row, *weights))
+
+    return jax.lax.fori_loop(0, x.shape[0], one_row, jnp.zeros_like(x))
+
+
+def _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, chunk: int):
+    """Items of (expert, up to `chunk` of its rows) in a loop; the expert sliced once per item."""
+    rows, experts = x.shape[0], sizes.shape[0]
     starts = jnp.cumsum(sizes) - sizes
     chunks = (sizes + chunk - 1) // chunk                         # work items per expert
     first_item = jnp.cumsum(chunks) - chunks
@@ -63,8 +67,25 @@ def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
         owns = (first_item <= item) & (chunks > 0)
         e = jnp.max(jnp.where(owns, jnp.arange(experts, dtype=jnp.int32), 0))
         rank = (item - first_item[e]) * chunk                     # first row of this chunk in the group
-        y = _expert_mlp(jax.lax.dynamic_slice_in_dim(padded, starts[e] + rank, chunk, 0), e, *weights)
+        w = [jax.lax.dynamic_index_in_dim(t, e, 0, keepdims=False) for t in (gate_up, gate_up_bias, down, down_bias)]
+        y = _mlp(jax.lax.dynamic_slice_in_dim(padded, starts[e] + rank, chunk, 0), *w, alpha, limit)
         target = jnp.where(rank + offsets < sizes[e], starts[e] + rank + offsets, rows)   # rows = dropped
         return out.at[target].set(y, mode="drop")
 
     return jax.lax.fori_loop(0, jnp.sum(chunks), work_item, jnp.zeros_like(x))
+
+
+def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
+                       limit: float = 7.0, chunk: int | None = None, platform: str = "cpu"):
+    """x: [M, H] sorted by expert; group_sizes: [E]; weights as the reference. `chunk`: rows per
+    work item when M > ROWS_ALONE (default: twice the mean rows per expert, at least 2).
+    `platform` is accepted for the registry's uniform signature (plain JAX needs none)."""
+    del platform
+    rows, experts = x.shape[0], group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    if rows == 0:
+        return x
+    if rows <= ROWS_ALONE:
+        return _rows_alone(x, expert_of_rows(sizes, rows), gate_up, gate_up_bias, down, down_bias, alpha, limit)
+    return _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit,
+                       chunk or max(2, -(-2 * rows // experts)))

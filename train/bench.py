@@ -440,7 +440,7 @@ def _parse_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["kernels"], help="what to benchmark")
+    parser.add_argument("what", choices=["kernels", "generate"], help="what to benchmark")
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     parser.add_argument("--shapes", default=",".join(SHAPE_SETS),
                         help=f"comma-separated shape sets (default: {','.join(SHAPE_SETS)})")
@@ -459,6 +459,8 @@ def add_arguments(parser) -> None:
                              "(inputs, output cotangents) -> (outputs, grads), where outputs and cotangents are "
                              "the program's own outputs and arguments, not temps")
     parser.add_argument("--verbose", action="store_true", help="print each row as it is measured")
+    from train import bench_generate
+    bench_generate.add_arguments(parser)
 
 
 def _command_line(args) -> str:
@@ -475,6 +477,9 @@ def _command_line(args) -> str:
 
 
 def run(args) -> int:
+    if args.what == "generate":
+        from train import bench_generate
+        return bench_generate.run(args)
     shapes = _parse_list(args.shapes, SHAPE_SETS, "shapes")
     ops = _parse_list(args.ops, OPS, "ops")
     if args.repeats < 1 or args.warmup < 0:

@@ -94,19 +94,19 @@ def enable_compile_cache(directory: str | os.PathLike | None = None) -> Path | N
 
 class Generator:
     """A model ready to generate: its parameters on device and its compiled programs, kept
-    across calls. `kernels` applies to the prefill; `decode_kernels` to the decode loop (default:
-    the same, except the MoE's `decode` implementation on CPU, built for a step's few rows)."""
+    across calls. `kernels` applies to prefill and decoding, `decode_kernels` (default: the same)
+    to the decode loop alone; on CPU an MoE left at `auto` runs the `decode` implementation."""
 
     def __init__(self, model, *, kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
                  compile_cache: str | os.PathLike | None = None):
         from jax_bridge import registry
-        from jax_bridge.decoding import Decoder, default_decode_kernels
+        from jax_bridge.decoding import Decoder, generation_kernels
 
         enable_compile_cache(compile_cache)
         try:
-            if decode_kernels is None:
-                decode_kernels = default_decode_kernels(kernels, registry.current_backend())
-            self.decoder = Decoder(model, kernels=kernels, decode_kernels=decode_kernels)
+            platform = registry.current_backend()
+            self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform),
+                                   decode_kernels=None if decode_kernels is None else generation_kernels(decode_kernels, platform))
         except registry.KernelError as e:
             raise UserError(str(e)) from None
         self.cfg = model.cfg
@@ -160,7 +160,7 @@ class Generator:
                 jnp.asarray(active), values, jax.random.PRNGKey(sampling.seed))
 
         started = time.perf_counter()
-        state = prefill(decoder.params_for(batch * prompt_len), *args)
+        state = prefill(decoder.params_for(decoder.layout("prefill", batch * prompt_len)), *args)
         tokens = np.asarray(state.tokens)
         prefill_seconds = time.perf_counter() - started
         emitted = 1
@@ -171,7 +171,8 @@ class Generator:
         steps, done = 1, bool(np.asarray(state.done).all())
         chunk = stream_every or n_new
         while steps < n_new and not done:
-            state = decode(decoder.params_for(batch), state, jnp.int32(min(steps + chunk, n_new)), values)
+            state = decode(decoder.params_for(decoder.layout("decode", batch)), state,
+                           jnp.int32(min(steps + chunk, n_new)), values)
             steps, done = int(state.step), bool(np.asarray(state.done).all())
             if on_tokens is not None:
                 tokens = np.asarray(state.tokens)
@@ -268,9 +269,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", type=int, action="append", default=None,
                         help="extra stop token id (repeatable; the model's eos always stops)")
-    parser.add_argument("--kernels", default="auto", help="prefill kernels, e.g. attention=xla,moe=xla")
-    parser.add_argument("--decode-kernels", default=None,
-                        help="decode-loop kernels (default: as --kernels, with moe=decode on CPU)")
+    parser.add_argument("--kernels", default="auto",
+                        help="kernels, e.g. cached_attention=xla,moe=decode (auto: moe=decode on CPU)")
+    parser.add_argument("--decode-kernels", default=None, help="kernels of the decode loop alone (default: --kernels)")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print each result at the end instead of streaming a single prompt")
     parser.add_argument("--stream-every", type=int, default=8, help="tokens per streamed chunk (default 8)")

@@ -1,0 +1,323 @@
+"""`torchlyra bench generate`: decode throughput and time to first token, side by side in one run.
+
+Three paths generate greedily from the same weights and the same random prompts, exactly
+`--new-tokens` tokens per row (stop tokens off), at each batch size:
+  ours      : `train.generate` (prefill, KV cache, one compiled decode loop);
+  hf        : transformers' `generate` on the checkpoint exported by `torchlyra export` and loaded
+              with `from_pretrained` (float32, its default attention/experts implementations, its
+              own KV cache), at its better torch thread setting (1 or the default);
+  no-cache  : what generation did before the cache: the lowered forward over a padded
+              [batch, max_seq_len] window for every token, logits to the host, argmax there.
+Time to first token: the prompt's prefill plus the first token. Decode tokens/s: the other
+tokens of all rows over the time after the first token. Repetitions are interleaved across the
+paths (the machine's load hits them alike) and the median is kept; process CPU time is reported
+too, since on a shared machine wall time also counts waiting for a core. Compilation is done
+before timing and reported apart, per bucket.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from train.errors import UserError
+
+GOAL = 3.0          # decode throughput vs transformers, at every batch size
+PATHS = ("ours", "hf", "no-cache")
+
+
+def add_arguments(parser) -> None:
+    """Flags of `bench generate` (added to the `bench` parser, which owns --json, --repeats and
+    --warmup)."""
+    parser.add_argument("--checkpoint", default=None,
+                        help="generate: checkpoint to measure (default: --preset with random weights)")
+    parser.add_argument("--preset", default="tiny", help="generate: preset when no --checkpoint (default tiny)")
+    parser.add_argument("--batches", default="1,8", help="generate: comma-separated batch sizes (default 1,8)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="generate: prompt tokens per row (default 32)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="generate: new tokens per row (default 64)")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"generate: comma-separated subset of {','.join(PATHS)} (default: all)")
+
+
+# ---- the paths ----------------------------------------------------------------------------------
+class Ours:
+    name = "ours"
+
+    def __init__(self, model):
+        from train.generate import Generator
+        self.generator = Generator(model)
+
+    def run(self, prompts, new_tokens):
+        from train.generate import SamplingConfig
+        cpu = time.process_time()
+        result = self.generator.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, temperature=0))
+        return result.tokens, result.prefill_seconds, result.decode_seconds, time.process_time() - cpu
+
+    def compilations(self):
+        return [{"program": c.program, "bucket": list(c.bucket[:3]) if c.program == "prefill" else list(c.bucket[:2]),
+                 "seconds": round(c.seconds, 2), "from_persistent_cache": c.from_cache}
+                for c in self.generator.decoder.compilations]
+
+
+class Transformers:
+    name = "hf"
+
+    def __init__(self, hf_dir):
+        from parity.generation import load_transformers
+        self.model = load_transformers(hf_dir)
+        self.implementation = {"attention": self.model.config._attn_implementation,
+                               "experts": getattr(self.model.config, "_experts_implementation", None)}
+        self.threads = None
+
+    def run(self, prompts, new_tokens):
+        import torch
+
+        from parity.generation import transformers_greedy
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        started = time.perf_counter()
+        transformers_greedy(self.model, prompts, 1)
+        first = time.perf_counter() - started
+        started, cpu = time.perf_counter(), time.process_time()
+        tokens = transformers_greedy(self.model, prompts, new_tokens)
+        total = time.perf_counter() - started
+        return tokens, first, max(total - first, 1e-9), time.process_time() - cpu
+
+
+class NoCache:
+    """The pre-cache generation path, kept here as the baseline: every token re-runs the lowered
+    forward over the padded [batch, window] buffer and takes one row of its logits to the host."""
+    name = "no-cache"
+
+    def __init__(self, model, window: int):
+        import jax
+        import jax.numpy as jnp
+
+        from jax_bridge import registry
+        from jax_bridge.env import get_env
+        from jax_bridge.lowering import model_function, params_to_jax
+
+        self.window, self.params = window, params_to_jax(model)
+        env, kernels, forward = get_env(), registry.resolve("xla"), model_function(model)
+
+        def next_logits(params, ids, positions):
+            with registry.routed(env, kernels), jax.default_matmul_precision("highest"):
+                logits = forward(params, ids)
+            return jnp.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0]
+
+        self._next_logits = jax.jit(next_logits)
+
+    def run(self, prompts, new_tokens):
+        seqs, first, started, cpu = [list(p) for p in prompts], None, time.perf_counter(), time.process_time()
+        for step in range(new_tokens):
+            ids = np.zeros((len(seqs), self.window), np.int32)
+            pos = np.zeros(len(seqs), np.int32)
+            for i, s in enumerate(seqs):
+                tail = s[-self.window:]
+                ids[i, :len(tail)], pos[i] = tail, len(tail) - 1
+            logits = np.asarray(self._next_logits(self.params, ids, pos))
+            for s, row in zip(seqs, logits):
+                s.append(int(np.argmax(row)))
+            if step == 0:
+                first = time.perf_counter() - started
+                started = time.perf_counter()
+        return [s[len(p):] for s, p in zip(seqs, prompts)], first, time.perf_counter() - started, time.process_time() - cpu
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+def _choose_hf_threads(hf, prompts, new_tokens, log) -> int:
+    """transformers at its better torch thread count (1 or the default) for this batch: on a
+    machine whose cores are shared, extra threads can make torch much slower."""
+    import torch
+
+    default = torch.get_num_threads()
+    speeds = {}
+    for threads in sorted({1, default}):
+        hf.threads = threads
+        _, _, decode, _ = hf.run(prompts, min(new_tokens, 16))
+        speeds[threads] = decode
+    hf.threads = min(speeds, key=speeds.get)
+    log(f"  transformers threads: {hf.threads} (decode seconds for 16 tokens: {speeds})")
+    return hf.threads
+
+
+def measure(paths: dict, prompts, new_tokens: int, repeats: int, warmup: int, log) -> dict:
+    """Per path: medians over interleaved repetitions, and the tokens of the last one."""
+    samples = {name: [] for name in paths}
+    for name, path in paths.items():
+        for _ in range(warmup):
+            path.run(prompts, new_tokens)
+    for rep in range(repeats):
+        for name, path in paths.items():
+            samples[name].append(path.run(prompts, new_tokens))
+        log(f"  repeat {rep + 1}/{repeats}: " + ", ".join(
+            f"{n} {len(prompts) * (new_tokens - 1) / s[-1][2]:.0f} tok/s" for n, s in samples.items()))
+    rows = len(prompts)
+    out = {}
+    for name, runs in samples.items():
+        tokens = runs[-1][0]
+        out[name] = {
+            "decode_tokens_per_s": rows * (new_tokens - 1) / statistics.median(r[2] for r in runs),
+            "time_to_first_token_ms": 1e3 * statistics.median(r[1] for r in runs),
+            "cpu_ms_per_token": 1e3 * statistics.median(r[3] / (rows * new_tokens) for r in runs),
+            "decode_tokens_per_s_each": [rows * (new_tokens - 1) / r[2] for r in runs],
+            "tokens": tokens,
+        }
+    return out
+
+
+def _agreement(a, b) -> float:
+    """Fraction of rows whose greedy tokens are identical."""
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+# ---- report -----------------------------------------------------------------------------------------
+HEADER = ["batch", "path", "decode tok/s", "vs hf", "TTFT ms", "vs hf", "CPU ms/token", "same tokens as hf"]
+
+
+def format_table(rows: list[dict]) -> str:
+    body = [[str(r["batch"]), r["path"], f"{r['decode_tokens_per_s']:.0f}", _ratio(r.get("decode_vs_hf")),
+             f"{r['time_to_first_token_ms']:.1f}", _ratio(r.get("ttft_vs_hf"), inverse=True),
+             f"{r['cpu_ms_per_token']:.3f}",
+             "-" if r.get("same_tokens_as_hf") is None else f"{100 * r['same_tokens_as_hf']:.0f}% of rows"]
+            for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(HEADER)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    return "\n".join([line(HEADER), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(b) for b in body])
+
+
+def _ratio(value, inverse=False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" + (" faster" if inverse and value > 1 else "")
+
+
+def _parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"--{what}: expected comma-separated positive integers, found {text!r}")
+    return values
+
+
+def _load(args, workdir: Path):
+    """(torch model, exported transformers directory, description of the weights)."""
+    import torch
+
+    from parity.hf_export import export_checkpoint
+    from torch_model.config import ConfigError, get_preset
+    from torch_model.model import GptOssForCausalLM
+    from train.checkpoint import save_checkpoint
+    from train.generate import load_model
+
+    if args.checkpoint:
+        checkpoint, source = Path(args.checkpoint), f"checkpoint {args.checkpoint}"
+        model = load_model(checkpoint)
+    else:
+        try:
+            cfg = get_preset(args.preset)
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+        torch.manual_seed(0)
+        model = GptOssForCausalLM(cfg).eval()
+        checkpoint, source = workdir / "checkpoint", f"preset {args.preset}, random weights (seed 0)"
+        save_checkpoint(checkpoint, model.state_dict(), cfg)
+    export_checkpoint(checkpoint, workdir / "hf")
+    return model, workdir / "hf", source
+
+
+def run(args) -> int:
+    from train.bench import machine_info
+
+    batches = _parse_ints(args.batches, "batches")
+    prompt_len, new_tokens = _parse_ints(str(args.prompt_len), "prompt-len")[0], _parse_ints(str(args.new_tokens), "new-tokens")[0]
+    names = [s.strip() for s in args.paths.split(",") if s.strip()]
+    if not names or any(n not in PATHS for n in names):
+        raise UserError(f"--paths: expected a comma-separated subset of {','.join(PATHS)}, found {args.paths!r}")
+    if new_tokens < 2:
+        raise UserError(f"--new-tokens: decode speed needs at least 2 tokens, found {new_tokens}")
+    log = lambda s: print(s, file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
+        model, hf_dir, source = _load(args, Path(tmp))
+        cfg = model.cfg
+        if prompt_len + new_tokens > cfg.max_position_embeddings:
+            raise UserError(f"--prompt-len + --new-tokens ({prompt_len + new_tokens}) exceed the model's "
+                            f"max_position_embeddings ({cfg.max_position_embeddings})")
+        paths = {}
+        if "ours" in names:
+            paths["ours"] = Ours(model)
+        if "hf" in names:
+            paths["hf"] = Transformers(hf_dir)
+        if "no-cache" in names:
+            paths["no-cache"] = NoCache(model, window=max(cfg.max_seq_len, prompt_len + new_tokens))
+        rng = np.random.default_rng(0)
+        rows, results = [], {}
+        for batch in batches:
+            prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+            log(f"batch {batch}: {prompt_len}-token prompts, {new_tokens} new tokens")
+            if "hf" in paths:
+                _choose_hf_threads(paths["hf"], prompts, new_tokens, log)
+            result = measure(paths, prompts, new_tokens, args.repeats, max(args.warmup, 1), log)
+            results[batch] = result
+            hf = result.get("hf")
+            for name in paths:
+                r = result[name]
+                row = {"batch": batch, "path": name, **{k: v for k, v in r.items() if k != "tokens"}}
+                if hf is not None:
+                    row["decode_vs_hf"] = r["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+                    row["ttft_vs_hf"] = hf["time_to_first_token_ms"] / r["time_to_first_token_ms"]
+                    row["same_tokens_as_hf"] = _agreement(r["tokens"], hf["tokens"])
+                if name == "hf":
+                    row["torch_threads"] = paths["hf"].threads
+                rows.append(row)
+    elapsed = time.perf_counter() - started
+
+    print(format_table(rows))
+    compiled = paths["ours"].compilations() if "ours" in paths else []
+    if compiled:
+        print("\nours, compiled once per bucket before timing: " + "; ".join(
+            f"{c['program']} {c['bucket']} {c['seconds']:.1f} s" + (" (persistent cache)" if c["from_persistent_cache"] else "")
+            for c in compiled))
+    goal = None
+    if "ours" in paths and "hf" in paths:
+        ratios = {r["batch"]: r["decode_vs_hf"] for r in rows if r["path"] == "ours"}
+        goal = all(v >= GOAL for v in ratios.values())
+        print(f"goal: ours >= {GOAL:.0f}x transformers' decode tokens/s at every batch: "
+              f"{'met' if goal else 'NOT met'} ({', '.join(f'batch {b}: {v:.2f}x' for b, v in ratios.items())})")
+    print(f"{source}; float32; greedy; {elapsed:.0f} s in all. TTFT: prefill + first token. "
+          f"Medians of {args.repeats} interleaved repeats; CPU ms/token: process CPU time of a whole generation "
+          f"(all threads) per generated token.")
+    if args.json:
+        report = dict(command=_command_line(args), date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                      machine=machine_info(), weights=source, model=cfg.to_dict(), elapsed_s=round(elapsed, 1),
+                      settings=dict(batches=batches, prompt_len=prompt_len, new_tokens=new_tokens, repeats=args.repeats,
+                                    warmup=max(args.warmup, 1), dtype="float32", sampling="greedy"),
+                      transformers=paths["hf"].implementation if "hf" in paths else None,
+                      compilations=compiled, goal=dict(ratio=GOAL, met=goal), rows=rows)
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _command_line(args) -> str:
+    parts = ["torchlyra", "bench", "generate"]
+    parts += ["--checkpoint", args.checkpoint] if args.checkpoint else ["--preset", args.preset]
+    parts += ["--batches", args.batches, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+              "--repeats", str(args.repeats)]
+    if args.paths != ",".join(PATHS):
+        parts += ["--paths", args.paths]
+    if args.json:
+        parts += ["--json", args.json]
+    return " ".join(parts)
