@@ -91,11 +91,11 @@ register_implementation("moe", "ragged_dot", f"{_K}.moe:moe_experts_reference",
 register_implementation("moe", "megablox", f"{_K}.moe:moe_experts_megablox", backends=("cpu", "tpu"),
                         description="jax-shipped megablox gmm (TPU; interpret on CPU)")
 register_implementation("moe", "decode", f"{_K}.moe_decode:moe_experts_decode",
-                        description="generation's row counts: only the experts in use are read; CPU default for generation")
-register_implementation("cached_attention", "xla", f"{_K}.decode_attention:cached_attention_reference",
-                        description="plain JAX over the cache slots, masked by token position")
+                        description="generation's few rows: reads only the experts in use (CPU default for generation)")
 register_implementation("moe", "pallas", f"{_K}.moe:moe_experts_pallas", backends=("cpu", "tpu"),
                         description="fused grouped expert MLP: up + clamped SwiGLU + down in VMEM (Mosaic TPU; interpret on CPU)")
+register_implementation("cached_attention", "xla", f"{_K}.decode_attention:cached_attention_reference",
+                        description="plain JAX over the cache slots, masked by token position")
 
 
 # ---- selection --------------------------------------------------------------------------------

@@ -128,7 +128,8 @@ class NoCache:
             if step == 0:
                 first = time.perf_counter() - started
                 started = time.perf_counter()
-        return [s[len(p):] for s, p in zip(seqs, prompts)], first, time.perf_counter() - started, time.process_time() - cpu
+        tokens = [s[len(p):] for s, p in zip(seqs, prompts)]
+        return tokens, first, time.perf_counter() - started, time.process_time() - cpu
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -239,7 +240,8 @@ def run(args) -> int:
     from train.bench import machine_info
 
     batches = _parse_ints(args.batches, "batches")
-    prompt_len, new_tokens = _parse_ints(str(args.prompt_len), "prompt-len")[0], _parse_ints(str(args.new_tokens), "new-tokens")[0]
+    prompt_len = _parse_ints(str(args.prompt_len), "prompt-len")[0]
+    new_tokens = _parse_ints(str(args.new_tokens), "new-tokens")[0]
     names = [s.strip() for s in args.paths.split(",") if s.strip()]
     if not names or any(n not in PATHS for n in names):
         raise UserError(f"--paths: expected a comma-separated subset of {','.join(PATHS)}, found {args.paths!r}")
@@ -286,7 +288,8 @@ def run(args) -> int:
     compiled = paths["ours"].compilations() if "ours" in paths else []
     if compiled:
         print("\nours, compiled once per bucket before timing: " + "; ".join(
-            f"{c['program']} {c['bucket']} {c['seconds']:.1f} s" + (" (persistent cache)" if c["from_persistent_cache"] else "")
+            f"{c['program']} {c['bucket']} {c['seconds']:.1f} s"
+            + (" (persistent cache)" if c["from_persistent_cache"] else "")
             for c in compiled))
     goal = None
     if "ours" in paths and "hf" in paths:
@@ -298,8 +301,9 @@ def run(args) -> int:
           f"Medians of {args.repeats} interleaved repeats; CPU ms/token: process CPU time of a whole generation "
           f"(all threads) per generated token.")
     if args.json:
-        report = dict(command=_command_line(args), date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                      machine=machine_info(), weights=source, model=cfg.to_dict(), elapsed_s=round(elapsed, 1),
+        date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        report = dict(command=_command_line(args), date=date, machine=machine_info(), weights=source,
+                      model=cfg.to_dict(), elapsed_s=round(elapsed, 1),
                       settings=dict(batches=batches, prompt_len=prompt_len, new_tokens=new_tokens, repeats=args.repeats,
                                     warmup=max(args.warmup, 1), dtype="float32", sampling="greedy"),
                       transformers=paths["hf"].implementation if "hf" in paths else None,

@@ -105,8 +105,9 @@ class Generator:
         enable_compile_cache(compile_cache)
         try:
             platform = registry.current_backend()
-            self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform),
-                                   decode_kernels=None if decode_kernels is None else generation_kernels(decode_kernels, platform))
+            if decode_kernels is not None:
+                decode_kernels = generation_kernels(decode_kernels, platform)
+            self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform), decode_kernels=decode_kernels)
         except registry.KernelError as e:
             raise UserError(str(e)) from None
         self.cfg = model.cfg
