@@ -40,7 +40,7 @@ def synthetic_batch(rng, rows=16, length=65):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(checkpoint dir, exported HF dir, eager model) after 80 steps of training."""
+    """(checkpoint dir, exported HF dir, eager model) after 60 steps of training."""
     from jax_bridge.lowering import params_to_torch
     from jax_bridge.step import StepConfig, TrainStep
     from parity.hf_export import export_checkpoint
@@ -52,11 +52,11 @@ def trained(tmp_path_factory):
     model = GptOssForCausalLM(CFG)
     step = TrainStep(model, OptimizerConfig(lr=0.02, adam_lr=0.006), StepConfig(kernels="xla"))
     state, rng, losses = step.init_state(), np.random.default_rng(0), []
-    for _ in range(80):
+    for _ in range(60):
         state, metrics = step(state, synthetic_batch(rng), 1.0)
         losses.append(float(metrics["ce"]))
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 1.0, "the fixture model did not train"
-    save_checkpoint(root / "ck", params_to_torch(state.params), CFG, step=80)
+    save_checkpoint(root / "ck", params_to_torch(state.params), CFG, step=60)
     export_checkpoint(root / "ck", root / "hf")
     return root / "ck", root / "hf", load_model(root / "ck")
 
@@ -105,14 +105,17 @@ def test_one_prompt_at_a_time_equals_eager_pytorch(trained, generator):
 
 
 def test_one_compilation_per_bucket_whatever_the_lengths(generator):
-    before = len(generator.decoder.compilations)
-    first = generator.generate([[1, 2, 3], [4, 5]], SamplingConfig(max_new_tokens=10, temperature=0))
-    again = generator.generate([[9] * 30, [4, 5, 6]], SamplingConfig(max_new_tokens=30, temperature=0))
-    new = generator.decoder.compilations[before:]
-    assert first.bucket == again.bucket == (2, 32, 64)
-    assert sorted(c.program for c in new) == ["decode", "prefill"], new
+    """Batches of 3 or 4 prompts up to 32 tokens, up to 32 new tokens: bucket (4, 32, 64)."""
+    bucket = (4, 32, 64)
+    first = generator.generate(prompts_around_the_window()[:3], SamplingConfig(max_new_tokens=10, temperature=0))
+    again = generator.generate([[9] * 30, [4, 5, 6], [1], [2, 2]], SamplingConfig(max_new_tokens=32, temperature=0))
+    assert first.bucket == again.bucket == bucket
+    greedy = GREEDY.mode(VOCAB)
+    compiled = [c.program for c in generator.decoder.compilations
+                if (c.program, c.bucket[:-1]) in {("prefill", (*bucket, greedy)), ("decode", (4, 64, greedy))}]
+    assert sorted(compiled) == ["decode", "prefill"], generator.decoder.compilations
     assert again.compile_seconds == 0 and again.compilations == []
-    assert len(again.tokens[0]) == 30 and first.decode_steps == 9
+    assert len(again.tokens[0]) == 32 and first.decode_steps == 9
 
 
 def test_streaming_delivers_every_token_once_in_order(generator):
@@ -144,12 +147,11 @@ def test_sampling_is_reproducible_by_seed_and_varies_across_seeds(generator):
     assert all(0 <= t < VOCAB for row in a + c for t in row)
 
 
-def test_generate_accepts_a_checkpoint_a_model_or_a_generator(trained, generator):
-    ck, _, model = trained
+def test_generate_takes_sampling_fields_or_a_config(generator):
     prompt = [[3, 5, 7, 9, 11]]
     want = generator.generate(prompt, SamplingConfig(max_new_tokens=4, temperature=0)).tokens
     assert generate(generator, prompt, max_new_tokens=4, temperature=0).tokens == want
-    assert generate(str(ck), prompt, max_new_tokens=4, temperature=0).tokens == want
+    assert generate(generator, prompt, GREEDY, max_new_tokens=4).tokens == want
 
 
 @pytest.mark.parametrize("prompts, sampling, message", [

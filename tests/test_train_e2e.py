@@ -56,6 +56,12 @@ def test_generate_from_the_checkpoint(run_dir, capsys):
                  "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     assert "JULIET:" in out and len(out.split("JULIET:")[-1].strip()) > 0
+    # A batch prints each result at the end; the streamed single prompt above printed the same text.
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "JULIET:", "--prompt", "HAMLET: To be",
+                 "--max-tokens", "12", "--temperature", "0", "--timings"]) == 0
+    batch = capsys.readouterr()
+    assert batch.out.split("--- prompt: 'HAMLET: To be'")[0].strip() == out.strip()
+    assert "compile:" in batch.err and "tokens/s" in batch.err
 
 
 def _error(capsys, argv) -> str:
