@@ -280,34 +280,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="persistent compilation cache directory, or 'off' (default: "
                              "$TORCHLYRA_COMPILE_CACHE or ~/.cache/torchlyra/jax-compile)")
     parser.add_argument("--timings", action="store_true", help="print compile, prefill and decode times")
+    parser.add_argument("--chat", action="store_true",
+                        help="harmony chat format (o200k_harmony models): each --prompt is a user message; "
+                             "stops on <|return|> or <|call|>")
+    parser.add_argument("--system", default=None, help="with --chat: a system message before each user message")
+    parser.add_argument("--messages", default=None,
+                        help='with --chat: a JSON file holding one conversation, [{"role": ..., "content": ...}, ...]')
 
 
 def run(args) -> int:
     sampling = SamplingConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    if (args.system or args.messages) and not args.chat:
+        raise UserError("--system and --messages need --chat")
     model, tokenizer = load_for_generation(args.checkpoint)
     cfg = model.cfg
-    sampling = dataclasses.replace(sampling, stop_tokens=(cfg.eos_token_id, *(args.stop or ())))
-    texts = args.prompt or [""]
-    prompts = [[cfg.bos_token_id] + tokenizer.encode_ordinary(t) for t in texts]
+    if args.chat:
+        from train import chat
+        conversations = chat_conversations(args, chat)
+        prompts = [chat.render(tokenizer, c) for c in conversations]
+        stops = (*chat.stop_tokens(tokenizer), cfg.eos_token_id)
+        labels = [c[-1].content for c in conversations]
+    else:
+        labels = args.prompt or [""]
+        prompts = [[cfg.bos_token_id] + tokenizer.encode_ordinary(t) for t in labels]
+        stops = (cfg.eos_token_id,)
+    sampling = dataclasses.replace(sampling, stop_tokens=(*stops, *(args.stop or ())))
     generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
                           compile_cache=args.compile_cache)
     hidden = {cfg.bos_token_id, cfg.eos_token_id}
-    streaming = args.stream and len(texts) == 1
-    stream = TextStream(tokenizer, skip=hidden) if streaming else None
+    streaming = args.stream and len(prompts) == 1
     if streaming:
-        print(f"--- prompt: {texts[0]!r}\n{texts[0]}", end="", flush=True)
+        stream = chat.ReplyStream(tokenizer) if args.chat else TextStream(tokenizer, skip=hidden)
+        print(f"--- prompt: {labels[0]!r}\n" + ("" if args.chat else labels[0]), end="", flush=True)
     result = generator.generate(prompts, sampling, on_tokens=(lambda new: stream(new[0])) if streaming else None,
                                 stream_every=args.stream_every if streaming else None)
     if streaming:
         stream.close()
         print("\n")
     else:
-        for text, ids in zip(texts, result.tokens):
-            print(f"--- prompt: {text!r}\n{text}{tokenizer.decode([t for t in ids if t not in hidden])}\n")
+        for label, ids in zip(labels, result.tokens):
+            text = chat.reply_text(tokenizer, ids)[0] if args.chat else \
+                label + tokenizer.decode([t for t in ids if t not in hidden])
+            print(f"--- prompt: {label!r}\n{text}\n")
     if args.timings:
         print(format_timings(result), file=sys.stderr)
     return 0
+
+
+def chat_conversations(args, chat) -> list[list]:
+    """--messages FILE: one conversation; else one per --prompt (a user message), each after the
+    --system message if given."""
+    if args.messages:
+        if args.prompt or args.system:
+            raise UserError("--messages holds the whole conversation: give no --prompt or --system with it")
+        return [chat.read_messages(args.messages)]
+    if not args.prompt:
+        raise UserError("--chat needs --prompt (a user message, repeatable) or --messages FILE")
+    system = [chat.Message("system", args.system)] if args.system else []
+    return [system + [chat.Message("user", text)] for text in args.prompt]
 
 
 def format_timings(result: Generation) -> str:
