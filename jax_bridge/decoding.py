@@ -197,8 +197,8 @@ class Decoder:
     def prefill_program(self, batch: int, prompt: int, length: int, mode: SamplingMode, n_stop: int):
         def build():
             fn = jax.jit(lambda *a: self._prefill(*a, length=length, mode=mode))
-            args = (self.params_for(self.layout("prefill", batch * prompt)), _spec((batch, prompt), jnp.int32),
-                    _spec((batch, prompt), jnp.int32),
+            params = self.params_for(self.layout("prefill", batch * prompt))
+            args = (params, _spec((batch, prompt), jnp.int32), _spec((batch, prompt), jnp.int32),
                     _spec((batch,), jnp.bool_), _values_spec(n_stop), jax.random.key_data(jax.random.key(0)))
             return fn.lower(*args).compile(self.compiler_options)
         return self._compiled("prefill", (batch, prompt, length, mode, n_stop), build)
@@ -210,9 +210,6 @@ class Decoder:
             return fn.lower(params, state_spec, _spec((), jnp.int32), _values_spec(n_stop)).compile(
                 self.compiler_options)
         return self._compiled("decode", (batch, length, mode, n_stop), build)
-
-    def compile_seconds(self) -> float:
-        return sum(c.seconds for c in self.compilations)
 
 
 def _spec(shape, dtype):

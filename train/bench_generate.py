@@ -1,8 +1,10 @@
 """`torchlyra bench generate`: decode throughput and time to first token, side by side in one run.
 
-Three paths generate greedily from the same weights and the same random prompts, exactly
+The paths generate greedily from the same weights and the same random prompts, exactly
 `--new-tokens` tokens per row (stop tokens off), at each batch size:
   ours      : `train.generate` (prefill, KV cache, one compiled decode loop);
+  ours-streaming : the same, handing tokens to the host every 8 steps (the decode loop runs in
+              chunks, as `torchlyra generate` does for one prompt): the cost of streaming;
   hf        : transformers' `generate` on the checkpoint exported by `torchlyra export` and loaded
               with `from_pretrained` (float32, its default attention/experts implementations, its
               own KV cache), at its better torch thread setting (1 or the default);
@@ -30,7 +32,8 @@ import numpy as np
 from train.errors import UserError
 
 GOAL = 3.0          # decode throughput vs transformers, at every batch size
-PATHS = ("ours", "hf", "no-cache")
+PATHS = ("ours", "ours-streaming", "hf", "no-cache")
+STREAM_EVERY = 8
 
 
 def add_arguments(parser) -> None:
@@ -42,6 +45,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batches", default="1,8", help="generate: comma-separated batch sizes (default 1,8)")
     parser.add_argument("--prompt-len", type=int, default=32, help="generate: prompt tokens per row (default 32)")
     parser.add_argument("--new-tokens", type=int, default=64, help="generate: new tokens per row (default 64)")
+    parser.add_argument("--hf-threads", default="auto",
+                        help="generate: torch threads for transformers, or auto (the faster of 1 and torch's default)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"generate: comma-separated subset of {','.join(PATHS)} (default: all)")
 
@@ -50,14 +55,16 @@ def add_arguments(parser) -> None:
 class Ours:
     name = "ours"
 
-    def __init__(self, model):
+    def __init__(self, model=None, *, generator=None, stream_every: int | None = None):
         from train.generate import Generator
-        self.generator = Generator(model)
+        self.generator = generator or Generator(model)
+        self.stream_every = stream_every
 
     def run(self, prompts, new_tokens):
         from train.generate import SamplingConfig
         cpu = time.process_time()
-        result = self.generator.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, temperature=0))
+        streaming = dict(on_tokens=lambda new: None, stream_every=self.stream_every) if self.stream_every else {}
+        result = self.generator.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, temperature=0), **streaming)
         return result.tokens, result.prefill_seconds, result.decode_seconds, time.process_time() - cpu
 
     def compilations(self):
@@ -256,8 +263,12 @@ def run(args) -> int:
             raise UserError(f"--prompt-len + --new-tokens ({prompt_len + new_tokens}) exceed the model's "
                             f"max_position_embeddings ({cfg.max_position_embeddings})")
         paths = {}
-        if "ours" in names:
-            paths["ours"] = Ours(model)
+        if "ours" in names or "ours-streaming" in names:
+            ours = Ours(model)
+            if "ours" in names:
+                paths["ours"] = ours
+            if "ours-streaming" in names:
+                paths["ours-streaming"] = Ours(generator=ours.generator, stream_every=STREAM_EVERY)
         if "hf" in names:
             paths["hf"] = Transformers(hf_dir)
         if "no-cache" in names:
@@ -268,7 +279,10 @@ def run(args) -> int:
             prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
             log(f"batch {batch}: {prompt_len}-token prompts, {new_tokens} new tokens")
             if "hf" in paths:
-                _choose_hf_threads(paths["hf"], prompts, new_tokens, log)
+                if args.hf_threads == "auto":
+                    _choose_hf_threads(paths["hf"], prompts, new_tokens, log)
+                else:
+                    paths["hf"].threads = _parse_ints(args.hf_threads, "hf-threads")[0]
             result = measure(paths, prompts, new_tokens, args.repeats, max(args.warmup, 1), log)
             results[batch] = result
             hf = result.get("hf")
@@ -285,7 +299,7 @@ def run(args) -> int:
     elapsed = time.perf_counter() - started
 
     print(format_table(rows))
-    compiled = paths["ours"].compilations() if "ours" in paths else []
+    compiled = ours.compilations() if "ours" in names or "ours-streaming" in names else []
     if compiled:
         print("\nours, compiled once per bucket before timing: " + "; ".join(
             f"{c['program']} {c['bucket']} {c['seconds']:.1f} s"
@@ -322,6 +336,8 @@ def _command_line(args) -> str:
               "--repeats", str(args.repeats)]
     if args.paths != ",".join(PATHS):
         parts += ["--paths", args.paths]
+    if args.hf_threads != "auto":
+        parts += ["--hf-threads", args.hf_threads]
     if args.json:
         parts += ["--json", args.json]
     return " ".join(parts)

@@ -87,7 +87,8 @@ def read_messages(path: str | os.PathLike) -> list[Message]:
         raise UserError(f"{path}: expected a non-empty JSON list of messages, found {type(data).__name__}")
     messages = []
     for i, item in enumerate(data):
-        if not isinstance(item, dict) or not {"role", "content"} <= set(item) or set(item) - {"role", "content", "channel"}:
+        keys = set(item) if isinstance(item, dict) else set()
+        if not {"role", "content"} <= keys or keys - {"role", "content", "channel"}:
             raise UserError(f"{path}: message {i} must be an object with role, content and optionally channel; "
                             f"found {json.dumps(item)[:80]}")
         messages.append(Message(item["role"], item["content"], item.get("channel")))
