@@ -255,7 +255,7 @@ def run(args) -> int:
     if new_tokens < 2:
         raise UserError(f"--new-tokens: decode speed needs at least 2 tokens, found {new_tokens}")
     log = lambda s: print(s, file=sys.stderr, flush=True)
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
         model, hf_dir, source = _load(args, Path(tmp))
         cfg = model.cfg
@@ -297,6 +297,7 @@ def run(args) -> int:
                     row["torch_threads"] = paths["hf"].threads
                 rows.append(row)
     elapsed = time.perf_counter() - started
+    load = [round(load_before, 1), round(os.getloadavg()[0], 1)]
 
     print(format_table(rows))
     compiled = ours.compilations() if "ours" in names or "ours-streaming" in names else []
@@ -311,13 +312,14 @@ def run(args) -> int:
         goal = all(v >= GOAL for v in ratios.values())
         print(f"goal: ours >= {GOAL:.0f}x transformers' decode tokens/s at every batch: "
               f"{'met' if goal else 'NOT met'} ({', '.join(f'batch {b}: {v:.2f}x' for b, v in ratios.items())})")
-    print(f"{source}; float32; greedy; {elapsed:.0f} s in all. TTFT: prefill + first token. "
+    print(f"{source}; float32; greedy; {elapsed:.0f} s in all; load average {load[0]} -> {load[1]} on "
+          f"{os.cpu_count()} cores. TTFT: prefill + first token. "
           f"Medians of {args.repeats} interleaved repeats; CPU ms/token: process CPU time of a whole generation "
           f"(all threads) per generated token.")
     if args.json:
         date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         report = dict(command=_command_line(args), date=date, machine=machine_info(), weights=source,
-                      model=cfg.to_dict(), elapsed_s=round(elapsed, 1),
+                      model=cfg.to_dict(), elapsed_s=round(elapsed, 1), load_average_start_end=load,
                       settings=dict(batches=batches, prompt_len=prompt_len, new_tokens=new_tokens, repeats=args.repeats,
                                     warmup=max(args.warmup, 1), dtype="float32", sampling="greedy"),
                       transformers=paths["hf"].implementation if "hf" in paths else None,
