@@ -153,8 +153,5 @@ def test_generate_chat_from_the_command_line(tmp_path, capsys):
     assert main(args + ["--messages", str(conversation)]) == 0
     streamed = capsys.readouterr().out
     assert streamed.startswith("--- prompt: 'Hello there'\n")
-    assert main(args + ["--system", "Be brief.", "--prompt", "Hello there", "--prompt", "How are you?"]) == 0
-    batch = capsys.readouterr().out
-    assert "--- prompt: 'How are you?'" in batch
     assert main(args + ["--prompt", "x", "--messages", str(conversation)]) == 2
     assert "--messages holds the whole conversation" in capsys.readouterr().err
