@@ -35,9 +35,10 @@ def load_transformers(hf_dir):
 
 
 @torch.no_grad()
-def transformers_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int, pad_id: int = 0) -> list[list[int]]:
+def transformers_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int, pad_id: int = 0,
+                        streamer=None) -> list[list[int]]:
     """transformers' `generate` (greedy, its own KV cache) on a left-padded batch; exactly
-    max_new_tokens per row (no early stop)."""
+    max_new_tokens per row (no early stop). `streamer` is handed to `generate`."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -46,7 +47,7 @@ def transformers_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int,
         mask[row, width - len(p):] = 1
     out = hf_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                             min_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=None,
-                            temperature=None, top_p=None, top_k=None)
+                            temperature=None, top_p=None, top_k=None, streamer=streamer)
     return out[:, width:].tolist()
 
 

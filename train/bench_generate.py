@@ -7,7 +7,8 @@ The paths generate greedily from the same weights and the same random prompts, e
               chunks, as `torchlyra generate` does for one prompt): the cost of streaming;
   hf        : transformers' `generate` on the checkpoint exported by `torchlyra export` and loaded
               with `from_pretrained` (float32, its default attention/experts implementations, its
-              own KV cache), at its better torch thread setting (1 or the default);
+              own KV cache), at its better torch thread setting (1 or the default); a streamer
+              notes when its first token arrives;
   no-cache  : what generation did before the cache: the lowered forward over a padded
               [batch, max_seq_len] window for every token, logits to the host, argmax there.
 Time to first token: the prompt's prefill plus the first token. Decode tokens/s: the other
@@ -89,13 +90,27 @@ class Transformers:
         from parity.generation import transformers_greedy
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        started = time.perf_counter()
-        transformers_greedy(self.model, prompts, 1)
-        first = time.perf_counter() - started
+        clock = _FirstTokenClock()
         started, cpu = time.perf_counter(), time.process_time()
-        tokens = transformers_greedy(self.model, prompts, new_tokens)
-        total = time.perf_counter() - started
-        return tokens, first, max(total - first, 1e-9), time.process_time() - cpu
+        tokens = transformers_greedy(self.model, prompts, new_tokens, streamer=clock)
+        ended = time.perf_counter()
+        return tokens, clock.first - started, ended - clock.first, time.process_time() - cpu
+
+
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first new token arrives (generate hands it the
+    prompt first, then each step's tokens), so one call gives time to first token and decode time."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
 
 
 class NoCache:
@@ -142,17 +157,19 @@ class NoCache:
 # ---- measuring ------------------------------------------------------------------------------------
 def _choose_hf_threads(hf, prompts, new_tokens, log) -> int:
     """transformers at its better torch thread count (1 or the default) for this batch: on a
-    machine whose cores are shared, extra threads can make torch much slower."""
+    machine whose cores are shared, extra threads can make torch much slower. Each count gets a
+    warm-up call, then the better of two timed ones."""
     import torch
 
     default = torch.get_num_threads()
-    speeds = {}
+    seconds = {}
     for threads in sorted({1, default}):
         hf.threads = threads
-        _, _, decode, _ = hf.run(prompts, min(new_tokens, 16))
-        speeds[threads] = decode
-    hf.threads = min(speeds, key=speeds.get)
-    log(f"  transformers threads: {hf.threads} (decode seconds for 16 tokens: {speeds})")
+        hf.run(prompts, 2)
+        seconds[threads] = min(sum(hf.run(prompts, min(new_tokens, 16))[1:3]) for _ in range(2))
+    hf.threads = min(seconds, key=seconds.get)
+    log(f"  transformers threads: {hf.threads} (seconds for 16 tokens: "
+        + ", ".join(f"{t} thread(s) {s:.3f}" for t, s in seconds.items()) + ")")
     return hf.threads
 
 
