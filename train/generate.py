@@ -71,7 +71,8 @@ class Generation:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens produced per second by the decode loop, all rows together."""
+        """Token slots per second of the decode loop, all rows together (a row that stopped early
+        still counts its slots: the loop computes them)."""
         return self.rows * self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
@@ -107,7 +108,8 @@ class Generator:
             platform = registry.current_backend()
             if decode_kernels is not None:
                 decode_kernels = generation_kernels(decode_kernels, platform)
-            self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform), decode_kernels=decode_kernels)
+            self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform),
+                                   decode_kernels=decode_kernels)
         except registry.KernelError as e:
             raise UserError(str(e)) from None
         self.cfg = model.cfg
@@ -131,18 +133,8 @@ class Generator:
 
         cfg, decoder = self.cfg, self.decoder
         prompts = [list(p) for p in prompts]
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise UserError("generate: give at least one prompt, each with at least one token")
-        bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise UserError(f"generate: token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
-        if stream_every is not None and stream_every < 1:
-            raise UserError(f"generate: stream_every must be >= 1, found {stream_every}")
+        _check_request(cfg, prompts, sampling, stream_every)
         longest, n_new = max(len(p) for p in prompts), sampling.max_new_tokens
-        if longest + n_new > cfg.max_position_embeddings:
-            raise UserError(f"generate: {longest} prompt tokens + {n_new} new ones exceed the model's "
-                            f"max_position_embeddings ({cfg.max_position_embeddings})")
-
         rows = len(prompts)
         batch, prompt_len = batch_bucket(rows), round_up(longest, PROMPT_MULTIPLE)
         length = round_up(prompt_len + n_new, LENGTH_MULTIPLE)
@@ -153,14 +145,13 @@ class Generator:
         decode = decoder.decode_program(batch, length, mode, n_stop, prefill.out_info)
         compiled = decoder.compilations[before:]
 
+        started = time.perf_counter()                  # time to first token: from here, compilation done
         ids, positions = left_pad(prompts + [[]] * (batch - rows), prompt_len)
         active = np.arange(batch) < rows
         values = sampling_values(sampling.temperature or 1.0, sampling.top_p, sampling.repetition_penalty,
                                  sampling.stop_tokens, n_stop)
         args = (jnp.asarray(ids.numpy(), jnp.int32), jnp.asarray(positions.numpy(), jnp.int32),
                 jnp.asarray(active), values, jax.random.PRNGKey(sampling.seed))
-
-        started = time.perf_counter()
         state = prefill(decoder.params_for(decoder.layout("prefill", batch * prompt_len)), *args)
         tokens = np.asarray(state.tokens)
         prefill_seconds = time.perf_counter() - started
@@ -188,6 +179,20 @@ class Generator:
                           bucket=(batch, prompt_len, length), compile_seconds=sum(c.seconds for c in compiled),
                           compilations=compiled, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
                           decode_steps=steps - 1, rows=rows)
+
+
+def _check_request(cfg, prompts: list[list[int]], sampling: SamplingConfig, stream_every: int | None) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("generate: give at least one prompt, each with at least one token")
+    bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise UserError(f"generate: token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
+    if stream_every is not None and stream_every < 1:
+        raise UserError(f"generate: stream_every must be >= 1, found {stream_every}")
+    longest = max(len(p) for p in prompts)
+    if longest + sampling.max_new_tokens > cfg.max_position_embeddings:
+        raise UserError(f"generate: {longest} prompt tokens + {sampling.max_new_tokens} new ones exceed the "
+                        f"model's max_position_embeddings ({cfg.max_position_embeddings})")
 
 
 def _new_tokens(tokens, rows: int, prompt_len: int, start: int, stop: int) -> list[list[int]]:
