@@ -95,7 +95,7 @@ def vjp_program(fn: Callable, argnums: Sequence[int], n_inputs: int | None = Non
 # ---------------------------------------------------------------------------------------------
 def moe_table(m: int = 32768, h: int = 2048, i: int = 384, e: int = 16, dtype=None) -> dict:
     """{implementation: {(pass, mode): temp bytes}} for every MoE implementation, pass in
-    ('fwd', 'fwd+bwd'), mode in ('interpret', 'opaque'); Pallas ones with backend='cpu'."""
+    ('fwd', 'fwd+bwd'), mode in ('interpret', 'opaque'); Pallas ones compiled for platform 'cpu'."""
     import functools
 
     import jax.numpy as jnp
@@ -107,9 +107,8 @@ def moe_table(m: int = 32768, h: int = 2048, i: int = 384, e: int = 16, dtype=No
                                                           ((e, 2 * i), dt), ((e, i, h), dt), ((e, h), dt)])
     dy = jax.ShapeDtypeStruct((m, h), dt)
     impls = {"reference": moe.moe_experts_reference, "xla": moe.moe_experts_xla,
-             "pallas (fused)": functools.partial(moe.moe_experts_pallas, backend="cpu"),
-             "pallas_unfused": functools.partial(moe.moe_experts_pallas_unfused, backend="cpu"),
-             "megablox": functools.partial(moe.moe_experts_megablox, backend="cpu")}
+             "pallas (fused)": functools.partial(moe.moe_experts_pallas, platform="cpu"),
+             "megablox": functools.partial(moe.moe_experts_megablox, platform="cpu")}
     table = {}
     for name, fn in impls.items():
         row = table[name] = {}

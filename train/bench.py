@@ -167,28 +167,6 @@ def _concrete_inputs(case: Case, seed: int = 0):
 
 
 # ---- analysis modes ----------------------------------------------------------------------------
-@contextlib.contextmanager
-def _tpu_interpreter():
-    """While lowering: every pallas_call asked for generic interpret mode (interpret=True) gets
-    the TPU interpreter instead (pltpu.InterpretParams()); kernels already asking for it or for
-    Mosaic are untouched."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    original = pl.pallas_call
-
-    def pallas_call(*args, **kwargs):
-        if kwargs.get("interpret") is True:
-            kwargs["interpret"] = pltpu.InterpretParams()
-        return original(*args, **kwargs)
-
-    pl.pallas_call = pallas_call
-    try:
-        yield
-    finally:
-        pl.pallas_call = original
-
-
 class _Timeout(Exception):
     pass
 
@@ -215,9 +193,9 @@ def _time_budget(seconds: float):
 
 
 def _is_kernel(fn) -> bool:
-    """Implementations with a `backend=` argument are Pallas kernels (interpreted on CPU)."""
+    """Implementations with a `platform=` argument are Pallas kernels (interpreted on CPU)."""
     try:
-        return "backend" in inspect.signature(fn).parameters
+        return "platform" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
@@ -232,7 +210,7 @@ def _compile(f, abstract, budget: float, mode: str):
     from pallas_kernels.memory import opaque_pallas_calls
 
     jax.clear_caches()  # the same function lowered under another mode must not hit a cache
-    ctx = {"opaque": opaque_pallas_calls, "tpu-interp": _tpu_interpreter}.get(mode, contextlib.nullcontext)()
+    ctx = opaque_pallas_calls() if mode == "opaque" else contextlib.nullcontext()
     start = time.perf_counter()
     with _time_budget(budget), ctx:
         compiled = jax.jit(f).lower(*abstract).compile()
@@ -278,13 +256,16 @@ def _bench_case(case: Case, impls: dict, args, log) -> list[dict]:
                 rows.append(row)
                 continue
             kernel = _is_kernel(fn)
-            kernel_kwargs = {"backend": "cpu"} if kernel else {}
             vjp = not args.sum_loss and direction == "fwd+bwd"
-            f = _make_fn(fn, case, direction, kernel_kwargs, vjp)
             compiled = None
             attempts = ["opaque", "tpu-interp", "interpret"] if kernel else ["plain"]
             notes = []
             for mode in attempts:
+                # tpu-interp: the same kernels in the TPU-simulating interpreter (platform.py's
+                # interpret='tpu'); the others compile for platform 'cpu' as they are.
+                kernel_kwargs = ({"platform": "cpu", "interpret": "tpu"} if mode == "tpu-interp" else
+                                 {"platform": "cpu"} if kernel else {})
+                f = _make_fn(fn, case, direction, kernel_kwargs, vjp)
                 try:
                     abstract = _abstract_inputs(case, fn, kernel_kwargs, vjp)
                     compiled, secs = _compile(f, abstract, args.compile_timeout, mode)

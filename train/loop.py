@@ -53,6 +53,7 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
     out = Path(cfg.out)
     try:
         registry.resolve(cfg.kernels)          # a bad kernel choice fails before any work
+        registry.check_options(cfg.kernel_options)
     except registry.KernelError as e:
         raise UserError(str(e)) from None
     tokenizer = load_tokenizer(cfg.data)
@@ -69,12 +70,14 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
     opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay)
     try:
         step = TrainStep(model, opt_cfg, StepConfig(kernels=cfg.kernels, compute_dtype=cfg.compute_dtype,
-                                                    micro_batches=cfg.micro_batches))
+                                                    micro_batches=cfg.micro_batches,
+                                                    kernel_options=cfg.kernel_options))
     except registry.KernelError as e:
         raise UserError(str(e)) from None
     counts = model_cfg.param_counts()
     print(f"model {cfg.preset}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active); "
-          f"kernels: {registry.describe(step.kernels)}")
+          f"kernels: {registry.describe(step.kernels, step.platform)}; compute {step.cfg.compute_dtype}, "
+          f"matmul precision {step.cfg.matmul_precision}")
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -155,7 +158,7 @@ def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
 # ---- command line -------------------------------------------------------------------------------
 _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": int, "seq_len": int,
           "micro_batches": int, "lr": float, "adam_lr": float, "warmup_steps": int, "kernels": str,
-          "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int}
+          "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
