@@ -15,7 +15,8 @@ import torch
 
 from jax_bridge import registry, sharding
 from jax_bridge.env import get_env
-from jax_bridge.lowering import model_function, optimizer_function, optimizer_state_to_jax, params_to_jax
+from jax_bridge.lowering import (abstract_optimizer_state, abstract_params, model_function, optimizer_function,
+                                 optimizer_state_to_jax, params_to_jax)
 from pallas_kernels.platform import check_platform, host_platform
 from torch_model.optim import OptimizerConfig, plan_parameters
 
@@ -100,6 +101,11 @@ class TrainStep:
     def init_state(self) -> TrainState:
         state = TrainState(params_to_jax(self.model), optimizer_state_to_jax(self.model, self.plan))
         return state if self.mesh is None else sharding.shard_state(state, self.mesh)
+
+    def abstract_state(self) -> TrainState:
+        """The state's shapes and dtypes, without weights (a `meta`-device model works): what
+        `jax_bridge.plan` compiles the step for."""
+        return TrainState(abstract_params(self.model), abstract_optimizer_state(self.model, self.plan))
 
     # ---- traced functions -----------------------------------------------------------------------
     @contextlib.contextmanager

@@ -4,7 +4,8 @@ compiler (XLA:TPU and Mosaic) for compile-only devices, as MaxText's train_compi
     quiet_libtpu()                        no libtpu start-up errors on hosts without TPU chips
     topology_devices("v5e:2x2")           the compile-only devices of a slice (cached)
     hbm_bytes(device)                     HBM the compiler lets one device use (asked once)
-    compile_for(fn, specs, device)        compiled program + CompileStats (bytes, seconds, kernels)
+    lower_for / compile_for(fn, specs, device)  the program for one device; CompileStats (bytes,
+                                          seconds, Mosaic kernels and their scoped VMEM limits)
     scoped_vmem_peak(make_fn, specs, device)  the largest Mosaic kernel's VMEM, by the compiler
 
 Inputs and outputs are compiled with layouts left to the compiler (`Layout.AUTO`): a kernel
@@ -147,24 +148,29 @@ def mosaic_kernels(hlo_text: str) -> list[Kernel]:
     return out
 
 
-def auto_layouts(device, n: int):
-    """`n` shardings on `device` whose layouts the compiler chooses."""
+def _auto(device, tree):
+    """The same pytree of shardings on `device` whose layouts the compiler chooses."""
     from jax.experimental.layout import Format, Layout
     from jax.sharding import SingleDeviceSharding
 
-    return tuple(Format(Layout.AUTO, SingleDeviceSharding(device)) for _ in range(n))
+    sharding = SingleDeviceSharding(device)
+    return jax.tree.map(lambda _: Format(Layout.AUTO, sharding), tree)
 
 
-def compile_for(fn, specs, device, *, n_outputs: int | None = None):
-    """Compile `fn` for `specs` (ShapeDtypeStructs) on one compile-only TPU device, with layouts
-    left to the compiler. Returns (compiled, CompileStats). Nothing runs."""
-    specs = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in specs]
-    if n_outputs is None:
-        n_outputs = len(jax.tree.leaves(jax.eval_shape(fn, *specs)))
-    out_tree = jax.tree.structure(jax.eval_shape(fn, *specs))
-    outs = jax.tree.unflatten(out_tree, list(auto_layouts(device, n_outputs)))
+def lower_for(fn, args, device, *, donate_argnums=()):
+    """jax.jit(fn).lower for pytrees of ShapeDtypeStructs on one compile-only TPU device, with
+    input and output layouts left to the compiler."""
+    args = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), tuple(args))
+    outs = jax.eval_shape(fn, *args)
+    return jax.jit(fn, in_shardings=_auto(device, args), out_shardings=_auto(device, outs),
+                   donate_argnums=donate_argnums).lower(*args)
+
+
+def compile_for(fn, specs, device, *, donate_argnums=()):
+    """Compile `fn` for `specs` (pytrees of ShapeDtypeStructs) on one compile-only TPU device.
+    Returns (compiled, CompileStats). Nothing runs."""
     start = time.perf_counter()
-    compiled = jax.jit(fn, in_shardings=auto_layouts(device, len(specs)), out_shardings=outs).lower(*specs).compile()
+    compiled = lower_for(fn, specs, device, donate_argnums=donate_argnums).compile()
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     stats = CompileStats(argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
