@@ -134,7 +134,7 @@ class CompileStats:
         return dataclasses.asdict(self)
 
 
-_KERNEL = re.compile(r'custom_call_target="tpu_custom_call".*?metadata=\{op_name="([^"]*)"')
+_KERNEL = re.compile(r'^\s*(?:ROOT )?%([\w.-]+?)(?:\.\d+)? = .*custom_call_target="tpu_custom_call"')
 _SCOPED = re.compile(r'"scoped_memory_configs":\[\{[^\]]*?"size":"?(\d+)')
 
 
@@ -144,7 +144,7 @@ def mosaic_kernels(hlo_text: str) -> list[Kernel]:
         found = _KERNEL.search(line)
         if found:
             scoped = _SCOPED.search(line)
-            out.append(Kernel(found.group(1).split("/")[-1], int(scoped.group(1)) if scoped else None))
+            out.append(Kernel(found.group(1), int(scoped.group(1)) if scoped else None))
     return out
 
 

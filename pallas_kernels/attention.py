@@ -14,9 +14,10 @@ def attention_reference(q, k, v, sinks, *, sliding_window: int, scale: float):
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     group = hq // hkv
-    qg = q.reshape(b, hkv, group, tq, d).astype(jnp.float32)
-    scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST) * scale
+    qg = q.reshape(b, hkv, group, tq, d)
+    # Scores in float32 from the inputs' own dtype at its dot precision (bf16 products are exact).
+    scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(q.dtype), precision=dot_precision(q.dtype),
+                        preferred_element_type=jnp.float32) * scale
     qpos = jnp.arange(tk - tq, tk)[:, None]
     kpos = jnp.arange(tk)[None, :]
     visible = kpos <= qpos
@@ -95,6 +96,7 @@ class _Cfg:
     seq_len: int     # real T
     padded_len: int  # Tp, a multiple of both blocks
     mode: KernelMode
+    vmem_limit: int | None = None   # TPU scoped VMEM limit; None: the compiler's default
 
     @property
     def gpu(self) -> bool:
@@ -318,7 +320,7 @@ def _tpu_call_kwargs(cfg: _Cfg):
     # On CPU the generic interpreter runs this kernel (SMEM, VMEM scratch) ~500x faster than
     # pltpu.InterpretParams() once compiled, with identical results.
     return dict(interpret=cfg.mode.pallas_interpret(), compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")))
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=cfg.vmem_limit))
 
 
 def _tpu_forward(cfg: _Cfg, q, k, v, sinks):
@@ -627,7 +629,8 @@ def _plan_blocks(t: int, block_q: int, block_kv: int, mode: KernelMode):
 
 
 def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float, platform: str,
-                     block_q: int | None = None, block_kv: int | None = None, interpret: str | None = None):
+                     block_q: int | None = None, block_kv: int | None = None, vmem_limit_bytes: int | None = None,
+                     interpret: str | None = None):
     """Flash attention with sinks, GQA, causal / sliding window; differentiable (custom_vjp).
 
     platform (pallas_kernels.platform): 'tpu' -> Mosaic kernels; 'gpu' -> Triton kernels; 'cpu' ->
@@ -637,7 +640,8 @@ def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float, platf
     sequence, which is padded to a multiple of both. scale and sliding_window are static (Python
     numbers). Requires Tq == Tk (no decoding). TPU lowering needs blocks that are multiples of
     128 or cover the whole (padded) sequence; Triton needs power-of-two blocks >= 16 and a
-    power-of-two head_dim.
+    power-of-two head_dim. vmem_limit_bytes: the TPU kernels' scoped VMEM limit (default: the
+    compiler's).
     """
     _check_inputs(q, k, v, sinks, sliding_window)
     mode = kernel_mode(platform, interpret, who="attention_pallas")
@@ -647,7 +651,7 @@ def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float, platf
     default_q, default_kv = default_block_sizes(t, d, platform)
     block_q, block_kv, tp = _plan_blocks(t, block_q or default_q, block_kv or default_kv, mode)
     window = 0 if sliding_window >= t else int(sliding_window)   # a window covering T is plain causal
-    cfg = _Cfg(window, float(scale), block_q, block_kv, t, tp, mode)
+    cfg = _Cfg(window, float(scale), block_q, block_kv, t, tp, mode, vmem_limit_bytes)
     return _attention(cfg, q, k, v, sinks)
 
 

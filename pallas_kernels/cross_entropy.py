@@ -19,13 +19,17 @@ from pallas_kernels.platform import KernelMode, check_platform, dot_precision, k
 
 
 def linear_cross_entropy_reference(hidden, weight, labels, *, ignore_index: int = -100):
-    """Plain JAX: materializes [N, V] logits; the oracle and the `xla` implementation."""
-    logits = jnp.einsum("nh,vh->nv", hidden.astype(jnp.float32), weight.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    """Plain JAX: materializes [N, V] logits; the oracle and the `xla` implementation.
+    Logits in float32 from the inputs' own dtype at its dot precision (bf16 products are exact in
+    float32; float32 runs at HIGHEST); the target logit by a one-hot select (its transpose is a
+    select too, where a gather's would be a scatter, slow to compile for TPU)."""
+    cdt = jnp.promote_types(hidden.dtype, weight.dtype)
+    logits = jnp.einsum("nh,vh->nv", hidden.astype(cdt), weight.astype(cdt), precision=dot_precision(cdt),
+                        preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     valid = labels != ignore_index
-    safe = jnp.where(valid, labels, 0)
-    target = jnp.take_along_axis(logits, safe[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    target = jnp.sum(jnp.where(vocab == labels[:, None], logits, 0.0), axis=-1)
     return jnp.where(valid, lse - target, 0.0), jnp.where(valid, lse, 0.0)
 
 

@@ -35,7 +35,9 @@ def _opaque_pallas_call(kernel, out_shape, **unused):
     def call(*args):
         flat, tree = jax.tree.flatten(out_shape)
         flat = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in flat]
-        outs = jax.pure_callback(lambda *a: tuple(np.zeros(s.shape, s.dtype) for s in flat), tuple(flat), *args)
+        # sequential under vmap (splash vmaps its kernel over the batch): one opaque call per element
+        outs = jax.pure_callback(lambda *a: tuple(np.zeros(s.shape, s.dtype) for s in flat), tuple(flat), *args,
+                                 vmap_method="sequential")
         return jax.tree.unflatten(tree, list(outs))
 
     return call

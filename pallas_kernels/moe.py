@@ -579,7 +579,8 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
 
 def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
                        limit: float = 7.0, platform: str, block_m: int | None = None,
-                       block_i: int | None = None, interpret: str | None = None):
+                       block_i: int | None = None, vmem_limit_bytes: int | None = None,
+                       interpret: str | None = None):
     """Fused Pallas expert MLP: per (row tile, expert) work item, up projection, clamped SwiGLU
     and down projection in one kernel; h [M, I] and the pre-activation [M, 2I] (or its gradient)
     exist only as VMEM tiles, in forward and backward. Backward (custom_vjp) recomputes them in
@@ -590,7 +591,8 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     generic interpreter; there is no GPU kernel. interpret: None, 'generic' or 'tpu' (the
     TPU-simulating interpreter: NaN-filled buffers, race detection; with platform 'tpu' it keeps
     the TPU tiling rules). block_m (rows per tile) and block_i (I tile): None -> per-platform
-    DEFAULT_FUSED_TILES, clipped to the problem and (TPU) to a VMEM budget.
+    DEFAULT_FUSED_TILES, clipped to the problem and (TPU) to a VMEM budget. vmem_limit_bytes:
+    the TPU kernels' scoped VMEM limit (default: from the tiles' estimate).
     Float32 inputs use HIGHEST precision, all matmuls accumulate in float32; outputs and
     gradients come back in the input dtypes.
     """
@@ -601,8 +603,8 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     if m == 0:
         return jnp.zeros_like(x)
     tm, ti, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, x.dtype)
-    vmem = None
-    if platform == "tpu":
+    vmem = vmem_limit_bytes
+    if platform == "tpu" and vmem is None:
         est = _fused_vmem_bytes(tm, hdim, ti, jnp.dtype(x.dtype).itemsize)
         vmem = int(min(_FUSED_VMEM_CAP, max(32 * 2**20, _round_up(est * 5 // 4, 2**20))))
     cfg = _FusedConfig(tm, ti, float(alpha), float(limit), mode, vmem)
