@@ -655,6 +655,20 @@ def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias,
     gs = group_sizes.astype(jnp.int32)
     expert = expert_of_rows(gs, mp)
     valid = (jnp.arange(mp) < m)[:, None]
+    # megablox's k / n tiles must divide both matmul dims and be multiples of 128 on TPU; H or I
+    # without such a divisor (gpt-oss: 2880) are zero-padded to a multiple of 128: zero weights
+    # and biases give zero outputs there, sliced off (a weight copy per call, only then).
+    idim = two_i // 2
+    hp, ip = (_round_up(hdim, lane), _round_up(idim, lane)) if platform == "tpu" else (hdim, idim)
+    gate_up, gate_up_bias = gate_up.astype(x.dtype), gate_up_bias
+    down, down_bias = down.astype(x.dtype), down_bias
+    if (hp, ip) != (hdim, idim):
+        gate_up = jnp.pad(gate_up.reshape(num_groups, hdim, idim, 2),
+                          ((0, 0), (0, hp - hdim), (0, ip - idim), (0, 0))).reshape(num_groups, hp, 2 * ip)
+        gate_up_bias = jnp.pad(gate_up_bias.reshape(num_groups, idim, 2),
+                               ((0, 0), (0, ip - idim), (0, 0))).reshape(num_groups, 2 * ip)
+        down = jnp.pad(down, ((0, 0), (0, ip - idim), (0, hp - hdim)))
+        down_bias = jnp.pad(down_bias, ((0, 0), (0, hp - hdim)))
 
     def gmm(lhs, rhs):
         t = _fit(math.gcd(rhs.shape[1], rhs.shape[2]), want_k, lane)
@@ -663,13 +677,13 @@ def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias,
             precision_name(lhs.dtype))
         return call(lhs, rhs, gs)
 
-    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    xp = jnp.pad(x, ((0, mp - m), (0, hp - hdim)))
     # Rows past M are never written by megablox: select them to 0 so no garbage reaches the
     # activation or (through the bias gather's transpose) the bias gradients. Biases are cast
     # before the gather so their gradients are summed in float32.
     # Sorted gathers: their transposes (the bias gradients) are sorted segment sums.
     per_row = lambda b: jnp.take(b.astype(_F32), expert, axis=0, indices_are_sorted=True)
-    gu = jnp.where(valid, gmm(xp, gate_up.astype(x.dtype)) + per_row(gate_up_bias), 0.0)
+    gu = jnp.where(valid, gmm(xp, gate_up) + per_row(gate_up_bias), 0.0)
     h = clamped_swiglu(gu, alpha=alpha, limit=limit).astype(x.dtype)
-    y = gmm(h, down.astype(x.dtype)) + per_row(down_bias)
-    return y[:m].astype(x.dtype)
+    y = gmm(h, down) + per_row(down_bias)
+    return y[:m, :hdim].astype(x.dtype)

@@ -41,10 +41,13 @@ def forward_and_backward(fn, case, **kernel_kwargs):
 @pytest.mark.parametrize("op,impl", PALLAS, ids=[f"{o}-{i}" for o, i in PALLAS])
 @pytest.mark.parametrize("topology", GENERATIONS)
 def test_kernel_compiles_for_tpu_forward_and_backward(topology, op, impl, shape):
+    """Compiled under the strictest ambient matmul precision ("highest", what float32 parity
+    runs set): a kernel dot that inherited it would fail on bf16 operands ("Bad lhs type")."""
     case = kernel_cases(op, shape, windows=False, dtype="bfloat16")[0]
     fn = registry.implementations(op)[impl].load()
     program, specs = forward_and_backward(fn, case, platform="tpu")
-    _, stats = tpu_compile.compile_for(program, specs, tpu_compile.device_of(topology))
+    with jax.default_matmul_precision("highest"):
+        _, stats = tpu_compile.compile_for(program, specs, tpu_compile.device_of(topology))
     assert len(stats.kernels) >= (3 if op != "moe" or impl == "pallas" else 4), stats.kernels   # fwd + bwd kernels
     if impl == "pallas" and shape != "tiny":
         # Our kernels keep nothing of size [T, T], [N, V] or [M, I] in HBM (the references need GiBs
@@ -52,11 +55,12 @@ def test_kernel_compiles_for_tpu_forward_and_backward(topology, op, impl, shape)
         assert stats.temp_bytes < 32 * MiB, f"{stats.temp_bytes / MiB:.1f} MiB of HBM temporaries"
 
 
-def test_bf16_kernels_compile_under_the_steps_highest_precision():
+def test_bf16_attention_compiles_under_the_steps_highest_precision():
     """Issue 14's bug: the step ran its forward under jax.default_matmul_precision("highest"); the
     kernels' bf16 dots inherited it and Mosaic refused them ("Bad lhs type"), so a TPU run with
     attention=pallas (what `auto` picks) could not start. Kernels now choose their dots'
-    precision; jax-shipped kernels run under the precision chosen for their dtype."""
+    precision; jax-shipped kernels (splash) and ragged_dot (a Mosaic kernel on TPU) run at the
+    precision chosen for their dtype. (Every kernel test above also compiles under "highest".)"""
     from jax_bridge.step import StepConfig
     from torch_model.config import get_preset
 
@@ -71,13 +75,10 @@ def test_bf16_kernels_compile_under_the_steps_highest_precision():
                                sliding_window=cfg.sliding_window, scale=cfg.head_dim ** -0.5)
         with jax.default_matmul_precision(step_cfg.matmul_precision):
             tpu_compile.compile_for(vjp_program(fn, (0, 1, 2, 3), n_inputs=4), (q, kv, kv, sinks, q), device)
-    moe = kernel_cases("moe", "tiny", dtype="bfloat16")[0]
-    for impl in ("pallas", "megablox", "ragged_dot"):   # ragged_dot is a Mosaic kernel on TPU too
-        fn = registry.implementations("moe")[impl].load()
-        kwargs = {"platform": "tpu"} if impl != "ragged_dot" else {}
-        program, specs = forward_and_backward(fn, moe, **kwargs)
-        with jax.default_matmul_precision(step_cfg.matmul_precision):
-            tpu_compile.compile_for(program, specs, device)
+    program, specs = forward_and_backward(registry.implementations("moe")["ragged_dot"].load(),
+                                          kernel_cases("moe", "tiny", dtype="bfloat16")[0])
+    with jax.default_matmul_precision(step_cfg.matmul_precision):
+        tpu_compile.compile_for(program, specs, device)
 
 
 # The xla set is compiled by the `torchlyra plan` test below (tests/test_plan_cli.py).
