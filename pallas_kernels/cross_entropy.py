@@ -121,6 +121,16 @@ def _chunks(size: int, chunk: int) -> tuple[int, int]:
     return chunk, size // chunk
 
 
+def _masked_on_last(run, index, count, *, overhangs: bool) -> None:
+    """run(masked) for this grid step: the masked variant on the last tile only, and only when
+    the tiles overhang the array (static), so full tiles pay for no select."""
+    if overhangs:
+        pl.when(index == count - 1)(lambda: run(True))
+        pl.when(index != count - 1)(lambda: run(False))
+    else:
+        run(False)
+
+
 def _tpu_fwd_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, m_sc, l_sc, t_sc, *,
                     v, bv, cv, ignore_index, cdt, precision):
     j = pl.program_id(1)
@@ -193,11 +203,7 @@ def _tpu_dh_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dh_ref, acc_s
 
         lax.fori_loop(0, acc_sc.shape[0] // cn, chunk, 0)
 
-    if v % bv:   # only the last vocab tile overhangs V
-        pl.when(j == nj - 1)(lambda: run(True))
-        pl.when(j != nj - 1)(lambda: run(False))
-    else:
-        run(False)
+    _masked_on_last(run, j, nj, overhangs=bool(v % bv))   # only the last vocab tile overhangs V
 
     @pl.when(j == nj - 1)
     def _finish():
@@ -233,11 +239,7 @@ def _tpu_dw_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dw_ref, acc_s
 
         lax.fori_loop(0, bv // cv, chunk, 0)
 
-    if n % bn:   # only the last token tile overhangs N
-        pl.when(i == ni - 1)(lambda: run(True))
-        pl.when(i != ni - 1)(lambda: run(False))
-    else:
-        run(False)
+    _masked_on_last(run, i, ni, overhangs=bool(n % bn))   # only the last token tile overhangs N
 
     @pl.when(i == ni - 1)
     def _finish():
