@@ -153,3 +153,16 @@ def test_step_defaults_follow_the_platform():
         StepConfig(platform="cuda")
     with pytest.raises(ValueError, match="matmul_precision"):
         StepConfig(matmul_precision="bf16")
+
+
+def test_kernels_never_ask_jax_for_the_backend():
+    """The target platform is an input (pallas_kernels/platform.py); only host_platform(), called
+    once outside tracing, may read the host's backend."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels"
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        uses = text.count("jax.default_backend()")
+        allowed = {"platform.py": 2, "memory.py": 1}.get(path.name, 0)   # host_platform (+ docstring); a printout
+        assert uses <= allowed, f"{path.name} reads jax.default_backend()"
