@@ -181,27 +181,54 @@ def compile_for(fn, specs, device, *, donate_argnums=()):
     return compiled, stats
 
 
-_VMEM_OOM = re.compile(r"Scoped allocation with size ([\d.]+)([KMG]) and limit")
+_VMEM_OOM = re.compile(r"Scoped allocation with size ([\d.]+)([KMG]) and limit ([\d.]+)([KMG])")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def scoped_vmem_peak(make_fn, specs, device, *, start: int = 1 << 20, cap: int = 128 << 20) -> int | None:
-    """The largest scoped VMEM allocation among the Mosaic kernels of `make_fn(limit)`'s program,
-    as the TPU compiler measures it. `make_fn(vmem_limit_bytes)` builds the program with every
-    kernel's limit set to `limit`; each refusal ("Scoped allocation with size S and limit L")
-    names one kernel's need, and the limit is raised to it until everything compiles (at most
-    one compile per kernel, plus one). Sizes are reported to 0.01 MiB. None: nothing refused
-    even at `start` (every kernel needs less)."""
-    limit, needed = start, None
-    while limit <= cap:
+def _vmem_refusal(error: Exception):
+    """(size, limit) in bytes from a scoped-VMEM refusal, or None."""
+    found = _VMEM_OOM.search(str(error))
+    if not found:
+        return None
+    size, unit, limit, limit_unit = found.groups()
+    return int(float(size) * _UNITS[unit]), int(float(limit) * _UNITS[limit_unit])
+
+
+def scoped_vmem_peak(make_fn, specs, device, *, start: int = 1 << 20, cap: int = 128 << 20,
+                     resolution: int = 1 << 20) -> int:
+    """The smallest scoped VMEM limit with which every Mosaic kernel of `make_fn(limit)`'s
+    program compiles, by the TPU compiler: i.e. what its largest kernel needs.
+    `make_fn(vmem_limit_bytes)` builds the program with every kernel's limit set to that value.
+    A refusal that states our limit ("Scoped allocation with size S and limit L") names one
+    kernel's need S (to 0.01 MiB), and the limit jumps to it; otherwise the limit doubles and
+    the answer is bisected to `resolution`. A few compiles per program."""
+    def compiles(limit):
         try:
             compile_for(make_fn(limit), specs, device)
-            return needed
+            return True, None
         except Exception as e:  # noqa: BLE001
-            found = _VMEM_OOM.search(str(e))
-            if not found:
+            refusal = _vmem_refusal(e)
+            if refusal is None:
                 raise
-            size = int(float(found.group(1)) * _UNITS[found.group(2)]) + (1 << 14)   # 0.01M rounding
-            needed = max(needed or 0, size)
-            limit = max(limit * 1 + (1 << 14), size)
-    raise RuntimeError(f"a kernel needs more than {cap >> 20} MiB of scoped VMEM")
+            size, stated = refusal
+            exact = abs(stated - limit) <= (1 << 14)   # the refusal is about the limit we set
+            return False, size if exact and size > limit else None
+
+    low, limit = 0, start
+    while True:
+        ok, size = compiles(limit)
+        if ok:
+            break
+        low = limit
+        limit = size + (1 << 14) if size else 2 * limit   # + the 0.01 MiB rounding of the report
+        if limit > cap:
+            raise RuntimeError(f"a kernel needs more than {cap >> 20} MiB of scoped VMEM")
+    high = limit
+    while high - low > resolution:
+        mid = (low + high) // 2
+        ok, size = compiles(mid)
+        if ok:
+            high = mid
+        else:
+            low = max(mid, (size or 0))
+    return high
