@@ -44,9 +44,20 @@ STATE, META, TOKENIZER = "state", "meta", "tokenizer"
 MANIFEST_FILE = "torchlyra_manifest.json"
 DAMAGED_DIR = "damaged"                  # damaged steps are moved here (not a step name for Orbax)
 TRAIN_STATE, PARAMS_ONLY = "train_state", "params"
-# Fault injection for tests: SIGKILL this process once N files of its checkpoints are on disk,
-# counted at each stage of a save (items finalized, step renamed, manifest written).
+# Fault injection for tests, "N" or "N@K": SIGKILL this process once N files of the checkpoint it
+# is saving (the K-th save of the process, default the first) are on disk, checked as each item is
+# finalized, before and after the step's rename, and after the manifest.
 FAULT_ENV = "TORCHLYRA_FAULT_KILL_AFTER_CHECKPOINT_FILES"
+
+
+def _orbax():
+    """orbax.checkpoint, with its absl log lines (e.g. about per-item metadata files it does not
+    write) kept to errors: the messages that matter here are ours."""
+    import absl.logging
+    import orbax.checkpoint as ocp
+
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    return ocp
 
 
 # ---- layouts: stored parameters -> per-layer torch names --------------------------------------
@@ -165,12 +176,19 @@ def verify_manifest(step_dir: Path) -> None:
 
 
 # ---- fault injection (tests) ---------------------------------------------------------------
-_files_done = 0      # files of this process's checkpoints completed so far (for FAULT_ENV)
+_saves_done = 0      # checkpoints this process completed (for FAULT_ENV)
+
+
+def _count_files(step_dir: Path) -> int:
+    return sum(1 for p in step_dir.rglob("*") if p.is_file())
 
 
 def _fault_point(step_dir: Path) -> None:
-    limit = os.environ.get(FAULT_ENV)
-    if limit and _files_done + sum(1 for p in step_dir.rglob("*") if p.is_file()) >= int(limit):
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    files, _, save = spec.partition("@")
+    if _saves_done + 1 == int(save or 1) and _count_files(step_dir) >= int(files):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -186,9 +204,11 @@ def _hooked_temporary_path(on_step_written: Callable[[Path], None]):
             _fault_point(tmp if is_step else tmp.parent)
             await super().finalize(*args, **kwargs)
             if is_step:
+                global _saves_done
                 _fault_point(final)
                 await asyncio.to_thread(on_step_written, final)
                 _fault_point(final)
+                _saves_done += 1
 
     return ManifestedTemporaryPath
 
@@ -196,7 +216,7 @@ def _hooked_temporary_path(on_step_written: Callable[[Path], None]):
 # ---- the tokenizer item ----------------------------------------------------------------------
 def _tokenizer_item():
     """(save args class, restore args class) of an Orbax item holding the tokenizer's files."""
-    import orbax.checkpoint as ocp
+    ocp = _orbax()
 
     global _TOKENIZER_ARGS
     if _TOKENIZER_ARGS is not None:
@@ -247,7 +267,7 @@ class CheckpointWriter:
     manifest is written by the primary process after Orbax's rename."""
 
     def __init__(self, root: str | os.PathLike, *, keep: int):
-        import orbax.checkpoint as ocp
+        ocp = _orbax()
 
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -259,9 +279,7 @@ class CheckpointWriter:
         self._started: dict[int, float] = {}
 
     def _step_written(self, final: Path) -> None:
-        global _files_done
         size = write_manifest(final)
-        _files_done += len(_files(final)) + 1
         record = next((r for r in self.records if r.step == int(final.name)), None)
         if record is not None:
             record.total_s, record.bytes = time.perf_counter() - self._started[record.step], size
@@ -269,7 +287,7 @@ class CheckpointWriter:
     def save(self, step: int, state: dict, meta: dict, tokenizer=None) -> SaveRecord:
         """Start writing `state` (a pytree of jax arrays) with JSON `meta`; returns once the
         arrays are copied off the devices, so the caller may donate them to the next step."""
-        import orbax.checkpoint as ocp
+        ocp = _orbax()
 
         items = {STATE: ocp.args.StandardSave(state),
                  META: ocp.args.JsonSave(_meta(step, meta, state, tokenizer))}
@@ -425,7 +443,7 @@ def read_meta(step_dir: Path) -> tuple[dict, ModelConfig]:
 # ---- restoring ----------------------------------------------------------------------------------
 def stored_shapes(step_dir: Path) -> dict[tuple, tuple[tuple[int, ...], str]]:
     """Flattened path -> (shape, dtype) of every array in the step's state item (no data read)."""
-    import orbax.checkpoint as ocp
+    ocp = _orbax()
 
     meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(step_dir / STATE)
     tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
@@ -446,7 +464,7 @@ def restore_train_state(step_dir: str | os.PathLike, target: dict, *, layout: st
     `jax.ShapeDtypeStruct`s whose `.sharding` says where each array goes (any mesh: Orbax reads
     only each device's shards)."""
     import jax
-    import orbax.checkpoint as ocp
+    ocp = _orbax()
 
     step_dir = Path(step_dir)
     meta, _ = read_meta(step_dir)
@@ -462,7 +480,7 @@ def restore_train_state(step_dir: str | os.PathLike, target: dict, *, layout: st
 
 
 def _restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray]:
-    import orbax.checkpoint as ocp
+    ocp = _orbax()
 
     shapes = {k[1]: s for k, (s, _) in stored.items() if k[0] == "params"}
     item = {"params": {n: np.zeros(0, np.float32) for n in shapes}}

@@ -81,7 +81,8 @@ def resumed_config(saved: dict, explicit: dict, where: str) -> TrainConfig:
     for name, value in explicit.items():
         if name not in CHANGEABLE_ON_RESUME and name in base and base[name] != value:
             raise UserError(f"--resume: {name} is {value!r} here but {base[name]!r} in {where}; a resumed run "
-                            f"may change only {', '.join(CHANGEABLE_ON_RESUME[:9])} (start a new run to change {name})")
+                            f"may change only {', '.join(CHANGEABLE_ON_RESUME[:-3])} (start a new run, or "
+                            f"--init-from its checkpoint, to change {name})")
     return TrainConfig(**{**base, **explicit, "resume": True})
 
 

@@ -17,13 +17,15 @@ def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progres
     """Train (or continue, with cfg.resume) a run; returns its summary. `explicit` are the settings
     the user gave (a resumed run takes the rest from its checkpoint)."""
     from train.preemption import StopSignals
-    from train.trainer import Trainer
+    from train.trainer import Trainer, resume_point
 
-    trainer = Trainer(cfg, explicit=explicit, show_progress=show_progress)
-    cfg = trainer.cfg
+    cfg, resume_dir, meta = resume_point(cfg, explicit or {})
+    if meta and meta["step"] >= cfg.steps:
+        print(f"{cfg.out}: the run already reached step {meta['step']} (--steps {cfg.steps}); nothing to do "
+              f"(pass a larger --steps to extend it)")
+        return {"steps": meta["step"], "already_finished": True, "checkpoint": str(resume_dir)}
+    trainer = Trainer(cfg, resume_dir, meta, explicit=explicit, show_progress=show_progress)
     try:
-        if trainer.done >= cfg.steps:
-            return trainer.already_finished()
         with StopSignals() as stop:
             if trainer.done == 0:
                 trainer.evaluate()

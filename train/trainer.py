@@ -36,8 +36,37 @@ def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int):
     return model_cfg.replace(bos_token_id=bos, eos_token_id=bos, max_seq_len=cfg.seq_len)
 
 
+def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | None, dict | None]:
+    """(config, step directory, meta) of the checkpoint a --resume continues from, or (cfg, None,
+    None) for a new run. A damaged newest checkpoint is reported, moved aside, and skipped."""
+    import jax
+
+    out = Path(cfg.out)
+    root = out / "checkpoints"
+    newest = checkpoint.step_dirs(root)[-1][0] if root.is_dir() and checkpoint.step_dirs(root) else None
+    if not cfg.resume:
+        if newest is not None:
+            raise UserError(f"{out} already holds a run (checkpoints up to step {newest}): pass --resume "
+                            f"to continue it, or choose another --out")
+        return cfg, None, None
+    try:
+        step_dir = checkpoint.find_checkpoint(root, move_damaged=jax.process_index() == 0) if root.is_dir() else None
+    except checkpoint.NoCheckpoint:
+        step_dir = None
+    if step_dir is None:
+        print(f"--resume: no checkpoint in {root}; starting a new run")
+        return cfg, None, None
+    meta, _ = checkpoint.read_meta(step_dir)
+    if not isinstance(meta.get("train_config"), dict) or meta.get("contents") != checkpoint.TRAIN_STATE:
+        raise UserError(f"checkpoint {step_dir} is not a training checkpoint (no train state); start a new "
+                        f"run from its parameters with --init-from {step_dir}")
+    return resumed_config(meta["train_config"], {**explicit, "out": cfg.out}, str(step_dir)), step_dir, meta
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, explicit: dict | None = None, show_progress: bool = True):
+    def __init__(self, cfg: TrainConfig, resume_dir: Path | None = None, meta: dict | None = None, *,
+                 explicit: dict | None = None, show_progress: bool = True):
+        """A new run (meta None) or one resumed from `resume_dir` (see resume_point)."""
         import jax
 
         from jax_bridge import registry
@@ -48,9 +77,9 @@ class Trainer:
         from train.loader import TokenLoader
         from train.tokenizer import bos_id, load_tokenizer
 
-        self.out, self.primary = Path(cfg.out), jax.process_index() == 0
-        resume_dir, meta = self._find_resume(cfg)
-        self.cfg = cfg = resumed_config(meta["train_config"], explicit or {}, str(resume_dir)) if meta else cfg
+        self.out, self.primary, self.cfg = Path(cfg.out), jax.process_index() == 0, cfg
+        if meta:
+            print(f"resuming from {resume_dir} (step {meta['step']})")
         try:
             registry.resolve(cfg.kernels)          # a bad kernel choice fails before any work
         except registry.KernelError as e:
@@ -92,34 +121,12 @@ class Trainer:
         self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
         self.timer, self._pending_skip, self._skipped_since_log, self.start_time = StepTimer(), None, 0, time.perf_counter()
         self.last_eval: dict = {}
+        self._loader_state = None        # set while a read is in flight (see next_batch)
         self.metrics = self._open_metrics(resume_dir, meta)
         self.bar = tqdm(total=cfg.steps, initial=self.done, desc="train", dynamic_ncols=True,
                         disable=not (show_progress and self.primary))
 
     # ---- setup ------------------------------------------------------------------------------
-    def _find_resume(self, cfg: TrainConfig):
-        """(step directory, meta) to resume from, or (None, None) for a new run."""
-        root = self.out / "checkpoints"
-        newest = checkpoint.step_dirs(root)[-1][0] if root.is_dir() and checkpoint.step_dirs(root) else None
-        if not cfg.resume:
-            if newest is not None:
-                raise UserError(f"{self.out} already holds a run (checkpoints up to step {newest}): pass --resume "
-                                f"to continue it, or choose another --out")
-            return None, None
-        try:
-            step_dir = checkpoint.find_checkpoint(root, move_damaged=self.primary) if root.is_dir() else None
-        except checkpoint.NoCheckpoint:
-            step_dir = None
-        if step_dir is None:
-            print(f"--resume: no checkpoint in {root}; starting a new run")
-            return None, None
-        meta, _ = checkpoint.read_meta(step_dir)
-        if not isinstance(meta.get("train_config"), dict) or meta.get("contents") != checkpoint.TRAIN_STATE:
-            raise UserError(f"checkpoint {step_dir} is not a training checkpoint (no train state); start a new "
-                            f"run from its parameters with --init-from {step_dir}")
-        print(f"resuming from {step_dir} (step {meta['step']})")
-        return step_dir, meta
-
     def _model_config(self, meta: dict | None, explicit: dict, bos: int):
         """(ModelConfig, initial parameters or None): a resumed run's from its checkpoint, an
         --init-from run's from that checkpoint (an explicit preset/model must have its shapes),
@@ -163,9 +170,13 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------------
     def next_batch(self) -> np.ndarray:
-        """The next step's micro-batches; a data error stops the run after a checkpoint."""
+        """The next step's micro-batches; a data error stops the run after a checkpoint of the
+        last good step (with the loader position from before the failed read)."""
+        self._loader_state = self.train_data.state_dict()
         try:
-            return np.stack([self.train_data.next_batch() for _ in range(self.cfg.micro_batches)])
+            batch = np.stack([self.train_data.next_batch() for _ in range(self.cfg.micro_batches)])
+            self._loader_state = None
+            return batch
         except UserError as e:
             path = self.save(wait=True)
             raise TrainingStopped(f"{e}; checkpoint of step {self.done} in {path}: fix the data, then continue "
@@ -186,6 +197,7 @@ class Trainer:
         if previous is not None:
             self._count_skip(*previous)
         self.bar.update(1)
+        self._stop_if_diverged()
         return metrics
 
     def _count_skip(self, step: int, flag) -> None:
@@ -196,15 +208,17 @@ class Trainer:
             self._skipped_since_log += 1
         else:
             c["consecutive_skips"], c["last_good_step"] = 0, step
-        if c["consecutive_skips"] >= self.cfg.max_consecutive_skips:
-            self._flush_skips()
-            first = step - c["consecutive_skips"] + 1
-            path = self.save(wait=True)
-            raise TrainingStopped(f"steps {first}..{step}: {c['consecutive_skips']} consecutive steps had a non-finite "
-                                  f"loss or gradient norm and were skipped (max_consecutive_skips="
-                                  f"{self.cfg.max_consecutive_skips}); stopped. Checkpoint of step {self.done} in "
-                                  f"{path} holds the parameters of step {c['last_good_step']}, the last good update: "
-                                  f"lower the learning rate, or resume from an earlier checkpoint")
+
+    def _stop_if_diverged(self) -> None:
+        c = self.counters
+        if c["consecutive_skips"] < self.cfg.max_consecutive_skips:
+            return
+        path = self.save(wait=True)          # counts the current step's flag first
+        raise TrainingStopped(f"{c['consecutive_skips']} consecutive steps up to step {self.done} had a non-finite "
+                              f"loss or gradient norm and were skipped (max_consecutive_skips="
+                              f"{self.cfg.max_consecutive_skips}); stopped. The checkpoint of step {self.done} in "
+                              f"{path} holds the parameters of step {c['last_good_step']}, the last good update: "
+                              f"lower the learning rate, or resume from an earlier checkpoint")
 
     def _flush_skips(self) -> None:
         pending, self._pending_skip = self._pending_skip, None
@@ -234,6 +248,7 @@ class Trainer:
         self._write(record)
         self._write_finished_checkpoints()
         self.bar.set_postfix(loss=f"{float(values['loss']):.3f}", tok_s=f"{tok_s or 0:,.0f}")
+        self._stop_if_diverged()
 
     def evaluate(self) -> dict:
         import jax
@@ -259,8 +274,9 @@ class Trainer:
             return path
         self._flush_skips()
         jax.block_until_ready(self.state)
+        loader = self.train_data.state_dict() if self._loader_state is None else self._loader_state
         meta = {"model": self.model_cfg.to_dict(), "train_config": self.cfg.to_dict(), "kernels": self.step.kernels,
-                "layout": self.step.layout, "loader": self.train_data.state_dict(), "counters": dict(self.counters),
+                "layout": self.step.layout, "loader": loader, "counters": dict(self.counters),
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "devices": jax.device_count(), "processes": jax.process_count()}
         with self.timer.paused():
@@ -288,11 +304,6 @@ class Trainer:
         print(f"\n{reason}: stopped after step {self.done} of {self.cfg.steps}; checkpoint in {path}\n"
               f"continue with: torchlyra train --out {self.out} --resume")
         return {"steps": self.done, "stopped": reason, "checkpoint": str(path)}
-
-    def already_finished(self) -> dict:
-        print(f"{self.out}: the run already reached step {self.done} (--steps {self.cfg.steps}); nothing to do. "
-              f"Pass a larger --steps to extend it")
-        return {"steps": self.done, "already_finished": True, "checkpoint": str(self.checkpoints.root / str(self.done))}
 
     def finish(self) -> dict:
         from jax_bridge.lowering import params_to_torch
