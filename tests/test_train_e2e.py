@@ -43,14 +43,16 @@ def test_short_training_run_lowers_validation_loss_and_writes_artifacts(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"]
     assert all(k in train[-1] for k in ("tokens_per_s", "grad_norm", "lr_scale", "expert_load_max"))
-    png = run_dir / "run" / "loss.png"
+    png = run_dir / "run" / "plots" / "loss.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert summary["samples"] and summary["samples"][0]["text"].startswith("ROMEO:")
 
 
 def test_generate_from_the_checkpoint(run_dir, capsys):
-    ckpt = run_dir / "run" / "checkpoint"
-    meta = json.loads((ckpt / "config.json").read_text())
+    from train.checkpoint import find_checkpoint, read_meta
+
+    ckpt = run_dir / "run"                      # a run directory names its newest complete checkpoint
+    meta, _ = read_meta(find_checkpoint(ckpt))
     assert meta["kernels"]["attention"] == "xla" and meta["step"] == 40
     assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "JULIET:", "--max-tokens", "12",
                  "--temperature", "0"]) == 0
