@@ -3,25 +3,13 @@ import json
 
 import pytest
 
+from helpers import prepare_play_corpus
 from train.cli import main
-
-LINES = [
-    "ROMEO: But soft, what light through yonder window breaks?",
-    "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
-    "HAMLET: To be, or not to be, that is the question.",
-    "MACBETH: Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace.",
-]
-
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
-    texts = root / "texts"
-    texts.mkdir()
-    for i in range(6):
-        (texts / f"play{i}.txt").write_text("\n\n".join(LINES[(i + j) % 4] for j in range(120)) + "\n")
-    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--vocab-size", "320",
-                 "--val-fraction", "0.2"]) == 0
+    prepare_play_corpus(root)
     config = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
                         "n_experts": 4, "expert_dim": 64, "sliding_window": 16, "vocab_size": 320},
               "eval_every": 20, "eval_batches": 2, "log_every": 5, "samples": 1, "sample_tokens": 20}

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import prepare_play_corpus
 from train import checkpoint
 from train.cli import main
 from train.config import TrainConfig
@@ -25,12 +26,6 @@ from train.loop import run_training
 from train.trainer import TrainingStopped
 
 REPO = Path(__file__).resolve().parents[1]
-LINES = [
-    "ROMEO: But soft, what light through yonder window breaks?",
-    "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
-    "HAMLET: To be, or not to be, that is the question.",
-    "MACBETH: Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace.",
-]
 STEPS = 60
 MICRO = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "n_experts": 4,
                    "expert_dim": 32, "sliding_window": 8, "vocab_size": 320},
@@ -47,12 +42,7 @@ def root(tmp_path_factory):
     from jax._src import compilation_cache
 
     root = tmp_path_factory.mktemp("loop")
-    texts = root / "texts"
-    texts.mkdir()
-    for i in range(6):
-        (texts / f"play{i}.txt").write_text("\n\n".join(LINES[(i + j) % 4] for j in range(120)) + "\n")
-    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--vocab-size", "320",
-                 "--val-fraction", "0.2"]) == 0
+    prepare_play_corpus(root)
     (root / "micro.json").write_text(json.dumps({**MICRO, "data": str(root / "data")}))
     saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
     jax.config.update("jax_compilation_cache_dir", str(root / "xla_cache"))
