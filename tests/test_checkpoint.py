@@ -10,6 +10,7 @@ from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
 from train import atomic, checkpoint
 from train.checkpoint import load_checkpoint, save_checkpoint
+from train.checkpoint_integrity import MANIFEST_FILE
 from train.errors import UserError
 
 CFG = get_preset("tiny").replace(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
@@ -74,8 +75,8 @@ def test_tokenizer_saved_inside_the_checkpoint(tmp_path, state):
 def test_every_file_is_in_the_hash_manifest(tmp_path, state):
     save_checkpoint(tmp_path / "ck", state, CFG)
     step_dir = tmp_path / "ck" / "0"
-    listed = json.loads((step_dir / checkpoint.MANIFEST_FILE).read_text())["files"]
-    on_disk = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()} - {checkpoint.MANIFEST_FILE}
+    listed = json.loads((step_dir / MANIFEST_FILE).read_text())["files"]
+    on_disk = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()} - {MANIFEST_FILE}
     assert set(listed) == on_disk and any(name.startswith("state/") for name in listed)
     (step_dir / "meta" / "metadata").write_text((step_dir / "meta" / "metadata").read_text().replace('"step": 0', '"step": 9'))
     with pytest.raises(UserError, match=r"is damaged: file meta/metadata fails its sha256"):

@@ -19,6 +19,7 @@ import pytest
 
 from helpers import prepare_play_corpus
 from train import checkpoint
+from train.checkpoint_integrity import FAULT_ENV, MANIFEST_FILE
 from train.cli import main
 from train.config import TrainConfig
 from train.errors import UserError
@@ -184,7 +185,7 @@ def test_killed_during_a_save_resumes_from_the_previous_checkpoint(root, referen
     out = root / "killed_saving"
     # The first checkpoint (step 10) completes; the process dies inside the second save (step 20)
     # once its first file is on disk, which is before Orbax renames it into place.
-    proc = start_training(root, out, **{checkpoint.FAULT_ENV: "1@2"})
+    proc = start_training(root, out, **{FAULT_ENV: "1@2"})
     stdout, _ = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, stdout[-3000:]
     leftovers = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -235,7 +236,7 @@ def test_damaged_newest_checkpoint_is_reported_moved_aside_and_skipped(reference
     # A truncated file and a missing manifest (killed after Orbax's rename) are caught too.
     big = _biggest_file(ckpts / "50")
     big.write_bytes(big.read_bytes()[:-7])
-    (ckpts / "40" / checkpoint.MANIFEST_FILE).unlink()
+    (ckpts / "40" / MANIFEST_FILE).unlink()
     with pytest.raises(UserError, match=r"no complete checkpoint \(checkpoint .*50 is damaged: file state/.* has "
                                         r"\d+ bytes, expected \d+; 1 older ones too\)\. Restore .* or start a new run"):
         checkpoint.find_checkpoint(ckpts, report=lines.append)
