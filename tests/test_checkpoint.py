@@ -53,6 +53,12 @@ def test_round_trip(tmp_path, state):
     assert ck.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
 
 
+def test_relative_paths_work(tmp_path, state, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_checkpoint("runs/ck", state, CFG, step=4)
+    assert load_checkpoint("runs/ck")[2]["step"] == 4 and load_checkpoint("runs/ck/4")[2]["step"] == 4
+
+
 def test_bf16_state_is_stored_as_float32(tmp_path, state):
     ck = tmp_path / "ck"
     save_checkpoint(ck, {k: v.bfloat16() for k, v in state.items()}, CFG)

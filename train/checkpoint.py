@@ -126,9 +126,12 @@ def _tokenizer_item():
 
     class TokenizerHandler(ocp.handlers.CheckpointHandler):
         def save(self, directory, args):
+            import jax
+
             from train.tokenizer import save_tokenizer
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            save_tokenizer(args.encoding, Path(directory))
+            if jax.process_index() == 0:        # one writer for the shared files, as Orbax's JSON item
+                Path(directory).mkdir(parents=True, exist_ok=True)
+                save_tokenizer(args.encoding, Path(directory))
 
         def restore(self, directory, args=None):
             from train.tokenizer import load_tokenizer
@@ -171,7 +174,7 @@ class CheckpointWriter:
     def __init__(self, root: str | os.PathLike, *, keep: int):
         ocp = _orbax()
 
-        self.root = Path(root)
+        self.root = Path(root).absolute()      # Orbax (tensorstore) refuses relative paths
         self.root.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True, create=True,
@@ -347,7 +350,7 @@ def stored_shapes(step_dir: Path) -> dict[tuple, tuple[tuple[int, ...], str]]:
     """Flattened path -> (shape, dtype) of every array in the step's state item (no data read)."""
     ocp = _orbax()
 
-    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(step_dir / STATE)
+    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(Path(step_dir).absolute() / STATE)
     tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
     return {k: (tuple(v.shape), str(v.dtype)) for k, v in _flatten(dict(tree)).items()}
 
@@ -378,7 +381,7 @@ def restore_train_state(step_dir: str | os.PathLike, target: dict, *, layout: st
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), target)
     _check_target(step_dir, stored_shapes(step_dir), {k: v.shape for k, v in _flatten(abstract).items()})
     return ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
-        step_dir / STATE, args=ocp.args.StandardRestore(abstract))
+        step_dir.absolute() / STATE, args=ocp.args.StandardRestore(abstract))
 
 
 def _restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray]:
@@ -388,7 +391,8 @@ def _restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarra
     item = {"params": {n: np.zeros(0, np.float32) for n in shapes}}
     restore_args = {"params": {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in shapes}}
     restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
-        step_dir / STATE, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+        step_dir.absolute() / STATE, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                                                 partial_restore=True))
     return restored["params"]
 
 
