@@ -73,15 +73,26 @@ def plot_grad_norm(records, path: Path) -> Path:
 
 
 def plot_throughput(records, path: Path) -> Path:
-    plt, fig, ax = _figure("throughput (training steps only)", "tokens / s")
-    ax.plot(*_series(records, "train", "tokens_per_s"), color="tab:blue", lw=1, label="tokens/s")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), dpi=120, sharex=True, layout="constrained")
+    top.set_title("throughput (training steps only: no compilation, evaluation or checkpoint pauses)", fontsize=10)
+    top.plot(*_series(records, "train", "tokens_per_s"), lw=1)
+    top.set_ylabel("tokens / s")
     steps, mfu = _series(records, "train", "mfu")
-    if mfu:
-        right = ax.twinx()
-        right.plot(steps, 100 * np.asarray(mfu), color="tab:orange", lw=1, label="MFU")
-        right.set_ylabel("MFU (%)")
-        right.legend(loc="lower right")
-    return _save(plt, fig, ax, path)
+    bottom.plot(steps, 100 * np.asarray(mfu), color="tab:orange", lw=1)
+    peak = next((r for r in records if r.get("kind") in ("run", "resume") and r.get("peak_source")), None)
+    bottom.set_ylabel("MFU (%)")
+    bottom.set_xlabel("step" + (f"   (peak: {peak['peak_source']}, {peak['peak_flops'] / 1e12:.3g} TFLOP/s)"
+                                if peak else ""))
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def plot_expert_load(records, path: Path) -> Path | None:
@@ -99,8 +110,9 @@ def plot_expert_load(records, path: Path) -> Path | None:
     load = load * load.shape[-1]                                      # 1.0 = an even share
     layers = load.shape[1]
     cols = min(layers, 4)
-    fig, axes = plt.subplots((layers + cols - 1) // cols, cols, figsize=(3.2 * cols, 2.4 * ((layers + cols - 1) // cols)),
-                             dpi=120, squeeze=False)
+    rows = (layers + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1, 2.4 * rows + 0.6), dpi=120, squeeze=False,
+                             layout="constrained")
     vmax = max(2.0, float(load.max()))
     for layer, ax in enumerate(axes.flat):
         if layer >= layers:
@@ -113,7 +125,7 @@ def plot_expert_load(records, path: Path) -> Path | None:
         ax.set_ylabel("expert", fontsize=8)
         ax.tick_params(labelsize=7)
     fig.suptitle("expert load (share of routed tokens x experts; 1 = even)", fontsize=10)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+    fig.colorbar(image, ax=axes, shrink=0.9, label="load")
     fig.savefig(path)
     plt.close(fig)
     return path
