@@ -61,9 +61,9 @@ def test_bad_input_is_one_line_naming_the_problem(run_dir, tmp_path, capsys):
     assert "steps must be a positive integer" in _error(capsys, ["train", "--steps", "0", "--data", data])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"model": {"n_heads": 3}}))
-    assert "n_heads" in _error(capsys, ["train", "--config", str(bad), "--data", data])
+    assert "n_heads" in _error(capsys, ["train", "--config", str(bad), "--data", data, "--out", str(tmp_path / "o")])
     bad.write_text(json.dumps({"stepz": 3}))
-    assert "stepz" in _error(capsys, ["train", "--config", str(bad), "--data", data])
+    assert "stepz" in _error(capsys, ["train", "--config", str(bad), "--data", data, "--out", str(tmp_path / "o")])
     (tmp_path / "empty").mkdir()
     assert "empty" in _error(capsys, ["train", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
     foreign = tmp_path / "foreign"

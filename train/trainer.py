@@ -41,6 +41,7 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
     None) for a new run. A damaged newest checkpoint is reported, moved aside, and skipped."""
     import jax
 
+    build_model_config(cfg, vocab_size=0, bos=0)       # a bad preset/model override fails first
     out = Path(cfg.out)
     root = out / "checkpoints"
     newest = checkpoint.step_dirs(root)[-1][0] if root.is_dir() and checkpoint.step_dirs(root) else None
