@@ -21,6 +21,7 @@ import torch
 from jax_bridge import registry
 from jax_bridge.env import get_env
 from jax_bridge.lowering import model_function, params_to_jax
+from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token
 from torch_model import kv_cache
 
@@ -88,12 +89,14 @@ class Decoder:
 
     def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla",
                  decode_kernels: str | dict | None = None, matmul_precision: str = "highest",
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, platform: str | None = None):
         self.cfg = model.cfg
         self.env = get_env()
+        self.platform = check_platform(platform or host_platform(), "Decoder platform")
         ops = registry.OPS + registry.GENERATION_OPS
-        self.kernels = registry.resolve(kernels, ops=ops)
-        self.decode_kernels = self.kernels if decode_kernels is None else registry.resolve(decode_kernels, ops=ops)
+        self.kernels = registry.resolve(kernels, self.platform, ops=ops)
+        self.decode_kernels = (self.kernels if decode_kernels is None
+                               else registry.resolve(decode_kernels, self.platform, ops=ops))
         self.matmul_precision = matmul_precision
         self.compiler_options = dict(compiler_options or {})
         self.params = params_to_jax(model)
@@ -140,7 +143,8 @@ class Decoder:
             params.update({k: params[k].T for k in self.linear_weights})
         if layout.split_experts:
             params.update({k: jnp.stack(params[k]) for k in self.expert_weights})
-        with registry.routed(self.env, kernels), jax.default_matmul_precision(self.matmul_precision):
+        with registry.routed(self.env, kernels, platform=self.platform), \
+                jax.default_matmul_precision(self.matmul_precision):
             return self._forward(params, ids, positions, cache, start)
 
     def _empty_cache(self, batch: int, length: int) -> kv_cache.KVCache:

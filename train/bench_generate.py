@@ -127,12 +127,13 @@ class NoCache:
         from jax_bridge import registry
         from jax_bridge.env import get_env
         from jax_bridge.lowering import model_function, params_to_jax
+        from pallas_kernels.platform import host_platform
 
         self.window, self.params = window, params_to_jax(model)
         env, kernels, forward = get_env(), registry.resolve("xla"), model_function(model)
 
         def next_logits(params, ids, positions):
-            with registry.routed(env, kernels), jax.default_matmul_precision("highest"):
+            with registry.routed(env, kernels, platform=host_platform()), jax.default_matmul_precision("highest"):
                 logits = forward(params, ids)
             return jnp.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0]
 

@@ -102,10 +102,11 @@ class Generator:
                  compile_cache: str | os.PathLike | None = None):
         from jax_bridge import registry
         from jax_bridge.decoding import Decoder, generation_kernels
+        from pallas_kernels.platform import host_platform
 
         enable_compile_cache(compile_cache)
         try:
-            platform = registry.current_backend()
+            platform = host_platform()
             if decode_kernels is not None:
                 decode_kernels = generation_kernels(decode_kernels, platform)
             self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform),
@@ -222,27 +223,31 @@ def generate(model_or_checkpoint, prompts: list[list[int]], sampling: SamplingCo
 
 def load_model(checkpoint: str | os.PathLike):
     """The float32 torch model of a checkpoint (through the one checkpoint loader)."""
+    return _load(checkpoint)[0]
+
+
+def load_for_generation(checkpoint: str | os.PathLike):
+    """(model, tokenizer) from a checkpoint written by `torchlyra train` (one restore)."""
+    from train.checkpoint import tokenizer_dir
+    from train.tokenizer import load_tokenizer
+
+    model, meta = _load(checkpoint)
+    tok_dir = tokenizer_dir(checkpoint, meta)
+    if tok_dir is None:
+        raise UserError(f"checkpoint {checkpoint}: its metadata names no tokenizer (field tokenizer.dir)")
+    return model, load_tokenizer(tok_dir)
+
+
+def _load(checkpoint):
     import torch
 
     from torch_model.model import GptOssForCausalLM
     from train.checkpoint import load_checkpoint
 
-    state, model_cfg, _ = load_checkpoint(checkpoint)
+    state, model_cfg, meta = load_checkpoint(checkpoint)
     model = GptOssForCausalLM(model_cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-    return model.eval()
-
-
-def load_for_generation(checkpoint: str | os.PathLike):
-    """(model, tokenizer) from a checkpoint directory written by `torchlyra train`."""
-    from train.checkpoint import load_checkpoint, tokenizer_dir
-    from train.tokenizer import load_tokenizer
-
-    _, _, meta = load_checkpoint(checkpoint)
-    tok_dir = tokenizer_dir(checkpoint, meta)
-    if tok_dir is None:
-        raise UserError(f"checkpoint {checkpoint}: config.json names no tokenizer (field tokenizer.dir)")
-    return load_model(checkpoint), load_tokenizer(tok_dir)
+    return model.eval(), meta
 
 
 class TextStream:
