@@ -66,7 +66,7 @@ def write_tokenizer(enc, out: Path, cfg) -> str:
     """Our tiktoken BPE as transformers files (checked against tiktoken on probe text before they
     are kept) and, always, the original tiktoken files under out/tiktoken. Returns a status line."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
-    from train.tokenizer import save_tokenizer
+    from train.data.tokenizer import save_tokenizer
 
     if enc.n_vocab > cfg.vocab_size:
         raise UserError(f"tokenizer: {enc.n_vocab} ids do not fit ModelConfig.vocab_size {cfg.vocab_size}")
@@ -106,7 +106,7 @@ tokenizer = AutoTokenizer.from_pretrained("{name}")   # if tokenizer.json is pre
 - Weights: {weights}.
 - Tokenizer: {tokenizer}.
   The original tiktoken BPE (when the checkpoint named one) is in `tiktoken/`: rebuild it with
-  `train.tokenizer.load_tokenizer("tiktoken")`, or with `tiktoken.Encoding` from the ranks file,
+  `train.data.tokenizer.load_tokenizer("tiktoken")`, or with `tiktoken.Encoding` from the ranks file,
   pattern and special tokens listed in `tiktoken/tokenizer.json`.
 - Exactness: transformers' eager attention in float32 matches torchlyra's eager model (test suite:
   relative error of the logits <= 1e-5).{dense_note}
@@ -126,7 +126,7 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
     tok_dir = checkpoint.tokenizer_dir(checkpoint_dir, meta)
     enc = None
     if tok_dir is not None:
-        from train.tokenizer import load_tokenizer
+        from train.data.tokenizer import load_tokenizer
         enc = load_tokenizer(tok_dir)
 
     from transformers import GenerationConfig

@@ -164,7 +164,7 @@ def save_checkpoint(dir: str | os.PathLike, model_state: dict[str, torch.Tensor]
         safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
-            from train.tokenizer import save_tokenizer
+            from train.data.tokenizer import save_tokenizer
             save_tokenizer(tokenizer, tmp)
     return Path(dir)
 

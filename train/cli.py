@@ -10,7 +10,7 @@ import sys
 
 # subcommand -> (module with add_arguments/run, help)
 COMMANDS = {
-    "prepare": ("train.prepare", "build the default data set (tokenizer + ArrayRecord shards)"),
+    "prepare": ("train.data.prepare", "tokenize text, JSONL or Parquet into ArrayRecord shards (default: Shakespeare)"),
     "train": ("train.loop", "train a model on prepared data"),
     "generate": ("train.generate", "sample from a checkpoint"),
     "export": ("parity.hf_export", "write a checkpoint as a Hugging Face GptOss directory"),

@@ -80,7 +80,7 @@ def load_for_generation(checkpoint: str):
 
     from torch_model.model import GptOssForCausalLM
     from train.checkpoint import load_checkpoint, tokenizer_dir
-    from train.tokenizer import load_tokenizer
+    from train.data.tokenizer import load_tokenizer
 
     state, model_cfg, meta = load_checkpoint(checkpoint)
     model = GptOssForCausalLM(model_cfg)
@@ -105,14 +105,14 @@ def run(args) -> int:
     if args.max_tokens <= 0:
         raise UserError(f"--max-tokens must be > 0, found {args.max_tokens}")
     model, tokenizer = load_for_generation(args.checkpoint)
-    from train.tokenizer import bos_id
+    from train.data.tokenizer import bos_id, end_id
 
-    bos = bos_id(tokenizer)
+    bos, end = bos_id(tokenizer), end_id(tokenizer)
     prompts = args.prompt or [""]
     sampler = Sampler(model, kernels=args.kernels)
     outs = sampler.generate([[bos] + tokenizer.encode_ordinary(p) for p in prompts], max_new_tokens=args.max_tokens,
-                            temperature=args.temperature, top_k=args.top_k, seed=args.seed, stop_token=bos)
+                            temperature=args.temperature, top_k=args.top_k, seed=args.seed, stop_token=end)
     for prompt, ids in zip(prompts, outs):
-        text = tokenizer.decode([t for t in ids if t != bos])
+        text = tokenizer.decode([t for t in ids if t not in (bos, end)])
         print(f"--- prompt: {prompt!r}\n{prompt}{text}\n")
     return 0

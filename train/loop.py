@@ -20,7 +20,7 @@ from train.errors import UserError
 DEFAULT_PROMPTS = ["ROMEO:", "First Citizen:\nWe are"]
 
 
-def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int):
+def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int, eos: int):
     from torch_model.config import ConfigError, get_preset
 
     try:
@@ -30,7 +30,7 @@ def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int):
     if vocab_size > model_cfg.vocab_size:
         raise UserError(f"data vocabulary ({vocab_size}) is larger than the model's vocab_size "
                         f"({model_cfg.vocab_size}); set model.vocab_size >= {vocab_size}")
-    return model_cfg.replace(bos_token_id=bos, eos_token_id=bos, max_seq_len=cfg.seq_len)
+    return model_cfg.replace(bos_token_id=bos, eos_token_id=eos, max_seq_len=cfg.seq_len)
 
 
 def evaluate(step, params, batches) -> float:
@@ -45,22 +45,21 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
     from torch_model.model import GptOssForCausalLM
     from torch_model.optim import OptimizerConfig
     from train.checkpoint import save_checkpoint
-    from train.loader import TokenLoader
+    from train.data.loader import TokenLoader
+    from train.data.tokenizer import bos_id, end_id, load_tokenizer
     from train.metrics import MetricsWriter, plot_losses
     from train.schedule import lr_scale
-    from train.tokenizer import bos_id, load_tokenizer
 
     out = Path(cfg.out)
     try:
         registry.resolve(cfg.kernels)          # a bad kernel choice fails before any work
     except registry.KernelError as e:
         raise UserError(str(e)) from None
-    tokenizer = load_tokenizer(cfg.data)
-    bos = bos_id(tokenizer)
-    model_cfg = build_model_config(cfg, tokenizer.n_vocab, bos)
-    train_data = TokenLoader(cfg.data, "train", batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+    tokenizer = load_tokenizer(cfg.data)  # the data's: its special ids become the model's
+    model_cfg = build_model_config(cfg, tokenizer.n_vocab, bos_id(tokenizer), end_id(tokenizer))
+    train_data = TokenLoader(cfg.data, "train", global_batch=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                              vocab_size=model_cfg.vocab_size)
-    val_data = TokenLoader(cfg.data, "val", batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+    val_data = TokenLoader(cfg.data, "val", global_batch=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                            vocab_size=model_cfg.vocab_size)
     val_batches = list(val_data.iter_eval_batches(cfg.eval_batches))
 
@@ -139,17 +138,18 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
 
 
 def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
+    from train.data.tokenizer import bos_id, end_id
     from train.generate import Sampler
-    from train.tokenizer import bos_id
 
     if cfg.samples <= 0:
         return []
-    bos = bos_id(tokenizer)
+    bos, end = bos_id(tokenizer), end_id(tokenizer)
     prompts = (DEFAULT_PROMPTS * cfg.samples)[:cfg.samples]
     outs = Sampler(model, kernels="xla").generate(
         [[bos] + tokenizer.encode_ordinary(p) for p in prompts], max_new_tokens=cfg.sample_tokens,
-        temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed, stop_token=bos)
-    return [{"prompt": p, "text": p + tokenizer.decode([t for t in ids if t != bos])} for p, ids in zip(prompts, outs)]
+        temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed, stop_token=end)
+    return [{"prompt": p, "text": p + tokenizer.decode([t for t in ids if t not in (bos, end)])}
+            for p, ids in zip(prompts, outs)]
 
 
 # ---- command line -------------------------------------------------------------------------------
