@@ -66,16 +66,17 @@ def write_tokenizer(enc, out: Path, cfg) -> str:
     """Our tiktoken BPE as transformers files (checked against tiktoken on probe text before they
     are kept) and, always, the original tiktoken files under out/tiktoken. Returns a status line."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
-    from train.data.tokenizer import save_tokenizer
+    from train.data.tokenizer import save_tokenizer, special_tokens_by_id
 
     if enc.n_vocab > cfg.vocab_size:
         raise UserError(f"tokenizer: {enc.n_vocab} ids do not fit ModelConfig.vocab_size {cfg.vocab_size}")
     save_tokenizer(enc, out / "tiktoken")
-    converter = TikTokenConverter(vocab_file=None, pattern=enc._pat_str, extra_special_tokens=enc._special_tokens)
+    specials = special_tokens_by_id(enc)  # the converter numbers them consecutively after the ranks
+    converter = TikTokenConverter(vocab_file=None, pattern=enc._pat_str, extra_special_tokens=specials)
     # Hand the ranks over in memory: no temp .tiktoken file, no tiktoken path cache involved.
     converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks
     tok = converter.converted()
-    specials_ok = all(tok.token_to_id(s) == i for s, i in enc._special_tokens.items())
+    specials_ok = all(tok.token_to_id(s) == enc._special_tokens[s] for s in specials if s in enc._special_tokens)
     same = specials_ok and all(
         tok.encode(text, add_special_tokens=False).ids == enc.encode(text, allowed_special="all")
         for text in TOKENIZER_PROBES)

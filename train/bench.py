@@ -1,4 +1,5 @@
 """`torchlyra bench kernels`: temporary memory and speed of every registered kernel implementation.
+(`torchlyra bench data`, the data pipeline's throughput, lives in train/data/bench.py.)
 
 For each op (attention, cross_entropy, moe), shape set (tiny, lyra-small) and direction (forward;
 forward+backward = jax.value_and_grad of the sum of all outputs w.r.t. all float inputs), every
@@ -440,7 +441,10 @@ def _parse_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["kernels"], help="what to benchmark")
+    from train.data import bench as data_bench
+
+    parser.add_argument("what", choices=["kernels", "data"], help="what to benchmark")
+    data_bench.add_arguments(parser)
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     parser.add_argument("--shapes", default=",".join(SHAPE_SETS),
                         help=f"comma-separated shape sets (default: {','.join(SHAPE_SETS)})")
@@ -475,6 +479,9 @@ def _command_line(args) -> str:
 
 
 def run(args) -> int:
+    if args.what == "data":
+        from train.data import bench as data_bench
+        return data_bench.run(args)
     shapes = _parse_list(args.shapes, SHAPE_SETS, "shapes")
     ops = _parse_list(args.ops, OPS, "ops")
     if args.repeats < 1 or args.warmup < 0:

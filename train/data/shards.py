@@ -221,7 +221,7 @@ class Dataset:
                     self._readers[shard] = arm.ArrayRecordReader(str(self._path(shard)), "readahead_buffer_size:0")
                 return self._readers[shard].read(records)
         except Exception as e:  # the Riegeli binding raises RuntimeError/ValueError/OSError
-            detail = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            detail = str(e).splitlines()[0].split(";")[0][:200] if str(e) else type(e).__name__
             raise DataIntegrityError(f"{self._path(shard)}: shard damaged or unreadable ({detail}); "
                                      f"run `torchlyra prepare --verify {self.data_dir}`") from None
 

