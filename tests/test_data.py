@@ -746,7 +746,7 @@ def test_bench_data_writes_its_table_and_json(tmp_path, cache_dir):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     prep = {r["tokenizer"]: r for r in result["prepare"]}
-    assert prep["o200k_harmony"]["tokens"] > 50_000 and prep["o200k_harmony"]["ratio"] > 0
+    assert prep["o200k_harmony"]["tokens"] > 50_000 and prep["o200k_harmony"]["ratio"] > 0 < prep["bpe:4096"]["cpu_ratio"]
     assert {r["seq_len"] for r in result["loader"]} >= {256, 4096}
     assert all(r["tokens_per_s"] > 0 and "x_train_rate" in r for r in result["loader"])
     assert "ratio" in proc.stdout and "x tiny" in proc.stdout

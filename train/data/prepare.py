@@ -26,9 +26,11 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from pathlib import Path
 
@@ -106,8 +108,10 @@ def _init_worker(tokenizer_dir: str, text_field: str, seed: int, fraction: float
                  in_process: bool = False) -> None:
     if not in_process:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    _WORKER.update(enc=tokenizer.load_tokenizer(tokenizer_dir), text_field=text_field, seed=seed,
-                   fraction=fraction, dtype=shards.DTYPES[dtype])
+    if _WORKER.get("init") != (tokenizer_dir, text_field, seed, fraction, dtype):  # not inherited by fork
+        _WORKER.update(enc=tokenizer.load_tokenizer(tokenizer_dir), text_field=text_field, seed=seed,
+                       fraction=fraction, dtype=shards.DTYPES[dtype],
+                       init=(tokenizer_dir, text_field, seed, fraction, dtype))
 
 
 def tokenize_unit(unit: inputs.Unit) -> dict:
@@ -123,30 +127,47 @@ def tokenize_unit(unit: inputs.Unit) -> dict:
             "nbytes": np.asarray(docs.nbytes, np.int64), "stats": asdict(docs.stats)}
 
 
-def _results(units: list[inputs.Unit], workers: int, init_args: tuple):
-    """Tokenized units in unit order; at most 2 x workers in flight (bounded memory)."""
-    if workers == 1:
-        _init_worker(*init_args, in_process=True)
-        for unit in units:
-            yield tokenize_unit(unit)
-        return
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=init_args)
-    pending = deque()
-    todo = iter(units)
-    try:
-        for unit in todo:
-            pending.append(pool.submit(tokenize_unit, unit))
-            if len(pending) >= 2 * workers:
-                break
-        while pending:
-            result = pending.popleft().result()
-            unit = next(todo, None)
+def _pool_context():
+    """fork when this process runs no other thread (workers then inherit the tokenizer already
+    built, no import or vocabulary parse per worker); spawn otherwise, fork being unsafe there."""
+    if sys.platform == "linux" and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+class Tokenized:
+    """Tokenized units in unit order, from `workers` processes (in-process for one worker); at most
+    2 x workers units in flight, so memory stays bounded. Start it before any other thread."""
+
+    def __init__(self, units: list[inputs.Unit], workers: int, init_args: tuple):
+        self.todo, self.pending, self.pool = iter(units), deque(), None
+        _init_worker(*init_args, in_process=True)  # forked workers inherit this; one worker uses it
+        if workers > 1:
+            self.pool = ProcessPoolExecutor(workers, mp_context=_pool_context(), initializer=_init_worker,
+                                            initargs=init_args)
+            for unit in self.todo:
+                self.pending.append(self.pool.submit(tokenize_unit, unit))
+                if len(self.pending) >= 2 * workers:
+                    break
+
+    def __iter__(self):
+        if self.pool is None:
+            yield from map(tokenize_unit, self.todo)
+            return
+        while self.pending:
+            try:
+                result = self.pending.popleft().result()
+            except BrokenProcessPool:
+                raise UserError("prepare: a worker process died (out of memory? killed?); "
+                                "re-run the same command to resume") from None
+            unit = next(self.todo, None)
             if unit is not None:
-                pending.append(pool.submit(tokenize_unit, unit))
+                self.pending.append(self.pool.submit(tokenize_unit, unit))
             yield result
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---- the output directory -------------------------------------------------------------------------
@@ -352,15 +373,15 @@ def run(args: argparse.Namespace) -> int:
     first_unit = progress["restart_unit"]
     todo = units[first_unit:]
     init = (str(out), args.text_field, args.seed, args.val_fraction, dtype)
+    results = Tokenized(todo, min(args.workers, max(1, len(todo))), init)  # before the bar's thread
     bar = tqdm(total=sum(u.nbytes for u in units), initial=sum(u.nbytes for u in units[:first_unit]),
                unit="B", unit_scale=True, desc="prepare", file=sys.stderr, dynamic_ncols=True)
-    results = _results(todo, min(args.workers, max(1, len(todo))), init)
     try:
         stats = _merge(out, units, results, writers, progress, bar)
         for w in writers.values():
             w.close()
     finally:
-        results.close()  # stops the worker processes now, not when the traceback is collected
+        results.close()
         bar.close()
         for w in writers.values():
             w.abort()

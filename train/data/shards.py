@@ -29,9 +29,10 @@ from train.jsonfile import read_json
 FORMAT = "torchlyra-token-shards"
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-# One record per chunk (group_size:1): reading a record decodes only that record. zstd level 1
-# halves o200k shards (int32) for a write cost far below tokenization's (BENCHMARKS.md).
-WRITER_OPTIONS = "group_size:1,zstd:1"
+# One record per chunk (group_size:1): reading a record decodes only that record. Uncompressed:
+# zstd:1 would halve o200k shards (int32) but costs the preparation about 10% more CPU and the
+# loader 8x in read speed (BENCHMARKS.md); Riegeli's block and chunk hashes are kept either way.
+WRITER_OPTIONS = "group_size:1,uncompressed"
 RECORD_TOKENS = 4096
 BLOCK_BYTES = 4 << 20
 BLOCK_DIGEST_HEX = 16  # a 64-bit prefix of each block's sha256

@@ -17,6 +17,7 @@ Special ids (also in the README):
 from __future__ import annotations
 
 import base64
+import binascii
 import functools
 import gzip
 import hashlib
@@ -66,16 +67,18 @@ SPEC_HELP = "o200k_harmony | o200k_base | bpe:VOCAB_SIZE | PATH.tiktoken | DIR (
 
 
 def _parse_ranks(data: bytes, where) -> dict[bytes, int]:
-    ranks = {}
-    for n, line in enumerate(data.splitlines(), 1):
-        if not line:
-            continue
-        try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
-        except ValueError as e:
-            raise UserError(f"{where}:{n}: expected 'base64-token rank', found {line[:60]!r}") from e
-    return ranks
+    """tiktoken's format: one 'base64-token rank' per line."""
+    try:
+        return {binascii.a2b_base64(token, strict_mode=True): int(rank)
+                for token, rank in (line.split() for line in data.splitlines() if line)}
+    except (ValueError, binascii.Error):  # find the culprit only when there is one
+        for n, line in enumerate(data.splitlines(), 1):
+            try:
+                token, rank = line.split() if line else (b"AA==", b"0")
+                binascii.a2b_base64(token, strict_mode=True), int(rank)
+            except (ValueError, binascii.Error):
+                raise UserError(f"{where}:{n}: expected 'base64-token rank', found {line[:60]!r}") from None
+        raise
 
 
 def _ranks_bytes(ranks: dict[bytes, int]) -> bytes:
