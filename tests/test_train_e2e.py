@@ -20,7 +20,7 @@ def run_dir(tmp_path_factory):
     texts.mkdir()
     for i in range(6):
         (texts / f"play{i}.txt").write_text("\n\n".join(LINES[(i + j) % 4] for j in range(120)) + "\n")
-    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--vocab-size", "320",
+    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--tokenizer", "bpe:320",
                  "--val-fraction", "0.2"]) == 0
     config = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
                         "n_experts": 4, "expert_dim": 64, "sliding_window": 16, "vocab_size": 320},

@@ -186,7 +186,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096) -> tiktoken.Encoding
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
     if vocab_size < 257:
-        raise UserError(f"--vocab-size: expected at least 257 (256 bytes + {BOS}), found {vocab_size}")
+        raise UserError(f"bpe:VOCAB_SIZE: expected at least 257 (256 bytes + {BOS}), found {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
