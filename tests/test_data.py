@@ -426,6 +426,23 @@ def test_bad_jsonl_line_is_named_with_file_and_line(tmp_path, monkeypatch, line,
         run_prepare("--input", src, "--out", tmp_path / "out", "--tokenizer", "o200k_base", "--val-fraction", 0)
 
 
+def test_a_large_jsonl_gz_is_streamed_in_several_units(tmp_path, monkeypatch):
+    """The main process decompresses .jsonl.gz into units as workers need them, never whole."""
+    monkeypatch.setattr(inputs, "UNIT_BYTES", 256)
+    docs = many_docs(40)
+    src = write_corpus(tmp_path / "src", "jsonl.gz", docs)
+    units = list(inputs.iter_units(inputs.find_sources([str(src)]), "text"))
+    assert len(units) > 5 and all(u.payload is not None for u in units)
+    assert sum(u.payload.count(b"\n") for u in units) == 40 and sum(u.nbytes for u in units) == src.stat().st_size
+    out = tmp_path / "out"
+    assert run_prepare("--input", src, "--out", out, "--tokenizer", "o200k_base", "--val-fraction", 0) == 0
+    assert shard_texts(out, "train") == docs
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in docs[:30]).encode() + b"{oops\n"))
+    with pytest.raises(UserError, match=r"bad.jsonl.gz:31 \(byte \d+\): not valid JSON"):
+        run_prepare("--input", bad, "--out", tmp_path / "o2", "--tokenizer", "o200k_base", "--val-fraction", 0)
+
+
 def test_bad_inputs_are_named(tmp_path):
     def fails(message, *argv):
         with pytest.raises(UserError, match=message):

@@ -15,10 +15,13 @@ import codecs
 import glob
 import gzip
 import hashlib
+import io
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 from train.data import corpus
 from train.errors import UserError
@@ -41,12 +44,15 @@ class Source:
 @dataclass(frozen=True)
 class Unit:
     """A slice of the input that one worker reads: several small text files, a byte range of a
-    JSONL file (whole lines), a whole .jsonl.gz, or a Parquet row group."""
+    JSONL file (whole lines), lines of a .jsonl.gz (decompressed by the main process, which alone
+    can read the stream in order), or a Parquet row group."""
     index: int
     sources: tuple[Source, ...]
-    start: int = 0     # JSONL: first byte; Parquet: row group; else 0
+    start: int = 0     # JSONL: first (decompressed) byte; Parquet: row group; else 0
     end: int = -1      # JSONL: end byte (exclusive); else -1
-    nbytes: int = 0
+    nbytes: int = 0    # input bytes it stands for (progress)
+    payload: bytes | None = None  # .jsonl.gz: the lines themselves
+    first_line: int = 1           # .jsonl.gz: number of the payload's first line
 
 
 # ---- finding sources --------------------------------------------------------------------------
@@ -153,36 +159,58 @@ def _parquet_row_groups(path: str, text_field: str) -> list[int]:
     return [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
 
 
-def make_units(sources: list[Source], text_field: str) -> list[Unit]:
-    units: list[Unit] = []
+def check_sources(sources: list[Source], text_field: str) -> None:
+    """What can be checked before any work: every Parquet file opens and has the text column."""
+    for s in sources:
+        if s.format == "parquet":
+            _parquet_row_groups(s.path, text_field)
+
+
+def _gz_units(source: Source, index) -> Iterator[Unit]:
+    """Lines of a .jsonl.gz in payloads of about UNIT_BYTES (decompressed), read as a stream."""
+    try:
+        with open(source.path, "rb") as raw, gzip.GzipFile(fileobj=raw) as f:
+            lines, size, start, line, consumed = [], 0, 0, 1, 0
+            for text in f:
+                lines.append(text)
+                size += len(text)
+                if size >= UNIT_BYTES:
+                    yield Unit(next(index), (source,), start, nbytes=raw.tell() - consumed,
+                               payload=b"".join(lines), first_line=line)
+                    consumed, start, line, lines, size = raw.tell(), start + size, line + len(lines), [], 0
+            if lines:
+                yield Unit(next(index), (source,), start, nbytes=source.size - consumed,
+                           payload=b"".join(lines), first_line=line)
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise UserError(f"{source.name}: cannot read ({type(e).__name__}: {e})") from None
+
+
+def iter_units(sources: list[Source], text_field: str) -> Iterator[Unit]:
+    """The work units of the sources, numbered in order, made as they are asked for (a .jsonl.gz
+    is decompressed here, so only the units in flight are ever in memory)."""
+    index = itertools.count()
     pending: list[Source] = []  # small text files gathered into one unit
-
-    def add(*args, **kwargs):
-        units.append(Unit(len(units), *args, **kwargs))
-
-    def flush():
-        if pending:
-            add(tuple(pending), nbytes=sum(s.size for s in pending))
-            pending.clear()
-
     for s in sources:
         if s.format == "text":
             pending.append(s)
             if sum(p.size for p in pending) >= UNIT_BYTES // 4:
-                flush()
+                yield Unit(next(index), tuple(pending), nbytes=sum(p.size for p in pending))
+                pending = []
             continue
-        flush()
-        if s.format == "jsonl" and not s.path.lower().endswith(".gz"):
+        if pending:
+            yield Unit(next(index), tuple(pending), nbytes=sum(p.size for p in pending))
+            pending = []
+        if s.format == "jsonl" and s.path.lower().endswith(".gz"):
+            yield from _gz_units(s, index)
+        elif s.format == "jsonl":
             for start, end in _jsonl_ranges(s.path, s.size):
-                add((s,), start, end, end - start)
-        elif s.format == "parquet":
+                yield Unit(next(index), (s,), start, end, end - start)
+        else:  # parquet
             sizes = _parquet_row_groups(s.path, text_field)
             for i, size in enumerate(sizes):
-                add((s,), i, -1, s.size * size // max(1, sum(sizes)))
-        else:  # .jsonl.gz: one stream
-            add((s,), nbytes=s.size)
-    flush()
-    return units
+                yield Unit(next(index), (s,), i, -1, s.size * size // max(1, sum(sizes)))
+    if pending:
+        yield Unit(next(index), tuple(pending), nbytes=sum(p.size for p in pending))
 
 
 # ---- reading a unit ---------------------------------------------------------------------------
@@ -251,7 +279,7 @@ def _line_number(path: str, start: int) -> int:
         return f.read(start).count(b"\n") + 1
 
 
-def _jsonl_text(line: bytes, source: Source, text_field: str, where) -> tuple[str, int]:
+def _jsonl_text(line: bytes, text_field: str, where: Callable[[], str]) -> tuple[str, int]:
     text, replaced = decode(line)
     try:
         obj = json.loads(text)
@@ -268,29 +296,35 @@ def _jsonl_text(line: bytes, source: Source, text_field: str, where) -> tuple[st
     return value, replaced
 
 
+def _jsonl_lines(unit: Unit) -> Iterator[tuple[bytes, int, Callable[[], int]]]:
+    """(line, byte offset, its line number on demand) for the unit's lines."""
+    source = unit.sources[0]
+    if unit.payload is not None:
+        offset = unit.start
+        for n, line in enumerate(io.BytesIO(unit.payload)):
+            yield line, offset, lambda n=n: unit.first_line + n
+            offset += len(line)
+        return
+    with open(source.path, "rb") as f:
+        f.seek(unit.start)
+        offset = unit.start
+        for n, line in enumerate(f):
+            if offset >= unit.end:
+                return
+            # Counting the lines before the unit is only worth it to report an error.
+            yield line, offset, lambda n=n: _line_number(source.path, unit.start) + n
+            offset += len(line)
+
+
 def _read_jsonl(unit: Unit, text_field: str, docs: Documents) -> None:
     source = unit.sources[0]
-    gz = source.path.lower().endswith(".gz")
     try:
-        f = gzip.open(source.path, "rb") if gz else open(source.path, "rb")
-        with f:
-            f.seek(unit.start) if not gz else None
-            offset = unit.start
-            for n, line in enumerate(f):
-                here = offset
-                offset += len(line)
-                if not gz and here >= unit.end:
-                    break
-                if not line.strip():
-                    continue
-
-                def where(n=n, here=here):
-                    first = 1 if gz else _line_number(source.path, unit.start)
-                    return f"{source.name}:{first + n} (byte {here})"
-
-                text, replaced = _jsonl_text(line, source, text_field, where)
-                docs.add(f"{source.name}:{here}", text, source.val, replaced)
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        for line, offset, line_number in _jsonl_lines(unit):
+            if not line.strip():
+                continue
+            text, replaced = _jsonl_text(line, text_field, lambda: f"{source.name}:{line_number()} (byte {offset})")
+            docs.add(f"{source.name}:{offset}", text, source.val, replaced)
+    except OSError as e:
         raise UserError(f"{source.name}: cannot read ({type(e).__name__}: {e})") from None
 
 

@@ -139,17 +139,22 @@ class TokenLoader:
 
     # ---- prefetching -------------------------------------------------------------------------
     def _produce(self, position, q: queue.Queue, stop: threading.Event) -> None:
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         try:
             while not stop.is_set():
                 batch, position = self._next_local(position)
-                while not stop.is_set():
-                    try:
-                        q.put((batch, position), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                if not put((batch, position)):
+                    return
         except BaseException as e:  # handed to the consumer, raised by next_batch()
-            q.put((e, None))
+            put((e, None))
 
     def _start(self) -> None:
         self._stop = threading.Event()

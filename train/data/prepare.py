@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -123,7 +124,7 @@ def tokenize_unit(unit: inputs.Unit) -> dict:
     lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
     flat = np.concatenate(ids).astype(w["dtype"]) if ids else np.zeros(0, w["dtype"])
     val = np.fromiter((is_val(i, v, w["seed"], w["fraction"]) for i, v in zip(docs.ids, docs.val)), bool, len(ids))
-    return {"unit": unit.index, "tokens": flat, "lengths": lengths, "val": val,
+    return {"unit": unit.index, "input_bytes": unit.nbytes, "tokens": flat, "lengths": lengths, "val": val,
             "nbytes": np.asarray(docs.nbytes, np.int64), "stats": asdict(docs.stats)}
 
 
@@ -139,7 +140,7 @@ class Tokenized:
     """Tokenized units in unit order, from `workers` processes (in-process for one worker); at most
     2 x workers units in flight, so memory stays bounded. Start it before any other thread."""
 
-    def __init__(self, units: list[inputs.Unit], workers: int, init_args: tuple):
+    def __init__(self, units, workers: int, init_args: tuple):
         self.todo, self.pending, self.pool = iter(units), deque(), None
         _init_worker(*init_args, in_process=True)  # forked workers inherit this; one worker uses it
         if workers > 1:
@@ -300,7 +301,7 @@ class SplitWriter:
                 "text_bytes": sum(s["text_bytes"] for s in self.shards), "shards": self.shards}
 
 
-def _merge(out: Path, units, results, writers: dict, progress: dict, bar) -> inputs.ReadStats:
+def _merge(out: Path, results, writers: dict, progress: dict, bar) -> inputs.ReadStats:
     """Write every document of every result to its split, recording progress after each shard.
     progress["splits"][s]["resume"] = [unit, doc]: documents of split s before it are written."""
     stats = inputs.ReadStats(**progress["stats"])
@@ -318,7 +319,7 @@ def _merge(out: Path, units, results, writers: dict, progress: dict, bar) -> inp
                 _record(out, progress, writers, split, (u, k), stats)
         stats.add(inputs.ReadStats(**result["stats"]))
         tokens_done += int(offsets[-1])
-        bar.update(units[u].nbytes)
+        bar.update(result["input_bytes"])
         bar.set_postfix(tok_s=f"{tokens_done / max(time.perf_counter() - start_time, 1e-9):,.0f}", refresh=False)
     return stats
 
@@ -350,14 +351,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{out}: already prepared from the same inputs and settings; nothing to do (--force rebuilds)")
         return 0
     _check_not_foreign(out, args.force)
-    units = inputs.make_units(sources, args.text_field)
+    inputs.check_sources(sources, args.text_field)
     progress = None if args.force else _resumable(out, settings)
     out.mkdir(parents=True, exist_ok=True)
     (out / shards.MANIFEST).unlink(missing_ok=True)  # the new one is written last
     if progress is None:
         _clean(out, keep=set())
         (out / PROGRESS).unlink(missing_ok=True)
-        desc = _make_tokenizer(out, units, args)
+        desc = _make_tokenizer(out, inputs.iter_units(sources, args.text_field), args)
         empty = asdict(inputs.ReadStats())
         progress = {"settings": settings, "tokenizer": desc, "stats": empty, "restart_unit": 0,
                     "splits": {s: {"shards": [], "resume": [0, 0], "stats": empty} for s in SPLITS}}
@@ -365,19 +366,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         done = sum(len(s["shards"]) for s in progress["splits"].values())
         print(f"{out}: resuming an interrupted preparation ({done} finished shard(s) kept, "
-              f"restarting at work unit {progress['restart_unit']} of {len(units)})", file=sys.stderr)
+              f"restarting at work unit {progress['restart_unit']})", file=sys.stderr)
         _clean(out, keep={s["file"] for split in progress["splits"].values() for s in split["shards"]})
     desc = progress["tokenizer"]
     dtype = shards.token_dtype(desc["vocab_size"])
     writers = {s: SplitWriter(out, s, dtype, args.tokens_per_shard, progress["splits"][s]["shards"]) for s in SPLITS}
-    first_unit = progress["restart_unit"]
-    todo = units[first_unit:]
+    units = inputs.iter_units(sources, args.text_field)
+    done_bytes = sum(u.nbytes for u in itertools.islice(units, progress["restart_unit"]))  # finished before
     init = (str(out), args.text_field, args.seed, args.val_fraction, dtype)
-    results = Tokenized(todo, min(args.workers, max(1, len(todo))), init)  # before the bar's thread
-    bar = tqdm(total=sum(u.nbytes for u in units), initial=sum(u.nbytes for u in units[:first_unit]),
-               unit="B", unit_scale=True, desc="prepare", file=sys.stderr, dynamic_ncols=True)
+    results = Tokenized(units, args.workers, init)  # before the progress bar starts its thread
+    bar = tqdm(total=sum(s.size for s in sources), initial=done_bytes, unit="B", unit_scale=True,
+               desc="prepare", file=sys.stderr, dynamic_ncols=True)
     try:
-        stats = _merge(out, units, results, writers, progress, bar)
+        stats = _merge(out, results, writers, progress, bar)
         for w in writers.values():
             w.close()
     finally:
