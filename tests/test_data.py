@@ -399,17 +399,17 @@ def test_invalid_utf8_is_replaced_and_counted_and_empty_documents_skipped(tmp_pa
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_bytes(b"caf\xe9 au lait\n")          # Latin-1, not UTF-8: one bad byte
-    (src / "b.txt").write_bytes(b"ok \xff\xfe twice\n")         # two bad bytes
+    (src / "b.txt").write_bytes(b"ok \xff\xfe twice \xef\xbf\xbd\n")  # two bad bytes, one real U+FFFD
     (src / "c.txt").write_text("   \n\n")                        # empty
     (src / "d.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": "fine"}) + "\n\n"
                                  + json.dumps({"text": "lone \udc80 surrogate"}) + "\n")
     out = tmp_path / "out"
     assert run_prepare("--input", src, "--out", out, "--tokenizer", "o200k_base", "--val-fraction", 0) == 0
-    assert shard_texts(out, "train") == ["caf\ufffd au lait\n", "ok \ufffd\ufffd twice\n", "fine",
+    assert shard_texts(out, "train") == ["caf\ufffd au lait\n", "ok \ufffd\ufffd twice \ufffd\n", "fine",
                                          "lone \ufffd surrogate"]
     stats = manifest(out)["stats"]
     assert (stats["replaced"], stats["replaced_docs"], stats["empty"], stats["documents"]) == (4, 3, 2, 4)
-    assert "skipped 2 empty document(s); replaced 4 invalid UTF-8 byte(s) in 3 document(s)" in capsys.readouterr().out
+    assert "skipped 2 empty document(s); replaced 4 invalid UTF-8 sequence(s) in 3 document(s)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("line, message", [
@@ -757,7 +757,7 @@ def test_corpus_download_failure_is_a_user_error(tmp_path, monkeypatch):
 def test_bench_data_writes_its_table_and_json(tmp_path, cache_dir):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "train.cli", "bench", "data", "--json", str(out),
-                           "--data-mb", "0.3", "--data-workers", "1", "--data-seconds", "0.5"],
+                           "--data-mb", "0.3", "--data-workers", "1", "--data-seconds", "0.5", "--data-repeats", "1"],
                           capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
                           env={**os.environ, "TORCHLYRA_CACHE": cache_dir})
     assert proc.returncode == 0, proc.stderr[-2000:]

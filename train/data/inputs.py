@@ -11,7 +11,6 @@ error naming the file and the line.
 
 from __future__ import annotations
 
-import codecs
 import glob
 import gzip
 import hashlib
@@ -218,7 +217,7 @@ def iter_units(sources: list[Source], text_field: str) -> Iterator[Unit]:
 class ReadStats:
     documents: int = 0      # kept
     empty: int = 0          # skipped: empty or whitespace only
-    replaced: int = 0       # invalid UTF-8 bytes (or lone surrogates) replaced by U+FFFD
+    replaced: int = 0       # invalid UTF-8 sequences (or lone surrogates) replaced by U+FFFD
     replaced_docs: int = 0  # documents holding at least one replacement
     bytes: int = 0          # UTF-8 bytes of the kept documents
 
@@ -259,18 +258,12 @@ class Documents:
 
 
 def decode(data: bytes) -> tuple[str, int]:
-    """UTF-8 text and the number of invalid bytes replaced by U+FFFD."""
+    """UTF-8 text and the number of invalid sequences replaced by U+FFFD."""
     try:
         return data.decode("utf-8"), 0
     except UnicodeDecodeError:
-        bad = [0]
-
-        def count(err: UnicodeDecodeError):
-            bad[0] += err.end - err.start
-            return "\ufffd", err.end
-
-        codecs.register_error("torchlyra-count", count)  # idempotent; the latest handler wins
-        return data.decode("utf-8", errors="torchlyra-count"), bad[0]
+        text = data.decode("utf-8", errors="replace")
+        return text, text.count("\ufffd") - data.count("\ufffd".encode())  # minus U+FFFD already there
 
 
 def _line_number(path: str, start: int) -> int:

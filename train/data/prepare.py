@@ -414,5 +414,5 @@ def _finish(out, args, sources, settings, desc, dtype, writers, stats, seconds) 
           f"eos {desc['eos_id']}), {dtype}; {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
     if stats.empty or stats.replaced:
         print(f"input: skipped {stats.empty:,} empty document(s); replaced {stats.replaced:,} invalid UTF-8 "
-              f"byte(s) in {stats.replaced_docs:,} document(s) with U+FFFD")
+              f"sequence(s) in {stats.replaced_docs:,} document(s) with U+FFFD")
     return 0
