@@ -31,9 +31,11 @@ def cache_dir(tmp_path_factory):
 
 
 def run_prepare(*argv):
+    """`torchlyra prepare` in this process, with one worker unless the test asks for more."""
     parser = argparse.ArgumentParser()
     prepare.add_arguments(parser)
-    return prepare.run(parser.parse_args([str(a) for a in argv]))
+    argv = [str(a) for a in argv] + ([] if "--workers" in argv else ["--workers", "1"])
+    return prepare.run(parser.parse_args(argv))
 
 
 def shard_texts(out, split):
@@ -348,6 +350,17 @@ def test_output_does_not_depend_on_worker_count(tmp_path, monkeypatch):
                            "--tokens-per-shard", 3000, "--val-fraction", 0.1) == 0
     one, two = (manifest(o) for o in outs)
     assert one["splits"] == two["splits"] and len(one["splits"]["train"]["shards"]) >= 3
+
+
+def test_workers_are_forked_only_where_fork_is_safe(monkeypatch):
+    import threading
+    import types
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setitem(sys.modules, "jax._src.xla_bridge", types.SimpleNamespace(backends_are_initialized=lambda: False))
+    assert prepare._pool_context().get_start_method() == ("fork" if threading.active_count() == 1 else "spawn")
+    monkeypatch.setitem(sys.modules, "jax._src.xla_bridge", types.SimpleNamespace(backends_are_initialized=lambda: True))
+    assert prepare._pool_context().get_start_method() == "spawn"  # JAX's runtime threads make fork unsafe
 
 
 def test_interrupted_prepare_resumes_without_redoing_finished_shards(tmp_path, monkeypatch, capsys):

@@ -129,9 +129,12 @@ def tokenize_unit(unit: inputs.Unit) -> dict:
 
 
 def _pool_context():
-    """fork when this process runs no other thread (workers then inherit the tokenizer already
-    built, no import or vocabulary parse per worker); spawn otherwise, fork being unsafe there."""
-    if sys.platform == "linux" and threading.active_count() == 1:
+    """fork when this process runs no other thread, Python's or JAX's runtime's (workers then
+    inherit the tokenizer already built: no import or vocabulary parse per worker); spawn
+    otherwise, fork being unsafe there."""
+    xla = sys.modules.get("jax._src.xla_bridge")  # imported is fine; initialized backends run threads
+    jax_running = xla is not None and getattr(xla, "backends_are_initialized", lambda: True)()
+    if sys.platform == "linux" and threading.active_count() == 1 and not jax_running:
         return multiprocessing.get_context("fork")
     return multiprocessing.get_context("spawn")
 
