@@ -9,8 +9,8 @@ measured in one run on the same cores.
   CPU ratio is the steadier one). Goal: prepare >= 80% of raw tiktoken. The bpe:4096 tokenizer is trained once beforehand
   and handed over as a directory, so its training is not timed.
 - loader: tokens/s of TokenLoader.next_batch (prefetch on, after warm-up) at tiny's shape (seq 256)
-  and Lyra Small's (seq 4096), against what `tiny` trains at here (--train-tokens-per-s, default:
-  the median of runs/tiny/metrics.jsonl, else BENCHMARKS.md's 2,300). Goals: >= 20x that rate
+  and Lyra Small's (seq 4096), against what `tiny` trains at here (--train-tokens-per-s, default
+  2,300: `make demo` on a quiet machine, BENCHMARKS.md). Goals: >= 20x that rate
   and >= 1M tokens/s per process. Beside it, for the record, a grain pipeline over the same
   tokens (one ArrayRecord record per document, shuffle, concat-then-split packing, batch).
 - start check: sha256 throughput over the shards, which sets the full-vs-sampled choice.
@@ -34,7 +34,7 @@ import numpy as np
 
 from train.errors import UserError
 
-TRAIN_RATE_FALLBACK = 2300.0  # tokens/s of `tiny` on this 2-core machine (BENCHMARKS.md, make demo)
+TRAIN_RATE = 2300.0  # tokens/s of `tiny` on this 2-core machine (BENCHMARKS.md, make demo)
 GOALS = {"prepare_vs_raw": 0.8, "loader_x_train": 20.0, "loader_tokens_per_s": 1e6}
 
 
@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bench data: prepare workers = raw tiktoken threads (default: one per core)")
     parser.add_argument("--data-repeats", type=int, default=3, help="bench data: runs of each side (median kept)")
     parser.add_argument("--data-seconds", type=float, default=3.0, help="bench data: seconds per loader measurement")
-    parser.add_argument("--train-tokens-per-s", type=float, default=None,
-                        help="bench data: what training consumes (default: runs/tiny/metrics.jsonl, else 2300)")
+    parser.add_argument("--train-tokens-per-s", type=float, default=TRAIN_RATE,
+                        help="bench data: what training consumes (default 2300: `tiny` here, BENCHMARKS.md)")
 
 
 def _texts(megabytes: float) -> list[str]:
@@ -186,17 +186,6 @@ def bench_check(data_dir: Path) -> dict:
             "sample_seconds": shards.SAMPLE_CHECK_BYTES / rate}
 
 
-def train_rate_from_demo(path="runs/tiny/metrics.jsonl") -> tuple[float, str]:
-    try:
-        rates = [r["tokens_per_s"] for r in map(json.loads, Path(path).read_text().splitlines())
-                 if r.get("kind") == "train" and r.get("step", 0) > 1 and "tokens_per_s" in r]
-        if rates:
-            return statistics.median(rates), f"median of {path}"
-    except (OSError, ValueError):
-        pass
-    return TRAIN_RATE_FALLBACK, "BENCHMARKS.md (make demo: ~2,300 tokens/s)"
-
-
 def format_table(result: dict) -> str:
     lines = ["| prepare | tokens | raw tiktoken tok/s | prepare tok/s | ratio (wall) | ratio (CPU) | goal >= 0.8 |",
              "|---|---|---|---|---|---|---|"]
@@ -224,8 +213,7 @@ def run(args) -> int:
     if args.data_mb <= 0 or args.data_workers < 1 or args.data_repeats < 1 or args.data_seconds <= 0:
         raise UserError("bench data: --data-mb, --data-seconds must be > 0 and --data-workers, --data-repeats >= 1")
     log = lambda s: print(s, file=sys.stderr, flush=True)
-    train_rate, rate_source = ((args.train_tokens_per_s, "--train-tokens-per-s") if args.train_tokens_per_s
-                               else train_rate_from_demo())
+    train_rate = args.train_tokens_per_s
     started = time.perf_counter()
     texts = _texts(args.data_mb)
     with tempfile.TemporaryDirectory(prefix="torchlyra-bench-data-") as tmp:
@@ -238,7 +226,7 @@ def run(args) -> int:
     result = {"command": "torchlyra bench data " + " ".join(sys.argv[3:]),
               "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "machine": machine_info(), "elapsed_s": round(time.perf_counter() - started, 1),
-              "train_rate_source": rate_source, "goals": GOALS,
+              "train_tokens_per_s": train_rate, "goals": GOALS,
               "prepare": prepare_rows, "loader": loader_rows, "start_check": check}
     print(format_table(result))
     if args.json:
