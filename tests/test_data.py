@@ -655,6 +655,18 @@ def test_loader_prefetches_while_the_step_runs(tmp_path):
     loader.close()
 
 
+def test_a_dropped_loader_stops_its_prefetch_thread(tmp_path):
+    import gc
+    import time
+    loader = TokenLoader(make_dataset(tmp_path, random_docs(30, 5, 60)), "train", global_batch=2, seq_len=16)
+    loader.next_batch()
+    thread = loader._thread
+    del loader  # never closed
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
 def test_state_dict_resume_gives_identical_continuation(tmp_path):
     path = make_dataset(tmp_path, random_docs(20, 5, 80))
     a = TokenLoader(path, "train", global_batch=3, seq_len=32, seed=7, block_tokens=300)

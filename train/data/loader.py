@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Iterator
 
 import numpy as np
@@ -138,9 +139,15 @@ class TokenLoader:
         return batch, position
 
     # ---- prefetching -------------------------------------------------------------------------
-    def _produce(self, position, q: queue.Queue, stop: threading.Event) -> None:
+    @staticmethod
+    def _produce(loader_ref, position, q: queue.Queue, stop: threading.Event) -> None:
+        """The prefetch thread. It holds the loader only while making a batch, so a loader that
+        is dropped without close() is collected and its thread ends."""
+        def gone() -> bool:
+            return stop.is_set() or loader_ref() is None
+
         def put(item) -> bool:
-            while not stop.is_set():
+            while not gone():
                 try:
                     q.put(item, timeout=0.1)
                     return True
@@ -149,8 +156,12 @@ class TokenLoader:
             return False
 
         try:
-            while not stop.is_set():
-                batch, position = self._next_local(position)
+            while not gone():
+                loader = loader_ref()
+                if loader is None:
+                    return
+                batch, position = loader._next_local(position)
+                del loader
                 if not put((batch, position)):
                     return
         except BaseException as e:  # handed to the consumer, raised by next_batch()
@@ -159,8 +170,9 @@ class TokenLoader:
     def _start(self) -> None:
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(target=self._produce, name="token-loader", daemon=True,
-                                        args=((self.epoch, self.block, self.row), self._queue, self._stop))
+        self._thread = threading.Thread(target=TokenLoader._produce, name="token-loader", daemon=True,
+                                        args=(weakref.ref(self), (self.epoch, self.block, self.row),
+                                              self._queue, self._stop))
         self._thread.start()
 
     def _halt(self) -> None:
