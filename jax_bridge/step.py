@@ -55,6 +55,7 @@ class TrainStep:
         self.model, self.opt_cfg, self.cfg, self.mesh = model, opt_cfg, step_cfg, mesh
         self.env = get_env()
         self.kernels = registry.resolve(step_cfg.kernels)
+        self.layout = "per_layer"       # how state.params are stored (train/checkpoint.py LAYOUTS)
         self.plan = plan_parameters(model.named_parameters())
         self.forward = model_function(model)
         self.update = optimizer_function(self.plan, opt_cfg)
@@ -90,8 +91,14 @@ class TrainStep:
         with jax.default_matmul_precision(self.cfg.matmul_precision):
             params, opt_state, stats = self.update(state.params, grads, state.opt_state, lr_scale)
         metrics = jax.tree.map(lambda m: m.mean(0), micro_metrics)
-        metrics["grad_norm"] = stats["grad_norm"]
-        return TrainState(params, opt_state), metrics
+        # A non-finite loss or gradient norm skips the update here, with no host round trip:
+        # parameters and optimizer state (its step count too) stay as they were, while the
+        # caller's step counter, learning-rate schedule and data move on.
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(stats["grad_norm"])
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), TrainState(params, opt_state), state)
+        metrics.update(grad_norm=stats["grad_norm"], grad_norm_clipped=stats["grad_norm_clipped"],
+                       skipped=jnp.logical_not(finite).astype(jnp.int32))
+        return new_state, metrics
 
     def _eval(self, params, tokens):
         _, out = self.loss_and_metrics(params, tokens[:, :-1], tokens[:, 1:])
@@ -117,9 +124,11 @@ class TrainStep:
 
 
 def _scalar_metrics(out: dict) -> dict:
+    """The loss parts, plus for MoE models the routed-token fraction per layer and expert
+    ("expert_fraction" [layers, experts]) and its largest value times E (1.0: balanced)."""
     metrics = {k: v for k, v in out.items() if v.ndim == 0}
     if "expert_fraction" in out:
-        # Max over experts of the routed-token fraction, times E: 1.0 is perfectly balanced.
         frac = out["expert_fraction"]
+        metrics["expert_fraction"] = frac
         metrics["expert_load_max"] = frac.max() * frac.shape[-1]
     return metrics

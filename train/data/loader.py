@@ -23,7 +23,6 @@ import numpy as np
 
 from train.data import packing
 from train.data.shards import Dataset, open_dataset
-from train.data.tokenizer import check_same_tokenizer
 from train.errors import UserError
 
 STATE_VERSION = 2
@@ -58,13 +57,12 @@ class TokenLoader:
     """Endless, shuffled, resumable batches [global_batch / process_count, seq_len + 1] int32.
 
     Built with the data directory, split, GLOBAL batch (rows per micro-step over all processes),
-    seq_len, seed and this process's index and count. `vocab_size` (the model's) and `tokenizer`
-    (the model's tokenizer description, e.g. from a checkpoint) refuse data that does not fit.
-    `check` is the integrity check at start (shards.check_shards)."""
+    seq_len, seed and this process's index and count. `vocab_size` (the model's) refuses data
+    whose ids would not fit; `check` is the integrity check at start (shards.check_shards)."""
 
     def __init__(self, data_dir, split: str, *, global_batch: int, seq_len: int, seed: int = 0,
                  process_index: int = 0, process_count: int = 1, vocab_size: int | None = None,
-                 tokenizer: dict | None = None, check: str = "auto", prefetch: int = 4,
+                 check: str = "auto", prefetch: int = 4,
                  block_tokens: int = packing.BLOCK_TOKENS, buffer_pieces: int = packing.BUFFER_PIECES):
         if seq_len < 2:
             raise UserError(f"seq_len: expected at least 2, found {seq_len}")
@@ -79,8 +77,6 @@ class TokenLoader:
             raise UserError(f"batch_size (the global batch) {global_batch} is not divisible by the "
                             f"{process_count} processes")
         self.ds = open_dataset(data_dir, split, vocab_size=vocab_size, check=check)
-        if tokenizer is not None:
-            check_same_tokenizer(self.ds.manifest["tokenizer"], tokenizer, f"data {data_dir}", "the model")
         if len(self.ds) == 0:
             raise UserError(f"{data_dir}: split {split!r} holds 0 documents")
         self.data_dir, self.split, self.seq_len, self.seed = data_dir, split, seq_len, seed

@@ -318,13 +318,14 @@ def load_tokenizer(data_dir: str | os.PathLike) -> tiktoken.Encoding:
                              special_tokens=specials)
 
 
-def check_same_tokenizer(data: dict, model: dict, data_where: str, model_where: str) -> None:
-    """Refuse to train or evaluate a model on data tokenized differently. Both arguments are
-    tokenizer descriptions (tokenizer.json / manifest 'tokenizer'); the same ranks, split pattern
-    and document markers count as the same tokenizer (o200k_base data suits an o200k_harmony model)."""
-    for key in ("tiktoken_sha256", "pat_str", "bos_id", "eos_id"):
-        if data.get(key) != model.get(key):
-            raise UserError(f"tokenizer mismatch: {data_where} was tokenized with {data.get('name')!r}, "
-                            f"{model_where} with {model.get('name')!r} (field {key!r} differs: "
-                            f"{str(data.get(key))[:24]} vs {str(model.get(key))[:24]}); prepare the data with "
-                            f"--tokenizer {model_where}, or train a new model")
+def check_same_tokenizer(model: tiktoken.Encoding, data: tiktoken.Encoding, model_where: str, data_where: str) -> None:
+    """Refuse to train or evaluate a model on data tokenized differently. The same ranks, split
+    pattern and document markers count as the same tokenizer (o200k_base data suits an
+    o200k_harmony model: ordinary text and the markers get the same ids)."""
+    checks = {"ranks": lambda e: e._mergeable_ranks, "split pattern": lambda e: e._pat_str,
+              "document start id": bos_id, "document end id": end_id}
+    for what, get in checks.items():
+        if get(model) != get(data):
+            raise UserError(f"tokenizer mismatch: {model_where} was trained with {model.name!r}, {data_where} is "
+                            f"tokenized with {data.name!r} (their {what} differ): prepare the data with the model's "
+                            f"tokenizer (torchlyra prepare --tokenizer CHECKPOINT_DIR/tokenizer), or start a new model")
