@@ -83,6 +83,7 @@ class Trainer:
             print(f"resuming from {resume_dir} (step {meta['step']})")
         try:
             registry.resolve(cfg.kernels)          # a bad kernel choice fails before any work
+            registry.check_options(cfg.kernel_options)
         except registry.KernelError as e:
             raise UserError(str(e)) from None
         self.tokenizer = load_tokenizer(cfg.data)  # the data's: its special ids become the model's
@@ -103,7 +104,8 @@ class Trainer:
         opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay)
         try:
             self.step = TrainStep(self.model, opt_cfg, StepConfig(kernels=cfg.kernels, compute_dtype=cfg.compute_dtype,
-                                                                  micro_batches=cfg.micro_batches))
+                                                                  micro_batches=cfg.micro_batches,
+                                                                  kernel_options=cfg.kernel_options))
         except registry.KernelError as e:
             raise UserError(str(e)) from None
         self.state = self.step.init_state()
@@ -118,7 +120,7 @@ class Trainer:
 
         self.checkpoints = checkpoint.CheckpointWriter(self.out / "checkpoints", keep=cfg.keep_checkpoints)
         self.last_saved = self.done if meta else None
-        self.peak, self.peak_source = flops.peak_flops(cfg.compute_dtype)
+        self.peak, self.peak_source = flops.peak_flops(self.step.cfg.compute_dtype)   # "auto" resolved
         self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
         self.timer, self._pending_skip, self._skipped_since_log, self.start_time = StepTimer(), None, 0, time.perf_counter()
         self.last_eval: dict = {}
@@ -163,7 +165,8 @@ class Trainer:
         counts = self.model_cfg.param_counts()
         from jax_bridge import registry
         print(f"model {self.cfg.preset}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M "
-              f"active); kernels: {registry.describe(self.step.kernels)}")
+              f"active); kernels: {registry.describe(self.step.kernels, self.step.platform)}; compute "
+              f"{self.step.cfg.compute_dtype}, matmul precision {self.step.cfg.matmul_precision}")
         writer.write({"kind": "resume" if meta else "run", "step": self.done, "from": str(resume_dir) if meta else None,
                       "preset": self.cfg.preset, "kernels": self.step.kernels, "params": counts["total"],
                       "active_params": counts["active"], "config": self.cfg.to_dict(), "model": self.model_cfg.to_dict(),
