@@ -67,16 +67,17 @@ def write_tokenizer(enc, out: Path, cfg) -> str:
     """Our tiktoken BPE as transformers files (checked against tiktoken on probe text before they
     are kept) and, always, the original tiktoken files under out/tiktoken. Returns a status line."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
-    from train.tokenizer import save_tokenizer
+    from train.data.tokenizer import save_tokenizer, special_tokens_by_id
 
     if enc.n_vocab > cfg.vocab_size:
         raise UserError(f"tokenizer: {enc.n_vocab} ids do not fit ModelConfig.vocab_size {cfg.vocab_size}")
     save_tokenizer(enc, out / "tiktoken")
-    converter = TikTokenConverter(vocab_file=None, pattern=enc._pat_str, extra_special_tokens=enc._special_tokens)
+    specials = special_tokens_by_id(enc)  # the converter numbers them consecutively after the ranks
+    converter = TikTokenConverter(vocab_file=None, pattern=enc._pat_str, extra_special_tokens=specials)
     # Hand the ranks over in memory: no temp .tiktoken file, no tiktoken path cache involved.
     converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks
     tok = converter.converted()
-    specials_ok = all(tok.token_to_id(s) == i for s, i in enc._special_tokens.items())
+    specials_ok = all(tok.token_to_id(s) == enc._special_tokens[s] for s in specials if s in enc._special_tokens)
     same = specials_ok and all(
         tok.encode(text, add_special_tokens=False).ids == enc.encode(text, allowed_special="all")
         for text in TOKENIZER_PROBES)
@@ -107,7 +108,7 @@ tokenizer = AutoTokenizer.from_pretrained("{name}")   # if tokenizer.json is pre
 - Weights: {weights}.
 - Tokenizer: {tokenizer}.
   The original tiktoken BPE (when the checkpoint named one) is in `tiktoken/`: rebuild it with
-  `train.tokenizer.load_tokenizer("tiktoken")`, or with `tiktoken.Encoding` from the ranks file,
+  `train.data.tokenizer.load_tokenizer("tiktoken")`, or with `tiktoken.Encoding` from the ranks file,
   pattern and special tokens listed in `tiktoken/tokenizer.json`.
 - Exactness: transformers' eager attention in float32 matches torchlyra's eager model (test suite:
   relative error of the logits <= 1e-5).{dense_note}
@@ -127,7 +128,7 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
     tok_dir = checkpoint.tokenizer_dir(checkpoint_dir, meta)
     enc = None
     if tok_dir is not None:
-        from train.tokenizer import load_tokenizer
+        from train.data.tokenizer import load_tokenizer
         enc = load_tokenizer(tok_dir)
 
     from transformers import GenerationConfig

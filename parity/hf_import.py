@@ -105,7 +105,7 @@ def _our_tokenizer(hf_dir: Path):
     e.g. gpt-oss's o200k_harmony tokenizer.json, have no tiktoken form here)."""
     if not (hf_dir / "tiktoken" / "tokenizer.tiktoken").is_file():
         return None
-    from train.tokenizer import load_tokenizer
+    from train.data.tokenizer import load_tokenizer
     return load_tokenizer(hf_dir / "tiktoken")
 
 

@@ -29,6 +29,6 @@ def prepare_play_corpus(root) -> str:
     texts.mkdir()
     for i in range(6):
         (texts / f"play{i}.txt").write_text("\n\n".join(PLAY_LINES[(i + j) % 4] for j in range(120)) + "\n")
-    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--vocab-size", "320",
+    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--tokenizer", "bpe:320",
                  "--val-fraction", "0.2"]) == 0
     return str(root / "data")

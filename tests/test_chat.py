@@ -36,17 +36,10 @@ def reference(o200k_dir):
 
 
 @pytest.fixture(scope="module")
-def enc(o200k_dir):
-    """The project's o200k_harmony tokenizer once train/data/tokenizer.py is merged; until then
-    tiktoken's own o200k_harmony, read offline from the same file."""
-    try:
-        from train.data.tokenizer import o200k_harmony
-        return o200k_harmony()
-    except ImportError:
-        import tiktoken
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TIKTOKEN_CACHE_DIR", str(o200k_dir))
-            return tiktoken.get_encoding("o200k_harmony")
+def enc():
+    """The project's o200k_harmony tokenizer (train/data/tokenizer.py, offline)."""
+    from train.data.tokenizer import o200k_harmony
+    return o200k_harmony()
 
 
 def as_harmony(messages):
@@ -99,7 +92,7 @@ def test_a_streamed_reply_shows_text_and_channels_not_special_tokens(enc, capsys
 
 
 def test_a_tokenizer_without_harmony_tokens_is_refused_by_name():
-    from train.tokenizer import train_bpe
+    from train.data.tokenizer import train_bpe
 
     small = train_bpe(["a b c d"] * 10, 300)
     with pytest.raises(UserError, match="<\\|start\\|>"):
@@ -122,7 +115,7 @@ def small_harmony_tokenizer():
     project's tokenizer files require): a chat model small enough for the CLI test."""
     import tiktoken
 
-    from train.tokenizer import BOS, train_bpe
+    from train.data.tokenizer import BOS, train_bpe
 
     base = train_bpe(["Hello there, how are you? I am fine, thank you."] * 20, 300)
     names = [chat.START, chat.MESSAGE, chat.END, chat.CHANNEL, chat.RETURN, chat.CALL]

@@ -67,7 +67,7 @@ def test_bf16_state_is_stored_as_float32(tmp_path, state):
 
 
 def test_tokenizer_saved_inside_the_checkpoint(tmp_path, state):
-    from train.tokenizer import load_tokenizer, train_bpe
+    from train.data.tokenizer import load_tokenizer, train_bpe
 
     enc = train_bpe(["hello world, hello there\n"] * 20, 300)
     ck = tmp_path / "ck"

@@ -48,7 +48,7 @@ def leftovers(path):
 
 @pytest.fixture(scope="module")
 def enc():
-    from train.tokenizer import train_bpe
+    from train.data.tokenizer import train_bpe
     corpus = SAMPLES * 20 + [open(hf_export.__file__).read(), open(hf_mapping.__file__).read()]
     return train_bpe(corpus, 512)
 
@@ -144,7 +144,7 @@ def test_bf16_export(tmp_path):
 
 
 def test_tokenizer_export_matches_tiktoken(tiny_export, enc):
-    from train.tokenizer import load_tokenizer
+    from train.data.tokenizer import load_tokenizer
     _, hf = tiny_export
     tok = transformers.AutoTokenizer.from_pretrained(hf)
     assert tok.bos_token == "<|bos|>" and tok.bos_token_id == 511
@@ -195,7 +195,7 @@ def test_export_import_restores_our_config_and_tokenizer(tmp_path, tiny_export, 
     assert cfg == TINY                    # incl. fields transformers has no place for (max_seq_len ...)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
     from train.checkpoint import tokenizer_dir
-    from train.tokenizer import load_tokenizer
+    from train.data.tokenizer import load_tokenizer
     assert load_tokenizer(tokenizer_dir(tmp_path / "ck", meta)).encode(SAMPLES[1]) == enc.encode(SAMPLES[1])
 
 

@@ -133,7 +133,7 @@ def test_reference_run_writes_checkpoints_metrics_plots_and_tensorboard(referenc
 
 
 def test_resume_after_a_data_error_is_bit_exact(root, reference, monkeypatch):
-    from train.loader import TokenLoader
+    from train.data.loader import TokenLoader
 
     out, real_next = root / "data_error", TokenLoader.next_batch
     calls = {"n": 0}
@@ -363,7 +363,7 @@ def test_eval_command_reproduces_the_runs_validation_and_writes_json(reference, 
 
 def test_bits_per_byte_count_the_bytes_of_the_text():
     from train.evaluation import token_byte_lengths
-    from train.tokenizer import train_bpe
+    from train.data.tokenizer import train_bpe
 
     enc = train_bpe(["héllo wörld, hello there\n"] * 20, 300)
     lengths = token_byte_lengths(enc, 320)

@@ -1,6 +1,7 @@
 """`torchlyra bench kernels`: temporary memory (and, on CPU, speed) of every registered kernel
 implementation, by the CPU's XLA and, with `--platform tpu --topology v6e:2x2`, by the real TPU
-compiler (libtpu, deviceless: nothing runs).
+compiler (libtpu, deviceless: nothing runs). (`torchlyra bench data`, the data pipeline's throughput,
+lives in train/data/bench.py.)
 
 For each op (attention, cross_entropy, moe), shape set (tiny, lyra-small, gpt-oss-20b) and
 direction (forward; forward+backward), every implementation in the op registry is compiled (never
@@ -515,7 +516,10 @@ def _parse_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["kernels", "generate"], help="what to benchmark")
+    from train.data import bench as data_bench
+
+    parser.add_argument("what", choices=["kernels", "data", "generate"], help="what to benchmark")
+    data_bench.add_arguments(parser)
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPE_SETS),
                         help=f"comma-separated shape sets of {','.join(SHAPE_SETS)} (default: {','.join(DEFAULT_SHAPE_SETS)})")
@@ -579,6 +583,9 @@ def run(args) -> int:
     if args.what == "generate":
         from train import bench_generate
         return bench_generate.run(args)
+    if args.what == "data":
+        from train.data import bench as data_bench
+        return data_bench.run(args)
     shapes = _parse_list(args.shapes, SHAPE_SETS, "shapes")
     ops = _parse_list(args.ops, OPS, "ops")
     if args.repeats < 1 or args.warmup < 0:

@@ -7,7 +7,7 @@ complete (atomic finalize), the last K kept. Each step directory holds three Orb
               {"params"} only, from `torchlyra import`), saved and restored through shardings;
   meta/       JSON: format, version, step, contents, layout, model config, train config,
               kernels, tokenizer reference, loader state, counters;
-  tokenizer/  the tokenizer files (`train.tokenizer.save_tokenizer`);
+  tokenizer/  the tokenizer files (`train.data.tokenizer.save_tokenizer`);
 and, written after Orbax's rename, `torchlyra_manifest.json` (train/checkpoint_integrity.py):
 size and sha256 of every file. A step is complete only when its manifest verifies.
 
@@ -128,13 +128,13 @@ def _tokenizer_item():
         def save(self, directory, args):
             import jax
 
-            from train.tokenizer import save_tokenizer
+            from train.data.tokenizer import save_tokenizer
             if jax.process_index() == 0:        # one writer for the shared files, as Orbax's JSON item
                 Path(directory).mkdir(parents=True, exist_ok=True)
                 save_tokenizer(args.encoding, Path(directory))
 
         def restore(self, directory, args=None):
-            from train.tokenizer import load_tokenizer
+            from train.data.tokenizer import load_tokenizer
             return load_tokenizer(Path(directory))
 
         def metadata(self, directory):
@@ -411,16 +411,6 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], M
     check_tensors({k: tuple(v.shape) for k, v in params.items()}, model_shapes(cfg), where)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in params.items()}
     return state, cfg, {k: v for k, v in meta.items() if k != "model"}
-
-
-def check_same_tokenizer(checkpoint_tokenizer, data_tokenizer, where: str, data_dir) -> None:
-    """Refuse data tokenized differently from what a checkpoint was trained on."""
-    same = (checkpoint_tokenizer._mergeable_ranks == data_tokenizer._mergeable_ranks   # no public accessor
-            and checkpoint_tokenizer._special_tokens == data_tokenizer._special_tokens)
-    if not same:
-        raise UserError(f"{where} was trained with tokenizer {checkpoint_tokenizer.name!r}, but {data_dir} is "
-                        f"tokenized with {data_tokenizer.name!r} (a different vocabulary): use data prepared "
-                        f"with the checkpoint's tokenizer")
 
 
 def tokenizer_dir(checkpoint_dir: str | os.PathLike, meta: dict) -> Path | None:

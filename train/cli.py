@@ -10,7 +10,7 @@ import sys
 
 # subcommand -> (module with add_arguments/run, help)
 COMMANDS = {
-    "prepare": ("train.prepare", "build the default data set (tokenizer + ArrayRecord shards)"),
+    "prepare": ("train.data.prepare", "tokenize text, JSONL or Parquet into ArrayRecord shards (default: Shakespeare)"),
     "train": ("train.loop", "train a model on prepared data"),
     "eval": ("train.evaluation", "validation loss and bits per byte of a checkpoint"),
     "plot": ("train.plots", "plot a run's metrics (loss, learning rate, gradient norm, throughput, expert load)"),

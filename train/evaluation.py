@@ -85,10 +85,10 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     from jax_bridge.lowering import params_to_jax
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import check_same_tokenizer, load_checkpoint, tokenizer_dir
+    from train.checkpoint import load_checkpoint, tokenizer_dir
     from train.config import TrainConfig
-    from train.loader import TokenLoader
-    from train.tokenizer import load_tokenizer
+    from train.data.loader import TokenLoader
+    from train.data.tokenizer import check_same_tokenizer, load_tokenizer
 
     state, model_cfg, meta = load_checkpoint(checkpoint)
     run_cfg = TrainConfig(**{k: v for k, v in (meta.get("train_config") or {}).items()
@@ -99,11 +99,11 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     data_tokenizer = load_tokenizer(data)
     tok_dir = tokenizer_dir(checkpoint, meta)
     if tok_dir is not None:
-        check_same_tokenizer(load_tokenizer(tok_dir), data_tokenizer, f"checkpoint {meta['step_dir']}", data)
+        check_same_tokenizer(load_tokenizer(tok_dir), data_tokenizer, f"checkpoint {meta['step_dir']}", f"data {data}")
     n_batches = batches if batches is not None else run_cfg.eval_batches
     if n_batches <= 0:
         raise UserError(f"--batches must be > 0, found {n_batches}")
-    loader = TokenLoader(data, "val", batch_size=run_cfg.batch_size, seq_len=run_cfg.seq_len, seed=run_cfg.seed,
+    loader = TokenLoader(data, "val", global_batch=run_cfg.batch_size, seq_len=run_cfg.seq_len, seed=run_cfg.seed,
                          vocab_size=model_cfg.vocab_size)
     model = GptOssForCausalLM(model_cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})

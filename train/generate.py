@@ -229,7 +229,7 @@ def load_model(checkpoint: str | os.PathLike):
 def load_for_generation(checkpoint: str | os.PathLike):
     """(model, tokenizer) from a checkpoint written by `torchlyra train` (one restore)."""
     from train.checkpoint import tokenizer_dir
-    from train.tokenizer import load_tokenizer
+    from train.data.tokenizer import load_tokenizer
 
     model, meta = _load(checkpoint)
     tok_dir = tokenizer_dir(checkpoint, meta)

@@ -26,14 +26,14 @@ class TrainingStopped(UserError):
     state; the message says where and how to go on."""
 
 
-def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int):
+def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int, eos: int):
     from torch_model.config import ConfigError, get_preset
 
     try:
         model_cfg = get_preset(cfg.preset).replace(**cfg.model)
     except ConfigError as e:
         raise UserError(str(e)) from None
-    return model_cfg.replace(bos_token_id=bos, eos_token_id=bos, max_seq_len=cfg.seq_len)
+    return model_cfg.replace(bos_token_id=bos, eos_token_id=eos, max_seq_len=cfg.seq_len)
 
 
 def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | None, dict | None]:
@@ -41,7 +41,7 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
     None) for a new run. A damaged newest checkpoint is reported, moved aside, and skipped."""
     import jax
 
-    build_model_config(cfg, vocab_size=0, bos=0)       # a bad preset/model override fails first
+    build_model_config(cfg, vocab_size=0, bos=0, eos=0)   # a bad preset/model override fails first
     out = Path(cfg.out)
     root = out / "checkpoints"
     newest = checkpoint.step_dirs(root)[-1][0] if root.is_dir() and checkpoint.step_dirs(root) else None
@@ -75,8 +75,8 @@ class Trainer:
         from torch_model.model import GptOssForCausalLM
         from torch_model.optim import OptimizerConfig
         from train.evaluation import Evaluator, token_byte_lengths
-        from train.loader import TokenLoader
-        from train.tokenizer import bos_id, load_tokenizer
+        from train.data.loader import TokenLoader
+        from train.data.tokenizer import load_tokenizer
 
         self.out, self.primary, self.cfg = Path(cfg.out), jax.process_index() == 0, cfg
         if meta:
@@ -86,12 +86,12 @@ class Trainer:
             registry.check_options(cfg.kernel_options)
         except registry.KernelError as e:
             raise UserError(str(e)) from None
-        self.tokenizer = load_tokenizer(cfg.data)
-        self.model_cfg, init_state = self._model_config(meta, explicit or {}, bos_id(self.tokenizer))
+        self.tokenizer = load_tokenizer(cfg.data)  # the data's: its special ids become the model's
+        self.model_cfg, init_state = self._model_config(meta, explicit or {})
         if self.tokenizer.n_vocab > self.model_cfg.vocab_size:
             raise UserError(f"data vocabulary ({self.tokenizer.n_vocab}) is larger than the model's vocab_size "
                             f"({self.model_cfg.vocab_size}); set model.vocab_size >= {self.tokenizer.n_vocab}")
-        loader_args = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+        loader_args = dict(global_batch=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                            process_index=jax.process_index(), process_count=jax.process_count(),
                            vocab_size=self.model_cfg.vocab_size)
         self.train_data = TokenLoader(cfg.data, "train", **loader_args)
@@ -130,26 +130,28 @@ class Trainer:
                         disable=not (show_progress and self.primary))
 
     # ---- setup ------------------------------------------------------------------------------
-    def _model_config(self, meta: dict | None, explicit: dict, bos: int):
+    def _model_config(self, meta: dict | None, explicit: dict):
         """(ModelConfig, initial parameters or None): a resumed run's from its checkpoint, an
         --init-from run's from that checkpoint (an explicit preset/model must have its shapes),
         a new run's from the preset and overrides."""
+        from train.data.tokenizer import bos_id, check_same_tokenizer, end_id, load_tokenizer
+
         cfg = self.cfg
         if meta:
             return checkpoint.config_from_dict(meta["model"], f"checkpoint {meta['step_dir']} field 'model'"), None
-        wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos)
+        bos, eos = bos_id(self.tokenizer), end_id(self.tokenizer)
+        wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos, eos)
         if not cfg.init_from:
             return wanted, None
         state, init_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from)
-        model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=bos)
+        model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
         if {"preset", "model"} & set(explicit):
             checkpoint.check_tensors(checkpoint.model_shapes(model_cfg), checkpoint.model_shapes(wanted),
                                      f"--init-from {cfg.init_from} (against the requested preset/model)")
         tok_dir = checkpoint.tokenizer_dir(cfg.init_from, init_meta)
         if tok_dir is not None:
-            from train.tokenizer import load_tokenizer
-            checkpoint.check_same_tokenizer(load_tokenizer(tok_dir), self.tokenizer, f"--init-from {cfg.init_from}",
-                                            cfg.data)
+            check_same_tokenizer(load_tokenizer(tok_dir), self.tokenizer, f"--init-from {cfg.init_from}",
+                                 f"data {cfg.data}")
         print(f"initialized from {init_meta['step_dir']} (step {init_meta['step']}); fresh optimizer state")
         return model_cfg, state
 

@@ -1,0 +1,244 @@
+"""Batches of packed token rows for training and validation, for one process of a run.
+
+The stream of rows is global: it depends on the data, seq_len and seed only (packing.py). A step
+takes the next global_batch rows of it; process p of P gets rows [p*G/P, (p+1)*G/P) of each
+step, reading only their tokens. So row r of step s is the same whatever the number of processes,
+and the state (epoch, block, row) is the same on every process: a run resumed on a different
+number of processes continues the same data. A background thread prepares the next batches
+(reads and assembles rows) while the step runs.
+
+Errors from damaged shards surface from next_batch() as shards.DataIntegrityError (a UserError
+naming the shard) when the damaged batch is due, never earlier, so the trainer can checkpoint
+the last good step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Iterator
+
+import numpy as np
+
+from train.data import packing
+from train.data.shards import Dataset, open_dataset
+from train.errors import UserError
+
+STATE_VERSION = 2
+
+
+class RowReader:
+    """Materializes rows of a plan: BOS, then each segment's tokens (EOS where a document ends)."""
+
+    def __init__(self, ds: Dataset, seq_len: int):
+        self.ds, self.row_len = ds, seq_len + 1
+        self.bos = ds.bos_id
+        self.eos = ds.eos_id  # None: BOS doubles as the end marker, nothing is appended
+
+    def fill(self, out: np.ndarray, rows: list) -> None:
+        """out[i] = row rows[i] = (plan, row index); out must be [len(rows), seq_len + 1] int32."""
+        wanted, places = [], []
+        for i, (plan, r) in enumerate(rows):
+            pos = 0
+            for doc, start, count in plan.segments(r):
+                out[i, pos] = self.bos
+                real = max(0, min(count, int(self.ds.lengths[doc]) - start))
+                wanted.append((doc, start, real))
+                places.append((i, pos + 1, real, count - real))
+                pos += 1 + count
+        for (i, at, real, extra), ids in zip(places, self.ds.read_segments(wanted)):
+            out[i, at:at + real] = ids
+            if extra:
+                out[i, at + real] = self.eos
+
+
+class TokenLoader:
+    """Endless, shuffled, resumable batches [global_batch / process_count, seq_len + 1] int32.
+
+    Built with the data directory, split, GLOBAL batch (rows per micro-step over all processes),
+    seq_len, seed and this process's index and count. `vocab_size` (the model's) refuses data
+    whose ids would not fit; `check` is the integrity check at start (shards.check_shards)."""
+
+    def __init__(self, data_dir, split: str, *, global_batch: int, seq_len: int, seed: int = 0,
+                 process_index: int = 0, process_count: int = 1, vocab_size: int | None = None,
+                 check: str = "auto", prefetch: int = 4,
+                 block_tokens: int = packing.BLOCK_TOKENS, buffer_pieces: int = packing.BUFFER_PIECES):
+        if seq_len < 2:
+            raise UserError(f"seq_len: expected at least 2, found {seq_len}")
+        if global_batch < 1:
+            raise UserError(f"batch_size: expected at least 1, found {global_batch}")
+        if seed < 0:
+            raise UserError(f"seed: expected a non-negative integer, found {seed}")
+        if not 0 <= process_index < process_count:
+            raise UserError(f"process_index: expected 0 <= process_index < process_count={process_count}, "
+                            f"found {process_index}")
+        if global_batch % process_count:
+            raise UserError(f"batch_size (the global batch) {global_batch} is not divisible by the "
+                            f"{process_count} processes")
+        self.ds = open_dataset(data_dir, split, vocab_size=vocab_size, check=check)
+        if len(self.ds) == 0:
+            raise UserError(f"{data_dir}: split {split!r} holds 0 documents")
+        self.data_dir, self.split, self.seq_len, self.seed = data_dir, split, seq_len, seed
+        self.global_batch, self.process_index, self.process_count = global_batch, process_index, process_count
+        self.local_batch = global_batch // process_count
+        self.block_tokens, self.buffer_pieces, self.prefetch = block_tokens, buffer_pieces, max(1, prefetch)
+        self.packed_lengths = self.ds.lengths + (self.ds.eos_id is not None)
+        self.rows = RowReader(self.ds, seq_len)
+        self.epoch = self.block = self.row = 0
+        self._epoch_plan: tuple[int, packing.EpochPlan] | None = None
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._failed: BaseException | None = None
+
+    # ---- the global row stream -----------------------------------------------------------------
+    def epoch_plan(self, epoch: int) -> packing.EpochPlan:
+        if self._epoch_plan is None or self._epoch_plan[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.ds))
+            self._epoch_plan = (epoch, packing.EpochPlan(
+                order, self.packed_lengths, self.seq_len, block_tokens=self.block_tokens,
+                shuffle_seed=(self.seed, epoch), buffer_pieces=self.buffer_pieces))
+        return self._epoch_plan[1]
+
+    def _take_rows(self, position: tuple[int, int, int], count: int):
+        """The next `count` rows of the stream from `position`: ([(plan, row)], new position)."""
+        epoch, block, row = position
+        out, barren = [], 0  # barren: blocks passed in a row that gave no row at all
+        while len(out) < count:
+            plan = self.epoch_plan(epoch)
+            if block >= plan.num_blocks:
+                epoch, block, row = epoch + 1, 0, 0
+                continue
+            rows = plan.block(block)
+            barren = barren + 1 if len(rows) == 0 else 0
+            if barren > plan.num_blocks:
+                raise UserError(f"{self.data_dir}: split {self.split!r} ({self.ds.num_tokens} tokens) packs into "
+                                f"no full row of {self.seq_len + 1} tokens")
+            take = min(count - len(out), len(rows) - row)
+            out += [(rows, r) for r in range(row, row + take)]
+            row += take
+            if row == len(rows):
+                block, row = block + 1, 0
+        return out, (epoch, block, row)
+
+    def _next_local(self, position):
+        """This process's rows of the next global batch, as a new array, and the position after."""
+        before = self.process_index * self.local_batch
+        _, position = self._take_rows(position, before) if before else (None, position)
+        mine, position = self._take_rows(position, self.local_batch)
+        after = self.global_batch - before - self.local_batch
+        if after:
+            _, position = self._take_rows(position, after)
+        batch = np.empty((self.local_batch, self.seq_len + 1), np.int32)  # fresh: never a reused buffer
+        self.rows.fill(batch, mine)
+        return batch, position
+
+    # ---- prefetching -------------------------------------------------------------------------
+    @staticmethod
+    def _produce(loader_ref, position, q: queue.Queue, stop: threading.Event) -> None:
+        """The prefetch thread. It holds the loader only while making a batch, so a loader that
+        is dropped without close() is collected and its thread ends."""
+        def gone() -> bool:
+            return stop.is_set() or loader_ref() is None
+
+        def put(item) -> bool:
+            while not gone():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            while not gone():
+                loader = loader_ref()
+                if loader is None:
+                    return
+                batch, position = loader._next_local(position)
+                del loader
+                if not put((batch, position)):
+                    return
+        except BaseException as e:  # handed to the consumer, raised by next_batch()
+            put((e, None))
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(target=TokenLoader._produce, name="token-loader", daemon=True,
+                                        args=(weakref.ref(self), (self.epoch, self.block, self.row),
+                                              self._queue, self._stop))
+        self._thread.start()
+
+    def _halt(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = self._queue = None
+
+    def next_batch(self) -> np.ndarray:
+        """A newly allocated [global_batch / process_count, seq_len + 1] int32 array: never a view
+        of a reused buffer, so micro-batches collected in a list stay distinct."""
+        if self._failed is not None:
+            raise self._failed
+        if self._thread is None:
+            self._start()
+        batch, position = self._queue.get()
+        if isinstance(batch, BaseException):
+            self._failed = batch
+            self._halt()
+            raise batch
+        self.epoch, self.block, self.row = position
+        return batch
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        while True:
+            yield self.next_batch()
+
+    # ---- evaluation --------------------------------------------------------------------------
+    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[np.ndarray]:
+        """Validation batches: one pass over the split in stored order (no shuffle), packed as in
+        training, the same at every call and whatever the number of processes; up to max_batches
+        global batches (a trailing partial one is dropped). Independent of the training stream."""
+        plan = packing.EpochPlan(np.arange(len(self.ds)), self.packed_lengths, self.seq_len,
+                                 block_tokens=self.block_tokens, shuffle_seed=None,
+                                 buffer_pieces=self.buffer_pieces)
+        rows = ((plan.block(b), r) for b in range(plan.num_blocks) for r in range(len(plan.block(b))))
+        lo = self.process_index * self.local_batch
+        made = 0
+        while max_batches is None or made < max_batches:
+            step = [row for _, row in zip(range(self.global_batch), rows)]
+            if len(step) < self.global_batch:
+                break
+            batch = np.empty((self.local_batch, self.seq_len + 1), np.int32)
+            self.rows.fill(batch, step[lo:lo + self.local_batch])
+            made += 1
+            yield batch
+        if made == 0 and max_batches != 0:
+            raise UserError(f"split {self.split!r} ({self.ds.num_tokens} tokens) is too small for one batch of "
+                            f"{self.global_batch} x {self.seq_len + 1} tokens")
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Small and JSON-serializable: the position in the global row stream (the same on every
+        process) and what must match for it to mean the same rows."""
+        return {"version": STATE_VERSION, "split": self.split, "seed": self.seed, "seq_len": self.seq_len,
+                "block_tokens": self.block_tokens, "buffer_pieces": self.buffer_pieces,
+                "num_docs": len(self.ds), "num_tokens": self.ds.num_tokens,
+                "epoch": self.epoch, "block": self.block, "row": self.row}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in ("version", "split", "seed", "seq_len", "block_tokens", "buffer_pieces", "num_docs",
+                    "num_tokens"):
+            if state.get(key) != mine[key]:
+                raise UserError(f"loader state: field {key!r} expected {mine[key]!r} (this loader), "
+                                f"found {state.get(key)!r}")
+        self._halt()
+        self._failed = None
+        self.epoch, self.block, self.row = int(state["epoch"]), int(state["block"]), int(state["row"])
+
+    def close(self) -> None:
+        self._halt()
+        self.ds.close()

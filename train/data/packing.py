@@ -1,0 +1,155 @@
+"""The packing plan: which token ranges of which documents fill each row, decided from document
+lengths alone, so every process computes the same plan and reads only the tokens of its rows.
+
+A document's packed form is its tokens followed by EOS (when the tokenizer has one). It is cut
+into pieces of at most seq_len tokens; every piece is led by BOS, so every row starts with BOS
+and attention may cross documents inside a row (the kernels have no segment ids). A full piece
+is a row by itself; the last, shorter piece of each document is packed best-fit: each row takes
+the longest waiting piece that fits the room left (the oldest among equals), and when none fits,
+the shortest is cropped to fill the row and its tail dropped. Nothing is padded.
+
+An epoch is the documents in a (seed, epoch) permutation, cut into blocks of about block_tokens
+tokens; each block is packed on its own (a partial last row is dropped) and its rows are shuffled
+from (seed, epoch, block), so a long document's rows spread over the block. A position in the
+stream is (epoch, block, row): that is the whole loader state.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK_TOKENS = 1 << 26   # about 67M tokens: ~16k rows at sequence 4096, planned in well under a second
+BUFFER_PIECES = 1000     # best-fit candidates waiting at once
+
+
+@dataclass
+class BlockPlan:
+    """Rows of one block. Row i holds segments ptr[k]..ptr[k+1] (k = row_order[i]); a segment is
+    BOS followed by `count` tokens of document `doc`'s packed form from `start`."""
+    ptr: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    count: np.ndarray
+    row_order: np.ndarray
+    dropped_tokens: int
+
+    def __len__(self) -> int:
+        return len(self.row_order)
+
+    def segments(self, row: int):
+        k = self.row_order[row]
+        lo, hi = self.ptr[k], self.ptr[k + 1]
+        return zip(self.doc[lo:hi].tolist(), self.start[lo:hi].tolist(), self.count[lo:hi].tolist())
+
+
+def block_starts(packed_lengths: np.ndarray, block_tokens: int) -> np.ndarray:
+    """Indices (into the epoch's document order) where each block begins, plus the end."""
+    if len(packed_lengths) == 0:
+        return np.zeros(1, np.int64)
+    before = np.cumsum(packed_lengths) - packed_lengths  # tokens ahead of each document
+    bucket = before // block_tokens
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(bucket)) + 1, [len(packed_lengths)]])
+    return starts.astype(np.int64)
+
+
+def _best_fit(tails: list[tuple[int, int, int]], row_len: int, buffer_pieces: int):
+    """Pack (doc, start, count) tail pieces, in arrival order, into rows of row_len tokens.
+    Returns (rows as lists of segments, tokens dropped by crops and by the partial last row)."""
+    rows, dropped = [], 0
+    lens: list[int] = []      # piece lengths (BOS included), ascending; ties in arrival order
+    items: list[tuple[int, int, int]] = []
+    pending = iter(tails)
+    exhausted = False
+
+    def refill():
+        nonlocal exhausted
+        while not exhausted and len(items) < buffer_pieces:
+            piece = next(pending, None)
+            if piece is None:
+                exhausted = True
+                return
+            pos = bisect.bisect_right(lens, piece[2] + 1)
+            lens.insert(pos, piece[2] + 1)
+            items.insert(pos, piece)
+
+    while True:
+        refill()
+        if not items:
+            return rows, dropped
+        row, room = [], row_len
+        while room > 0:
+            refill()
+            if not items:
+                break
+            pos = bisect.bisect_right(lens, room) - 1  # the longest piece that fits...
+            if pos >= 0:
+                pos = bisect.bisect_left(lens, lens[pos])  # ...the oldest of that length
+                doc, start, count = items.pop(pos)
+                del lens[pos]
+            else:  # nothing fits: crop the shortest to fill the row
+                doc, start, count = items.pop(0)
+                del lens[0]
+                dropped += count - (room - 1)
+                count = room - 1
+            row.append((doc, start, count))
+            room -= count + 1
+        if room > 0:  # the block ran out: a partial row is dropped, never padded
+            dropped += sum(c for _, _, c in row)
+            return rows, dropped
+        rows.append(row)
+
+
+def plan_block(docs: np.ndarray, packed_lengths: np.ndarray, seq_len: int, *, shuffle_seed=None,
+               buffer_pieces: int = BUFFER_PIECES) -> BlockPlan:
+    """Pack the documents `docs` (in this order; packed_lengths[i] tokens each, EOS included) into
+    rows of seq_len + 1 tokens. shuffle_seed: the rows' order is permuted from it (None: kept)."""
+    docs = np.asarray(docs, np.int64)
+    n = np.asarray(packed_lengths, np.int64)
+    full = n // seq_len
+    # Full pieces: one row each, one segment each.
+    full_doc = np.repeat(docs, full)
+    first_row = np.cumsum(full) - full
+    full_start = (np.arange(len(full_doc)) - np.repeat(first_row, full)) * seq_len
+    tail_count = n - full * seq_len
+    has_tail = tail_count > 0
+    tails = list(zip(docs[has_tail].tolist(), (full * seq_len)[has_tail].tolist(), tail_count[has_tail].tolist()))
+    tail_rows, dropped = _best_fit(tails, seq_len + 1, buffer_pieces)
+
+    seg_doc = [full_doc] + [np.asarray([s[0] for r in tail_rows for s in r], np.int64)]
+    seg_start = [full_start] + [np.asarray([s[1] for r in tail_rows for s in r], np.int64)]
+    seg_count = [np.full(len(full_doc), seq_len, np.int64)] + [np.asarray([s[2] for r in tail_rows for s in r], np.int64)]
+    per_row = np.concatenate([np.ones(len(full_doc), np.int64), np.asarray([len(r) for r in tail_rows], np.int64)])
+    ptr = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)
+    rows = len(per_row)
+    order = (np.random.default_rng(shuffle_seed).permutation(rows) if shuffle_seed is not None
+             else np.arange(rows)).astype(np.int64)
+    return BlockPlan(ptr, np.concatenate(seg_doc), np.concatenate(seg_start), np.concatenate(seg_count),
+                     order, int(dropped))
+
+
+class EpochPlan:
+    """The blocks of one epoch: documents in `order`, cut where block_tokens is crossed; each
+    block planned on demand (and the last one kept)."""
+
+    def __init__(self, order: np.ndarray, packed_lengths: np.ndarray, seq_len: int, *, block_tokens: int,
+                 shuffle_seed: tuple | None, buffer_pieces: int = BUFFER_PIECES):
+        self.order, self.seq_len, self.buffer_pieces = order, seq_len, buffer_pieces
+        self.packed = packed_lengths[order]
+        self.starts = block_starts(self.packed, block_tokens)
+        self.shuffle_seed = shuffle_seed
+        self._cached: tuple[int, BlockPlan] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.starts) - 1
+
+    def block(self, b: int) -> BlockPlan:
+        if self._cached is None or self._cached[0] != b:
+            lo, hi = self.starts[b], self.starts[b + 1]
+            seed = None if self.shuffle_seed is None else [*self.shuffle_seed, b]
+            self._cached = (b, plan_block(self.order[lo:hi], self.packed[lo:hi], self.seq_len,
+                                          shuffle_seed=seed, buffer_pieces=self.buffer_pieces))
+        return self._cached[1]
