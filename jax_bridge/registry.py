@@ -10,6 +10,11 @@ Users add their own with one call:
     register_implementation("attention", "mine", my_attention_fn, backends=("tpu",))
 
 and select it with `--kernels attention=mine`.
+
+Under a device mesh an implementation runs either inside `shard_map` on each device's share
+(`spmd="shard_map"`, the default: right for any function, required for Pallas kernels, which
+GSPMD cannot split) or as one global program split by GSPMD (`spmd="gspmd"`, plain JAX only);
+see `sharded_ops.py`. The MoE op's token dispatch always runs per device (`moe_dispatch.py`).
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ class Implementation:
     target: Callable | str              # the function, or "module:attribute" imported on first use
     backends: tuple[str, ...] = BACKENDS
     description: str = ""
+    spmd: str = "shard_map"             # under a mesh: "shard_map" (per device) or "gspmd" (plain JAX)
     _fn: Callable | None = field(default=None, repr=False)
 
     def load(self) -> Callable:
@@ -55,8 +61,10 @@ class Implementation:
 _TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS}
 
 
-def register_implementation(op: str, name: str, fn: Callable | str, *, backends=BACKENDS, description: str = ""):
-    """Add (or replace) implementation `name` of `op`. `fn` has the op's reference signature."""
+def register_implementation(op: str, name: str, fn: Callable | str, *, backends=BACKENDS, description: str = "",
+                            spmd: str = "shard_map"):
+    """Add (or replace) implementation `name` of `op`. `fn` has the op's reference signature;
+    `spmd` says how it runs under a mesh ("shard_map", or "gspmd" for plain-JAX functions)."""
     if op not in _TABLE:
         raise KernelError(f"unknown op {op!r}; ops are: {', '.join(OPS)}")
     if name == "auto":
@@ -64,7 +72,9 @@ def register_implementation(op: str, name: str, fn: Callable | str, *, backends=
     unknown = set(backends) - set(BACKENDS)
     if unknown:
         raise KernelError(f"unknown backend(s) {sorted(unknown)} for {op}={name}; backends are {BACKENDS}")
-    _TABLE[op][name] = Implementation(op, name, fn, tuple(backends), description)
+    if spmd not in ("shard_map", "gspmd"):
+        raise KernelError(f"{op}={name}: spmd must be 'shard_map' or 'gspmd', found {spmd!r}")
+    _TABLE[op][name] = Implementation(op, name, fn, tuple(backends), description, spmd)
 
 
 def implementations(op: str) -> dict[str, Implementation]:
@@ -73,19 +83,19 @@ def implementations(op: str) -> dict[str, Implementation]:
 
 # ---- the built-in table -----------------------------------------------------------------------
 _K = "pallas_kernels"
-register_implementation("attention", "xla", f"{_K}.attention:attention_reference",
+register_implementation("attention", "xla", f"{_K}.attention:attention_reference", spmd="gspmd",
                         description="plain JAX, materializes [T, T] scores")
 register_implementation("attention", "pallas", f"{_K}.attention:attention_pallas",
                         description="flash attention (Mosaic TPU / Triton GPU; interpret on CPU)")
 register_implementation("attention", "splash", f"{_K}.attention:attention_splash", backends=("cpu", "tpu"),
                         description="jax-shipped splash attention (TPU; interpret on CPU)")
-register_implementation("cross_entropy", "xla", f"{_K}.cross_entropy:linear_cross_entropy_reference",
+register_implementation("cross_entropy", "xla", f"{_K}.cross_entropy:linear_cross_entropy_reference", spmd="gspmd",
                         description="plain JAX, materializes [N, V] logits")
 register_implementation("cross_entropy", "pallas", f"{_K}.cross_entropy:linear_cross_entropy_pallas",
                         description="vocab-tiled online log-sum-exp (Mosaic TPU / Triton GPU; interpret on CPU)")
-register_implementation("moe", "xla", f"{_K}.moe:moe_experts_xla",
+register_implementation("moe", "xla", f"{_K}.moe:moe_experts_xla", spmd="gspmd",
                         description="plain JAX tiled grouped GEMM")
-register_implementation("moe", "ragged_dot", f"{_K}.moe:moe_experts_reference",
+register_implementation("moe", "ragged_dot", f"{_K}.moe:moe_experts_reference", spmd="gspmd",
                         description="jax.lax.ragged_dot (the reference)")
 register_implementation("moe", "megablox", f"{_K}.moe:moe_experts_megablox", backends=("cpu", "tpu"),
                         description="jax-shipped megablox gmm (TPU; interpret on CPU)")
@@ -150,11 +160,21 @@ def describe(resolved: dict[str, str], backend: str | None = None) -> str:
 
 
 # ---- routing the torch ops --------------------------------------------------------------------
-def _adapters(resolved: dict[str, str]):
-    """JAX callables with the torch ops' positional schemas, calling the chosen implementations."""
-    attn = _TABLE["attention"][resolved["attention"]].load()
-    ce = _TABLE["cross_entropy"][resolved["cross_entropy"]].load()
-    moe = _TABLE["moe"][resolved["moe"]].load()
+def _adapters(resolved: dict[str, str], mesh=None):
+    """JAX callables with the torch ops' positional schemas, calling the chosen implementations
+    (per device or under GSPMD when a mesh is given)."""
+    from jax_bridge import moe_dispatch, sharded_ops
+
+    impl = {op: _TABLE[op][resolved[op]] for op in OPS}
+    attn, ce, moe = (impl[op].load() for op in OPS)
+    if mesh is not None:
+        attn = sharded_ops.attention(attn, mesh, impl["attention"].spmd)
+        ce = sharded_ops.cross_entropy(ce, mesh, impl["cross_entropy"].spmd)
+
+    def grouped(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha, limit):
+        return moe(x, group_sizes.astype("int32"), gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit)
+
+    routed_experts = moe_dispatch.routed_experts(grouped, mesh=mesh)
 
     def attention(q, k, v, sinks, sliding_window, scale):
         return attn(q, k, v, sinks, sliding_window=int(sliding_window), scale=float(scale))
@@ -162,22 +182,23 @@ def _adapters(resolved: dict[str, str]):
     def cross_entropy(hidden, weight, labels, ignore_index):
         return ce(hidden, weight, labels, ignore_index=int(ignore_index))
 
-    def moe_experts(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit):
-        return moe(x, group_sizes.astype("int32"), gate_up, gate_up_bias, down, down_bias,
-                   alpha=float(alpha), limit=float(limit))
+    def moe_experts(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit):
+        return routed_experts(x, experts.astype("int32"), weights, gate_up, gate_up_bias, down, down_bias,
+                              alpha=float(alpha), limit=float(limit))
 
     return {"attention": attention, "cross_entropy": cross_entropy, "moe": moe_experts}
 
 
 @contextlib.contextmanager
-def routed(env, resolved: dict[str, str]):
+def routed(env, resolved: dict[str, str], mesh=None):
     """Within this block (used at trace time), the torchax env runs the chosen implementations
-    for the model's custom ops; the env's previous table is restored afterwards."""
+    for the model's custom ops (sharded over `mesh` if given); the env's previous table is
+    restored afterwards."""
     import torchax.interop as interop
 
     from torch_model.ops import OPS as TORCH_OPS
 
-    adapters = _adapters(resolved)
+    adapters = _adapters(resolved, mesh)
     saved = {}
     for op, fn in adapters.items():
         key = TORCH_OPS[op].default
