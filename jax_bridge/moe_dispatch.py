@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_bridge.sharded_ops import CHECK_VMA
+
 
 def mix_experts(grouped: Callable, x, experts, weights, gate_up, gate_up_bias, down, down_bias, *,
                 first_expert=None, alpha: float, limit: float):
@@ -90,5 +92,6 @@ def _per_device(grouped, mesh, x, experts, weights, gate_up, gate_up_bias, down,
             y = jax.lax.psum_scatter(y, expert, scatter_dimension=0, tiled=True)
         return y
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w1, b1, w2, b2), out_specs=rows)(
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w1, b1, w2, b2), out_specs=rows,
+                         check_vma=CHECK_VMA)(
         x, experts, weights, gate_up, gate_up_bias, down, down_bias)

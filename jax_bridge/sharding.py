@@ -119,6 +119,16 @@ def describe(mesh: Mesh) -> str:
     return describe_sizes(dict(mesh.shape))
 
 
+def check_model_fits(cfg, mesh: Mesh) -> None:
+    """Splits the kernels rely on must be exact: heads over `tensor`, experts over `expert`."""
+    tensor, expert = mesh.shape.get("tensor", 1), mesh.shape.get("expert", 1)
+    if tensor > 1 and (cfg.n_heads % tensor or cfg.n_kv_heads % tensor):
+        raise ValueError(f"mesh tensor={tensor} must divide the attention heads "
+                         f"({cfg.n_heads} query, {cfg.n_kv_heads} key/value heads)")
+    if expert > 1 and cfg.is_moe and cfg.n_experts % expert:
+        raise ValueError(f"mesh expert={expert} must divide the number of experts ({cfg.n_experts})")
+
+
 # ---- logical names -> PartitionSpec ----------------------------------------------------------------
 def logical_spec(mesh: Mesh, axes: Iterable, shape: Iterable[int] | None = None) -> P:
     """PartitionSpec of an array whose dimensions have these logical names (None: not split)."""
