@@ -1,7 +1,8 @@
 """Runs in a subprocess with 8 simulated CPU devices (see test_scale_out.py): trains a reduced
 `tiny` for 5 steps on one device and on several meshes, and prints what the tests check as JSON.
 
-usage: python tests/mesh_worker.py KERNELS@MESH ...   e.g. xla@data=8 pallas@fsdp=2,tensor=2,expert=2
+usage: python tests/mesh_worker.py KERNELS@MESH[@REMAT] ...   e.g. xla@data=8 pallas@fsdp=2,tensor=2,expert=2
+The one-device reference runs the plain layer loop; the mesh runs scan the layers.
 """
 import json
 import os
@@ -27,8 +28,8 @@ CONFIG = dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_ex
 KERNELS = {"xla": "xla", "pallas": "attention=pallas,cross_entropy=pallas,moe=pallas"}
 
 
-def train(model, tokens, kernels: str, mesh):
-    step = TrainStep(model, step_cfg=StepConfig(kernels=kernels, scan_layers=True), mesh=mesh)
+def train(model, tokens, kernels: str, mesh, scan: bool = True, remat: str = "none"):
+    step = TrainStep(model, step_cfg=StepConfig(kernels=kernels, scan_layers=scan, remat=remat), mesh=mesh)
     state, losses = step.init_state(), []
     for batch in tokens:
         state, metrics = step(state, batch, 1.0)
@@ -41,15 +42,15 @@ def main(runs: list[str]) -> dict:
     torch.manual_seed(0)
     model = GptOssForCausalLM(get_preset("tiny").replace(**CONFIG))
     tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (STEPS, 1, 8, 17)).astype(np.int32)
-    _, ref_state, ref_losses = train(model, tokens, "xla", None)
+    _, ref_state, ref_losses = train(model, tokens, "xla", None, scan=False)
     ref_params = {n: np.asarray(v, np.float64) for n, v in ref_state.params.items()}
     out = {"reference": ref_losses, "meshes": {}}
     for run in runs:
-        kernels, spec = run.split("@")
+        kernels, spec, *remat = run.split("@")
         mesh = sharding.make_mesh(spec)
-        step, state, losses = train(model, tokens, KERNELS[kernels], mesh)
+        step, state, losses = train(model, tokens, KERNELS[kernels], mesh, remat=remat[0] if remat else "none")
         errors = {n: float(np.linalg.norm(np.asarray(v, np.float64) - ref_params[n]) / np.linalg.norm(ref_params[n]))
-                  for n, v in state.params.items()}
+                  for n, v in step.layer_params(state.params).items()}
         held = sharding.bytes_per_device(state)
         predicted = sum(leaf.nbytes // _split(s.spec, mesh) for leaf, s in
                         zip(jax.tree.leaves(state), jax.tree.leaves(step.state_shardings(state))))
