@@ -197,9 +197,17 @@ def place(tree, shardings):
     return jax.tree.map(put, tree, shardings)
 
 
-def shard_state(state, mesh: Mesh):
-    """Place a train state per the rules."""
-    return place(jax.device_get(state), state_shardings(state, mesh))
+def to_host(tree):
+    """numpy copies of (possibly sharded, possibly multi-process) arrays; every process must
+    call this together when an array spans processes."""
+    from jax.experimental import multihost_utils
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(get, tree)
 
 
 # ---- activations and the batch -----------------------------------------------------------------

@@ -25,6 +25,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     kernels: str = "auto"
     compute_dtype: str = "float32"
+    mesh: str = ""                 # e.g. "data=2,fsdp=4"; "" = every device on fsdp (one device: none)
+    scan_layers: bool = True       # decoder layers as one lax.scan over stacked parameters
+    remat: str = "none"            # per layer: none | full | save-matmuls
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 8
@@ -49,6 +52,10 @@ class TrainConfig:
                 raise UserError(f"config: {name} must be a number > 0, found {value!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise UserError(f"config: min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
+        if self.remat not in ("none", "full", "save-matmuls"):
+            raise UserError(f"config: remat must be none, full or save-matmuls, found {self.remat!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise UserError(f"config: scan_layers must be true or false, found {self.scan_layers!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise UserError(f"config: compute_dtype must be float32 or bfloat16, found {self.compute_dtype!r}")
 

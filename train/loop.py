@@ -38,8 +38,24 @@ def evaluate(step, params, batches) -> float:
     return float(np.mean(losses))
 
 
+def build_mesh(cfg: TrainConfig):
+    """The device mesh of the run (None on a single device with no --mesh)."""
+    import jax
+
+    from jax_bridge import sharding
+
+    if not cfg.mesh and jax.device_count() == 1:
+        return None
+    try:
+        return sharding.make_mesh(cfg.mesh or None)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
-    from jax_bridge import registry
+    import jax
+
+    from jax_bridge import distributed, registry, sharding
     from jax_bridge.lowering import params_to_torch
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.model import GptOssForCausalLM
@@ -51,6 +67,9 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
     from train.tokenizer import bos_id, load_tokenizer
 
     out = Path(cfg.out)
+    main = distributed.is_main_process()
+    show_progress = show_progress and main
+    say = print if main else (lambda *a, **k: None)
     try:
         registry.resolve(cfg.kernels)          # a bad kernel choice fails before any work
     except registry.KernelError as e:
@@ -58,30 +77,40 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
     tokenizer = load_tokenizer(cfg.data)
     bos = bos_id(tokenizer)
     model_cfg = build_model_config(cfg, tokenizer.n_vocab, bos)
+    if cfg.batch_size % jax.process_count():
+        raise UserError(f"config: batch_size ({cfg.batch_size}, the global batch) must be a multiple of the "
+                        f"number of processes ({jax.process_count()})")
+    rows = cfg.batch_size // jax.process_count()
+    mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)   # this process's rows
     train_data = TokenLoader(cfg.data, "train", batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                              vocab_size=model_cfg.vocab_size)
     val_data = TokenLoader(cfg.data, "val", batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                            vocab_size=model_cfg.vocab_size)
-    val_batches = list(val_data.iter_eval_batches(cfg.eval_batches))
+    val_batches = [b[mine] for b in val_data.iter_eval_batches(cfg.eval_batches)]
 
     torch.manual_seed(cfg.seed)
     model = GptOssForCausalLM(model_cfg)
     opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay)
+    mesh = build_mesh(cfg)
     try:
         step = TrainStep(model, opt_cfg, StepConfig(kernels=cfg.kernels, compute_dtype=cfg.compute_dtype,
-                                                    micro_batches=cfg.micro_batches))
-    except registry.KernelError as e:
+                                                    micro_batches=cfg.micro_batches, scan_layers=cfg.scan_layers,
+                                                    remat=cfg.remat), mesh=mesh)
+    except (registry.KernelError, ValueError) as e:
         raise UserError(str(e)) from None
     counts = model_cfg.param_counts()
-    print(f"model {cfg.preset}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active); "
-          f"kernels: {registry.describe(step.kernels)}")
+    say(f"model {cfg.preset}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active); "
+        f"kernels: {registry.describe(step.kernels)}")
+    say(f"devices: {distributed.describe()}; mesh: {sharding.describe(mesh) if mesh else 'none'}; "
+        f"layers {'scanned' if cfg.scan_layers else 'looped'}, remat {cfg.remat}")
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     metrics_path = out / "metrics.jsonl"
-    if metrics_path.exists():
-        metrics_path.unlink()
-    writer = MetricsWriter(metrics_path)
+    if main:
+        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if metrics_path.exists():
+            metrics_path.unlink()
+    writer = MetricsWriter(metrics_path) if main else _NoMetrics()
     writer.write({"kind": "run", "preset": cfg.preset, "kernels": step.kernels, "params": counts["total"],
                   "active_params": counts["active"], "config": cfg.to_dict(), "model": model_cfg.to_dict()})
     state = step.init_state()
@@ -89,8 +118,10 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
 
     def save(step_number: int, tag: str = "checkpoint") -> Path:
         ckpt = out / tag
-        save_checkpoint(ckpt, params_to_torch(state.params), model_cfg, step=step_number, tokenizer=tokenizer,
-                        extra={"kernels": step.kernels, "train_config": cfg.to_dict()})
+        params = params_to_torch(sharding.to_host(step.layer_params(state.params)))   # every process gathers
+        if main:
+            save_checkpoint(ckpt, params, model_cfg, step=step_number, tokenizer=tokenizer,
+                            extra={"kernels": step.kernels, "train_config": cfg.to_dict()})
         return ckpt
 
     val_start = evaluate(step, state.params, val_batches)
@@ -100,7 +131,7 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
     bar = tqdm(total=cfg.steps, desc="train", disable=not show_progress, dynamic_ncols=True)
     try:
         for i in range(cfg.steps):
-            batch = np.stack([train_data.next_batch() for _ in range(cfg.micro_batches)])
+            batch = np.stack([train_data.next_batch()[mine] for _ in range(cfg.micro_batches)])
             scale = lr_scale(i, total=cfg.steps, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
             state, metrics = step(state, batch, scale)
             done = i + 1
@@ -115,27 +146,40 @@ def run_training(cfg: TrainConfig, *, show_progress: bool = True) -> dict:
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 val_loss = evaluate(step, state.params, val_batches)
                 writer.write({"kind": "eval", "step": done, "val_loss": val_loss})
-                bar.write(f"step {done}: validation loss {val_loss:.4f}")
+                if main:
+                    bar.write(f"step {done}: validation loss {val_loss:.4f}")
             bar.update(1)
     except KeyboardInterrupt:
         bar.close()
         ckpt = save(done)
         writer.close()
-        print(f"interrupted: checkpoint of step {done} written to {ckpt}")
+        say(f"interrupted: checkpoint of step {done} written to {ckpt}")
         raise
     bar.close()
     wall = time.perf_counter() - start_time
     ckpt = save(done)
     writer.close()
+    if not main:
+        return {"steps": done, "train_seconds": wall, "trace_count": step.trace_count}
     plot = plot_losses(metrics_path, out / "loss.png")
 
-    model.load_state_dict(params_to_torch(state.params))
+    model.load_state_dict(params_to_torch(sharding.to_host(step.layer_params(state.params))))
     samples = sample_texts(model, tokenizer, cfg)
     summary = {"steps": done, "train_seconds": wall, "val_loss_start": val_start, "val_loss_end": val_loss,
                "metrics": str(metrics_path), "plot": str(plot), "checkpoint": str(ckpt), "samples": samples,
                "trace_count": step.trace_count}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+class _NoMetrics:
+    """What processes other than 0 write: nothing."""
+
+    def write(self, record):
+        pass
+
+    def close(self):
+        pass
 
 
 def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
@@ -155,13 +199,22 @@ def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
 # ---- command line -------------------------------------------------------------------------------
 _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": int, "seq_len": int,
           "micro_batches": int, "lr": float, "adam_lr": float, "warmup_steps": int, "kernels": str,
-          "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int}
+          "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int,
+          "mesh": str, "remat": str, "scan_layers": bool}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="JSON file of training settings (flags override it)")
     for name, kind in _FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
+        if kind is bool:
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
+    cluster = parser.add_argument_group("multi-host (one command per host; not needed on a TPU pod or under SLURM)")
+    cluster.add_argument("--coordinator", help="HOST:PORT of process 0, which every process connects to")
+    cluster.add_argument("--num-processes", type=int, help="number of processes (hosts) in the run")
+    cluster.add_argument("--process-id", type=int, help="this process's rank, 0 .. num-processes - 1")
 
 
 def config_from_args(args) -> TrainConfig:
@@ -174,12 +227,19 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> int:
+    from jax_bridge import distributed
     from torch_model.config import PRESETS
 
+    try:       # before anything touches a device
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except distributed.ClusterError as e:
+        raise UserError(str(e)) from None
     cfg = config_from_args(args)
     if cfg.preset not in PRESETS:
         raise UserError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}")
     summary = run_training(cfg)
+    if not distributed.is_main_process():
+        return 0
     print(f"\ntrained {summary['steps']} steps in {summary['train_seconds']:.0f} s; validation loss "
           f"{summary['val_loss_start']:.3f} -> {summary['val_loss_end']:.3f}")
     for s in summary["samples"]:
