@@ -53,19 +53,17 @@ class LayerLayout:
         """Scan length: how many periods the stack holds."""
         return self.n_layers // self.period
 
-    def tag(self) -> dict:
-        """JSON description stored with checkpoints."""
-        if not self.stacked:
-            return {"layers": "per_layer"}
-        return {"layers": "stacked", "n_layers": self.n_layers, "period": self.period}
+    @property
+    def tag(self) -> str:
+        """How checkpoints name this layout ("per_layer" or "stacked"; the period follows from
+        the model config's layer types)."""
+        return "stacked" if self.stacked else "per_layer"
 
     @classmethod
-    def from_tag(cls, tag: dict, n_layers: int) -> "LayerLayout":
-        if tag.get("layers", "per_layer") == "per_layer":
-            return cls(n_layers)
-        if tag.get("layers") != "stacked" or tag.get("n_layers") != n_layers:
-            raise ValueError(f"layer layout {tag} does not describe a model of {n_layers} layers")
-        return cls(n_layers, int(tag["period"]), True)
+    def from_tag(cls, tag: str, cfg) -> "LayerLayout":
+        if tag not in ("per_layer", "stacked"):
+            raise ValueError(f"unknown layer layout {tag!r} (expected 'per_layer' or 'stacked')")
+        return cls.for_config(cfg, stacked=tag == "stacked")
 
     # ---- names and arrays ----------------------------------------------------------------------
     def stack(self, params: dict, stack=np.stack) -> dict:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import torch
 
 from jax_bridge.env import get_env
-from torch_model.optim import OptimizerConfig, init_state, muon_adamw_update, plan_parameters
+from torch_model.optim import OptimizerConfig, init_state, muon_adamw_update, newton_schulz, plan_parameters
 
 
 def params_to_jax(model: torch.nn.Module) -> dict[str, jax.Array]:
@@ -46,15 +46,15 @@ def model_function(model: torch.nn.Module):
     return fn
 
 
-def optimizer_function(plan, cfg: OptimizerConfig):
+def optimizer_function(plan, cfg: OptimizerConfig, orthogonalize=newton_schulz):
     """update(params, grads, state, lr_scale) -> (params, state, stats): the torch optimizer's
-    own update, traced through torchax."""
+    own update, traced through torchax (`orthogonalize`: see muon_adamw_update)."""
     env = get_env()
 
     def update(params, grads, state, lr_scale):
         torch_args = env.j2t_iso((params, grads, state, lr_scale))
         with env:
-            out = muon_adamw_update(*torch_args[:3], plan, cfg, torch_args[3])
+            out = muon_adamw_update(*torch_args[:3], plan, cfg, torch_args[3], orthogonalize=orthogonalize)
         return env.t2j_iso(out)
 
     return update

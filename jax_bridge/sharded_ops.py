@@ -5,7 +5,7 @@ over the axes it is local on: attention over batch and heads (each device: its s
 heads), cross-entropy over tokens, with a vocabulary split over `tensor` combined exactly (a
 log-sum-exp across the shards). Plain-JAX implementations (`xla`) stay under GSPMD, with
 sharding constraints on their inputs and outputs. The MoE op is in `moe_dispatch.py` (its token
-sort always runs per device).
+sort always runs per device). Muon's orthogonalization runs on whole matrices per device.
 """
 from __future__ import annotations
 
@@ -80,3 +80,24 @@ def vocab_parallel_cross_entropy(fn, hidden, weight, labels, *, ignore_index: in
     target = lax.psum(jnp.where(inside, lse_l - nll_l, 0.0), axis)
     valid = labels != ignore_index
     return jnp.where(valid, lse - target, 0.0), jnp.where(valid, lse, 0.0)
+
+
+def orthogonalizer(mesh):
+    """newton_schulz for the torch optimizer under a mesh: a batch of matrices (stacked layers,
+    experts) is first spread over the devices by its leading axes, whole matrices per device,
+    so the iteration needs no communication; the result goes back to the parameter's sharding
+    when the update is added. A single matrix keeps its own sharding (GSPMD splits the work)."""
+    from torchax.interop import call_jax
+
+    from torch_model.optim import newton_schulz
+
+    def place(t, spec):
+        return call_jax(lambda a: jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec)), t)
+
+    def orthogonalize(u, steps, coeffs, eps, dtype):
+        spec = sharding.whole_matrices_spec(mesh, tuple(u.shape))
+        if spec is None:
+            return newton_schulz(u, steps, coeffs, eps, dtype)
+        return place(newton_schulz(place(u, spec), steps, coeffs, eps, dtype), spec)
+
+    return orthogonalize

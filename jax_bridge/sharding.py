@@ -210,6 +210,25 @@ def to_host(tree):
     return jax.tree.map(get, tree)
 
 
+def whole_matrices_spec(mesh: Mesh, shape) -> P | None:
+    """Split a batch of matrices [..., m, n] over its leading axes only (stacked layers,
+    experts), so each device holds whole matrices: Muon's Newton-Schulz then runs without
+    communication. None when no mesh axis divides a leading axis."""
+    lead = list(shape[:-2])
+    parts: list[list[str]] = [[] for _ in lead]
+    for axis in ("fsdp", "expert", "data", "tensor"):
+        size = mesh.shape.get(axis, 1)
+        if size == 1:
+            continue
+        for i, dim in enumerate(lead):
+            if dim % (math.prod(mesh.shape[a] for a in parts[i]) * size) == 0:
+                parts[i].append(axis)
+                break
+    if not any(parts):
+        return None
+    return P(*[None if not p else p[0] if len(p) == 1 else tuple(p) for p in parts], None, None)
+
+
 # ---- activations and the batch -----------------------------------------------------------------
 def batch_axes(mesh: Mesh) -> tuple[str, ...] | None:
     """The mesh axes the batch is split over (None when it is not split)."""

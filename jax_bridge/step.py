@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jax_bridge import registry, sharding
+from jax_bridge import registry, sharded_ops, sharding
 from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import optimizer_function
@@ -70,7 +70,8 @@ class TrainStep:
         # Every layer stacked into one array has the same rule: take the first one's.
         self.plan = self.layout.stack(self.layer_plan, stack=lambda rules: rules[0])
         self.forward = layered_forward(model, self.layout, remat=step_cfg.remat, mesh=mesh)
-        self.update = optimizer_function(self.plan, opt_cfg)
+        self.update = optimizer_function(self.plan, opt_cfg, **(
+            {} if mesh is None else {"orthogonalize": sharded_ops.orthogonalizer(mesh)}))
         self.compute_dtype = COMPUTE_DTYPES[step_cfg.compute_dtype]
         self.trace_count = 0
         self._jitted = jax.jit(self._step, donate_argnums=(0,))
@@ -90,6 +91,20 @@ class TrainStep:
             return jax.device_put(state)
         return sharding.place(state, sharding.state_shardings(state, self.mesh))
 
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and (with a mesh) shardings of the train state, computed without any
+        weights: the model may live on the `meta` device (planning a preset that fits no host)."""
+        sds = lambda t: jax.ShapeDtypeStruct(tuple(t.shape), jnp.float32)
+        stack = lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+        params = {n: sds(p) for n, p in self.model.named_parameters()}
+        opt = init_state({n: p.detach() for n, p in self.model.named_parameters()}, self.layer_plan)
+        opt = jax.tree.map(sds, opt, is_leaf=lambda x: isinstance(x, torch.Tensor))
+        state = self.layout.map_state(lambda d: self.layout.stack(d, stack=stack), TrainState(params, opt))
+        if self.mesh is None:
+            return state
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                            self.state_shardings(state))
+
     def state_shardings(self, state):
         return None if self.mesh is None else sharding.state_shardings(state, self.mesh)
 
@@ -108,7 +123,9 @@ class TrainStep:
         return tree if self.mesh is None else jax.lax.with_sharding_constraint(tree, self.state_shardings(tree))
 
     def _grads(self, params, tokens):
-        return jax.value_and_grad(self.loss_and_metrics, has_aux=True)(params, tokens[:, :-1], tokens[:, 1:])
+        (loss, out), grads = jax.value_and_grad(self.loss_and_metrics, has_aux=True)(params, tokens[:, :-1],
+                                                                                    tokens[:, 1:])
+        return (loss, out), self._constrain(grads)     # reduced straight into the parameters' sharding
 
     def _step(self, state: TrainState, tokens, lr_scale):
         self.trace_count += 1          # runs only while tracing: counts compilations
@@ -116,7 +133,6 @@ class TrainStep:
 
         def accumulate(grad_sum, micro_tokens):
             (_, out), grads = self._grads(state.params, micro_tokens)
-            # Reduce the gradients straight into the parameters' sharding (a reduce-scatter).
             return self._constrain(jax.tree.map(jnp.add, grad_sum, grads)), _scalar_metrics(out)
 
         grad_sum, micro_metrics = jax.lax.scan(accumulate, zeros, tokens)

@@ -37,9 +37,11 @@ def test_stacking_round_trips_names_and_values():
     assert stacked["model.layers.stack1.mlp.router.weight"][:, 0, 0].tolist() == [1, 3]    # layers 1 and 3
     back = layout.unstack(stacked)
     assert sorted(back) == sorted(params) and all(np.array_equal(back[n], params[n]) for n in params)
-    assert LayerLayout.from_tag(layout.tag(), 4) == layout
-    with pytest.raises(ValueError, match="does not describe a model of 6 layers"):
-        LayerLayout.from_tag(layout.tag(), 6)
+    cfg = get_preset("tiny").replace(n_layers=4)
+    assert LayerLayout.from_tag(layout.tag, cfg) == layout
+    assert LayerLayout.from_tag("per_layer", cfg).unstack(stacked) == stacked
+    with pytest.raises(ValueError, match="unknown layer layout"):
+        LayerLayout.from_tag("scrambled", cfg)
 
 
 def grads_temp_bytes(model, remat: str, seq: int = 128) -> int:
