@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import torch
 
 from jax_bridge.env import get_env
-from torch_model.optim import OptimizerConfig, init_state, muon_adamw_update, newton_schulz, plan_parameters
+from torch_model.optim import OptimizerConfig, init_state, muon_adamw_update, plan_parameters
 
 
 def params_to_jax(model: torch.nn.Module) -> dict[str, jax.Array]:
@@ -46,7 +46,7 @@ def model_function(model: torch.nn.Module):
     return fn
 
 
-def optimizer_function(plan, cfg: OptimizerConfig, orthogonalize=newton_schulz):
+def optimizer_function(plan, cfg: OptimizerConfig, orthogonalize=None):
     """update(params, grads, state, lr_scale) -> (params, state, stats): the torch optimizer's
     own update, traced through torchax (`orthogonalize`: see muon_adamw_update)."""
     env = get_env()

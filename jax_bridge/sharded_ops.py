@@ -83,10 +83,12 @@ def vocab_parallel_cross_entropy(fn, hidden, weight, labels, *, ignore_index: in
 
 
 def orthogonalizer(mesh):
-    """newton_schulz for the torch optimizer under a mesh: a batch of matrices (stacked layers,
-    experts) is first spread over the devices by its leading axes, whole matrices per device,
-    so the iteration needs no communication; the result goes back to the parameter's sharding
-    when the update is added. A single matrix keeps its own sharding (GSPMD splits the work)."""
+    """Muon's orthogonalization for the torch optimizer under a mesh. A batch of matrices
+    (stacked layers, experts) is flattened to one batch axis and spread over the devices along
+    it, whole matrices per device, so the Newton-Schulz iteration needs no communication (split
+    by the rules, each matrix's rows or columns would be gathered at every iteration); the
+    result returns to the matrix split of the parameter's rules. A batch that no mesh axis
+    divides, or a single matrix, keeps the parameter's own sharding (GSPMD splits the work)."""
     from torchax.interop import call_jax
 
     from torch_model.optim import newton_schulz
@@ -94,10 +96,14 @@ def orthogonalizer(mesh):
     def place(t, spec):
         return call_jax(lambda a: jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec)), t)
 
-    def orthogonalize(u, steps, coeffs, eps, dtype):
-        spec = sharding.whole_matrices_spec(mesh, tuple(u.shape))
-        if spec is None:
+    def orthogonalize(name, u, steps, coeffs, eps, dtype):
+        shape = tuple(u.shape)
+        flat = u.reshape(-1, *shape[-2:])     # one batch axis: an axis merged from split ones is not
+        spread = sharding.whole_matrices_spec(mesh, tuple(flat.shape))       # representable
+        if spread is None:
             return newton_schulz(u, steps, coeffs, eps, dtype)
-        return place(newton_schulz(place(u, spec), steps, coeffs, eps, dtype), spec)
+        home = tuple(sharding.param_spec(name, shape, mesh)) + (None,) * len(shape)
+        out = newton_schulz(place(flat, spread), steps, coeffs, eps, dtype)
+        return place(out, P(None, *home[len(shape) - 2:len(shape)])).reshape(shape)
 
     return orthogonalize
