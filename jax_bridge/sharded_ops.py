@@ -9,6 +9,8 @@ sort always runs per device). Muon's orthogonalization runs on whole matrices pe
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -98,12 +100,17 @@ def orthogonalizer(mesh):
 
     def orthogonalize(name, u, steps, coeffs, eps, dtype):
         shape = tuple(u.shape)
-        flat = u.reshape(-1, *shape[-2:])     # one batch axis: an axis merged from split ones is not
-        spread = sharding.whole_matrices_spec(mesh, tuple(flat.shape))       # representable
+        flat_shape = (-1, *shape[-2:])        # one batch axis: an axis merged from split ones is not
+        spread = sharding.whole_matrices_spec(mesh, (math.prod(shape[:-2]), *shape[-2:]))  # representable
         if spread is None:
             return newton_schulz(u, steps, coeffs, eps, dtype)
-        home = tuple(sharding.param_spec(name, shape, mesh)) + (None,) * len(shape)
+        home = sharding.param_spec(name, shape, mesh)
+        home = tuple(home) + (None,) * (len(shape) - len(home))
+        flat_home = P(None, *home[-2:])
+        # Pin every step: left free, the partitioner would carry the spread split backwards
+        # through the reshape, where it cannot be expressed, and gather whole stacks instead.
+        flat = place(place(u, P(*home)).reshape(flat_shape), flat_home)
         out = newton_schulz(place(flat, spread), steps, coeffs, eps, dtype)
-        return place(out, P(None, *home[len(shape) - 2:len(shape)])).reshape(shape)
+        return place(place(out, flat_home).reshape(shape), P(*home))
 
     return orthogonalize
