@@ -61,7 +61,23 @@ def main(runs: list[str]) -> dict:
             "specs_match_rules": all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
                                      zip(jax.tree.leaves(state), jax.tree.leaves(step.state_shardings(state)))),
         }
+    out["update_memory"] = update_memory()
     return out
+
+
+def update_memory() -> dict:
+    """Temporaries of the optimizer update compiled for an 8-way fsdp mesh, for a model with
+    stacks of 4 layers x 8 experts (a batch of matrices that the mesh must spread whole for
+    Muon), beside the parameter bytes each device holds."""
+    mesh = sharding.make_mesh("fsdp=8")
+    with torch.device("meta"):
+        model = GptOssForCausalLM(get_preset("tiny").replace(n_layers=8, d_model=256, expert_dim=512))
+    step = TrainStep(model, step_cfg=StepConfig(kernels="xla", scan_layers=True), mesh=mesh)
+    state = step.abstract_state()
+    lr = jax.ShapeDtypeStruct((), np.float32)
+    compiled = jax.jit(step.update).lower(state.params, state.params, state.opt_state, lr).compile()
+    per_device = sum(np.prod(a.sharding.shard_shape(a.shape)) * 4 for a in jax.tree.leaves(state.params))
+    return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "param_bytes_per_device": int(per_device)}
 
 
 def _split(spec, mesh) -> int:

@@ -1,7 +1,7 @@
 """Scale-out on 8 simulated CPU devices (one subprocess): a reduced `tiny` trained 5 steps with
 scanned layers on several meshes gives the losses and parameters of the plain layer loop on one
-device, the state stays split by the rules (bytes actually held per device), and the Pallas
-kernels run per device under shard_map."""
+device, the state stays split by the rules (bytes actually held per device), the Pallas
+kernels run per device under shard_map, and Muon's update does not gather whole stacks."""
 import json
 import os
 import subprocess
@@ -54,3 +54,12 @@ def test_bytes_held_per_device_shrink_as_the_rules_predict(results, run, at_most
     assert r["predicted_bytes"] <= r["total_bytes"] * at_most, \
         f"{run}: {r['predicted_bytes']} bytes per device of {r['total_bytes']} " \
         f"({r['predicted_bytes'] / r['total_bytes']:.3f}): not split as the mesh allows"
+
+
+def test_muon_update_spreads_whole_matrices_instead_of_gathering_stacks(results):
+    """Newton-Schulz on matrices split by the rules would gather them at every iteration; the
+    bridge moves whole matrices to devices (all-to-all). A stack gathered whole shows up as
+    temporaries many times the parameters a device holds (x14 when this broke)."""
+    m = results["update_memory"]
+    ratio = m["temp_bytes"] / m["param_bytes_per_device"]
+    assert ratio < 4, f"optimizer update temporaries are {ratio:.1f}x the parameter bytes per device"
