@@ -17,14 +17,16 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
+# --resume: a demo stopped by Ctrl-C (or a finished one) continues instead of starting over.
 demo: $(STAMP)
 	$(VENV)/bin/torchlyra prepare
-	$(VENV)/bin/torchlyra train --out runs/tiny
-	$(VENV)/bin/torchlyra generate --checkpoint runs/tiny/checkpoint --prompt "ROMEO:" --max-tokens 100
+	$(VENV)/bin/torchlyra train --out runs/tiny --resume
+	$(VENV)/bin/torchlyra eval --checkpoint runs/tiny
+	$(VENV)/bin/torchlyra generate --checkpoint runs/tiny --prompt "ROMEO:" --max-tokens 100
 	@echo
-	@echo "metrics:    runs/tiny/metrics.jsonl"
-	@echo "plot:       runs/tiny/loss.png"
-	@echo "checkpoint: runs/tiny/checkpoint"
+	@echo "metrics:     runs/tiny/metrics.jsonl"
+	@echo "plots:       runs/tiny/plots/*.png (again: torchlyra plot runs/tiny)"
+	@echo "checkpoints: runs/tiny/checkpoints (continue: torchlyra train --out runs/tiny --resume --steps N)"
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests

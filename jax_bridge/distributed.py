@@ -60,6 +60,21 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def sum_over_processes(values):
+    """Element-wise sum of a numpy array over all processes (the array itself with one)."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(values).sum(0)
+
+
+def say(*args, **kwargs) -> None:
+    """print, on process 0 only."""
+    if is_main_process():
+        print(*args, **kwargs)
+
+
 def describe() -> str:
     if jax.process_count() == 1:
         return f"1 process, {jax.local_device_count()} {jax.default_backend()} device(s)"

@@ -65,11 +65,12 @@ class TrainStep:
         self.kernels = registry.resolve(step_cfg.kernels)
         if mesh is not None:
             sharding.check_model_fits(model.cfg, mesh)
-        self.layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
+        self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
+        self.layout = self.layer_layout.tag     # how state.params are stored (train/checkpoint.py LAYOUTS)
         self.layer_plan = plan_parameters(model.named_parameters())
         # Every layer stacked into one array has the same rule: take the first one's.
-        self.plan = self.layout.stack(self.layer_plan, stack=lambda rules: rules[0])
-        self.forward = layered_forward(model, self.layout, remat=step_cfg.remat, mesh=mesh)
+        self.plan = self.layer_layout.stack(self.layer_plan, stack=lambda rules: rules[0])
+        self.forward = layered_forward(model, self.layer_layout, remat=step_cfg.remat, mesh=mesh)
         self.update = optimizer_function(self.plan, opt_cfg, **(
             {} if mesh is None else {"orthogonalize": sharded_ops.orthogonalizer(mesh)}))
         self.compute_dtype = COMPUTE_DTYPES[step_cfg.compute_dtype]
@@ -83,7 +84,7 @@ class TrainStep:
         params = {n: p.detach().cpu().float().numpy() for n, p in self.model.named_parameters()}
         opt = init_state({n: p.detach() for n, p in self.model.named_parameters()}, self.layer_plan)
         opt = jax.tree.map(lambda t: t.numpy(), opt, is_leaf=lambda x: isinstance(x, torch.Tensor))
-        return self.layout.map_state(self.layout.stack, TrainState(params, opt))
+        return self.layer_layout.map_state(self.layer_layout.stack, TrainState(params, opt))
 
     def init_state(self) -> TrainState:
         state = self.host_state()
@@ -99,7 +100,7 @@ class TrainStep:
         params = {n: sds(p) for n, p in self.model.named_parameters()}
         opt = init_state({n: p.detach() for n, p in self.model.named_parameters()}, self.layer_plan)
         opt = jax.tree.map(sds, opt, is_leaf=lambda x: isinstance(x, torch.Tensor))
-        state = self.layout.map_state(lambda d: self.layout.stack(d, stack=stack), TrainState(params, opt))
+        state = self.layer_layout.map_state(lambda d: self.layer_layout.stack(d, stack=stack), TrainState(params, opt))
         if self.mesh is None:
             return state
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
@@ -110,7 +111,7 @@ class TrainStep:
 
     def layer_params(self, params: dict) -> dict:
         """Parameters under the torch model's own per-layer names (unstacked if stacked)."""
-        return self.layout.unstack(params)
+        return self.layer_layout.unstack(params)
 
     # ---- traced functions -----------------------------------------------------------------------
     def loss_and_metrics(self, params, inputs, labels):
@@ -140,8 +141,14 @@ class TrainStep:
         with jax.default_matmul_precision(self.cfg.matmul_precision):
             params, opt_state, stats = self.update(state.params, grads, state.opt_state, lr_scale)
         metrics = jax.tree.map(lambda m: m.mean(0), micro_metrics)
-        metrics["grad_norm"] = stats["grad_norm"]
-        return self._constrain(TrainState(params, opt_state)), metrics
+        # A non-finite loss or gradient norm skips the update here, with no host round trip:
+        # parameters and optimizer state (its step count too) stay as they were, while the
+        # caller's step counter, learning-rate schedule and data move on.
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(stats["grad_norm"])
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), TrainState(params, opt_state), state)
+        metrics.update(grad_norm=stats["grad_norm"], grad_norm_clipped=stats["grad_norm_clipped"],
+                       skipped=jnp.logical_not(finite).astype(jnp.int32))
+        return self._constrain(new_state), metrics
 
     def _eval(self, params, tokens):
         _, out = self.loss_and_metrics(params, tokens[:, :-1], tokens[:, 1:])
@@ -179,9 +186,11 @@ class TrainStep:
 
 
 def _scalar_metrics(out: dict) -> dict:
+    """The loss parts, plus for MoE models the routed-token fraction per layer and expert
+    ("expert_fraction" [layers, experts]) and its largest value times E (1.0: balanced)."""
     metrics = {k: v for k, v in out.items() if v.ndim == 0}
     if "expert_fraction" in out:
-        # Max over experts of the routed-token fraction, times E: 1.0 is perfectly balanced.
         frac = out["expert_fraction"]
+        metrics["expert_fraction"] = frac
         metrics["expert_load_max"] = frac.max() * frac.shape[-1]
     return metrics

@@ -16,6 +16,7 @@ import torch
 
 from parity import hf_mapping
 from train import checkpoint
+from train.atomic import staged_dir
 from train.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -130,7 +131,7 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
         enc = load_tokenizer(tok_dir)
 
     from transformers import GenerationConfig
-    with checkpoint.staged_dir(out_dir, replace="always" if overwrite else "never") as tmp:
+    with staged_dir(out_dir, replace="always" if overwrite else "never") as tmp:
         hf_cfg.save_pretrained(tmp)
         GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id).save_pretrained(tmp)
         files = write_weights(tmp, tensors, shard_size_bytes)

@@ -16,3 +16,25 @@ def to_numpy(t):
     if isinstance(t, torch.Tensor):
         return t.detach().float().numpy()
     return np.asarray(t, dtype=np.float32)
+
+
+PLAY_LINES = [
+    "ROMEO: But soft, what light through yonder window breaks?",
+    "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
+    "HAMLET: To be, or not to be, that is the question.",
+    "MACBETH: Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace.",
+]
+
+
+def prepare_play_corpus(root) -> str:
+    """Six small .txt plays under root/texts, prepared into root/data (320-id BPE); returns the
+    data directory."""
+    from train.cli import main
+
+    texts = root / "texts"
+    texts.mkdir()
+    for i in range(6):
+        (texts / f"play{i}.txt").write_text("\n\n".join(PLAY_LINES[(i + j) % 4] for j in range(120)) + "\n")
+    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--vocab-size", "320",
+                 "--val-fraction", "0.2"]) == 0
+    return str(root / "data")

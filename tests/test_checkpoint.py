@@ -1,14 +1,16 @@
-"""train/checkpoint.py: round trip, validation errors that name the problem, atomic publication."""
+"""train/checkpoint.py format level: parameters-only round trip (what `import` writes and every
+consumer reads), atomic publication, and load errors that name the problem."""
 import json
 
+import numpy as np
 import pytest
-import safetensors.torch
 import torch
 
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from train import checkpoint
+from train import atomic, checkpoint
 from train.checkpoint import load_checkpoint, save_checkpoint
+from train.checkpoint_integrity import MANIFEST_FILE
 from train.errors import UserError
 
 CFG = get_preset("tiny").replace(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
@@ -26,12 +28,13 @@ def leftovers(path):
     return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
 
 
-def write_raw(path, tensors, model_dict, **top):
-    """A checkpoint written by hand, bypassing save_checkpoint's validation."""
-    path.mkdir(parents=True)
-    safetensors.torch.save_file(tensors, str(path / "model.safetensors"))
-    config = {"format": "torchlyra-checkpoint", "version": 1, "model": model_dict, "step": 3, **top}
-    (path / "config.json").write_text(json.dumps(config))
+def write_raw(path, tensors: dict, model_dict: dict, **meta):
+    """A checkpoint written straight through the Orbax writer, bypassing save_checkpoint's checks."""
+    import jax.numpy as jnp
+
+    writer = checkpoint.CheckpointWriter(path, keep=1)
+    writer.save(3, {"params": {k: jnp.asarray(v.numpy()) for k, v in tensors.items()}}, {"model": model_dict, **meta})
+    writer.close()
 
 
 def test_round_trip(tmp_path, state):
@@ -40,11 +43,20 @@ def test_round_trip(tmp_path, state):
     loaded, cfg, meta = load_checkpoint(ck)
     assert cfg == CFG
     assert meta["step"] == 12 and meta["kernels"] == {"attention": "reference"} and meta["format"] == "torchlyra-checkpoint"
+    assert meta["version"] == 2 and meta["contents"] == "params" and meta["layout"] == "per_layer"
+    assert meta["step_dir"] == str((ck / "12").resolve())
     assert loaded.keys() == state.keys()
     assert all(torch.equal(loaded[k], state[k]) and loaded[k].dtype == torch.float32 for k in state)
     assert leftovers(ck) == []
+    assert load_checkpoint(ck / "12")[2]["step"] == 12                   # a step directory reads the same
     (tmp_path / "plain").mkdir()   # published with the mode a plain mkdir gets, not mkdtemp's 0700
     assert ck.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
+
+
+def test_relative_paths_work(tmp_path, state, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_checkpoint("runs/ck", state, CFG, step=4)
+    assert load_checkpoint("runs/ck")[2]["step"] == 4 and load_checkpoint("runs/ck/4")[2]["step"] == 4
 
 
 def test_bf16_state_is_stored_as_float32(tmp_path, state):
@@ -61,16 +73,27 @@ def test_tokenizer_saved_inside_the_checkpoint(tmp_path, state):
     ck = tmp_path / "ck"
     save_checkpoint(ck, state, CFG, tokenizer=enc)
     _, _, meta = load_checkpoint(ck)
-    assert meta["tokenizer"] == {"dir": "."}
+    assert meta["tokenizer"] == {"dir": "tokenizer", "name": enc.name}
     again = load_tokenizer(checkpoint.tokenizer_dir(ck, meta))
     assert again.encode("hello world") == enc.encode("hello world")
+
+
+def test_every_file_is_in_the_hash_manifest(tmp_path, state):
+    save_checkpoint(tmp_path / "ck", state, CFG)
+    step_dir = tmp_path / "ck" / "0"
+    listed = json.loads((step_dir / MANIFEST_FILE).read_text())["files"]
+    on_disk = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()} - {MANIFEST_FILE}
+    assert set(listed) == on_disk and any(name.startswith("state/") for name in listed)
+    (step_dir / "meta" / "metadata").write_text((step_dir / "meta" / "metadata").read_text().replace('"step": 0', '"step": 9'))
+    with pytest.raises(UserError, match=r"is damaged: file meta/metadata fails its sha256"):
+        load_checkpoint(tmp_path / "ck" / "0")
 
 
 def test_replaces_a_previous_checkpoint_but_not_other_directories(tmp_path, state):
     ck = tmp_path / "ck"
     save_checkpoint(ck, state, CFG, step=1)
     save_checkpoint(ck, state, CFG, step=2)
-    assert load_checkpoint(ck)[2]["step"] == 2
+    assert load_checkpoint(ck)[2]["step"] == 2 and [s for s, _ in checkpoint.step_dirs(ck)] == [2]
     with pytest.raises(UserError, match="overwrite"):
         save_checkpoint(ck, state, CFG, step=3, overwrite=False)
     other = tmp_path / "notes"
@@ -82,7 +105,7 @@ def test_replaces_a_previous_checkpoint_but_not_other_directories(tmp_path, stat
 
 
 def test_replace_without_atomic_exchange(tmp_path, state, monkeypatch):
-    monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)   # filesystems without renameat2
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)   # filesystems without renameat2
     ck = tmp_path / "ck"
     save_checkpoint(ck, state, CFG, step=1)
     save_checkpoint(ck, state, CFG, step=2)
@@ -92,31 +115,24 @@ def test_replace_without_atomic_exchange(tmp_path, state, monkeypatch):
 def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, state, monkeypatch):
     ck = tmp_path / "ck"
     save_checkpoint(ck, state, CFG, step=1)
-    real_save = safetensors.torch.save_file
 
-    def crash(tensors, filename, metadata=None):
-        real_save(dict(list(tensors.items())[:2]), filename, metadata)   # a partial file, then die
+    def crash(step_dir):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    monkeypatch.setattr(checkpoint, "write_manifest", crash)
     changed = {k: v + 1 for k, v in state.items()}
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(Exception, match="disk full"):
         save_checkpoint(ck, changed, CFG, step=2)
     monkeypatch.undo()
     loaded, _, meta = load_checkpoint(ck)
     assert meta["step"] == 1 and all(torch.equal(loaded[k], state[k]) for k in state)
     assert leftovers(ck) == []
-    # A first save that crashes leaves no directory at all.
-    monkeypatch.setattr(safetensors.torch, "save_file", crash)
-    with pytest.raises(OSError):
-        save_checkpoint(tmp_path / "fresh", state, CFG)
-    assert not (tmp_path / "fresh").exists() and leftovers(tmp_path / "fresh") == []
 
 
 def test_stale_temp_dir_of_a_killed_writer_is_removed(tmp_path, state):
     stale = tmp_path / ".ck.tmp-killed"
     stale.mkdir()
-    (stale / "model.safetensors").write_bytes(b"partial")
+    (stale / "partial").write_bytes(b"partial")
     save_checkpoint(tmp_path / "ck", state, CFG)
     assert not stale.exists()
 
@@ -135,18 +151,17 @@ def test_save_rejects_state_that_does_not_match_config(tmp_path, state):
     ("missing", r"tensor model\.norm\.weight is missing \(expected shape \[32\]\)"),
     ("extra", r"unexpected tensor model\.layers\.0\.mlp\.gate\.weight of shape \[2, 32\]"),
     ("shape", r"tensor lm_head\.weight has shape \[64, 16\], expected \[64, 32\]"),
-    ("dtype", r"tensor lm_head\.weight has dtype torch\.bfloat16, expected torch\.float32"),
+    ("dtype", r"tensor lm_head\.weight has dtype bfloat16, expected float32"),
     ("head_dim", r"field 'model'.*head_dim must be even.*15"),
     ("experts_per_token", r"field 'model'.*experts_per_token must be in 1\.\.n_experts \(2\), found 3"),
     ("layer_type", r"field 'model'.*unknown layer type 'local'"),
     ("unknown_field", r"field 'model'.*unknown ModelConfig field\(s\): n_embd"),
-    ("version", r"field 'version' expected 1, found 2"),
-    ("format", r"field 'format' expected 'torchlyra-checkpoint', found None.*torchlyra import"),
+    ("layout", r"field 'layout' is 'diagonal'; this version reads \['per_layer'\]"),
 ])
 def test_load_errors_name_the_problem(tmp_path, state, case, expected):
     tensors = dict(state)
     model = CFG.to_dict()
-    top = {}
+    meta = {}
     if case == "missing":
         del tensors["model.norm.weight"]
     elif case == "extra":
@@ -154,7 +169,7 @@ def test_load_errors_name_the_problem(tmp_path, state, case, expected):
     elif case == "shape":
         tensors["lm_head.weight"] = torch.zeros(64, 16)
     elif case == "dtype":
-        tensors["lm_head.weight"] = tensors["lm_head.weight"].bfloat16()
+        tensors["lm_head.weight"] = tensors["lm_head.weight"].bfloat16().float()
     elif case == "head_dim":
         model["head_dim"] = 15
     elif case == "experts_per_token":
@@ -163,31 +178,44 @@ def test_load_errors_name_the_problem(tmp_path, state, case, expected):
         model["layer_types"] = ["local", "full_attention"]
     elif case == "unknown_field":
         model["n_embd"] = 32
-    ck = tmp_path / "ck"
-    write_raw(ck, tensors, model, **top)
-    if case == "version":
-        cfg = json.loads((ck / "config.json").read_text())
-        (ck / "config.json").write_text(json.dumps({**cfg, "version": 2}))
-    if case == "format":   # a Hugging Face directory given where a checkpoint is expected
-        (ck / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    elif case == "layout":
+        meta["layout"] = "diagonal"
+    if case == "dtype":
+        import jax.numpy as jnp
+        writer = checkpoint.CheckpointWriter(tmp_path / "ck", keep=1)
+        params = {k: jnp.asarray(v.numpy()) for k, v in tensors.items()}
+        params["lm_head.weight"] = params["lm_head.weight"].astype(jnp.bfloat16)
+        writer.save(3, {"params": params}, {"model": model})
+        writer.close()
+    else:
+        write_raw(tmp_path / "ck", tensors, model, **meta)
     with pytest.raises(UserError, match=expected):
-        load_checkpoint(ck)
+        load_checkpoint(tmp_path / "ck")
 
 
-def test_load_errors_for_missing_files(tmp_path, state):
+def test_load_errors_for_missing_files_and_other_formats(tmp_path, state):
     with pytest.raises(UserError, match="checkpoint directory not found"):
         load_checkpoint(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match=r"config\.json: expected a torchlyra checkpoint config, found no file"):
+    with pytest.raises(UserError, match=r"no torchlyra checkpoint here \(expected a run directory"):
         load_checkpoint(tmp_path / "empty")
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "config.json").write_text(json.dumps({"format": "torchlyra-checkpoint", "version": 1}))
+    with pytest.raises(UserError, match=r"a version-1 torchlyra checkpoint .* no longer reads; expected version 2"):
+        load_checkpoint(v1)
+    (v1 / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    with pytest.raises(UserError, match=r"a Hugging Face model directory.*torchlyra import --hf"):
+        load_checkpoint(v1)
     ck = tmp_path / "ck"
     save_checkpoint(ck, state, CFG)
-    (ck / "model.safetensors").unlink()
-    with pytest.raises(UserError, match=r"model\.safetensors: expected the checkpoint's weights, found no file"):
+    (ck / "0" / "meta" / "metadata").write_text("{not json")
+    with pytest.raises(UserError, match=r"no complete checkpoint \(checkpoint .* is damaged: file meta/metadata"):
         load_checkpoint(ck)
-    (ck / "model.safetensors").write_bytes(b"\x10\x00garbage")
-    with pytest.raises(UserError, match="unreadable safetensors"):
-        load_checkpoint(ck)
-    (ck / "config.json").write_text("{not json")
-    with pytest.raises(UserError, match="not valid JSON"):
-        load_checkpoint(ck)
+
+
+def test_params_checkpoint_cannot_be_resumed(tmp_path, state):
+    save_checkpoint(tmp_path / "ck", state, CFG)
+    with pytest.raises(UserError, match=r"holds parameters only .* --init-from"):
+        checkpoint.restore_train_state(tmp_path / "ck" / "0", {"params": {}})
+    assert np.isfinite(load_checkpoint(tmp_path / "ck")[0]["lm_head.weight"].numpy()).all()

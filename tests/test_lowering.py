@@ -99,7 +99,9 @@ def test_one_full_step_matches_eager(setup):
 
 def test_accumulating_four_micro_batches_equals_one_big_batch():
     torch.manual_seed(0)
-    cfg = get_preset("tiny").replace(n_layers=2, sliding_window=8)
+    # The load-balancing loss is a product of per-batch statistics, not a sum over tokens: a
+    # micro-batch's differs from the whole batch's, so it is off for this comparison.
+    cfg = get_preset("tiny").replace(n_layers=2, sliding_window=8, router_aux_loss_coef=0.0)
     model = GptOssForCausalLM(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 33)).astype(np.int32)
     opt_cfg = OptimizerConfig()

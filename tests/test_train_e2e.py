@@ -3,25 +3,13 @@ import json
 
 import pytest
 
+from helpers import prepare_play_corpus
 from train.cli import main
-
-LINES = [
-    "ROMEO: But soft, what light through yonder window breaks?",
-    "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
-    "HAMLET: To be, or not to be, that is the question.",
-    "MACBETH: Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace.",
-]
-
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
-    texts = root / "texts"
-    texts.mkdir()
-    for i in range(6):
-        (texts / f"play{i}.txt").write_text("\n\n".join(LINES[(i + j) % 4] for j in range(120)) + "\n")
-    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--vocab-size", "320",
-                 "--val-fraction", "0.2"]) == 0
+    prepare_play_corpus(root)
     config = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
                         "n_experts": 4, "expert_dim": 64, "sliding_window": 16, "vocab_size": 320},
               "eval_every": 20, "eval_batches": 2, "log_every": 5, "samples": 1, "sample_tokens": 20}
@@ -43,14 +31,16 @@ def test_short_training_run_lowers_validation_loss_and_writes_artifacts(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"]
     assert all(k in train[-1] for k in ("tokens_per_s", "grad_norm", "lr_scale", "expert_load_max"))
-    png = run_dir / "run" / "loss.png"
+    png = run_dir / "run" / "plots" / "loss.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert summary["samples"] and summary["samples"][0]["text"].startswith("ROMEO:")
 
 
 def test_generate_from_the_checkpoint(run_dir, capsys):
-    ckpt = run_dir / "run" / "checkpoint"
-    meta = json.loads((ckpt / "config.json").read_text())
+    from train.checkpoint import find_checkpoint, read_meta
+
+    ckpt = run_dir / "run"                      # a run directory names its newest complete checkpoint
+    meta, _ = read_meta(find_checkpoint(ckpt))
     assert meta["kernels"]["attention"] == "xla" and meta["step"] == 40
     assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "JULIET:", "--max-tokens", "12",
                  "--temperature", "0"]) == 0
@@ -71,9 +61,9 @@ def test_bad_input_is_one_line_naming_the_problem(run_dir, tmp_path, capsys):
     assert "steps must be a positive integer" in _error(capsys, ["train", "--steps", "0", "--data", data])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"model": {"n_heads": 3}}))
-    assert "n_heads" in _error(capsys, ["train", "--config", str(bad), "--data", data])
+    assert "n_heads" in _error(capsys, ["train", "--config", str(bad), "--data", data, "--out", str(tmp_path / "o")])
     bad.write_text(json.dumps({"stepz": 3}))
-    assert "stepz" in _error(capsys, ["train", "--config", str(bad), "--data", data])
+    assert "stepz" in _error(capsys, ["train", "--config", str(bad), "--data", data, "--out", str(tmp_path / "o")])
     (tmp_path / "empty").mkdir()
     assert "empty" in _error(capsys, ["train", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
     foreign = tmp_path / "foreign"

@@ -131,15 +131,17 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # CPU default: ~9M parameters with MoE, trains in minutes on two cores.
-    "tiny": ModelConfig(),
+    # CPU default: ~9M parameters with MoE, trains in minutes on two cores. A small load-balancing
+    # loss keeps its routing from collapsing onto a few experts.
+    "tiny": ModelConfig(router_aux_loss_coef=1e-2),
     # Same shape, dense MLP of the same active width (2 experts x 256), for like-for-like runs.
     "dense": ModelConfig(n_experts=0, experts_per_token=0, dense_dim=512),
     # Lyra Small: seq 4096, d 2048, 16 layers, 16/4 heads of 128, window 128 on alternate layers,
     # o200k_harmony vocabulary; 16 experts top-2 of width 384 -> ~1.6B total / ~1.07B active.
     "lyra-small": ModelConfig(vocab_size=201088, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=4,
                               head_dim=128, sliding_window=128, n_experts=16, experts_per_token=2,
-                              expert_dim=384, max_seq_len=4096, bos_token_id=200006, eos_token_id=200007),
+                              expert_dim=384, max_seq_len=4096, bos_token_id=200006, eos_token_id=200007,
+                              router_aux_loss_coef=1e-2, router_z_loss_coef=1e-4),   # Lyra's coefficients
     # The released gpt-oss-20b shape.
     "gpt-oss-20b": ModelConfig(vocab_size=201088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8,
                                head_dim=64, sliding_window=128, n_experts=32, experts_per_token=4,

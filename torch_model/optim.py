@@ -160,7 +160,7 @@ def muon_adamw_update(params: dict[str, torch.Tensor], grads: dict[str, torch.Te
             new_params[name] = (p.float() - cfg.adam_lr * lr_scale * update).to(p.dtype)
             exp_avg[name], exp_avg_sq[name] = m, v
     new_state = {"step": step, "momentum": momentum, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    return new_params, new_state, {"grad_norm": grad_norm}
+    return new_params, new_state, {"grad_norm": grad_norm, "grad_norm_clipped": grad_norm * clip}
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -1,5 +1,15 @@
-"""The durability primitive shared by every atomic writer (shards, manifests, checkpoints)."""
+"""The durability primitives shared by every atomic writer (shards, manifests, checkpoints,
+exports): fsync, and a directory published whole by one rename."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
 import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from train.errors import UserError
 
 
 def fsync_path(path) -> None:
@@ -9,3 +19,67 @@ def fsync_path(path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fsync_path(Path(dirpath) / f)
+        fsync_path(Path(dirpath))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    _fsync_tree(tmp)
+    if not target.exists():
+        os.rename(tmp, target)
+    elif _exchange(tmp, target):
+        shutil.rmtree(tmp)                      # tmp now holds the previous contents
+    else:
+        # No atomic swap on this filesystem: a short window where the old copy sits at .old-*.
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.rename(target, old / "x")
+        os.rename(tmp, target)
+        shutil.rmtree(old)
+    fsync_path(target.parent)
+
+
+@contextlib.contextmanager
+def staged_dir(target: str | os.PathLike, *, replace: str = "never"):
+    """Yield a fresh hidden directory beside `target`; publish it as `target` on normal exit,
+    remove it on any exception (nothing partial is ever left).
+
+    replace: "never" refuses an existing non-empty target, "always" replaces it; a callable
+    path -> bool decides (used to replace only a previous checkpoint)."""
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{target}: expected a directory, found a file")
+    if target.is_dir() and any(target.iterdir()):
+        allowed = replace(target) if callable(replace) else replace == "always"
+        if not allowed:
+            hint = (" and holds no torchlyra checkpoint (refusing to replace it)" if callable(replace)
+                    else " (pass --overwrite to replace it)")
+            raise UserError(f"{target}: output directory exists and is not empty{hint}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):   # left by a killed writer
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)   # mkdtemp's 0700 would otherwise become the published mode
+    try:
+        yield tmp
+        _publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

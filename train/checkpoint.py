@@ -1,34 +1,73 @@
-"""Training checkpoints: one directory, published atomically.
+"""The one checkpoint format (version 2) and its one loader.
 
-Layout: `model.safetensors` (our state_dict names, float32) and `config.json` =
-{"format": "torchlyra-checkpoint", "version": 1, "model": ModelConfig.to_dict(), "step": int,
- ...extra keys such as "kernels", "tokenizer": {"dir": path relative to the checkpoint}}.
+A checkpoints directory (`RUN/checkpoints`) is an Orbax `CheckpointManager` directory: one
+directory per step, written asynchronously to `<step>.orbax-checkpoint-tmp` and renamed when
+complete (atomic finalize), the last K kept. Each step directory holds three Orbax items:
+  state/      the train state pytree {"params": {name: array}, "opt_state": {...}} (or
+              {"params"} only, from `torchlyra import`), saved and restored through shardings;
+  meta/       JSON: format, version, step, contents, layout, model config, train config,
+              kernels, tokenizer reference, loader state, counters;
+  tokenizer/  the tokenizer files (`train.tokenizer.save_tokenizer`);
+and, written after Orbax's rename, `torchlyra_manifest.json` (train/checkpoint_integrity.py):
+size and sha256 of every file. A step is complete only when its manifest verifies.
 
-A save writes a hidden temporary directory beside the target, fsyncs it, then swaps it in with
-one rename, so a crash at any point leaves either the previous checkpoint or the new one.
-One writer per target directory is assumed (process 0 of a run).
+`load_checkpoint(path)` serves generate / export / parity / eval: it accepts a run directory,
+a checkpoints directory (newest complete step) or one step directory and returns the per-layer
+torch state_dict whatever `layout` the parameters are stored in (`LAYOUTS`).
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import json
+import dataclasses
+import datetime
 import os
-import shutil
-import tempfile
+import sys
+import time
 from pathlib import Path
+from typing import Callable
 
-import safetensors.torch
+import numpy as np
 import torch
 
 from torch_model.config import ConfigError, ModelConfig
-from train.atomic import fsync_path
+from train.atomic import staged_dir
+from train.checkpoint_integrity import CheckpointDamaged, hooked_temporary_path, verify_manifest, write_manifest
 from train.errors import UserError
 from train.jsonfile import read_json
 
-FORMAT, VERSION = "torchlyra-checkpoint", 1
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-RESERVED = ("format", "version", "model", "step")
+FORMAT, VERSION = "torchlyra-checkpoint", 2
+STATE, META, TOKENIZER = "state", "meta", "tokenizer"
+DAMAGED_DIR = "damaged"                  # damaged steps are moved here (not a step name for Orbax)
+TRAIN_STATE, PARAMS_ONLY = "train_state", "params"
+
+
+def _orbax():
+    """orbax.checkpoint, with its absl log lines (e.g. about per-item metadata files it does not
+    write) kept to errors: the messages that matter here are ours."""
+    import absl.logging
+    import orbax.checkpoint as ocp
+
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    return ocp
+
+
+# ---- layouts: stored parameters -> per-layer torch names --------------------------------------
+def _per_layer(params: dict, cfg: ModelConfig) -> dict:
+    return params
+
+
+def _stacked(params: dict, cfg: ModelConfig) -> dict:
+    from jax_bridge.layer_stack import LayerLayout
+
+    return LayerLayout.for_config(cfg, stacked=True).unstack(params)
+
+
+# layout tag -> function(stored params, ModelConfig) -> {per-layer torch name: array}. "stacked":
+# the scanned layers' parameters with a leading layer axis (jax_bridge/layer_stack.py).
+LAYOUTS: dict[str, Callable[[dict, ModelConfig], dict]] = {"per_layer": _per_layer, "stacked": _stacked}
+
+
+class NoCheckpoint(UserError):
+    """A checkpoints directory holds no step at all."""
 
 
 # ---- shapes and validation -----------------------------------------------------------------
@@ -43,7 +82,7 @@ def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str) -> None:
-    """UserError naming the first missing, extra or wrongly shaped tensor (expected vs found)."""
+    """UserError naming the missing, extra or wrongly shaped tensors (expected vs found)."""
     missing = [n for n in expected if n not in found]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -53,9 +92,11 @@ def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise UserError(f"{where}: unexpected tensor {extra[0]} of shape {list(found[extra[0]])}{more}; "
                         f"the model config has no such parameter")
-    for name, shape in expected.items():
-        if tuple(found[name]) != tuple(shape):
-            raise UserError(f"{where}: tensor {name} has shape {list(found[name])}, expected {list(shape)}")
+    wrong = [n for n, shape in expected.items() if tuple(found[n]) != tuple(shape)]
+    if wrong:
+        listed = "; ".join(f"{n} has shape {list(found[n])}, expected {list(expected[n])}" for n in wrong[:3])
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise UserError(f"{where}: tensor {listed}{more}")
 
 
 def config_from_dict(d, where: str) -> ModelConfig:
@@ -70,146 +111,328 @@ def config_from_dict(d, where: str) -> ModelConfig:
         raise UserError(f"{where}: {e}") from None
 
 
-# ---- atomic directory publication ----------------------------------------------------------
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            fsync_path(Path(dirpath) / f)
-        fsync_path(Path(dirpath))
+def _flatten(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, prefix + (key,)))
+        else:
+            out[prefix + (key,)] = value
+    return out
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+# ---- the tokenizer item ----------------------------------------------------------------------
+def _tokenizer_item():
+    """(save args class, restore args class) of an Orbax item holding the tokenizer's files."""
+    ocp = _orbax()
+
+    global _TOKENIZER_ARGS
+    if _TOKENIZER_ARGS is not None:
+        return _TOKENIZER_ARGS
+
+    class TokenizerHandler(ocp.handlers.CheckpointHandler):
+        def save(self, directory, args):
+            import jax
+
+            from train.tokenizer import save_tokenizer
+            if jax.process_index() == 0:        # one writer for the shared files, as Orbax's JSON item
+                Path(directory).mkdir(parents=True, exist_ok=True)
+                save_tokenizer(args.encoding, Path(directory))
+
+        def restore(self, directory, args=None):
+            from train.tokenizer import load_tokenizer
+            return load_tokenizer(Path(directory))
+
+        def metadata(self, directory):
+            return None
+
+    @ocp.args.register_with_handler(TokenizerHandler, for_save=True)
+    @dataclasses.dataclass
+    class TokenizerSave(ocp.args.CheckpointArgs):
+        encoding: object
+
+    @ocp.args.register_with_handler(TokenizerHandler, for_restore=True)
+    @dataclasses.dataclass
+    class TokenizerRestore(ocp.args.CheckpointArgs):
+        pass
+
+    _TOKENIZER_ARGS = (TokenizerSave, TokenizerRestore)
+    return _TOKENIZER_ARGS
 
 
-def _publish(tmp: Path, target: Path) -> None:
-    _fsync_tree(tmp)
-    if not target.exists():
-        os.rename(tmp, target)
-    elif _exchange(tmp, target):
-        shutil.rmtree(tmp)                      # tmp now holds the previous contents
-    else:
-        # No atomic swap on this filesystem: a short window where the old copy sits at .old-*.
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.rename(target, old / "x")
-        os.rename(tmp, target)
-        shutil.rmtree(old)
-    fsync_path(target.parent)
+_TOKENIZER_ARGS = None
 
 
-@contextlib.contextmanager
-def staged_dir(target: str | os.PathLike, *, replace: str = "never"):
-    """Yield a fresh hidden directory beside `target`; publish it as `target` on normal exit,
-    remove it on any exception (nothing partial is ever left).
-
-    replace: "never" refuses an existing non-empty target, "always" replaces it; a callable
-    path -> bool decides (used to replace only a previous checkpoint)."""
-    target = Path(target)
-    if target.exists() and not target.is_dir():
-        raise UserError(f"{target}: expected a directory, found a file")
-    if target.is_dir() and any(target.iterdir()):
-        allowed = replace(target) if callable(replace) else replace == "always"
-        if not allowed:
-            hint = (" and holds no torchlyra checkpoint (refusing to replace it)" if callable(replace)
-                    else " (pass --overwrite to replace it)")
-            raise UserError(f"{target}: output directory exists and is not empty{hint}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.tmp-*"):   # left by a killed writer
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)   # mkdtemp's 0700 would otherwise become the published mode
-    try:
-        yield tmp
-        _publish(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+# ---- writing ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class SaveRecord:
+    step: int
+    blocking_s: float                 # time save() held the caller
+    total_s: float | None = None      # until the manifest was written
+    bytes: int | None = None
 
 
-# ---- save / load ---------------------------------------------------------------------------
-def _is_checkpoint(path: Path) -> bool:
-    try:
-        return json.loads((path / CONFIG_FILE).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+class CheckpointWriter:
+    """Periodic checkpoints of a run into `root`: asynchronous, atomic, the last `keep` kept.
+    Every process of a multi-host run calls save() (Orbax writes each process's shards); the
+    manifest is written by the primary process after Orbax's rename."""
+
+    def __init__(self, root: str | os.PathLike, *, keep: int):
+        ocp = _orbax()
+
+        self.root = Path(root).absolute()      # Orbax (tensorstore) refuses relative paths
+        self.root.mkdir(parents=True, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True, create=True,
+            temporary_path_class=hooked_temporary_path(self._step_written))
+        self._manager = ocp.CheckpointManager(self.root, options=options, item_names=(STATE, META, TOKENIZER))
+        self.records: list[SaveRecord] = []
+        self._started: dict[int, float] = {}
+
+    def _step_written(self, final: Path) -> None:
+        size = write_manifest(final)
+        record = next((r for r in self.records if r.step == int(final.name)), None)
+        if record is not None:
+            record.total_s, record.bytes = time.perf_counter() - self._started[record.step], size
+
+    def save(self, step: int, state: dict, meta: dict, tokenizer=None) -> SaveRecord:
+        """Start writing `state` (a pytree of jax arrays) with JSON `meta`; returns once the
+        arrays are copied off the devices, so the caller may donate them to the next step."""
+        ocp = _orbax()
+
+        items = {STATE: ocp.args.StandardSave(state),
+                 META: ocp.args.JsonSave(_meta(step, meta, state, tokenizer))}
+        if tokenizer is not None:
+            items[TOKENIZER] = _tokenizer_item()[0](tokenizer)
+        start = time.perf_counter()
+        self._started[step] = start
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        record = SaveRecord(step, time.perf_counter() - start)
+        self.records.append(record)
+        return record
+
+    def wait(self) -> None:
+        """Block until the last save is complete (manifest written)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _meta(step: int, meta: dict, state: dict, tokenizer) -> dict:
+    reserved = {"format", "version", "step", "contents"}
+    clash = reserved & set(meta)
+    if clash:
+        raise ValueError(f"checkpoint meta may not set reserved key(s) {sorted(clash)}")
+    out = {"format": FORMAT, "version": VERSION, "step": int(step),
+           "contents": TRAIN_STATE if "opt_state" in state else PARAMS_ONLY, "layout": "per_layer", **meta}
+    if tokenizer is not None:
+        out["tokenizer"] = {"dir": TOKENIZER, "name": tokenizer.name}
+    return out
 
 
 def save_checkpoint(dir: str | os.PathLike, model_state: dict[str, torch.Tensor], model_cfg: ModelConfig, *,
                     step: int = 0, extra: dict | None = None, tokenizer=None, overwrite: bool | None = None) -> Path:
-    """Write a checkpoint atomically. By default (overwrite=None) an existing checkpoint at `dir`
-    is replaced and any other non-empty directory refused; True replaces anything, False nothing.
-    `tokenizer` (a tiktoken Encoding) is saved inside the same atomic write and recorded as
-    {"tokenizer": {"dir": "."}}."""
-    extra = dict(extra or {})
-    clash = [k for k in RESERVED if k in extra]
-    if clash:
-        raise ValueError(f"save_checkpoint: extra may not set reserved key(s) {clash}")
+    """Write a parameters-only checkpoint (what `torchlyra import` makes; `--init-from` starts a
+    run from it) as a checkpoints directory holding one step. The whole directory is published
+    atomically. overwrite=None replaces an existing checkpoint and refuses any other non-empty
+    directory; True replaces anything, False nothing."""
+    import jax
+
     check_tensors({k: tuple(v.shape) for k, v in model_state.items()}, model_shapes(model_cfg),
                   f"save_checkpoint({dir})")
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model_state.items()}
-    if tokenizer is not None:
-        extra["tokenizer"] = {"dir": "."}
-    config = {"format": FORMAT, "version": VERSION, "model": model_cfg.to_dict(), "step": int(step), **extra}
-    policy = _is_checkpoint if overwrite is None else ("always" if overwrite else "never")
+    params = {k: jax.numpy.asarray(v.detach().to("cpu", torch.float32).numpy()) for k, v in model_state.items()}
+    meta = {"model": model_cfg.to_dict(), **(extra or {})}
+    policy = _holds_checkpoint if overwrite is None else ("always" if overwrite else "never")
     with staged_dir(dir, replace=policy) as tmp:
-        safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if tokenizer is not None:
-            from train.tokenizer import save_tokenizer
-            save_tokenizer(tokenizer, tmp)
+        writer = CheckpointWriter(tmp, keep=1)
+        writer.save(step, {"params": params}, meta, tokenizer)
+        writer.close()
     return Path(dir)
 
 
-def read_config(dir: str | os.PathLike) -> tuple[dict, ModelConfig]:
-    """(config.json as a dict, its ModelConfig), validated; for callers that need no tensors."""
-    dir = Path(dir)
-    if not dir.is_dir():
-        raise UserError(f"{dir}: checkpoint directory not found")
-    path = dir / CONFIG_FILE
-    if not path.is_file():
-        raise UserError(f"{path}: expected a torchlyra checkpoint config, found no file")
-    config = read_json(path)
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
-        found = config.get("format") if isinstance(config, dict) else type(config).__name__
-        hint = " (a Hugging Face model? use `torchlyra import`)" if isinstance(config, dict) and "model_type" in config else ""
-        raise UserError(f"{path}: field 'format' expected {FORMAT!r}, found {found!r}{hint}")
-    if config.get("version") != VERSION:
-        raise UserError(f"{path}: field 'version' expected {VERSION}, found {config.get('version')!r}")
-    if not isinstance(config.get("step", 0), int):
-        raise UserError(f"{path}: field 'step' expected an integer, found {config.get('step')!r}")
-    return config, config_from_dict(config.get("model"), f"{path} field 'model'")
-
-
-def load_checkpoint(dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
-    """(state_dict, ModelConfig, meta): meta is config.json without "model" (step, kernels,
-    tokenizer, ...). Every tensor is checked against the config: names, shapes, float32."""
-    config, cfg = read_config(dir)
-    weights = Path(dir) / WEIGHTS_FILE
-    if not weights.is_file():
-        raise UserError(f"{weights}: expected the checkpoint's weights, found no file")
+def _holds_checkpoint(path: Path) -> bool:
     try:
-        state = safetensors.torch.load_file(str(weights))
-    except Exception as e:   # safetensors raises its own error types for truncated/garbled files
-        raise UserError(f"{weights}: unreadable safetensors file ({type(e).__name__}: {e})") from None
-    check_tensors({k: tuple(v.shape) for k, v in state.items()}, model_shapes(cfg), str(weights))
-    for name, t in state.items():
-        if t.dtype != torch.float32:
-            raise UserError(f"{weights}: tensor {name} has dtype {t.dtype}, expected torch.float32")
-    meta = {k: v for k, v in config.items() if k != "model"}
-    meta.setdefault("step", 0)
-    return state, cfg, meta
+        return bool(step_dirs(path)) or _is_step_dir(path)
+    except UserError:
+        return False
+
+
+# ---- locating and verifying ---------------------------------------------------------------
+def _is_step_dir(path: Path) -> bool:
+    return (path / META).is_dir() and (path / STATE).is_dir()
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every finalized step directory under `root`, oldest first."""
+    return sorted((int(p.name), p) for p in Path(root).iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def checkpoints_root(path: str | os.PathLike) -> Path | None:
+    """The checkpoints directory named by `path` (a run directory or the directory itself), or
+    None when `path` is one step directory. UserError for anything else."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: checkpoint directory not found")
+    if _is_step_dir(path):
+        return None
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    if any(p.name.isdigit() or p.name == DAMAGED_DIR or ".orbax-checkpoint-tmp" in p.name for p in path.iterdir()):
+        return path
+    config = path / "config.json"
+    if config.is_file():
+        found = read_json(config)
+        if isinstance(found, dict) and found.get("format") == FORMAT:
+            raise UserError(f"{path}: a version-{found.get('version')} torchlyra checkpoint (model.safetensors + "
+                            f"config.json), a format this version no longer reads; expected version {VERSION} "
+                            f"(Orbax step directories). Retrain, or export it to Hugging Face with the torchlyra "
+                            f"that wrote it and bring it back with `torchlyra import`")
+        if isinstance(found, dict) and "model_type" in found:
+            raise UserError(f"{path}: a Hugging Face model directory, not a torchlyra checkpoint; convert it "
+                            f"with `torchlyra import --hf {path} --out DIR`")
+    raise UserError(f"{path}: no torchlyra checkpoint here (expected a run directory, its checkpoints/ "
+                    f"directory, or one step directory holding {STATE}/ and {META}/)")
+
+
+def move_aside(step_dir: Path) -> Path:
+    """Move a damaged step out of Orbax's sight (so the step can be saved again); returns where."""
+    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    dest = step_dir.parent / DAMAGED_DIR / f"step-{step_dir.name}-{stamp}"
+    dest.parent.mkdir(exist_ok=True)
+    os.rename(step_dir, dest)
+    return dest
+
+
+def find_checkpoint(path: str | os.PathLike, *, move_damaged: bool = False,
+                    report: Callable[[str], None] | None = None) -> Path:
+    """The newest complete, verified step directory named by `path`. Damaged or incomplete newer
+    steps are reported in one line each (and moved aside when `move_damaged`: only the run that
+    owns the directory should) and the previous step is used. A step directory named directly
+    must verify itself."""
+    report = report or (lambda line: print(line, file=sys.stderr))
+    root = checkpoints_root(path)
+    if root is None:
+        verify_manifest(Path(path))
+        return Path(path)
+    steps = step_dirs(root)
+    if not steps:
+        raise NoCheckpoint(f"{root}: holds no checkpoint")
+    problems = []
+    for _, step_dir in reversed(steps):
+        try:
+            verify_manifest(step_dir)
+            return step_dir
+        except CheckpointDamaged as e:
+            problems.append(str(e))
+            where = f"; moved to {move_aside(step_dir)}" if move_damaged else ""
+            report(f"warning: {e}{where}; trying the previous checkpoint")
+    raise UserError(f"{root}: no complete checkpoint ({problems[0]}" + (f"; {len(problems) - 1} older ones too"
+                    if len(problems) > 1 else "") + "). Restore the directory from a copy, or start a new run "
+                    "(another --out, or --init-from a parameters checkpoint)")
+
+
+def read_meta(step_dir: Path) -> tuple[dict, ModelConfig]:
+    """(meta, its ModelConfig) of one step directory, validated."""
+    path = step_dir / META / "metadata"
+    if not path.is_file():
+        raise CheckpointDamaged(f"checkpoint {step_dir}: {META}/metadata is missing")
+    meta = read_json(path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise UserError(f"{path}: field 'format' expected {FORMAT!r}, found {found!r}")
+    if meta.get("version") != VERSION:
+        raise UserError(f"{path}: field 'version' expected {VERSION}, found {meta.get('version')!r}")
+    if not isinstance(meta.get("step"), int):
+        raise UserError(f"{path}: field 'step' expected an integer, found {meta.get('step')!r}")
+    if meta.get("layout") not in LAYOUTS:
+        raise UserError(f"{path}: field 'layout' is {meta.get('layout')!r}; this version reads {sorted(LAYOUTS)}")
+    meta["step_dir"] = str(step_dir.resolve())
+    return meta, config_from_dict(meta.get("model"), f"{path} field 'model'")
+
+
+# ---- restoring ----------------------------------------------------------------------------------
+def stored_shapes(step_dir: Path) -> dict[tuple, tuple[tuple[int, ...], str]]:
+    """Flattened path -> (shape, dtype) of every array in the step's state item (no data read)."""
+    ocp = _orbax()
+
+    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(Path(step_dir).absolute() / STATE)
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+    return {k: (tuple(v.shape), str(v.dtype)) for k, v in _flatten(dict(tree)).items()}
+
+
+def _check_target(step_dir: Path, stored: dict, target: dict) -> None:
+    """Refuse a restore whose target differs from what is stored, naming the tensors."""
+    def names(flat):
+        return {"/".join(map(str, k)): tuple(v) for k, v in flat.items()}
+
+    found = names({k: s for k, (s, _) in stored.items() if k[0] in {t[0] for t in target}})
+    check_tensors(found, names(target), f"checkpoint {step_dir}")
+
+
+def restore_train_state(step_dir: str | os.PathLike, target: dict, *, layout: str = "per_layer") -> dict:
+    """Restore {"params", "opt_state"} onto `target`, a matching pytree of jax arrays or
+    `jax.ShapeDtypeStruct`s whose `.sharding` says where each array goes (any mesh: Orbax reads
+    only each device's shards)."""
+    import jax
+    ocp = _orbax()
+
+    step_dir = Path(step_dir)
+    meta, _ = read_meta(step_dir)
+    if meta.get("contents") != TRAIN_STATE:
+        raise UserError(f"checkpoint {step_dir} holds parameters only (contents={meta.get('contents')!r}): "
+                        f"start a new run from it with --init-from, not --resume")
+    if meta["layout"] != layout:
+        raise UserError(f"checkpoint {step_dir} stores layout {meta['layout']!r}, this run uses {layout!r}")
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), target)
+    _check_target(step_dir, stored_shapes(step_dir), {k: v.shape for k, v in _flatten(abstract).items()})
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+        step_dir.absolute() / STATE, args=ocp.args.StandardRestore(abstract))
+
+
+def _restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray]:
+    ocp = _orbax()
+
+    shapes = {k[1]: s for k, (s, _) in stored.items() if k[0] == "params"}
+    item = {"params": {n: np.zeros(0, np.float32) for n in shapes}}
+    restore_args = {"params": {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in shapes}}
+    restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+        step_dir.absolute() / STATE, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                                                 partial_restore=True))
+    return restored["params"]
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
+    """(state_dict with per-layer torch names, ModelConfig, meta) of the newest complete
+    checkpoint named by `path` (run directory, checkpoints directory or step directory).
+    meta holds everything but "model", plus "step_dir" (where it was read from)."""
+    step_dir = find_checkpoint(path)
+    meta, cfg = read_meta(step_dir)
+    stored = stored_shapes(step_dir)
+    where = f"checkpoint {step_dir}"
+    for key, (_, dtype) in stored.items():
+        if key[0] == "params" and dtype != "float32":
+            raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected float32")
+    params = LAYOUTS[meta["layout"]](_restore_params_to_host(step_dir, stored), cfg)
+    check_tensors({k: tuple(v.shape) for k, v in params.items()}, model_shapes(cfg), where)
+    state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in params.items()}
+    return state, cfg, {k: v for k, v in meta.items() if k != "model"}
+
+
+def check_same_tokenizer(checkpoint_tokenizer, data_tokenizer, where: str, data_dir) -> None:
+    """Refuse data tokenized differently from what a checkpoint was trained on."""
+    same = (checkpoint_tokenizer._mergeable_ranks == data_tokenizer._mergeable_ranks   # no public accessor
+            and checkpoint_tokenizer._special_tokens == data_tokenizer._special_tokens)
+    if not same:
+        raise UserError(f"{where} was trained with tokenizer {checkpoint_tokenizer.name!r}, but {data_dir} is "
+                        f"tokenized with {data_tokenizer.name!r} (a different vocabulary): use data prepared "
+                        f"with the checkpoint's tokenizer")
 
 
 def tokenizer_dir(checkpoint_dir: str | os.PathLike, meta: dict) -> Path | None:
-    """The tokenizer directory named by meta["tokenizer"]["dir"] (relative to the checkpoint)."""
-    d = (meta.get("tokenizer") or {}).get("dir")
-    return None if d is None else (Path(checkpoint_dir) / d).resolve()
+    """The tokenizer directory of the checkpoint `meta` was read from (None if it has none)."""
+    ref = meta.get("tokenizer") or {}
+    if ref.get("dir") is None:
+        return None
+    base = Path(meta["step_dir"]) if "step_dir" in meta else Path(checkpoint_dir)
+    return (base / ref["dir"]).resolve()

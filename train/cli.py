@@ -12,6 +12,8 @@ import sys
 COMMANDS = {
     "prepare": ("train.prepare", "build the default data set (tokenizer + ArrayRecord shards)"),
     "train": ("train.loop", "train a model on prepared data"),
+    "eval": ("train.evaluation", "validation loss and bits per byte of a checkpoint"),
+    "plot": ("train.plots", "plot a run's metrics (loss, learning rate, gradient norm, throughput, expert load)"),
     "generate": ("train.generate", "sample from a checkpoint"),
     "export": ("parity.hf_export", "write a checkpoint as a Hugging Face GptOss directory"),
     "import": ("parity.hf_import", "read a Hugging Face GptOss directory into a checkpoint"),

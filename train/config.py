@@ -32,6 +32,12 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 10
+    checkpoint_every: int = 100    # steps between periodic checkpoints (the last step is always saved)
+    keep_checkpoints: int = 3      # the newest K are kept
+    resume: bool = False           # continue from the newest complete checkpoint in `out`
+    init_from: str | None = None   # parameters from this checkpoint, fresh optimizer state
+    tensorboard: bool = False      # also write TensorBoard event files to out/tensorboard
+    max_consecutive_skips: int = 20   # non-finite steps in a row before the run stops
     samples: int = 2
     sample_tokens: int = 120
     temperature: float = 0.8
@@ -39,7 +45,8 @@ class TrainConfig:
     model: dict = field(default_factory=dict)      # ModelConfig overrides
 
     def __post_init__(self):
-        positive = ("steps", "batch_size", "micro_batches", "eval_every", "log_every")
+        positive = ("steps", "batch_size", "micro_batches", "eval_every", "log_every", "checkpoint_every",
+                    "keep_checkpoints", "max_consecutive_skips")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -64,6 +71,26 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# What a resumed run may change; every other field must match the checkpoint's, or the resumed
+# run would not continue the same training (model, data, batch, sequence, optimizer, schedule).
+CHANGEABLE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+                        "tensorboard", "max_consecutive_skips", "samples", "sample_tokens", "temperature", "top_k",
+                        "kernels", "mesh", "remat", "out", "resume", "init_from")
+
+
+def resumed_config(saved: dict, explicit: dict, where: str) -> TrainConfig:
+    """The checkpoint's TrainConfig with the explicitly given settings applied; a setting that
+    may not change on resume is refused naming the field."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    base = {k: v for k, v in saved.items() if k in known}
+    for name, value in explicit.items():
+        if name not in CHANGEABLE_ON_RESUME and name in base and base[name] != value:
+            raise UserError(f"--resume: {name} is {value!r} here but {base[name]!r} in {where}; a resumed run "
+                            f"may change only {', '.join(CHANGEABLE_ON_RESUME[:-3])} (start a new run, or "
+                            f"--init-from its checkpoint, to change {name})")
+    return TrainConfig(**{**base, **explicit, "resume": True})
 
 
 def load_config_file(path: str) -> dict:

@@ -1,0 +1,110 @@
+"""What makes a checkpoint step complete: the hash manifest written after Orbax renames the step
+into place (Orbax does not checksum array bytes) and verified before any read, the Orbax
+temporary-path hook that writes it, and the fault-injection points tests kill the process at.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Callable
+
+from train.errors import UserError
+from train.shards import sha256_file, write_atomic
+
+MANIFEST_FILE = "torchlyra_manifest.json"
+# Fault injection for tests, "N" or "N@K": SIGKILL this process once N files of the checkpoint it
+# is saving (the K-th save of the process, default the first) are on disk, checked as each item is
+# finalized, before and after the step's rename, and after the manifest.
+FAULT_ENV = "TORCHLYRA_FAULT_KILL_AFTER_CHECKPOINT_FILES"
+
+
+class CheckpointDamaged(UserError):
+    """A step directory is incomplete or fails its manifest; the message says which file."""
+
+
+# ---- the hash manifest ---------------------------------------------------------------------
+def _files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def _hash_all(paths: list[Path]) -> list[str]:
+    # hashlib releases the GIL on large buffers: a few threads hash a big checkpoint faster.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
+def write_manifest(step_dir: Path) -> int:
+    """Record size and sha256 of every file of a finalized step; returns the total bytes."""
+    files = _files(step_dir)
+    digests = _hash_all(files)
+    entries = {str(p.relative_to(step_dir)): {"bytes": p.stat().st_size, "sha256": h} for p, h in zip(files, digests)}
+    manifest = {"format": "torchlyra-checkpoint-manifest", "version": 1, "files": entries}
+    write_atomic(step_dir / MANIFEST_FILE, (json.dumps(manifest, indent=1) + "\n").encode())
+    return sum(e["bytes"] for e in entries.values())
+
+
+def verify_manifest(step_dir: Path) -> None:
+    """CheckpointDamaged naming the first missing, resized or altered file (or the absent manifest)."""
+    path = step_dir / MANIFEST_FILE
+    if not path.is_file():
+        raise CheckpointDamaged(f"checkpoint {step_dir} is incomplete (no {MANIFEST_FILE}: the process "
+                                f"stopped while saving it)")
+    try:
+        entries = json.loads(path.read_text())["files"]
+        expected = {rel: (int(e["bytes"]), str(e["sha256"])) for rel, e in entries.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointDamaged(f"checkpoint {step_dir}: {MANIFEST_FILE} is unreadable ({type(e).__name__})") from None
+    for rel, (size, _) in expected.items():
+        file = step_dir / rel
+        if not file.is_file():
+            raise CheckpointDamaged(f"checkpoint {step_dir} is damaged: file {rel} is missing")
+        if file.stat().st_size != size:
+            raise CheckpointDamaged(f"checkpoint {step_dir} is damaged: file {rel} has {file.stat().st_size} "
+                                    f"bytes, expected {size}")
+    rels = sorted(expected)
+    for rel, found in zip(rels, _hash_all([step_dir / r for r in rels])):
+        if found != expected[rel][1]:
+            raise CheckpointDamaged(f"checkpoint {step_dir} is damaged: file {rel} fails its sha256 "
+                                    f"(altered since it was written)")
+
+
+# ---- fault injection (tests) ---------------------------------------------------------------
+_saves_done = 0      # checkpoints this process completed (for FAULT_ENV)
+
+
+def _count_files(step_dir: Path) -> int:
+    return sum(1 for p in step_dir.rglob("*") if p.is_file())
+
+
+def _fault_point(step_dir: Path) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    files, _, save = spec.partition("@")
+    if _saves_done + 1 == int(save or 1) and _count_files(step_dir) >= int(files):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hooked_temporary_path(on_step_written: Callable[[Path], None]):
+    """Orbax's atomic-rename temporary path, plus: after a step directory is renamed into place,
+    `on_step_written(final_dir)` (the manifest); and the fault-injection points."""
+    from orbax.checkpoint._src.path import atomicity
+
+    class ManifestedTemporaryPath(atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            tmp, final = Path(self.get()), Path(self.get_final())
+            is_step = not final.parent.name.endswith(atomicity.TMP_DIR_SUFFIX)   # items live inside a step
+            _fault_point(tmp if is_step else tmp.parent)
+            await super().finalize(*args, **kwargs)
+            if is_step:
+                global _saves_done
+                _fault_point(final)
+                await asyncio.to_thread(on_step_written, final)
+                _fault_point(final)
+                _saves_done += 1
+
+    return ManifestedTemporaryPath

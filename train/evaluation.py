@@ -1,0 +1,133 @@
+"""Validation loss and bits per byte; `torchlyra eval --checkpoint DIR [--data DIR] [--json OUT]`.
+
+Bits per byte divide the model's cross-entropy by the UTF-8 bytes of the text the predicted
+tokens stand for (each token's byte length from the tokenizer; special tokens such as BOS count
+0 bytes and their predictions are left out), so runs with different tokenizers compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from train.errors import UserError
+
+
+def token_byte_lengths(tokenizer, vocab_size: int) -> np.ndarray:
+    """[vocab_size] int32: UTF-8 bytes of each token id; 0 for special tokens and padding ids."""
+    lengths = np.zeros(vocab_size, np.int32)
+    specials = {tokenizer.encode_single_token(s) for s in tokenizer.special_tokens_set}
+    for i in range(min(tokenizer.n_vocab, vocab_size)):
+        if i not in specials:
+            try:
+                lengths[i] = len(tokenizer.decode_single_token_bytes(i))
+            except KeyError:       # an unassigned id inside the vocabulary
+                pass
+    return lengths
+
+
+class Evaluator:
+    """Validation loss (mean cross-entropy over every target, as the training loss) and bits per
+    byte over a fixed list of batches [batch, seq_len + 1], with the train step's kernels."""
+
+    def __init__(self, step, batches: list[np.ndarray], byte_lengths: np.ndarray):
+        import jax
+        import jax.numpy as jnp
+
+        from torch_model.model import IGNORE_INDEX
+
+        if not batches:
+            raise UserError("evaluation: the validation split gave no batch")
+        self.step = step
+        self.batches = [np.asarray(b, np.int32) for b in batches]
+        self.byte_lengths = byte_lengths
+        lengths = jnp.asarray(byte_lengths)
+
+        def losses(params, tokens):
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            _, every = step.loss_and_metrics(params, inputs, labels)
+            text_labels = jnp.where(lengths[labels] > 0, labels, IGNORE_INDEX)
+            _, text = step.loss_and_metrics(params, inputs, text_labels)   # XLA shares the forward
+            return every["ce"], text["ce"]
+
+        self._losses = jax.jit(losses)
+
+    def __call__(self, params) -> dict:
+        from jax_bridge.distributed import sum_over_processes
+
+        ce, text_ce, counts = [], [], []
+        for batch in self.batches:      # this process's rows of each batch
+            every, text = self._losses(params, self.step.place_batch(batch, 0))
+            lengths = self.byte_lengths[batch[:, 1:]]
+            ce.append(float(every))
+            text_ce.append(float(text))
+            counts.append([int((lengths > 0).sum()), int(lengths.sum()), batch[:, 1:].size])
+        text_tokens, text_bytes, tokens = sum_over_processes(np.array(counts, np.int64)).T   # per batch
+        nats = float(np.dot(text_ce, text_tokens))
+        return {"val_loss": float(np.mean(ce)), "val_bpb": nats / (math.log(2) * max(int(text_bytes.sum()), 1)),
+                "val_tokens": int(tokens.sum()), "val_bytes": int(text_bytes.sum())}
+
+
+# ---- command line ---------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, help="run directory, checkpoints directory or step directory")
+    parser.add_argument("--data", help="prepared data directory (default: the one the run trained on)")
+    parser.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
+    parser.add_argument("--kernels", default="xla", help="kernel choice, as for `train --kernels`")
+    parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
+
+
+def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: int | None = None,
+                        kernels: str = "xla") -> dict:
+    import torch
+
+    from jax_bridge import registry
+    from jax_bridge.lowering import params_to_jax
+    from jax_bridge.step import StepConfig, TrainStep
+    from torch_model.model import GptOssForCausalLM
+    from train.checkpoint import check_same_tokenizer, load_checkpoint, tokenizer_dir
+    from train.config import TrainConfig
+    from train.loader import TokenLoader
+    from train.tokenizer import load_tokenizer
+
+    state, model_cfg, meta = load_checkpoint(checkpoint)
+    run_cfg = TrainConfig(**{k: v for k, v in (meta.get("train_config") or {}).items()
+                             if k in TrainConfig.__dataclass_fields__})
+    data = data or (meta.get("train_config") or {}).get("data")
+    if not data:
+        raise UserError(f"checkpoint {meta['step_dir']} names no data directory: pass --data DIR")
+    data_tokenizer = load_tokenizer(data)
+    tok_dir = tokenizer_dir(checkpoint, meta)
+    if tok_dir is not None:
+        check_same_tokenizer(load_tokenizer(tok_dir), data_tokenizer, f"checkpoint {meta['step_dir']}", data)
+    n_batches = batches if batches is not None else run_cfg.eval_batches
+    if n_batches <= 0:
+        raise UserError(f"--batches must be > 0, found {n_batches}")
+    loader = TokenLoader(data, "val", batch_size=run_cfg.batch_size, seq_len=run_cfg.seq_len, seed=run_cfg.seed,
+                         vocab_size=model_cfg.vocab_size)
+    model = GptOssForCausalLM(model_cfg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    try:
+        step = TrainStep(model, step_cfg=StepConfig(kernels=kernels, compute_dtype=run_cfg.compute_dtype))
+    except registry.KernelError as e:
+        raise UserError(str(e)) from None
+    evaluator = Evaluator(step, list(loader.iter_eval_batches(n_batches)),
+                          token_byte_lengths(data_tokenizer, model_cfg.vocab_size))
+    result = evaluator(params_to_jax(model))
+    return {"checkpoint": meta["step_dir"], "step": meta["step"], "data": str(data), "split": "val",
+            "batches": len(evaluator.batches), **result}
+
+
+def run(args) -> int:
+    result = evaluate_checkpoint(args.checkpoint, data=args.data, batches=args.batches, kernels=args.kernels)
+    print(f"checkpoint {result['checkpoint']} (step {result['step']}) on {result['data']} ({result['split']}, "
+          f"{result['val_tokens']:,} tokens, {result['val_bytes']:,} bytes):")
+    print(f"  validation loss  {result['val_loss']:.4f} nats/token")
+    print(f"  bits per byte    {result['val_bpb']:.4f}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"  written to {args.json_out}")
+    return 0

@@ -1,0 +1,386 @@
+"""What a training run does around the one-jit step, one method per job: setup (new run,
+`--init-from`, `--resume`), one optimizer step, logging, evaluation, checkpoints, stopping and
+finishing (plots, samples, summary). `train/loop.py` strings them together.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from jax_bridge.distributed import say
+from train import checkpoint, flops
+from train.config import TrainConfig, resumed_config
+from train.errors import UserError
+from train.metrics import MetricsWriter, StepTimer, expert_load
+
+DEFAULT_PROMPTS = ["ROMEO:", "First Citizen:\nWe are"]
+
+
+class TrainingStopped(UserError):
+    """The run stopped early on a problem (diverged, data error) after checkpointing its last good
+    state; the message says where and how to go on."""
+
+
+def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int):
+    from torch_model.config import ConfigError, get_preset
+
+    try:
+        model_cfg = get_preset(cfg.preset).replace(**cfg.model)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    return model_cfg.replace(bos_token_id=bos, eos_token_id=bos, max_seq_len=cfg.seq_len)
+
+
+def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | None, dict | None]:
+    """(config, step directory, meta) of the checkpoint a --resume continues from, or (cfg, None,
+    None) for a new run. A damaged newest checkpoint is reported, moved aside, and skipped."""
+    import jax
+
+    build_model_config(cfg, vocab_size=0, bos=0)       # a bad preset/model override fails first
+    out = Path(cfg.out)
+    root = out / "checkpoints"
+    newest = checkpoint.step_dirs(root)[-1][0] if root.is_dir() and checkpoint.step_dirs(root) else None
+    if not cfg.resume:
+        if newest is not None:
+            raise UserError(f"{out} already holds a run (checkpoints up to step {newest}): pass --resume "
+                            f"to continue it, or choose another --out")
+        return cfg, None, None
+    try:
+        step_dir = checkpoint.find_checkpoint(root, move_damaged=jax.process_index() == 0) if root.is_dir() else None
+    except checkpoint.NoCheckpoint:
+        step_dir = None
+    if step_dir is None:
+        say(f"--resume: no checkpoint in {root}; starting a new run")
+        return cfg, None, None
+    meta, _ = checkpoint.read_meta(step_dir)
+    if not isinstance(meta.get("train_config"), dict) or meta.get("contents") != checkpoint.TRAIN_STATE:
+        raise UserError(f"checkpoint {step_dir} is not a training checkpoint (no train state); start a new "
+                        f"run from its parameters with --init-from {step_dir}")
+    return resumed_config(meta["train_config"], {**explicit, "out": cfg.out}, str(step_dir)), step_dir, meta
+
+
+def build_mesh(cfg: TrainConfig):
+    """The run's device mesh: `--mesh`, or every device on `fsdp`; None on a single device."""
+    import jax
+
+    from jax_bridge import sharding
+
+    if not cfg.mesh and jax.device_count() == 1:
+        return None
+    try:
+        return sharding.make_mesh(cfg.mesh or None)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume_dir: Path | None = None, meta: dict | None = None, *,
+                 explicit: dict | None = None, show_progress: bool = True):
+        """A new run (meta None) or one resumed from `resume_dir` (see resume_point)."""
+        import jax
+
+        from jax_bridge import registry
+        from jax_bridge.step import StepConfig, TrainState, TrainStep
+        from torch_model.model import GptOssForCausalLM
+        from torch_model.optim import OptimizerConfig
+        from train.evaluation import Evaluator, token_byte_lengths
+        from train.loader import TokenLoader
+        from train.tokenizer import bos_id, load_tokenizer
+
+        self.out, self.primary, self.cfg = Path(cfg.out), jax.process_index() == 0, cfg
+        if meta:
+            say(f"resuming from {resume_dir} (step {meta['step']})")
+        try:
+            registry.resolve(cfg.kernels)          # a bad kernel choice fails before any work
+        except registry.KernelError as e:
+            raise UserError(str(e)) from None
+        self.tokenizer = load_tokenizer(cfg.data)
+        self.model_cfg, init_state = self._model_config(meta, explicit or {}, bos_id(self.tokenizer))
+        if self.tokenizer.n_vocab > self.model_cfg.vocab_size:
+            raise UserError(f"data vocabulary ({self.tokenizer.n_vocab}) is larger than the model's vocab_size "
+                            f"({self.model_cfg.vocab_size}); set model.vocab_size >= {self.tokenizer.n_vocab}")
+        # batch_size is the GLOBAL batch: every process reads the same stream and keeps its rows.
+        if cfg.batch_size % jax.process_count():
+            raise UserError(f"config: batch_size ({cfg.batch_size}, the global batch) must be a multiple of the "
+                            f"number of processes ({jax.process_count()})")
+        rows = cfg.batch_size // jax.process_count()
+        self.rows = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+        loader_args = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                           vocab_size=self.model_cfg.vocab_size)
+        self.train_data = TokenLoader(cfg.data, "train", **loader_args)
+        val_data = TokenLoader(cfg.data, "val", **loader_args)
+
+        torch.manual_seed(cfg.seed)
+        self.model = GptOssForCausalLM(self.model_cfg)
+        if init_state is not None:
+            self.model.load_state_dict(init_state)
+        opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay)
+        self.mesh = build_mesh(cfg)
+        try:
+            self.step = TrainStep(self.model, opt_cfg, StepConfig(
+                kernels=cfg.kernels, compute_dtype=cfg.compute_dtype, micro_batches=cfg.micro_batches,
+                scan_layers=cfg.scan_layers, remat=cfg.remat), mesh=self.mesh)
+        except (registry.KernelError, ValueError) as e:
+            raise UserError(str(e)) from None
+        self.state = self.step.init_state()
+        self.done, self.counters = 0, {"skipped_total": 0, "consecutive_skips": 0, "last_good_step": 0}
+        if meta:
+            restored = checkpoint.restore_train_state(resume_dir, self.state._asdict(), layout=self.step.layout)
+            self.state = TrainState(**restored)
+            self.train_data.load_state_dict(meta["loader"])
+            self.done, self.counters = meta["step"], dict(meta.get("counters", self.counters))
+        self.evaluator = Evaluator(self.step, [b[self.rows] for b in val_data.iter_eval_batches(cfg.eval_batches)],
+                                   token_byte_lengths(self.tokenizer, self.model_cfg.vocab_size))
+
+        self.checkpoints = checkpoint.CheckpointWriter(self.out / "checkpoints", keep=cfg.keep_checkpoints)
+        self.last_saved = self.done if meta else None
+        self.peak, self.peak_source = flops.peak_flops(cfg.compute_dtype)
+        self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
+        self.timer, self._pending_skip, self._skipped_since_log, self.start_time = StepTimer(), None, 0, time.perf_counter()
+        self.last_eval: dict = {}
+        self._loader_state = None        # set while a read is in flight (see next_batch)
+        self.metrics = self._open_metrics(resume_dir, meta)
+        self.bar = tqdm(total=cfg.steps, initial=self.done, desc="train", dynamic_ncols=True,
+                        disable=not (show_progress and self.primary))
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _model_config(self, meta: dict | None, explicit: dict, bos: int):
+        """(ModelConfig, initial parameters or None): a resumed run's from its checkpoint, an
+        --init-from run's from that checkpoint (an explicit preset/model must have its shapes),
+        a new run's from the preset and overrides."""
+        cfg = self.cfg
+        if meta:
+            return checkpoint.config_from_dict(meta["model"], f"checkpoint {meta['step_dir']} field 'model'"), None
+        wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos)
+        if not cfg.init_from:
+            return wanted, None
+        state, init_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from)
+        model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=bos)
+        if {"preset", "model"} & set(explicit):
+            checkpoint.check_tensors(checkpoint.model_shapes(model_cfg), checkpoint.model_shapes(wanted),
+                                     f"--init-from {cfg.init_from} (against the requested preset/model)")
+        tok_dir = checkpoint.tokenizer_dir(cfg.init_from, init_meta)
+        if tok_dir is not None:
+            from train.tokenizer import load_tokenizer
+            checkpoint.check_same_tokenizer(load_tokenizer(tok_dir), self.tokenizer, f"--init-from {cfg.init_from}",
+                                            cfg.data)
+        print(f"initialized from {init_meta['step_dir']} (step {init_meta['step']}); fresh optimizer state")
+        return model_cfg, state
+
+    def _open_metrics(self, resume_dir, meta) -> MetricsWriter | None:
+        if not self.primary:
+            return None
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "train_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+        writer = MetricsWriter(self.out / "metrics.jsonl", resume_step=self.done if meta else None,
+                               tensorboard_dir=self.out / "tensorboard" if self.cfg.tensorboard else None)
+        counts = self.model_cfg.param_counts()
+        from jax_bridge import distributed, registry, sharding
+        print(f"model {self.cfg.preset}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M "
+              f"active); kernels: {registry.describe(self.step.kernels)}")
+        print(f"devices: {distributed.describe()}; mesh: {sharding.describe(self.mesh) if self.mesh else 'none'}; "
+              f"layers {'scanned' if self.cfg.scan_layers else 'looped'}, remat {self.cfg.remat}")
+        writer.write({"kind": "resume" if meta else "run", "step": self.done, "from": str(resume_dir) if meta else None,
+                      "preset": self.cfg.preset, "kernels": self.step.kernels, "params": counts["total"],
+                      "active_params": counts["active"], "config": self.cfg.to_dict(), "model": self.model_cfg.to_dict(),
+                      "flops_per_token": flops.flops_per_token(self.model_cfg, self.cfg.seq_len),
+                      "peak_flops": self.peak, "peak_source": self.peak_source})
+        return writer
+
+    # ---- one step -------------------------------------------------------------------------------
+    def next_batch(self) -> np.ndarray:
+        """The next step's micro-batches; a data error stops the run after a checkpoint of the
+        last good step (with the loader position from before the failed read)."""
+        self._loader_state = self.train_data.state_dict()
+        try:
+            batch = np.stack([self.train_data.next_batch()[self.rows] for _ in range(self.cfg.micro_batches)])
+            self._loader_state = None
+            return batch
+        except UserError as e:
+            path = self.save(wait=True)
+            raise TrainingStopped(f"{e}; checkpoint of step {self.done} in {path}: fix the data, then continue "
+                                  f"with --resume") from None
+
+    def train_step(self, batch: np.ndarray):
+        from train.schedule import lr_scale
+
+        cfg = self.cfg
+        self.scale = lr_scale(self.done, total=cfg.steps, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
+        self.state, metrics = self.step(self.state, batch, self.scale)
+        self.done += 1
+        if not self.timer.started:
+            self.timer.start()                 # after the first dispatch: compilation is not timed
+        self.timer.count()
+        # Read the previous step's skip flag while this one runs (no stall of the device queue).
+        previous, self._pending_skip = self._pending_skip, (self.done, metrics["skipped"])
+        if previous is not None:
+            self._count_skip(*previous)
+        self.bar.update(1)
+        self._stop_if_diverged()
+        return metrics
+
+    def _count_skip(self, step: int, flag) -> None:
+        c = self.counters
+        if int(flag):
+            c["skipped_total"] += 1
+            c["consecutive_skips"] += 1
+            self._skipped_since_log += 1
+        else:
+            c["consecutive_skips"], c["last_good_step"] = 0, step
+
+    def _stop_if_diverged(self) -> None:
+        c = self.counters
+        if c["consecutive_skips"] < self.cfg.max_consecutive_skips:
+            return
+        path = self.save(wait=True)          # counts the current step's flag first
+        raise TrainingStopped(f"{c['consecutive_skips']} consecutive steps up to step {self.done} had a non-finite "
+                              f"loss or gradient norm and were skipped (max_consecutive_skips="
+                              f"{self.cfg.max_consecutive_skips}); stopped. The checkpoint of step {self.done} in "
+                              f"{path} holds the parameters of step {c['last_good_step']}, the last good update: "
+                              f"lower the learning rate, or resume from an earlier checkpoint")
+
+    def _flush_skips(self) -> None:
+        pending, self._pending_skip = self._pending_skip, None
+        if pending is not None:
+            self._count_skip(*pending)
+
+    # ---- logging, evaluation, checkpoints -----------------------------------------------------
+    def is_log_step(self) -> bool:
+        return self.done % self.cfg.log_every == 0 or self.done == self.cfg.steps or self.done == 1
+
+    def log(self, metrics) -> None:
+        import jax
+
+        self._flush_skips()
+        values = jax.device_get(metrics)                  # waits for the queued steps
+        per_step = self.timer.lap()
+        tok_s = self.tokens_per_step / per_step if per_step else None
+        record = {"kind": "train", "step": self.done, "lr_scale": self.scale, "lr_muon": self.cfg.lr * self.scale,
+                  "lr_adamw": self.cfg.adam_lr * self.scale, "step_time_s": per_step, "tokens_per_s": tok_s,
+                  "mfu": flops.mfu(tok_s, self.model_cfg, self.cfg.seq_len, self.peak) if tok_s else None,
+                  "skipped": self._skipped_since_log, "skipped_total": self.counters["skipped_total"],
+                  "elapsed_s": time.perf_counter() - self.start_time,
+                  **{k: v for k, v in values.items() if k != "skipped"}}
+        if "expert_fraction" in values:
+            record["expert_load"] = expert_load(values["expert_fraction"])
+        self._skipped_since_log = 0
+        self._write(record)
+        self._write_finished_checkpoints()
+        self.bar.set_postfix(loss=f"{float(values['loss']):.3f}", tok_s=f"{tok_s or 0:,.0f}")
+        self._stop_if_diverged()
+
+    def evaluate(self) -> dict:
+        import jax
+
+        jax.block_until_ready(self.state.params)          # the steps' time is not evaluation's
+        with self.timer.paused():
+            result = self.evaluator(self.state.params)
+        self._write({"kind": "eval", "step": self.done, **result})
+        if self.done and self.primary:
+            self.bar.write(f"step {self.done}: validation loss {result['val_loss']:.4f}, "
+                           f"{result['val_bpb']:.4f} bits/byte")
+        self.last_eval = result
+        return result
+
+    def save(self, wait: bool = False) -> Path:
+        """Checkpoint the state after step `self.done` (once per step); returns its directory."""
+        import jax
+
+        path = self.checkpoints.root / str(self.done)
+        if self.last_saved == self.done:
+            if wait:
+                self.checkpoints.wait()
+            return path
+        self._flush_skips()
+        jax.block_until_ready(self.state)
+        loader = self.train_data.state_dict() if self._loader_state is None else self._loader_state
+        meta = {"model": self.model_cfg.to_dict(), "train_config": self.cfg.to_dict(), "kernels": self.step.kernels,
+                "layout": self.step.layout, "loader": loader, "counters": dict(self.counters),
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "devices": jax.device_count(), "processes": jax.process_count()}
+        with self.timer.paused():
+            self.checkpoints.save(self.done, self.state._asdict(), meta, self.tokenizer)
+            if wait:
+                self.checkpoints.wait()
+        self.last_saved = self.done
+        return path
+
+    def _write_finished_checkpoints(self) -> None:
+        for record in [r for r in self.checkpoints.records if r.total_s is not None]:
+            self.checkpoints.records.remove(record)
+            self._write({"kind": "checkpoint", "step": record.step, "blocking_s": record.blocking_s,
+                         "write_s": record.total_s, "bytes": record.bytes})
+
+    def _write(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+
+    # ---- the end ------------------------------------------------------------------------------
+    def stop(self, reason: str) -> dict:
+        path = self.save(wait=True)
+        self._write({"kind": "stop", "step": self.done, "reason": reason})
+        self.bar.close()
+        say(f"\n{reason}: stopped after step {self.done} of {self.cfg.steps}; checkpoint in {path}\n"
+              f"continue with: torchlyra train --out {self.out} --resume")
+        return {"steps": self.done, "stopped": reason, "checkpoint": str(path)}
+
+    def finish(self) -> dict:
+        from jax_bridge import sharding
+        from jax_bridge.lowering import params_to_torch
+        from train.plots import plot_run
+
+        path = self.save(wait=True)
+        self._write_finished_checkpoints()
+        self.bar.close()
+        wall = time.perf_counter() - self.start_time
+        summary = {"steps": self.done, "train_seconds": wall, "checkpoint": str(path),
+                   "val_loss_end": self.last_eval.get("val_loss"), "val_bpb_end": self.last_eval.get("val_bpb"),
+                   "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count}
+        # The parameters under per-layer names on the host, for the samples (every process takes
+        # part in gathering arrays that span processes).
+        params = params_to_torch(sharding.to_host(self.step.layer_params(self.state.params)))
+        if self.primary:
+            self.metrics.close()
+            self.metrics = None
+            summary["plots"] = [str(p) for p in plot_run(self.out)]
+            summary["metrics"] = str(self.out / "metrics.jsonl")
+            summary["val_loss_start"] = self._first_eval()
+            self.model.load_state_dict(params)
+            summary["samples"] = sample_texts(self.model, self.tokenizer, self.cfg)
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _first_eval(self) -> float | None:
+        from train.metrics import read_metrics
+
+        evals = [r for r in read_metrics(self.out / "metrics.jsonl") if r.get("kind") == "eval"]
+        return evals[0]["val_loss"] if evals else None
+
+    def close(self) -> None:
+        """Wait for a checkpoint still being written, then close the writers."""
+        self.bar.close()
+        self.checkpoints.close()
+        if self.metrics is not None:
+            self._write_finished_checkpoints()
+            self.metrics.close()
+            self.metrics = None
+
+
+def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
+    from train.generate import Sampler
+    from train.tokenizer import bos_id
+
+    if cfg.samples <= 0:
+        return []
+    bos = bos_id(tokenizer)
+    prompts = (DEFAULT_PROMPTS * cfg.samples)[:cfg.samples]
+    outs = Sampler(model, kernels="xla").generate(
+        [[bos] + tokenizer.encode_ordinary(p) for p in prompts], max_new_tokens=cfg.sample_tokens,
+        temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed, stop_token=bos)
+    return [{"prompt": p, "text": p + tokenizer.decode([t for t in ids if t != bos])} for p, ids in zip(prompts, outs)]
