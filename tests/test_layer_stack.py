@@ -52,7 +52,7 @@ def grads_temp_bytes(model, remat: str, seq: int = 128) -> int:
 
 
 def test_remat_policies_lower_the_planned_activation_memory():
-    model = small_model(n_layers=6, d_model=128)
+    model = small_model(n_layers=4)
     none, matmuls, full = (grads_temp_bytes(model, r) for r in ("none", "save-matmuls", "full"))
     assert full < matmuls < none, f"temporaries: none {none}, save-matmuls {matmuls}, full {full}"
 
@@ -65,5 +65,5 @@ def program_size(n_layers: int, scan: bool) -> int:
 
 
 def test_scanned_program_does_not_grow_with_depth():
-    assert program_size(8, scan=True) < 1.15 * program_size(2, scan=True)
-    assert program_size(8, scan=False) > 2.5 * program_size(2, scan=False)
+    assert program_size(6, scan=True) < 1.15 * program_size(2, scan=True)
+    assert program_size(6, scan=False) > 2 * program_size(2, scan=False)
