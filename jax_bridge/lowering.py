@@ -66,5 +66,22 @@ def optimizer_state_to_jax(model: torch.nn.Module, plan) -> dict:
     return jax.tree.map(env.t2j_copy, state, is_leaf=lambda x: isinstance(x, torch.Tensor))
 
 
+def _abstract(t: torch.Tensor) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(t.shape), jnp.dtype(str(t.dtype).removeprefix("torch.")))
+
+
+def abstract_params(model: torch.nn.Module) -> dict[str, jax.ShapeDtypeStruct]:
+    """The parameters' shapes and dtypes only: works for a model built on the `meta` device
+    (no weights), which is how a plan for a big preset is compiled without the memory."""
+    return {name: _abstract(p) for name, p in model.named_parameters()}
+
+
+def abstract_optimizer_state(model: torch.nn.Module, plan) -> dict:
+    """The optimizer state's shapes and dtypes (see abstract_params)."""
+    with torch.device("meta"):
+        state = init_state({n: p.detach() for n, p in model.named_parameters()}, plan)
+    return jax.tree.map(_abstract, state, is_leaf=lambda x: isinstance(x, torch.Tensor))
+
+
 __all__ = ["params_to_jax", "params_to_torch", "model_function", "optimizer_function",
-           "optimizer_state_to_jax", "plan_parameters"]
+           "optimizer_state_to_jax", "abstract_params", "abstract_optimizer_state", "plan_parameters"]

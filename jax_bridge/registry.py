@@ -4,10 +4,17 @@ One table below lists them all. An implementation is a JAX function with the sig
 op's plain-JAX reference (see `pallas_kernels/__init__.py`). The bridge routes the model's
 `torch.ops.torchlyra.*` calls to the chosen implementations while it traces the train step.
 
+Every call names the platform the program is compiled FOR (`platform` in "cpu", "gpu", "tpu";
+see `pallas_kernels/platform.py`): an implementation whose signature has a `platform` keyword
+receives it (all built-in kernels do); one without it (a plain-JAX function) is called without
+it. Per-implementation options (tile sizes) come from `kernel_options`, e.g.
+"attention.pallas.block_q=256,cross_entropy.pallas.block_v=1024"; each option must be a keyword
+parameter of that implementation.
+
 Users add their own with one call:
 
     from jax_bridge.registry import register_implementation
-    register_implementation("attention", "mine", my_attention_fn, backends=("tpu",))
+    register_implementation("attention", "mine", my_attention_fn, platforms=("tpu",))
 
 and select it with `--kernels attention=mine`.
 
@@ -20,15 +27,19 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-import jax
+from pallas_kernels.platform import PLATFORMS, check_platform, host_platform
 
 OPS = ("attention", "cross_entropy", "moe")
-BACKENDS = ("cpu", "gpu", "tpu")
-# What `auto` picks, best first, per backend.
+# What `auto` picks, best first, per platform; per op it takes the first that is registered for
+# that platform (MoE has no GPU Pallas kernel, so GPU gets moe=xla).
 AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("xla",)}
+# The op's contract arguments: never kernel options.
+_CONTRACT = {"attention": ("sliding_window", "scale"), "cross_entropy": ("ignore_index",),
+             "moe": ("alpha", "limit")}
 
 
 class KernelError(ValueError):
@@ -40,7 +51,7 @@ class Implementation:
     op: str
     name: str
     target: Callable | str              # the function, or "module:attribute" imported on first use
-    backends: tuple[str, ...] = BACKENDS
+    platforms: tuple[str, ...] = PLATFORMS
     description: str = ""
     spmd: str = "shard_map"             # under a mesh: "shard_map" (per device) or "gspmd" (plain JAX)
     _fn: Callable | None = field(default=None, repr=False)
@@ -57,24 +68,57 @@ class Implementation:
                     raise KernelError(f"kernel {self.op}={self.name}: cannot load {self.target}: {e}") from e
         return self._fn
 
+    def _parameters(self) -> tuple[set[str], bool]:
+        """(keyword parameters: keyword-only or with a default; accepts **kwargs). The op's
+        positional inputs are not among them."""
+        params = inspect.signature(self.load()).parameters.values()
+        names = {p.name for p in params if p.kind == p.KEYWORD_ONLY
+                 or (p.kind == p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)}
+        return names, any(p.kind == p.VAR_KEYWORD for p in params)
+
+    @property
+    def takes_platform(self) -> bool:
+        names, var_kw = self._parameters()
+        return "platform" in names or var_kw
+
+    def check_options(self, options: dict) -> None:
+        names, var_kw = self._parameters()
+        reserved = set(_CONTRACT[self.op]) | {"platform"}
+        bad = sorted(o for o in options if o in reserved or (o not in names and not var_kw))
+        if bad:
+            allowed = sorted(names - reserved)
+            raise KernelError(f"kernel option(s) {', '.join(f'{self.op}.{self.name}.{o}' for o in bad)} "
+                              f"not accepted by {self.op}={self.name}; its options: {', '.join(allowed) or 'none'}")
+
+    def bind(self, platform: str, options: dict) -> Callable:
+        """The function with `platform` (when it takes it) and the options bound."""
+        fn, extra = self.load(), dict(options)
+        if self.takes_platform:
+            extra["platform"] = platform
+        return (lambda *args, **kwargs: fn(*args, **kwargs, **extra)) if extra else fn
+
 
 _TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS}
 
 
-def register_implementation(op: str, name: str, fn: Callable | str, *, backends=BACKENDS, description: str = "",
-                            spmd: str = "shard_map"):
-    """Add (or replace) implementation `name` of `op`. `fn` has the op's reference signature;
-    `spmd` says how it runs under a mesh ("shard_map", or "gspmd" for plain-JAX functions)."""
+def register_implementation(op: str, name: str, fn: Callable | str, *, platforms=PLATFORMS, description: str = "",
+                            backends=None, spmd: str = "shard_map"):
+    """Add (or replace) implementation `name` of `op`. `fn` has the op's reference signature
+    (plus, optionally, a `platform` keyword and option keywords). `platforms`: where it runs
+    (`backends` is the older name of the same argument). `spmd`: how it runs under a mesh
+    ("shard_map", or "gspmd" for plain-JAX functions)."""
+    if backends is not None:
+        platforms = backends
     if op not in _TABLE:
         raise KernelError(f"unknown op {op!r}; ops are: {', '.join(OPS)}")
     if name == "auto":
-        raise KernelError("'auto' is reserved: it picks the best implementation for the backend")
-    unknown = set(backends) - set(BACKENDS)
+        raise KernelError("'auto' is reserved: it picks the best implementation for the platform")
+    unknown = set(platforms) - set(PLATFORMS)
     if unknown:
-        raise KernelError(f"unknown backend(s) {sorted(unknown)} for {op}={name}; backends are {BACKENDS}")
+        raise KernelError(f"unknown platform(s) {sorted(unknown)} for {op}={name}; platforms are {PLATFORMS}")
     if spmd not in ("shard_map", "gspmd"):
         raise KernelError(f"{op}={name}: spmd must be 'shard_map' or 'gspmd', found {spmd!r}")
-    _TABLE[op][name] = Implementation(op, name, fn, tuple(backends), description, spmd)
+    _TABLE[op][name] = Implementation(op, name, fn, tuple(platforms), description, spmd)
 
 
 def implementations(op: str) -> dict[str, Implementation]:
@@ -86,29 +130,24 @@ _K = "pallas_kernels"
 register_implementation("attention", "xla", f"{_K}.attention:attention_reference", spmd="gspmd",
                         description="plain JAX, materializes [T, T] scores")
 register_implementation("attention", "pallas", f"{_K}.attention:attention_pallas",
-                        description="flash attention (Mosaic TPU / Triton GPU; interpret on CPU)")
-register_implementation("attention", "splash", f"{_K}.attention:attention_splash", backends=("cpu", "tpu"),
-                        description="jax-shipped splash attention (TPU; interpret on CPU)")
+                        description="flash attention (Mosaic TPU / Triton GPU; interpreted on CPU)")
+register_implementation("attention", "splash", f"{_K}.attention:attention_splash", platforms=("cpu", "tpu"),
+                        description="jax-shipped splash attention (TPU; interpreted on CPU)")
 register_implementation("cross_entropy", "xla", f"{_K}.cross_entropy:linear_cross_entropy_reference", spmd="gspmd",
                         description="plain JAX, materializes [N, V] logits")
 register_implementation("cross_entropy", "pallas", f"{_K}.cross_entropy:linear_cross_entropy_pallas",
-                        description="vocab-tiled online log-sum-exp (Mosaic TPU / Triton GPU; interpret on CPU)")
+                        description="vocab-tiled online log-sum-exp (Mosaic TPU / Triton GPU; interpreted on CPU)")
 register_implementation("moe", "xla", f"{_K}.moe:moe_experts_xla", spmd="gspmd",
                         description="plain JAX tiled grouped GEMM")
 register_implementation("moe", "ragged_dot", f"{_K}.moe:moe_experts_reference", spmd="gspmd",
                         description="jax.lax.ragged_dot (the reference)")
-register_implementation("moe", "megablox", f"{_K}.moe:moe_experts_megablox", backends=("cpu", "tpu"),
-                        description="jax-shipped megablox gmm (TPU; interpret on CPU)")
-register_implementation("moe", "pallas", f"{_K}.moe:moe_experts_pallas", backends=("cpu", "tpu"),
-                        description="fused grouped expert MLP: up + clamped SwiGLU + down in VMEM (Mosaic TPU; interpret on CPU)")
+register_implementation("moe", "megablox", f"{_K}.moe:moe_experts_megablox", platforms=("cpu", "tpu"),
+                        description="jax-shipped megablox gmm (TPU; interpreted on CPU)")
+register_implementation("moe", "pallas", f"{_K}.moe:moe_experts_pallas", platforms=("cpu", "tpu"),
+                        description="fused grouped expert MLP: up + clamped SwiGLU + down in VMEM (Mosaic TPU; interpreted on CPU)")
 
 
 # ---- selection --------------------------------------------------------------------------------
-def current_backend() -> str:
-    backend = jax.default_backend()
-    return "gpu" if backend in ("cuda", "rocm") else backend
-
-
 def parse_kernel_spec(spec: str | dict | None) -> dict[str, str]:
     """'attention=pallas,moe=xla' (or a dict, or 'auto', or a single name for every op) ->
     {op: implementation name}; ops not named get 'auto'."""
@@ -132,41 +171,98 @@ def parse_kernel_spec(spec: str | dict | None) -> dict[str, str]:
     return choice
 
 
-def resolve(spec: str | dict | None, backend: str | None = None) -> dict[str, str]:
-    """Turn a kernel spec into concrete names that exist and can run on `backend`."""
-    backend = backend or current_backend()
+def _option_value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_kernel_options(spec: str | dict | None) -> dict[str, dict[str, dict[str, Any]]]:
+    """'attention.pallas.block_q=256,moe.pallas.block_m=128' (or the nested dict
+    {op: {implementation: {option: value}}}) -> that nested dict. Values are ints, floats,
+    booleans or strings. Which options an implementation takes is checked by `check_options`."""
+    if spec is None or spec == "" or spec == {}:
+        return {}
+    if isinstance(spec, str):
+        nested: dict = {}
+        for part in spec.split(","):
+            key, sep, value = part.partition("=")
+            path = key.strip().split(".")
+            if not sep or len(path) != 3 or not all(path):
+                raise KernelError(f"--kernel-options: expected op.implementation.option=value, found {part!r}")
+            nested.setdefault(path[0], {}).setdefault(path[1], {})[path[2]] = _option_value(value)
+        spec = nested
+    out = {}
+    for op, per_impl in spec.items():
+        if op not in OPS:
+            raise KernelError(f"--kernel-options: unknown op {op!r}; ops are: {', '.join(OPS)}")
+        if not isinstance(per_impl, dict) or not all(isinstance(v, dict) for v in per_impl.values()):
+            raise KernelError(f"--kernel-options: {op} must map implementation names to option dicts, "
+                              f"found {per_impl!r}")
+        out[op] = {name: dict(opts) for name, opts in per_impl.items()}
+    return out
+
+
+def check_options(options: dict) -> None:
+    """Every named implementation exists and accepts its options (loud, before any tracing)."""
+    for op, per_impl in parse_kernel_options(options).items():
+        for name, opts in per_impl.items():
+            if name not in _TABLE[op]:
+                raise KernelError(f"--kernel-options: unknown implementation {op}={name}; "
+                                  f"registered: {', '.join(_TABLE[op])}")
+            _TABLE[op][name].check_options(opts)
+
+
+def runs_on(op: str, name: str, platform: str) -> bool:
+    return platform in _TABLE[op][name].platforms
+
+
+def resolve(spec: str | dict | None, platform: str | None = None) -> dict[str, str]:
+    """Turn a kernel spec into concrete names that exist and can run on `platform` (default:
+    this host's)."""
+    platform = check_platform(platform or host_platform(), "kernel registry")
     resolved = {}
     for op, name in parse_kernel_spec(spec).items():
         table = _TABLE[op]
         if name == "auto":
-            name = next((n for n in AUTO_PREFERENCE.get(backend, ("xla",)) if n in table), None)
+            name = next((n for n in AUTO_PREFERENCE[platform] if n in table and runs_on(op, n, platform)), None)
             if name is None:
-                raise KernelError(f"no implementation of {op} for backend {backend}")
+                raise KernelError(f"no implementation of {op} for platform {platform}")
         if name not in table:
             raise KernelError(f"unknown implementation {op}={name}; registered: {', '.join(table)}")
-        if backend not in table[name].backends:
-            raise KernelError(f"{op}={name} cannot run on backend {backend!r} "
-                              f"(it runs on: {', '.join(table[name].backends)})")
+        if not runs_on(op, name, platform):
+            raise KernelError(f"{op}={name} cannot run on platform {platform!r} "
+                              f"(it runs on: {', '.join(table[name].platforms)})")
         table[name].load()
         resolved[op] = name
     return resolved
 
 
-def describe(resolved: dict[str, str], backend: str | None = None) -> str:
-    backend = backend or current_backend()
-    mode = " (Pallas in interpret mode on CPU)" if backend == "cpu" and any(
+def describe(resolved: dict[str, str], platform: str | None = None) -> str:
+    platform = platform or host_platform()
+    mode = " (Pallas interpreted on CPU)" if platform == "cpu" and any(
         n in ("pallas", "splash", "megablox") for n in resolved.values()) else ""
-    return ", ".join(f"{op}={name}" for op, name in resolved.items()) + f" on {backend}{mode}"
+    return ", ".join(f"{op}={name}" for op, name in resolved.items()) + f" on {platform}{mode}"
 
 
 # ---- routing the torch ops --------------------------------------------------------------------
-def _adapters(resolved: dict[str, str], mesh=None):
+def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None):
     """JAX callables with the torch ops' positional schemas, calling the chosen implementations
     (per device or under GSPMD when a mesh is given)."""
     from jax_bridge import moe_dispatch, sharded_ops
 
-    impl = {op: _TABLE[op][resolved[op]] for op in OPS}
-    attn, ce, moe = (impl[op].load() for op in OPS)
+    options = parse_kernel_options(options)
+    impl = {op: _TABLE[op][name] for op, name in resolved.items()}
+    fns = {op: impl[op].bind(platform, options.get(op, {}).get(name, {})) for op, name in resolved.items()}
+    attn, ce, moe = fns["attention"], fns["cross_entropy"], fns["moe"]
     if mesh is not None:
         attn = sharded_ops.attention(attn, mesh, impl["attention"].spmd)
         ce = sharded_ops.cross_entropy(ce, mesh, impl["cross_entropy"].spmd)
@@ -190,15 +286,15 @@ def _adapters(resolved: dict[str, str], mesh=None):
 
 
 @contextlib.contextmanager
-def routed(env, resolved: dict[str, str], mesh=None):
-    """Within this block (used at trace time), the torchax env runs the chosen implementations
-    for the model's custom ops (sharded over `mesh` if given); the env's previous table is
-    restored afterwards."""
+def routed(env, resolved: dict[str, str], *, platform: str, options: dict | None = None, mesh=None):
+    """Within this block (used at trace time), the torchax env runs the chosen implementations,
+    compiled for `platform` with their `options` (sharded over `mesh` if given), for the model's
+    custom ops; the env's previous table is restored afterwards."""
     import torchax.interop as interop
 
     from torch_model.ops import OPS as TORCH_OPS
 
-    adapters = _adapters(resolved, mesh)
+    adapters = _adapters(resolved, check_platform(platform, "kernel registry"), options or {}, mesh)
     saved = {}
     for op, fn in adapters.items():
         key = TORCH_OPS[op].default

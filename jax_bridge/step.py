@@ -5,6 +5,7 @@ batch is split over its data axes, and the gradients are reduced straight into t
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -16,29 +17,57 @@ import torch
 from jax_bridge import registry, sharded_ops, sharding
 from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
-from jax_bridge.lowering import optimizer_function
+from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
+from pallas_kernels.platform import check_platform, host_platform
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MATMUL_PRECISIONS = ("default", "high", "highest")
+# Per-platform defaults (issue 12): accelerators compute in bf16 (float32 master weights); the CPU
+# computes in float32, where its matmuls are real float32 and parity with eager torch holds.
+DEFAULT_COMPUTE_DTYPE = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
+
+
+def default_matmul_precision(compute_dtype: str) -> str:
+    """The model's non-kernel matmuls: float32 compute means float32 accuracy ("highest": on TPU
+    the default would be one bf16 pass, on GPU tf32); bf16 compute takes the native "default"
+    (exact products, float32 accumulation). Kernels choose their own dots' precision from their
+    input dtype (pallas_kernels.platform.dot_precision) whatever is set here."""
+    return "highest" if compute_dtype == "float32" else "default"
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    kernels: str | dict | None = None     # e.g. "attention=pallas,moe=xla"; None = auto
-    compute_dtype: str = "float32"         # "bfloat16": bf16 compute, float32 master weights
-    micro_batches: int = 1                 # gradient accumulation steps inside the jit
-    matmul_precision: str = "highest"      # explicit: TPU's default float32 matmul is bf16 passes
-    scan_layers: bool = False              # decoder layers as one lax.scan over stacked parameters
-    remat: str = "none"                    # per layer: none | full | save-matmuls
+    kernels: str | dict | None = None       # e.g. "attention=pallas,moe=xla"; None = auto
+    compute_dtype: str | None = None         # "float32" | "bfloat16" (float32 master weights either
+                                             # way); None or "auto": DEFAULT_COMPUTE_DTYPE[platform]
+    micro_batches: int = 1                   # gradient accumulation steps inside the jit
+    matmul_precision: str | None = None      # the model's non-kernel matmuls (and the optimizer);
+                                             # None: default_matmul_precision(compute_dtype)
+    platform: str | None = None              # compiled FOR: "cpu" | "gpu" | "tpu"; None: this host's
+    kernel_options: str | dict | None = None  # per implementation, e.g. "attention.pallas.block_q=256"
+    scan_layers: bool = False                # decoder layers as one lax.scan over stacked parameters
+    remat: str = "none"                      # per layer: none | full | save-matmuls
 
     def __post_init__(self):
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"StepConfig.compute_dtype must be one of {list(COMPUTE_DTYPES)}, "
+        # Resolved once, here, outside any tracing; frozen, so through object.__setattr__.
+        platform = check_platform(self.platform or host_platform(), "StepConfig.platform")
+        compute = self.compute_dtype if self.compute_dtype not in (None, "auto") else DEFAULT_COMPUTE_DTYPE[platform]
+        if compute not in COMPUTE_DTYPES:
+            raise ValueError(f"StepConfig.compute_dtype must be one of {list(COMPUTE_DTYPES)} or 'auto', "
                              f"found {self.compute_dtype!r}")
+        precision = self.matmul_precision or default_matmul_precision(compute)
+        if precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"StepConfig.matmul_precision must be one of {list(MATMUL_PRECISIONS)}, "
+                             f"found {self.matmul_precision!r}")
         if self.micro_batches < 1:
             raise ValueError(f"StepConfig.micro_batches must be >= 1, found {self.micro_batches}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"StepConfig.remat must be one of {', '.join(REMAT_POLICIES)}, found {self.remat!r}")
+        object.__setattr__(self, "platform", platform)
+        object.__setattr__(self, "compute_dtype", compute)
+        object.__setattr__(self, "matmul_precision", precision)
+        object.__setattr__(self, "kernel_options", registry.parse_kernel_options(self.kernel_options))
 
 
 class TrainState(NamedTuple):
@@ -59,10 +88,13 @@ class TrainStep:
     """
 
     def __init__(self, model: torch.nn.Module, opt_cfg: OptimizerConfig = OptimizerConfig(),
-                 step_cfg: StepConfig = StepConfig(), mesh=None):
+                 step_cfg: StepConfig | None = None, mesh=None):
+        step_cfg = step_cfg or StepConfig()
         self.model, self.opt_cfg, self.cfg, self.mesh = model, opt_cfg, step_cfg, mesh
         self.env = get_env()
-        self.kernels = registry.resolve(step_cfg.kernels)
+        self.platform = step_cfg.platform
+        self.kernels = registry.resolve(step_cfg.kernels, self.platform)
+        registry.check_options(step_cfg.kernel_options)
         if mesh is not None:
             sharding.check_model_fits(model.cfg, mesh)
         self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
@@ -95,12 +127,9 @@ class TrainStep:
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and (with a mesh) shardings of the train state, computed without any
         weights: the model may live on the `meta` device (planning a preset that fits no host)."""
-        sds = lambda t: jax.ShapeDtypeStruct(tuple(t.shape), jnp.float32)
         stack = lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
-        params = {n: sds(p) for n, p in self.model.named_parameters()}
-        opt = init_state({n: p.detach() for n, p in self.model.named_parameters()}, self.layer_plan)
-        opt = jax.tree.map(sds, opt, is_leaf=lambda x: isinstance(x, torch.Tensor))
-        state = self.layer_layout.map_state(lambda d: self.layer_layout.stack(d, stack=stack), TrainState(params, opt))
+        flat = TrainState(abstract_params(self.model), abstract_optimizer_state(self.model, self.layer_plan))
+        state = self.layer_layout.map_state(lambda d: self.layer_layout.stack(d, stack=stack), flat)
         if self.mesh is None:
             return state
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
@@ -114,9 +143,17 @@ class TrainStep:
         return self.layer_layout.unstack(params)
 
     # ---- traced functions -----------------------------------------------------------------------
-    def loss_and_metrics(self, params, inputs, labels):
-        with registry.routed(self.env, self.kernels, self.mesh), \
+    @contextlib.contextmanager
+    def routing(self):
+        """While tracing: the model's hot ops run the chosen kernels (compiled for this step's
+        platform, with their options) and its own matmuls run at the step's precision."""
+        with registry.routed(self.env, self.kernels, platform=self.platform, options=self.cfg.kernel_options,
+                             mesh=self.mesh), \
                 jax.default_matmul_precision(self.cfg.matmul_precision):
+            yield
+
+    def loss_and_metrics(self, params, inputs, labels):
+        with self.routing():
             out = self.forward(cast_params(params, self.compute_dtype), inputs, labels)
         return out["loss"], out
 

@@ -14,9 +14,10 @@ def attention_reference(q, k, v, sinks, *, sliding_window: int, scale: float):
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     group = hq // hkv
-    qg = q.reshape(b, hkv, group, tq, d).astype(jnp.float32)
-    scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST) * scale
+    qg = q.reshape(b, hkv, group, tq, d)
+    # Scores in float32 from the inputs' own dtype at its dot precision (bf16 products are exact).
+    scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(q.dtype), precision=dot_precision(q.dtype),
+                        preferred_element_type=jnp.float32) * scale
     qpos = jnp.arange(tk - tq, tk)[:, None]
     kpos = jnp.arange(tk)[None, :]
     visible = kpos <= qpos
@@ -41,11 +42,15 @@ def attention_reference(q, k, v, sinks, *, sliding_window: int, scale: float):
 # ==================================================================================================
 import dataclasses
 import functools
+import math
 
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.platform import (KernelMode, check_platform, dot_precision, kernel_mode, precision_name,
+                                     with_matmul_precision)
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(mask - m) == 0, never NaN
 _LANES = 128  # TPU lane width: row statistics are kept lane-replicated, as in Splash
@@ -59,17 +64,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _resolve_backend(backend: str | None) -> str:
-    """Maps the user's backend to one of the four kernel flavours."""
-    backend = (backend or jax.default_backend()).lower()
-    kinds = {"tpu": "tpu", "cpu": "tpu_interpret", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu",
-             "gpu_interpret": "gpu_interpret"}
-    if backend not in kinds:
-        raise ValueError(f"attention_pallas: unknown backend {backend!r}; expected one of {sorted(kinds)}")
-    return kinds[backend]
-
-
-def default_block_sizes(seq_len: int, head_dim: int, backend: str | None = None) -> tuple[int, int]:
+def default_block_sizes(seq_len: int, head_dim: int, platform: str) -> tuple[int, int]:
     """(block_q, block_kv) for a sequence length.
 
     TPU (and CPU, which interprets the TPU kernel): big tiles, because each grid step costs
@@ -79,8 +74,7 @@ def default_block_sizes(seq_len: int, head_dim: int, backend: str | None = None)
     GPU (Triton): power-of-two tiles, 64x64 (the FA2 backward's register budget at D=128);
     short sequences use one power-of-two block of at least 16 (tl.dot's minimum).
     """
-    kind = _resolve_backend(backend)
-    if kind.startswith("gpu"):
+    if check_platform(platform, "attention_pallas") == "gpu":
         b = 64 if seq_len >= 64 else max(16, _next_pow2(seq_len))
         return b, b
     if seq_len <= 128:
@@ -101,7 +95,12 @@ class _Cfg:
     block_kv: int
     seq_len: int     # real T
     padded_len: int  # Tp, a multiple of both blocks
-    kind: str        # tpu | tpu_interpret | gpu | gpu_interpret
+    mode: KernelMode
+    vmem_limit: int | None = None   # TPU scoped VMEM limit; None: the compiler's default
+
+    @property
+    def gpu(self) -> bool:
+        return self.mode.family == "gpu"
 
     @property
     def nq(self) -> int:
@@ -163,9 +162,10 @@ def attention_grid(seq_len: int, *, sliding_window: int, block_q: int, block_kv:
     batch and head) and computed_blocks (steps that do work; the rest are skipped and re-use the
     previous block, so they cost no DMA).
     """
-    block_q, block_kv, tp = _plan_blocks(seq_len, block_q, block_kv, "tpu")
+    mode = kernel_mode("tpu", who="attention_grid")
+    block_q, block_kv, tp = _plan_blocks(seq_len, block_q, block_kv, mode)
     window = 0 if sliding_window >= seq_len else sliding_window
-    cfg = _Cfg(window, 1.0, block_q, block_kv, seq_len, tp, "tpu")
+    cfg = _Cfg(window, 1.0, block_q, block_kv, seq_len, tp, mode)
     steps = _kv_steps(cfg)
     computed = sum(hi - lo + 1 for lo, hi in (_kv_range(i, cfg) for i in range(cfg.nq)))
     return dict(q_blocks=cfg.nq, kv_steps=steps, grid_steps=cfg.nq * steps, computed_blocks=computed)
@@ -194,11 +194,6 @@ def _dot(a, b, contract, precision):
     """2-D matmul with float32 accumulation; contract = (lhs dim, rhs dim)."""
     return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
                            precision=precision, preferred_element_type=jnp.float32)
-
-
-def _precision(dtype):
-    # f32 inputs: true f32 matmuls (TPU would otherwise use bf16 passes, Triton tf32).
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 # ---- TPU (Mosaic) kernels: grid over (batch, head, block, inner block), VMEM accumulators -------
@@ -239,7 +234,20 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
     def _finish():
         l = l_scr[...]
         o_ref[...] = (acc_scr[...] / l[:, :1]).astype(o_ref.dtype)
-        lse_ref[...] = m_scr[...] + jnp.log(l)
+        lse_ref[...] = _lanes_to_row(m_scr[...] + jnp.log(l))
+
+
+def _lanes_to_row(col):
+    """[bq, 128] lane-replicated per-row values -> [1, bq] lane-dense row, 128 rows at a time
+    (each square block's diagonal, summed down the sublanes: no transpose, exact). The log-sum-
+    exp leaves the kernel in the row layout the backward reads, so nothing of size [B, H, T, 128]
+    ever reaches HBM."""
+    bq = col.shape[0]
+    width = min(bq, _LANES)
+    eye = lax.broadcasted_iota(jnp.int32, (width, width), 0) == lax.broadcasted_iota(jnp.int32, (width, width), 1)
+    parts = [jnp.sum(jnp.where(eye, col[r:r + width, :width], 0.0), axis=0, keepdims=True)
+             for r in range(0, bq, width)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
 def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, *,
@@ -309,11 +317,10 @@ def _tpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_
 
 
 def _tpu_call_kwargs(cfg: _Cfg):
-    # Generic interpret mode runs this kernel (SMEM, VMEM scratch) ~500x faster than
+    # On CPU the generic interpreter runs this kernel (SMEM, VMEM scratch) ~500x faster than
     # pltpu.InterpretParams() once compiled, with identical results.
-    interpret = cfg.kind == "tpu_interpret"
-    return dict(interpret=interpret, compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")))
+    return dict(interpret=cfg.mode.pallas_interpret(), compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=cfg.vmem_limit))
 
 
 def _tpu_forward(cfg: _Cfg, q, k, v, sinks):
@@ -326,31 +333,31 @@ def _tpu_forward(cfg: _Cfg, q, k, v, sinks):
         return bi, lax.div(h, group), jnp.minimum(lo + j, hi), 0   # clamp: skipped steps re-use the block
 
     out, lse = pl.pallas_call(
-        functools.partial(_tpu_fwd_kernel, cfg=cfg, precision=_precision(q.dtype)),
+        functools.partial(_tpu_fwd_kernel, cfg=cfg, precision=dot_precision(q.dtype)),
         grid=(b, hq, cfg.nq, steps),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                   pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
                   pl.BlockSpec((None, None, bkv, d), kv_map),
                   pl.BlockSpec((None, None, bkv, d), kv_map)],
         out_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
-                   pl.BlockSpec((None, None, bq, _LANES), lambda bi, h, i, j: (bi, h, i, 0))],
+                   pl.BlockSpec((None, None, 1, bq), lambda bi, h, i, j: (bi, h, 0, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((b, hq, tp, _LANES), jnp.float32)],
+                   jax.ShapeDtypeStruct((b, hq, 1, tp), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
                         pltpu.VMEM((bq, d), jnp.float32)],
         name="attention_fwd", **_tpu_call_kwargs(cfg),
     )(sinks.astype(jnp.float32), q, k, v)
-    return out, lse[..., 0]   # the lane-replicated buffer is transient; keep one column
+    return out, lse   # lse: [B, H, 1, Tp], the row layout the backward kernels read
 
 
-def _tpu_backward(cfg: _Cfg, q, k, v, do, lse, delta):
+def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta):
     b, hq, tp, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     bq, bkv = cfg.block_q, cfg.block_kv
-    prec = _precision(q.dtype)
+    prec = dot_precision(q.dtype)
     # Row statistics as [B, H, 1, T]: a (1, block) tile is a lane row (legal for block % 128 == 0).
-    lse4, delta4 = lse[:, :, None, :], delta[:, :, None, :]
+    delta4 = delta[:, :, None, :]
 
     kv_steps = _kv_steps(cfg)
 
@@ -481,7 +488,7 @@ def _gpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_
 
 def _gpu_call_kwargs(cfg: _Cfg, d: int):
     from jax.experimental.pallas import triton as pltriton   # selects Triton over Mosaic GPU
-    return dict(interpret=cfg.kind == "gpu_interpret",
+    return dict(interpret=cfg.mode.pallas_interpret(),
                 compiler_params=pltriton.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2))
 
 
@@ -491,7 +498,7 @@ def _gpu_forward(cfg: _Cfg, q, k, v, sinks):
     bq = cfg.block_q
     sink_rows = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (hq, bq))  # a (bq,) tile per head
     return pl.pallas_call(
-        functools.partial(_gpu_fwd_kernel, cfg=cfg, precision=_precision(q.dtype)),
+        functools.partial(_gpu_fwd_kernel, cfg=cfg, precision=dot_precision(q.dtype)),
         grid=(b, hq, cfg.nq),
         in_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0)),
                   pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, lax.div(h, group), 0, 0)),
@@ -509,7 +516,7 @@ def _gpu_backward(cfg: _Cfg, q, k, v, do, lse, delta):
     hkv = k.shape[1]
     group = hq // hkv
     bq, bkv = cfg.block_q, cfg.block_kv
-    prec = _precision(q.dtype)
+    prec = dot_precision(q.dtype)
     blk = lambda bi, h, i: (bi, h, i, 0)
     kv_full = lambda bi, h, i: (bi, lax.div(h, group), 0, 0)
     dq = pl.pallas_call(
@@ -552,9 +559,9 @@ def _pad_seq(x, tp):
 
 def _forward(cfg: _Cfg, q, k, v, sinks):
     qp, kp, vp = (_pad_seq(x, cfg.padded_len) for x in (q, k, v))
-    fwd = _gpu_forward if cfg.kind.startswith("gpu") else _tpu_forward
+    fwd = _gpu_forward if cfg.gpu else _tpu_forward
     out, lse = fwd(cfg, qp, kp, vp, sinks)
-    return out[:, :, :cfg.seq_len], lse[:, :, :cfg.seq_len]
+    return out[:, :, :cfg.seq_len], lse   # lse stays padded: [B, H, Tp] (GPU), [B, H, 1, Tp] (TPU)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -569,17 +576,18 @@ def _attention_fwd(cfg: _Cfg, q, k, v, sinks):
 
 def _attention_bwd(cfg: _Cfg, res, do):
     q, k, v, sinks, out, lse = res
+    t = cfg.seq_len
     # delta = rowsum(dO * O): the softmax-Jacobian term, shared by dQ, dK and the sink.
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     # The sink is one more softmax column with value 0: d(sink) = -sum p_sink * delta.
-    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    lse_t = lse[:, :, :t] if cfg.gpu else lse[:, :, 0, :t]
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse_t)
     dsinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
     tp = cfg.padded_len
     pad_rows = lambda x: x if x.shape[2] == tp else jnp.pad(x, ((0, 0), (0, 0), (0, tp - x.shape[2])))
     qp, kp, vp, dop = (_pad_seq(x, tp) for x in (q, k, v, do.astype(q.dtype)))
-    bwd = _gpu_backward if cfg.kind.startswith("gpu") else _tpu_backward
-    dq, dk, dv = bwd(cfg, qp, kp, vp, dop, pad_rows(lse), pad_rows(delta))   # padded rows: dO = 0
-    t = cfg.seq_len
+    bwd = _gpu_backward if cfg.gpu else _tpu_backward
+    dq, dk, dv = bwd(cfg, qp, kp, vp, dop, lse, pad_rows(delta))   # padded rows: dO = 0
     return dq[:, :, :t], dk[:, :, :t], dv[:, :, :t], dsinks
 
 
@@ -603,9 +611,9 @@ def _check_inputs(q, k, v, sinks, sliding_window):
         raise ValueError(f"sliding_window must be >= 0; got {sliding_window}")
 
 
-def _plan_blocks(t: int, block_q: int, block_kv: int, kind: str):
+def _plan_blocks(t: int, block_q: int, block_kv: int, mode: KernelMode):
     """Validated (block_q, block_kv, padded_len): blocks shrink to the sequence, one divides the other."""
-    gpu = kind.startswith("gpu")
+    gpu = mode.family == "gpu"
     if gpu and (block_q & (block_q - 1) or block_kv & (block_kv - 1) or min(block_q, block_kv) < 16):
         raise ValueError(f"Triton blocks must be powers of two >= 16; got {block_q}, {block_kv}")
     if not gpu and (block_q % 8 or block_kv % 8):
@@ -620,73 +628,89 @@ def _plan_blocks(t: int, block_q: int, block_kv: int, kind: str):
     return block_q, block_kv, _round_up(t, large)
 
 
-def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float,
-                     block_q: int | None = None, block_kv: int | None = None, backend: str | None = None):
+def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float, platform: str,
+                     block_q: int | None = None, block_kv: int | None = None, vmem_limit_bytes: int | None = None,
+                     interpret: str | None = None):
     """Flash attention with sinks, GQA, causal / sliding window; differentiable (custom_vjp).
 
-    backend: None -> jax.default_backend(); 'tpu' -> Mosaic kernel; 'cpu' -> the same TPU kernel
-    interpreted; 'gpu'/'cuda' -> Triton kernel; 'gpu_interpret' -> the Triton kernel interpreted
-    (for testing it without a GPU). Blocks default to default_block_sizes(T, D, backend); one must
-    divide the other; they shrink to fit the sequence, which is padded to a multiple of both.
-    scale and sliding_window are static (Python numbers). Requires Tq == Tk (no decoding).
-    TPU lowering needs blocks that are multiples of 128 or cover the whole (padded) sequence;
-    Triton needs power-of-two blocks >= 16 and a power-of-two head_dim.
+    platform (pallas_kernels.platform): 'tpu' -> Mosaic kernels; 'gpu' -> Triton kernels; 'cpu' ->
+    the TPU kernels in the generic interpreter. interpret: None, 'generic' or 'tpu' (an override:
+    platform='gpu', interpret='generic' runs the Triton kernels on CPU). Blocks default to
+    default_block_sizes(T, D, platform); one must divide the other; they shrink to fit the
+    sequence, which is padded to a multiple of both. scale and sliding_window are static (Python
+    numbers). Requires Tq == Tk (no decoding). TPU lowering needs blocks that are multiples of
+    128 or cover the whole (padded) sequence; Triton needs power-of-two blocks >= 16 and a
+    power-of-two head_dim. vmem_limit_bytes: the TPU kernels' scoped VMEM limit (default: the
+    compiler's).
     """
     _check_inputs(q, k, v, sinks, sliding_window)
-    kind = _resolve_backend(backend)
+    mode = kernel_mode(platform, interpret, who="attention_pallas")
     t, d = q.shape[2], q.shape[3]
-    if kind.startswith("gpu") and d & (d - 1):
+    if mode.family == "gpu" and d & (d - 1):
         raise ValueError(f"the Triton kernel needs a power-of-two head_dim; got {d}")
-    default_q, default_kv = default_block_sizes(t, d, kind.replace("_interpret", ""))
-    block_q, block_kv, tp = _plan_blocks(t, block_q or default_q, block_kv or default_kv, kind)
+    default_q, default_kv = default_block_sizes(t, d, platform)
+    block_q, block_kv, tp = _plan_blocks(t, block_q or default_q, block_kv or default_kv, mode)
     window = 0 if sliding_window >= t else int(sliding_window)   # a window covering T is plain causal
-    cfg = _Cfg(window, float(scale), block_q, block_kv, t, tp, kind)
+    cfg = _Cfg(window, float(scale), block_q, block_kv, t, tp, mode, vmem_limit_bytes)
     return _attention(cfg, q, k, v, sinks)
 
 
 # ---- Splash (jax-shipped TPU kernel) wrapper: a baseline and fall-back --------------------------
+SPLASH_BLOCKS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
+                 "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
+
 
 # Not cached: the kernel object holds mask arrays, and one built inside a trace would leak that
 # trace's values into the next (UnexpectedTracerError on the second jit).
-def _splash_kernel(num_q_heads: int, padded_len: int, window: int, block: int, interpret: bool):
+def _splash_kernel(num_q_heads: int, padded_len: int, window: int, blocks: dict, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
     shape = (padded_len, padded_len)
     # LocalMask's window_size=(left, right): keys q-left .. q+right, so left = W - 1.
     mask = sm.LocalMask(shape, window_size=(window - 1, 0), offset=0) if window else sm.CausalMask(shape)
-    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                          block_q_dq=block, block_kv_dq=block)
-    return sk.make_splash_mha_single_device(sm.MultiHeadMask([mask] * num_q_heads), block_sizes=sizes,
-                                            interpret=interpret)
+    return sk.make_splash_mha_single_device(sm.MultiHeadMask([mask] * num_q_heads),
+                                            block_sizes=sk.BlockSizes(**blocks), interpret=interpret)
 
 
-def attention_splash(q, k, v, sinks, *, sliding_window: int, scale: float, backend: str | None = None,
-                     block: int | None = None):
+def splash_block_sizes(seq_len: int, head_dim: int, **blocks) -> dict:
+    """Splash's eight tile sizes: each given one is kept, the rest default to one base tile
+    (attention_pallas's TPU default, at least 128: splash's lane constraint). All must be
+    multiples of 128."""
+    base = blocks.get("block_q") or max(128, default_block_sizes(seq_len, head_dim, "tpu")[0])
+    sizes = {name: blocks.get(name) or base for name in SPLASH_BLOCKS}
+    bad = {n: b for n, b in sizes.items() if b % 128}
+    if bad:
+        raise ValueError(f"splash tiles must be multiples of 128; got {bad}")
+    return sizes
+
+
+def attention_splash(q, k, v, sinks, *, sliding_window: int, scale: float, platform: str,
+                     interpret: str | None = None, **blocks):
     """The same op through jax's shipped Splash attention (TPU only; interpreted on CPU).
 
     Splash's MHA kernel takes GQA natively (q head h reads kv head h // (Hq // Hkv)) and has no
     batch axis, so the batch is vmapped. Splash does not scale q: q is pre-scaled here (in q's
     dtype, so bf16 inputs see one extra rounding). Gradients: splash's custom_vjp returns dq, dk,
     dv AND d(sinks) (computed in plain jnp from o, dO and lse), so all four inputs are
-    differentiable. Its dots use default precision: on TPU float32 inputs are multiplied in bf16
-    passes (on CPU interpret they are real float32). The sequence is padded to a multiple of the
-    block (at least 128, splash's lane constraint); causality hides the padding from real queries.
+    differentiable. Its dots take the ambient matmul precision, so it runs, forward and backward,
+    under the precision pallas_kernels.platform chooses for the input dtype (HIGHEST for float32,
+    DEFAULT for bf16, which Mosaic needs). Tiles: `blocks` are splash's BlockSizes fields
+    (SPLASH_BLOCKS); see splash_block_sizes. The sequence is padded to a multiple of the largest
+    tile; causality hides the padding from real queries.
     """
     _check_inputs(q, k, v, sinks, sliding_window)
-    kind = _resolve_backend(backend)
-    if kind.startswith("gpu"):
-        raise ValueError("attention_splash: Splash attention is a TPU (Mosaic) kernel; there is no GPU "
-                         "lowering. Use attention_pallas(..., backend='gpu') on GPUs.")
+    unknown = set(blocks) - set(SPLASH_BLOCKS)
+    if unknown:
+        raise TypeError(f"attention_splash: unknown tile option(s) {sorted(unknown)}; tiles are {SPLASH_BLOCKS}")
+    mode = kernel_mode(platform, interpret, who="attention_splash", families=("tpu",),
+                       hint="on GPU use attention_pallas (its Triton kernels)")
     t = q.shape[2]
-    if block is None:
-        block = max(128, default_block_sizes(t, q.shape[3], "tpu")[0])
-    if block % 128:
-        raise ValueError(f"splash blocks must be multiples of 128; got {block}")
-    tp = _round_up(t, block)
+    sizes = splash_block_sizes(t, q.shape[3], **blocks)
+    tp = _round_up(t, math.lcm(*sizes.values()))
     window = 0 if sliding_window >= t else int(sliding_window)
-    kernel = _splash_kernel(q.shape[1], tp, window, block, kind == "tpu_interpret")
+    kernel = _splash_kernel(q.shape[1], tp, window, sizes, mode.shipped_interpret())
     qs = _pad_seq((q.astype(jnp.float32) * scale).astype(q.dtype), tp)
     kp, vp = _pad_seq(k, tp), _pad_seq(v, tp)
-    out = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1, sinks=sinks))(qs, kp, vp)
+    call = with_matmul_precision(lambda q1, k1, v1, s: kernel(q1, k1, v1, sinks=s), precision_name(q.dtype))
+    out = jax.vmap(call, in_axes=(0, 0, 0, None))(qs, kp, vp, sinks)
     return out[:, :, :t].astype(q.dtype)

@@ -6,6 +6,7 @@ Returns (nll [N], lse [N]) in float32, both 0 at ignored tokens; the z-loss is c
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +15,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.platform import KernelMode, check_platform, dot_precision, kernel_mode
+
 
 def linear_cross_entropy_reference(hidden, weight, labels, *, ignore_index: int = -100):
-    """Plain JAX: materializes [N, V] logits; the oracle and the `xla` implementation."""
-    logits = jnp.einsum("nh,vh->nv", hidden.astype(jnp.float32), weight.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    """Plain JAX: materializes [N, V] logits; the oracle and the `xla` implementation.
+    Logits in float32 from the inputs' own dtype at its dot precision (bf16 products are exact in
+    float32; float32 runs at HIGHEST); the target logit by a one-hot select (its transpose is a
+    select too, where a gather's would be a scatter, slow to compile for TPU)."""
+    cdt = jnp.promote_types(hidden.dtype, weight.dtype)
+    logits = jnp.einsum("nh,vh->nv", hidden.astype(cdt), weight.astype(cdt), precision=dot_precision(cdt),
+                        preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     valid = labels != ignore_index
-    safe = jnp.where(valid, labels, 0)
-    target = jnp.take_along_axis(logits, safe[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    target = jnp.sum(jnp.where(vocab == labels[:, None], logits, 0.0), axis=-1)
     return jnp.where(valid, lse - target, 0.0), jnp.where(valid, lse, 0.0)
 
 
@@ -40,59 +47,31 @@ _TN = (((0,), (0,)), ((), ()))  # a.T @ b (GPU only; Triton transposes in regist
 _MiB = 1 << 20
 _TPU_VMEM_CAP = 64 * _MiB       # smallest per-core VMEM among current TPUs (v7x); v5e/v6e: 128
 _TPU_VMEM_TARGET = 48 * _MiB    # what default tiles aim to stay under, leaving Mosaic headroom
-_BACKENDS = ("tpu", "cpu", "interpret", "gpu", "gpu-interpret")
-
-
-def _normalize_backend(backend: str | None) -> str:
-    """None -> jax.default_backend(), except that a CPU host runs 'interpret' (fast enough to
-    train with); 'cuda' / 'rocm' -> 'gpu'.
-
-    'tpu': Mosaic kernels. 'cpu': the same kernels run by the TPU interpreter
-    (pltpu.InterpretParams: simulated VMEM, grid semantics, bounds checks; the faithful CPU mode,
-    and the one whose compiled memory analysis reflects the kernel). 'interpret': the same
-    kernels in the generic Pallas interpreter (much faster on CPU, but it copies every input
-    into its loop state). 'gpu': Triton kernels. 'gpu-interpret': Triton kernels, interpreted
-    (for testing them on a CPU machine)."""
-    if backend is None:
-        backend = "interpret" if jax.default_backend() == "cpu" else jax.default_backend()
-    backend = backend.lower()
-    backend = "gpu" if backend in ("cuda", "rocm") else backend
-    if backend not in _BACKENDS:
-        raise ValueError(f"linear_cross_entropy_pallas: unknown backend {backend!r} "
-                         f"(expected None, 'cuda' or one of {_BACKENDS})")
-    return backend
-
-
-def _precision(dtype):
-    # f32 inputs: real f32 products (TPU would otherwise use one bf16 pass). bf16: native MXU.
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
-def _tpu_vmem_estimate(bn: int, bv: int, h: int, itemsize: int) -> int:
+_DEFAULT_COMPUTE = 256          # rows of a logits tile computed at once (see the TPU kernels)
+def _tpu_vmem_estimate(bn: int, bv: int, h: int, itemsize: int, compute: int = 256) -> int:
     """Bytes of VMEM the largest of the three TPU kernels needs (double-buffered tiles, f32
-    accumulators, ~4 live f32 copies of the logits tile). The dh kernel is the largest."""
+    accumulators, ~4 live f32 copies of one compute chunk of the logits tile, the dh kernel's
+    [bn, 128] column scratch). The dh kernel is the largest."""
     tiles = 2 * (bn + bv) * h * itemsize
-    logits = 4 * bn * bv * 4
-    dh = bn * h * 4 + 2 * bn * h * itemsize
+    logits = 4 * min(compute, bn) * bv * 4
+    dh = bn * h * 4 + 2 * bn * h * itemsize + bn * 128 * 4
     dw = bv * h * 4 + 2 * bv * h * itemsize
     return tiles + logits + max(dh, dw) + 64 * 1024
 
 
-def default_block_sizes(n: int, h: int, v: int, backend: str | None = None,
-                        dtype=jnp.bfloat16) -> tuple[int, int]:
-    """(block_n, block_v) for `backend`.
+def default_block_sizes(n: int, h: int, v: int, platform: str, dtype=jnp.bfloat16) -> tuple[int, int]:
+    """(block_n, block_v) for `platform`.
 
     TPU: vocab tiles of 512 (a multiple of the 256-wide v6e MXU; ~0.35 us of per-step overhead
     wants big steps) and the largest token tile in (1024, 512, 256, 128) whose kernels fit
     `_TPU_VMEM_TARGET`: every vocab tile is streamed once per token tile, so big token tiles
     keep the weight traffic below the matmul time (N=16384, H=2048, V=201088, bf16: 16 passes
     over the 0.8 GB weight, ~8 ms of HBM time against ~15 ms of MXU time on v6e).
-    CPU / interpret: the same, but preferring tiles that divide N and V (multiples of 128), since
+    CPU (interpreted): the same, but preferring tiles that divide N and V (multiples of 128), since
     the interpreters pad (copy) an input whose last tile is partial; a real TPU does not.
     GPU (Triton): 64 tokens x 128 vocab (powers of two; the hidden dim is looped in 64-chunks).
     """
-    backend = _normalize_backend(backend)
-    if backend in ("gpu", "gpu-interpret"):
+    if check_platform(platform, "linear_cross_entropy_pallas") == "gpu":
         return 64, 128
     itemsize = jnp.dtype(dtype).itemsize
     block_v = 512
@@ -101,7 +80,7 @@ def default_block_sizes(n: int, h: int, v: int, backend: str | None = None,
             break
     else:
         block_v = 256  # very wide hidden dims: shrink both
-    if backend != "tpu":
+    if platform != "tpu":
         block_n, block_v = _dividing_tile(n, block_n), _dividing_tile(v, block_v)
     return min(block_n, n), min(block_v, v)
 
@@ -128,11 +107,32 @@ def _check_tpu_blocks(n: int, v: int, bn: int, bv: int) -> None:
 # ---- TPU (Mosaic) kernels ---------------------------------------------------------------------
 # Tokens live on lanes ([1, N] row vectors, logits tile transposed to [block_v, block_n]) in the
 # forward and dW kernels, so per-token statistics need no relayout; the dh kernel uses the
-# natural [block_n, block_v] orientation and reads the row vectors as columns (as splash
+# natural [block_n, block_v] orientation and reads the per-token values as columns (as splash
 # attention's dq kernel does). Matmuls are only the NT and NN forms.
+# Each grid step works through its logits tile `block_compute` rows at a time (vocab rows in
+# the forward and dW kernels, token rows in dh) in a loop: the MXU sees the same matmuls, but
+# the vector code Mosaic emits (and compiles) is for a [block_compute, tile] slab, not the whole
+# tile, which cut compile time ~4x at Lyra Small (splash's block_kv_compute plays this role).
+
+def _chunks(size: int, chunk: int) -> tuple[int, int]:
+    """(rows per chunk, chunks): `size` rows `chunk` at a time; one chunk if it does not divide."""
+    if chunk >= size or size % chunk:
+        return size, 1
+    return chunk, size // chunk
+
+
+def _masked_on_last(run, index, count, *, overhangs: bool) -> None:
+    """run(masked) for this grid step: the masked variant on the last tile only, and only when
+    the tiles overhang the array (static), so full tiles pay for no select."""
+    if overhangs:
+        pl.when(index == count - 1)(lambda: run(True))
+        pl.when(index != count - 1)(lambda: run(False))
+    else:
+        run(False)
+
 
 def _tpu_fwd_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, m_sc, l_sc, t_sc, *,
-                    v, bv, ignore_index, cdt, precision):
+                    v, bv, cv, ignore_index, cdt, precision):
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -141,18 +141,23 @@ def _tpu_fwd_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, m_sc, l_sc, t_sc, *
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         t_sc[...] = jnp.zeros(t_sc.shape, jnp.float32)
 
-    zt = lax.dot_general(w_ref[...].astype(cdt), h_ref[...].astype(cdt), _NT,
-                         preferred_element_type=jnp.float32, precision=precision)  # [bv, bn]
-    vid = j * bv + lax.broadcasted_iota(jnp.int32, zt.shape, 0)
-    if v % bv:  # the last vocab tile runs past V: those columns must not count
-        zt = jnp.where(vid < v, zt, -jnp.inf)
     lab = lab_ref[...]                                                       # [1, bn]
-    t_sc[...] += jnp.sum(jnp.where(vid == lab, zt, 0.0), axis=0, keepdims=True)
-    m_prev = m_sc[...]
-    m_new = jnp.maximum(m_prev, jnp.max(zt, axis=0, keepdims=True))
-    l_sc[...] = (l_sc[...] * jnp.exp(m_prev - m_new)
-                 + jnp.sum(jnp.exp(zt - m_new), axis=0, keepdims=True))
-    m_sc[...] = m_new
+
+    def chunk(c, carry):
+        m_prev, l_prev, t_prev = carry
+        r0 = pl.multiple_of(c * cv, cv)
+        zt = lax.dot_general(w_ref[pl.ds(r0, cv), :].astype(cdt), h_ref[...].astype(cdt), _NT,
+                             preferred_element_type=jnp.float32, precision=precision)  # [cv, bn]
+        vid = j * bv + r0 + lax.broadcasted_iota(jnp.int32, zt.shape, 0)
+        if v % bv:  # the last vocab tile runs past V: those rows must not count. A chunk that is
+            zt = jnp.where(vid < v, zt, -jnp.inf)   # all padding leaves m finite (chunk 0 never is)
+        t_next = t_prev + jnp.sum(jnp.where(vid == lab, zt, 0.0), axis=0, keepdims=True)
+        m_next = jnp.maximum(m_prev, jnp.max(zt, axis=0, keepdims=True))
+        l_next = l_prev * jnp.exp(m_prev - m_next) + jnp.sum(jnp.exp(zt - m_next), axis=0, keepdims=True)
+        return m_next, l_next, t_next
+
+    m, l, t = lax.fori_loop(0, bv // cv, chunk, (m_sc[...], l_sc[...], t_sc[...]))
+    m_sc[...], l_sc[...], t_sc[...] = m, l, t
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():
@@ -162,76 +167,106 @@ def _tpu_fwd_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, m_sc, l_sc, t_sc, *
         lse_ref[...] = jnp.where(valid, lse, 0.0)
 
 
-def _tpu_dh_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dh_ref, acc_sc, *,
-                   v, bv, cdt, precision):
+def _tpu_dh_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dh_ref, acc_sc, col_sc, *,
+                   v, bv, cn, cdt, precision):
     j = pl.program_id(1)
+    nj = pl.num_programs(1)
 
     @pl.when(j == 0)
     def _init():
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        # The token tile's per-token values as columns, once per tile: [1, bn] rows -> lanes 0-3
+        # of a [bn, 128] scratch, so each chunk reads its rows by a sublane slice. Labels go as
+        # float32 (exact below 2^24; V is checked).
+        for k, ref in enumerate((lab_ref, lse_ref, ca_ref, cb_ref)):
+            col_sc[:, k:k + 1] = ref[0].astype(jnp.float32)[:, None]
 
-    w = w_ref[...].astype(cdt)
-    z = lax.dot_general(h_ref[...].astype(cdt), w, _NT,
-                        preferred_element_type=jnp.float32, precision=precision)  # [bn, bv]
-    vid = j * bv + lax.broadcasted_iota(jnp.int32, z.shape, 1)
-    col = lambda ref: ref[0][:, None]                                        # [1, bn] -> [bn, 1]
-    # lse is +inf on ignored rows (see _bwd), so their softmax is exactly 0; ca, cb are 0 there.
-    d = col(ca_ref) * jnp.exp(z - col(lse_ref)) - jnp.where(vid == col(lab_ref), col(cb_ref), 0.0)
-    if v % bv:  # padded vocab: no gradient, and the weight tile's padding rows may be garbage
-        d = jnp.where(vid < v, d, 0.0)
-        wid = j * bv + lax.broadcasted_iota(jnp.int32, w.shape, 0)
-        w = jnp.where(wid < v, w, jnp.zeros_like(w))
-    acc_sc[...] += lax.dot_general(d.astype(cdt), w, (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32, precision=precision)
+    def run(masked: bool):
+        def chunk(c, carry):
+            rows = pl.ds(pl.multiple_of(c * cn, cn), cn)
+            w = w_ref[...].astype(cdt)
+            if masked:   # the weight tile's rows past V may be garbage: zero them
+                wid = j * bv + lax.broadcasted_iota(jnp.int32, w.shape, 0)
+                w = jnp.where(wid < v, w, jnp.zeros_like(w))
+            z = lax.dot_general(h_ref[rows, :].astype(cdt), w, _NT,
+                                preferred_element_type=jnp.float32, precision=precision)  # [cn, bv]
+            cols = col_sc[rows, :]
+            lab, lse, ca, cb = (cols[:, k:k + 1] for k in range(4))
+            vid = (j * bv + lax.broadcasted_iota(jnp.int32, z.shape, 1)).astype(jnp.float32)
+            # lse is +inf on ignored rows (see _bwd), so their softmax is exactly 0; ca, cb are 0.
+            d = ca * jnp.exp(z - lse) - jnp.where(vid == lab, cb, 0.0)
+            if masked:
+                d = jnp.where(vid < v, d, 0.0)
+            acc_sc[rows, :] += lax.dot_general(d.astype(cdt), w, (((1,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32, precision=precision)
+            return carry
 
-    @pl.when(j == pl.num_programs(1) - 1)
+        lax.fori_loop(0, acc_sc.shape[0] // cn, chunk, 0)
+
+    _masked_on_last(run, j, nj, overhangs=bool(v % bv))   # only the last vocab tile overhangs V
+
+    @pl.when(j == nj - 1)
     def _finish():
         dh_ref[...] = acc_sc[...].astype(dh_ref.dtype)
 
 
 def _tpu_dw_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dw_ref, acc_sc, *,
-                   n, bn, bv, cdt, precision):
+                   n, bn, bv, cv, cdt, precision):
     jv, i = pl.program_id(0), pl.program_id(1)
+    ni = pl.num_programs(1)
 
     @pl.when(i == 0)
     def _init():
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    h = h_ref[...].astype(cdt)
-    zt = lax.dot_general(w_ref[...].astype(cdt), h, _NT,
-                         preferred_element_type=jnp.float32, precision=precision)  # [bv, bn]
-    vid = jv * bv + lax.broadcasted_iota(jnp.int32, zt.shape, 0)
-    dt = ca_ref[...] * jnp.exp(zt - lse_ref[...]) - jnp.where(vid == lab_ref[...], cb_ref[...], 0.0)
-    if n % bn:  # the last token tile runs past N: its padding (maybe NaN) must not reach dW
-        tok = i * bn + lax.broadcasted_iota(jnp.int32, zt.shape, 1)
-        dt = jnp.where(tok < n, dt, 0.0)
-        hid = i * bn + lax.broadcasted_iota(jnp.int32, h.shape, 0)
-        h = jnp.where(hid < n, h, jnp.zeros_like(h))
-    acc_sc[...] += lax.dot_general(dt.astype(cdt), h, (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32, precision=precision)
+    def run(masked: bool):
+        def chunk(c, carry):
+            rows = pl.ds(pl.multiple_of(c * cv, cv), cv)
+            h = h_ref[...].astype(cdt)
+            if masked:   # the last token tile runs past N: its padding (maybe NaN) must not reach dW
+                hid = i * bn + lax.broadcasted_iota(jnp.int32, h.shape, 0)
+                h = jnp.where(hid < n, h, jnp.zeros_like(h))
+            zt = lax.dot_general(w_ref[rows, :].astype(cdt), h, _NT,
+                                 preferred_element_type=jnp.float32, precision=precision)  # [cv, bn]
+            vid = jv * bv + c * cv + lax.broadcasted_iota(jnp.int32, zt.shape, 0)
+            dt = ca_ref[...] * jnp.exp(zt - lse_ref[...]) - jnp.where(vid == lab_ref[...], cb_ref[...], 0.0)
+            if masked:
+                tok = i * bn + lax.broadcasted_iota(jnp.int32, zt.shape, 1)
+                dt = jnp.where(tok < n, dt, 0.0)
+            acc_sc[rows, :] += lax.dot_general(dt.astype(cdt), h, (((1,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32, precision=precision)
+            return carry
 
-    @pl.when(i == pl.num_programs(1) - 1)
+        lax.fori_loop(0, bv // cv, chunk, 0)
+
+    _masked_on_last(run, i, ni, overhangs=bool(n % bn))   # only the last token tile overhangs N
+
+    @pl.when(i == ni - 1)
     def _finish():
         dw_ref[...] = acc_sc[...].astype(dw_ref.dtype)
 
 
-def _tpu_interpret(backend: str):
-    return {"tpu": False, "cpu": pltpu.InterpretParams(), "interpret": True}[backend]
-
-
-def _tpu_compiler_params(semantics, bn, bv, h, itemsize):
-    est = _tpu_vmem_estimate(bn, bv, h, itemsize)
-    limit = min(max(int(est * 1.25), 32 * _MiB), _TPU_VMEM_CAP)
+def _tpu_compiler_params(semantics, bn, bv, h, itemsize, compute, vmem_limit):
+    est = _tpu_vmem_estimate(bn, bv, h, itemsize, compute)
+    limit = vmem_limit or min(max(int(est * 1.25), 32 * _MiB), _TPU_VMEM_CAP)
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
 
 
-def _tpu_forward(hidden, weight, lab_row, *, ignore_index, bn, bv, backend):
+class _Tiles(NamedTuple):
+    bn: int                    # tokens per tile
+    bv: int                    # vocabulary rows per tile
+    compute: int               # rows of a logits tile computed at once (TPU)
+    vmem_limit: int | None     # TPU scoped VMEM limit; None: from _tpu_vmem_estimate
+
+
+def _tpu_forward(hidden, weight, lab_row, *, ignore_index, tiles: _Tiles, mode: KernelMode):
     n, h = hidden.shape
     v = weight.shape[0]
+    bn, bv = tiles.bn, tiles.bv
     cdt = jnp.promote_types(hidden.dtype, weight.dtype)
     row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
-    kernel = functools.partial(_tpu_fwd_kernel, v=v, bv=bv, ignore_index=ignore_index,
-                               cdt=cdt, precision=_precision(cdt))
+    kernel = functools.partial(_tpu_fwd_kernel, v=v, bv=bv, cv=_chunks(bv, tiles.compute)[0],
+                               ignore_index=ignore_index, cdt=cdt, precision=dot_precision(cdt))
     nll, lse = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
@@ -241,56 +276,59 @@ def _tpu_forward(hidden, weight, lab_row, *, ignore_index, bn, bv, backend):
         out_specs=[row, row],
         out_shape=[jax.ShapeDtypeStruct((1, n), jnp.float32)] * 2,
         scratch_shapes=[pltpu.VMEM((1, bn), jnp.float32)] * 3,
-        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h,
-                                             jnp.dtype(cdt).itemsize),
+        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, jnp.dtype(cdt).itemsize,
+                                             tiles.compute, tiles.vmem_limit),
         cost_estimate=pl.CostEstimate(
             flops=2 * n * v * h, transcendentals=n * v,
             bytes_accessed=hidden.nbytes + pl.cdiv(n, bn) * weight.nbytes + 12 * n),
-        interpret=_tpu_interpret(backend),
+        interpret=mode.pallas_interpret(),
     )(lab_row, hidden, weight)
     return nll, lse
 
 
-def _tpu_backward(hidden, weight, lab_row, lse_row, ca_row, cb_row, *, bn, bv, backend):
+def _tpu_backward(hidden, weight, lab_row, lse_row, ca_row, cb_row, *, tiles: _Tiles, mode: KernelMode):
     n, h = hidden.shape
     v = weight.shape[0]
+    bn, bv = tiles.bn, tiles.bv
     cdt = jnp.promote_types(hidden.dtype, weight.dtype)
     itemsize = jnp.dtype(cdt).itemsize
-    prec = _precision(cdt)
+    prec = dot_precision(cdt)
     vectors = (lab_row, lse_row, ca_row, cb_row)
+    params = _tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, itemsize, tiles.compute, tiles.vmem_limit)
 
     # dh: token tiles in parallel, vocab tiles accumulated in VMEM.
     row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
     dh = pl.pallas_call(
-        functools.partial(_tpu_dh_kernel, v=v, bv=bv, cdt=cdt, precision=prec),
+        functools.partial(_tpu_dh_kernel, v=v, bv=bv, cn=_chunks(bn, tiles.compute)[0], cdt=cdt, precision=prec),
         grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
         in_specs=[row] * 4 + [pl.BlockSpec((bn, h), lambda i, j: (i, 0)),
                               pl.BlockSpec((bv, h), lambda i, j: (j, 0))],
         out_specs=pl.BlockSpec((bn, h), lambda i, j: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((n, h), hidden.dtype),
-        scratch_shapes=[pltpu.VMEM((bn, h), jnp.float32)],
-        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, itemsize),
+        scratch_shapes=[pltpu.VMEM((bn, h), jnp.float32), pltpu.VMEM((bn, 128), jnp.float32)],
+        compiler_params=params,
         cost_estimate=pl.CostEstimate(
             flops=4 * n * v * h, transcendentals=n * v,
             bytes_accessed=2 * hidden.nbytes + pl.cdiv(n, bn) * weight.nbytes + 16 * n),
-        interpret=_tpu_interpret(backend),
+        interpret=mode.pallas_interpret(),
     )(*vectors, hidden, weight)
 
     # dW: vocab tiles in parallel, token tiles accumulated in VMEM.
     row_t = pl.BlockSpec((1, bn), lambda jv, i: (0, i))
     dw = pl.pallas_call(
-        functools.partial(_tpu_dw_kernel, n=n, bn=bn, bv=bv, cdt=cdt, precision=prec),
+        functools.partial(_tpu_dw_kernel, n=n, bn=bn, bv=bv, cv=_chunks(bv, tiles.compute)[0], cdt=cdt,
+                          precision=prec),
         grid=(pl.cdiv(v, bv), pl.cdiv(n, bn)),
         in_specs=[row_t] * 4 + [pl.BlockSpec((bn, h), lambda jv, i: (i, 0)),
                                 pl.BlockSpec((bv, h), lambda jv, i: (jv, 0))],
         out_specs=pl.BlockSpec((bv, h), lambda jv, i: (jv, 0)),
         out_shape=jax.ShapeDtypeStruct((v, h), weight.dtype),
         scratch_shapes=[pltpu.VMEM((bv, h), jnp.float32)],
-        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, itemsize),
+        compiler_params=params,
         cost_estimate=pl.CostEstimate(
             flops=4 * n * v * h, transcendentals=n * v,
             bytes_accessed=2 * weight.nbytes + pl.cdiv(v, bv) * (hidden.nbytes + 16 * n)),
-        interpret=_tpu_interpret(backend),
+        interpret=mode.pallas_interpret(),
     )(*vectors, hidden, weight)
     return dh, dw
 
@@ -396,40 +434,40 @@ def _check_gpu_blocks(bn: int, bv: int) -> None:
             raise ValueError(f"GPU: {name}={b} must be a power of two >= 16 (Triton tiles)")
 
 
-def _gpu_params(backend, num_warps):
-    if backend == "gpu-interpret":
-        return dict(interpret=True)
+def _gpu_params(mode: KernelMode, num_warps):
+    if not mode.compiled:
+        return dict(interpret=mode.pallas_interpret())
     return dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2))
 
 
-def _gpu_forward(hidden, weight, labels, *, ignore_index, bn, bv, backend):
+def _gpu_forward(hidden, weight, labels, *, ignore_index, bn, bv, mode: KernelMode):
     n, h = hidden.shape
     v = weight.shape[0]
     cdt = jnp.promote_types(hidden.dtype, weight.dtype)
     kernel = functools.partial(_gpu_fwd_kernel, n=n, h=h, v=v, bn=bn, bv=bv, bk=_gpu_block_h(h),
-                               ignore_index=ignore_index, cdt=cdt, precision=_precision(cdt))
+                               ignore_index=ignore_index, cdt=cdt, precision=dot_precision(cdt))
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(n, bn),),
         out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32)] * 2,
-        **_gpu_params(backend, num_warps=4),
+        **_gpu_params(mode, num_warps=4),
     )(hidden, weight, labels)
 
 
-def _gpu_backward(hidden, weight, labels, lse, ca, cb, *, bn, bv, backend):
+def _gpu_backward(hidden, weight, labels, lse, ca, cb, *, bn, bv, mode: KernelMode):
     n, h = hidden.shape
     v = weight.shape[0]
     cdt = jnp.promote_types(hidden.dtype, weight.dtype)
     kernel = functools.partial(_gpu_bwd_kernel, n=n, h=h, v=v, bn=bn, bv=bv, bk=_gpu_block_h(h),
-                               cdt=cdt, precision=_precision(cdt),
-                               interpret=backend == "gpu-interpret")
+                               cdt=cdt, precision=dot_precision(cdt),
+                               interpret=not mode.compiled)
     dh, dw = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
         out_shape=[jax.ShapeDtypeStruct((n, h), jnp.float32),
                    jax.ShapeDtypeStruct((v, h), jnp.float32)],
         input_output_aliases={6: 0, 7: 1},
-        **_gpu_params(backend, num_warps=8),
+        **_gpu_params(mode, num_warps=8),
     )(hidden, weight, labels, lse, ca, cb,
       jnp.zeros((n, h), jnp.float32), jnp.zeros((v, h), jnp.float32))
     return dh.astype(hidden.dtype), dw.astype(weight.dtype)
@@ -438,24 +476,24 @@ def _gpu_backward(hidden, weight, labels, lse, ca, cb, *, bn, bv, backend):
 # =============================================================================================
 # custom_vjp glue
 # =============================================================================================
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _lce(hidden, weight, labels, ignore_index, bn, bv, backend):
-    return _lce_fwd(hidden, weight, labels, ignore_index, bn, bv, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _lce(hidden, weight, labels, ignore_index, tiles: _Tiles, mode: KernelMode):
+    return _lce_fwd(hidden, weight, labels, ignore_index, tiles, mode)[0]
 
 
-def _lce_fwd(hidden, weight, labels, ignore_index, bn, bv, backend):
+def _lce_fwd(hidden, weight, labels, ignore_index, tiles: _Tiles, mode: KernelMode):
     n = hidden.shape[0]
-    if backend in ("gpu", "gpu-interpret"):
-        nll, lse = _gpu_forward(hidden, weight, labels, ignore_index=ignore_index,
-                                bn=bn, bv=bv, backend=backend)
+    if mode.family == "gpu":
+        nll, lse = _gpu_forward(hidden, weight, labels, ignore_index=ignore_index, bn=tiles.bn, bv=tiles.bv,
+                                mode=mode)
     else:
         nll, lse = _tpu_forward(hidden, weight, labels.reshape(1, n), ignore_index=ignore_index,
-                                bn=bn, bv=bv, backend=backend)
+                                tiles=tiles, mode=mode)
         nll, lse = nll.reshape(n), lse.reshape(n)
     return (nll, lse), (hidden, weight, labels, lse)
 
 
-def _lce_bwd(ignore_index, bn, bv, backend, res, g):
+def _lce_bwd(ignore_index, tiles, mode, res, g):
     hidden, weight, labels, lse = res
     g_nll, g_lse = (x.astype(jnp.float32) for x in g)
     valid = labels != ignore_index
@@ -464,43 +502,49 @@ def _lce_bwd(ignore_index, bn, bv, backend, res, g):
     ca = jnp.where(valid, g_nll + g_lse, 0.0)
     cb = jnp.where(valid, g_nll, 0.0)
     lse_b = jnp.where(valid, lse, jnp.inf)
-    if backend in ("gpu", "gpu-interpret"):
-        dh, dw = _gpu_backward(hidden, weight, labels, lse_b, ca, cb, bn=bn, bv=bv,
-                               backend=backend)
+    if mode.family == "gpu":
+        dh, dw = _gpu_backward(hidden, weight, labels, lse_b, ca, cb, bn=tiles.bn, bv=tiles.bv, mode=mode)
     else:
         n = hidden.shape[0]
         dh, dw = _tpu_backward(hidden, weight, *(x.reshape(1, n) for x in (labels, lse_b, ca, cb)),
-                               bn=bn, bv=bv, backend=backend)
+                               tiles=tiles, mode=mode)
     return dh, dw, None
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
 
 
-def linear_cross_entropy_pallas(hidden, weight, labels, *, ignore_index: int = -100,
+def linear_cross_entropy_pallas(hidden, weight, labels, *, ignore_index: int = -100, platform: str,
                                 block_n: int | None = None, block_v: int | None = None,
-                                backend: str | None = None):
+                                block_compute: int | None = None, vmem_limit_bytes: int | None = None,
+                                interpret: str | None = None):
     """Pallas linear cross-entropy; same contract as `linear_cross_entropy_reference`.
 
     hidden [N, H], weight [V, H] (bf16 or f32; f32 accumulation), labels [N] int.
     Returns (nll [N] f32, lse [N] f32), 0 at tokens whose label is `ignore_index`.
     Differentiable in hidden and weight (custom_vjp); [N, V] logits never exist in memory.
-    backend: None (jax.default_backend()), 'tpu' (Mosaic), 'cpu' (the TPU kernel in the TPU
-    interpreter), 'gpu' / 'cuda' (Triton), 'gpu-interpret' (Triton kernels, interpreted).
-    block_n / block_v: token / vocab tile sizes; defaults from `default_block_sizes`.
+    platform (pallas_kernels.platform): 'tpu' (Mosaic), 'gpu' (Triton), 'cpu' (the TPU kernels
+    in the generic interpreter); interpret: None, 'generic' or 'tpu' (the TPU-simulating
+    interpreter). block_n / block_v: token / vocab tile sizes; defaults from `default_block_sizes`.
     Labels must lie in [0, V) or equal ignore_index.
     """
-    backend = _normalize_backend(backend)
+    mode = kernel_mode(platform, interpret, who="linear_cross_entropy_pallas")
     n, h = hidden.shape
     v, h_w = weight.shape
     if h_w != h or labels.shape != (n,):
         raise ValueError(f"shapes: hidden {hidden.shape}, weight {weight.shape}, labels {labels.shape}")
-    dn, dv = default_block_sizes(n, h, v, backend, jnp.promote_types(hidden.dtype, weight.dtype))
+    dn, dv = default_block_sizes(n, h, v, platform, jnp.promote_types(hidden.dtype, weight.dtype))
     bn, bv = block_n or dn, block_v or dv
-    if backend in ("gpu", "gpu-interpret"):
+    if mode.family == "gpu":
         _check_gpu_blocks(bn, bv)
     else:
         bn, bv = min(bn, n), min(bv, v)  # a tile as large as the array is always legal
-        if backend == "tpu":
+        if platform == "tpu":
             _check_tpu_blocks(n, v, bn, bv)
-    return _lce(hidden, weight, labels.astype(jnp.int32), int(ignore_index), bn, bv, backend)
+        if v >= 1 << 24:
+            raise ValueError(f"vocabulary {v} too large: labels travel as float32 in the dh kernel (< 2^24)")
+    compute = block_compute or _DEFAULT_COMPUTE
+    if compute % 8:
+        raise ValueError(f"block_compute must be a multiple of 8; got {compute}")
+    tiles = _Tiles(bn, bv, compute, vmem_limit_bytes)
+    return _lce(hidden, weight, labels.astype(jnp.int32), int(ignore_index), tiles, mode)

@@ -35,7 +35,9 @@ def _opaque_pallas_call(kernel, out_shape, **unused):
     def call(*args):
         flat, tree = jax.tree.flatten(out_shape)
         flat = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in flat]
-        outs = jax.pure_callback(lambda *a: tuple(np.zeros(s.shape, s.dtype) for s in flat), tuple(flat), *args)
+        # sequential under vmap (splash vmaps its kernel over the batch): one opaque call per element
+        outs = jax.pure_callback(lambda *a: tuple(np.zeros(s.shape, s.dtype) for s in flat), tuple(flat), *args,
+                                 vmap_method="sequential")
         return jax.tree.unflatten(tree, list(outs))
 
     return call
@@ -95,7 +97,7 @@ def vjp_program(fn: Callable, argnums: Sequence[int], n_inputs: int | None = Non
 # ---------------------------------------------------------------------------------------------
 def moe_table(m: int = 32768, h: int = 2048, i: int = 384, e: int = 16, dtype=None) -> dict:
     """{implementation: {(pass, mode): temp bytes}} for every MoE implementation, pass in
-    ('fwd', 'fwd+bwd'), mode in ('interpret', 'opaque'); Pallas ones with backend='cpu'."""
+    ('fwd', 'fwd+bwd'), mode in ('interpret', 'opaque'); Pallas ones compiled for platform 'cpu'."""
     import functools
 
     import jax.numpy as jnp
@@ -107,9 +109,8 @@ def moe_table(m: int = 32768, h: int = 2048, i: int = 384, e: int = 16, dtype=No
                                                           ((e, 2 * i), dt), ((e, i, h), dt), ((e, h), dt)])
     dy = jax.ShapeDtypeStruct((m, h), dt)
     impls = {"reference": moe.moe_experts_reference, "xla": moe.moe_experts_xla,
-             "pallas (fused)": functools.partial(moe.moe_experts_pallas, backend="cpu"),
-             "pallas_unfused": functools.partial(moe.moe_experts_pallas_unfused, backend="cpu"),
-             "megablox": functools.partial(moe.moe_experts_megablox, backend="cpu")}
+             "pallas (fused)": functools.partial(moe.moe_experts_pallas, platform="cpu"),
+             "megablox": functools.partial(moe.moe_experts_megablox, platform="cpu")}
     table = {}
     for name, fn in impls.items():
         row = table[name] = {}

@@ -9,8 +9,7 @@ Implementations (same signature, plus keyword options):
   moe_experts_xla        megablox's (row tile, expert) schedule as batched XLA ops; CPU training
   moe_experts_pallas     fused Pallas expert MLP: up projection, clamped SwiGLU and down projection in
                          one kernel per (row tile, expert); [M, I] never in HBM, forward or backward
-                         (custom_vjp with recomputing backward kernels); TPU, interpret on CPU
-  moe_experts_pallas_unfused  the earlier two grouped-GEMM Pallas kernels (h [M, I] in HBM)
+                         (custom_vjp with recomputing backward kernels); TPU, interpreted on CPU
   moe_experts_megablox   jax-shipped megablox gmm around plain-JAX activation; a baseline
 
 HBM temp memory of each (compile-only, forward and forward+backward): pallas_kernels/memory.py.
@@ -19,19 +18,49 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.platform import KernelMode, dot_precision, kernel_mode, precision_name, with_matmul_precision
+
 
 def clamped_swiglu(gate_up, *, alpha: float, limit: float):
+    """GPT-OSS's activation of the interleaved [..., 2I] pre-activation -> [..., I]."""
+    return _clamped_swiglu(gate_up, float(alpha), float(limit))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _clamped_swiglu(gate_up, alpha: float, limit: float):
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
     return (up + 1.0) * (gate * jax.nn.sigmoid(alpha * gate))
+
+
+def _clamped_swiglu_fwd(gate_up, alpha, limit):
+    return _clamped_swiglu(gate_up, alpha, limit), gate_up
+
+
+def _clamped_swiglu_bwd(alpha, limit, gate_up, dh):
+    # Written out because autodiff's transpose of the stride-2 slices (a padded scatter into the
+    # interleaved layout) took the TPU compiler ~140 s for one [4096, 512] MoE layer; the two
+    # gradients interleaved by stack + reshape compile in seconds and run as fast on CPU. The
+    # clamps' gradients follow the fused kernel's convention (0 at the limit itself).
+    g_raw, u_raw = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = jnp.minimum(g_raw, limit)
+    up = jnp.clip(u_raw, -limit, limit)
+    sig = jax.nn.sigmoid(alpha * gate)
+    dh = dh.astype(sig.dtype)
+    dgate = jnp.where(g_raw < limit, dh * (up + 1.0) * (sig + alpha * gate * sig * (1.0 - sig)), 0.0)
+    dup = jnp.where((u_raw > -limit) & (u_raw < limit), dh * gate * sig, 0.0)
+    return (jnp.stack([dgate, dup], axis=-1).reshape(gate_up.shape).astype(gate_up.dtype),)
+
+
+_clamped_swiglu.defvjp(_clamped_swiglu_fwd, _clamped_swiglu_bwd)
 
 
 def expert_of_rows(group_sizes, num_rows: int):
@@ -46,10 +75,11 @@ def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias
     group_sizes = group_sizes.astype(jnp.int32)
     rows = x.shape[0]
     expert = expert_of_rows(group_sizes, rows)
-    h = jax.lax.ragged_dot(x, gate_up, group_sizes, precision=jax.lax.Precision.HIGHEST,
+    prec = dot_precision(x.dtype)   # explicit: on TPU ragged_dot is a Mosaic kernel (no HIGHEST for bf16)
+    h = jax.lax.ragged_dot(x, gate_up, group_sizes, precision=prec,
                            preferred_element_type=jnp.float32)
     h = clamped_swiglu(h + gate_up_bias[expert].astype(jnp.float32), alpha=alpha, limit=limit).astype(x.dtype)
-    y = jax.lax.ragged_dot(h, down, group_sizes, precision=jax.lax.Precision.HIGHEST,
+    y = jax.lax.ragged_dot(h, down, group_sizes, precision=prec,
                            preferred_element_type=jnp.float32)
     return (y + down_bias[expert].astype(jnp.float32)).astype(x.dtype)
 
@@ -85,7 +115,11 @@ def group_metadata(group_sizes, num_tiles: int, tm: int, *, visit_empty: bool = 
     num_active = cum[-1]
     w = jnp.clip(jnp.arange(num_items, dtype=jnp.int32), 0, jnp.maximum(num_active - 1, 0))
     gid = jnp.sum(w[:, None] >= cum[None, :], axis=1).astype(jnp.int32)
-    tile = first[gid] + (w - (cum - counts)[gid])
+    # first[gid] + (w - (cum - counts)[gid]) as a one-hot select over experts: the TPU compiler
+    # turns a gather from an [E] vector into E scalar slices, each in its own 16 KiB slot of HBM
+    # (0.6 MiB of temporaries at E = 16, more than the whole rest of the fused MoE keeps).
+    mine = gid[:, None] == jnp.arange(num_groups, dtype=jnp.int32)[None, :]
+    tile = jnp.sum(jnp.where(mine, first[None, :] - (cum - counts)[None, :], 0), axis=1) + w
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
     return GroupMetadata(offsets, gid, tile.astype(jnp.int32), num_active[None].astype(jnp.int32))
 
@@ -105,48 +139,11 @@ def _fit(dim: int, want: int, align: int) -> int:
     return dim
 
 
-def _precision(dtype):
-    # float32 matmuls must be real float32 (TPU's default would use bf16 passes); bf16 x bf16
-    # products are exact in the float32 accumulator at default precision.
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
-def _swiglu_fwd_split(gu, ti: int, *, alpha: float, limit: float):
-    """clamped_swiglu on a [rows, 2*ti] block laid out as [gate ti | up ti] (see _split_layout)."""
-    gate = jnp.minimum(gu[:, :ti], limit)
-    up = jnp.clip(gu[:, ti:], -limit, limit)
-    return (up + 1.0) * (gate * jax.nn.sigmoid(alpha * gate))
-
-
-def _swiglu_bwd_split(gu, dh, ti: int, *, alpha: float, limit: float):
-    """d(clamped_swiglu)/d(gate_up) times dh, same [gate | up] block layout; float32."""
-    g_raw, u_raw = gu[:, :ti], gu[:, ti:]
-    gate = jnp.minimum(g_raw, limit)
-    up = jnp.clip(u_raw, -limit, limit)
-    sig = jax.nn.sigmoid(alpha * gate)
-    glu = gate * sig
-    dglu = sig + alpha * gate * sig * (1.0 - sig)
-    dgate = jnp.where(g_raw < limit, dh * (up + 1.0) * dglu, 0.0)
-    dup = jnp.where((u_raw > -limit) & (u_raw < limit), dh * glu, 0.0)
-    return jnp.concatenate([dgate, dup], axis=-1)
-
-
-def _split_layout(w, ti: int):
-    """[..., 2I] interleaved (gate, up, gate, up, ...) -> blocks of [gate ti | up ti] per I tile,
-    so each kernel block holds matching gate and up columns as two lane-aligned halves (a
-    stride-2 lane slice inside a TPU kernel is not an option). A pure permutation: autodiff of
-    the wrapper maps gradients back to the interleaved layout."""
-    *lead, two_i = w.shape
-    i = two_i // 2
-    w = w.reshape(*lead, i // ti, ti, 2)
-    return jnp.swapaxes(w, -1, -2).reshape(*lead, two_i)
-
-
 # =============================================================================================
 # Plain-JAX grouped GEMM (CPU training path; no Pallas)
 # =============================================================================================
 def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                    limit: float = 7.0, tile_rows: int | None = None):
+                    limit: float = 7.0, block_m: int | None = None):
     """Megablox's schedule as batched XLA ops: gather each work item's row tile and expert
     weights, one batched matmul per projection, mask rows outside the item's expert, and add the
     (at most E - 1 extra) partial tiles back with a sorted segment_sum. Costs ~(1 + E*t/M) x the
@@ -156,7 +153,7 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
     if m == 0:
         return jnp.zeros_like(x)
     # Small tiles waste less on partial tiles but gather the weights more often.
-    tm = tile_rows or max(8, min(512, _round_up(max(m // (4 * num_groups), 1), 8)))
+    tm = block_m or max(8, min(512, _round_up(max(m // (4 * num_groups), 1), 8)))
     tm = min(tm, _round_up(m, 8))
     num_tiles = -(-m // tm)
     mp = num_tiles * tm
@@ -164,7 +161,7 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
     meta = group_metadata(gs, num_tiles, tm)
     num_items = meta.group_ids.shape[0]
     acc = jnp.float32
-    prec = _precision(x.dtype)
+    prec = dot_precision(x.dtype)
 
     xt = jnp.pad(x, ((0, mp - m), (0, 0))).reshape(num_tiles, tm, hdim)[meta.tile_ids]       # [W, t, H]
     rows = meta.tile_ids[:, None] * tm + jnp.arange(tm, dtype=jnp.int32)[None, :]          # [W, t]
@@ -183,28 +180,13 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
 
 
 # =============================================================================================
-# Pallas grouped-GEMM kernels (Mosaic TPU; interpret mode on CPU)
+# Pallas grouped-GEMM kernels (Mosaic TPU; interpreted on CPU)
 # =============================================================================================
 # Every kernel takes the GroupMetadata as four scalar-prefetch operands (SMEM on TPU), so the
 # BlockSpec index maps can pick each work item's row tile and expert weight block.
 # Rows of a tile that belong to another expert are masked with a select (never a multiply, so
 # garbage in padding rows cannot leak in as NaN).
 _F32 = jnp.float32
-
-
-class MoETiling(NamedTuple):
-    tm: int   # rows per tile (the ragged dimension)
-    th: int   # hidden (H) tile: reduction tile of the up projection, output tile of the down one
-    ti: int   # intermediate (I) tile: gate_up blocks hold 2*ti columns, h blocks ti
-
-
-DEFAULT_TILING = {   # the unfused kernels' tiles (the fused path: DEFAULT_FUSED_TILING)
-    # TPU: MXU-sized blocks (v6e MXU is 256x256), all well inside the default scoped VMEM
-    # (largest kernel ~5 MiB at tm=256, th=512, ti=384 in bf16). Untuned: tune on hardware.
-    "tpu": MoETiling(tm=256, th=512, ti=512),
-    # CPU interpret mode: each grid step costs fixed overhead, so use few, large blocks.
-    "cpu": MoETiling(tm=128, th=512, ti=512),
-}
 
 
 def _rows_mine(offsets, gids, tiles, w, tm: int, shape):
@@ -228,306 +210,6 @@ def _store_rows(out_ref, val, offsets, gids, tiles, w, tm: int):
     @pl.when(jnp.logical_not(first_visit))
     def _again():
         out_ref[...] = jnp.where(mine, val, out_ref[...].astype(_F32)).astype(out_ref.dtype)
-
-
-def _gmm(meta: GroupMetadata, lhs, rhs, bias, *, tm: int, tk: int, tn: int, out_dtype, interpret,
-         transpose_rhs: bool = False, swiglu: tuple[float, float] | None = None):
-    """out[rows of e] = epilogue(lhs[rows of e] @ rhs[e] (+ bias[e])).
-
-    lhs [Mp, K]; rhs [E, K, N] ([E, N, K] if transpose_rhs); bias [E, 1, N] or None.
-    swiglu=(alpha, limit): rhs columns are in _split_layout with tn = 2 * ti, and the clamped
-    SwiGLU runs on the float32 accumulator before the store, giving [Mp, N / 2].
-    Grid (N tiles, work items, K tiles); K is the innermost reduction into a VMEM accumulator.
-    """
-    mp, kdim = lhs.shape
-    ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    tn_out = tn // 2 if swiglu else tn
-    n_out = ndim // 2 if swiglu else ndim
-    nk, nn, num_items = kdim // tk, ndim // tn, meta.group_ids.shape[0]
-    prec = _precision(lhs.dtype)
-    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-
-    def kernel(offsets, gids, tiles, nact, lhs_ref, rhs_ref, *rest):
-        bias_ref = rest[0] if bias is not None else None
-        out_ref, acc_ref = rest[-2:]
-        w, k = pl.program_id(1), pl.program_id(2)
-        active = w < nact[0]
-
-        @pl.when(k == 0)
-        def _zero():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
-
-        @pl.when(active)
-        def _accumulate():
-            acc_ref[...] += jax.lax.dot_general(lhs_ref[...], rhs_ref[...], dims, precision=prec,
-                                                preferred_element_type=_F32)
-
-        @pl.when(active & (k == nk - 1))
-        def _epilogue():
-            val = acc_ref[...]
-            if bias_ref is not None:
-                val = val + bias_ref[...].astype(_F32)
-            if swiglu:
-                val = _swiglu_fwd_split(val, tn_out, alpha=swiglu[0], limit=swiglu[1])
-            _store_rows(out_ref, val, offsets, gids, tiles, w, tm)
-
-    in_specs = [pl.BlockSpec((tm, tk), lambda n, w, k, o, g, t, a: (t[w], k))]
-    if transpose_rhs:
-        in_specs.append(pl.BlockSpec((None, tn, tk), lambda n, w, k, o, g, t, a: (g[w], n, k)))
-    else:
-        in_specs.append(pl.BlockSpec((None, tk, tn), lambda n, w, k, o, g, t, a: (g[w], k, n)))
-    operands = [lhs, rhs]
-    if bias is not None:
-        in_specs.append(pl.BlockSpec((None, 1, tn), lambda n, w, k, o, g, t, a: (g[w], 0, n)))
-        operands.append(bias)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, n_out), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(nn, num_items, nk),
-            in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, tn_out), lambda n, w, k, o, g, t, a: (t[w], n)),
-            scratch_shapes=[pltpu.VMEM((tm, tn), _F32)]),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-        cost_estimate=pl.CostEstimate(flops=2 * mp * kdim * ndim, transcendentals=mp * n_out if swiglu else 0,
-                                      bytes_accessed=lhs.nbytes * nn + rhs.nbytes
-                                      + mp * n_out * jnp.dtype(out_dtype).itemsize),
-        interpret=interpret,
-    )(*meta, *operands)
-
-
-def _swiglu_grad(meta: GroupMetadata, x, dy, w1, b1, w2, *, tm: int, th: int, ti: int, alpha: float, limit: float,
-                 interpret):
-    """d(loss)/d(gate_up pre-activation), [Mp, 2I] in _split_layout, without storing it in forward:
-    recomputes gu = x @ w1[e] + b1[e] and dh = dy @ w2[e]^T together (both reduce over H), then
-    applies the SwiGLU derivative in the epilogue. Grid (I tiles, work items, H tiles)."""
-    mp, hdim = x.shape
-    two_i = w1.shape[2]
-    nk, nj, num_items = hdim // th, two_i // (2 * ti), meta.group_ids.shape[0]
-    prec = _precision(x.dtype)
-    nt = (((1,), (1,)), ((), ()))
-
-    def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref, out_ref, gu_acc, dh_acc):
-        w, k = pl.program_id(1), pl.program_id(2)
-        active = w < nact[0]
-
-        @pl.when(k == 0)
-        def _zero():
-            gu_acc[...] = jnp.zeros_like(gu_acc)
-            dh_acc[...] = jnp.zeros_like(dh_acc)
-
-        @pl.when(active)
-        def _accumulate():
-            gu_acc[...] += jnp.dot(x_ref[...], w1_ref[...], precision=prec, preferred_element_type=_F32)
-            dh_acc[...] += jax.lax.dot_general(dy_ref[...], w2_ref[...], nt, precision=prec,
-                                               preferred_element_type=_F32)
-
-        @pl.when(active & (k == nk - 1))
-        def _epilogue():
-            gu = gu_acc[...] + b1_ref[...].astype(_F32)
-            dgu = _swiglu_bwd_split(gu, dh_acc[...], ti, alpha=alpha, limit=limit)
-            _store_rows(out_ref, dgu, offsets, gids, tiles, w, tm)
-
-    row_block = pl.BlockSpec((tm, th), lambda j, w, k, o, g, t, a: (t[w], k))
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, two_i), x.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(nj, num_items, nk),
-            in_specs=[row_block, row_block,
-                      pl.BlockSpec((None, th, 2 * ti), lambda j, w, k, o, g, t, a: (g[w], k, j)),
-                      pl.BlockSpec((None, 1, 2 * ti), lambda j, w, k, o, g, t, a: (g[w], 0, j)),
-                      pl.BlockSpec((None, ti, th), lambda j, w, k, o, g, t, a: (g[w], j, k))],
-            out_specs=pl.BlockSpec((tm, 2 * ti), lambda j, w, k, o, g, t, a: (t[w], j)),
-            scratch_shapes=[pltpu.VMEM((tm, 2 * ti), _F32), pltpu.VMEM((tm, ti), _F32)]),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-        cost_estimate=pl.CostEstimate(flops=2 * mp * hdim * two_i * 3 // 2, transcendentals=mp * two_i // 2,
-                                      bytes_accessed=2 * x.nbytes * nj + w1.nbytes + w2.nbytes
-                                      + mp * two_i * x.dtype.itemsize),
-        interpret=interpret,
-    )(*meta, x, dy, w1, b1, w2)
-
-
-def _tgmm(meta: GroupMetadata, lhs, rhs, *, tm: int, tk: int, tn: int, num_groups: int, out_dtype, bias_dtype,
-          interpret):
-    """Transposed grouped GEMM (megablox tgmm) with the bias gradient fused in:
-    dw[e] = lhs[rows of e]^T @ rhs[rows of e]  -> [E, K, N]
-    db[e] = sum over rows of e of rhs          -> [E, 1, N]
-    Grid (K tiles, N tiles, work items): the work items of one expert are consecutive, so each
-    dw block accumulates in VMEM and is written once. `meta` must visit empty groups (they get
-    one all-masked item, which writes their zero gradient). db is produced once per K tile (a
-    separate output row each, so no block is revisited out of order); copy 0 is returned."""
-    mp, kdim = lhs.shape
-    ndim = rhs.shape[1]
-    nk, nn, num_items = kdim // tk, ndim // tn, meta.group_ids.shape[0]
-    dot_dtype = lhs.dtype
-    prec = _precision(dot_dtype)
-
-    def kernel(offsets, gids, tiles, nact, lhs_ref, rhs_ref, dw_ref, db_ref, acc, bacc):
-        w = pl.program_id(2)
-        g = gids[w]
-        active = w < nact[0]
-        first = (w == 0) | (gids[jnp.maximum(w - 1, 0)] != g)
-        last = active & ((w == nact[0] - 1) | (gids[jnp.minimum(w + 1, num_items - 1)] != g))
-
-        @pl.when(first)
-        def _zero():
-            acc[...] = jnp.zeros_like(acc)
-            bacc[...] = jnp.zeros_like(bacc)
-
-        @pl.when(active)
-        def _accumulate():
-            lhs_blk = lhs_ref[...].astype(_F32)
-            rhs_blk = rhs_ref[...].astype(_F32)
-            lhs_blk = jnp.where(_rows_mine(offsets, gids, tiles, w, tm, lhs_blk.shape), lhs_blk, 0.0)
-            rhs_blk = jnp.where(_rows_mine(offsets, gids, tiles, w, tm, rhs_blk.shape), rhs_blk, 0.0)
-            # Transpose in float32 then cast back, as megablox does (32-bit transposes lower on
-            # every TPU generation).
-            acc[...] += jnp.dot(lhs_blk.T.astype(dot_dtype), rhs_blk.astype(dot_dtype), precision=prec,
-                                preferred_element_type=_F32)
-            bacc[...] += jnp.sum(rhs_blk, axis=0, keepdims=True)
-
-        @pl.when(last)
-        def _store():
-            dw_ref[...] = acc[...].astype(dw_ref.dtype)
-            db_ref[...] = bacc[...].astype(db_ref.dtype)
-
-    dw, db = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((num_groups, kdim, ndim), out_dtype),
-                   jax.ShapeDtypeStruct((nk, num_groups, 1, ndim), bias_dtype)),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(nk, nn, num_items),
-            in_specs=[pl.BlockSpec((tm, tk), lambda kk, n, w, o, g, t, a: (t[w], kk)),
-                      pl.BlockSpec((tm, tn), lambda kk, n, w, o, g, t, a: (t[w], n))],
-            out_specs=[pl.BlockSpec((None, tk, tn), lambda kk, n, w, o, g, t, a: (g[w], kk, n)),
-                       pl.BlockSpec((None, None, 1, tn), lambda kk, n, w, o, g, t, a: (kk, g[w], 0, n))],
-            scratch_shapes=[pltpu.VMEM((tk, tn), _F32), pltpu.VMEM((1, tn), _F32)]),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(flops=2 * mp * kdim * ndim, transcendentals=0,
-                                      bytes_accessed=lhs.nbytes * nn + rhs.nbytes * nk
-                                      + num_groups * kdim * ndim * jnp.dtype(out_dtype).itemsize),
-        interpret=interpret,
-    )(*meta, lhs, rhs)
-    return dw, db[0]
-
-
-# =============================================================================================
-# custom_vjp glue for the Pallas path
-# =============================================================================================
-class _PallasConfig(NamedTuple):
-    tm: int
-    th: int
-    ti: int
-    alpha: float
-    limit: float
-    interpret: bool
-
-
-def _pallas_forward(xp, group_sizes, w1, b1, w2, b2, cfg: _PallasConfig):
-    meta = group_metadata(group_sizes, xp.shape[0] // cfg.tm, cfg.tm)
-    h = _gmm(meta, xp, w1, b1, tm=cfg.tm, tk=cfg.th, tn=2 * cfg.ti, out_dtype=xp.dtype, interpret=cfg.interpret,
-             swiglu=(cfg.alpha, cfg.limit))
-    y = _gmm(meta, h, w2, b2, tm=cfg.tm, tk=cfg.ti, tn=cfg.th, out_dtype=xp.dtype, interpret=cfg.interpret)
-    return y, h
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _moe_pallas_core(xp, group_sizes, w1, b1, w2, b2, cfg: _PallasConfig):
-    return _pallas_forward(xp, group_sizes, w1, b1, w2, b2, cfg)[0]
-
-
-def _moe_pallas_core_fwd(xp, group_sizes, w1, b1, w2, b2, cfg):
-    y, h = _pallas_forward(xp, group_sizes, w1, b1, w2, b2, cfg)
-    # Residuals: inputs plus h [Mp, I] (needed for dW2); the [Mp, 2I] pre-activation is
-    # recomputed in backward rather than stored.
-    return y, (xp, group_sizes, w1, b1, w2, b2, h)
-
-
-def _moe_pallas_core_bwd(cfg, res, dy):
-    xp, group_sizes, w1, b1, w2, b2, h = res
-    num_tiles, num_groups = xp.shape[0] // cfg.tm, w1.shape[0]
-    meta = group_metadata(group_sizes, num_tiles, cfg.tm)
-    meta_all = group_metadata(group_sizes, num_tiles, cfg.tm, visit_empty=True)
-    common = dict(tm=cfg.tm, num_groups=num_groups, interpret=cfg.interpret)
-    dw2, db2 = _tgmm(meta_all, h, dy, tk=cfg.ti, tn=cfg.th, out_dtype=w2.dtype, bias_dtype=b2.dtype, **common)
-    dgu = _swiglu_grad(meta, xp, dy, w1, b1, w2, tm=cfg.tm, th=cfg.th, ti=cfg.ti, alpha=cfg.alpha, limit=cfg.limit,
-                       interpret=cfg.interpret)
-    dx = _gmm(meta, dgu, w1, None, tm=cfg.tm, tk=2 * cfg.ti, tn=cfg.th, out_dtype=xp.dtype, interpret=cfg.interpret,
-              transpose_rhs=True)
-    dw1, db1 = _tgmm(meta_all, xp, dgu, tk=cfg.th, tn=2 * cfg.ti, out_dtype=w1.dtype, bias_dtype=b1.dtype, **common)
-    return dx, None, dw1, db1, dw2, db2
-
-
-_moe_pallas_core.defvjp(_moe_pallas_core_fwd, _moe_pallas_core_bwd)
-
-
-def _resolve_tiling(tiling, backend: str, m: int, hdim: int, idim: int, dtype) -> tuple[MoETiling, int, int]:
-    """Tiles clipped to the problem; returns (tiling, padded H, padded I). On TPU every lane
-    block must be a multiple of 128 or the whole dimension, so an H with no such divisor near
-    the wanted tile is zero-padded to a multiple of 128 rather than taken whole into VMEM; I is
-    always padded to a multiple of 128 because kernels slice [gate ti | up ti] blocks at lane
-    offset ti. Zero weights and biases give h = 0 in padded columns, so results are unchanged."""
-    want = MoETiling(*(tiling if tiling is not None else DEFAULT_TILING[backend]))
-    on_tpu = backend == "tpu"
-    lane = 128 if on_tpu else 8
-    sub = (16 if jnp.dtype(dtype).itemsize < 4 else 8) if on_tpu else 8
-    hp, ip = hdim, idim
-    if on_tpu:
-        if hdim > want.th and _fit(hdim, want.th, lane) == hdim:
-            hp = _round_up(hdim, lane)
-        ip = _round_up(idim, lane)
-    tm = max(sub, min(_round_up(want.tm, sub), _round_up(m, sub)))
-    return MoETiling(tm, _fit(hp, want.th, lane), _fit(ip, want.ti, lane)), hp, ip
-
-
-def moe_experts_pallas_unfused(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                               limit: float = 7.0, tiling=None, backend: str | None = None):
-    """The earlier two-stage Pallas path (moe_experts_pallas is now the fused one; this stays as a
-    comparison and fall-back). It writes h [M, I] between its kernels, stores h as a residual,
-    writes the [M, 2I] pre-activation gradient in backward, and copies gate_up into a permuted
-    layout on every call. Kernel 1 = x @ gate_up[e] + bias with the clamped SwiGLU in its
-    epilogue (writes h [M, I] only); kernel 2 = h @ down[e] + bias. Backward (custom_vjp):
-    one kernel recomputes the pre-activation and applies the SwiGLU derivative, dx is a grouped
-    GEMM against transposed gate_up, weight and bias grads are transposed grouped GEMMs.
-
-    tiling: MoETiling(tm, th, ti) or a 3-tuple (rows, H tile, I tile); None -> per-backend
-    DEFAULT_TILING, clipped to the problem. backend: None -> jax.default_backend(); 'tpu' ->
-    Mosaic; 'cpu' -> the same kernels in interpret mode. Float32 inputs use HIGHEST precision,
-    all matmuls accumulate in float32; outputs and gradients come back in the input dtypes.
-    """
-    backend = (backend or jax.default_backend()).lower()
-    if backend in ("gpu", "cuda", "rocm"):
-        raise NotImplementedError("moe_experts_pallas_unfused has no GPU kernel (its kernels are Mosaic TPU); on GPU "
-                                  "use the 'xla' implementation (moe_experts_xla) or 'ragged_dot' (moe_experts_reference)")
-    if backend not in ("tpu", "cpu"):
-        raise ValueError(f"moe_experts_pallas_unfused: unknown backend {backend!r} (expected 'tpu' or 'cpu')")
-    m, hdim = x.shape
-    num_groups, _, two_i = gate_up.shape
-    idim = two_i // 2
-    if m == 0:
-        return jnp.zeros_like(x)
-    cfg_t, hp, ip = _resolve_tiling(tiling, backend, m, hdim, idim, x.dtype)
-    cfg = _PallasConfig(cfg_t.tm, cfg_t.th, cfg_t.ti, float(alpha), float(limit), backend == "cpu")
-    mp = _round_up(m, cfg.tm)
-
-    dtype = x.dtype
-    w1 = gate_up.astype(dtype).reshape(num_groups, hdim, idim, 2)
-    b1 = gate_up_bias.reshape(num_groups, 1, idim, 2)
-    w2, b2 = down.astype(dtype), down_bias.reshape(num_groups, 1, hdim)
-    xp = jnp.pad(x, ((0, mp - m), (0, hp - hdim)))
-    if (hp, ip) != (hdim, idim):
-        w1 = jnp.pad(w1, ((0, 0), (0, hp - hdim), (0, ip - idim), (0, 0)))
-        b1 = jnp.pad(b1, ((0, 0), (0, 0), (0, ip - idim), (0, 0)))
-        w2 = jnp.pad(w2, ((0, 0), (0, ip - idim), (0, hp - hdim)))
-        b2 = jnp.pad(b2, ((0, 0), (0, 0), (0, hp - hdim)))
-    w1 = _split_layout(w1.reshape(num_groups, hp, 2 * ip), cfg.ti)
-    b1 = _split_layout(b1.reshape(num_groups, 1, 2 * ip), cfg.ti)
-    y = _moe_pallas_core(xp, group_sizes.astype(jnp.int32), w1, b1, w2, b2, cfg)
-    return y[:m, :hdim]
 
 
 # =============================================================================================
@@ -607,7 +289,7 @@ def _compact_pairs(h2, dtype):
     matrix, exact (one non-zero term per output; float32 at HIGHEST precision)."""
     n = h2.shape[1] // 2
     v = h2.astype(dtype)
-    out = jnp.dot(v, _pair_matrix(n, dtype, spread=False), precision=_precision(dtype), preferred_element_type=_F32)
+    out = jnp.dot(v, _pair_matrix(n, dtype, spread=False), precision=dot_precision(dtype), preferred_element_type=_F32)
     return out.astype(dtype)
 
 
@@ -618,10 +300,10 @@ def _spread_pairs(v, dtype):
     n = v.shape[1]
     mat = _pair_matrix(n, dtype, spread=True)
     hi = v.astype(dtype)
-    out = jnp.dot(hi, mat, precision=_precision(dtype), preferred_element_type=_F32)
+    out = jnp.dot(hi, mat, precision=dot_precision(dtype), preferred_element_type=_F32)
     if jnp.dtype(dtype) != jnp.float32:
         lo = (v - hi.astype(_F32)).astype(dtype)
-        out = out + jnp.dot(lo, mat, preferred_element_type=_F32)
+        out = out + jnp.dot(lo, mat, precision=dot_precision(dtype), preferred_element_type=_F32)
     return out
 
 
@@ -633,7 +315,7 @@ class _FusedConfig(NamedTuple):
     ti: int
     alpha: float
     limit: float
-    interpret: Any           # False (Mosaic), True, or a pltpu.InterpretParams (hashable)
+    mode: KernelMode
     vmem_limit: int | None
 
 
@@ -646,7 +328,7 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
     m, hdim = xp.shape
     tm, ti = cfg.tm, cfg.ti
     nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
-    dtype, prec = xp.dtype, _precision(xp.dtype)
+    dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
     def kernel(offsets, gids, tiles, nact, x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, acc_ref):
         w, j = pl.program_id(0), pl.program_id(1)
@@ -684,7 +366,7 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
         cost_estimate=pl.CostEstimate(flops=num_items * tm * hdim * w2.shape[1] * 6,
                                       transcendentals=num_items * tm * w2.shape[1] * 2,
                                       bytes_accessed=2 * xp.nbytes + w1.nbytes + w2.nbytes),
-        interpret=cfg.interpret,
+        interpret=cfg.mode.pallas_interpret(),
     )(*meta, xp, w1, b1, w2, b2)
 
 
@@ -694,7 +376,7 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
     m, hdim = xp.shape
     tm, ti = cfg.tm, cfg.ti
     nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
-    dtype, prec = xp.dtype, _precision(xp.dtype)
+    dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
     def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, acc_ref):
         w, j = pl.program_id(0), pl.program_id(1)
@@ -735,7 +417,7 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
         cost_estimate=pl.CostEstimate(flops=num_items * tm * hdim * w2.shape[1] * 10,
                                       transcendentals=num_items * tm * w2.shape[1] * 2,
                                       bytes_accessed=3 * xp.nbytes + w1.nbytes + w2.nbytes),
-        interpret=cfg.interpret,
+        interpret=cfg.mode.pallas_interpret(),
     )(*meta, xp, dy, w1, b1, w2)
 
 
@@ -748,7 +430,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
     num_groups = w1.shape[0]
     tm, ti = cfg.tm, cfg.ti
     nj, num_items = w2.shape[1] // ti, meta_all.group_ids.shape[0]
-    dtype, prec = xp.dtype, _precision(xp.dtype)
+    dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
     def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref,
                dw1_ref, db1_ref, dw2_ref, db2_ref, acc1, accb1, acc2, accb2):
@@ -815,7 +497,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
         cost_estimate=pl.CostEstimate(flops=num_items * tm * hdim * w2.shape[1] * 12,
                                       transcendentals=num_items * tm * w2.shape[1] * 2,
                                       bytes_accessed=2 * nj * xp.nbytes + 2 * (w1.nbytes + w2.nbytes)),
-        interpret=cfg.interpret,
+        interpret=cfg.mode.pallas_interpret(),
     )(*meta_all, xp, dy, w1, b1, w2)
     return dw1, db1, dw2, db2[0]
 
@@ -845,13 +527,14 @@ def _moe_fused_core_bwd(cfg, res, dy):
 _moe_fused_core.defvjp(_moe_fused_core_fwd, _moe_fused_core_bwd)
 
 
-DEFAULT_FUSED_TILING = {
-    # th is unused by the fused kernels (they take H whole: the SwiGLU needs the full H
-    # reduction before the down projection). ti = I when it fits the VMEM budget below, so
-    # each expert's weight blocks are fetched once per expert rather than once per row tile.
-    # Untuned: tune on hardware.
-    "tpu": MoETiling(tm=256, th=0, ti=512),
-    "cpu": MoETiling(tm=128, th=0, ti=512),
+_GPU_HINT = "on GPU use the 'xla' (moe_experts_xla) or 'ragged_dot' (moe_experts_reference) implementation"
+DEFAULT_FUSED_TILES = {
+    # (block_m, block_i): rows per tile and I (intermediate) tile. The kernels take H whole (the
+    # SwiGLU needs the full H reduction before the down projection). block_i = I when it fits the
+    # VMEM budget below, so each expert's weight blocks are fetched once per expert rather than
+    # once per row tile. Untuned: tune on hardware.
+    "tpu": (256, 512),
+    "cpu": (128, 512),
 }
 _FUSED_VMEM_BUDGET = 40 * 2**20   # tiles are shrunk until the estimate fits (TPU only)
 _FUSED_VMEM_CAP = 64 * 2**20      # vmem_limit_bytes never above this (v7x has 64 MiB per core)
@@ -866,29 +549,32 @@ def _fused_vmem_bytes(tm: int, hdim: int, ti: int, itemsize: int) -> int:
     return blocks + scratch + temps
 
 
-def _resolve_fused_tiling(tiling, backend: str, m: int, hdim: int, idim: int, dtype) -> tuple[int, int, int]:
+def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, idim: int,
+                          dtype) -> tuple[int, int, int]:
     """(tm, ti, padded I). TPU block rules: the x/y/dx blocks take H whole (always legal); a
     w1 block is [H, 2ti] and a w2 block [ti, H], so ti must be I itself or a multiple of 64
     (2ti a multiple of 128 lanes, ti of 16 sublanes). An I with no such divisor <= the wanted
-    tile is zero-padded to a multiple of 128 (a weight copy: only in that case)."""
-    want = MoETiling(*(tiling if tiling is not None else DEFAULT_FUSED_TILING[backend]))
-    on_tpu = backend == "tpu"
+    tile is zero-padded to a multiple of 128 (a weight copy: only in that case). Tiles given
+    explicitly are kept (rounded to the rules); defaults shrink to the VMEM budget."""
+    default_m, default_i = DEFAULT_FUSED_TILES["tpu" if platform == "tpu" else "cpu"]
+    want_m, want_i = block_m or default_m, block_i or default_i
+    on_tpu = platform == "tpu"
     itemsize = jnp.dtype(dtype).itemsize
     sub = (16 if itemsize < 4 else 8) if on_tpu else 8
-    tm = max(sub, min(_round_up(want.tm, sub), _round_up(m, sub)))
+    tm = max(sub, min(_round_up(want_m, sub), _round_up(m, sub)))
     if not on_tpu:
-        return tm, _fit(idim, want.ti, 8), idim
+        return tm, _fit(idim, want_i, 8), idim
     ip = idim
-    ti = _fit(idim, want.ti, 64)
-    if ti == idim and idim > want.ti:
+    ti = _fit(idim, want_i, 64)
+    if ti == idim and idim > want_i:
         ip = _round_up(idim, 128)
-        ti = _fit(ip, want.ti, 128)
-    # Shrink to the VMEM budget: first ti (to multiples of 64 dividing ip), then tm.
+        ti = _fit(ip, want_i, 128)
+    # Shrink defaults to the VMEM budget: first ti (to multiples of 64 dividing ip), then tm.
     while _fused_vmem_bytes(tm, hdim, ti, itemsize) > _FUSED_VMEM_BUDGET:
-        smaller = _fit(ip, ti - 64, 64) if ti > 64 else ti
+        smaller = _fit(ip, ti - 64, 64) if ti > 64 and block_i is None else ti
         if smaller < ti:
             ti = smaller
-        elif tm > sub:
+        elif tm > sub and block_m is None:
             tm = max(sub, _round_up(tm // 2, sub))
         else:
             break
@@ -896,39 +582,36 @@ def _resolve_fused_tiling(tiling, backend: str, m: int, hdim: int, idim: int, dt
 
 
 def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                       limit: float = 7.0, tiling=None, backend: str | None = None, interpret=None):
+                       limit: float = 7.0, platform: str, block_m: int | None = None,
+                       block_i: int | None = None, vmem_limit_bytes: int | None = None,
+                       interpret: str | None = None):
     """Fused Pallas expert MLP: per (row tile, expert) work item, up projection, clamped SwiGLU
     and down projection in one kernel; h [M, I] and the pre-activation [M, 2I] (or its gradient)
     exist only as VMEM tiles, in forward and backward. Backward (custom_vjp) recomputes them in
     a dx kernel and an expert-major dW/db kernel. gate_up is used in its interleaved layout (no
     per-call permuted copy); see the section comment for how the kernels de-interleave.
 
-    tiling: MoETiling(tm, th, ti) or a 3-tuple (rows, unused, I tile); None -> per-backend
-    DEFAULT_FUSED_TILING, clipped to the problem and (TPU) to a VMEM budget. backend: None ->
-    jax.default_backend(); 'tpu' -> Mosaic; 'cpu' -> the same kernels in interpret mode.
-    interpret: None -> plain interpret mode exactly when backend is 'cpu'; a
-    pltpu.InterpretParams runs the TPU-simulating interpreter instead (NaN-filled buffers, race
-    detection, several cores; slower), with the TPU tiling rules unless backend='cpu'.
+    platform (pallas_kernels.platform): 'tpu' -> Mosaic; 'cpu' -> the same kernels in the
+    generic interpreter; there is no GPU kernel. interpret: None, 'generic' or 'tpu' (the
+    TPU-simulating interpreter: NaN-filled buffers, race detection; with platform 'tpu' it keeps
+    the TPU tiling rules). block_m (rows per tile) and block_i (I tile): None -> per-platform
+    DEFAULT_FUSED_TILES, clipped to the problem and (TPU) to a VMEM budget. vmem_limit_bytes:
+    the TPU kernels' scoped VMEM limit (default: from the tiles' estimate).
     Float32 inputs use HIGHEST precision, all matmuls accumulate in float32; outputs and
     gradients come back in the input dtypes.
     """
-    backend = (backend or jax.default_backend()).lower()
-    if backend in ("gpu", "cuda", "rocm"):
-        raise NotImplementedError("moe_experts_pallas has no GPU kernel (its kernels are Mosaic TPU); on GPU use "
-                                  "the 'xla' implementation (moe_experts_xla) or 'ragged_dot' (moe_experts_reference)")
-    if backend not in ("tpu", "cpu"):
-        raise ValueError(f"moe_experts_pallas: unknown backend {backend!r} (expected 'tpu' or 'cpu')")
+    mode = kernel_mode(platform, interpret, who="moe_experts_pallas", families=("tpu",), hint=_GPU_HINT)
     m, hdim = x.shape
     num_groups, _, two_i = gate_up.shape
     idim = two_i // 2
     if m == 0:
         return jnp.zeros_like(x)
-    tm, ti, ip = _resolve_fused_tiling(tiling, backend, m, hdim, idim, x.dtype)
-    vmem = None
-    if backend == "tpu":
+    tm, ti, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, x.dtype)
+    vmem = vmem_limit_bytes
+    if platform == "tpu" and vmem is None:
         est = _fused_vmem_bytes(tm, hdim, ti, jnp.dtype(x.dtype).itemsize)
         vmem = int(min(_FUSED_VMEM_CAP, max(32 * 2**20, _round_up(est * 5 // 4, 2**20))))
-    cfg = _FusedConfig(tm, ti, float(alpha), float(limit), backend == "cpu" if interpret is None else interpret, vmem)
+    cfg = _FusedConfig(tm, ti, float(alpha), float(limit), mode, vmem)
     dtype = x.dtype
     w1, b1 = gate_up.astype(dtype), gate_up_bias.reshape(num_groups, 1, two_i)
     w2, b2 = down.astype(dtype), down_bias.reshape(num_groups, 1, hdim)
@@ -945,45 +628,66 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
 
 
 # =============================================================================================
-# Baseline: jax-shipped megablox gmm (TPU kernel; interpret mode on CPU)
+# Baseline: jax-shipped megablox gmm (TPU kernel; interpreted on CPU)
 # =============================================================================================
+DEFAULT_MEGABLOX_TILES = {"tpu": (256, 512), "cpu": (128, 512)}   # (block_m, block_k)
+
+
 def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                         limit: float = 7.0, tiling=None, backend: str | None = None):
+                         limit: float = 7.0, platform: str, block_m: int | None = None,
+                         block_k: int | None = None, interpret: str | None = None):
     """Two `jax.experimental.pallas.ops.tpu.megablox.gmm` calls (custom_vjp: gmm + tgmm
     backward) with bias gathers and clamped_swiglu in plain JAX between them. A baseline and
-    fall-back: it stores the float32 [M, 2I] pre-activation, and its in-kernel dots use
-    default precision (bf16 passes for float32 on TPU). tiling: (tm, tk) or None; the
-    megablox k and n tiles are one size dividing both matmul dims (its backward swaps them)."""
+    fall-back: it stores the float32 [M, 2I] pre-activation. Its in-kernel dots take the ambient
+    matmul precision, so each gmm runs (forward and backward) under the precision
+    pallas_kernels.platform chooses for the input dtype. block_m: rows per tile; block_k: the
+    megablox k and n tile, one size dividing both matmul dims (its backward swaps them).
+    platform 'tpu' (Mosaic) or 'cpu' (interpreted); no GPU kernel."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
-    backend = (backend or jax.default_backend()).lower()
-    if backend in ("gpu", "cuda", "rocm"):
-        raise NotImplementedError("megablox is a TPU kernel; on GPU use moe_experts_xla or moe_experts_reference "
-                                  "(ragged_dot)")
-    if backend not in ("tpu", "cpu"):
-        raise ValueError(f"moe_experts_megablox: unknown backend {backend!r} (expected 'tpu' or 'cpu')")
-    interpret = backend == "cpu"
+    mode = kernel_mode(platform, interpret, who="moe_experts_megablox", families=("tpu",), hint=_GPU_HINT)
+    interpret_flag = mode.shipped_interpret()
     m, hdim = x.shape
     num_groups, _, two_i = gate_up.shape
     if m == 0:
         return jnp.zeros_like(x)
-    want_m, want_k = tiling if tiling is not None else (DEFAULT_TILING[backend].tm, DEFAULT_TILING[backend].th)
-    lane = 128 if backend == "tpu" else 8
+    default_m, default_k = DEFAULT_MEGABLOX_TILES["tpu" if platform == "tpu" else "cpu"]
+    want_m, want_k = block_m or default_m, block_k or default_k
+    lane = 128 if platform == "tpu" else 8
     tm = max(8, min(_round_up(want_m, 8), _round_up(m, 8)))
     mp = _round_up(m, tm)
     gs = group_sizes.astype(jnp.int32)
     expert = expert_of_rows(gs, mp)
     valid = (jnp.arange(mp) < m)[:, None]
+    # megablox's k / n tiles must divide both matmul dims and be multiples of 128 on TPU; H or I
+    # without such a divisor (gpt-oss: 2880) are zero-padded to a multiple of 128: zero weights
+    # and biases give zero outputs there, sliced off (a weight copy per call, only then).
+    idim = two_i // 2
+    hp, ip = (_round_up(hdim, lane), _round_up(idim, lane)) if platform == "tpu" else (hdim, idim)
+    gate_up, gate_up_bias = gate_up.astype(x.dtype), gate_up_bias
+    down, down_bias = down.astype(x.dtype), down_bias
+    if (hp, ip) != (hdim, idim):
+        gate_up = jnp.pad(gate_up.reshape(num_groups, hdim, idim, 2),
+                          ((0, 0), (0, hp - hdim), (0, ip - idim), (0, 0))).reshape(num_groups, hp, 2 * ip)
+        gate_up_bias = jnp.pad(gate_up_bias.reshape(num_groups, idim, 2),
+                               ((0, 0), (0, ip - idim), (0, 0))).reshape(num_groups, 2 * ip)
+        down = jnp.pad(down, ((0, 0), (0, ip - idim), (0, hp - hdim)))
+        down_bias = jnp.pad(down_bias, ((0, 0), (0, hp - hdim)))
 
     def gmm(lhs, rhs):
         t = _fit(math.gcd(rhs.shape[1], rhs.shape[2]), want_k, lane)
-        return megablox_gmm(lhs, rhs, gs, _F32, (tm, t, t), None, None, False, interpret)
+        call = with_matmul_precision(
+            lambda a, b, g: megablox_gmm(a, b, g, _F32, (tm, t, t), None, None, False, interpret_flag),
+            precision_name(lhs.dtype))
+        return call(lhs, rhs, gs)
 
-    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    xp = jnp.pad(x, ((0, mp - m), (0, hp - hdim)))
     # Rows past M are never written by megablox: select them to 0 so no garbage reaches the
     # activation or (through the bias gather's transpose) the bias gradients. Biases are cast
     # before the gather so their gradients are summed in float32.
-    gu = jnp.where(valid, gmm(xp, gate_up.astype(x.dtype)) + gate_up_bias.astype(_F32)[expert], 0.0)
+    # Sorted gathers: their transposes (the bias gradients) are sorted segment sums.
+    per_row = lambda b: jnp.take(b.astype(_F32), expert, axis=0, indices_are_sorted=True)
+    gu = jnp.where(valid, gmm(xp, gate_up) + per_row(gate_up_bias), 0.0)
     h = clamped_swiglu(gu, alpha=alpha, limit=limit).astype(x.dtype)
-    y = gmm(h, down.astype(x.dtype)) + down_bias.astype(_F32)[expert]
-    return y[:m].astype(x.dtype)
+    y = gmm(h, down) + per_row(down_bias)
+    return y[:m, :hdim].astype(x.dtype)

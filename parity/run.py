@@ -49,6 +49,7 @@ import torch
 from jax_bridge import registry
 from jax_bridge.lowering import optimizer_function, optimizer_state_to_jax, params_to_jax
 from jax_bridge.step import COMPUTE_DTYPES, StepConfig, TrainStep, cast_params
+from pallas_kernels.platform import host_platform
 from parity import compare, tolerances
 from torch_model.config import ConfigError, ModelConfig, get_preset
 from torch_model.model import GptOssForCausalLM
@@ -205,11 +206,11 @@ def kernel_label(choice: Mapping[str, str]) -> str:
     return ",".join(f"{op}={choice[op]}" for op in registry.OPS)
 
 
-def default_kernel_sets(backend: str | None = None) -> tuple[list[dict[str, str]], list[Row]]:
+def default_kernel_sets(platform: str | None = None) -> tuple[list[dict[str, str]], list[Row]]:
     """All-xla, then each other registered implementation of each op with the rest at xla.
-    Implementations registered for other backends only are returned as SKIP rows (listed in
+    Implementations registered for other platforms only are returned as SKIP rows (listed in
     the report, never dropped silently)."""
-    backend = backend or registry.current_backend()
+    platform = platform or host_platform()
     base = {op: "xla" for op in registry.OPS}
     sets, skipped = [dict(base)], []
     for op in registry.OPS:
@@ -217,9 +218,9 @@ def default_kernel_sets(backend: str | None = None) -> tuple[list[dict[str, str]
             if name == "xla":
                 continue
             choice = {**base, op: name}
-            if backend not in impl.backends:
+            if platform not in impl.platforms:
                 skipped.append(Row(kernel_label(choice), "-", "skip", "kernel set", status=SKIP,
-                                   message=f"{op}={name} runs on {', '.join(impl.backends)}, not on {backend}"))
+                                   message=f"{op}={name} runs on {', '.join(impl.platforms)}, not on {platform}"))
             else:
                 sets.append(choice)
     return sets, skipped
@@ -326,12 +327,13 @@ class _Lowered:
 def lowered_run(model, tokens: np.ndarray, opt_cfg: OptimizerConfig, kernels: Mapping[str, str], dtype: str,
                 shared: _Lowered, full_step: bool = False) -> tuple[Run, dict[str, str]]:
     """The lowered run of one kernel set and compute dtype. Returns it and the resolved kernels."""
-    step = TrainStep(model, opt_cfg, StepConfig(kernels=dict(kernels), compute_dtype=dtype))
+    # Parity compares against float32-exact eager torch: every non-kernel matmul at 'highest'.
+    step = TrainStep(model, opt_cfg, StepConfig(kernels=dict(kernels), compute_dtype=dtype, matmul_precision="highest"))
     tokens = jnp.asarray(tokens, dtype=jnp.int32)
 
     def probe(params, tokens):
         with _capture_routing(model) as captured:
-            with registry.routed(step.env, step.kernels), jax.default_matmul_precision(step.cfg.matmul_precision):
+            with step.routing():
                 logits = step.forward(cast_params(params, step.compute_dtype), tokens[:, :-1])
             routing = [step.env.t2j_iso(pair) for pair in captured]
         (loss, _), grads = step.grads(params, tokens)
@@ -474,7 +476,7 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
         "n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model, "n_experts": model_cfg.n_experts,
         "model_config": model_cfg.to_dict(), "weights": "random (seeded)" if state_dict is None else "state dict",
         "batch": batch, "seq_len": seq_len, "seed": seed, "dtypes": list(dtypes),
-        "optimizer": dataclasses.asdict(opt_cfg), "backend": registry.current_backend(),
+        "optimizer": dataclasses.asdict(opt_cfg), "backend": host_platform(),
         "post_step": "TrainStep.__call__ (full step)" if full_step else "TrainStep.update on the lowered gradients",
         "jax": jax.__version__, "torch": torch.__version__})
     report.rows.extend(rows)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Kernel speed on a GPU machine: each op's GPU kernel against its XLA reference.
 
-Self-contained: imports only jax and pallas_kernels/* (the GPU image has no torchax, no
+Self-contained: imports only jax, pallas_kernels/* and parity/compare.py (the GPU image has no torchax, no
 array_record). One run, well under 8 minutes on one H200:
 
     python scripts/gpu_bench.py                  # Lyra Small shapes, bf16 -> $OUT/gpu_bench.json
@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from pallas_kernels import attention as attn_k  # noqa: E402
 from pallas_kernels import cross_entropy as ce_k  # noqa: E402
 from pallas_kernels import moe as moe_k  # noqa: E402
+from parity.compare import rel_err  # noqa: E402  (numpy only: no torch needed on the GPU image)
 
 # ---- shapes -------------------------------------------------------------------------------------
 # name -> dims. "check": small float32 problems for the correctness pass; "bench": timed.
@@ -68,22 +69,21 @@ SHAPES = {
 OPS = ("attention", "cross_entropy", "moe")
 
 
-def _backends(smoke: bool) -> dict:
-    # The two kernel files spell their interpreted-Triton backends differently.
-    return dict(attention="gpu_interpret" if smoke else "gpu",
-                cross_entropy="gpu-interpret" if smoke else "gpu")
+def _kernel_mode(smoke: bool) -> dict:
+    # The Triton kernels; in a smoke run on CPU, interpreted (pallas_kernels/platform.py).
+    return dict(platform="gpu", interpret="generic" if smoke else None)
 
 
 def _impls(op: str, smoke: bool) -> dict:
     """name -> (fn(*inputs) with static kwargs bound)."""
-    be = _backends(smoke)
+    km = _kernel_mode(smoke)
     if op == "attention":
         return {"xla": lambda w, s: (lambda q, k, v, sk: attn_k.attention_reference(q, k, v, sk, sliding_window=w, scale=s)),
                 "pallas": lambda w, s: (lambda q, k, v, sk: attn_k.attention_pallas(
-                    q, k, v, sk, sliding_window=w, scale=s, backend=be["attention"]))}
+                    q, k, v, sk, sliding_window=w, scale=s, **km))}
     if op == "cross_entropy":
         return {"xla": lambda: (lambda h, w, y: ce_k.linear_cross_entropy_reference(h, w, y)),
-                "pallas": lambda: (lambda h, w, y: ce_k.linear_cross_entropy_pallas(h, w, y, backend=be["cross_entropy"]))}
+                "pallas": lambda: (lambda h, w, y: ce_k.linear_cross_entropy_pallas(h, w, y, **km))}
     if op == "moe":
         kw = dict(alpha=1.702, limit=7.0)
         return {"xla": lambda: (lambda x, a, b, c, d, g: moe_k.moe_experts_xla(x, g, a, b, c, d, **kw)),
@@ -150,11 +150,6 @@ def _out_and_grads(fn, n_float: int):
     return f
 
 
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
 def check(ops, shapes, smoke: bool, tol: float) -> list[dict]:
     rows = []
     for op in ops:
@@ -173,15 +168,15 @@ def check(ops, shapes, smoke: bool, tol: float) -> list[dict]:
                            for i, o in enumerate(shapes_out)]
                     outs, g_ref = jax.jit(_out_and_grads(ref, n_float))(cts, *inputs)
                     out_t, g = jax.jit(_out_and_grads(fn, n_float))(cts, *inputs)
-                    errs = {f"out{i}": _rel_err(a, b) for i, (a, b) in enumerate(zip(out_t, outs))}
-                    errs.update({f"grad{i}": _rel_err(a, b) for i, (a, b) in enumerate(zip(g, g_ref))})
-                    row["max_rel_err"] = errs
+                    errs = {f"out{i}": rel_err(a, b) for i, (a, b) in enumerate(zip(out_t, outs))}
+                    errs.update({f"grad{i}": rel_err(a, b) for i, (a, b) in enumerate(zip(g, g_ref))})
+                    row["rel_err"] = errs
                     row["ok"] = all(e <= tol for e in errs.values()) and all(np.isfinite(list(errs.values())))
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                     traceback.print_exc()
                 rows.append(row)
-                worst = max(row.get("max_rel_err", {}).values(), default=float("nan"))
+                worst = max(row.get("rel_err", {}).values(), default=float("nan"))
                 print(f"check {op:13s} {label:28s} {name:10s} vs {ref_name:10s} "
                       f"{'ok' if row['ok'] else 'FAIL'}  worst rel err {worst:.2e}"
                       + (f"  {row['error']}" if "error" in row else ""), flush=True)

@@ -64,7 +64,7 @@ def test_gpu_script_imports_only_jax_and_kernels():
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             roots.add(node.module.split(".")[0])
     third_party = roots - set(sys.stdlib_module_names)
-    assert third_party <= {"jax", "numpy", "pallas_kernels"}, third_party
+    assert third_party <= {"jax", "numpy", "pallas_kernels", "parity"}, third_party
 
 
 def test_gpu_script_smoke_on_cpu(tmp_path):
@@ -108,7 +108,7 @@ def test_bench_records_a_failing_implementation(tmp_path):
     from jax_bridge import registry
     from train.cli import main
 
-    def broken(hidden, weight, labels, *, ignore_index=-100, backend=None):
+    def broken(hidden, weight, labels, *, ignore_index=-100, platform):
         raise RuntimeError("kernel exploded")
 
     registry.register_implementation("cross_entropy", "broken_for_test", broken)

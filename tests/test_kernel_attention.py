@@ -12,13 +12,9 @@ import numpy as np
 import pytest
 from jax import export
 
+from helpers import rel_err
 from pallas_kernels.attention import (attention_grid, attention_pallas, attention_reference,
                                       attention_splash, default_block_sizes)
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def make_inputs(seed, b, hq, hkv, t, d, dtype):
@@ -43,9 +39,9 @@ def out_and_grads(fn):
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_fn(window, scale, block_q, block_kv, backend):
+def pallas_fn(window, scale, block_q, block_kv, platform, interpret=None):
     return functools.partial(attention_pallas, sliding_window=window, scale=scale,
-                             block_q=block_q, block_kv=block_kv, backend=backend)
+                             block_q=block_q, block_kv=block_kv, platform=platform, interpret=interpret)
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,11 +49,11 @@ def reference_fn(window, scale):
     return functools.partial(attention_reference, sliding_window=window, scale=scale)
 
 
-def check_against_reference(case, dtype, backend, fwd_tol, bwd_tol, seed):
+def check_against_reference(case, dtype, platform, fwd_tol, bwd_tol, seed, interpret=None):
     b, hq, hkv, t, d, window, bq, bkv = case
     scale = d ** -0.5
     args = make_inputs(seed, b, hq, hkv, t, d, dtype)
-    out, grads = out_and_grads(pallas_fn(window, scale, bq, bkv, backend))(*args)
+    out, grads = out_and_grads(pallas_fn(window, scale, bq, bkv, platform, interpret))(*args)
     ref_out, ref_grads = out_and_grads(reference_fn(window, scale))(*args)
     assert out.dtype == dtype and out.shape == (b, hq, t, d)
     assert rel_err(out, ref_out) <= fwd_tol, rel_err(out, ref_out)
@@ -91,7 +87,7 @@ def test_tpu_kernel_matches_reference_bf16(case):
                          ids=["GQA-full-T37", "MQA-window-T130"])
 def test_gpu_kernel_interpreted_matches_reference_f32(case):
     # The Triton-structured kernel (fori_loop over blocks) run by the generic Pallas interpreter.
-    check_against_reference(case, jnp.float32, "gpu_interpret", 1e-5, 1e-4, seed=sum(case))
+    check_against_reference(case, jnp.float32, "gpu", 1e-5, 1e-4, seed=sum(case), interpret="generic")
 
 
 def test_matches_eager_torch():
@@ -101,7 +97,7 @@ def test_matches_eager_torch():
     b, hq, hkv, t, d, window, bq, bkv = F32_CASES[0]   # re-uses that case's compiled kernel
     for window in (0,):
         args = make_inputs(sum(F32_CASES[0]), b, hq, hkv, t, d, jnp.float32)
-        out, grads = out_and_grads(pallas_fn(window, d ** -0.5, bq, bkv, "cpu"))(*args)
+        out, grads = out_and_grads(pallas_fn(window, d ** -0.5, bq, bkv, "cpu", None))(*args)
         tq, tk, tv, ts = (torch.tensor(np.asarray(x), requires_grad=True) for x in args[:4])
         t_out = torch_reference(tq, tk, tv, ts, window, d ** -0.5)
         t_out.backward(torch.tensor(np.asarray(args[4])))
@@ -114,14 +110,14 @@ def test_splash_matches_reference():
     # Splash differentiates all four inputs, sinks included.
     b, hq, hkv, t, d, window = 2, 4, 2, 130, 32, 20
     args = make_inputs(7, b, hq, hkv, t, d, jnp.float32)
-    fn = functools.partial(attention_splash, sliding_window=window, scale=d ** -0.5, backend="cpu")
+    fn = functools.partial(attention_splash, sliding_window=window, scale=d ** -0.5, platform="cpu")
     out, grads = out_and_grads(fn)(*args)
     ref_out, ref_grads = out_and_grads(reference_fn(window, d ** -0.5))(*args)
     assert rel_err(out, ref_out) <= 1e-5
     for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
         assert rel_err(g, r) <= 1e-4, (name, rel_err(g, r))
-    with pytest.raises(ValueError, match="TPU"):
-        attention_splash(*args[:4], sliding_window=window, scale=1.0, backend="gpu")
+    with pytest.raises(NotImplementedError, match="no gpu kernel.*attention_pallas"):
+        attention_splash(*args[:4], sliding_window=window, scale=1.0, platform="gpu")
 
 
 def _pallas_grids(fn, *args):
@@ -159,21 +155,21 @@ def test_sliding_window_grid_is_linear_in_window():
 
     def loss(window):
         return jax.grad(lambda *a: attention_pallas(*a, sliding_window=window, scale=0.125, block_q=blk,
-                                                    block_kv=blk, backend="tpu").astype(jnp.float32).sum(),
+                                                    block_kv=blk, platform="tpu").astype(jnp.float32).sum(),
                         argnums=(0, 1, 2, 3))
     local_grids, full_grids = _pallas_grids(loss(w), q, k, k, s), _pallas_grids(loss(0), q, k, k, s)
     assert (1, 4, nq, 2) in local_grids and (1, 4, nq, nq) in full_grids      # forward and dq
     assert (1, 2, nq, 2 * 2) in local_grids and (1, 2, nq, 2 * nq) in full_grids  # dkv: group x q steps
 
 
-def _lower(platform, b, hq, hkv, t, d, window, backend):
+def _lower(export_platform, b, hq, hkv, t, d, window, platform):
     q = jax.ShapeDtypeStruct((b, hq, t, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((b, hkv, t, d), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((hq,), jnp.float32)
-    fwd = functools.partial(attention_pallas, sliding_window=window, scale=d ** -0.5, backend=backend)
+    fwd = functools.partial(attention_pallas, sliding_window=window, scale=d ** -0.5, platform=platform)
     vag = jax.value_and_grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
-    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if platform == "cuda" else []
-    texts = [export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(q, k, k, s).mlir_module()
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if export_platform == "cuda" else []
+    texts = [export.export(jax.jit(f), platforms=[export_platform], disabled_checks=checks)(q, k, k, s).mlir_module()
              for f in (fwd, vag)]
     return texts
 
@@ -181,13 +177,13 @@ def _lower(platform, b, hq, hkv, t, d, window, backend):
 @pytest.mark.parametrize("shape", [(2, 4, 2, 256, 64, 64), (4, 16, 4, 4096, 128, 128), (4, 16, 4, 4096, 128, 0)],
                          ids=["tiny", "lyra-small-window128", "lyra-small-full"])
 def test_tpu_lowering(shape):
-    fwd_text, vag_text = _lower("tpu", *shape, backend="tpu")
+    fwd_text, vag_text = _lower("tpu", *shape, platform="tpu")
     assert fwd_text.count("tpu_custom_call") == 1      # forward kernel
     assert vag_text.count("tpu_custom_call") == 3      # forward, dq, dkv
 
 
 def test_cuda_lowering():
-    fwd_text, vag_text = _lower("cuda", 2, 4, 2, 130, 64, 32, backend="cuda")
+    fwd_text, vag_text = _lower("cuda", 2, 4, 2, 130, 64, 32, platform="gpu")
     assert "triton" in fwd_text and vag_text.count("__gpu$xla.gpu.triton") >= 3
 
 
@@ -199,26 +195,30 @@ def test_default_block_sizes():
     assert default_block_sizes(300, 64, "tpu") == (128, 128)
     assert default_block_sizes(37, 64, "tpu") == (40, 40)
     assert default_block_sizes(4096, 128, "gpu") == (64, 64)
-    assert default_block_sizes(37, 64, "cuda") == (64, 64)
-    assert default_block_sizes(20, 64, "cuda") == (32, 32)
+    assert default_block_sizes(37, 64, "gpu") == (64, 64)
+    assert default_block_sizes(20, 64, "gpu") == (32, 32)
     # Explicit blocks shrink to the sequence without breaking divisibility (or Triton's powers of 2).
     from pallas_kernels.attention import _plan_blocks
-    assert _plan_blocks(200, 512, 128, "tpu") == (256, 128, 256)
-    assert _plan_blocks(200, 512, 512, "tpu") == (200, 200, 200)
-    assert _plan_blocks(130, 256, 64, "gpu") == (256, 64, 256)
+    from pallas_kernels.platform import kernel_mode
+    tpu, gpu = kernel_mode("tpu", who="test"), kernel_mode("gpu", who="test")
+    assert _plan_blocks(200, 512, 128, tpu) == (256, 128, 256)
+    assert _plan_blocks(200, 512, 512, tpu) == (200, 200, 200)
+    assert _plan_blocks(130, 256, 64, gpu) == (256, 64, 256)
     with pytest.raises(ValueError, match="divide"):
-        _plan_blocks(256, 48, 32, "tpu")
+        _plan_blocks(256, 48, 32, tpu)
 
 
 def test_rejects_bad_inputs():
     q, k, v = np.zeros((1, 4, 16, 32), np.float32), np.zeros((1, 2, 16, 32), np.float32), np.zeros((1, 2, 16, 32), np.float32)
     sinks = np.zeros((4,), np.float32)
     with pytest.raises(ValueError, match="Tq == Tk"):
-        attention_pallas(q[:, :, :8], k, v, sinks, sliding_window=0, scale=1.0)
+        attention_pallas(q[:, :, :8], k, v, sinks, sliding_window=0, scale=1.0, platform="cpu")
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        attention_pallas(q[:, :3], k, v, sinks[:3], sliding_window=0, scale=1.0)
+        attention_pallas(q[:, :3], k, v, sinks[:3], sliding_window=0, scale=1.0, platform="cpu")
     with pytest.raises(ValueError, match="powers of two"):
-        attention_pallas(q, k, v, sinks, sliding_window=0, scale=1.0, block_q=24, backend="gpu")
+        attention_pallas(q, k, v, sinks, sliding_window=0, scale=1.0, block_q=24, platform="gpu")
+    with pytest.raises(ValueError, match="unknown platform 'cuda'"):
+        attention_pallas(q, k, v, sinks, sliding_window=0, scale=1.0, platform="cuda")
 
 
 def test_splash_wrapper_can_be_traced_twice():
@@ -227,5 +227,6 @@ def test_splash_wrapper_can_be_traced_twice():
     k = jnp.ones((1, 1, 64, 32))
     sinks = jnp.zeros(2)
     for _ in range(2):
-        f = jax.jit(jax.grad(lambda q: attention_splash(q, k, k, sinks, sliding_window=8, scale=0.1).sum()))
+        f = jax.jit(jax.grad(lambda q: attention_splash(q, k, k, sinks, sliding_window=8, scale=0.1,
+                                                        platform="cpu").sum()))
         assert f(q).shape == q.shape

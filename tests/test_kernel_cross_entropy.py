@@ -1,8 +1,9 @@
 """Pallas linear cross-entropy against the plain-JAX reference and the eager PyTorch op.
 
-Everything runs on CPU: the TPU kernels in the Pallas interpreters ('interpret': generic and
-fast; 'cpu': the TPU interpreter), the Triton kernels in the generic interpreter
-('gpu-interpret'), and lowering for real TPU / CUDA through `jax.export`.
+Everything runs on CPU: the TPU kernels in the Pallas interpreters (platform 'cpu': the generic
+interpreter, fast; interpret='tpu': the TPU-simulating one), the Triton kernels in the generic
+interpreter (platform 'gpu', interpret 'generic'), and lowering for real TPU / CUDA through
+`jax.export`.
 """
 from __future__ import annotations
 
@@ -14,17 +15,13 @@ import numpy as np
 import pytest
 from jax import export
 
+from helpers import rel_err as rel
 from pallas_kernels.cross_entropy import (default_block_sizes, linear_cross_entropy_pallas,
                                           linear_cross_entropy_reference)
 
 IGNORE = -100
 S = jax.ShapeDtypeStruct
 LYRA_SMALL = (16384, 2048, 201088)  # tokens per step, hidden, vocabulary (1571 * 128)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def make_inputs(n, h, v, dtype, seed, ignore_first_tile=0):
@@ -54,11 +51,11 @@ def loss_and_grads(fn):
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_run(backend, block_n, block_v):
+def pallas_run(platform, block_n, block_v, interpret=None, block_compute=None):
     """Cached so that tests sharing a configuration compile once."""
     return loss_and_grads(functools.partial(
         linear_cross_entropy_pallas, ignore_index=IGNORE, block_n=block_n, block_v=block_v,
-        backend=backend))
+        platform=platform, interpret=interpret, block_compute=block_compute))
 
 
 reference_run = loss_and_grads(functools.partial(linear_cross_entropy_reference,
@@ -66,21 +63,26 @@ reference_run = loss_and_grads(functools.partial(linear_cross_entropy_reference,
 
 
 CASES = [
-    # n, h, v, dtype, backend, block_n, block_v, ignore_first_tile
-    (37, 32, 1000, jnp.float32, "interpret", 16, 128, 16),  # N, V not multiples of the tiles
-    (64, 64, 384, jnp.float32, "interpret", None, None, 0),  # default tiles
-    (37, 64, 257, jnp.bfloat16, "interpret", 16, 128, 0),   # bf16, one valid column in last tile
-    (37, 32, 257, jnp.float32, "cpu", 16, 128, 0),          # the TPU interpreter (VMEM, DMAs)
-    (37, 48, 1000, jnp.float32, "gpu-interpret", 16, 128, 16),  # Triton kernels; H % 64 != 0
-    (64, 64, 384, jnp.bfloat16, "gpu-interpret", 32, 128, 0),
+    # n, h, v, dtype, platform, interpret, block_n, block_v, ignore_first_tile
+    (37, 32, 1000, jnp.float32, "cpu", None, 16, 128, 16),     # N, V not multiples of the tiles
+    (64, 64, 384, jnp.float32, "cpu", None, None, None, 0),    # default tiles
+    (37, 64, 257, jnp.bfloat16, "cpu", None, 16, 128, 0),      # bf16, one valid column in last tile
+    (37, 32, 257, jnp.float32, "cpu", "tpu", 16, 128, 0),      # the TPU interpreter (VMEM, DMAs)
+    (37, 48, 1000, jnp.float32, "gpu", "generic", 16, 128, 16),  # Triton kernels; H % 64 != 0
+    (64, 64, 384, jnp.bfloat16, "gpu", "generic", 32, 128, 0),
+    # compute chunks (block_compute 16): 2 token chunks per dh tile, 8 vocab chunks per forward /
+    # dW tile, partial last tiles on both axes (the masked code paths), in the TPU interpreter
+    (70, 32, 300, jnp.float32, "cpu", "tpu", 32, 128, 0, 16),
 ]
 
 
-@pytest.mark.parametrize("n,h,v,dtype,backend,block_n,block_v,ignore_first_tile", CASES)
-def test_matches_reference(n, h, v, dtype, backend, block_n, block_v, ignore_first_tile):
+@pytest.mark.parametrize("n,h,v,dtype,platform,interpret,block_n,block_v,ignore_first_tile,block_compute",
+                         [c + (None,) * (10 - len(c)) for c in CASES])
+def test_matches_reference(n, h, v, dtype, platform, interpret, block_n, block_v, ignore_first_tile, block_compute):
     hidden, weight, labels, a, b = make_inputs(n, h, v, dtype, seed=n * v + h,
                                                ignore_first_tile=ignore_first_tile)
-    nll, lse, loss, (dh, dw) = pallas_run(backend, block_n, block_v)(hidden, weight, labels, a, b)
+    run = pallas_run(platform, block_n, block_v, interpret, block_compute)
+    nll, lse, loss, (dh, dw) = run(hidden, weight, labels, a, b)
     nll_r, lse_r, loss_r, (dh_r, dw_r) = reference_run(hidden, weight, labels, a, b)
 
     assert nll.shape == lse.shape == (n,) and nll.dtype == lse.dtype == jnp.float32
@@ -102,7 +104,7 @@ def test_matches_reference(n, h, v, dtype, backend, block_n, block_v, ignore_fir
 def test_all_tokens_ignored_give_zero_loss_and_gradient():
     hidden, weight, labels, a, b = make_inputs(37, 32, 1000, jnp.float32, seed=1)
     labels = jnp.full_like(labels, IGNORE)
-    run = pallas_run("interpret", 16, 128)  # shares the first case's compilation
+    run = pallas_run("cpu", 16, 128)  # shares the first case's compilation
     nll, lse, loss, (dh, dw) = run(hidden, weight, labels, a, b)
     assert not np.any(np.asarray(nll)) and not np.any(np.asarray(lse)) and float(loss) == 0.0
     assert not np.any(np.asarray(dh)) and not np.any(np.asarray(dw))
@@ -114,7 +116,7 @@ def test_matches_eager_torch_op():
 
     hidden, weight, labels, a, b = make_inputs(37, 32, 1000, jnp.float32, seed=7,
                                                ignore_first_tile=16)
-    nll, lse, _, (dh, dw) = pallas_run("interpret", 16, 128)(hidden, weight, labels, a, b)
+    nll, lse, _, (dh, dw) = pallas_run("cpu", 16, 128)(hidden, weight, labels, a, b)
 
     th = torch.tensor(np.asarray(hidden), requires_grad=True)
     tw = torch.tensor(np.asarray(weight), requires_grad=True)
@@ -134,7 +136,7 @@ def test_default_block_sizes():
     assert default_block_sizes(n, h, v, "tpu") == (1024, 512)
     bn, bv = default_block_sizes(n, h, v, "cpu")  # interpreters: tiles that divide N and V
     assert n % bn == 0 and v % bv == 0 and bv % 128 == 0
-    assert default_block_sizes(n, h, v, "cuda") == (64, 128)
+    assert default_block_sizes(n, h, v, "gpu") == (64, 128)
     assert default_block_sizes(37, 64, 1000, "tpu") == (37, 512)  # a tile may be the whole dim
     bn, bv = default_block_sizes(4096, 16384, v, "tpu")           # wide hidden: smaller tiles
     assert bn % 128 == 0 and bv % 128 == 0 and bn * bv < 1024 * 512
@@ -143,21 +145,23 @@ def test_default_block_sizes():
 def test_rejects_bad_arguments():
     hidden, weight, labels, _, _ = make_inputs(256, 32, 1000, jnp.float32, seed=0)
     with pytest.raises(ValueError, match="block_n"):
-        linear_cross_entropy_pallas(hidden, weight, labels, block_n=100, backend="tpu")
+        linear_cross_entropy_pallas(hidden, weight, labels, block_n=100, platform="tpu")
     with pytest.raises(ValueError, match="block_v"):
-        linear_cross_entropy_pallas(hidden, weight, labels, block_v=200, backend="tpu")
+        linear_cross_entropy_pallas(hidden, weight, labels, block_v=200, platform="tpu")
     with pytest.raises(ValueError, match="power of two"):
-        linear_cross_entropy_pallas(hidden, weight, labels, block_v=96, backend="cuda")
-    with pytest.raises(ValueError, match="unknown backend"):
-        linear_cross_entropy_pallas(hidden, weight, labels, backend="metal")
+        linear_cross_entropy_pallas(hidden, weight, labels, block_v=96, platform="gpu")
+    with pytest.raises(ValueError, match="unknown platform"):
+        linear_cross_entropy_pallas(hidden, weight, labels, platform="metal")
+    with pytest.raises(ValueError, match="unknown interpret mode"):
+        linear_cross_entropy_pallas(hidden, weight, labels, platform="cpu", interpret="gpu-interpret")
     with pytest.raises(ValueError, match="shapes"):
-        linear_cross_entropy_pallas(hidden, weight[:, :16], labels, backend="cpu")
+        linear_cross_entropy_pallas(hidden, weight[:, :16], labels, platform="cpu")
 
 
 # ---- lowering for real hardware ----------------------------------------------------------------
-def _value_and_grad(backend):
+def _value_and_grad(platform):
     def loss(hidden, weight, labels):
-        nll, lse = linear_cross_entropy_pallas(hidden, weight, labels, backend=backend)
+        nll, lse = linear_cross_entropy_pallas(hidden, weight, labels, platform=platform)
         return jnp.sum(nll) + 1e-4 * jnp.sum(lse ** 2)
     return jax.value_and_grad(loss, argnums=(0, 1))
 
@@ -169,7 +173,7 @@ def _specs(n, h, v, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("shape", [(2048, 256, 4096), LYRA_SMALL], ids=["tiny", "lyra_small"])
 def test_exports_for_tpu(shape):
     n, h, v = shape
-    fwd = functools.partial(linear_cross_entropy_pallas, backend="tpu")
+    fwd = functools.partial(linear_cross_entropy_pallas, platform="tpu")
     exp = export.export(jax.jit(fwd), platforms=["tpu"])(*_specs(n, h, v))
     text = exp.mlir_module()
     assert text.count("tpu_custom_call") == 1 and "stablehlo.pad" not in text
@@ -185,11 +189,11 @@ def test_exports_for_tpu(shape):
 def test_exports_for_cuda():
     n, h, v = 2048, 256, 4096
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    fwd = functools.partial(linear_cross_entropy_pallas, backend="cuda")
+    fwd = functools.partial(linear_cross_entropy_pallas, platform="gpu")
     exp = export.export(jax.jit(fwd), platforms=["cuda"], disabled_checks=checks)(*_specs(n, h, v))
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
     for dtype in (jnp.bfloat16, jnp.float32):
-        exp = export.export(jax.jit(_value_and_grad("cuda")), platforms=["cuda"],
+        exp = export.export(jax.jit(_value_and_grad("gpu")), platforms=["cuda"],
                             disabled_checks=checks)(*_specs(n, h, v, dtype))
         assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 2  # forward, backward
         assert [o.shape for o in exp.out_avals] == [(), (n, h), (v, h)]
@@ -197,7 +201,7 @@ def test_exports_for_cuda():
 
 # ---- memory: nothing of size N x V, forward or backward ----------------------------------------
 def test_compiled_temporary_memory_at_lyra_small():
-    """Compile-only memory analysis on CPU, the kernels in the TPU interpreter (backend='cpu'),
+    """Compile-only memory analysis on CPU, the kernels in the TPU interpreter (interpret='tpu'),
     against the reference that materializes the logits: >= 99.9% of its temporaries saved."""
     specs = _specs(*LYRA_SMALL)
 
@@ -210,7 +214,7 @@ def test_compiled_temporary_memory_at_lyra_small():
             return jnp.sum(nll) + 1e-4 * jnp.sum(lse ** 2)
         return jax.value_and_grad(loss, argnums=(0, 1))
 
-    pallas = functools.partial(linear_cross_entropy_pallas, backend="cpu")
+    pallas = functools.partial(linear_cross_entropy_pallas, platform="cpu", interpret="tpu")
     ref = linear_cross_entropy_reference
     assert temp(pallas) <= 1e-3 * temp(ref)
     assert temp(vg(pallas)) <= 1e-3 * temp(vg(ref))

@@ -1,5 +1,6 @@
 """A full train step of `tiny` with every op on its Pallas kernel (interpret mode on CPU)
-matches the `xla` step: loss, every gradient, and the parameters after the update."""
+matches the `xla` step: loss, every gradient, and the parameters after the update. Small tiles
+set through StepConfig.kernel_options make the sequence span several blocks of every kernel."""
 import numpy as np
 import torch
 
@@ -13,9 +14,12 @@ def test_all_pallas_train_step_matches_xla_step():
     torch.manual_seed(0)
     cfg = get_preset("tiny").replace(sliding_window=16)
     model = GptOssForCausalLM(cfg)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 2, 65)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 2, 81)).astype(np.int32)
     xla = TrainStep(model, step_cfg=StepConfig(kernels="xla"))
-    pallas = TrainStep(model, step_cfg=StepConfig(kernels="attention=pallas,cross_entropy=pallas,moe=pallas"))
+    small_tiles = ("attention.pallas.block_q=16,attention.pallas.block_kv=32,cross_entropy.pallas.block_n=32,"
+                   "cross_entropy.pallas.block_v=1024,moe.pallas.block_m=16,moe.pallas.block_i=128")
+    pallas = TrainStep(model, step_cfg=StepConfig(kernels="attention=pallas,cross_entropy=pallas,moe=pallas",
+                                                  kernel_options=small_tiles))
     assert pallas.kernels == {"attention": "pallas", "cross_entropy": "pallas", "moe": "pallas"}
     params = xla.init_state().params
     (loss_x, _), grads_x = xla.grads(params, tokens[0])

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from helpers import rel_err, to_numpy
-from jax_bridge import registry
 from jax_bridge.lowering import params_to_jax
 from jax_bridge.step import StepConfig, TrainStep
 from torch_model.config import get_preset
@@ -42,7 +41,7 @@ def test_forward_logits_match_eager(setup):
     params = params_to_jax(model)
 
     def logits(p, ids):
-        with registry.routed(step.env, step.kernels):
+        with step.routing():
             return step.forward(p, ids)
 
     got = jax.jit(logits)(params, jnp.asarray(tokens[:, :-1].numpy()))

@@ -19,6 +19,7 @@ COMMANDS = {
     "import": ("parity.hf_import", "read a Hugging Face GptOss directory into a checkpoint"),
     "parity": ("parity.run", "compare eager PyTorch with the lowered JAX run, per kernel set"),
     "bench": ("train.bench", "kernel memory and speed benchmarks"),
+    "plan": ("train.plan", "compile the train step for a TPU slice (no weights, no TPU) and check it fits"),
 }
 
 

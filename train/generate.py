@@ -24,10 +24,13 @@ class Sampler:
         self.cfg = model.cfg
         self.window = window or model.cfg.max_seq_len
         self.params = params_to_jax(model)
-        env, resolved, forward = get_env(), registry.resolve(kernels), model_function(model)
+        from pallas_kernels.platform import host_platform
+
+        platform = host_platform()
+        env, resolved, forward = get_env(), registry.resolve(kernels, platform), model_function(model)
 
         def next_logits(params, ids, positions):
-            with registry.routed(env, resolved), jax.default_matmul_precision("highest"):
+            with registry.routed(env, resolved, platform=platform), jax.default_matmul_precision("highest"):
                 logits = forward(params, ids)
             return jnp.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0]
 

@@ -49,7 +49,7 @@ def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progres
 # ---- command line -------------------------------------------------------------------------------
 _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": int, "seq_len": int,
           "micro_batches": int, "lr": float, "adam_lr": float, "warmup_steps": int, "kernels": str,
-          "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int,
+          "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int,
           "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
           "max_consecutive_skips": int, "mesh": str, "remat": str}
 _SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",

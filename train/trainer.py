@@ -98,6 +98,7 @@ class Trainer:
             say(f"resuming from {resume_dir} (step {meta['step']})")
         try:
             registry.resolve(cfg.kernels)          # a bad kernel choice fails before any work
+            registry.check_options(cfg.kernel_options)
         except registry.KernelError as e:
             raise UserError(str(e)) from None
         self.tokenizer = load_tokenizer(cfg.data)
@@ -125,7 +126,7 @@ class Trainer:
         try:
             self.step = TrainStep(self.model, opt_cfg, StepConfig(
                 kernels=cfg.kernels, compute_dtype=cfg.compute_dtype, micro_batches=cfg.micro_batches,
-                scan_layers=cfg.scan_layers, remat=cfg.remat), mesh=self.mesh)
+                kernel_options=cfg.kernel_options, scan_layers=cfg.scan_layers, remat=cfg.remat), mesh=self.mesh)
         except (registry.KernelError, ValueError) as e:
             raise UserError(str(e)) from None
         self.state = self.step.init_state()
@@ -140,7 +141,7 @@ class Trainer:
 
         self.checkpoints = checkpoint.CheckpointWriter(self.out / "checkpoints", keep=cfg.keep_checkpoints)
         self.last_saved = self.done if meta else None
-        self.peak, self.peak_source = flops.peak_flops(cfg.compute_dtype)
+        self.peak, self.peak_source = flops.peak_flops(self.step.cfg.compute_dtype)   # "auto" resolved
         self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
         self.timer, self._pending_skip, self._skipped_since_log, self.start_time = StepTimer(), None, 0, time.perf_counter()
         self.last_eval: dict = {}
@@ -183,7 +184,8 @@ class Trainer:
         counts = self.model_cfg.param_counts()
         from jax_bridge import distributed, registry, sharding
         print(f"model {self.cfg.preset}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M "
-              f"active); kernels: {registry.describe(self.step.kernels)}")
+              f"active); kernels: {registry.describe(self.step.kernels, self.step.platform)}; compute "
+              f"{self.step.cfg.compute_dtype}, matmul precision {self.step.cfg.matmul_precision}")
         print(f"devices: {distributed.describe()}; mesh: {sharding.describe(self.mesh) if self.mesh else 'none'}; "
               f"layers {'scanned' if self.cfg.scan_layers else 'looped'}, remat {self.cfg.remat}")
         writer.write({"kind": "resume" if meta else "run", "step": self.done, "from": str(resume_dir) if meta else None,
