@@ -59,15 +59,15 @@ class _MethodAsForward(torch.nn.Module):
         return getattr(self.inner, self.method)(*args)
 
 
-def optimizer_function(plan, cfg: OptimizerConfig):
+def optimizer_function(plan, cfg: OptimizerConfig, orthogonalize=None):
     """update(params, grads, state, lr_scale) -> (params, state, stats): the torch optimizer's
-    own update, traced through torchax."""
+    own update, traced through torchax (`orthogonalize`: see muon_adamw_update)."""
     env = get_env()
 
     def update(params, grads, state, lr_scale):
         torch_args = env.j2t_iso((params, grads, state, lr_scale))
         with env:
-            out = muon_adamw_update(*torch_args[:3], plan, cfg, torch_args[3])
+            out = muon_adamw_update(*torch_args[:3], plan, cfg, torch_args[3], orthogonalize=orthogonalize)
         return env.t2j_iso(out)
 
     return update

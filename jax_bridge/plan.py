@@ -2,18 +2,22 @@
 TPU compiler's per-chip memory figures.
 
 A torch model built on the `meta` device (no weights) is lowered through torchax as usual and the
-one-jit train step is compiled, with abstract state (`jax.ShapeDtypeStruct`), by the TPU compiler
-for one compile-only device of the topology (jax_bridge/tpu_compile.py). Nothing is allocated or
-run, so a 20B model plans on a laptop.
+one-jit train step (`TrainStep._step`, the trainer's) is compiled, with abstract state
+(`jax.ShapeDtypeStruct`), by the TPU compiler for the compile-only devices of the topology
+(jax_bridge/tpu_compile.py). Nothing is allocated or run, so a 20B model plans on a laptop.
 
-Single chip, replicated: every chip holds the whole train state and runs `batch_size / chips`
-rows (data parallelism), so the figures are one chip's. The gradient all-reduce of a real
-data-parallel run is not part of the compiled program. The scale-out work extends `plan()` with
-a mesh and shardings.
+Two forms:
+- a mesh over every chip of the slice (`mesh=""`: all on `fsdp`, the trainer's default; or
+  "data=2,fsdp=4", ...): the state carries the shardings of `sharding.py`, the tokens are split
+  over the batch axes, and the compiler partitions the step (SPMD) into one program per chip,
+  collectives included; its memory figures are one chip's;
+- one chip, replicated (`mesh=None`): every chip holds the whole train state and runs
+  `batch_size / chips` rows; the gradient all-reduce is not part of the compiled program.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 
@@ -21,6 +25,7 @@ from jax_bridge import tpu_compile
 
 _OOM = re.compile(r"total memory required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)G\)")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+ONE_CHIP = "none"          # the CLI's --mesh value for the one-chip, replicated form
 
 
 @dataclasses.dataclass
@@ -30,16 +35,25 @@ class Plan:
     device_kind: str
     generation: str
     chips: int
+    mesh: str                    # e.g. "fsdp=8", or "none" (one chip, replicated state)
     n_layers: int
     params: int
     seq_len: int
     batch_size: int              # global rows per micro-step
     rows_per_chip: int
     micro_batches: int
+    scan_layers: bool
+    remat: str
     kernels: dict
     compute_dtype: str
     matmul_precision: str
     hbm_bytes: int               # what the compiler lets one device use
+    # Per chip, from the state's shapes and shardings (not the compiler): the shards one chip holds.
+    param_bytes: int = 0         # float32 master weights
+    optimizer_bytes: int = 0     # Muon momentum, AdamW moments, step counts
+    grad_bytes: int = 0          # one gradient per parameter shard, in the parameters' dtype (the step
+                                 # reduces gradients into the parameters' sharding); inside temporaries
+    # Per chip, by the TPU compiler.
     argument_bytes: int | None = None
     output_bytes: int | None = None
     alias_bytes: int | None = None
@@ -47,25 +61,44 @@ class Plan:
     total_bytes: int | None = None   # arguments + outputs - aliased (donated) + temporaries
     fits: bool | None = None
     lower_s: float | None = None
-    compile_s: float | None = None
+    compile_s: float | None = None   # wall clock
+    compile_cpu_s: float | None = None   # this process's CPU time while compiling (the host is shared)
     error: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def plan(preset: str, topology: str, *, seq_len: int | None = None, batch_size: int = 8, micro_batches: int = 1,
+def per_chip_bytes(tree) -> int:
+    """Bytes one chip holds of a pytree of ShapeDtypeStructs: each leaf's shard under its sharding
+    (the whole leaf without one). Shards are equal in size (the rules split only exact divisors)."""
+    import jax
+    import numpy as np
+
+    def held(leaf):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+    return sum(held(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len: int | None = None,
+         batch_size: int = 8, micro_batches: int = 1, scan_layers: bool = False, remat: str = "none",
          kernels: str | dict | None = "auto", kernel_options: str | dict | None = None,
          compute_dtype: str | None = None, matmul_precision: str | None = None,
          model_overrides: dict | None = None, optimizer=None) -> Plan:
-    """Compile `preset`'s train step for one chip of TPU `topology` and report its memory.
-    model_overrides: ModelConfig fields (e.g. {"n_layers": 2}); seq_len defaults to the
-    preset's. A program that does not fit is reported (fits=False, temp_bytes from the
-    compiler's refusal), not raised."""
+    """Compile `preset`'s train step for TPU `topology` and report one chip's memory.
+    mesh: None = one chip, replicated state; a --mesh spec ("" = every chip on fsdp) = the sharded
+    step over every chip. model_overrides: ModelConfig fields (e.g. {"n_layers": 2}); seq_len
+    defaults to the preset's. A program that does not fit is reported (fits=False, temp_bytes from
+    the compiler's refusal), not raised. Bad mesh / batch: ValueError."""
     import jax
     import jax.numpy as jnp
     import torch
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from jax_bridge import sharding
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
@@ -74,30 +107,50 @@ def plan(preset: str, topology: str, *, seq_len: int | None = None, batch_size: 
     devices = tpu_compile.topology_devices(topology)
     device = devices[0]
     chips = len(devices)
-    if batch_size % chips:
-        raise ValueError(f"batch_size {batch_size} must be a multiple of the {chips} chips of {topology} "
-                         "(each chip runs batch_size / chips rows)")
+    device_mesh = None if mesh is None else sharding.make_mesh(mesh or None, devices)
+    if device_mesh is None:
+        if batch_size % chips:
+            raise ValueError(f"batch_size {batch_size} must be a multiple of the {chips} chips of {topology} "
+                             "(each chip runs batch_size / chips rows)")
+        rows = batch_size // chips
+    else:
+        shards = sharding.batch_shards(device_mesh)
+        if batch_size % shards:
+            raise ValueError(f"batch_size {batch_size} must be a multiple of the {shards} batch shards of mesh "
+                             f"{sharding.describe(device_mesh)} (the batch is split over data x fsdp x expert)")
+        rows = batch_size // shards
     cfg = get_preset(preset)
     seq_len = seq_len or cfg.max_seq_len
     cfg = cfg.replace(**{"max_seq_len": seq_len, **(model_overrides or {})})
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg)
     step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, micro_batches=micro_batches,
-                          matmul_precision=matmul_precision, platform="tpu", kernel_options=kernel_options)
-    step = TrainStep(model, optimizer or OptimizerConfig(), step_cfg)
-    rows = batch_size // chips
+                          matmul_precision=matmul_precision, platform="tpu", kernel_options=kernel_options,
+                          scan_layers=scan_layers, remat=remat)
+    step = TrainStep(model, optimizer or OptimizerConfig(), step_cfg, mesh=device_mesh)
     state = step.abstract_state()
-    tokens = jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32)
-    lr_scale = jax.ShapeDtypeStruct((), jnp.float32)
     result = Plan(preset=preset, topology=topology, device_kind=device.device_kind,
-                  generation=tpu_compile.generation(device), chips=chips, n_layers=cfg.n_layers,
+                  generation=tpu_compile.generation(device), chips=chips,
+                  mesh=ONE_CHIP if device_mesh is None else sharding.describe(device_mesh), n_layers=cfg.n_layers,
                   params=cfg.param_counts()["total"], seq_len=seq_len, batch_size=batch_size, rows_per_chip=rows,
-                  micro_batches=micro_batches, kernels=dict(step.kernels), compute_dtype=step_cfg.compute_dtype,
-                  matmul_precision=step_cfg.matmul_precision, hbm_bytes=tpu_compile.hbm_bytes(device))
+                  micro_batches=micro_batches, scan_layers=scan_layers, remat=remat, kernels=dict(step.kernels),
+                  compute_dtype=step_cfg.compute_dtype, matmul_precision=step_cfg.matmul_precision,
+                  hbm_bytes=tpu_compile.hbm_bytes(device), param_bytes=per_chip_bytes(state.params),
+                  optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params))
     start = time.perf_counter()
-    lowered = tpu_compile.lower_for(step._step, (state, tokens, lr_scale), device, donate_argnums=(0,))
+    if device_mesh is None:
+        tokens = jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32)
+        lr_scale = jax.ShapeDtypeStruct((), jnp.float32)
+        lowered = tpu_compile.lower_for(step._step, (state, tokens, lr_scale), device, donate_argnums=(0,))
+    else:
+        # The trainer's inputs: sharded state, the global batch split over the batch axes; the
+        # outputs take the shardings the step constrains them to.
+        tokens = jax.ShapeDtypeStruct((micro_batches, batch_size, seq_len + 1), jnp.int32,
+                                      sharding=sharding.batch_sharding(device_mesh))
+        lr_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(device_mesh, P()))
+        lowered = jax.jit(step._step, donate_argnums=(0,)).lower(state, tokens, lr_scale)
     result.lower_s = round(time.perf_counter() - start, 2)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - an out-of-memory refusal is a result, anything else is raised
@@ -105,10 +158,12 @@ def plan(preset: str, topology: str, *, seq_len: int | None = None, batch_size: 
         if not found:
             raise
         result.compile_s = round(time.perf_counter() - start, 2)
+        result.compile_cpu_s = round(time.process_time() - cpu_start, 2)
         result.temp_bytes = int(float(found.group(1)) * _UNITS[found.group(2)])
         result.fits, result.error = False, str(e).strip().splitlines()[0][:400]
         return result
     result.compile_s = round(time.perf_counter() - start, 2)
+    result.compile_cpu_s = round(time.process_time() - cpu_start, 2)
     mem = compiled.memory_analysis()
     result.argument_bytes, result.output_bytes = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
     result.alias_bytes, result.temp_bytes = int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes)
@@ -118,22 +173,31 @@ def plan(preset: str, topology: str, *, seq_len: int | None = None, batch_size: 
 
 
 def gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / (1 << 30):.2f} GiB"
+    """Bytes in GiB, or MiB below one GiB (a small plan's figures stay readable)."""
+    if n is None:
+        return "-"
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def format_plan(p: Plan) -> str:
     kernels = ", ".join(f"{op}={name}" for op, name in p.kernels.items())
+    if p.mesh == ONE_CHIP:
+        placement = f"{p.rows_per_chip} rows per chip x {p.chips} (replicated state)"
+    else:
+        placement = f"{p.rows_per_chip} rows per chip (batch split over the mesh's data axes)"
     lines = [f"plan: {p.preset} ({p.n_layers} layers, {p.params / 1e9:.2f}B parameters) on {p.topology}: "
-             f"{p.chips} x {p.device_kind}",
-             f"  step: seq {p.seq_len}, global batch {p.batch_size} = {p.rows_per_chip} rows per chip x {p.chips} "
-             f"(replicated state), {p.micro_batches} micro-batch(es); {p.compute_dtype} compute, "
-             f"matmul precision {p.matmul_precision}; kernels {kernels}",
-             f"  per chip: arguments {gib(p.argument_bytes)}, outputs {gib(p.output_bytes)} "
+             f"{p.chips} x {p.device_kind}, mesh {p.mesh if p.mesh != ONE_CHIP else 'none (one chip)'}",
+             f"  step: seq {p.seq_len}, global batch {p.batch_size} = {placement}, {p.micro_batches} "
+             f"micro-batch(es); layers {'scanned' if p.scan_layers else 'looped'}, remat {p.remat}; "
+             f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}; kernels {kernels}",
+             f"  per chip, from the shardings: parameters {gib(p.param_bytes)}, optimizer {gib(p.optimizer_bytes)}, "
+             f"gradients {gib(p.grad_bytes)} (one per parameter shard, float32; part of the temporaries)",
+             f"  per chip, by the compiler: arguments {gib(p.argument_bytes)}, outputs {gib(p.output_bytes)} "
              f"({gib(p.alias_bytes)} donated from the arguments), temporaries {gib(p.temp_bytes)}",
              f"  total {gib(p.total_bytes)} of {gib(p.hbm_bytes)} HBM per chip (the compiler's limit; "
              f"{tpu_compile.CHIP_HBM_GIB.get(p.generation, '?')} GiB chip): "
              + ("fits" if p.fits else "DOES NOT FIT"),
-             f"  lower {p.lower_s} s, compile {p.compile_s} s (TPU compiler, on this host)"]
+             f"  lower {p.lower_s} s, compile {p.compile_s} s wall / {p.compile_cpu_s} s CPU (TPU compiler, on this host)"]
     if p.error:
         lines.append(f"  compiler: {p.error}")
     return "\n".join(lines)

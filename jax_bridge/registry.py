@@ -17,6 +17,11 @@ Users add their own with one call:
     register_implementation("attention", "mine", my_attention_fn, platforms=("tpu",))
 
 and select it with `--kernels attention=mine`.
+
+Under a device mesh an implementation runs either inside `shard_map` on each device's share
+(`spmd="shard_map"`, the default: right for any function, required for Pallas kernels, which
+GSPMD cannot split) or as one global program split by GSPMD (`spmd="gspmd"`, plain JAX only);
+see `sharded_ops.py`. The MoE op's token dispatch always runs per device (`moe_dispatch.py`).
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ class Implementation:
     target: Callable | str              # the function, or "module:attribute" imported on first use
     platforms: tuple[str, ...] = PLATFORMS
     description: str = ""
+    spmd: str = "shard_map"             # under a mesh: "shard_map" (per device) or "gspmd" (plain JAX)
     _fn: Callable | None = field(default=None, repr=False)
 
     def load(self) -> Callable:
@@ -97,10 +103,11 @@ _TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS + GENERATIO
 
 
 def register_implementation(op: str, name: str, fn: Callable | str, *, platforms=PLATFORMS, description: str = "",
-                            backends=None):
+                            backends=None, spmd: str = "shard_map"):
     """Add (or replace) implementation `name` of `op`. `fn` has the op's reference signature
     (plus, optionally, a `platform` keyword and option keywords). `platforms`: where it runs
-    (`backends` is the older name of the same argument)."""
+    (`backends` is the older name of the same argument). `spmd`: how it runs under a mesh
+    ("shard_map", or "gspmd" for plain-JAX functions)."""
     if backends is not None:
         platforms = backends
     if op not in _TABLE:
@@ -110,7 +117,9 @@ def register_implementation(op: str, name: str, fn: Callable | str, *, platforms
     unknown = set(platforms) - set(PLATFORMS)
     if unknown:
         raise KernelError(f"unknown platform(s) {sorted(unknown)} for {op}={name}; platforms are {PLATFORMS}")
-    _TABLE[op][name] = Implementation(op, name, fn, tuple(platforms), description)
+    if spmd not in ("shard_map", "gspmd"):
+        raise KernelError(f"{op}={name}: spmd must be 'shard_map' or 'gspmd', found {spmd!r}")
+    _TABLE[op][name] = Implementation(op, name, fn, tuple(platforms), description, spmd)
 
 
 def implementations(op: str) -> dict[str, Implementation]:
@@ -119,19 +128,19 @@ def implementations(op: str) -> dict[str, Implementation]:
 
 # ---- the built-in table -----------------------------------------------------------------------
 _K = "pallas_kernels"
-register_implementation("attention", "xla", f"{_K}.attention:attention_reference",
+register_implementation("attention", "xla", f"{_K}.attention:attention_reference", spmd="gspmd",
                         description="plain JAX, materializes [T, T] scores")
 register_implementation("attention", "pallas", f"{_K}.attention:attention_pallas",
                         description="flash attention (Mosaic TPU / Triton GPU; interpreted on CPU)")
 register_implementation("attention", "splash", f"{_K}.attention:attention_splash", platforms=("cpu", "tpu"),
                         description="jax-shipped splash attention (TPU; interpreted on CPU)")
-register_implementation("cross_entropy", "xla", f"{_K}.cross_entropy:linear_cross_entropy_reference",
+register_implementation("cross_entropy", "xla", f"{_K}.cross_entropy:linear_cross_entropy_reference", spmd="gspmd",
                         description="plain JAX, materializes [N, V] logits")
 register_implementation("cross_entropy", "pallas", f"{_K}.cross_entropy:linear_cross_entropy_pallas",
                         description="vocab-tiled online log-sum-exp (Mosaic TPU / Triton GPU; interpreted on CPU)")
-register_implementation("moe", "xla", f"{_K}.moe:moe_experts_xla",
+register_implementation("moe", "xla", f"{_K}.moe:moe_experts_xla", spmd="gspmd",
                         description="plain JAX tiled grouped GEMM")
-register_implementation("moe", "ragged_dot", f"{_K}.moe:moe_experts_reference",
+register_implementation("moe", "ragged_dot", f"{_K}.moe:moe_experts_reference", spmd="gspmd",
                         description="jax.lax.ragged_dot (the reference)")
 register_implementation("moe", "megablox", f"{_K}.moe:moe_experts_megablox", platforms=("cpu", "tpu"),
                         description="jax-shipped megablox gmm (TPU; interpreted on CPU)")
@@ -250,11 +259,23 @@ def describe(resolved: dict[str, str], platform: str | None = None) -> str:
 
 
 # ---- routing the torch ops --------------------------------------------------------------------
-def _adapters(resolved: dict[str, str], platform: str, options: dict):
-    """JAX callables with the torch ops' positional schemas, calling the chosen implementations."""
+def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None):
+    """JAX callables with the torch ops' positional schemas, calling the chosen implementations
+    (per device or under GSPMD when a mesh is given)."""
+    from jax_bridge import moe_dispatch, sharded_ops
+
     options = parse_kernel_options(options)
-    fns = {op: _TABLE[op][name].bind(platform, options.get(op, {}).get(name, {})) for op, name in resolved.items()}
+    impl = {op: _TABLE[op][name] for op, name in resolved.items()}
+    fns = {op: impl[op].bind(platform, options.get(op, {}).get(name, {})) for op, name in resolved.items()}
     attn, ce, moe = fns["attention"], fns["cross_entropy"], fns["moe"]
+    if mesh is not None:
+        attn = sharded_ops.attention(attn, mesh, impl["attention"].spmd)
+        ce = sharded_ops.cross_entropy(ce, mesh, impl["cross_entropy"].spmd)
+
+    def grouped(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha, limit):
+        return moe(x, group_sizes.astype("int32"), gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit)
+
+    routed_experts = moe_dispatch.routed_experts(grouped, mesh=mesh)
 
     def attention(q, k, v, sinks, sliding_window, scale):
         return attn(q, k, v, sinks, sliding_window=int(sliding_window), scale=float(scale))
@@ -262,9 +283,9 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict):
     def cross_entropy(hidden, weight, labels, ignore_index):
         return ce(hidden, weight, labels, ignore_index=int(ignore_index))
 
-    def moe_experts(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit):
-        return moe(x, group_sizes.astype("int32"), gate_up, gate_up_bias, down, down_bias,
-                   alpha=float(alpha), limit=float(limit))
+    def moe_experts(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit):
+        return routed_experts(x, experts.astype("int32"), weights, gate_up, gate_up_bias, down, down_bias,
+                              alpha=float(alpha), limit=float(limit))
 
     def cached_attention(q, k, v, sinks, q_positions, k_positions, sliding_window, scale):
         return fns["cached_attention"](q, k, v, sinks, q_positions.astype("int32"), k_positions.astype("int32"),
@@ -276,15 +297,15 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict):
 
 
 @contextlib.contextmanager
-def routed(env, resolved: dict[str, str], *, platform: str, options: dict | None = None):
+def routed(env, resolved: dict[str, str], *, platform: str, options: dict | None = None, mesh=None):
     """Within this block (used at trace time), the torchax env runs the chosen implementations,
-    compiled for `platform` with their `options`, for the model's custom ops; the env's previous
-    table is restored afterwards."""
+    compiled for `platform` with their `options` (sharded over `mesh` if given), for the model's
+    custom ops; the env's previous table is restored afterwards."""
     import torchax.interop as interop
 
     from torch_model.ops import OPS as TORCH_OPS
 
-    adapters = _adapters(resolved, check_platform(platform, "kernel registry"), options or {})
+    adapters = _adapters(resolved, check_platform(platform, "kernel registry"), options or {}, mesh)
     saved = {}
     for op, fn in adapters.items():
         key = TORCH_OPS[op].default

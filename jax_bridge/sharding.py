@@ -1,51 +1,261 @@
 """Where arrays live on a device mesh: the one place that decides sharding.
 
-Today: data parallelism. The batch is split over the `data` axis; parameters and optimizer
-state follow `PARAM_RULES` (all replicated for now). Adding FSDP, tensor or expert parallelism
-means adding mesh axes and rules here, keyed by parameter name, without touching the model.
+The mesh has four named axes: `data` (pure data parallelism), `fsdp` (data parallelism whose
+devices also split the weights and optimizer state), `tensor` (attention heads, expert hidden
+width and the vocabulary split across devices) and `expert` (experts placed on different devices;
+for everything else the axis works like `fsdp`). As in MaxText, every array dimension has a
+logical name (`embed`, `heads`, `mlp`, `exp`, `vocab`, `batch`, ...): `PARAM_AXES` names the
+dimensions of each parameter by its name, `LOGICAL_RULES` maps logical names to mesh axes. A
+stacked (scanned) parameter has one more leading dimension, `layers`, never split.
 """
 from __future__ import annotations
 
+import math
 import re
+from typing import Iterable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data",)
-# (regex on the parameter name, PartitionSpec); first match wins.
-PARAM_RULES: list[tuple[str, P]] = [
-    (r".*", P()),
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# Logical dimensions of each parameter (per layer), by name; first full match wins.
+PARAM_AXES: list[tuple[str, tuple]] = [
+    (r"model\.embed_tokens\.weight|lm_head\.weight", ("vocab", "embed")),
+    (r".*self_attn\.q_proj\.weight", ("heads", "embed")),
+    (r".*self_attn\.[kv]_proj\.weight", ("kv_heads", "embed")),
+    (r".*self_attn\.q_proj\.bias", ("heads",)),
+    (r".*self_attn\.[kv]_proj\.bias", ("kv_heads",)),
+    (r".*self_attn\.o_proj\.weight", ("embed", "heads")),
+    (r".*self_attn\.o_proj\.bias", (None,)),
+    (r".*self_attn\.sinks", ("heads",)),
+    (r".*mlp\.router\.weight", (None, "embed")),
+    (r".*mlp\.router\.bias", (None,)),
+    (r".*mlp\.experts\.gate_up_proj", ("exp", "embed_moe", "mlp")),
+    (r".*mlp\.experts\.gate_up_proj_bias", ("exp", "mlp")),
+    (r".*mlp\.experts\.down_proj", ("exp", "mlp", "embed_moe")),
+    (r".*mlp\.experts\.down_proj_bias", ("exp", None)),
+    (r".*mlp\.gate_up_proj", ("embed", "mlp")),          # the dense preset's MLP
+    (r".*mlp\.gate_up_proj_bias", ("mlp",)),
+    (r".*mlp\.down_proj", ("mlp", "embed")),
+    (r".*mlp\.down_proj_bias", (None,)),
+    (r".*norm\.weight", (None,)),
 ]
 
+# Logical name -> candidate groups of mesh axes, best first (MaxText's logical_axis_rules). A
+# dimension takes the first candidate whose axes no earlier dimension of the array uses and
+# whose size divides it; with none it is not split. Axes of size 1 are dropped.
+LOGICAL_RULES: dict[str, list[tuple[str, ...]]] = {
+    "batch": [("data", "fsdp", "expert")],
+    "embed": [("fsdp", "expert"), ("fsdp",), ("expert",)],
+    "embed_moe": [("fsdp",)],             # the expert weights' own dims: `expert` holds `exp`
+    "vocab": [("tensor",)],
+    "heads": [("tensor",)],
+    "kv_heads": [("tensor",)],
+    "mlp": [("tensor",)],
+    "exp": [("expert",)],
+    "layers": [],
+}
 
-def make_mesh(data: int | None = None, devices=None) -> Mesh:
+
+# ---- the mesh -----------------------------------------------------------------------------------
+def parse_mesh(spec: str | dict | None, n_devices: int) -> dict[str, int]:
+    """'data=2,fsdp=4' (or a dict) -> the size of every mesh axis; -1 means "the rest of the
+    devices" (at most one axis); axes not named have size 1; nothing named: all on `fsdp`."""
+    if isinstance(spec, str):
+        items = {}
+        for part in (p for p in spec.split(",") if p.strip()):
+            if "=" not in part:
+                raise ValueError(f"--mesh: expected axis=size, found {part!r} (axes: {', '.join(MESH_AXES)})")
+            name, size = (s.strip() for s in part.split("=", 1))
+            try:
+                items[name] = int(size)
+            except ValueError:
+                raise ValueError(f"--mesh: size of {name!r} must be an integer, found {size!r}") from None
+        spec = items
+    sizes = dict(spec or {"fsdp": -1})
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"--mesh: unknown axis {sorted(unknown)[0]!r}; axes are: {', '.join(MESH_AXES)}")
+    rest = [a for a, s in sizes.items() if s == -1]
+    if len(rest) > 1:
+        raise ValueError(f"--mesh: only one axis may be -1, found {', '.join(rest)}")
+    if any(s == 0 or s < -1 for s in sizes.values()):
+        raise ValueError(f"--mesh: sizes must be positive (or -1), found {sizes}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if rest:
+        if n_devices % known:
+            raise ValueError(f"--mesh: {n_devices} devices cannot be split as {spec} (not a multiple of {known})")
+        sizes[rest[0]] = n_devices // known
+    full = {a: sizes.get(a, 1) for a in MESH_AXES}
+    if math.prod(full.values()) != n_devices:
+        raise ValueError(f"--mesh: {describe_sizes(full)} uses {math.prod(full.values())} devices, "
+                         f"but {n_devices} are available (use -1 for one axis to take the rest)")
+    return full
+
+
+def make_mesh(spec: str | dict | None = None, devices=None) -> Mesh:
+    """The device mesh with axes MESH_AXES. On TPU the device order follows the physical
+    topology (jax's mesh_utils), so `tensor` and `expert`, the innermost axes, stay on near chips."""
     devices = list(devices if devices is not None else jax.devices())
-    data = data or len(devices)
-    if data > len(devices):
-        raise ValueError(f"mesh: asked for data={data} devices, only {len(devices)} available")
-    return Mesh(np.array(devices[:data]).reshape(data), MESH_AXES)
+    sizes = parse_mesh(spec, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.array(devices).reshape(shape)
+    return Mesh(grid, MESH_AXES)
 
 
-def param_spec(name: str) -> P:
-    for pattern, spec in PARAM_RULES:
+def describe_sizes(sizes: dict[str, int]) -> str:
+    named = [f"{a}={s}" for a, s in sizes.items() if s > 1]
+    return ",".join(named) or "one device"
+
+
+def describe(mesh: Mesh) -> str:
+    return describe_sizes(dict(mesh.shape))
+
+
+def check_model_fits(cfg, mesh: Mesh) -> None:
+    """Splits the kernels rely on must be exact: heads over `tensor`, experts over `expert`."""
+    tensor, expert = mesh.shape.get("tensor", 1), mesh.shape.get("expert", 1)
+    if tensor > 1 and (cfg.n_heads % tensor or cfg.n_kv_heads % tensor):
+        raise ValueError(f"mesh tensor={tensor} must divide the attention heads "
+                         f"({cfg.n_heads} query, {cfg.n_kv_heads} key/value heads)")
+    if expert > 1 and cfg.is_moe and cfg.n_experts % expert:
+        raise ValueError(f"mesh expert={expert} must divide the number of experts ({cfg.n_experts})")
+
+
+# ---- logical names -> PartitionSpec ----------------------------------------------------------------
+def logical_spec(mesh: Mesh, axes: Iterable, shape: Iterable[int] | None = None) -> P:
+    """PartitionSpec of an array whose dimensions have these logical names (None: not split)."""
+    axes = tuple(axes)
+    shape = tuple(shape) if shape is not None else (None,) * len(axes)
+    used: set[str] = set()
+    out = []
+    for name, size in zip(axes, shape):
+        chosen = None
+        for candidate in LOGICAL_RULES.get(name, []) if name else []:
+            live = tuple(a for a in candidate if mesh.shape.get(a, 1) > 1)
+            n = math.prod(mesh.shape[a] for a in live)
+            if not live or used & set(live) or (size is not None and size % n):
+                continue
+            chosen = live
+            break
+        if chosen:
+            used |= set(chosen)
+        out.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def param_axes(name: str, ndim: int) -> tuple:
+    """Logical dimension names of a parameter; a stacked one gets a leading `layers`."""
+    for pattern, axes in PARAM_AXES:
         if re.fullmatch(pattern, name):
-            return spec
-    raise ValueError(f"sharding: no rule for parameter {name!r}")
+            if ndim == len(axes) + 1:
+                return ("layers",) + axes
+            if ndim != len(axes):
+                raise ValueError(f"sharding: parameter {name!r} has {ndim} dims; its rule names {len(axes)}")
+            return axes
+    raise ValueError(f"sharding: no rule for parameter {name!r} (add one to PARAM_AXES)")
 
 
-def shard_state(state, mesh: Mesh):
-    """Place params (and the optimizer state, which mirrors them by name) per PARAM_RULES."""
+def param_spec(name: str, shape, mesh: Mesh) -> P:
+    return logical_spec(mesh, param_axes(name, len(shape)), shape)
 
-    def place(path, leaf):
-        names = [getattr(k, "key", None) for k in path]
-        name = next((n for n in reversed(names) if isinstance(n, str) and "." in n), None)
-        spec = param_spec(name) if name else P()
-        return jax.device_put(leaf, NamedSharding(mesh, spec))
 
-    return jax.tree_util.tree_map_with_path(place, state)
+def _leaf_name(path) -> str | None:
+    """The parameter name a train-state leaf belongs to: the last dict key that looks like one."""
+    keys = [getattr(k, "key", None) for k in path]
+    return next((k for k in reversed(keys) if isinstance(k, str) and "." in k), None)
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedSharding of every leaf of a train state (params, and optimizer state mirroring them
+    by name; anything not named after a parameter, like the step count, is replicated)."""
+
+    def spec(path, leaf):
+        name = _leaf_name(path)
+        return NamedSharding(mesh, param_spec(name, leaf.shape, mesh) if name else P())
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def place(tree, shardings):
+    """Host arrays (numpy, or arrays every process holds alike) onto their shardings; each
+    process transfers only the shards its own devices hold."""
+
+    def put(value, sharding):
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def to_host(tree):
+    """numpy copies of (possibly sharded, possibly multi-process) arrays; every process must
+    call this together when an array spans processes."""
+    from jax.experimental import multihost_utils
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(get, tree)
+
+
+def whole_matrices_spec(mesh: Mesh, shape) -> P | None:
+    """Split a batch of matrices [..., m, n] over its leading axes only (stacked layers,
+    experts), so each device holds whole matrices: Muon's Newton-Schulz then runs without
+    communication. None when no mesh axis divides a leading axis."""
+    lead = list(shape[:-2])
+    parts: list[list[str]] = [[] for _ in lead]
+    for axis in ("fsdp", "expert", "data", "tensor"):
+        size = mesh.shape.get(axis, 1)
+        if size == 1:
+            continue
+        for i, dim in enumerate(lead):
+            if dim % (math.prod(mesh.shape[a] for a in parts[i]) * size) == 0:
+                parts[i].append(axis)
+                break
+    if not any(parts):
+        return None
+    return P(*[None if not p else p[0] if len(p) == 1 else tuple(p) for p in parts], None, None)
+
+
+# ---- activations and the batch -----------------------------------------------------------------
+def batch_axes(mesh: Mesh) -> tuple[str, ...] | None:
+    """The mesh axes the batch is split over (None when it is not split)."""
+    spec = logical_spec(mesh, ("batch",))
+    return (spec[0] if isinstance(spec[0], tuple) else (spec[0],)) if len(spec) else None
+
+
+def batch_shards(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in batch_axes(mesh) or ())
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Tokens [micro_batches, batch, seq_len + 1]: the batch axis is split over `data`."""
-    return NamedSharding(mesh, P(None, "data", None))
+    """Tokens [micro_batches, batch, seq_len + 1]: the batch is split over data x fsdp x expert."""
+    return NamedSharding(mesh, P(None, batch_axes(mesh), None))
+
+
+def constrain(x, mesh: Mesh | None, axes: Iterable):
+    """A sharding constraint by logical names (GSPMD needs these where it cannot infer well)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_spec(mesh, axes, x.shape)))
+
+
+def bytes_per_device(arrays) -> dict:
+    """Bytes actually held by each device, summed over the addressable shards of `arrays`."""
+    held: dict = {}
+    for leaf in jax.tree.leaves(arrays):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held

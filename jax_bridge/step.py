@@ -1,6 +1,7 @@
 """One jitted JAX train step: forward, JAX autodiff, gradient accumulation over micro-batches
 with `lax.scan`, and the torch optimizer's update, all in a single program with the train
-state donated.
+state donated. With a device mesh the state lives sharded by the rules of `sharding.py`, the
+batch is split over its data axes, and the gradients are reduced straight into that sharding.
 """
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
-from jax_bridge import registry, sharding
+from jax_bridge import registry, sharded_ops, sharding
 from jax_bridge.env import get_env
-from jax_bridge.lowering import (abstract_optimizer_state, abstract_params, model_function, optimizer_function,
-                                 optimizer_state_to_jax, params_to_jax)
+from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
+from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform
-from torch_model.optim import OptimizerConfig, plan_parameters
+from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MATMUL_PRECISIONS = ("default", "high", "highest")
@@ -44,6 +46,8 @@ class StepConfig:
                                              # None: default_matmul_precision(compute_dtype)
     platform: str | None = None              # compiled FOR: "cpu" | "gpu" | "tpu"; None: this host's
     kernel_options: str | dict | None = None  # per implementation, e.g. "attention.pallas.block_q=256"
+    scan_layers: bool = False                # decoder layers as one lax.scan over stacked parameters
+    remat: str = "none"                      # per layer: none | full | save-matmuls
 
     def __post_init__(self):
         # Resolved once, here, outside any tracing; frozen, so through object.__setattr__.
@@ -58,6 +62,8 @@ class StepConfig:
                              f"found {self.matmul_precision!r}")
         if self.micro_batches < 1:
             raise ValueError(f"StepConfig.micro_batches must be >= 1, found {self.micro_batches}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"StepConfig.remat must be one of {', '.join(REMAT_POLICIES)}, found {self.remat!r}")
         object.__setattr__(self, "platform", platform)
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "matmul_precision", precision)
@@ -77,7 +83,8 @@ class TrainStep:
     """Builds the state and the compiled step for a torch model.
 
     `step(state, tokens, lr_scale) -> (state, metrics)` where tokens is int32
-    [micro_batches, batch, seq_len + 1] (inputs are tokens[..., :-1], labels tokens[..., 1:]).
+    [micro_batches, batch, seq_len + 1] (inputs are tokens[..., :-1], labels tokens[..., 1:]);
+    with a mesh, `batch` is this process's rows of the global batch.
     """
 
     def __init__(self, model: torch.nn.Module, opt_cfg: OptimizerConfig = OptimizerConfig(),
@@ -88,31 +95,60 @@ class TrainStep:
         self.platform = step_cfg.platform
         self.kernels = registry.resolve(step_cfg.kernels, self.platform)
         registry.check_options(step_cfg.kernel_options)
-        self.layout = "per_layer"       # how state.params are stored (train/checkpoint.py LAYOUTS)
-        self.plan = plan_parameters(model.named_parameters())
-        self.forward = model_function(model)
-        self.update = optimizer_function(self.plan, opt_cfg)
+        if mesh is not None:
+            sharding.check_model_fits(model.cfg, mesh)
+        self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
+        self.layout = self.layer_layout.tag     # how state.params are stored (train/checkpoint.py LAYOUTS)
+        self.layer_plan = plan_parameters(model.named_parameters())
+        # Every layer stacked into one array has the same rule: take the first one's.
+        self.plan = self.layer_layout.stack(self.layer_plan, stack=lambda rules: rules[0])
+        self.forward = layered_forward(model, self.layer_layout, remat=step_cfg.remat, mesh=mesh)
+        self.update = optimizer_function(self.plan, opt_cfg, **(
+            {} if mesh is None else {"orthogonalize": sharded_ops.orthogonalizer(mesh)}))
         self.compute_dtype = COMPUTE_DTYPES[step_cfg.compute_dtype]
         self.trace_count = 0
         self._jitted = jax.jit(self._step, donate_argnums=(0,))
         self._jitted_eval = jax.jit(self._eval)
 
     # ---- state --------------------------------------------------------------------------------
+    def host_state(self) -> TrainState:
+        """The initial train state as host (numpy) arrays, in this step's layer layout."""
+        params = {n: p.detach().cpu().float().numpy() for n, p in self.model.named_parameters()}
+        opt = init_state({n: p.detach() for n, p in self.model.named_parameters()}, self.layer_plan)
+        opt = jax.tree.map(lambda t: t.numpy(), opt, is_leaf=lambda x: isinstance(x, torch.Tensor))
+        return self.layer_layout.map_state(self.layer_layout.stack, TrainState(params, opt))
+
     def init_state(self) -> TrainState:
-        state = TrainState(params_to_jax(self.model), optimizer_state_to_jax(self.model, self.plan))
-        return state if self.mesh is None else sharding.shard_state(state, self.mesh)
+        state = self.host_state()
+        if self.mesh is None:
+            return jax.device_put(state)
+        return sharding.place(state, sharding.state_shardings(state, self.mesh))
 
     def abstract_state(self) -> TrainState:
-        """The state's shapes and dtypes, without weights (a `meta`-device model works): what
-        `jax_bridge.plan` compiles the step for."""
-        return TrainState(abstract_params(self.model), abstract_optimizer_state(self.model, self.plan))
+        """Shapes, dtypes and (with a mesh) shardings of the train state, computed without any
+        weights: the model may live on the `meta` device (planning a preset that fits no host)."""
+        stack = lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+        flat = TrainState(abstract_params(self.model), abstract_optimizer_state(self.model, self.layer_plan))
+        state = self.layer_layout.map_state(lambda d: self.layer_layout.stack(d, stack=stack), flat)
+        if self.mesh is None:
+            return state
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                            self.state_shardings(state))
+
+    def state_shardings(self, state):
+        return None if self.mesh is None else sharding.state_shardings(state, self.mesh)
+
+    def layer_params(self, params: dict) -> dict:
+        """Parameters under the torch model's own per-layer names (unstacked if stacked)."""
+        return self.layer_layout.unstack(params)
 
     # ---- traced functions -----------------------------------------------------------------------
     @contextlib.contextmanager
     def routing(self):
         """While tracing: the model's hot ops run the chosen kernels (compiled for this step's
         platform, with their options) and its own matmuls run at the step's precision."""
-        with registry.routed(self.env, self.kernels, platform=self.platform, options=self.cfg.kernel_options), \
+        with registry.routed(self.env, self.kernels, platform=self.platform, options=self.cfg.kernel_options,
+                             mesh=self.mesh), \
                 jax.default_matmul_precision(self.cfg.matmul_precision):
             yield
 
@@ -121,16 +157,21 @@ class TrainStep:
             out = self.forward(cast_params(params, self.compute_dtype), inputs, labels)
         return out["loss"], out
 
+    def _constrain(self, tree):
+        return tree if self.mesh is None else jax.lax.with_sharding_constraint(tree, self.state_shardings(tree))
+
     def _grads(self, params, tokens):
-        return jax.value_and_grad(self.loss_and_metrics, has_aux=True)(params, tokens[:, :-1], tokens[:, 1:])
+        (loss, out), grads = jax.value_and_grad(self.loss_and_metrics, has_aux=True)(params, tokens[:, :-1],
+                                                                                    tokens[:, 1:])
+        return (loss, out), self._constrain(grads)     # reduced straight into the parameters' sharding
 
     def _step(self, state: TrainState, tokens, lr_scale):
         self.trace_count += 1          # runs only while tracing: counts compilations
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = self._constrain(jax.tree.map(jnp.zeros_like, state.params))
 
         def accumulate(grad_sum, micro_tokens):
             (_, out), grads = self._grads(state.params, micro_tokens)
-            return jax.tree.map(jnp.add, grad_sum, grads), _scalar_metrics(out)
+            return self._constrain(jax.tree.map(jnp.add, grad_sum, grads)), _scalar_metrics(out)
 
         grad_sum, micro_metrics = jax.lax.scan(accumulate, zeros, tokens)
         grads = jax.tree.map(lambda g: g / tokens.shape[0], grad_sum)
@@ -144,29 +185,41 @@ class TrainStep:
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), TrainState(params, opt_state), state)
         metrics.update(grad_norm=stats["grad_norm"], grad_norm_clipped=stats["grad_norm_clipped"],
                        skipped=jnp.logical_not(finite).astype(jnp.int32))
-        return new_state, metrics
+        return self._constrain(new_state), metrics
 
     def _eval(self, params, tokens):
         _, out = self.loss_and_metrics(params, tokens[:, :-1], tokens[:, 1:])
         return _scalar_metrics(out)
 
     # ---- public API ---------------------------------------------------------------------------
+    def place_batch(self, tokens, batch_dim: int):
+        """This process's rows (int32) -> the global batch, split over the mesh's data axes."""
+        tokens = np.asarray(tokens, dtype=np.int32) if not isinstance(tokens, jax.Array) else tokens
+        if self.mesh is None:
+            return jnp.asarray(tokens, dtype=jnp.int32)
+        shards = sharding.batch_shards(self.mesh)
+        rows = tokens.shape[batch_dim] * jax.process_count()
+        if rows % shards:
+            raise ValueError(f"train step: the global batch ({rows} rows) must be a multiple of the "
+                             f"{shards} batch shards of the mesh ({sharding.describe(self.mesh)})")
+        spec = [None] * tokens.ndim
+        spec[batch_dim] = sharding.batch_axes(self.mesh)
+        target = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.make_array_from_process_local_data(target, np.asarray(tokens, dtype=np.int32))
+
     def __call__(self, state: TrainState, tokens, lr_scale=1.0):
-        tokens = jnp.asarray(tokens, dtype=jnp.int32)
-        if self.mesh is not None:
-            tokens = jax.device_put(tokens, sharding.batch_sharding(self.mesh))
-        if tokens.ndim != 3 or tokens.shape[0] != self.cfg.micro_batches:
+        if np.ndim(tokens) != 3 or np.shape(tokens)[0] != self.cfg.micro_batches:
             raise ValueError(f"train step: tokens must be [micro_batches={self.cfg.micro_batches}, batch, "
-                             f"seq_len+1], found shape {tuple(tokens.shape)}")
-        return self._jitted(state, tokens, jnp.asarray(lr_scale, jnp.float32))
+                             f"seq_len+1], found shape {tuple(np.shape(tokens))}")
+        return self._jitted(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32))
 
     def evaluate(self, params, tokens):
         """Loss metrics of one batch [batch, seq_len+1] without updating anything."""
-        return self._jitted_eval(params, jnp.asarray(tokens, dtype=jnp.int32))
+        return self._jitted_eval(params, self.place_batch(tokens, 0))
 
     def grads(self, params, tokens):
         """(loss, metrics), grads for one batch [batch, seq_len+1] (for parity checks)."""
-        return jax.jit(self._grads)(params, jnp.asarray(tokens, dtype=jnp.int32))
+        return jax.jit(self._grads)(params, self.place_batch(tokens, 0))
 
 
 def _scalar_metrics(out: dict) -> dict:

@@ -63,12 +63,14 @@ def test_moe_layer_equals_naive_per_token_loop():
 def test_moe_op_computes_only_each_rows_own_expert_and_has_gradients():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 8, generator=g, requires_grad=True)
-    sizes = torch.tensor([2, 0, 4])
+    experts = torch.tensor([[2], [0], [2], [2], [0], [2]])       # expert 1 chosen by no token
+    mix = torch.rand(6, 1, generator=g, requires_grad=True)
     weights = [torch.randn(*s, generator=g, requires_grad=True) for s in ((3, 8, 10), (3, 10), (3, 5, 8), (3, 8))]
-    y = ops.OPS["moe"](x, sizes, *weights, 1.702, 7.0)
+    y = ops.OPS["moe"](x, experts, mix, *weights, 1.702, 7.0)
     y.sum().backward()
     assert torch.all(weights[0].grad[1] == 0), "an empty expert must receive no gradient"
     assert torch.all(weights[0].grad[0] != 0)
+    assert torch.all(mix.grad != 0), "the routing weights must receive gradients"
     with pytest.raises(ValueError, match="group sizes sum to 5"):
         ops.moe_experts_reference(x, torch.tensor([2, 0, 3]), *weights, 1.702, 7.0)
 

@@ -7,23 +7,79 @@ from train.cli import main
 def test_plan_reports_a_step_that_does_not_fit_the_chip(tmp_path, capsys):
     """The all-xla kernel set's train step (2-layer tiny at sequence 8192, 8 rows per v5e chip)
     materializes [T, T] attention scores: the TPU compiler refuses it for a 16 GiB chip, and the
-    plan says so with the compiler's figure instead of failing."""
+    plan says so with the compiler's figure instead of failing. One chip, replicated state: it
+    holds every parameter."""
     out = tmp_path / "plan.json"
-    rc = main(["plan", "--preset", "tiny", "--layers", "2", "--topology", "v5e:2x2", "--seq-len", "8192",
-               "--batch-size", "32", "--kernels", "xla", "--json", str(out)])
+    rc = main(["plan", "--preset", "tiny", "--layers", "2", "--topology", "v5e:2x2", "--mesh", "none",
+               "--seq-len", "8192", "--batch-size", "32", "--kernels", "xla", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "DOES NOT FIT" in printed and "4 x TPU v5 lite" in printed and "8 rows per chip" in printed
     plan = json.loads(out.read_text())
     assert plan["fits"] is False and plan["kernels"] == {"attention": "xla", "cross_entropy": "xla", "moe": "xla"}
+    assert plan["mesh"] == "none" and plan["param_bytes"] == plan["grad_bytes"] == 4 * plan["params"]
     assert plan["temp_bytes"] > plan["hbm_bytes"] > 15 << 30
     assert "exceeds available HBM" in plan["error"]
+
+
+def tiny_shards_on_fsdp2_tensor2(cfg) -> int:
+    """Per-chip float32 parameter bytes of `cfg` on a fsdp=2 x tensor=2 mesh, derived by hand from
+    the rules (sharding.PARAM_AXES / LOGICAL_RULES): matrices split over both axes (4 ways), head
+    vectors, expert biases over `mlp` and the router over one (2), norms and output biases whole;
+    `expert` has size 1, so experts are not split."""
+    d, hd, heads, kv, experts, width = (cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads,
+                                        cfg.n_experts, cfg.expert_dim)
+    per_layer = (heads * hd * d / 4 + heads * hd / 2                 # q
+                 + 2 * (kv * hd * d / 4 + kv * hd / 2)                # k, v
+                 + heads * hd * d / 4 + d + heads / 2                 # o, its bias, sinks
+                 + 2 * d                                              # norms
+                 + experts * d / 2 + experts                          # router
+                 + experts * d * 2 * width / 4 + experts * 2 * width / 2   # gate_up
+                 + experts * width * d / 4 + experts * d)             # down
+    return int(4 * (2 * cfg.vocab_size * d / 4 + d + cfg.n_layers * per_layer))
+
+
+def test_plan_on_a_mesh_holds_each_chips_shards(tmp_path, capsys):
+    """The sharded step (the Pallas kernels under shard_map) compiled for a v5e 2x2 slice on a
+    fsdp=2 x tensor=2 mesh: each chip holds the shards the rules predict (about a quarter of the
+    one-chip plan's 4 x params bytes), and the compiler's own argument bytes agree (state shards +
+    this chip's token rows, give or take the TPU's padding of tiny vectors)."""
+    from torch_model.config import get_preset
+
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--preset", "tiny", "--layers", "2", "--topology", "v5e:2x2", "--mesh", "fsdp=2,tensor=2",
+               "--seq-len", "64", "--batch-size", "4", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "mesh fsdp=2,tensor=2" in printed and "layers scanned" in printed and ": fits" in printed
+    plan = json.loads(out.read_text())
+    assert plan["kernels"] == {"attention": "pallas", "cross_entropy": "pallas", "moe": "pallas"}
+    assert plan["rows_per_chip"] == 2               # the batch is split over fsdp only
+    predicted = tiny_shards_on_fsdp2_tensor2(get_preset("tiny").replace(n_layers=2))
+    assert plan["param_bytes"] == plan["grad_bytes"] == predicted
+    assert 4 * plan["params"] / 4 < predicted < 4 * plan["params"] / 3
+    held = plan["param_bytes"] + plan["optimizer_bytes"] + 2 * 65 * 4
+    assert held <= plan["argument_bytes"] <= 1.01 * held
+    assert plan["alias_bytes"] >= plan["param_bytes"] + plan["optimizer_bytes"]   # the state is donated
+    assert plan["total_bytes"] < plan["hbm_bytes"] and plan["fits"] is True
 
 
 def test_plan_bad_input_is_one_line(capsys):
     assert main(["plan", "--preset", "tiny", "--topology", "v9z:2x2"]) == 2
     assert "unknown TPU topology 'v9z:2x2'" in capsys.readouterr().err
-    assert main(["plan", "--preset", "tiny", "--topology", "v5e:2x2", "--batch-size", "6"]) == 2
+    assert main(["plan", "--preset", "tiny", "--topology", "v5e:2x2", "--mesh", "none", "--batch-size", "6"]) == 2
     assert "multiple of the 4 chips" in capsys.readouterr().err
+    assert main(["plan", "--preset", "tiny", "--topology", "v5e:2x2", "--batch-size", "6"]) == 2
+    assert "multiple of the 4 batch shards of mesh fsdp=4" in capsys.readouterr().err
     assert main(["plan", "--preset", "nope"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+def test_plan_bad_mesh_for_the_topology_is_one_line(capsys):
+    assert main(["plan", "--preset", "tiny", "--topology", "v5e:2x2", "--mesh", "data=3"]) == 2
+    err = capsys.readouterr().err
+    assert "--mesh: data=3 uses 3 devices, but 4 are available" in err and len(err.strip().splitlines()) == 1
+    assert main(["plan", "--preset", "tiny", "--topology", "v5e:2x2", "--mesh", "tensor=4"]) == 2
+    assert "mesh tensor=4 must divide the attention heads (4 query, 2 key/value heads)" in capsys.readouterr().err
+    assert main(["plan", "--preset", "tiny", "--topology", "v5e:2x2", "--mesh", "pipeline=4"]) == 2
+    assert "--mesh: unknown axis 'pipeline'" in capsys.readouterr().err

@@ -257,8 +257,9 @@ def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensors(root,
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = jax.ShapeDtypeStruct(shape, dtype, sharding=cpu)
+    layout = checkpoint.read_meta(step_dir)[0]["layout"]
     with pytest.raises(UserError) as refused:
-        checkpoint.restore_train_state(step_dir, target)
+        checkpoint.restore_train_state(step_dir, target, layout=layout)
     for name in ("params/lm_head.weight", "opt_state/exp_avg/lm_head.weight", "opt_state/exp_avg_sq/lm_head.weight"):
         assert f"{name} has shape [320, 32], expected [320, 48]" in str(refused.value)
     wider = json.loads((root / "micro.json").read_text())
@@ -342,7 +343,7 @@ def test_async_save_is_not_mutated_by_the_next_steps_donated_buffers(trainer):
         trainer.train_step(trainer.next_batch())
     trainer.checkpoints.wait()
     restored = checkpoint.restore_train_state(trainer.checkpoints.root / str(trainer.done - 3),
-                                              trainer.state._asdict())
+                                              trainer.state._asdict(), layout=trainer.step.layout)
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), restored, expected)
     assert all(jax.tree.leaves(same))
     moved = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), trainer.state.params, expected["params"])

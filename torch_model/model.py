@@ -100,14 +100,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(e, i, d))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, d))
 
-    def forward(self, x_sorted, group_sizes):
-        return ops.OPS["moe"](x_sorted, group_sizes, self.gate_up_proj, self.gate_up_proj_bias,
+    def forward(self, x, experts, weights):
+        """x [N, H]; experts, weights [N, k]: each row through its k experts, mixed by weight."""
+        return ops.OPS["moe"](x, experts, weights, self.gate_up_proj, self.gate_up_proj_bias,
                               self.down_proj, self.down_proj_bias, self.alpha, self.limit)
 
 
 class MoE(nn.Module):
-    """Dropless top-k MoE: tokens are grouped by expert (a sort), each expert computes only its
-    rows (grouped-GEMM op), and results return to token order by a gather (no scatter)."""
+    """Dropless top-k MoE: the router picks k experts per token, the expert op runs each token
+    through its experts only (grouped by expert inside the op) and mixes them by the weights."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -119,14 +120,10 @@ class MoE(nn.Module):
         b, t, d = x.shape
         flat = x.reshape(-1, d)
         logits, weights, experts = self.router(flat)
-        chosen = experts.reshape(-1)                                 # [N*k], token-major
-        order = torch.argsort(chosen, stable=True)                   # rows grouped by expert
-        group_sizes = F.one_hot(chosen, self.n_experts).sum(0)      # [E], static shape
-        out_sorted = self.experts(flat[order // self.top_k], group_sizes)
-        back = torch.argsort(order)                                  # inverse permutation
-        out = out_sorted[back].view(-1, self.top_k, d) * weights.unsqueeze(-1).to(x.dtype)
+        out = self.experts(flat, experts, weights.to(x.dtype))
+        group_sizes = F.one_hot(experts.reshape(-1), self.n_experts).sum(0)      # [E], static shape
         stats = router_stats(logits, group_sizes, self.n_experts, self.top_k)
-        return out.sum(1).view(b, t, d), stats
+        return out.view(b, t, d), stats
 
 
 def router_stats(logits, group_sizes, n_experts: int, top_k: int):
@@ -189,11 +186,17 @@ class Backbone(nn.Module):
         x = self.embed_tokens(input_ids)
         positions = torch.arange(start_position, start_position + input_ids.shape[1], device=input_ids.device)
         cos, sin = rope_cos_sin(self.cfg, positions, x.dtype)
+        x, stats = self.run_layers(x, cos, sin)
+        return self.norm(x), stats
+
+    def run_layers(self, x, cos, sin):
+        """The decoder stack, one layer after another; returns (x, per-layer router stats).
+        (The JAX bridge may run this same stack as one scan over stacked layer weights.)"""
         stats = []
         for layer in self.layers:
             x, layer_stats = layer(x, cos, sin)
             stats.append(layer_stats)
-        return self.norm(x), stats
+        return x, stats
 
     def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
         """Hidden states of T new tokens [B, T] at per-row `positions` [B, T] (EMPTY for padding),

@@ -108,6 +108,24 @@ def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias
     return torch.cat(outputs) if outputs else x.new_zeros(x.shape)
 
 
+def routed_experts_reference(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha: float, limit: float):
+    """Dropless top-k expert MLP of token rows: out[n] = sum_j weights[n, j] * expert_{experts[n, j]}(x[n]).
+
+    x: [N, H]; experts: [N, k] chosen expert ids; weights: [N, k] mixing weights. The k copies
+    of each row are grouped by expert (a stable sort), each expert computes only its own rows
+    (`moe_experts_reference`), and the results return to token order (a gather) to be mixed.
+    Keeping the grouping inside the op lets the bridge do it per device under sharding.
+    """
+    n, k = experts.shape
+    chosen = experts.reshape(-1)                                 # [N*k], token-major
+    order = torch.argsort(chosen, stable=True)                   # rows grouped by expert
+    group_sizes = torch.bincount(chosen, minlength=gate_up.shape[0])
+    out_sorted = moe_experts_reference(x[order // k], group_sizes, gate_up, gate_up_bias, down, down_bias,
+                                       alpha, limit)
+    out = out_sorted[torch.argsort(order)].view(n, k, -1)        # back to token order
+    return (out * weights.unsqueeze(-1)).sum(1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Custom ops: forward = reference, backward = autograd through the recomputed reference
 # ---------------------------------------------------------------------------------------------
@@ -177,23 +195,24 @@ def _(hidden, weight, labels, ignore_index):
 _register_recompute_backward(linear_cross_entropy, linear_cross_entropy_reference, 3, (0, 1))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::moe_experts", mutates_args=())
-def moe_experts(x: torch.Tensor, group_sizes: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor,
-                down: torch.Tensor, down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    return moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit)
+@torch.library.custom_op(f"{NAMESPACE}::routed_experts", mutates_args=())
+def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+                   limit: float) -> torch.Tensor:
+    return routed_experts_reference(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit)
 
 
-@moe_experts.register_fake
-def _(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit):
+@routed_experts.register_fake
+def _(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit):
     return torch.empty_like(x)
 
 
-_register_recompute_backward(moe_experts, moe_experts_reference, 6, (0, 2, 3, 4, 5))
+_register_recompute_backward(routed_experts, routed_experts_reference, 7, (0, 2, 3, 4, 5, 6))
 
 # The op objects the model calls (torch.ops.torchlyra.<name>): one name per hot operation.
 OPS = {
     "attention": torch.ops.torchlyra.attention,
     "cross_entropy": torch.ops.torchlyra.linear_cross_entropy,
-    "moe": torch.ops.torchlyra.moe_experts,
+    "moe": torch.ops.torchlyra.routed_experts,
     "cached_attention": torch.ops.torchlyra.cached_attention,   # generation with a KV cache
 }

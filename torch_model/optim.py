@@ -118,10 +118,14 @@ def global_grad_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def muon_adamw_update(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], state: dict,
-                      plan: dict[str, ParamPlan], cfg: OptimizerConfig, lr_scale=1.0):
+                      plan: dict[str, ParamPlan], cfg: OptimizerConfig, lr_scale=1.0, orthogonalize=None):
     """One optimizer step as a pure function: returns (new_params, new_state, stats).
 
-    `lr_scale` multiplies both learning rates (the schedule); it may be a tensor.
+    `lr_scale` multiplies both learning rates (the schedule); it may be a tensor. Parameters may
+    carry leading axes (stacked layers, experts): Muon treats each matrix in the last two axes
+    on its own. `orthogonalize(name, u, steps, coeffs, eps, dtype)` replaces
+    `newton_schulz(u, steps, coeffs, eps, dtype)` if given (the JAX bridge passes one that
+    places whole matrices on devices first).
     """
     step = state["step"] + 1
     grad_norm = global_grad_norm(grads)
@@ -141,7 +145,8 @@ def muon_adamw_update(params: dict[str, torch.Tensor], grads: dict[str, torch.Te
                 u = beta * m / (1 - beta ** (step + 1)) + (1 - beta) * g / (1 - beta ** step)
             else:
                 u = m / (1 - beta ** step)
-            ortho = newton_schulz(u, cfg.ns_steps, cfg.ns_coeffs, cfg.eps, ns_dtype)
+            settings = (cfg.ns_steps, cfg.ns_coeffs, cfg.eps, ns_dtype)
+            ortho = orthogonalize(name, u, *settings) if orthogonalize else newton_schulz(u, *settings)
             fan_in, fan_out = p.shape[rule.in_axis], p.shape[rule.out_axis]
             update = ortho * math.sqrt(max(1.0, fan_out / fan_in)) + cfg.weight_decay * p.float()
             new_params[name] = (p.float() - cfg.lr * lr_scale * update).to(p.dtype)

@@ -55,9 +55,15 @@ def _per_layer(params: dict, cfg: ModelConfig) -> dict:
     return params
 
 
-# layout tag -> function(stored params, ModelConfig) -> {per-layer torch name: array}. A layout
-# with layers stacked on a leading axis (scanned layers) registers its unstacking here.
-LAYOUTS: dict[str, Callable[[dict, ModelConfig], dict]] = {"per_layer": _per_layer}
+def _stacked(params: dict, cfg: ModelConfig) -> dict:
+    from jax_bridge.layer_stack import LayerLayout
+
+    return LayerLayout.for_config(cfg, stacked=True).unstack(params)
+
+
+# layout tag -> function(stored params, ModelConfig) -> {per-layer torch name: array}. "stacked":
+# the scanned layers' parameters with a leading layer axis (jax_bridge/layer_stack.py).
+LAYOUTS: dict[str, Callable[[dict, ModelConfig], dict]] = {"per_layer": _per_layer, "stacked": _stacked}
 
 
 class NoCheckpoint(UserError):

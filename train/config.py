@@ -26,6 +26,9 @@ class TrainConfig:
     kernels: str = "auto"
     kernel_options: str = ""       # per implementation, e.g. "attention.pallas.block_q=256"
     compute_dtype: str = "auto"    # auto: bfloat16 on TPU/GPU (float32 master weights), float32 on CPU
+    mesh: str = ""                 # e.g. "data=2,fsdp=4"; "" = every device on fsdp (one device: none)
+    scan_layers: bool = True       # decoder layers as one lax.scan over stacked parameters
+    remat: str = "none"            # per layer: none | full | save-matmuls
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 8
@@ -57,6 +60,10 @@ class TrainConfig:
                 raise UserError(f"config: {name} must be a number > 0, found {value!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise UserError(f"config: min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
+        if self.remat not in ("none", "full", "save-matmuls"):
+            raise UserError(f"config: remat must be none, full or save-matmuls, found {self.remat!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise UserError(f"config: scan_layers must be true or false, found {self.scan_layers!r}")
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"config: compute_dtype must be auto, float32 or bfloat16, found {self.compute_dtype!r}")
 
@@ -71,7 +78,7 @@ class TrainConfig:
 # run would not continue the same training (model, data, batch, sequence, optimizer, schedule).
 CHANGEABLE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
                         "tensorboard", "max_consecutive_skips", "samples", "sample_tokens", "temperature", "top_k",
-                        "kernels", "kernel_options", "out", "resume", "init_from")
+                        "kernels", "kernel_options", "mesh", "remat", "out", "resume", "init_from")
 
 
 def resumed_config(saved: dict, explicit: dict, where: str) -> TrainConfig:

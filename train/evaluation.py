@@ -41,6 +41,7 @@ class Evaluator:
 
         if not batches:
             raise UserError("evaluation: the validation split gave no batch")
+        self.step = step
         self.batches = [np.asarray(b, np.int32) for b in batches]
         self.byte_lengths = byte_lengths
         lengths = jnp.asarray(byte_lengths)
@@ -55,17 +56,19 @@ class Evaluator:
         self._losses = jax.jit(losses)
 
     def __call__(self, params) -> dict:
-        ce, nats, text_tokens, text_bytes = [], 0.0, 0, 0
-        for batch in self.batches:
-            every, text = self._losses(params, batch)
+        from jax_bridge.distributed import sum_over_processes
+
+        ce, text_ce, counts = [], [], []
+        for batch in self.batches:      # this process's rows of each batch
+            every, text = self._losses(params, self.step.place_batch(batch, 0))
             lengths = self.byte_lengths[batch[:, 1:]]
-            n_text = int((lengths > 0).sum())
             ce.append(float(every))
-            nats += float(text) * n_text
-            text_tokens += n_text
-            text_bytes += int(lengths.sum())
-        return {"val_loss": float(np.mean(ce)), "val_bpb": nats / (math.log(2) * max(text_bytes, 1)),
-                "val_tokens": int(sum(b[:, 1:].size for b in self.batches)), "val_bytes": text_bytes}
+            text_ce.append(float(text))
+            counts.append([int((lengths > 0).sum()), int(lengths.sum()), batch[:, 1:].size])
+        text_tokens, text_bytes, tokens = sum_over_processes(np.array(counts, np.int64)).T   # per batch
+        nats = float(np.dot(text_ce, text_tokens))
+        return {"val_loss": float(np.mean(ce)), "val_bpb": nats / (math.log(2) * max(int(text_bytes.sum()), 1)),
+                "val_tokens": int(tokens.sum()), "val_bytes": int(text_bytes.sum())}
 
 
 # ---- command line ---------------------------------------------------------------------------

@@ -19,9 +19,11 @@ def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progres
     from train.preemption import StopSignals
     from train.trainer import Trainer, resume_point
 
+    from jax_bridge.distributed import say
+
     cfg, resume_dir, meta = resume_point(cfg, explicit or {})
     if meta and meta["step"] >= cfg.steps:
-        print(f"{cfg.out}: the run already reached step {meta['step']} (--steps {cfg.steps}); nothing to do "
+        say(f"{cfg.out}: the run already reached step {meta['step']} (--steps {cfg.steps}); nothing to do "
               f"(pass a larger --steps to extend it)")
         return {"steps": meta["step"], "already_finished": True, "checkpoint": str(resume_dir)}
     trainer = Trainer(cfg, resume_dir, meta, explicit=explicit, show_progress=show_progress)
@@ -49,9 +51,10 @@ _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": in
           "micro_batches": int, "lr": float, "adam_lr": float, "warmup_steps": int, "kernels": str,
           "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int,
           "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
-          "max_consecutive_skips": int}
+          "max_consecutive_skips": int, "mesh": str, "remat": str}
 _SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",
              "tensorboard": "also write TensorBoard event files to OUT/tensorboard"}
+_BOOLEANS = {"scan_layers": "decoder layers as one lax.scan over stacked parameters (default), or a loop"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,12 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
     for name, help_text in _SWITCHES.items():
         parser.add_argument("--" + name, dest=name, action="store_const", const=True, default=None, help=help_text)
+    for name, help_text in _BOOLEANS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, action=argparse.BooleanOptionalAction,
+                            default=None, help=help_text)
+    cluster = parser.add_argument_group("multi-host (one command per host; not needed on a TPU pod or under SLURM)")
+    cluster.add_argument("--coordinator", help="HOST:PORT of process 0, which every process connects to")
+    cluster.add_argument("--num-processes", type=int, help="number of processes (hosts) in the run")
+    cluster.add_argument("--process-id", type=int, help="this process's rank, 0 .. num-processes - 1")
 
 
 def config_from_args(args) -> tuple[TrainConfig, dict]:
     """(config, the settings given explicitly by the config file and flags)."""
     explicit = load_config_file(args.config) if args.config else {}
-    explicit.update({k: getattr(args, k) for k in (*_FLAGS, *_SWITCHES) if getattr(args, k, None) is not None})
+    explicit.update({k: getattr(args, k) for k in (*_FLAGS, *_SWITCHES, *_BOOLEANS)
+                     if getattr(args, k, None) is not None})
     try:
         return TrainConfig(**explicit), explicit
     except TypeError as e:
@@ -73,13 +84,18 @@ def config_from_args(args) -> tuple[TrainConfig, dict]:
 
 
 def run(args) -> int:
+    from jax_bridge import distributed
     from torch_model.config import PRESETS
 
+    try:       # before anything touches a device
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except distributed.ClusterError as e:
+        raise UserError(str(e)) from None
     cfg, explicit = config_from_args(args)
     if cfg.preset not in PRESETS:
         raise UserError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}")
     summary = run_training(cfg, explicit=explicit)
-    if "train_seconds" not in summary:          # stopped by a signal, or already finished
+    if "train_seconds" not in summary or not distributed.is_main_process():   # stopped, finished, or not process 0
         return 0
     start = summary.get("val_loss_start")
     print(f"\ntrained to step {summary['steps']} in {summary['train_seconds']:.0f} s; validation loss "

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from jax_bridge.distributed import say
 from train import checkpoint, flops
 from train.config import TrainConfig, resumed_config
 from train.errors import UserError
@@ -55,13 +56,27 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
     except checkpoint.NoCheckpoint:
         step_dir = None
     if step_dir is None:
-        print(f"--resume: no checkpoint in {root}; starting a new run")
+        say(f"--resume: no checkpoint in {root}; starting a new run")
         return cfg, None, None
     meta, _ = checkpoint.read_meta(step_dir)
     if not isinstance(meta.get("train_config"), dict) or meta.get("contents") != checkpoint.TRAIN_STATE:
         raise UserError(f"checkpoint {step_dir} is not a training checkpoint (no train state); start a new "
                         f"run from its parameters with --init-from {step_dir}")
     return resumed_config(meta["train_config"], {**explicit, "out": cfg.out}, str(step_dir)), step_dir, meta
+
+
+def build_mesh(cfg: TrainConfig):
+    """The run's device mesh: `--mesh`, or every device on `fsdp`; None on a single device."""
+    import jax
+
+    from jax_bridge import sharding
+
+    if not cfg.mesh and jax.device_count() == 1:
+        return None
+    try:
+        return sharding.make_mesh(cfg.mesh or None)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 class Trainer:
@@ -80,7 +95,7 @@ class Trainer:
 
         self.out, self.primary, self.cfg = Path(cfg.out), jax.process_index() == 0, cfg
         if meta:
-            print(f"resuming from {resume_dir} (step {meta['step']})")
+            say(f"resuming from {resume_dir} (step {meta['step']})")
         try:
             registry.resolve(cfg.kernels)          # a bad kernel choice fails before any work
             registry.check_options(cfg.kernel_options)
@@ -102,11 +117,12 @@ class Trainer:
         if init_state is not None:
             self.model.load_state_dict(init_state)
         opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay)
+        self.mesh = build_mesh(cfg)
         try:
-            self.step = TrainStep(self.model, opt_cfg, StepConfig(kernels=cfg.kernels, compute_dtype=cfg.compute_dtype,
-                                                                  micro_batches=cfg.micro_batches,
-                                                                  kernel_options=cfg.kernel_options))
-        except registry.KernelError as e:
+            self.step = TrainStep(self.model, opt_cfg, StepConfig(
+                kernels=cfg.kernels, compute_dtype=cfg.compute_dtype, micro_batches=cfg.micro_batches,
+                kernel_options=cfg.kernel_options, scan_layers=cfg.scan_layers, remat=cfg.remat), mesh=self.mesh)
+        except (registry.KernelError, ValueError) as e:
             raise UserError(str(e)) from None
         self.state = self.step.init_state()
         self.done, self.counters = 0, {"skipped_total": 0, "consecutive_skips": 0, "last_good_step": 0}
@@ -163,10 +179,12 @@ class Trainer:
         writer = MetricsWriter(self.out / "metrics.jsonl", resume_step=self.done if meta else None,
                                tensorboard_dir=self.out / "tensorboard" if self.cfg.tensorboard else None)
         counts = self.model_cfg.param_counts()
-        from jax_bridge import registry
+        from jax_bridge import distributed, registry, sharding
         print(f"model {self.cfg.preset}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M "
               f"active); kernels: {registry.describe(self.step.kernels, self.step.platform)}; compute "
               f"{self.step.cfg.compute_dtype}, matmul precision {self.step.cfg.matmul_precision}")
+        print(f"devices: {distributed.describe()}; mesh: {sharding.describe(self.mesh) if self.mesh else 'none'}; "
+              f"layers {'scanned' if self.cfg.scan_layers else 'looped'}, remat {self.cfg.remat}")
         writer.write({"kind": "resume" if meta else "run", "step": self.done, "from": str(resume_dir) if meta else None,
                       "preset": self.cfg.preset, "kernels": self.step.kernels, "params": counts["total"],
                       "active_params": counts["active"], "config": self.cfg.to_dict(), "model": self.model_cfg.to_dict(),
@@ -263,7 +281,7 @@ class Trainer:
         with self.timer.paused():
             result = self.evaluator(self.state.params)
         self._write({"kind": "eval", "step": self.done, **result})
-        if self.done:
+        if self.done and self.primary:
             self.bar.write(f"step {self.done}: validation loss {result['val_loss']:.4f}, "
                            f"{result['val_bpb']:.4f} bits/byte")
         self.last_eval = result
@@ -307,11 +325,12 @@ class Trainer:
         path = self.save(wait=True)
         self._write({"kind": "stop", "step": self.done, "reason": reason})
         self.bar.close()
-        print(f"\n{reason}: stopped after step {self.done} of {self.cfg.steps}; checkpoint in {path}\n"
+        say(f"\n{reason}: stopped after step {self.done} of {self.cfg.steps}; checkpoint in {path}\n"
               f"continue with: torchlyra train --out {self.out} --resume")
         return {"steps": self.done, "stopped": reason, "checkpoint": str(path)}
 
     def finish(self) -> dict:
+        from jax_bridge import sharding
         from jax_bridge.lowering import params_to_torch
         from train.plots import plot_run
 
@@ -322,13 +341,16 @@ class Trainer:
         summary = {"steps": self.done, "train_seconds": wall, "checkpoint": str(path),
                    "val_loss_end": self.last_eval.get("val_loss"), "val_bpb_end": self.last_eval.get("val_bpb"),
                    "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count}
+        # The parameters under per-layer names on the host, for the samples (every process takes
+        # part in gathering arrays that span processes).
+        params = params_to_torch(sharding.to_host(self.step.layer_params(self.state.params)))
         if self.primary:
             self.metrics.close()
             self.metrics = None
             summary["plots"] = [str(p) for p in plot_run(self.out)]
             summary["metrics"] = str(self.out / "metrics.jsonl")
             summary["val_loss_start"] = self._first_eval()
-            self.model.load_state_dict(params_to_torch(self.state.params))
+            self.model.load_state_dict(params)
             summary["samples"] = sample_texts(self.model, self.tokenizer, self.cfg)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

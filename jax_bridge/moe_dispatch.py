@@ -1,0 +1,97 @@
+"""Token dispatch around the grouped-GEMM expert kernels: what runs the model's `routed_experts` op.
+
+The op hands over token rows with their top-k expert choices. Here the k copies of each row are
+grouped by expert (a stable sort), the registry's chosen grouped-GEMM implementation runs each
+expert on its own rows only, and the results return to token order, mixed by the routing weights.
+
+Under a mesh the dispatch runs per device inside `shard_map` (GSPMD cannot partition a sort), on
+that device's tokens. Expert parallelism (an `expert` axis): the tokens of the devices along
+`expert` are all-gathered, each device runs only its local experts on the rows that chose them
+(dropless: any number of rows, up to all of them, so the row buffer is static at its maximum and
+rows for other experts sort last, past the groups) and the mixed rows are reduce-scattered back.
+Tensor parallelism splits every expert's hidden width over `tensor`: each device adds a partial
+down projection and the partial outputs are summed over `tensor` (the down bias is added once).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_bridge.sharded_ops import CHECK_VMA
+
+
+def mix_experts(grouped: Callable, x, experts, weights, gate_up, gate_up_bias, down, down_bias, *,
+                first_expert=None, alpha: float, limit: float):
+    """out[n] = sum_j weights[n, j] * expert_{experts[n, j]}(x[n]); x [R, H], experts and weights [R, k].
+
+    first_expert None: every expert is held here. Otherwise the weights hold experts
+    first_expert .. first_expert + E_local - 1 only, and choices of other experts contribute 0.
+    """
+    rows, k = experts.shape
+    e_local = gate_up.shape[0]
+    key = experts.reshape(-1)
+    if first_expert is not None:                  # other experts' rows sort last, past the groups
+        key = key - first_expert
+        key = jnp.where((key >= 0) & (key < e_local), key, e_local)
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    sorted_rows = x[order // k]
+    live = None
+    if first_expert is not None:
+        # Rows past the groups are never computed by the kernels: mask both ways so nothing they
+        # leave there (forward output, or input gradient in the backward pass) leaks in.
+        live = (jnp.arange(order.shape[0]) < group_sizes.sum())[:, None]
+        sorted_rows = jnp.where(live, sorted_rows, 0)
+    out = grouped(sorted_rows, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit)
+    if live is not None:
+        out = jnp.where(live, out, 0)
+    out = out[inverse].reshape(rows, k, -1)
+    return (out * weights[..., None].astype(out.dtype)).sum(1)
+
+
+def routed_experts(grouped: Callable, *, mesh=None):
+    """The `routed_experts` op as a JAX function over `grouped` (a registry `moe` implementation
+    with the grouped-GEMM signature): one dispatch over all tokens, or per device under a mesh."""
+    if mesh is None:
+        return functools.partial(mix_experts, grouped)
+    return functools.partial(_per_device, grouped, mesh)
+
+
+def _per_device(grouped, mesh, x, experts, weights, gate_up, gate_up_bias, down, down_bias, *, alpha, limit):
+    from jax_bridge import sharding
+
+    # The expert weights as the rules split them, gathered over their `embed` dimension (FSDP).
+    w1 = sharding.logical_spec(mesh, ("exp", None, "mlp"), gate_up.shape)
+    b1 = sharding.logical_spec(mesh, ("exp", "mlp"), gate_up_bias.shape)
+    w2 = sharding.logical_spec(mesh, ("exp", "mlp", None), down.shape)
+    b2 = sharding.logical_spec(mesh, ("exp", None), down_bias.shape)
+    expert = w1[0] if len(w1) else None
+    tensor = w1[2] if len(w1) > 2 else None
+    if mesh.shape.get("expert", 1) > 1 and expert is None:
+        raise ValueError(f"expert parallelism: {gate_up.shape[0]} experts cannot be split over "
+                         f"expert={mesh.shape['expert']} devices (the count must divide)")
+    rows = P(sharding.batch_axes(mesh), None)
+
+    def local(x, experts, weights, gate_up, gate_up_bias, down, down_bias):
+        first = None
+        if expert:
+            x, experts, weights = (jax.lax.all_gather(a, expert, axis=0, tiled=True) for a in (x, experts, weights))
+            first = jax.lax.axis_index(expert) * gate_up.shape[0]
+        if tensor:          # every tensor shard adds a partial down projection; the bias once
+            down_bias = jnp.where(jax.lax.axis_index(tensor) == 0, down_bias, jnp.zeros_like(down_bias))
+        y = mix_experts(grouped, x, experts, weights, gate_up, gate_up_bias, down, down_bias,
+                        first_expert=first, alpha=alpha, limit=limit)
+        if tensor:
+            y = jax.lax.psum(y, tensor)
+        if expert:
+            y = jax.lax.psum_scatter(y, expert, scatter_dimension=0, tiled=True)
+        return y
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w1, b1, w2, b2), out_specs=rows,
+                         check_vma=CHECK_VMA)(
+        x, experts, weights, gate_up, gate_up_bias, down, down_bias)

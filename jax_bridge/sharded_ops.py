@@ -1,0 +1,116 @@
+"""The registry's attention and cross-entropy implementations under a device mesh.
+
+A Pallas kernel is one opaque custom call that GSPMD cannot split, so it runs inside `shard_map`
+over the axes it is local on: attention over batch and heads (each device: its sequences, its
+heads), cross-entropy over tokens, with a vocabulary split over `tensor` combined exactly (a
+log-sum-exp across the shards). Plain-JAX implementations (`xla`) stay under GSPMD, with
+sharding constraints on their inputs and outputs. The MoE op is in `moe_dispatch.py` (its token
+sort always runs per device). Muon's orthogonalization runs on whole matrices per device.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_bridge import sharding
+
+SHARD_MAP, GSPMD = "shard_map", "gspmd"
+# Pallas calls declare output shapes without per-axis variance, which shard_map's replication
+# check requires; the check is off for the per-device regions (autodiff stays exact: cotangents
+# of unsplit inputs are summed over the axes they are not split on).
+CHECK_VMA = False
+
+
+def attention(fn, mesh, spmd: str):
+    """fn(q [B, Hq, T, D], k, v [B, Hkv, T, D], sinks [Hq], *, sliding_window, scale)."""
+
+    def call(q, k, v, sinks, *, sliding_window, scale):
+        q_spec = sharding.logical_spec(mesh, ("batch", "heads"), q.shape)
+        kv_spec = sharding.logical_spec(mesh, ("batch", "kv_heads"), k.shape)
+        sink_spec = sharding.logical_spec(mesh, ("heads",), sinks.shape)
+        if spmd == GSPMD:
+            q, k, v = (sharding.constrain(a, mesh, ("batch", h)) for a, h in
+                       ((q, "heads"), (k, "kv_heads"), (v, "kv_heads")))
+            out = fn(q, k, v, sinks, sliding_window=sliding_window, scale=scale)
+            return sharding.constrain(out, mesh, ("batch", "heads"))
+        local = lambda q, k, v, s: fn(q, k, v, s, sliding_window=sliding_window, scale=scale)
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, sink_spec),
+                             out_specs=q_spec, check_vma=CHECK_VMA)(q, k, v, sinks)
+
+    return call
+
+
+def cross_entropy(fn, mesh, spmd: str):
+    """fn(hidden [N, H], weight [V, H], labels [N], *, ignore_index) -> (nll [N], lse [N])."""
+
+    def call(hidden, weight, labels, *, ignore_index):
+        if spmd == GSPMD:
+            hidden = sharding.constrain(hidden, mesh, ("batch", None))
+            labels = sharding.constrain(labels, mesh, ("batch",))
+            nll, lse = fn(hidden, weight, labels, ignore_index=ignore_index)
+            return sharding.constrain(nll, mesh, ("batch",)), sharding.constrain(lse, mesh, ("batch",))
+        rows = P(sharding.batch_axes(mesh))
+        w_spec = sharding.logical_spec(mesh, ("vocab", None), weight.shape)   # gathered over `embed`
+        vocab_axis = w_spec[0] if len(w_spec) else None
+
+        def local(h, w, y):
+            if vocab_axis is None:
+                return fn(h, w, y, ignore_index=ignore_index)
+            return vocab_parallel_cross_entropy(fn, h, w, y, ignore_index=ignore_index, axis=vocab_axis)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(*rows, None), w_spec, rows),
+                             out_specs=(rows, rows), check_vma=CHECK_VMA)(hidden, weight, labels)
+
+    return call
+
+
+def vocab_parallel_cross_entropy(fn, hidden, weight, labels, *, ignore_index: int, axis):
+    """Inside shard_map: this device holds vocabulary rows [i * V_l, (i + 1) * V_l) of the weight.
+    The kernel runs on the local slice with the label moved into it (or 0 when the label lies
+    elsewhere, which makes the kernel's nll give that slice's logit back as lse - nll); the
+    log-sum-exps then combine across `axis` and the label's logit is taken from its owner."""
+    v_local = weight.shape[0]
+    local = labels - lax.axis_index(axis) * v_local
+    inside = (local >= 0) & (local < v_local)
+    nll_l, lse_l = fn(hidden, weight, jnp.where(inside, local, 0), ignore_index=ignore_index)
+    peak = lax.stop_gradient(lax.pmax(lax.stop_gradient(lse_l), axis))
+    lse = peak + jnp.log(lax.psum(jnp.exp(lse_l - peak), axis))
+    target = lax.psum(jnp.where(inside, lse_l - nll_l, 0.0), axis)
+    valid = labels != ignore_index
+    return jnp.where(valid, lse - target, 0.0), jnp.where(valid, lse, 0.0)
+
+
+def orthogonalizer(mesh):
+    """Muon's orthogonalization for the torch optimizer under a mesh. A batch of matrices
+    (stacked layers, experts) is flattened to one batch axis and spread over the devices along
+    it, whole matrices per device, so the Newton-Schulz iteration needs no communication (split
+    by the rules, each matrix's rows or columns would be gathered at every iteration); the
+    result returns to the matrix split of the parameter's rules. A batch that no mesh axis
+    divides, or a single matrix, keeps the parameter's own sharding (GSPMD splits the work)."""
+    from torchax.interop import call_jax
+
+    from torch_model.optim import newton_schulz
+
+    def place(t, spec):
+        return call_jax(lambda a: jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec)), t)
+
+    def orthogonalize(name, u, steps, coeffs, eps, dtype):
+        shape = tuple(u.shape)
+        flat_shape = (-1, *shape[-2:])        # one batch axis: an axis merged from split ones is not
+        spread = sharding.whole_matrices_spec(mesh, (math.prod(shape[:-2]), *shape[-2:]))  # representable
+        if spread is None:
+            return newton_schulz(u, steps, coeffs, eps, dtype)
+        home = sharding.param_spec(name, shape, mesh)
+        home = tuple(home) + (None,) * (len(shape) - len(home))
+        flat_home = P(None, *home[-2:])
+        # Pin every step: left free, the partitioner would carry the spread split backwards
+        # through the reshape, where it cannot be expressed, and gather whole stacks instead.
+        flat = place(place(u, P(*home)).reshape(flat_shape), flat_home)
+        out = newton_schulz(place(flat, spread), steps, coeffs, eps, dtype)
+        return place(place(out, flat_home).reshape(shape), P(*home))
+
+    return orthogonalize

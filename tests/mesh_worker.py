@@ -1,0 +1,93 @@
+"""Runs in a subprocess with 8 simulated CPU devices (see test_scale_out.py): trains a reduced
+`tiny` for 5 steps on one device and on several meshes, and prints what the tests check as JSON.
+
+usage: python tests/mesh_worker.py KERNELS@MESH[@REMAT] ...   e.g. xla@data=8 pallas@fsdp=2,tensor=2,expert=2
+The one-device reference runs the plain layer loop; the mesh runs scan the layers.
+"""
+import json
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from jax_bridge import sharding  # noqa: E402
+from jax_bridge.step import StepConfig, TrainStep  # noqa: E402
+from torch_model.config import get_preset  # noqa: E402
+from torch_model.model import GptOssForCausalLM  # noqa: E402
+
+STEPS = 5
+# 4 layers (two scanned (sliding, full) periods), 8 experts, 4/2 heads: every axis can split.
+CONFIG = dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=8, experts_per_token=2,
+              expert_dim=32, vocab_size=512, sliding_window=8, router_aux_loss_coef=0.01, router_z_loss_coef=1e-3)
+KERNELS = {"xla": "xla", "pallas": "attention=pallas,cross_entropy=pallas,moe=pallas"}
+
+
+def train(model, tokens, kernels: str, mesh, scan: bool = True, remat: str = "none"):
+    start = time.process_time()
+    step = TrainStep(model, step_cfg=StepConfig(kernels=kernels, scan_layers=scan, remat=remat), mesh=mesh)
+    state, losses = step.init_state(), []
+    for batch in tokens:
+        state, metrics = step(state, batch, 1.0)
+        losses.append(float(metrics["loss"]))
+    print(f"{kernels} on {sharding.describe(mesh) if mesh else 'one device'}: {time.process_time() - start:.1f} s CPU",
+          file=sys.stderr)
+    return step, state, losses
+
+
+def main(runs: list[str]) -> dict:
+    assert len(jax.devices()) == 8
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(get_preset("tiny").replace(**CONFIG))
+    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (STEPS, 1, 8, 17)).astype(np.int32)
+    _, ref_state, ref_losses = train(model, tokens, "xla", None, scan=False)
+    ref_params = {n: np.asarray(v, np.float64) for n, v in ref_state.params.items()}
+    out = {"reference": ref_losses, "meshes": {}}
+    for run in runs:
+        kernels, spec, *remat = run.split("@")
+        mesh = sharding.make_mesh(spec)
+        step, state, losses = train(model, tokens, KERNELS[kernels], mesh, remat=remat[0] if remat else "none")
+        errors = {n: float(np.linalg.norm(np.asarray(v, np.float64) - ref_params[n]) / np.linalg.norm(ref_params[n]))
+                  for n, v in step.layer_params(state.params).items()}
+        held = sharding.bytes_per_device(state)
+        predicted = sum(leaf.nbytes // _split(s.spec, mesh) for leaf, s in
+                        zip(jax.tree.leaves(state), jax.tree.leaves(step.state_shardings(state))))
+        out["meshes"][run] = {
+            "losses": losses, "param_rel_err": errors,
+            "held_bytes": sorted(set(held.values())), "devices_holding": len(held), "predicted_bytes": predicted,
+            "total_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(state)),
+            "specs_match_rules": all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
+                                     zip(jax.tree.leaves(state), jax.tree.leaves(step.state_shardings(state)))),
+        }
+    out["update_memory"] = update_memory()
+    return out
+
+
+def update_memory() -> dict:
+    """Temporaries of the optimizer update compiled for an 8-way fsdp mesh, for a model with
+    stacks of 4 layers x 8 experts (a batch of matrices that the mesh must spread whole for
+    Muon), beside the parameter bytes each device holds."""
+    mesh = sharding.make_mesh("fsdp=8")
+    with torch.device("meta"):
+        model = GptOssForCausalLM(get_preset("tiny").replace(n_layers=8, d_model=256, expert_dim=512))
+    step = TrainStep(model, step_cfg=StepConfig(kernels="xla", scan_layers=True), mesh=mesh)
+    state = step.abstract_state()
+    lr = jax.ShapeDtypeStruct((), np.float32)
+    compiled = jax.jit(step.update).lower(state.params, state.params, state.opt_state, lr).compile()
+    per_device = sum(np.prod(a.sharding.shard_shape(a.shape)) * 4 for a in jax.tree.leaves(state.params))
+    return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "param_bytes_per_device": int(per_device)}
+
+
+def _split(spec, mesh) -> int:
+    axes = [a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))]
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(sys.argv[1:])))

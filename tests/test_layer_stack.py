@@ -1,0 +1,69 @@
+"""Scanned decoder layers: the stacked layout round-trips, remat lowers the memory the compiler
+plans, and the program no longer grows with depth. (That the scan trains exactly like the layer
+loop, with each remat policy, is checked on meshes in test_scale_out.py.)"""
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jax_bridge.layer_stack import LayerLayout, layer_period
+from jax_bridge.step import StepConfig, TrainStep
+from torch_model.config import get_preset
+from torch_model.model import GptOssForCausalLM
+
+SMALL = dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, expert_dim=32, vocab_size=512,
+             sliding_window=8)
+
+
+def small_model(n_layers=4, **changes):
+    torch.manual_seed(0)
+    return GptOssForCausalLM(get_preset("tiny").replace(n_layers=n_layers, **{**SMALL, **changes}))
+
+
+def test_layer_period_is_the_repeating_pattern_of_layer_types():
+    assert layer_period(["sliding_attention", "full_attention"] * 3) == 2
+    assert layer_period(["full_attention"] * 5) == 1
+    assert layer_period(["sliding_attention", "sliding_attention", "full_attention"] * 2) == 3
+    assert layer_period(["sliding_attention", "full_attention", "full_attention"]) == 3
+
+
+def test_stacking_round_trips_names_and_values():
+    layout = LayerLayout(n_layers=4, period=2, stacked=True)
+    params = {f"model.layers.{i}.mlp.router.weight": np.full((3, 2), i, np.float32) for i in range(4)}
+    params["lm_head.weight"] = np.ones((5, 2), np.float32)
+    stacked = layout.stack(params)
+    assert sorted(stacked) == ["lm_head.weight", "model.layers.stack0.mlp.router.weight",
+                               "model.layers.stack1.mlp.router.weight"]
+    assert stacked["model.layers.stack1.mlp.router.weight"][:, 0, 0].tolist() == [1, 3]    # layers 1 and 3
+    back = layout.unstack(stacked)
+    assert sorted(back) == sorted(params) and all(np.array_equal(back[n], params[n]) for n in params)
+    cfg = get_preset("tiny").replace(n_layers=4)
+    assert LayerLayout.from_tag(layout.tag, cfg) == layout
+    assert LayerLayout.from_tag("per_layer", cfg).unstack(stacked) == stacked
+    with pytest.raises(ValueError, match="unknown layer layout"):
+        LayerLayout.from_tag("scrambled", cfg)
+
+
+def grads_temp_bytes(model, remat: str, seq: int = 128) -> int:
+    step = TrainStep(model, step_cfg=StepConfig(kernels="xla", scan_layers=True, remat=remat))
+    params = jax.eval_shape(lambda: step.init_state().params)
+    tokens = jax.ShapeDtypeStruct((4, seq + 1), np.int32)
+    return jax.jit(step._grads).lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_remat_policies_lower_the_planned_activation_memory():
+    model = small_model(n_layers=4)
+    none, matmuls, full = (grads_temp_bytes(model, r) for r in ("none", "save-matmuls", "full"))
+    assert full < matmuls < none, f"temporaries: none {none}, save-matmuls {matmuls}, full {full}"
+
+
+def program_size(n_layers: int, scan: bool) -> int:
+    step = TrainStep(small_model(n_layers), step_cfg=StepConfig(kernels="xla", scan_layers=scan))
+    state = jax.eval_shape(step.init_state)
+    tokens = jax.ShapeDtypeStruct((1, 2, 17), np.int32)
+    return len(jax.jit(step._step).lower(state, tokens, np.float32(1)).as_text())
+
+
+def test_scanned_program_does_not_grow_with_depth():
+    assert program_size(6, scan=True) < 1.15 * program_size(2, scan=True)
+    assert program_size(6, scan=False) > 2 * program_size(2, scan=False)
