@@ -21,14 +21,17 @@ PLAY_LINES = [
 
 
 def prepare_play_corpus(root) -> str:
-    """Six small .txt plays under root/texts, prepared into root/data (320-id BPE); returns the
-    data directory."""
+    """Six small .txt plays, five under root/texts and one under root/val (the validation split,
+    chosen by file so it never depends on the temporary path), prepared into root/data (320-id
+    BPE); returns the data directory."""
     from train.cli import main
 
-    texts = root / "texts"
+    texts, val = root / "texts", root / "val"
     texts.mkdir()
+    val.mkdir()
     for i in range(6):
-        (texts / f"play{i}.txt").write_text("\n\n".join(PLAY_LINES[(i + j) % 4] for j in range(120)) + "\n")
-    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--tokenizer", "bpe:320",
-                 "--val-fraction", "0.2"]) == 0
+        (val if i == 5 else texts).joinpath(f"play{i}.txt").write_text(
+            "\n\n".join(PLAY_LINES[(i + j) % 4] for j in range(120)) + "\n")
+    assert main(["prepare", "--input", str(texts), "--val-input", str(val), "--out", str(root / "data"),
+                 "--tokenizer", "bpe:320"]) == 0
     return str(root / "data")
