@@ -223,9 +223,10 @@ class TrainStep:
 
 
 def _scalar_metrics(out: dict) -> dict:
-    """The loss parts, plus for MoE models the routed-token fraction per layer and expert
-    ("expert_fraction" [layers, experts]) and its largest value times E (1.0: balanced)."""
-    metrics = {k: v for k, v in out.items() if v.ndim == 0}
+    """The loss parts, plus for MoE models the router losses per layer ([layers]), the
+    routed-token fraction per layer and expert ("expert_fraction" [layers, experts]) and its
+    largest value times E (1.0: balanced)."""
+    metrics = {k: v for k, v in out.items() if v.ndim == 0 or k.endswith("_per_layer")}
     if "expert_fraction" in out:
         frac = out["expert_fraction"]
         metrics["expert_fraction"] = frac

@@ -117,6 +117,10 @@ def test_loss_includes_router_and_z_losses_when_configured():
     out = model(ids[:, :-1], ids[:, 1:])
     expected = out["ce"] + 1e-2 * out["router_balance"] + 1e-4 * out["router_z"] + 1e-4 * out["lm_z"]
     assert math.isclose(out["loss"].item(), expected.item(), rel_tol=1e-6)
+    # Reported per MoE layer too; the loss takes their mean.
+    assert out["router_z_per_layer"].shape == out["router_balance_per_layer"].shape == (2,)
+    assert math.isclose(out["router_z_per_layer"].mean().item(), out["router_z"].item(), rel_tol=1e-6)
+    assert math.isclose(out["router_balance_per_layer"].mean().item(), out["router_balance"].item(), rel_tol=1e-6)
 
 
 def test_dense_preset_trains_eagerly():

@@ -123,6 +123,8 @@ def test_reference_run_writes_checkpoints_metrics_plots_and_tensorboard(referenc
     assert train[0]["tokens_per_s"] is not None and 0 < last["mfu"] < 1
     assert len(last["expert_load"]["cv"]) == 1 and len(last["expert_fraction"][0]) == 4
     assert sum(last["expert_fraction"][0]) == pytest.approx(1.0)
+    assert last["router_z_per_layer"] == [pytest.approx(last["router_z"], rel=1e-5)]      # one MoE layer
+    assert last["router_balance_per_layer"] == [pytest.approx(last["router_balance"], rel=1e-5)]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 30, 60] and 0 < evals[-1]["val_bpb"] < evals[0]["val_bpb"]
     saves = [r for r in records if r["kind"] == "checkpoint"]

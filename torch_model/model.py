@@ -269,9 +269,11 @@ class GptOssForCausalLM(nn.Module):
             loss = loss + cfg.lm_z_loss_coef * z
             out["lm_z"] = z
         if cfg.is_moe:
-            balance = torch.stack([s["balance"] for s in stats]).mean()
-            router_z = torch.stack([s["z"] for s in stats]).mean()
-            out.update(router_balance=balance, router_z=router_z,
+            balances = torch.stack([s["balance"] for s in stats])      # [MoE layers]
+            router_zs = torch.stack([s["z"] for s in stats])
+            balance, router_z = balances.mean(), router_zs.mean()
+            out.update(router_balance=balance, router_z=router_z, router_balance_per_layer=balances.detach(),
+                       router_z_per_layer=router_zs.detach(),
                        expert_fraction=torch.stack([s["fraction"] for s in stats]))
             if cfg.router_aux_loss_coef:
                 loss = loss + cfg.router_aux_loss_coef * balance

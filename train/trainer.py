@@ -51,10 +51,22 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
             raise UserError(f"{out} already holds a run (checkpoints up to step {newest}): pass --resume "
                             f"to continue it, or choose another --out")
         return cfg, None, None
-    try:
-        step_dir = checkpoint.find_checkpoint(root, move_damaged=jax.process_index() == 0) if root.is_dir() else None
-    except checkpoint.NoCheckpoint:
-        step_dir = None
+    def newest_complete():
+        try:
+            return checkpoint.find_checkpoint(root, move_damaged=jax.process_index() == 0) if root.is_dir() else None
+        except checkpoint.NoCheckpoint:
+            return None
+
+    if jax.process_count() == 1:
+        step_dir = newest_complete()
+    else:
+        # Process 0 alone moves damaged steps aside; the others look once it has, so all agree.
+        from jax.experimental import multihost_utils
+
+        step_dir = newest_complete() if jax.process_index() == 0 else None
+        multihost_utils.sync_global_devices("torchlyra: resume point chosen")
+        if jax.process_index() != 0:
+            step_dir = newest_complete()
     if step_dir is None:
         say(f"--resume: no checkpoint in {root}; starting a new run")
         return cfg, None, None
