@@ -29,7 +29,7 @@ demo: $(STAMP)
 	@echo "checkpoints: runs/tiny/checkpoints (continue: torchlyra train --out runs/tiny --resume --steps N)"
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
 
 clean-runs:
 	rm -rf runs
