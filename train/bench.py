@@ -1,4 +1,4 @@
-"""`torchlyra bench kernels`: temporary memory (and, on CPU, speed) of every registered kernel
+"""`torchlyra bench kernels` (`bench step`: train/bench_step.py): temporary memory (and, on CPU, speed) of every registered kernel
 implementation, by the CPU's XLA and, with `--platform tpu --topology v6e:2x2`, by the real TPU
 compiler (libtpu, deviceless: nothing runs).
 
@@ -515,7 +515,15 @@ def _parse_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["kernels"], help="what to benchmark")
+    from train import bench_step
+
+    sub = parser.add_subparsers(dest="what", required=True, metavar="{kernels,step}")
+    add_kernel_arguments(sub.add_parser("kernels", help="kernel temporary memory (and CPU speed)"))
+    bench_step.add_arguments(sub.add_parser("step", help="the train step against eager, compiled and transformers "
+                                                         "PyTorch peers (speed ratios, MFU)"))
+
+
+def add_kernel_arguments(parser) -> None:
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPE_SETS),
                         help=f"comma-separated shape sets of {','.join(SHAPE_SETS)} (default: {','.join(DEFAULT_SHAPE_SETS)})")
@@ -574,6 +582,9 @@ _METHOD = {
 
 
 def run(args) -> int:
+    if args.what == "step":
+        from train import bench_step
+        return bench_step.run(args)
     shapes = _parse_list(args.shapes, SHAPE_SETS, "shapes")
     ops = _parse_list(args.ops, OPS, "ops")
     if args.repeats < 1 or args.warmup < 0:
