@@ -49,7 +49,7 @@ class OursContender:
     "step" (TrainStep.__call__, state donated and carried on) or "update" (the optimizer update
     alone on fixed gradients, its own copy of params and optimizer state donated and carried on)."""
 
-    def __init__(self, cfg, tokens, *, opt_cfg, kernels, compute_dtype, seed: int):
+    def __init__(self, cfg, tokens, *, opt_cfg, kernels, kernel_options, compute_dtype, seed: int):
         import jax
         import jax.numpy as jnp
 
@@ -59,7 +59,8 @@ class OursContender:
         model = GptOssForCausalLM(cfg)
         model.reset_parameters(seed)
         self.jax = jax
-        self.step = TrainStep(model, opt_cfg, StepConfig(kernels=kernels, compute_dtype=compute_dtype))
+        self.step = TrainStep(model, opt_cfg, StepConfig(kernels=kernels, compute_dtype=compute_dtype,
+                                                         kernel_options=kernel_options))
         self.tokens = jnp.asarray(tokens[None], jnp.int32)         # [1 micro-batch, B, T + 1]
         self.state = self.step.init_state()
         self.update_state = self.step.init_state()                  # the update-alone copy
@@ -155,6 +156,7 @@ class BenchSettings:
     rounds: int = 5
     peers: tuple = ("eager", "compiled", "hf", "hf_compiled")
     kernels: str = "auto"
+    kernel_options: str | None = None
     compute_dtype: str | None = None
     compile_backend: str = "inductor"
     seed: int = 0
@@ -174,10 +176,10 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     from jax_bridge.step import StepConfig
     from torch_model.optim import OptimizerConfig
     from train import flops
-    from train.bench_torch import build_torch_contender, time_round, warm_up
+    from train.bench_torch import build_torch_contender, settled, time_round, warm_up
 
     opt_cfg = OptimizerConfig()
-    step_cfg = StepConfig(kernels=s.kernels, compute_dtype=s.compute_dtype)
+    step_cfg = StepConfig(kernels=s.kernels, compute_dtype=s.compute_dtype, kernel_options=s.kernel_options)
     if step_cfg.platform != s.device:
         raise UserError(f"--device {s.device}: this host's JAX platform is {step_cfg.platform!r}")
     if s.device not in ("cpu", "gpu"):
@@ -189,7 +191,8 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     load = {"start": _loadavg()}
 
     log(f"bench step: compiling ours ({s.preset}, batch {s.batch_size} x {s.seq_len})")
-    ours = OursContender(s.cfg, tokens, opt_cfg=opt_cfg, kernels=s.kernels, compute_dtype=s.compute_dtype, seed=s.seed)
+    ours = OursContender(s.cfg, tokens, opt_cfg=opt_cfg, kernels=s.kernels, kernel_options=s.kernel_options,
+                         compute_dtype=s.compute_dtype, seed=s.seed)
     compile_info = {"ours": ours.warm_up()}
     local = {}
     if "eager" in s.peers or any(p in CHILD_PEERS for p in s.peers):
@@ -214,7 +217,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
             parent_first = r % 2 == 0     # alternate which process goes first, against drift
 
             def parent_round():
-                times["ours"] = {kind: ours.run(kind) for kind in (*KINDS, "update")}
+                times["ours"] = {kind: settled(ours.run, kind) for kind in (*KINDS, "update")}
                 times.update(time_round(local))
 
             def child_round():
@@ -319,7 +322,7 @@ def summarize(s: BenchSettings, rounds: list[dict], peaks: list[float], compile_
         compute_dtype=compute_dtype, device=s.device,
         peak_source=peak_source or f"median over rounds of the best of 4 jitted {s.peak_n}^3 {compute_dtype} matmuls "
                                    "(train/flops.py measure_matmul_peak), measured between the rounds",
-        kernels=s.kernels, compile_backend=s.compile_backend, load_average=load,
+        kernels=s.kernels, kernel_options=s.kernel_options, compile_backend=s.compile_backend, load_average=load,
         torch_threads_child=getattr(child, "threads", None), step_over_parts_rounds=parts,
         rows=rows, goals=goals)
 
@@ -400,6 +403,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--peers", default=",".join(TORCH_PEERS),
                         help=f"comma-separated torch peers of {','.join(TORCH_PEERS)} (default: all)")
     parser.add_argument("--kernels", default="auto", help="kernel choice for ours, as for train (default: auto)")
+    parser.add_argument("--kernel-options", default=None,
+                        help="per-implementation options for ours, as for train, e.g. moe.xla.block_m=64")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of the compiled peers (default: inductor; aot_eager is quick)")
     parser.add_argument("--seed", type=int, default=0, help="weights and tokens seed (default: 0)")
@@ -430,7 +435,8 @@ def settings_from_args(args) -> BenchSettings:
         raise UserError(str(e)) from None
     return BenchSettings(preset=args.preset + (f" ({args.model})" if args.model else ""), cfg=cfg,
                          batch_size=args.batch_size, seq_len=seq_len, rounds=args.rounds, peers=peers,
-                         kernels=args.kernels, compile_backend=args.compile_backend, seed=args.seed,
+                         kernels=args.kernels, kernel_options=args.kernel_options,
+                         compile_backend=args.compile_backend, seed=args.seed,
                          device=args.device, peak_n=args.peak_n or (8192 if args.device == "gpu" else 1024))
 
 

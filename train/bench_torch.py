@@ -114,9 +114,17 @@ def warm_up(contender: TorchContender) -> dict:
     return out
 
 
+SETTLE_S = 0.2   # pause before each timed call: the other runtime's spinning worker threads go to sleep
+
+
+def settled(run, *args) -> float:
+    time.sleep(SETTLE_S)
+    return run(*args)
+
+
 def time_round(contenders: dict) -> dict:
     """{name: {kind: seconds}}: each contender's kinds timed once, in order."""
-    return {name: {kind: c.run(kind) for kind in KINDS} for name, c in contenders.items()}
+    return {name: {kind: settled(c.run, kind) for kind in KINDS} for name, c in contenders.items()}
 
 
 # ---- the child process --------------------------------------------------------------------------
