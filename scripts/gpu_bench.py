@@ -260,7 +260,7 @@ STEP_RUNS = {
     # CPU, float32: a micro model against eager torch, a quickly compiled copy and transformers
     "smoke": ["--preset", "tiny", "--model", "d_model=32,n_layers=1,n_heads=2,n_kv_heads=1,head_dim=16,"
               "n_experts=2,expert_dim=32,vocab_size=128", "--batch-size", "2", "--seq-len", "16",
-              "--rounds", "2", "--peers", "eager,compiled,hf", "--compile-backend", "aot_eager"],
+              "--rounds", "1", "--peers", "eager,compiled,hf", "--compile-backend", "aot_eager"],
 }
 
 
