@@ -454,11 +454,11 @@ def run(args) -> int:
     from train.bench import machine_info
 
     settings = settings_from_args(args)
-    started = time.perf_counter()
+    started, commit = time.perf_counter(), _commit()       # the code that runs: HEAD at the start
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     report = run_bench(settings, log=lambda text: print(text, file=sys.stderr, flush=True))
     report.update(command="torchlyra bench step " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "step"] else []),
-                  date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                  machine=machine_info(), commit=_commit(), elapsed_s=round(time.perf_counter() - started, 1))
+                  date=date, machine=machine_info(), commit=commit, elapsed_s=round(time.perf_counter() - started, 1))
     print(format_report(report))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
