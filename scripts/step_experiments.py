@@ -6,6 +6,7 @@ attempts (issue 12). Each prints medians of interleaved rounds and per-round rat
     python scripts/step_experiments.py step PRESET [ROUNDS]   # step vs fwd+bwd + update; no-scan / no-select variants
     python scripts/step_experiments.py ns PRESET [ROUNDS]     # Newton-Schulz: per matrix / stacked / experts unbatched
     python scripts/step_experiments.py block_m PRESET [ROUNDS] # MoE xla tile rows (moe.xla.block_m)
+    python scripts/step_experiments.py compile PRESET [REPEATS] # the step's trace+lower and compile, wall and CPU s
 
 Batch 8 x 256, float32, on this host's CPU. Not a test and not the benchmark (that is
 `torchlyra bench step`): a variant here is a monkeypatch, never a code path of the library.
@@ -197,6 +198,25 @@ def ns(preset: str, rounds: int):
         print(f"  {k}: largest relative difference of the parameters from per_matrix: {diff:.1e}")
 
 
+def compile_time(preset: str, repeats: int):
+    """Trace+lower and XLA compile of the full step, wall and CPU seconds of this process (the
+    compile runs mostly on one thread, so on a loaded host its CPU time is what a quiet host's wall
+    time would be, roughly)."""
+    _, model, tokens = setup(preset)
+    for _ in range(repeats):
+        jax.clear_caches()
+        ts = TrainStep(model, step_cfg=StepConfig())
+        state = ts.init_state()
+        wall, cpu = time.perf_counter(), time.process_time()
+        lowered = ts.lower(state, tokens)
+        wall_l, cpu_l = time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = time.perf_counter(), time.process_time()
+        lowered.compile()
+        wall_c, cpu_c = time.perf_counter() - wall, time.process_time() - cpu
+        print(f"lower {wall_l:.1f} s wall / {cpu_l:.1f} s CPU; compile {wall_c:.1f} s wall / {cpu_c:.1f} s CPU; "
+              f"total {wall_l + wall_c:.1f} s wall / {cpu_l + cpu_c:.1f} s CPU; load {os.getloadavg()}", flush=True)
+
+
 def block_m(preset: str, rounds: int):
     cfg, model, tokens = setup(preset)
     runs = {}
@@ -216,4 +236,4 @@ if __name__ == "__main__":
     what, preset = sys.argv[1], sys.argv[2]
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 5
     {"cost": lambda: cost(preset), "step": lambda: step(preset, n), "ns": lambda: ns(preset, n),
-     "block_m": lambda: block_m(preset, n)}[what]()
+     "block_m": lambda: block_m(preset, n), "compile": lambda: compile_time(preset, n)}[what]()
