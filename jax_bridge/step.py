@@ -109,6 +109,8 @@ class TrainStep:
         self.trace_count = 0
         self._jitted = jax.jit(self._step, donate_argnums=(0,))
         self._jitted_eval = jax.jit(self._eval)
+        self._jitted_grads = jax.jit(self._grads)
+        self._jitted_update = jax.jit(self._update, donate_argnums=(0, 2))
 
     # ---- state --------------------------------------------------------------------------------
     def host_state(self) -> TrainState:
@@ -175,8 +177,7 @@ class TrainStep:
 
         grad_sum, micro_metrics = jax.lax.scan(accumulate, zeros, tokens)
         grads = jax.tree.map(lambda g: g / tokens.shape[0], grad_sum)
-        with jax.default_matmul_precision(self.cfg.matmul_precision):
-            params, opt_state, stats = self.update(state.params, grads, state.opt_state, lr_scale)
+        params, opt_state, stats = self._update(state.params, grads, state.opt_state, lr_scale)
         metrics = jax.tree.map(lambda m: m.mean(0), micro_metrics)
         # A non-finite loss or gradient norm skips the update here, with no host round trip:
         # parameters and optimizer state (its step count too) stay as they were, while the
@@ -186,6 +187,10 @@ class TrainStep:
         metrics.update(grad_norm=stats["grad_norm"], grad_norm_clipped=stats["grad_norm_clipped"],
                        skipped=jnp.logical_not(finite).astype(jnp.int32))
         return self._constrain(new_state), metrics
+
+    def _update(self, params, grads, opt_state, lr_scale):
+        with jax.default_matmul_precision(self.cfg.matmul_precision):
+            return self.update(params, grads, opt_state, lr_scale)
 
     def _eval(self, params, tokens):
         _, out = self.loss_and_metrics(params, tokens[:, :-1], tokens[:, 1:])
@@ -218,8 +223,18 @@ class TrainStep:
         return self._jitted_eval(params, self.place_batch(tokens, 0))
 
     def grads(self, params, tokens):
-        """(loss, metrics), grads for one batch [batch, seq_len+1] (for parity checks)."""
-        return jax.jit(self._grads)(params, self.place_batch(tokens, 0))
+        """(loss, metrics), grads for one batch [batch, seq_len+1] (for parity checks and the
+        step benchmark's forward+backward)."""
+        return self._jitted_grads(params, self.place_batch(tokens, 0))
+
+    def apply_update(self, params, grads, opt_state, lr_scale=1.0):
+        """(params, opt_state, stats): the optimizer update alone, jitted as inside the step
+        (params and opt_state donated); the step benchmark times it apart."""
+        return self._jitted_update(params, grads, opt_state, jnp.asarray(lr_scale, jnp.float32))
+
+    def lower(self, state: TrainState, tokens, lr_scale=1.0):
+        """The step's `jax.stages.Lowered` (trace + lowering); `.compile()` it to time the compile."""
+        return self._jitted.lower(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32))
 
 
 def _scalar_metrics(out: dict) -> dict:

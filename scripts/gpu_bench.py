@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
-"""Kernel speed on a GPU machine: each op's GPU kernel against its XLA reference.
+"""Kernel and train-step speed on a GPU machine: each op's GPU kernel against its XLA reference, then
+the whole train step against eager PyTorch CUDA and torch.compile on the same GPU.
 
-Self-contained: imports only jax, pallas_kernels/* and parity/compare.py (the GPU image has no torchax, no
-array_record). One run, well under 8 minutes on one H200:
+This process imports only jax, pallas_kernels/* and parity/compare.py (the GPU image has no torchax, no
+array_record). The train-step part needs torch and torchax: it runs `torchlyra bench step --device gpu`
+(train/bench_step.py) in child processes, so torchax must be carried to the machine as a wheel and put
+on PYTHONPATH (see the device tool's README). One run of about 6 minutes on one H200:
 
-    python scripts/gpu_bench.py                  # Lyra Small shapes, bf16 -> $OUT/gpu_bench.json
+    python scripts/gpu_bench.py                  # kernels at Lyra Small shapes + step (small-o200k), bf16
+                                                 #   -> $OUT/gpu_bench.json
     python scripts/gpu_bench.py /path/out.json   # or a path of your choice
-    python scripts/gpu_bench.py --smoke          # CPU: tiny shapes, kernels interpreted (is it broken?)
+    python scripts/gpu_bench.py --smoke          # CPU: tiny shapes, kernels interpreted, a micro step
+                                                 #   (float32) against the torch peers (is it broken?)
+    python scripts/gpu_bench.py --parts step     # only one part (kernels, step)
 
 First, at a small float32 shape, every kernel's outputs and gradients are checked against the
 reference. Then, at Lyra Small shapes (bf16), forward and forward+backward (value_and_grad of the
@@ -17,6 +23,10 @@ after --warmup calls. Rows (ratios are impl time / xla time):
   moe           xla (tiled grouped GEMM in XLA) vs  ragged_dot (jax.lax.ragged_dot); no GPU Pallas kernel
 Each row also records the compiled program's temporary memory (memory_analysis) on this device.
 A row that fails records its error and the run goes on; the JSON is rewritten after every row.
+Train step (--parts step): the lowered step (bf16 compute, float32 master weights, `auto` kernels) vs
+our eager model + Muon+AdamW on CUDA under bf16 autocast, torch.compile of it, and transformers' GptOss
+eager and compiled with AdamW: forward+backward and full step, interleaved rounds, tokens/s and MFU
+against the GPU's published dense bf16 peak (train/flops.py); its report goes under "step" in the JSON.
 Exit status: 0 when every check passed and no row failed, else 1.
 """
 from __future__ import annotations
@@ -27,6 +37,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import sys
 import time
 import traceback
@@ -241,6 +253,48 @@ def _fmt(row) -> str:
             + (f"  ERROR {row['error']}" if row["error"] else ""))
 
 
+# ---- train step (child processes: torch + torchax) -------------------------------------------------
+STEP_RUNS = {
+    # the o200k preset at seq 1024, 8 rows; every peer; MFU against the bf16 data-sheet peak
+    "full": ["--preset", "small-o200k", "--batch-size", "8", "--device", "gpu", "--rounds", "5"],
+    # CPU, float32: a micro model against eager torch, a quickly compiled copy and transformers
+    "smoke": ["--preset", "tiny", "--model", "d_model=32,n_layers=1,n_heads=2,n_kv_heads=1,head_dim=16,"
+              "n_experts=2,expert_dim=32,vocab_size=128", "--batch-size", "2", "--seq-len", "16",
+              "--rounds", "1", "--peers", "eager,compiled,hf", "--compile-backend", "aot_eager"],
+}
+
+
+def step_part(smoke: bool, budget: float, report: dict, save) -> bool:
+    """Run `torchlyra bench step` in a child process (within `budget` seconds) and keep its report
+    under report["step"]. Returns whether it succeeded."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "step.json")
+        cmd = [sys.executable, "-m", "train.cli", "bench", "step", *STEP_RUNS["smoke" if smoke else "full"],
+               "--json", path]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        print("step: " + " ".join(cmd[1:]), flush=True)
+        step = dict(command=" ".join(cmd[1:]), error=None)
+        # its own process group, so that a timeout also ends its child of torch peers
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            printed, _ = proc.communicate(timeout=budget)
+            print(printed, flush=True)
+            if proc.returncode != 0:
+                step["error"] = f"exit status {proc.returncode} (its error is printed above)"
+            else:
+                with open(path) as fh:
+                    step.update(json.load(fh))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            step["error"] = f"over the {budget:g} s budget of the step part"
+    report["step"] = step
+    save()
+    if step["error"]:
+        print(f"step: ERROR {step['error']}", flush=True)
+    return step["error"] is None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="?", help="JSON path (default $OUT/gpu_bench.json, else ./gpu_bench.json)")
@@ -248,7 +302,11 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     p.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 10; smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2; smoke 1)")
-    p.add_argument("--budget", type=float, default=400.0, help="seconds after which remaining rows are skipped")
+    p.add_argument("--budget", type=float, default=200.0,
+                   help="seconds after which the remaining kernel rows are skipped (default 200)")
+    p.add_argument("--parts", default="kernels,step", help="comma-separated parts to run: kernels, step (default both)")
+    p.add_argument("--step-budget", type=float, default=240.0,
+                   help="seconds the train-step part may take before it is stopped (default 240)")
     p.add_argument("--tol", type=float, default=2e-2, help="max relative error of the float32 check")
     p.add_argument("--skip-check", action="store_true")
     args = p.parse_args(argv)
@@ -257,6 +315,9 @@ def main(argv=None) -> int:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if not ops or any(o not in OPS for o in ops):
         p.error(f"--ops: expected a subset of {','.join(OPS)}; got {args.ops!r}")
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if not parts or any(x not in ("kernels", "step") for x in parts):
+        p.error(f"--parts: expected a subset of kernels,step; got {args.parts!r}")
     out = args.out or os.path.join(os.environ.get("OUT") or ".", "gpu_bench.json")
     shapes = SHAPES["smoke" if args.smoke else "full"]
 
@@ -277,11 +338,13 @@ def main(argv=None) -> int:
             json.dump(report, fh, indent=1, default=str)
 
     print(f"jax {jax.__version__} on {report['devices']}", flush=True)
-    if not args.skip_check:
-        report["checks"] = check(ops, shapes, args.smoke, args.tol)
+    if "kernels" in parts:
+        if not args.skip_check:
+            report["checks"] = check(ops, shapes, args.smoke, args.tol)
+            save()
+        bench(ops, shapes, args.smoke, args, report, save)
         save()
-    bench(ops, shapes, args.smoke, args, report, save)
-    save()
+    step_ok = step_part(args.smoke, args.step_budget, report, save) if "step" in parts else True
 
     print("\nop            case                         impl       dir         time/call   vs xla    temp mem")
     for row in report["rows"]:
@@ -290,7 +353,7 @@ def main(argv=None) -> int:
     bad_rows = [r for r in report["rows"] if r["error"]]
     print(f"\n{len(report['checks']) - len(bad_checks)}/{len(report['checks'])} checks passed; "
           f"{len(bad_rows)} rows failed; {report['elapsed_s']} s; wrote {out}")
-    return 0 if not bad_checks and not bad_rows else 1
+    return 0 if not bad_checks and not bad_rows and step_ok else 1
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def test_gpu_script_smoke_on_cpu(tmp_path):
     # Run as a script, then check that nothing outside jax + pallas_kernels was imported.
     code = (
         "import runpy, sys\n"
-        f"sys.argv = [{GPU_SCRIPT!r}, '--smoke', {str(out)!r}]\n"
+        f"sys.argv = [{GPU_SCRIPT!r}, '--smoke', '--parts', 'kernels', {str(out)!r}]\n"
         "rc = 0\n"
         "try:\n"
         f"    runpy.run_path({GPU_SCRIPT!r}, run_name='__main__')\n"
@@ -148,3 +148,60 @@ def test_bench_generate_runs_every_path_side_by_side(tmp_path, capsys, monkeypat
         assert r["decode_vs_hf"] == pytest.approx(r["decode_tokens_per_s"] / rows["hf"]["decode_tokens_per_s"])
     assert sorted(c["program"] for c in report["compilations"]) == ["decode", "prefill"]
     assert report["settings"]["new_tokens"] == 6 and report["goal"]["ratio"] == 3.0
+
+
+# ---- torchlyra bench step (its smoke run is the GPU script's step part, on CPU) -----------------------
+def test_gpu_script_step_part_smoke_pairs_child_peers_through_eager(tmp_path):
+    """The GPU script's step part on CPU: `torchlyra bench step` at a micro config against eager
+    torch, its aot_eager-compiled copy and transformers. The report holds each contender's rounds,
+    and a child peer's ratio is (peer / eager)[child] x (eager[parent] / ours), round by round."""
+    import statistics
+
+    out = tmp_path / "gpu_bench.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, GPU_SCRIPT, "--smoke", "--parts", "step", str(out)], cwd=str(tmp_path),
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| contender" in proc.stdout and "goal: full step >= 2x our eager model" in proc.stdout
+    report = json.loads(out.read_text())["step"]
+    assert report["error"] is None and report["device"] == "cpu" and report["compute_dtype"] == "float32"
+    rows = {r["contender"]: r for r in report["rows"]}
+    assert set(rows) == {"ours", "eager", "compiled", "hf", "eager@child"}
+    rounds = report["rounds"]
+    for row in rows.values():
+        assert len(row["fwdbwd_rounds_s"]) == len(row["step_rounds_s"]) == rounds
+        assert all(t > 0 for t in row["fwdbwd_rounds_s"] + row["step_rounds_s"])
+        assert row["step_mfu"] > 0
+        assert row["step_tokens_per_s"] == pytest.approx(report["tokens_per_step"] / row["step_s"])
+    assert len(rows["ours"]["update_rounds_s"]) == rounds and rows["ours"]["compile"]["step_compile_s"] > 0
+    ours, eager, child = rows["ours"], rows["eager"], rows["eager@child"]
+    for kind in ("fwdbwd", "step"):
+        for peer in ("hf", "compiled"):
+            expected = [p / c * e / o for p, c, e, o in zip(rows[peer][f"{kind}_rounds_s"], child[f"{kind}_rounds_s"],
+                                                            eager[f"{kind}_rounds_s"], ours[f"{kind}_rounds_s"])]
+            assert rows[peer][f"{kind}_ours_speedup"] == pytest.approx(statistics.median(expected))
+        direct = [e / o for e, o in zip(eager[f"{kind}_rounds_s"], ours[f"{kind}_rounds_s"])]
+        assert eager[f"{kind}_ours_speedup"] == pytest.approx(statistics.median(direct))
+    parts = statistics.median(s / (f + u) for s, f, u in zip(ours["step_rounds_s"], ours["fwdbwd_rounds_s"],
+                                                              ours["update_rounds_s"]))
+    goals = report["goals"]
+    assert goals["step_over_parts"]["measured"] == pytest.approx(parts)
+    assert goals["step_over_parts"]["met"] == (parts <= 1.10)
+    assert goals["fwdbwd_vs_hf"]["met"] == (rows["hf"]["fwdbwd_ours_speedup"] >= 2.0)
+    assert goals["fwdbwd_vs_hf_compiled"]["met"] is None      # not run: not judged
+    assert report["peak_flops"] > 0 and len(report["load_average"]["rounds"]) == rounds
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "huge"], "unknown preset"),
+    (["--peers", "eager,jit"], "--peers: unknown peer(s) jit"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--model", "d_model=big"], "--model: d_model must be an integer"),
+    (["--model", "colour=3"], "--model: expected FIELD=VALUE"),
+])
+def test_bench_step_rejects_bad_arguments(argv, message, capsys):
+    from train.cli import main
+
+    assert main(["bench", "step", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -96,6 +96,20 @@ def test_one_full_step_matches_eager(setup):
     assert rel_err(metrics["grad_norm"], optimizer.last_stats["grad_norm"].item()) < 1e-4
 
 
+def test_gradients_then_the_update_alone_equal_the_full_step(setup):
+    """What the step benchmark times apart (grads(), apply_update()) composes to the step."""
+    cfg, model, tokens, step = setup
+    full, _ = step(step.init_state(), tokens.numpy()[None])
+    state = step.init_state()
+    _, grads = step.grads(state.params, tokens.numpy())
+    params, opt_state, stats = step.apply_update(state.params, grads, state.opt_state)
+    for name in full.params:
+        assert rel_err(params[name], full.params[name]) < 1e-6, name
+    for name in full.opt_state["momentum"]:
+        assert rel_err(opt_state["momentum"][name], full.opt_state["momentum"][name]) < 1e-6, name
+    assert float(opt_state["step"]) == float(full.opt_state["step"]) == 1.0
+
+
 def test_accumulating_four_micro_batches_equals_one_big_batch():
     torch.manual_seed(0)
     # The load-balancing loss is a product of per-batch statistics, not a sum over tokens: a

@@ -136,6 +136,16 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(router_aux_loss_coef=1e-2),
     # Same shape, dense MLP of the same active width (2 experts x 256), for like-for-like runs.
     "dense": ModelConfig(n_experts=0, experts_per_token=0, dense_dim=512),
+    # The step benchmark's d_model >= 512 MoE preset (issue 12), big enough for the matmuls to
+    # matter: ~55M parameters (~21M active), the bundled 4,096-token vocabulary so the embedding does
+    # not dominate on CPU. `small-o200k` is the same body with the o200k_harmony vocabulary, for
+    # accelerators (scripts/gpu_bench.py).
+    "small": ModelConfig(d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=64, sliding_window=128,
+                         n_experts=8, experts_per_token=2, expert_dim=1024, router_aux_loss_coef=1e-2),
+    "small-o200k": ModelConfig(vocab_size=201088, d_model=512, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=64,
+                               sliding_window=128, n_experts=8, experts_per_token=2, expert_dim=1024,
+                               max_seq_len=1024, bos_token_id=200006, eos_token_id=200007,
+                               router_aux_loss_coef=1e-2),
     # Lyra Small: seq 4096, d 2048, 16 layers, 16/4 heads of 128, window 128 on alternate layers,
     # o200k_harmony vocabulary; 16 experts top-2 of width 384 -> ~1.6B total / ~1.07B active.
     # Documents are marked <|startoftext|> 199998 ... <|endoftext|> 199999 (train/data/tokenizer.py);

@@ -1,7 +1,8 @@
 """`torchlyra bench kernels`: temporary memory (and, on CPU, speed) of every registered kernel
 implementation, by the CPU's XLA and, with `--platform tpu --topology v6e:2x2`, by the real TPU
-compiler (libtpu, deviceless: nothing runs). (`torchlyra bench data`, the data pipeline's throughput,
-lives in train/data/bench.py.)
+compiler (libtpu, deviceless: nothing runs). The other subcommands live beside it: `bench step`
+in train/bench_step.py, `bench generate` in train/bench_generate.py, `bench data` in
+train/data/bench.py.
 
 For each op (attention, cross_entropy, moe), shape set (tiny, lyra-small, gpt-oss-20b) and
 direction (forward; forward+backward), every implementation in the op registry is compiled (never
@@ -516,10 +517,24 @@ def _parse_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 
 def add_arguments(parser) -> None:
+    from train import bench_generate, bench_step
     from train.data import bench as data_bench
 
-    parser.add_argument("what", choices=["kernels", "data", "generate"], help="what to benchmark")
-    data_bench.add_arguments(parser)
+    sub = parser.add_subparsers(dest="what", required=True, metavar="{kernels,step,generate,data}")
+    add_kernel_arguments(sub.add_parser("kernels", help="kernel temporary memory (and CPU speed)"))
+    bench_step.add_arguments(sub.add_parser("step", help="the train step against eager, compiled and transformers "
+                                                         "PyTorch peers (speed ratios, MFU)"))
+    generate = sub.add_parser("generate", help="decode tokens/s and time to first token against transformers")
+    generate.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
+    generate.add_argument("--repeats", type=int, default=5, help="timed repetitions per path (median; default 5)")
+    generate.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
+    bench_generate.add_arguments(generate)
+    data = sub.add_parser("data", help="preparation vs raw tiktoken, and loader throughput")
+    data.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    data_bench.add_arguments(data)
+
+
+def add_kernel_arguments(parser) -> None:
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPE_SETS),
                         help=f"comma-separated shape sets of {','.join(SHAPE_SETS)} (default: {','.join(DEFAULT_SHAPE_SETS)})")
@@ -547,8 +562,6 @@ def add_arguments(parser) -> None:
                              "(inputs, output cotangents) -> (outputs, grads), where outputs and cotangents are "
                              "the program's own outputs and arguments, not temps")
     parser.add_argument("--verbose", action="store_true", help="print each row as it is measured")
-    from train import bench_generate
-    bench_generate.add_arguments(parser)
 
 
 def _command_line(args) -> str:
@@ -586,6 +599,9 @@ def run(args) -> int:
     if args.what == "data":
         from train.data import bench as data_bench
         return data_bench.run(args)
+    if args.what == "step":
+        from train import bench_step
+        return bench_step.run(args)
     shapes = _parse_list(args.shapes, SHAPE_SETS, "shapes")
     ops = _parse_list(args.ops, OPS, "ops")
     if args.repeats < 1 or args.warmup < 0:

@@ -40,7 +40,7 @@ STREAM_EVERY = 8
 
 
 def add_arguments(parser) -> None:
-    """Flags of `bench generate` (added to the `bench` parser, which owns --json, --repeats and
+    """Flags of `bench generate` (its subparser in train/bench.py owns --json, --repeats and
     --warmup)."""
     parser.add_argument("--checkpoint", default=None,
                         help="generate: checkpoint to measure (default: --preset with random weights)")

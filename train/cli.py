@@ -18,7 +18,7 @@ COMMANDS = {
     "export": ("parity.hf_export", "write a checkpoint as a Hugging Face GptOss directory"),
     "import": ("parity.hf_import", "read a Hugging Face GptOss directory into a checkpoint"),
     "parity": ("parity.run", "compare eager PyTorch with the lowered JAX run, per kernel set"),
-    "bench": ("train.bench", "kernel memory and speed benchmarks"),
+    "bench": ("train.bench", "benchmarks: kernel memory and speed, the train step against PyTorch peers"),
     "plan": ("train.plan", "compile the train step for a TPU slice (no weights, no TPU) and check it fits"),
 }
 
