@@ -69,7 +69,7 @@ def test_kernel_options_parse_and_are_checked_against_the_implementation():
     registry.check_options({"attention": {"splash": {"block_kv_dkv": 256}}})   # splash takes its eight tiles
     with pytest.raises(registry.KernelError, match="attention.xla.block_q not accepted by attention=xla"):
         registry.check_options("attention.xla.block_q=16")
-    with pytest.raises(registry.KernelError, match="cross_entropy.pallas.block_q .*options: block_n, block_v, interpret$"):
+    with pytest.raises(registry.KernelError, match="cross_entropy.pallas.block_q .*options: block_compute, block_n, block_v, interpret, vmem_limit_bytes$"):
         registry.check_options("cross_entropy.pallas.block_q=16")
     with pytest.raises(registry.KernelError, match="attention.pallas.platform"):
         registry.check_options("attention.pallas.platform=tpu")
