@@ -122,6 +122,13 @@ def register_implementation(op: str, name: str, fn: Callable | str, *, platforms
     _TABLE[op][name] = Implementation(op, name, fn, tuple(platforms), description, spmd)
 
 
+def unregister_implementation(op: str, name: str) -> None:
+    """Remove implementation `name` of `op` (for tests and the parity self-test's planted kernels)."""
+    if op not in _TABLE or name not in _TABLE[op]:
+        raise KernelError(f"no implementation {op}={name} to unregister")
+    del _TABLE[op][name]
+
+
 def implementations(op: str) -> dict[str, Implementation]:
     return dict(_TABLE[op])
 

@@ -34,15 +34,39 @@ def cosine(got, expected) -> float:
     return float(np.dot(a, b) / (na * nb))
 
 
+def norm_ratio(got, expected) -> float:
+    """||got|| / ||expected||: the magnitude check that cosine and a loose rel cannot make (a
+    gradient scaled by 0.8 keeps cos 1). 1 when both are zero, inf when only expected is."""
+    na, nb = np.linalg.norm(as_float64(got)), np.linalg.norm(as_float64(expected))
+    if nb == 0:
+        return 1.0 if na == 0 else float("inf")
+    return float(na / nb)
+
+
 def tensor_metrics(got, expected) -> dict[str, float]:
-    """max_abs, rel and (for more than one element) cos."""
+    """max_abs, rel, norm_ratio and (for more than one element) cos."""
     a, b = as_float64(got), as_float64(expected)
     if a.shape != b.shape:
         raise ValueError(f"shape mismatch: lowered {a.shape} vs eager {b.shape}")
-    out = {"max_abs": float(np.max(np.abs(a - b))) if a.size else 0.0, "rel": rel_err(a, b)}
+    out = {"max_abs": float(np.max(np.abs(a - b))) if a.size else 0.0, "rel": rel_err(a, b),
+           "norm_ratio": norm_ratio(a, b)}
     if a.size > 1:
         out["cos"] = cosine(a, b)
     return out
+
+
+def per_slice_metrics(got, expected) -> tuple[dict[str, float], int]:
+    """For a stacked tensor (experts [E, ...]): the norm ratio furthest from 1 (in log scale) and
+    the lowest cosine over the leading-axis slices, named `slice_norm_ratio` / `slice_cos`, and
+    the index of the worst slice (by cosine, then by norm ratio). One expert scaled by 0.9 moves
+    the whole tensor's norm by ~1%, its own slice by 10%."""
+    a, b = as_float64(got), as_float64(expected)
+    ratios = [norm_ratio(x, y) for x, y in zip(a, b)]
+    cosines = [cosine(x, y) for x, y in zip(a, b)]
+    off = [abs(np.log(r)) if r > 0 and np.isfinite(r) else np.inf for r in ratios]
+    worst_ratio, worst_cos = int(np.argmax(off)), int(np.argmin(cosines))
+    worst = worst_cos if cosines[worst_cos] < 1 - off[worst_ratio] else worst_ratio
+    return {"slice_norm_ratio": ratios[worst_ratio], "slice_cos": cosines[worst_cos]}, worst
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -91,10 +115,12 @@ def logits_metrics(got, expected, tokens=None) -> dict[str, float]:
 
 
 def update_metrics(got_after, expected_after, before) -> dict[str, float]:
-    """Compare the parameter updates (after - before) of the two paths: update_rel, update_cos."""
+    """Compare the parameter updates (after - before) of the two paths: update_rel, update_cos
+    and update_ratio (||update_lowered|| / ||update_eager||: a zero update gives 0, a doubled
+    learning rate 2, whatever the update's direction)."""
     before = as_float64(before)
     du, de = as_float64(got_after) - before, as_float64(expected_after) - before
-    return {"update_rel": rel_err(du, de), "update_cos": cosine(du, de)}
+    return {"update_rel": rel_err(du, de), "update_cos": cosine(du, de), "update_ratio": norm_ratio(du, de)}
 
 
 def same_experts(got_experts, expected_experts) -> np.ndarray:

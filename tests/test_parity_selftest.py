@@ -1,0 +1,117 @@
+"""The parity suite catches what matters: every planted bug of the catalogue fails it in float32
+and bfloat16 and a failing check names a tensor where the bug lives; the planted kernel set with
+no bug live passes; the bf16 checks see magnitude (a gradient scaled by 0.8 or 1.25 on any one
+tensor, a zero update, a doubled learning rate all fail); `torchlyra parity --selftest` reports it.
+
+One self-test run (micro model, one compile of the planted kernel set per dtype) serves every test.
+"""
+import argparse
+import contextlib
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+
+from parity import planted, selftest
+from parity.run import add_arguments, compare_runs, run
+from parity.selftest import CONTROL, run_selftest
+
+DTYPES = ("float32", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_selftest(dtypes=DTYPES)
+
+
+def outcome(result, bug, dtype):
+    return next(o for o in result.outcomes if o.bug == bug and o.dtype == dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_planted_kernel_set_without_a_live_bug_passes(result, dtype):
+    control = outcome(result, CONTROL, dtype)
+    assert not control.caught, control.failing
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bug", [b.name for b in planted.CATALOGUE])
+def test_planted_bug_fails_the_suite_and_names_the_tensor_at_fault(result, bug, dtype):
+    if dtype not in planted.BUGS[bug].dtypes:
+        reason = next(r for b, d, r in result.skipped if b == bug and d == dtype)
+        assert reason, "a bug left out of a dtype must say why"
+        pytest.skip(reason)
+    o = outcome(result, bug, dtype)
+    assert o.caught, f"{bug} ({dtype}) passed the parity suite"
+    assert o.named, f"{bug} ({dtype}): failing checks name no tensor where it lives {planted.BUGS[bug].at_fault}: " \
+                    f"{o.failing}"
+
+
+def test_specific_bugs_are_named_precisely(result):
+    for dtype in DTYPES:
+        sinks = selftest.failing_tensor_names(outcome(result, "sink_grad_x2", dtype))
+        assert {"model.layers.0.self_attn.sinks", "model.layers.1.self_attn.sinks"} <= sinks
+        assert not any("proj" in n or "expert" in n for n in sinks), sinks   # the sinks, nothing else
+        muon = selftest.failing_tensor_names(outcome(result, "muon_lr_x2", dtype))
+        assert muon and all(n.endswith("proj.weight") or n.endswith("gate_up_proj") or n.endswith("down_proj")
+                            for n in muon), muon                            # only Muon's matrices
+        expert = outcome(result, "expert_output_x0.9", dtype)
+        assert any(n.endswith("(per expert)") for n in selftest.failing_tensor_names(expert))
+
+
+# ---- magnitude: perturb the control run's numbers and compare again (no compile) -------------------
+def only(run_, name):
+    """The run restricted to one tensor (compare_runs then checks just it, fast)."""
+    return dataclasses.replace(run_, grads={name: run_.grads[name]}, params_after={name: run_.params_after[name]})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("factor", [0.8, 1.25])
+def test_one_tensor_gradient_scaled_fails_whichever_tensor(result, dtype, factor):
+    reference, control, before, routers = result.controls[dtype]
+    missed = []
+    for name in reference.grads:
+        scaled = dataclasses.replace(only(control, name), grads={name: control.grads[name] * factor})
+        rows = compare_runs(only(reference, name), scaled, {name: before[name]}, "perturbed", dtype, routers)
+        if not any(r.failed and r.name == name and r.category == "grad" for r in rows):
+            missed.append(name)
+    assert not missed, f"gradient x{factor} passed for: {missed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("what, scale", [("zero update", 0.0), ("doubled learning rate", 2.0)])
+def test_update_of_wrong_size_fails_every_tensor(result, dtype, what, scale):
+    reference, control, before, routers = result.controls[dtype]
+    after = {n: before[n] + scale * (p - before[n]) for n, p in control.params_after.items()}
+    rows = compare_runs(reference, dataclasses.replace(control, params_after=after), before, "perturbed", dtype, routers)
+    passing = [r.name for r in rows if r.category == "param" and not r.failed]
+    assert not passing, f"{what} passed for {passing}"
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+def cli(argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = run(parser.parse_args(argv))
+    return code, out.getvalue()
+
+
+def test_selftest_cli_prints_the_table_and_exits_by_the_verdict(result, monkeypatch):
+    monkeypatch.setattr(selftest, "run_selftest", lambda **kw: result)
+    code, table = cli(["--selftest"])
+    assert code == 0 and "parity self-test: PASS" in table
+    for bug in planted.CATALOGUE:
+        assert bug.name in table
+    missed = selftest.SelftestReport([*result.outcomes[:-1], selftest.Outcome("adam_eps_x100", "bfloat16", False, False)],
+                                     result.skipped, result.report, result.controls)
+    monkeypatch.setattr(selftest, "run_selftest", lambda **kw: missed)
+    code, table = cli(["--selftest"])
+    assert code == 1 and "MISSED" in table and "parity self-test: FAIL" in table
+
+
+def test_selftest_table_for_the_record(result):
+    print("\n" + result.format())
+    assert np.all([o.ok for o in result.outcomes])
