@@ -55,6 +55,7 @@ class Implementation:
     platforms: tuple[str, ...] = PLATFORMS
     description: str = ""
     spmd: str = "shard_map"             # under a mesh: "shard_map" (per device) or "gspmd" (plain JAX)
+    trains: bool = True                 # differentiable: usable in the train step (False: generation only)
     _fn: Callable | None = field(default=None, repr=False)
 
     def load(self) -> Callable:
@@ -103,11 +104,12 @@ _TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS + GENERATIO
 
 
 def register_implementation(op: str, name: str, fn: Callable | str, *, platforms=PLATFORMS, description: str = "",
-                            backends=None, spmd: str = "shard_map"):
+                            backends=None, spmd: str = "shard_map", trains: bool = True):
     """Add (or replace) implementation `name` of `op`. `fn` has the op's reference signature
     (plus, optionally, a `platform` keyword and option keywords). `platforms`: where it runs
     (`backends` is the older name of the same argument). `spmd`: how it runs under a mesh
-    ("shard_map", or "gspmd" for plain-JAX functions)."""
+    ("shard_map", or "gspmd" for plain-JAX functions). `trains=False`: no backward (generation only);
+    the train step refuses it."""
     if backends is not None:
         platforms = backends
     if op not in _TABLE:
@@ -119,7 +121,7 @@ def register_implementation(op: str, name: str, fn: Callable | str, *, platforms
         raise KernelError(f"unknown platform(s) {sorted(unknown)} for {op}={name}; platforms are {PLATFORMS}")
     if spmd not in ("shard_map", "gspmd"):
         raise KernelError(f"{op}={name}: spmd must be 'shard_map' or 'gspmd', found {spmd!r}")
-    _TABLE[op][name] = Implementation(op, name, fn, tuple(platforms), description, spmd)
+    _TABLE[op][name] = Implementation(op, name, fn, tuple(platforms), description, spmd, trains)
 
 
 def unregister_implementation(op: str, name: str) -> None:
@@ -153,7 +155,7 @@ register_implementation("moe", "megablox", f"{_K}.moe:moe_experts_megablox", pla
                         description="jax-shipped megablox gmm (TPU; interpreted on CPU)")
 register_implementation("moe", "pallas", f"{_K}.moe:moe_experts_pallas", platforms=("cpu", "tpu"),
                         description="fused grouped expert MLP: up + clamped SwiGLU + down in VMEM (Mosaic TPU; interpreted on CPU)")
-register_implementation("moe", "decode", f"{_K}.moe_decode:moe_experts_decode",
+register_implementation("moe", "decode", f"{_K}.moe_decode:moe_experts_decode", trains=False,
                         description="generation's few rows: reads only the experts in use (CPU default for generation)")
 register_implementation("cached_attention", "xla", f"{_K}.decode_attention:cached_attention_reference",
                         description="plain JAX over the cache slots, masked by token position")
@@ -231,6 +233,15 @@ def check_options(options: dict) -> None:
                 raise KernelError(f"--kernel-options: unknown implementation {op}={name}; "
                                   f"registered: {', '.join(_TABLE[op])}")
             _TABLE[op][name].check_options(opts)
+
+
+def check_trainable(resolved: dict[str, str]) -> None:
+    """The train step differentiates every op: refuse a generation-only implementation by name."""
+    for op, name in resolved.items():
+        if not _TABLE[op][name].trains:
+            others = ", ".join(n for n, impl in _TABLE[op].items() if impl.trains)
+            raise KernelError(f"{op}={name} is for generation only (it has no backward); for training choose "
+                              f"one of: {others}")
 
 
 def runs_on(op: str, name: str, platform: str) -> bool:

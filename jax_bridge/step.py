@@ -94,6 +94,7 @@ class TrainStep:
         self.env = get_env()
         self.platform = step_cfg.platform
         self.kernels = registry.resolve(step_cfg.kernels, self.platform)
+        registry.check_trainable(self.kernels)
         registry.check_options(step_cfg.kernel_options)
         if mesh is not None:
             sharding.check_model_fits(model.cfg, mesh)

@@ -268,7 +268,11 @@ def default_kernel_sets(platform: str | None = None) -> tuple[list[dict[str, str
             if name == "xla":
                 continue
             choice = {**base, op: name}
-            if platform not in impl.platforms:
+            if not impl.trains:
+                skipped.append(Row(kernel_label(choice), "-", "skip", "kernel set", status=SKIP,
+                                   message=f"{op}={name} is generation only (no backward): checked against the "
+                                           f"reference by tests/test_kernel_decode.py and the generation tests"))
+            elif platform not in impl.platforms:
                 skipped.append(Row(kernel_label(choice), "-", "skip", "kernel set", status=SKIP,
                                    message=f"{op}={name} runs on {', '.join(impl.platforms)}, not on {platform}"))
             else:

@@ -67,7 +67,19 @@ def test_moe_decode_in_bfloat16_stays_close_to_the_float32_reference():
 
 def test_decode_moe_is_registered_for_every_platform():
     impl = registry.implementations("moe")["decode"]
-    assert impl.backends == registry.BACKENDS and impl.load() is moe_experts_decode
+    assert impl.platforms == registry.PLATFORMS and impl.load() is moe_experts_decode
+    assert not impl.trains          # generation only: it has no backward
+
+
+def test_the_train_step_refuses_the_generation_only_moe():
+    from jax_bridge.step import StepConfig, TrainStep
+    from torch_model.config import get_preset
+    from torch_model.model import GptOssForCausalLM
+
+    model = GptOssForCausalLM(get_preset("tiny").replace(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1,
+                                                         head_dim=16, n_experts=2, expert_dim=16, vocab_size=64))
+    with pytest.raises(registry.KernelError, match="moe=decode is for generation only .*choose one of: xla"):
+        TrainStep(model, step_cfg=StepConfig(kernels="moe=decode"))
 
 
 # ---- sampling ---------------------------------------------------------------------------------

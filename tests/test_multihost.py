@@ -30,12 +30,14 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
-    texts = root / "texts"
+    texts, val = root / "texts", root / "val"
     texts.mkdir()
-    for i in range(4):
-        (texts / f"play{i}.txt").write_text("\n\n".join(LINES[(i + j) % 4] for j in range(60)) + "\n")
-    assert main(["prepare", "--input", str(texts), "--out", str(root / "data"), "--vocab-size", "320",
-                 "--val-fraction", "0.2"]) == 0
+    val.mkdir()
+    for i in range(4):       # the last play is the validation split (chosen by file: never by a path hash)
+        (val if i == 3 else texts).joinpath(f"play{i}.txt").write_text(
+            "\n\n".join(LINES[(i + j) % 4] for j in range(60)) + "\n")
+    assert main(["prepare", "--input", str(texts), "--val-input", str(val), "--out", str(root / "data"),
+                 "--tokenizer", "bpe:320"]) == 0
     config = {"model": MODEL, "eval_batches": 1, "log_every": 1, "samples": 0, "warmup_steps": 2,
               "checkpoint_every": 3}
     (root / "run.json").write_text(json.dumps(config))
