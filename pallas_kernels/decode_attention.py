@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.platform import dot_precision
+
 
 def cached_attention_reference(q, k, v, sinks, q_positions, k_positions, *, sliding_window: int, scale: float,
                                platform: str = "cpu"):
@@ -20,7 +22,7 @@ def cached_attention_reference(q, k, v, sinks, q_positions, k_positions, *, slid
     hkv = k.shape[1]
     group = hq // hkv
     qg = q.reshape(b, hkv, group, tq, d).astype(jnp.float32)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    precision = dot_precision(q.dtype)
     scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(jnp.float32), precision=precision) * scale
     qpos = q_positions[:, None, None, :, None]
     kpos = k_positions[:, None, None, None, :]

@@ -22,17 +22,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe import clamped_swiglu, expert_of_rows
+from pallas_kernels.platform import dot_precision
 
 ROWS_ALONE = 32
 
 
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
 def _mlp(x, w_up, b_up, w_down, b_down, alpha, limit):
     """One expert on x [..., H] (clamped SwiGLU between the two projections)."""
-    precision = _precision(x.dtype)
+    precision = dot_precision(x.dtype)
     h = jnp.dot(x, w_up, precision=precision, preferred_element_type=jnp.float32)
     h = clamped_swiglu(h + b_up.astype(jnp.float32), alpha=alpha, limit=limit).astype(x.dtype)
     y = jnp.dot(h, w_down, precision=precision, preferred_element_type=jnp.float32)
