@@ -129,8 +129,8 @@ def test_user_registered_implementations_are_routed_into_the_model_with_or_witho
         step.evaluate(step.init_state().params, tokens[0])
         assert calls == [("aware", "cpu", 2)] * 2
     finally:
-        registry._TABLE["attention"].pop("test-mine")
-        registry._TABLE["attention"].pop("test-aware")
+        registry.unregister_implementation("attention", "test-mine")
+        registry.unregister_implementation("attention", "test-aware")
 
 
 def test_registering_for_unknown_op_fails():

@@ -56,7 +56,7 @@ def registered(op, name, fn):
     try:
         yield f"{op}={name}"
     finally:
-        registry._TABLE[op].pop(name, None)   # no public unregister: tests clean up after themselves
+        registry.unregister_implementation(op, name)   # tests clean up after themselves
 
 
 # ---- cheap checks: kernel sets, input errors, metrics ----------------------------------------
