@@ -36,8 +36,9 @@ from pallas_kernels.platform import PLATFORMS, check_platform, host_platform
 OPS = ("attention", "cross_entropy", "moe")      # the training forward's ops
 GENERATION_OPS = ("cached_attention",)           # used only by the KV-cache forward (generation)
 # What `auto` picks, best first, per platform; per op it takes the first that is registered for
-# that platform (MoE has no GPU Pallas kernel, so GPU gets moe=xla).
-AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("xla",)}
+# that platform (MoE has no GPU Pallas kernel, so GPU gets moe=xla; only MoE has a `loop`, the
+# CPU's fastest grouped GEMM: BENCHMARKS.md, issue 12).
+AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("loop", "xla")}
 # The op's contract arguments: never kernel options.
 _CONTRACT = {"attention": ("sliding_window", "scale"), "cross_entropy": ("ignore_index",),
              "moe": ("alpha", "limit"), "cached_attention": ("sliding_window", "scale")}
@@ -149,6 +150,8 @@ register_implementation("cross_entropy", "pallas", f"{_K}.cross_entropy:linear_c
                         description="vocab-tiled online log-sum-exp (Mosaic TPU / Triton GPU; interpreted on CPU)")
 register_implementation("moe", "xla", f"{_K}.moe:moe_experts_xla", spmd="gspmd",
                         description="plain JAX tiled grouped GEMM")
+register_implementation("moe", "loop", f"{_K}.moe_loop:moe_experts_loop", spmd="gspmd",
+                        description="plain JAX, expert by expert 2-D GEMMs over row tiles (CPU default)")
 register_implementation("moe", "ragged_dot", f"{_K}.moe:moe_experts_reference", spmd="gspmd",
                         description="jax.lax.ragged_dot (the reference)")
 register_implementation("moe", "megablox", f"{_K}.moe:moe_experts_megablox", platforms=("cpu", "tpu"),

@@ -24,6 +24,7 @@ from pallas_kernels.moe import (
     moe_experts_reference,
     moe_experts_xla,
 )
+from pallas_kernels.moe_loop import moe_experts_loop
 
 ALPHA, LIMIT = 1.702, 7.0
 TOL = {jnp.float32: (1e-5, 1e-4), jnp.bfloat16: (1e-2, 1e-2)}   # (forward, backward), relative
@@ -161,6 +162,7 @@ CASES = [
 
 IMPLS = {
     "xla": lambda tiling: functools.partial(moe_experts_xla, block_m=tiling and tiling[0]),
+    "loop": lambda tiling: functools.partial(moe_experts_loop, block_m=tiling and tiling[0]),
     "pallas": lambda tiling: functools.partial(moe_experts_pallas, block_m=tiling and tiling[0],
                                                block_i=tiling and tiling[2], platform="cpu"),
     "megablox": lambda tiling: functools.partial(moe_experts_megablox, block_m=tiling and tiling[0],
