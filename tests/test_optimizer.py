@@ -108,3 +108,23 @@ def test_bf16_newton_schulz_is_a_setting():
     assert singular.min() > 0.5 and singular.max() < 1.3     # roughly orthogonal
     with pytest.raises(ValueError, match="ns_dtype"):
         OptimizerConfig(ns_dtype="float16")
+
+
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (3, 32, 80), (2, 40, 40)])
+def test_newton_schulz_gram_form_matches_the_plain_iteration(shape):
+    """Wide matrices (either orientation, batched) take the cheaper Gram-matrix form; square ones
+    the plain form. Both against the plain quintic run in float64."""
+    from torch_model.optim import gram_form_is_cheaper, newton_schulz
+
+    a, b, c = OptimizerConfig().ns_coeffs
+    g = torch.randn(*shape, dtype=torch.float64)
+    x = g.mT if shape[-2] > shape[-1] else g
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + 1e-8)
+    for _ in range(5):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    want = x.mT if shape[-2] > shape[-1] else x
+    m, n = sorted(shape[-2:])
+    assert gram_form_is_cheaper(m, n, 5) == (n / m > 1.7)
+    got = newton_schulz(g.float(), 5, (a, b, c), 1e-8, torch.float32)
+    assert rel_err(got.double(), want) < 1e-5

@@ -105,12 +105,44 @@ def newton_schulz(g: torch.Tensor, steps: int, coeffs, eps: float, dtype: torch.
     if transposed:                      # iterate on the smaller Gram matrix
         x = x.mT
     x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
+    if dtype == torch.float32 and gram_form_is_cheaper(x.shape[-2], x.shape[-1], steps):
+        x = _newton_schulz_on_gram(x, steps, a, b, c)
+    else:
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = a * x + (b * gram + c * gram @ gram) @ x
     if transposed:
         x = x.mT
     return x.to(g.dtype)
+
+
+def gram_form_is_cheaper(m: int, n: int, steps: int) -> bool:
+    """Whether `_newton_schulz_on_gram` costs under 0.9x the plain iteration for an [m, n] matrix
+    (m <= n). Per iteration the plain form costs 4 m^2 n + 2 m^3 multiply-adds x 2; the Gram form
+    costs 4 m^2 n once plus (8 steps - 6) m^3: cheaper for wide matrices (n / m above ~1.6 at 5
+    steps), such as expert up-projections [d_model, 2 x expert_dim]."""
+    r = n / m
+    return 4 * r + 8 * steps - 6 <= 0.9 * steps * (4 * r + 2)
+
+
+def _newton_schulz_on_gram(x: torch.Tensor, steps: int, a: float, b: float, c: float) -> torch.Tensor:
+    """The same quintic iteration carried out on the m x m Gram matrix only. Every iterate is
+    x_k = Q_k x_0 with Q_k a polynomial in A_0 = x_0 x_0^T, so with B_k = b A_k + c A_k^2:
+    Q_{k+1} = (a I + B_k) Q_k and A_{k+1} = (a I + B_k)^2 A_k (the factors commute); x_0 is
+    multiplied once at the end. Equal to the plain form in exact arithmetic; in float32 its error
+    against a float64 run is the same size (BENCHMARKS.md, issue 12)."""
+    gram = x @ x.mT
+    q = None
+    for k in range(steps):
+        poly = b * gram + c * gram @ gram
+        if q is None:
+            q = poly + a * torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+        else:
+            q = a * q + poly @ q
+        if k + 1 < steps:
+            half = a * gram + poly @ gram
+            gram = a * half + poly @ half
+    return q @ x
 
 
 def global_grad_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
