@@ -76,6 +76,28 @@ def test_lowered_optimizer_update_matches_eager_optimizer(setup):
     assert rel_err(stats["grad_norm"], optimizer.last_stats["grad_norm"].item()) < 1e-5
 
 
+def test_lowered_update_matches_eager_with_wide_expert_matrices():
+    """Expert up-projections [64, 256] take Newton-Schulz's Gram-matrix form: traced through
+    torchax it must still give the eager optimizer's parameters."""
+    from torch_model.optim import gram_form_is_cheaper
+
+    cfg = get_preset("tiny").replace(d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, expert_dim=128,
+                                     n_layers=2, vocab_size=256, sliding_window=16, max_seq_len=SEQ)
+    assert gram_form_is_cheaper(64, 2 * cfg.expert_dim, OptimizerConfig().ns_steps)
+    model = GptOssForCausalLM(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(2))
+    step = TrainStep(model, OptimizerConfig(), StepConfig(kernels="xla"))
+    eager = copy.deepcopy(model)
+    optimizer = MuonAdamW(eager, step.opt_cfg)
+    _, grads = eager_grads(eager, tokens)
+    state = step.init_state()
+    optimizer.step()
+    params, _, _ = jax.jit(step.update)(state.params, {n: jnp.asarray(g.numpy()) for n, g in grads.items()},
+                                        state.opt_state, jnp.float32(1.0))
+    for n, p in eager.named_parameters():
+        assert rel_err(params[n], to_numpy(p)) < 1e-5, n
+
+
 def test_one_full_step_matches_eager(setup):
     """Gradients and update both lowered. Adam's first step is sign-like (g / (|g| + eps)), so a
     zero-initialised bias whose gradient entries sit near eps shows its gradient's last-bit

@@ -56,7 +56,7 @@ def test_muon_matches_optax_contrib_muon(nesterov):
     on its own, over three steps with weight decay."""
     rng = np.random.default_rng(0)
     shapes = {"l.self_attn.q_proj.weight": (24, 16), "l.self_attn.o_proj.weight": (16, 40),
-              "l.mlp.experts.gate_up_proj": (3, 16, 12)}
+              "l.mlp.experts.gate_up_proj": (3, 16, 12), "l.mlp.experts.down_proj": (3, 12, 40)}   # last: Gram form
     params = {n: torch.tensor(rng.normal(size=s), dtype=torch.float32) for n, s in shapes.items()}
     grads_seq = [{n: torch.tensor(rng.normal(size=s), dtype=torch.float32) for n, s in shapes.items()}
                  for _ in range(3)]
@@ -65,7 +65,8 @@ def test_muon_matches_optax_contrib_muon(nesterov):
 
     dims = {"l.self_attn.q_proj.weight": MuonDimensionNumbers(reduction_axis=1, output_axis=0),
             "l.self_attn.o_proj.weight": MuonDimensionNumbers(reduction_axis=1, output_axis=0),
-            "l.mlp.experts.gate_up_proj": MuonDimensionNumbers(reduction_axis=1, output_axis=2)}
+            "l.mlp.experts.gate_up_proj": MuonDimensionNumbers(reduction_axis=1, output_axis=2),
+            "l.mlp.experts.down_proj": MuonDimensionNumbers(reduction_axis=1, output_axis=2)}
     tx = optax.contrib.muon(learning_rate=cfg.lr, ns_coeffs=cfg.ns_coeffs, ns_steps=cfg.ns_steps, beta=cfg.momentum,
                             eps=cfg.eps, weight_decay=cfg.weight_decay, nesterov=nesterov,
                             muon_weight_dimension_numbers=dims)
@@ -110,10 +111,10 @@ def test_bf16_newton_schulz_is_a_setting():
         OptimizerConfig(ns_dtype="float16")
 
 
-@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (3, 32, 80), (2, 40, 40)])
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (3, 32, 96), (2, 40, 80), (2, 40, 40)])
 def test_newton_schulz_gram_form_matches_the_plain_iteration(shape):
-    """Wide matrices (either orientation, batched) take the cheaper Gram-matrix form; square ones
-    the plain form. Both against the plain quintic run in float64."""
+    """Wide matrices (n / m >= 2.7, either orientation, batched) take the cheaper Gram-matrix form;
+    others the plain form. Both against the plain quintic run in float64."""
     from torch_model.optim import gram_form_is_cheaper, newton_schulz
 
     a, b, c = OptimizerConfig().ns_coeffs
@@ -125,6 +126,6 @@ def test_newton_schulz_gram_form_matches_the_plain_iteration(shape):
         x = a * x + (b * gram + c * gram @ gram) @ x
     want = x.mT if shape[-2] > shape[-1] else x
     m, n = sorted(shape[-2:])
-    assert gram_form_is_cheaper(m, n, 5) == (n / m > 1.7)
+    assert gram_form_is_cheaper(m, n, 5) == (n / m >= 2.7)
     got = newton_schulz(g.float(), 5, (a, b, c), 1e-8, torch.float32)
     assert rel_err(got.double(), want) < 1e-5

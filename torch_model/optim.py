@@ -117,12 +117,13 @@ def newton_schulz(g: torch.Tensor, steps: int, coeffs, eps: float, dtype: torch.
 
 
 def gram_form_is_cheaper(m: int, n: int, steps: int) -> bool:
-    """Whether `_newton_schulz_on_gram` costs under 0.9x the plain iteration for an [m, n] matrix
-    (m <= n). Per iteration the plain form costs 4 m^2 n + 2 m^3 multiply-adds x 2; the Gram form
-    costs 4 m^2 n once plus (8 steps - 6) m^3: cheaper for wide matrices (n / m above ~1.6 at 5
-    steps), such as expert up-projections [d_model, 2 x expert_dim]."""
+    """Whether `_newton_schulz_on_gram` costs at most 0.7x the plain iteration for an [m, n]
+    matrix (m <= n): n / m >= 2.7 at 5 steps, such as expert up-projections [d_model,
+    2 x expert_dim]. In FLOPs (x 2 m^3): the plain form costs steps x (2 n/m + 1), the Gram form
+    2 n/m + 4 steps - 3. Nearer-square matrices keep the plain form: their saving is small and
+    there the Gram form's float32 rounding was up to 2.5x the plain form's (BENCHMARKS.md)."""
     r = n / m
-    return 4 * r + 8 * steps - 6 <= 0.9 * steps * (4 * r + 2)
+    return 4 * r + 8 * steps - 6 <= 0.7 * steps * (4 * r + 2)
 
 
 def _newton_schulz_on_gram(x: torch.Tensor, steps: int, a: float, b: float, c: float) -> torch.Tensor:
