@@ -162,7 +162,8 @@ CASES = [
 
 IMPLS = {
     "xla": lambda tiling: functools.partial(moe_experts_xla, block_m=tiling and tiling[0]),
-    "loop": lambda tiling: functools.partial(moe_experts_loop, block_m=tiling and tiling[0]),
+    "loop": lambda tiling: functools.partial(moe_experts_loop, block_m=tiling and tiling[0],
+                                             block_m_tail=tiling and tiling[2]),
     "pallas": lambda tiling: functools.partial(moe_experts_pallas, block_m=tiling and tiling[0],
                                                block_i=tiling and tiling[2], platform="cpu"),
     "megablox": lambda tiling: functools.partial(moe_experts_megablox, block_m=tiling and tiling[0],
