@@ -7,12 +7,21 @@ attempts (issue 12). Each prints medians of interleaved rounds and per-round rat
     python scripts/step_experiments.py ns PRESET [ROUNDS]     # Newton-Schulz: per matrix / stacked / experts unbatched
     python scripts/step_experiments.py block_m PRESET [ROUNDS] # MoE xla tile rows (moe.xla.block_m)
     python scripts/step_experiments.py compile PRESET [REPEATS] # the step's trace+lower and compile, wall and CPU s
+    python scripts/step_experiments.py kernels PRESET ROUNDS "SET;SET;..."  # fwd+bwd per kernel set
+    python scripts/step_experiments.py ns_accuracy              # Newton-Schulz plain vs Gram form vs float64
+
+A kernel SET is a spec with optional options after ':' ("moe=loop:moe.loop.block_m=128"); besides the
+registered implementations it may name this script's stand-ins, which only bound where time goes:
+moe=ideal (every row through expert 0: a grouped GEMM with no overhead), attention=none,
+cross_entropy=none (no [N, V] logits), attention=noconcat / attention=vjp (the sink folded into the
+softmax without a concatenated column; the same with a written-out backward).
 
 Batch 8 x 256, float32, on this host's CPU. Not a test and not the benchmark (that is
 `torchlyra bench step`): a variant here is a monkeypatch, never a code path of the library.
 """
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -221,7 +230,7 @@ def block_m(preset: str, rounds: int):
     cfg, model, tokens = setup(preset)
     runs = {}
     for opts in (None, "moe.xla.block_m=64", "moe.xla.block_m=256", "moe.xla.block_m=512"):
-        ts = TrainStep(model, step_cfg=StepConfig(kernel_options=opts))
+        ts = TrainStep(model, step_cfg=StepConfig(kernels="moe=xla", kernel_options=opts))
         state = ts.init_state()
         jax.block_until_ready(ts.grads(state.params, tokens[0]))
         runs[opts or "default"] = (ts, state)
@@ -232,8 +241,137 @@ def block_m(preset: str, rounds: int):
     report(times, "default")
 
 
+# ---- stand-ins for `kernels` (bounds and variants, never library code paths) -------------------
+def _moe_ideal(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha=1.702, limit=7.0):
+    """Every row through expert 0: the FLOPs of a perfect grouped GEMM, with none of its overhead."""
+    from pallas_kernels.moe import clamped_swiglu
+
+    h = clamped_swiglu(jnp.dot(x, gate_up[0], precision="highest") + gate_up_bias[0], alpha=alpha, limit=limit)
+    return jnp.dot(h, down[0], precision="highest") + down_bias[0]
+
+
+def _attention_none(q, k, v, sinks, *, sliding_window, scale):
+    """No attention: the values, repeated over the query group (keeps every input in the graph)."""
+    g = q.shape[1] // k.shape[1]
+    return (jnp.repeat(v, g, axis=1) + q * 0.01) * jnp.tanh(sinks)[None, :, None, None]
+
+
+def _cross_entropy_none(hidden, weight, labels, *, ignore_index=-100):
+    """No [N, V] logits: -(hidden . weight[label]) stands in for the loss."""
+    nll = -(hidden * weight[jnp.clip(labels, 0)]).sum(-1).astype(jnp.float32)
+    return nll, nll * 0
+
+
+def _sink_softmax_probs(qg, k, sinks, window, scale):
+    b, hkv, g, tq, _ = qg.shape
+    tk = k.shape[2]
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k, precision="highest", preferred_element_type=jnp.float32) * scale
+    qpos, kpos = jnp.arange(tk - tq, tk)[:, None], jnp.arange(tk)[None, :]
+    visible = (kpos <= qpos) & ((kpos > qpos - window) if window > 0 else True)
+    s = jnp.where(visible, s, -jnp.inf)
+    sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1)
+    m = jnp.maximum(s.max(-1, keepdims=True), sink)
+    p, p_sink = jnp.exp(s - m), jnp.exp(sink - m)
+    denom = p.sum(-1, keepdims=True) + p_sink
+    return p / denom, p_sink / denom
+
+
+def _attention_noconcat(q, k, v, sinks, *, sliding_window, scale):
+    b, hq, tq, d = q.shape
+    qg = q.reshape(b, k.shape[1], hq // k.shape[1], tq, d)
+    p, _ = _sink_softmax_probs(qg, k, sinks, sliding_window, scale)
+    return jnp.einsum("bhgqk,bhkd->bhgqd", p, v, precision="highest").reshape(q.shape).astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention_vjp_core(q, k, v, sinks, window, scale):
+    return _attention_vjp_fwd(q, k, v, sinks, window, scale)[0]
+
+
+def _attention_vjp_fwd(q, k, v, sinks, window, scale):
+    b, hq, tq, d = q.shape
+    qg = q.reshape(b, k.shape[1], hq // k.shape[1], tq, d)
+    p, p_sink = _sink_softmax_probs(qg, k, sinks, window, scale)
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v, precision="highest")
+    return out.reshape(q.shape), (q, k, v, p, p_sink, out)
+
+
+def _attention_vjp_bwd(window, scale, res, do):
+    q, k, v, p, p_sink, out = res
+    hq = q.shape[1]
+    dog = do.reshape(out.shape)
+    delta = (dog * out).sum(-1, keepdims=True)
+    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p, dog, precision="highest")
+    ds = p * (jnp.einsum("bhgqd,bhkd->bhgqk", dog, v, precision="highest") - delta) * scale
+    dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k, precision="highest").reshape(q.shape)
+    dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds, q.reshape(out.shape), precision="highest")
+    return dq, dk, dv, -(p_sink * delta).sum((0, 3, 4)).reshape(hq)
+
+
+_attention_vjp_core.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
+
+
+def _attention_vjp(q, k, v, sinks, *, sliding_window, scale):
+    return _attention_vjp_core(q, k, v, sinks, int(sliding_window), float(scale))
+
+
+def kernels(preset: str, rounds: int, sets: str):
+    """fwd+bwd for each kernel set, interleaved; gradients compared with the first set's."""
+    from jax_bridge import registry
+
+    for op, name, fn in (("moe", "ideal", _moe_ideal), ("attention", "none", _attention_none),
+                         ("cross_entropy", "none", _cross_entropy_none),
+                         ("attention", "noconcat", _attention_noconcat), ("attention", "vjp", _attention_vjp)):
+        registry.register_implementation(op, name, fn, platforms=("cpu",))
+    _, model, tokens = setup(preset)
+    runs = {}
+    for spec in [s.strip() for s in sets.split(";") if s.strip()]:
+        kern, _, opts = spec.partition(":")
+        ts = TrainStep(model, step_cfg=StepConfig(kernels=kern, kernel_options=opts or None))
+        params = ts.init_state().params
+        runs[spec] = (ts, params, ts.grads(params, tokens[0]))
+    base = next(iter(runs))
+    for spec, (_, _, ((loss, _), grads)) in runs.items():
+        ref = runs[base][2][1]
+        diff = max(float(jnp.max(jnp.abs(grads[n] - ref[n])) / (jnp.max(jnp.abs(ref[n])) + 1e-30)) for n in ref)
+        print(f"{spec}: loss {float(loss):.6f}, largest relative gradient difference from {base}: {diff:.1e}")
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for spec, (ts, params, _) in runs.items():
+            time.sleep(0.1)
+            times[spec].append(timed(lambda: ts.grads(params, tokens[0])))
+    report(times, base)
+
+
+def ns_accuracy():
+    """Newton-Schulz (5 steps) in float32, plain iteration and Gram form, against the plain
+    iteration in float64: relative Frobenius error, per shape (m x n, n/m the aspect ratio)."""
+    a, b, c = optim.OptimizerConfig().ns_coeffs
+    torch.manual_seed(0)
+
+    def plain(x):
+        for _ in range(5):
+            gram = x @ x.mT
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return x
+
+    for spread in (False, True):
+        for shape in ((256, 512), (512, 1024), (256, 1024), (512, 2048), (8, 512, 2048)):
+            g = torch.randn(*shape, dtype=torch.float64)
+            if spread:              # three directions 50x the rest: a wide spread of singular values
+                g[..., :3, :] *= 50
+            x = g / torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)
+            want = plain(x)
+            err = lambda y: float((y.double() - want).norm() / want.norm())
+            print(f"{shape}{' spread' if spread else ''}: plain float32 {err(plain(x.float())):.2e}, Gram form "
+                  f"float32 {err(optim._newton_schulz_on_gram(x.float(), 5, a, b, c)):.2e}, chosen: "
+                  f"{'Gram' if optim.gram_form_is_cheaper(shape[-2], shape[-1], 5) else 'plain'}")
+
+
 if __name__ == "__main__":
-    what, preset = sys.argv[1], sys.argv[2]
+    what = sys.argv[1]
+    preset = sys.argv[2] if len(sys.argv) > 2 else "tiny"
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 5
     {"cost": lambda: cost(preset), "step": lambda: step(preset, n), "ns": lambda: ns(preset, n),
-     "block_m": lambda: block_m(preset, n), "compile": lambda: compile_time(preset, n)}[what]()
+     "block_m": lambda: block_m(preset, n), "compile": lambda: compile_time(preset, n),
+     "kernels": lambda: kernels(preset, n, sys.argv[4]), "ns_accuracy": ns_accuracy}[what]()
