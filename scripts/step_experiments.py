@@ -9,6 +9,12 @@ attempts (issue 12). Each prints medians of interleaved rounds and per-round rat
     python scripts/step_experiments.py compile PRESET [REPEATS] # the step's trace+lower and compile, wall and CPU s
     python scripts/step_experiments.py kernels PRESET ROUNDS "SET;SET;..."  # fwd+bwd per kernel set
     python scripts/step_experiments.py ns_accuracy              # Newton-Schulz plain vs Gram form vs float64
+    python scripts/step_experiments.py profile PRESET [CALLS] [KERNELS]   # fwd+bwd thunk time per model op
+
+`profile` writes a jax.profiler trace of CALLS fwd+bwd calls and the compiled HLO under
+/tmp/step_profile/PRESET; `scripts/xla_profile_summary.py` (needs only `xprof`, not a project
+dependency: run it from any venv with `pip install xprof`) sums XLA:CPU's per-thunk events by the
+model op that emitted them.
 
 A kernel SET is a spec with optional options after ':' ("moe=loop:moe.loop.block_m=128"); besides the
 registered implementations it may name this script's stand-ins, which only bound where time goes:
@@ -368,8 +374,28 @@ def ns_accuracy():
                   f"{'Gram' if optim.gram_form_is_cheaper(shape[-2], shape[-1], 5) else 'plain'}")
 
 
+def profile(preset: str, calls: int, kern: str | None):
+    _, model, tokens = setup(preset)
+    ts = TrainStep(model, step_cfg=StepConfig(kernels=kern))
+    params = ts.init_state().params
+    jax.block_until_ready(ts.grads(params, tokens[0]))
+    out = f"/tmp/step_profile/{preset}"
+    with jax.profiler.trace(out):
+        for _ in range(calls):
+            jax.block_until_ready(ts.grads(params, tokens[0]))
+    hlo = f"{out}/fwdbwd.hlo.txt"
+    with open(hlo, "w") as f:
+        f.write(ts._jitted_grads.lower(params, tokens[0]).compile().as_text())
+    summary = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_profile_summary.py")
+    print(f"trace and compiled HLO in {out}; per model op, with a Python that has xprof:\n"
+          f"  python {summary} {out} {hlo}")
+
+
 if __name__ == "__main__":
     what = sys.argv[1]
+    if what == "profile":
+        profile(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 3, sys.argv[4] if len(sys.argv) > 4 else None)
+        sys.exit()
     preset = sys.argv[2] if len(sys.argv) > 2 else "tiny"
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 5
     {"cost": lambda: cost(preset), "step": lambda: step(preset, n), "ns": lambda: ns(preset, n),
