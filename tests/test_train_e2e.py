@@ -27,7 +27,7 @@ def test_short_training_run_lowers_validation_loss_and_writes_artifacts(run_dir)
     records = [json.loads(l) for l in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
     kinds = {r["kind"] for r in records}
     assert {"run", "train", "eval"} <= kinds
-    assert records[0]["kernels"] == {"attention": "xla", "cross_entropy": "xla", "moe": "xla"}
+    assert records[0]["kernels"] == {"attention": "xla", "cross_entropy": "xla", "moe": "loop"}   # CPU auto
     train = [r for r in records if r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"]
     assert all(k in train[-1] for k in ("tokens_per_s", "grad_norm", "lr_scale", "expert_load_max"))
