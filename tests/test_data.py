@@ -307,10 +307,14 @@ def many_docs(n=60):
     return [" ".join(rng.choice(words, size=rng.integers(5, 200))) + f" #{i}\n" for i in range(n)]
 
 
-def test_shards_hold_about_tokens_per_shard_cut_at_document_boundaries(tmp_path):
+def test_shards_hold_about_tokens_per_shard_cut_at_document_boundaries(tmp_path, monkeypatch):
     docs = many_docs()
     out = tmp_path / "out"
-    assert run_prepare("--input", write_corpus(tmp_path / "src", "jsonl", docs), "--out", out,
+    # The validation split hashes document names, which hold the input's path as given: a relative
+    # path keeps the split (and the val shard count asserted below) the same in every temp dir.
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "src", "jsonl", docs)
+    assert run_prepare("--input", "src/docs.jsonl", "--out", out,
                        "--tokenizer", "o200k_base", "--tokens-per-shard", 1000, "--val-fraction", 0.2) == 0
     m = manifest(out)
     enc = tokenizer.o200k_base()
@@ -454,7 +458,7 @@ def test_a_large_jsonl_gz_is_streamed_in_several_units(tmp_path, monkeypatch):
         run_prepare("--input", bad, "--out", tmp_path / "o2", "--tokenizer", "o200k_base", "--val-fraction", 0)
 
 
-def test_bad_inputs_are_named(tmp_path):
+def test_bad_inputs_are_named(tmp_path, monkeypatch):
     def fails(message, *argv):
         with pytest.raises(UserError, match=message):
             run_prepare("--out", tmp_path / "out", "--tokenizer", "o200k_base", *argv)
@@ -470,8 +474,12 @@ def test_bad_inputs_are_named(tmp_path):
     fails("broken.parquet: not a readable Parquet file", "--input", tmp_path / "broken.parquet")
     (tmp_path / "broken.jsonl.gz").write_bytes(b"not gzip")
     fails("broken.jsonl.gz: cannot read", "--input", tmp_path / "broken.jsonl.gz")
-    fails("no document of the 4 fell in the validation split", "--input", write_corpus(tmp_path / "t", "text"),
-          "--val-fraction", 0.01)
+    # The split hashes document names, which hold the input's path as given: a relative path whose
+    # 4 names all hash above 0.27 keeps them out of a 1% split in every temp dir (an absolute path
+    # put one in ~4% of the time).
+    write_corpus(tmp_path / "four", "text")
+    monkeypatch.chdir(tmp_path)
+    fails("no document of the 4 fell in the validation split", "--input", "four", "--val-fraction", 0.01)
 
 
 # ---------------------------------------------------------------- shard integrity
