@@ -133,6 +133,12 @@ def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
+def default_block_m(m: int, num_groups: int) -> int:
+    """Row tile of the plain-JAX grouped GEMMs (`xla`, `loop`): about a quarter of an average
+    group, 8..512 rows, a multiple of 8."""
+    return max(8, min(512, _round_up(max(m // (4 * num_groups), 1), 8)))
+
+
 def _fit(dim: int, want: int, align: int) -> int:
     """Largest tile <= want dividing dim that is a multiple of `align`; else the whole dim (a
     block equal to the array dim is always legal on TPU)."""
@@ -158,7 +164,7 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
     if m == 0:
         return jnp.zeros_like(x)
     # Small tiles waste less on partial tiles but gather the weights more often.
-    tm = block_m or max(8, min(512, _round_up(max(m // (4 * num_groups), 1), 8)))
+    tm = block_m or default_block_m(m, num_groups)
     tm = min(tm, _round_up(m, 8))
     num_tiles = -(-m // tm)
     mp = num_tiles * tm

@@ -27,17 +27,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.moe import _round_up, clamped_swiglu, clamped_swiglu_grad
+from pallas_kernels.moe import _round_up, clamped_swiglu, clamped_swiglu_grad, default_block_m
 from pallas_kernels.platform import dot_precision
 
 _F32 = jnp.float32
 
 
 def default_tiles(m: int, num_groups: int) -> tuple[int, int]:
-    """(block_m, block_m_tail): whole tiles of about a quarter of an average group (8..512 rows),
-    tails of a quarter of that (at least 8): 128 / 32 at 4,096 rows and 8 experts, faster than
-    64 / 16, 256 / 32, 256 / 64 and 512 / 32 at `small` or `tiny` (BENCHMARKS.md, issue 12)."""
-    tm = max(8, min(512, _round_up(max(m // (4 * num_groups), 1), 8)))
+    """(block_m, block_m_tail): whole tiles as `moe_experts_xla`'s (`default_block_m`), tails of
+    a quarter of that (at least 8): 128 / 32 at 4,096 rows and 8 experts, faster than 64 / 16,
+    256 / 32, 256 / 64 and 512 / 32 at `small` or `tiny` (BENCHMARKS.md, issue 12)."""
+    tm = default_block_m(m, num_groups)
     return tm, max(8, _round_up(tm // 4, 8))
 
 
@@ -108,7 +108,7 @@ def _pad_rows(a, rows):
 
 
 def _forward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, tm, ts):
-    m, hdim = x.shape
+    m = x.shape[0]
     two_i = gate_up.shape[2]
     sched = _Schedule(group_sizes, tm, ts)
     prec = dot_precision(x.dtype)
