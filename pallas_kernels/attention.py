@@ -13,22 +13,33 @@ def attention_reference(q, k, v, sinks, *, sliding_window: int, scale: float):
     """Plain JAX: materializes the [Tq, Tk] scores; the oracle and the `xla` implementation."""
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
-    group = hq // hkv
-    qg = q.reshape(b, hkv, group, tq, d)
     # Scores in float32 from the inputs' own dtype at its dot precision (bf16 products are exact).
-    scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(q.dtype), precision=dot_precision(q.dtype),
+    out = attention_over_positions(q.reshape(b, hkv, hq // hkv, tq, d), k.astype(q.dtype), v.astype(jnp.float32),
+                                   sinks, jnp.arange(tk - tq, tk)[None], jnp.arange(tk)[None],
+                                   sliding_window=sliding_window, scale=scale, score_precision=dot_precision(q.dtype),
+                                   value_precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(b, hq, tq, d).astype(q.dtype)
+
+
+def attention_over_positions(qg, k, v, sinks, q_positions, k_positions, *, sliding_window: int, scale: float,
+                             score_precision, value_precision):
+    """The one body of every plain-JAX attention (training's reference above, generation's cached
+    attention): qg [B, Hkv, G, Tq, D], k and v [B, Hkv, S, D], positions [B or 1, Tq] and
+    [B or 1, S] (-1: an empty slot). Key j is visible to query i when 0 <= k_pos[j] <= q_pos[i]
+    and, with a window W > 0, k_pos[j] > q_pos[i] - W. Softmax over the scores and each head's
+    sink logit, the sink's probability dropped. Returns float32 [B, Hkv, G, Tq, D]."""
+    b, hkv, group, tq, _ = qg.shape
+    scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k, precision=score_precision,
                         preferred_element_type=jnp.float32) * scale
-    qpos = jnp.arange(tk - tq, tk)[:, None]
-    kpos = jnp.arange(tk)[None, :]
-    visible = kpos <= qpos
+    qpos = q_positions[:, None, None, :, None]
+    kpos = k_positions[:, None, None, None, :]
+    visible = (kpos >= 0) & (kpos <= qpos)
     if sliding_window > 0:
         visible = visible & (kpos > qpos - sliding_window)
     scores = jnp.where(visible, scores, -jnp.inf)
     sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, group, 1, 1), (b, hkv, group, tq, 1))
-    combined = jnp.concatenate([scores, sink], axis=-1)
-    probs = jax.nn.softmax(combined, axis=-1)[..., :-1]
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(b, hq, tq, d).astype(q.dtype)
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bhgqk,bhkd->bhgqd", probs, v, precision=value_precision)
 
 
 # ==================================================================================================

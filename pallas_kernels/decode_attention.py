@@ -7,9 +7,9 @@ k_positions [B, S] int32, -1 for an empty or padding slot. Key j is visible to q
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention import attention_over_positions
 from pallas_kernels.platform import dot_precision
 
 
@@ -20,18 +20,9 @@ def cached_attention_reference(q, k, v, sinks, q_positions, k_positions, *, slid
     del platform
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
-    group = hq // hkv
-    qg = q.reshape(b, hkv, group, tq, d).astype(jnp.float32)
     precision = dot_precision(q.dtype)
-    scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(jnp.float32), precision=precision) * scale
-    qpos = q_positions[:, None, None, :, None]
-    kpos = k_positions[:, None, None, None, :]
-    visible = (kpos >= 0) & (kpos <= qpos)
-    if sliding_window > 0:
-        visible = visible & (kpos > qpos - sliding_window)
-    scores = jnp.where(visible, scores, -jnp.inf)
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, group, 1, 1), (b, hkv, group, tq, 1))
-    combined = jnp.concatenate([scores, sink], axis=-1)
-    probs = jax.nn.softmax(combined, axis=-1)[..., :-1]
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", probs, v.astype(jnp.float32), precision=precision)
+    out = attention_over_positions(q.reshape(b, hkv, hq // hkv, tq, d).astype(jnp.float32), k.astype(jnp.float32),
+                                   v.astype(jnp.float32), sinks, q_positions, k_positions,
+                                   sliding_window=sliding_window, scale=scale, score_precision=precision,
+                                   value_precision=precision)
     return out.reshape(b, hq, tq, d).astype(q.dtype)
