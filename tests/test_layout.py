@@ -1,0 +1,113 @@
+"""The package layout: no module imports one that imports it back (at module level or inside a
+function alike), no private name crosses a module, and every module imports on its own."""
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("torch_model", "jax_bridge", "pallas_kernels", "train", "parity")
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[name] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(project module imported, names taken from it) for every import statement in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.split(".")[0] in PACKAGES]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] not in PACKAGES:
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub, []) if sub in modules else (base, [alias.name]))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    graph = {name: set() for name in modules}
+    for name, path in modules.items():
+        for target, _ in imports_of(name, path, modules):
+            while target not in modules and "." in target:
+                target = target.rpartition(".")[0]
+            if target in modules and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_sees_a_cycle_through_a_function_level_import():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    found = cycles(import_graph())
+    assert not found, "import cycles (every import counts, also inside functions): " + "; ".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    modules = project_modules()
+    crossing = [f"{name} takes {n} from {target}"
+                for name, path in modules.items()
+                for target, names in imports_of(name, path, modules)
+                for n in names if n.startswith("_") and not n.startswith("__")]
+    assert not crossing, crossing
+
+
+def test_every_module_imports_in_a_fresh_interpreter_deepest_first():
+    """With no cycle any order works; one interpreter importing the leaves of the tree first (the
+    reverse of alphabetical order) catches a module that only imports after its parent did."""
+    names = sorted(project_modules(), reverse=True)
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\nprint('ok', len(sys.argv) - 1)"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
