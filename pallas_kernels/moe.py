@@ -129,14 +129,14 @@ def group_metadata(group_sizes, num_tiles: int, tm: int, *, visit_empty: bool = 
     return GroupMetadata(offsets, gid, tile.astype(jnp.int32), num_active[None].astype(jnp.int32))
 
 
-def _round_up(a: int, b: int) -> int:
+def round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
 def default_block_m(m: int, num_groups: int) -> int:
     """Row tile of the plain-JAX grouped GEMMs (`xla`, `loop`): about a quarter of an average
     group, 8..512 rows, a multiple of 8."""
-    return max(8, min(512, _round_up(max(m // (4 * num_groups), 1), 8)))
+    return max(8, min(512, round_up(max(m // (4 * num_groups), 1), 8)))
 
 
 def _fit(dim: int, want: int, align: int) -> int:
@@ -165,7 +165,7 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
         return jnp.zeros_like(x)
     # Small tiles waste less on partial tiles but gather the weights more often.
     tm = block_m or default_block_m(m, num_groups)
-    tm = min(tm, _round_up(m, 8))
+    tm = min(tm, round_up(m, 8))
     num_tiles = -(-m // tm)
     mp = num_tiles * tm
     gs = group_sizes.astype(jnp.int32)
@@ -572,13 +572,13 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
     on_tpu = platform == "tpu"
     itemsize = jnp.dtype(dtype).itemsize
     sub = (16 if itemsize < 4 else 8) if on_tpu else 8
-    tm = max(sub, min(_round_up(want_m, sub), _round_up(m, sub)))
+    tm = max(sub, min(round_up(want_m, sub), round_up(m, sub)))
     if not on_tpu:
         return tm, _fit(idim, want_i, 8), idim
     ip = idim
     ti = _fit(idim, want_i, 64)
     if ti == idim and idim > want_i:
-        ip = _round_up(idim, 128)
+        ip = round_up(idim, 128)
         ti = _fit(ip, want_i, 128)
     # Shrink defaults to the VMEM budget: first ti (to multiples of 64 dividing ip), then tm.
     while _fused_vmem_bytes(tm, hdim, ti, itemsize) > _FUSED_VMEM_BUDGET:
@@ -586,7 +586,7 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
         if smaller < ti:
             ti = smaller
         elif tm > sub and block_m is None:
-            tm = max(sub, _round_up(tm // 2, sub))
+            tm = max(sub, round_up(tm // 2, sub))
         else:
             break
     return tm, ti, ip
@@ -621,7 +621,7 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     vmem = vmem_limit_bytes
     if platform == "tpu" and vmem is None:
         est = _fused_vmem_bytes(tm, hdim, ti, jnp.dtype(x.dtype).itemsize)
-        vmem = int(min(_FUSED_VMEM_CAP, max(32 * 2**20, _round_up(est * 5 // 4, 2**20))))
+        vmem = int(min(_FUSED_VMEM_CAP, max(32 * 2**20, round_up(est * 5 // 4, 2**20))))
     cfg = _FusedConfig(tm, ti, float(alpha), float(limit), mode, vmem)
     dtype = x.dtype
     w1, b1 = gate_up.astype(dtype), gate_up_bias.reshape(num_groups, 1, two_i)
@@ -665,8 +665,8 @@ def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias,
     default_m, default_k = DEFAULT_MEGABLOX_TILES["tpu" if platform == "tpu" else "cpu"]
     want_m, want_k = block_m or default_m, block_k or default_k
     lane = 128 if platform == "tpu" else 8
-    tm = max(8, min(_round_up(want_m, 8), _round_up(m, 8)))
-    mp = _round_up(m, tm)
+    tm = max(8, min(round_up(want_m, 8), round_up(m, 8)))
+    mp = round_up(m, tm)
     gs = group_sizes.astype(jnp.int32)
     expert = expert_of_rows(gs, mp)
     valid = (jnp.arange(mp) < m)[:, None]
@@ -674,7 +674,7 @@ def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias,
     # without such a divisor (gpt-oss: 2880) are zero-padded to a multiple of 128: zero weights
     # and biases give zero outputs there, sliced off (a weight copy per call, only then).
     idim = two_i // 2
-    hp, ip = (_round_up(hdim, lane), _round_up(idim, lane)) if platform == "tpu" else (hdim, idim)
+    hp, ip = (round_up(hdim, lane), round_up(idim, lane)) if platform == "tpu" else (hdim, idim)
     gate_up, gate_up_bias = gate_up.astype(x.dtype), gate_up_bias
     down, down_bias = down.astype(x.dtype), down_bias
     if (hp, ip) != (hdim, idim):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.moe import _round_up, clamped_swiglu, clamped_swiglu_grad, default_block_m
+from pallas_kernels.moe import round_up, clamped_swiglu, clamped_swiglu_grad, default_block_m
 from pallas_kernels.platform import dot_precision
 
 _F32 = jnp.float32
@@ -38,7 +38,7 @@ def default_tiles(m: int, num_groups: int) -> tuple[int, int]:
     a quarter of that (at least 8): 128 / 32 at 4,096 rows and 8 experts, faster than 64 / 16,
     256 / 32, 256 / 64 and 512 / 32 at `small` or `tiny` (BENCHMARKS.md, issue 12)."""
     tm = default_block_m(m, num_groups)
-    return tm, max(8, _round_up(tm // 4, 8))
+    return tm, max(8, round_up(tm // 4, 8))
 
 
 def moe_experts_loop(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
@@ -49,7 +49,7 @@ def moe_experts_loop(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, 
     if m == 0:
         return jnp.zeros_like(x)
     tm, ts = default_tiles(m, gate_up.shape[0])
-    tm = min(block_m or tm, _round_up(m, 8))
+    tm = min(block_m or tm, round_up(m, 8))
     ts = min(block_m_tail or ts, tm)
     return _looped(x, group_sizes.astype(jnp.int32), gate_up, gate_up_bias, down, down_bias,
                    float(alpha), float(limit), int(tm), int(ts))

@@ -4,7 +4,7 @@ the whole train step against eager PyTorch CUDA and torch.compile on the same GP
 
 This process imports only jax, pallas_kernels/* and parity/compare.py (the GPU image has no torchax, no
 array_record). The train-step part needs torch and torchax: it runs `torchlyra bench step --device gpu`
-(train/bench_step.py) in child processes, so torchax must be carried to the machine as a wheel and put
+(train/bench/step.py) in child processes, so torchax must be carried to the machine as a wheel and put
 on PYTHONPATH (see the device tool's README). One run of about 6 minutes on one H200:
 
     python scripts/gpu_bench.py                  # kernels at Lyra Small shapes + step (small-o200k), bf16

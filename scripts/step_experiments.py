@@ -45,7 +45,7 @@ from jax_bridge.step import StepConfig, TrainStep, TrainState, _scalar_metrics  
 from torch_model.config import get_preset  # noqa: E402
 from torch_model.model import GptOssForCausalLM  # noqa: E402
 from train import flops  # noqa: E402
-from train.bench_torch import bench_tokens  # noqa: E402
+from train.bench.torch_peers import bench_tokens  # noqa: E402
 
 BATCH, SEQ = 8, 256
 

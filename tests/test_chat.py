@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from train import chat
+from train.generation import chat
 from train.errors import UserError
 
 harmony = pytest.importorskip("openai_harmony")

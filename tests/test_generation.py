@@ -18,7 +18,8 @@ from parity.generation import compare_greedy, eager_greedy, load_transformers, t
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
 from train.errors import UserError
-from train.generate import Generator, SamplingConfig, generate, load_model
+from train.generation.generator import Generator, generate, load_model
+from train.generation.sampling import SamplingConfig
 
 WINDOW, VOCAB, NEW = 8, 128, 24
 CFG = get_preset("tiny").replace(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -168,7 +169,8 @@ def test_a_second_process_loads_the_programs_from_the_persistent_cache(trained, 
     prompt = prompts_around_the_window()[0]                  # longer than the window
     script = textwrap.dedent(f"""
         import json, sys
-        from train.generate import Generator, SamplingConfig
+        from train.generation.generator import Generator
+        from train.generation.sampling import SamplingConfig
         g = Generator.from_checkpoint({str(trained[0])!r}, compile_cache={str(tmp_path / 'cache')!r})
         r = g.generate([{prompt!r}], SamplingConfig(max_new_tokens={NEW}, temperature=0))
         print(json.dumps({{"tokens": r.tokens, "from_cache": [c.from_cache for c in r.compilations]}}))

@@ -16,7 +16,7 @@ import pytest
 
 from jax_bridge import registry, tpu_compile
 from pallas_kernels.memory import vjp_program
-from train.bench import _float_positions, kernel_cases
+from train.bench.kernels import float_positions, kernel_cases
 
 GENERATIONS = ("v5e:2x2", "v6e:2x2")
 SHAPES = ("tiny", "lyra-small", "gpt-oss-20b")
@@ -31,7 +31,7 @@ def forward_and_backward(fn, case, **kernel_kwargs):
     specs = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d, _ in case.specs]
     op = functools.partial(fn, **case.kwargs, **kernel_kwargs)
     outs = jax.tree.leaves(jax.eval_shape(op, *specs))
-    vjp = vjp_program(op, _float_positions(case), n_inputs=len(specs))
+    vjp = vjp_program(op, float_positions(case), n_inputs=len(specs))
     n = len(specs)
     program = lambda *args: (op(*args[:n]), vjp(*args))
     return program, specs + [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]

@@ -14,11 +14,11 @@ COMMANDS = {
     "train": ("train.loop", "train a model on prepared data"),
     "eval": ("train.evaluation", "validation loss and bits per byte of a checkpoint"),
     "plot": ("train.plots", "plot a run's metrics (loss, learning rate, gradient norm, throughput, expert load)"),
-    "generate": ("train.generate", "sample from a checkpoint"),
+    "generate": ("train.generation.cli", "sample from a checkpoint"),
     "export": ("parity.hf_export", "write a checkpoint as a Hugging Face GptOss directory"),
     "import": ("parity.hf_import", "read a Hugging Face GptOss directory into a checkpoint"),
     "parity": ("parity.run", "compare eager PyTorch with the lowered JAX run, per kernel set"),
-    "bench": ("train.bench", "benchmarks: kernel memory and speed, the train step against PyTorch peers"),
+    "bench": ("train.bench.cli", "benchmarks: kernel memory and speed, the train step against PyTorch peers"),
     "plan": ("train.plan", "compile the train step for a TPU slice (no weights, no TPU) and check it fits"),
 }
 

@@ -384,7 +384,7 @@ class Trainer:
 
 
 def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
-    from train.generate import generate
+    from train.generation.generator import generate
 
     if cfg.samples <= 0:
         return []

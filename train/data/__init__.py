@@ -1,6 +1,6 @@
 """Data: inputs and the bundled corpus -> tokenizer -> ArrayRecord shards + manifest (prepare), their
-integrity (verify), the packing plan and the loader that feeds training, and their benchmark.
+integrity (verify), the packing plan and the loader that feeds training (their benchmark: train/bench/data.py).
 
 One module per job: corpus (bundled Shakespeare), inputs (files, formats, work units), tokenizer,
-shards (format, manifest, integrity, random access), packing, loader, prepare, verify, bench.
+shards (format, manifest, integrity, random access), packing, loader, prepare, verify.
 """

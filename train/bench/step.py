@@ -8,7 +8,7 @@ Contenders, all with the same preset, batch, sequence length, precision and init
   hf           transformers' GptOss, eager, + torch.optim.AdamW    (child)
   hf_compiled  torch.compile of `hf`                               (child)
 torch.compile cannot run in a process that imported torchax, so the torch peers but `eager` run in
-a child process (train/bench_torch.py). Rounds alternate between the processes; each round times
+a child process (train/bench/torch_peers.py). Rounds alternate between the processes; each round times
 every contender's forward+backward and full step once, and the matmul peak. `eager` runs in both
 processes, so a child peer's ratio to ours is paired through it, round by round:
     peer / ours = (peer / eager)[child] x (eager[parent] / ours)
@@ -27,10 +27,10 @@ import subprocess
 import sys
 import time
 
-from train.bench_torch import KINDS, TORCH_PEERS, bench_tokens
+from train.bench.torch_peers import KINDS, TORCH_PEERS, bench_tokens
 from train.errors import UserError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD_PEERS = ("compiled", "hf", "hf_compiled")
 # The goals of issue 12 (ratios are "ours is N x faster"): checked on every run and printed.
 GOALS = {
@@ -111,7 +111,7 @@ class ChildPeers:
 
     def __init__(self, spec: dict):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "train.bench_torch"], cwd=ROOT, env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", "train.bench.torch_peers"], cwd=ROOT, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._send(json.dumps(spec))
         ready = self._receive()
@@ -176,7 +176,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     from jax_bridge.step import StepConfig
     from torch_model.optim import OptimizerConfig
     from train import flops
-    from train.bench_torch import build_torch_contender, settled, time_round, warm_up
+    from train.bench.torch_peers import build_torch_contender, settled, time_round, warm_up
 
     opt_cfg = OptimizerConfig()
     step_cfg = StepConfig(kernels=s.kernels, compute_dtype=s.compute_dtype, kernel_options=s.kernel_options)
@@ -451,7 +451,7 @@ def _commit() -> str | None:
 
 
 def run(args) -> int:
-    from train.bench import machine_info
+    from train.bench.machine import machine_info
 
     settings = settings_from_args(args)
     started, commit = time.perf_counter(), _commit()       # the code that runs: HEAD at the start

@@ -10,49 +10,17 @@ load them instead of compiling. Compile time is reported apart from prefill and 
 """
 from __future__ import annotations
 
-import argparse
-import codecs
 import dataclasses
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from train.errors import UserError
+from train.generation.sampling import SamplingConfig
 
 DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "torchlyra" / "jax-compile"
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How to choose tokens. temperature 0 is greedy; top_k 0 and top_p 1 switch those off;
-    repetition_penalty 1 is none (transformers' convention: > 1 discourages repeats)."""
-    max_new_tokens: int = 200
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int = 0
-    stop_tokens: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
-        checks = [("max_new_tokens", self.max_new_tokens >= 1, "an integer >= 1"),
-                  ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
-                  ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
-                  ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
-                  ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)")]
-        for name, ok, expected in checks:
-            if not ok:
-                raise UserError(f"sampling: {name} must be {expected}, found {getattr(self, name)!r}")
-
-    def mode(self, vocab_size: int):
-        from jax_bridge.sampling import SamplingMode
-        greedy = self.temperature == 0
-        return SamplingMode(greedy=greedy, top_k=0 if greedy else min(self.top_k, vocab_size),
-                            top_p=not greedy and self.top_p < 1, penalty=self.repetition_penalty != 1)
 
 
 @dataclass
@@ -248,113 +216,3 @@ def _load(checkpoint):
     model = GptOssForCausalLM(model_cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
     return model.eval(), meta
-
-
-class TextStream:
-    """Prints one row's tokens as they arrive, decoding UTF-8 incrementally (a character split
-    across tokens is printed once complete)."""
-
-    def __init__(self, tokenizer, out=None, skip: set[int] = frozenset()):
-        self.tokenizer, self.out, self.skip = tokenizer, out or sys.stdout, set(skip)
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def __call__(self, tokens: list[int]) -> None:
-        data = b"".join(self.tokenizer.decode_single_token_bytes(t) for t in tokens if t not in self.skip)
-        self.out.write(self.decoder.decode(data))
-        self.out.flush()
-
-    def close(self) -> None:
-        self.out.write(self.decoder.decode(b"", final=True))
-        self.out.flush()
-
-
-# ---- command line ---------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="checkpoint directory written by `torchlyra train`")
-    parser.add_argument("--prompt", action="append", default=None, help="prompt text (repeat for a batch)")
-    parser.add_argument("--max-tokens", type=int, default=200, help="new tokens per prompt at most")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=40, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats; 1 = off")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop", type=int, action="append", default=None,
-                        help="extra stop token id (repeatable; the model's eos always stops)")
-    parser.add_argument("--kernels", default="auto",
-                        help="kernels, e.g. cached_attention=xla,moe=decode (auto: moe=decode on CPU)")
-    parser.add_argument("--decode-kernels", default=None, help="kernels of the decode loop alone (default: --kernels)")
-    parser.add_argument("--no-stream", dest="stream", action="store_false",
-                        help="print each result at the end instead of streaming a single prompt")
-    parser.add_argument("--stream-every", type=int, default=8, help="tokens per streamed chunk (default 8)")
-    parser.add_argument("--compile-cache", default=None,
-                        help="persistent compilation cache directory, or 'off' (default: "
-                             "$TORCHLYRA_COMPILE_CACHE or ~/.cache/torchlyra/jax-compile)")
-    parser.add_argument("--timings", action="store_true", help="print compile, prefill and decode times")
-    parser.add_argument("--chat", action="store_true",
-                        help="harmony chat format (o200k_harmony models): each --prompt is a user message; "
-                             "stops on <|return|> or <|call|>")
-    parser.add_argument("--system", default=None, help="with --chat: a system message before each user message")
-    parser.add_argument("--messages", default=None,
-                        help='with --chat: a JSON file holding one conversation, [{"role": ..., "content": ...}, ...]')
-
-
-def run(args) -> int:
-    sampling = SamplingConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
-    if (args.system or args.messages) and not args.chat:
-        raise UserError("--system and --messages need --chat")
-    model, tokenizer = load_for_generation(args.checkpoint)
-    cfg = model.cfg
-    if args.chat:
-        from train import chat
-        conversations = chat_conversations(args, chat)
-        prompts = [chat.render(tokenizer, c) for c in conversations]
-        stops = (*chat.stop_tokens(tokenizer), cfg.eos_token_id)
-        labels = [c[-1].content for c in conversations]
-    else:
-        labels = args.prompt or [""]
-        prompts = [[cfg.bos_token_id] + tokenizer.encode_ordinary(t) for t in labels]
-        stops = (cfg.eos_token_id,)
-    sampling = dataclasses.replace(sampling, stop_tokens=(*stops, *(args.stop or ())))
-    generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
-                          compile_cache=args.compile_cache)
-    hidden = {cfg.bos_token_id, cfg.eos_token_id}
-    streaming = args.stream and len(prompts) == 1
-    if streaming:
-        stream = chat.ReplyStream(tokenizer) if args.chat else TextStream(tokenizer, skip=hidden)
-        print(f"--- prompt: {labels[0]!r}\n" + ("" if args.chat else labels[0]), end="", flush=True)
-    result = generator.generate(prompts, sampling, on_tokens=(lambda new: stream(new[0])) if streaming else None,
-                                stream_every=args.stream_every if streaming else None)
-    if streaming:
-        stream.close()
-        print("\n")
-    else:
-        for label, ids in zip(labels, result.tokens):
-            text = chat.reply_text(tokenizer, ids)[0] if args.chat else \
-                label + tokenizer.decode([t for t in ids if t not in hidden])
-            print(f"--- prompt: {label!r}\n{text}\n")
-    if args.timings:
-        print(format_timings(result), file=sys.stderr)
-    return 0
-
-
-def chat_conversations(args, chat) -> list[list]:
-    """--messages FILE: one conversation; else one per --prompt (a user message), each after the
-    --system message if given."""
-    if args.messages:
-        if args.prompt or args.system:
-            raise UserError("--messages holds the whole conversation: give no --prompt or --system with it")
-        return [chat.read_messages(args.messages)]
-    if not args.prompt:
-        raise UserError("--chat needs --prompt (a user message, repeatable) or --messages FILE")
-    system = [chat.Message("system", args.system)] if args.system else []
-    return [system + [chat.Message("user", text)] for text in args.prompt]
-
-
-def format_timings(result: Generation) -> str:
-    compiled = ", ".join(f"{c.program} {c.seconds:.1f} s" + (" (persistent cache)" if c.from_cache else "")
-                         for c in result.compilations) or "none (compiled earlier in this process)"
-    return (f"bucket batch={result.bucket[0]} prompt={result.bucket[1]} length={result.bucket[2]}; "
-            f"compile: {compiled}; time to first token {1e3 * result.prefill_seconds:.1f} ms; "
-            f"decode {result.decode_steps} steps in {result.decode_seconds:.3f} s = "
-            f"{result.decode_tokens_per_second:.0f} tokens/s")

@@ -39,6 +39,7 @@ GOALS = {"prepare_vs_raw": 0.8, "loader_x_train": 20.0, "loader_tokens_per_s": 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument("--data-mb", type=float, default=100.0, help="bench data: MB of text to prepare (default 100)")
     parser.add_argument("--data-workers", type=int, default=os.cpu_count() or 1,
                         help="bench data: prepare workers = raw tiktoken threads (default: one per core)")
@@ -208,7 +209,7 @@ def format_table(result: dict) -> str:
 
 
 def run(args) -> int:
-    from train.bench import machine_info
+    from train.bench.machine import machine_info
 
     if args.data_mb <= 0 or args.data_workers < 1 or args.data_repeats < 1 or args.data_seconds <= 0:
         raise UserError("bench data: --data-mb, --data-seconds must be > 0 and --data-workers, --data-repeats >= 1")

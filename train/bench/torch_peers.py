@@ -1,7 +1,7 @@
 """The PyTorch contenders of `torchlyra bench step`, and the child process that times them.
 
 torch.compile cannot run in a process that has imported torchax ("PyTorch is not linked with
-support for jax devices"), so this module imports no JAX: `python -m train.bench_torch` reads a
+support for jax devices"), so this module imports no JAX: `python -m train.bench.torch_peers` reads a
 JSON spec on stdin, builds its contenders, then times one round per "round" line it is sent and
 answers each with one JSON line on its original stdout (everything else it prints goes to stderr).
 """

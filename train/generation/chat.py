@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from train.errors import UserError
+from train.generation.text_stream import TextStream
 
 ROLES = ("system", "developer", "user", "assistant")
 START, MESSAGE, END, CHANNEL = "<|start|>", "<|message|>", "<|end|>", "<|channel|>"
@@ -100,8 +101,6 @@ class ReplyStream:
     `final` named in brackets), not the format's special tokens."""
 
     def __init__(self, enc, out=None):
-        from train.generate import TextStream
-
         self.enc, self.text = enc, TextStream(enc, out)
         self.ids = {name: special(enc, name) for name in (START, MESSAGE, END, CHANNEL, *STOPS)}
         self.header: list[int] = []

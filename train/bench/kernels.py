@@ -1,8 +1,6 @@
 """`torchlyra bench kernels`: temporary memory (and, on CPU, speed) of every registered kernel
 implementation, by the CPU's XLA and, with `--platform tpu --topology v6e:2x2`, by the real TPU
-compiler (libtpu, deviceless: nothing runs). The other subcommands live beside it: `bench step`
-in train/bench_step.py, `bench generate` in train/bench_generate.py, `bench data` in
-train/data/bench.py.
+compiler (libtpu, deviceless: nothing runs). The other benchmarks live beside it in train/bench/.
 
 For each op (attention, cross_entropy, moe), shape set (tiny, lyra-small, gpt-oss-20b) and
 direction (forward; forward+backward), every implementation in the op registry is compiled (never
@@ -37,15 +35,14 @@ import datetime
 import inspect
 import json
 import os
-import platform
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
+from train.bench.machine import machine_info
 from train.errors import UserError
 
 OPS = ("attention", "cross_entropy", "moe")
@@ -119,7 +116,7 @@ def kernel_cases(op: str, shape: str, windows: bool = True, dtype: str | None = 
 
 
 # ---- building the functions ---------------------------------------------------------------------
-def _float_positions(case: Case) -> tuple[int, ...]:
+def float_positions(case: Case) -> tuple[int, ...]:
     return tuple(i for i, (_, _, kind) in enumerate(case.specs) if kind == "float")
 
 
@@ -137,7 +134,7 @@ def _make_fn(fn, case: Case, direction: str, kernel_kwargs: dict, vjp: bool = Fa
 
     if direction == "fwd":
         return fwd
-    floats = _float_positions(case)
+    floats = float_positions(case)
 
     if vjp:
         from pallas_kernels.memory import vjp_program
@@ -485,28 +482,6 @@ def split_by_accounting(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if r not in odd], odd
 
 
-def machine_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "nproc": os.cpu_count()}
-    try:
-        info["nproc"] = int(subprocess.run(["nproc"], capture_output=True, text=True, timeout=5).stdout.strip())
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        import jax
-        info["jax"] = jax.__version__
-        info["jax_backend"] = jax.default_backend()
-    except Exception:  # noqa: BLE001
-        pass
-    return info
-
-
 # ---- CLI ------------------------------------------------------------------------------------------
 def _parse_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     items = [s.strip() for s in text.split(",") if s.strip()]
@@ -517,24 +492,6 @@ def _parse_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 
 def add_arguments(parser) -> None:
-    from train import bench_generate, bench_step
-    from train.data import bench as data_bench
-
-    sub = parser.add_subparsers(dest="what", required=True, metavar="{kernels,step,generate,data}")
-    add_kernel_arguments(sub.add_parser("kernels", help="kernel temporary memory (and CPU speed)"))
-    bench_step.add_arguments(sub.add_parser("step", help="the train step against eager, compiled and transformers "
-                                                         "PyTorch peers (speed ratios, MFU)"))
-    generate = sub.add_parser("generate", help="decode tokens/s and time to first token against transformers")
-    generate.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
-    generate.add_argument("--repeats", type=int, default=5, help="timed repetitions per path (median; default 5)")
-    generate.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
-    bench_generate.add_arguments(generate)
-    data = sub.add_parser("data", help="preparation vs raw tiktoken, and loader throughput")
-    data.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
-    data_bench.add_arguments(data)
-
-
-def add_kernel_arguments(parser) -> None:
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPE_SETS),
                         help=f"comma-separated shape sets of {','.join(SHAPE_SETS)} (default: {','.join(DEFAULT_SHAPE_SETS)})")
@@ -593,15 +550,6 @@ _METHOD = {
 
 
 def run(args) -> int:
-    if args.what == "generate":
-        from train import bench_generate
-        return bench_generate.run(args)
-    if args.what == "data":
-        from train.data import bench as data_bench
-        return data_bench.run(args)
-    if args.what == "step":
-        from train import bench_step
-        return bench_step.run(args)
     shapes = _parse_list(args.shapes, SHAPE_SETS, "shapes")
     ops = _parse_list(args.ops, OPS, "ops")
     if args.repeats < 1 or args.warmup < 0:

@@ -40,8 +40,10 @@ STREAM_EVERY = 8
 
 
 def add_arguments(parser) -> None:
-    """Flags of `bench generate` (its subparser in train/bench.py owns --json, --repeats and
-    --warmup)."""
+    """Flags of `bench generate`."""
+    parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per path (median; default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
     parser.add_argument("--checkpoint", default=None,
                         help="generate: checkpoint to measure (default: --preset with random weights)")
     parser.add_argument("--preset", default="tiny", help="generate: preset when no --checkpoint (default tiny)")
@@ -59,12 +61,12 @@ class Ours:
     name = "ours"
 
     def __init__(self, model=None, *, generator=None, stream_every: int | None = None):
-        from train.generate import Generator
+        from train.generation.generator import Generator
         self.generator = generator or Generator(model)
         self.stream_every = stream_every
 
     def run(self, prompts, new_tokens):
-        from train.generate import SamplingConfig
+        from train.generation.sampling import SamplingConfig
         cpu = time.process_time()
         streaming = dict(on_tokens=lambda new: None, stream_every=self.stream_every) if self.stream_every else {}
         result = self.generator.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, temperature=0), **streaming)
@@ -250,7 +252,7 @@ def _load(args, workdir: Path):
     from torch_model.config import ConfigError, get_preset
     from torch_model.model import GptOssForCausalLM
     from train.checkpoint import save_checkpoint
-    from train.generate import load_model
+    from train.generation.generator import load_model
 
     if args.checkpoint:
         checkpoint, source = Path(args.checkpoint), f"checkpoint {args.checkpoint}"
@@ -269,7 +271,7 @@ def _load(args, workdir: Path):
 
 
 def run(args) -> int:
-    from train.bench import machine_info
+    from train.bench.machine import machine_info
 
     batches = _parse_ints(args.batches, "batches")
     prompt_len = _parse_ints(str(args.prompt_len), "prompt-len")[0]
