@@ -157,5 +157,5 @@ def host_lost_line(seen: dict, service_text: str, out: str) -> str:
     failed = f" after {seen['collective_failed'].split(':')[0]}" if "collective_failed" in seen else ""
     return (f"torchlyra train: lost {who} of {count or '?'}: {how}; process {me if me is not None else '?'} "
             f"stopped{failed}, unable to save (its peers' shards are gone); {saved}; resume on the hosts "
-            f"that are left with: torchlyra train --out {out} --resume --mesh AXES (fitting the devices "
-            f"left; each host with --num-processes, --process-id, --coordinator renumbered) [exit {EXIT_HOST_LOST}]")
+            f"that are left with: torchlyra train --out {out} --resume (on each, --num-processes, --process-id "
+            f"and --coordinator for those hosts; --mesh for their devices, else all on fsdp) [exit {EXIT_HOST_LOST}]")
