@@ -51,7 +51,7 @@ def relay_of(data: bytes) -> tuple[StderrRelay, io.BytesIO]:
 
 
 def test_the_relay_passes_output_on_and_holds_back_cpp_log_text_from_its_first_line():
-    before = "train:  40%|####      | 2/5 [00:01<00:01]\rstep 2: validation loss 4.1\n"
+    before = "step 2: validation loss 4.1\ntrain:  40%|####      | 2/5 [00:01<00:01]\r"     # a bar, then C++
     relay, sink = relay_of((before + COORDINATOR_GONE).encode())
     assert sink.getvalue().decode() == before
     assert "PollForError" in relay.text()

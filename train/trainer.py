@@ -74,7 +74,9 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
     if not isinstance(meta.get("train_config"), dict) or meta.get("contents") != checkpoint.TRAIN_STATE:
         raise UserError(f"checkpoint {step_dir} is not a training checkpoint (no train state); start a new "
                         f"run from its parameters with --init-from {step_dir}")
-    resumed = resumed_config(meta["train_config"], {**explicit, "out": cfg.out}, str(step_dir))
+    # host_timeout_s is this launch's: the cluster was joined with it before the checkpoint was read.
+    resumed = resumed_config(meta["train_config"], {**explicit, "out": cfg.out, "host_timeout_s": cfg.host_timeout_s},
+                             str(step_dir))
     return fit_mesh(resumed, explicit, step_dir), step_dir, meta
 
 
