@@ -125,10 +125,11 @@ def host_lost(runs):
     shard = max((p for p in (out / "checkpoints" / str(STEPS)).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:-8])             # truncated: fails its manifest
     port = free_port()
+    logs = [(root / f"host_lost.{i}.log").open("w+") for i in range(2)]     # files: no pipe fills up and blocks
     procs = [subprocess.Popen([sys.executable, "-m", "train.cli", "train", "--out", str(out), "--resume",
                                "--checkpoint-every", "2", "--host-timeout-s", str(HOST_TIMEOUT_S), *cluster_args(port, i)],
                               cwd=ROOT, env={**env_with_devices(2), **({SAVE_FAULT_ENV: "4"} if i == 1 else {})},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=logs[i], stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     ended = [None, None]
     try:
@@ -142,7 +143,10 @@ def host_lost(runs):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return out, [(p.returncode, p.stdout.read(), t) for p, t in zip(procs, ended)]
+                p.wait()
+        for log in logs:
+            log.close()
+    return out, [(p.returncode, (root / f"host_lost.{i}.log").read_text(), t) for i, (p, t) in enumerate(zip(procs, ended))]
 
 
 def test_a_lost_host_stops_the_survivor_within_the_bound_with_one_line(host_lost):
