@@ -1,8 +1,6 @@
-"""The training process's side of a lost host (multi-host runs, under train/host_supervisor.py):
-tell the supervising parent who the processes are and when a collective failed, then wait for
-JAX's coordination service to end this process, which it does once a dead peer misses its
-heartbeats for `host_timeout_s`. Imports nothing heavy: the parent uses its names too.
-"""
+"""The training process's side of a lost host (under train/host_supervisor.py): tell the parent who
+the processes are and when a collective failed, then wait for JAX's coordination service to end
+this process (it does once a dead peer misses heartbeats for host_timeout_s). Imports nothing heavy."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,6 @@
-"""Multi-host `train` as a small parent process and the training process under it, per host.
-When a peer host dies, JAX's coordination service ends the training process (an abort with a
-C++ stack trace) within the run's host_timeout_s; the parent holds that output back and says,
-in one line, which process and host was lost, where the newest complete checkpoint is and how
-to resume, then exits EXIT_HOST_LOST. Anything else the child does passes through unchanged.
-"""
+"""Multi-host `train` as a small parent over the training process: when JAX's coordination service
+ends it because a peer host died (an abort with a C++ stack trace), the parent holds that back and
+says in one line who was lost, the newest complete checkpoint and how to resume (EXIT_HOST_LOST)."""
 from __future__ import annotations
 
 import json
