@@ -3,11 +3,15 @@
 Every host runs the same command. The cluster is described by flags (`--coordinator HOST:PORT
 --num-processes N --process-id I`) or found by JAX itself where the scheduler says it: a Cloud
 TPU pod slice (its metadata) and SLURM (`SLURM_*` variables). A single process needs nothing.
-On CPU hosts (tests, one machine) the collectives go through gloo.
+On CPU hosts (tests, one machine) the collectives go through gloo. The coordination service's
+heartbeat and shutdown timeouts are the run's `host_timeout_s`: a process silent that long is
+declared dead and the service ends every other process (see train/host_supervisor.py).
 """
 from __future__ import annotations
 
+import json
 import os
+import socket
 
 import jax
 
@@ -27,8 +31,11 @@ def detected_cluster(environ=os.environ) -> str | None:
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, timeout_s: int = 300) -> bool:
-    """Join the cluster; returns True when this run spans several processes."""
+               process_id: int | None = None, *, timeout_s: int = 300, host_timeout_s: int = 30) -> bool:
+    """Join the cluster; returns True when this run spans several processes. `timeout_s` bounds
+    the wait for the others to join, `host_timeout_s` how long a silent peer counts as alive."""
+    timeouts = dict(initialization_timeout=timeout_s, heartbeat_timeout_seconds=host_timeout_s,
+                    shutdown_timeout_seconds=host_timeout_s)
     given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
@@ -41,18 +48,41 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             return False
         _cpu_collectives()
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=timeout_s)
+                                   process_id=process_id, **timeouts)
         return True
     if detected_cluster() is None:
         return False
     _cpu_collectives()
-    jax.distributed.initialize(initialization_timeout=timeout_s)
+    jax.distributed.initialize(**timeouts)
     return jax.process_count() > 1
 
 
 def _cpu_collectives() -> None:
     # Only the CPU backend reads this; TPU and GPU hosts use their own interconnect.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def _coordination_client():
+    # jax keeps the client of the coordination service here (jax.experimental.multihost_utils
+    # and Orbax read it the same way); its key-value store and barriers need no device.
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+def process_hosts(timeout_s: int = 300) -> dict[int, dict]:
+    """{process index: {"host", "pid"}} of every process, exchanged once through the coordination
+    service's key-value store (every process must call it)."""
+    client, me = _coordination_client(), jax.process_index()
+    mine = {"host": socket.gethostname(), "pid": os.getpid()}
+    client.key_value_set(f"torchlyra/hosts/{me}", json.dumps(mine))
+    return {i: mine if i == me else json.loads(client.blocking_key_value_get(f"torchlyra/hosts/{i}", timeout_s * 1000))
+            for i in range(jax.process_count())}
+
+
+def barrier(name: str, timeout_s: int) -> None:
+    """Wait until every process reaches `name` (the coordination service's barrier, no device)."""
+    _coordination_client().wait_at_barrier(name, timeout_s * 1000)
 
 
 def is_main_process() -> bool:

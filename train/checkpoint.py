@@ -30,7 +30,8 @@ import torch
 
 from torch_model.config import ConfigError, ModelConfig
 from train.atomic import staged_dir
-from train.checkpoint_integrity import CheckpointDamaged, hooked_temporary_path, verify_manifest, write_manifest
+from train.checkpoint_integrity import (CheckpointDamaged, fault_while_saving, hooked_temporary_path, verify_manifest,
+                                        write_manifest)
 from train.errors import UserError
 from train.jsonfile import read_json
 
@@ -207,6 +208,7 @@ class CheckpointWriter:
         start = time.perf_counter()
         self._started[step] = start
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        fault_while_saving(step)
         record = SaveRecord(step, time.perf_counter() - start)
         self.records.append(record)
         return record

@@ -20,6 +20,9 @@ MANIFEST_FILE = "torchlyra_manifest.json"
 # is saving (the K-th save of the process, default the first) are on disk, checked as each item is
 # finalized, before and after the step's rename, and after the manifest.
 FAULT_ENV = "TORCHLYRA_FAULT_KILL_AFTER_CHECKPOINT_FILES"
+# Fault injection for tests, "STEP": SIGKILL this process as soon as its save of step STEP has
+# started (its shards still being written in the background): a host lost in mid-save.
+SAVE_FAULT_ENV = "TORCHLYRA_FAULT_KILL_WHILE_SAVING_STEP"
 
 
 class CheckpointDamaged(UserError):
@@ -86,6 +89,12 @@ def _fault_point(step_dir: Path) -> None:
         return
     files, _, save = spec.partition("@")
     if _saves_done + 1 == int(save or 1) and _count_files(step_dir) >= int(files):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_while_saving(step: int) -> None:
+    """The SAVE_FAULT_ENV injection point: called once a save of `step` has started."""
+    if os.environ.get(SAVE_FAULT_ENV) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

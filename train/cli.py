@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch_model.config import ConfigError
     from train.errors import UserError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv           # a supervising parent runs the same command in a child
     if getattr(args, "_missing", False):
         print(f"torchlyra: error: the {args.command} command is not available in this build", file=sys.stderr)
         return 2

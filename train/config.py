@@ -39,6 +39,7 @@ class TrainConfig:
     init_from: str | None = None   # parameters from this checkpoint, fresh optimizer state
     tensorboard: bool = False      # also write TensorBoard event files to out/tensorboard
     max_consecutive_skips: int = 20   # non-finite steps in a row before the run stops
+    host_timeout_s: int = 30       # many hosts: a peer silent this long is lost; the others stop (exit 75)
     samples: int = 2
     sample_tokens: int = 120
     temperature: float = 0.8
@@ -47,7 +48,7 @@ class TrainConfig:
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "micro_batches", "eval_every", "log_every", "checkpoint_every",
-                    "keep_checkpoints", "max_consecutive_skips")
+                    "keep_checkpoints", "max_consecutive_skips", "host_timeout_s")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -77,7 +78,7 @@ class TrainConfig:
 # What a resumed run may change; every other field must match the checkpoint's, or the resumed
 # run would not continue the same training (model, data, batch, sequence, optimizer, schedule).
 CHANGEABLE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-                        "tensorboard", "max_consecutive_skips", "samples", "sample_tokens", "temperature", "top_k",
+                        "tensorboard", "max_consecutive_skips", "host_timeout_s", "samples", "sample_tokens", "temperature", "top_k",
                         "kernels", "kernel_options", "mesh", "remat", "out", "resume", "init_from")
 
 

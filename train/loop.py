@@ -3,7 +3,8 @@
 The loop below is the whole schedule of a run; each line calls one job of `train/trainer.py`
 (setup and resume, step, logging, evaluation, checkpoints, the end). Stopping signals live in
 `train/preemption.py`, the checkpoint format in `train/checkpoint.py`, metrics in
-`train/metrics.py`, evaluation in `train/evaluation.py`.
+`train/metrics.py`, evaluation in `train/evaluation.py`. A multi-host run trains under a small
+parent process that reports a lost host in one line (`train/host_supervisor.py`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,27 @@ from train.errors import UserError
 def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progress: bool = True) -> dict:
     """Train (or continue, with cfg.resume) a run; returns its summary. `explicit` are the settings
     the user gave (a resumed run takes the rest from its checkpoint)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return _train(cfg, explicit, show_progress)
+    from jax_bridge.distributed import barrier
+    from train.host_fault import await_verdict
+
+    try:
+        summary = _train(cfg, explicit, show_progress)
+        # Every process ends together: none waits alone at JAX's shutdown (host_timeout_s) while
+        # process 0 writes plots and samples.
+        barrier("torchlyra: run ended", timeout_s=24 * 3600)
+        return summary
+    except UserError:
+        raise
+    except Exception as e:        # a failed collective: perhaps a peer died (then this process ends here)
+        await_verdict(e, cfg.host_timeout_s)
+        raise
+
+
+def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict:
     from train.preemption import StopSignals
     from train.trainer import Trainer, resume_point
 
@@ -51,7 +73,7 @@ _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": in
           "micro_batches": int, "lr": float, "adam_lr": float, "warmup_steps": int, "kernels": str,
           "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int,
           "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
-          "max_consecutive_skips": int, "mesh": str, "remat": str}
+          "max_consecutive_skips": int, "host_timeout_s": int, "mesh": str, "remat": str}
 _SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",
              "tensorboard": "also write TensorBoard event files to OUT/tensorboard"}
 _BOOLEANS = {"scan_layers": "decoder layers as one lax.scan over stacked parameters (default), or a loop"}
@@ -86,12 +108,24 @@ def config_from_args(args) -> tuple[TrainConfig, dict]:
 def run(args) -> int:
     from jax_bridge import distributed
     from torch_model.config import PRESETS
+    from train import host_fault
 
+    cfg, explicit = config_from_args(args)
+    many = (args.num_processes or 1) > 1 or (args.num_processes is None and distributed.detected_cluster())
+    if many and not host_fault.supervised():
+        from train.host_supervisor import supervise
+
+        return supervise(args.argv, cfg.out)
     try:       # before anything touches a device
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               host_timeout_s=cfg.host_timeout_s)
     except distributed.ClusterError as e:
         raise UserError(str(e)) from None
-    cfg, explicit = config_from_args(args)
+    if host_fault.supervised():
+        import jax
+
+        host_fault.report(process=jax.process_index(), processes=jax.process_count(),
+                          hosts=distributed.process_hosts())
     if cfg.preset not in PRESETS:
         raise UserError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}")
     summary = run_training(cfg, explicit=explicit)

@@ -74,7 +74,28 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
     if not isinstance(meta.get("train_config"), dict) or meta.get("contents") != checkpoint.TRAIN_STATE:
         raise UserError(f"checkpoint {step_dir} is not a training checkpoint (no train state); start a new "
                         f"run from its parameters with --init-from {step_dir}")
-    return resumed_config(meta["train_config"], {**explicit, "out": cfg.out}, str(step_dir)), step_dir, meta
+    # host_timeout_s is this launch's: the cluster was joined with it before the checkpoint was read.
+    resumed = resumed_config(meta["train_config"], {**explicit, "out": cfg.out, "host_timeout_s": cfg.host_timeout_s},
+                             str(step_dir))
+    return fit_mesh(resumed, explicit, step_dir), step_dir, meta
+
+
+def fit_mesh(cfg: TrainConfig, explicit: dict, step_dir: Path) -> TrainConfig:
+    """A resumed run on fewer (or more) devices than its checkpoint's, e.g. after losing hosts,
+    with no --mesh given: the saved mesh cannot fit, so every device goes on fsdp (said once)."""
+    import jax
+
+    from jax_bridge import sharding
+
+    if "mesh" in explicit or not cfg.mesh:
+        return cfg
+    try:
+        sharding.parse_mesh(cfg.mesh, jax.device_count())
+        return cfg
+    except ValueError:
+        say(f"--resume: the mesh of {step_dir} ({cfg.mesh}) does not fit the {jax.device_count()} devices of this "
+            f"run; using every device on fsdp (give --mesh to choose)")
+        return cfg.replace(mesh="")
 
 
 def build_mesh(cfg: TrainConfig):

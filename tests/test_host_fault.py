@@ -1,0 +1,68 @@
+"""The pieces of the lost-host path that need no cluster (tests/test_multihost.py runs the whole
+path with two real processes): who the coordination service's words name as lost, the parent's
+holding back of C++ log text, and a resumed run's mesh fitted to fewer devices."""
+import io
+import os
+import threading
+from pathlib import Path
+
+import jax
+
+from train.config import TrainConfig
+from train.host_supervisor import StderrRelay, lost_process
+from train.trainer import fit_mesh
+
+# What XLA's coordination service wrote when it ended a survivor (jaxlib 0.10.2, 127.0.0.1):
+# process 0, which ran the service, after process 1 died; process 1 after process 0 died.
+SERVICE_SAW_TASK_DIE = (
+    "E1201 08:35:15.315793    6894 coordination_service.cc:1549] [5626036722053714469] Use error polling to propagate "
+    "the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n"
+    "3\nThe tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. preemption, "
+    "eviction) to debug further. [type.googleapis.com/tensorflow.CoordinationServiceError='']\n"
+    "F1201 08:35:15.317545    6698 client.h:80] Terminating process because the JAX distributed service detected "
+    "fatal errors.\n")
+COORDINATOR_GONE = (
+    "E1201 08:37:22.523587   16357 coordination_service_agent.cc:289] Polled an error from coordination service "
+    "(this can be an error from this or another task).\n"
+    "F1201 08:37:22.523642   16357 client.h:80] Terminating process because the JAX distributed service detected "
+    "fatal errors.\nAdditional GRPC error information from remote target coordination_service while calling "
+    "/xla.coordination.CoordinationService/PollForError:\n:UNKNOWN:Error received from peer  "
+    "{grpc_message:\"Socket closed\", grpc_status:14}\n*** Check failure stack trace: ***\n")
+
+
+def test_the_lost_process_is_the_one_the_service_names_or_the_coordinator():
+    assert lost_process(SERVICE_SAW_TASK_DIE, me=0)[0] == 3
+    assert lost_process(SERVICE_SAW_TASK_DIE.replace("\n3\n", "\n2\n"), me=1)[0] == 2
+    assert lost_process("Task 5 heartbeat timeout. This indicates ...", me=0)[0] == 5
+    assert lost_process(COORDINATOR_GONE, me=1)[0] == 0
+    assert lost_process("something else entirely", me=1)[0] is None
+
+
+def relay_of(data: bytes) -> tuple[StderrRelay, io.BytesIO]:
+    read_end, write_end = os.pipe()
+    sink = io.BytesIO()
+    relay = StderrRelay(os.fdopen(read_end, "rb"), sink)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    os.write(write_end, data)
+    os.close(write_end)
+    thread.join(timeout=10)
+    return relay, sink
+
+
+def test_the_relay_passes_output_on_and_holds_back_cpp_log_text_from_its_first_line():
+    before = "step 2: validation loss 4.1\ntrain:  40%|####      | 2/5 [00:01<00:01]\r"     # a bar, then C++
+    relay, sink = relay_of((before + COORDINATOR_GONE).encode())
+    assert sink.getvalue().decode() == before
+    assert "PollForError" in relay.text()
+    relay.release()              # the process lived on (or ended for another reason): nothing is lost
+    assert sink.getvalue().decode() == before + COORDINATOR_GONE
+
+
+def test_a_resume_on_fewer_devices_without_mesh_puts_every_device_on_fsdp(monkeypatch, capsys):
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    saved = TrainConfig(mesh="data=2,fsdp=2")
+    assert fit_mesh(saved, {}, Path("run/checkpoints/3")).mesh == ""
+    assert "run/checkpoints/3 (data=2,fsdp=2) does not fit the 2 devices" in capsys.readouterr().out
+    assert fit_mesh(saved, {"mesh": "data=2,fsdp=2"}, Path("x")).mesh == "data=2,fsdp=2", "a given --mesh is kept"
+    assert fit_mesh(TrainConfig(mesh="tensor=2"), {}, Path("x")).mesh == "tensor=2", "a mesh that fits is kept"
