@@ -17,8 +17,10 @@ torch state_dict whatever `layout` the parameters are stored in (`LAYOUTS`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import json
 import os
 import sys
 import time
@@ -251,6 +253,48 @@ def save_checkpoint(dir: str | os.PathLike, model_state: dict[str, torch.Tensor]
     return Path(dir)
 
 
+STORED_DTYPES = ("float32", "bfloat16")    # a parameters-only checkpoint may keep bf16 sources
+
+
+@contextlib.contextmanager
+def params_writer(dir: str | os.PathLike, model_cfg: ModelConfig, *, step: int = 0, extra: dict | None = None,
+                  tokenizer=None, overwrite: bool | None = None):
+    """Write a parameters-only checkpoint one tensor at a time: yields `add(name, array)`; each
+    array goes to disk (an Orbax partial save) before the next is made, so host memory holds one
+    tensor, never the model. Float32 or bfloat16 arrays (kept as given; loaders widen to float32).
+    Names and shapes are checked against the model config, and the directory is published only
+    when complete (overwrite as in save_checkpoint)."""
+    from orbax.checkpoint.experimental.v1 import partial
+
+    _orbax()
+    expected, found = model_shapes(model_cfg), {}
+    policy = _holds_checkpoint if overwrite is None else ("always" if overwrite else "never")
+    with staged_dir(dir, replace=policy) as tmp:
+        step_dir = tmp.absolute() / str(step)
+
+        def add(name: str, array) -> None:
+            array = np.asarray(array)
+            if name in found:
+                raise ValueError(f"params_writer: tensor {name} added twice")
+            if str(array.dtype) not in STORED_DTYPES:
+                raise ValueError(f"params_writer: tensor {name} has dtype {array.dtype}, expected {STORED_DTYPES}")
+            found[name] = tuple(array.shape)
+            partial.save(step_dir, {"params": {name: array}})
+
+        yield add
+        check_tensors(found, expected, f"{dir}")
+        partial.finalize(step_dir)
+        if not (step_dir / STATE).is_dir():
+            raise RuntimeError(f"Orbax's partial save wrote no {STATE}/ item in {step_dir}")
+        meta = _meta(step, {"model": model_cfg.to_dict(), **(extra or {})}, {"params": found}, tokenizer)
+        (step_dir / META).mkdir()
+        (step_dir / META / "metadata").write_text(json.dumps(meta))
+        if tokenizer is not None:
+            from train.data.tokenizer import save_tokenizer
+            save_tokenizer(tokenizer, step_dir / TOKENIZER)
+        write_manifest(step_dir)
+
+
 def _holds_checkpoint(path: Path) -> bool:
     try:
         return bool(step_dirs(path)) or _is_step_dir(path)
@@ -411,8 +455,8 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], M
     stored = stored_shapes(step_dir)
     where = f"checkpoint {step_dir}"
     for key, (_, dtype) in stored.items():
-        if key[0] == "params" and dtype != "float32":
-            raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected float32")
+        if key[0] == "params" and dtype not in STORED_DTYPES:
+            raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
     params = LAYOUTS[meta["layout"]](_restore_params_to_host(step_dir, stored), cfg)
     check_tensors({k: tuple(v.shape) for k, v in params.items()}, model_shapes(cfg), where)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in params.items()}

@@ -1,0 +1,164 @@
+"""gpt-oss's released MXFP4 layout: the codec against transformers' reference, reading a
+released-layout directory (written here by hand, odd shapes, several shards), import against
+transformers' own load, MXFP4 export and its round trip, and bad input named in one line."""
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from parity import mxfp4
+from parity.hf_import import import_hf
+from parity.hf_parity import compare_with_transformers
+from parity.hf_weights import HFWeights
+from torch_model.config import get_preset
+from train.checkpoint import load_checkpoint
+from train.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
+
+# Odd on purpose: 3 experts (no even expert split), gate_up rows 2*96 = 192 and down rows 64 (not
+# multiples of 128), down_proj's input 96 = 3 blocks, hidden 64 = 2 blocks.
+RELEASED = get_preset("tiny").replace(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                      n_experts=3, experts_per_token=2, expert_dim=96, sliding_window=5,
+                                      bos_token_id=0, eos_token_id=1)
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def random_packed(gen, shape, low=118, high=124):
+    """Random MXFP4 bytes: every nibble equally likely, scales 2**-9 .. 2**-4."""
+    blocks = torch.randint(0, 256, (*shape, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(low, high, shape, generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+def write_released(path, cfg=RELEASED, *, seed=0, shards=3):
+    """A directory laid out as gpt-oss is published: MXFP4 expert blocks/scales, everything else
+    bf16, several shards with an index, quantization_config in config.json."""
+    from parity import hf_mapping
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in hf_mapping.hf_shapes(cfg).items():
+        if name.rpartition(".")[2] in EXPERT_WEIGHTS:
+            experts, inputs, outputs = shape
+            blocks, scales = random_packed(gen, (experts, outputs, inputs // 32))
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        else:
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            tensors[name] = (base + 0.05 * torch.randn(shape, generator=gen)).bfloat16()
+    path.mkdir(parents=True)
+    names = list(tensors)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i * per:(i + 1) * per]}
+        safetensors.torch.save_file(part, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = hf_mapping.build_hf_config(cfg, dtype="bfloat16").to_dict()
+    config.pop("torchlyra")
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    root = tmp_path_factory.mktemp("released")
+    return root / "hf", write_released(root / "hf")
+
+
+# ---- the codec ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(3, 5, 7), (1, 1, 1), (2, 33, 3)])
+def test_dequantize_is_bit_identical_to_transformers(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    blocks, scales = random_packed(gen, shape, low=0, high=253)     # every scale no code overflows
+    scales[0, 0, 0], scales[-1, -1, -1] = 0, 252                    # subnormal and largest results
+    ours = mxfp4.dequantize(blocks.numpy(), scales.numpy())
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)      # [E, G*32, rows]
+        mine = torch.from_numpy(ours.transpose(0, 2, 1).copy()).to(dtype)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(mine.view(bits), theirs.view(bits)), dtype
+
+
+def test_quantize_reproduces_every_dequantized_value():
+    gen = torch.Generator().manual_seed(1)
+    blocks, scales = random_packed(gen, (4, 9, 3), low=0, high=253)
+    values = mxfp4.dequantize(blocks.numpy(), scales.numpy())
+    again = mxfp4.dequantize(*mxfp4.quantize(values))
+    assert np.array_equal(again, values)     # values, not bytes: an equivalent block may pick another scale
+
+
+def test_quantize_rounds_to_nearest_even_and_saturates():
+    block = np.zeros(32, np.float32)
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, -0.25, 6.0]
+    block[:len(ties)] = ties
+    got = mxfp4.dequantize(*mxfp4.quantize(block[None]))[0]
+    assert got[:len(ties)].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0, 0.0, 6.0]
+    block[0] = 7.0                       # amax 7: scale 2**0 (floor(log2 7) - 2), 7 saturates to 6
+    blocks, scales = mxfp4.quantize(block[None])
+    assert scales.tolist() == [[127]] and mxfp4.dequantize(blocks, scales)[0, 0] == 6.0
+
+
+def test_quantize_picks_the_nearest_grid_value_on_random_data():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 96)) * np.exp(rng.uniform(-8, 4, (6, 1)))).astype(np.float32)
+    blocks, scales = mxfp4.quantize(x)
+    got = mxfp4.dequantize(blocks, scales).reshape(6, 3, 32)
+    scale = np.ldexp(1.0, scales.astype(np.int32) - 127)[..., None, None]
+    grid = mxfp4.FP4_VALUES[None, None, None, :] * scale                         # [6, 3, 1, 16]
+    xb = x.reshape(6, 3, 32)
+    best = np.abs(xb[..., None] - grid).min(-1)
+    assert np.allclose(np.abs(xb - got), best, rtol=0, atol=0)
+    amax = np.abs(xb).max(-1)
+    assert np.all(np.abs(got).max(-1) <= 6 * scale[..., 0, 0]) and np.all(6 * scale[..., 0, 0] * 2 > amax)
+
+
+def test_codec_refuses_overflowing_scales_and_partial_blocks():
+    blocks = np.zeros((1, 2, 16), np.uint8)
+    for byte in (254, 255):
+        with pytest.raises(UserError, match=f"w: scale byte {byte} overflows float32"):
+            mxfp4.dequantize(blocks, np.array([[3, byte]], np.uint8), "w")
+    blocks[0, 1, 5] = 0x70                                  # code 7 (6.0) at 2**126: beyond float32
+    with pytest.raises(UserError, match=r"w: scale byte 253 overflows float32 for block \[0, 1\]"):
+        mxfp4.dequantize(blocks, np.array([[3, 253]], np.uint8), "w")
+    with pytest.raises(UserError, match=r"w: MXFP4 blocks of shape \[1, 2, 16\] need scales of shape \[1, 2\]"):
+        mxfp4.dequantize(blocks, np.zeros((1, 3), np.uint8), "w")
+    with pytest.raises(UserError, match=r"w: MXFP4 needs the last dimension to be a multiple of 32, found shape \[2, 48\]"):
+        mxfp4.quantize(np.zeros((2, 48)), "w")
+
+
+# ---- reading the released layout ----------------------------------------------------------------------
+def test_slices_cross_block_boundaries(released):
+    hf, tensors = released
+    weights = HFWeights(hf, quantized=True)
+    name = "model.layers.1.mlp.experts.down_proj"          # [3 experts, 96 in, 64 out]
+    whole = weights.read(name)
+    theirs = convert_moe_packed_tensors(tensors[name + "_blocks"], tensors[name + "_scales"], dtype=torch.float32)
+    assert whole.shape == (3, 96, 64) and np.array_equal(whole, theirs.numpy())
+    for index in [(slice(1, 3), slice(20, 75), slice(5, 64)), (slice(0, 1), slice(31, 33), slice(0, 1))]:
+        before = weights.bytes_requested
+        assert np.array_equal(weights.read(name, index), whole[index])
+        assert weights.bytes_requested - before < whole.size    # only the covering blocks were read
+
+
+def test_released_import_matches_transformers_own_load(tmp_path, released):
+    hf, _ = released
+    summary = import_hf(hf, tmp_path / "ck")
+    assert summary["dtypes"] == ["bfloat16", "mxfp4"]
+    state, cfg, meta = load_checkpoint(tmp_path / "ck")
+    assert cfg == RELEASED.replace(max_seq_len=cfg.max_seq_len, router_aux_loss_coef=0.0)   # a foreign file sets no training settings
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    report = compare_with_transformers(cfg, state, tokens, hf_dir=hf)   # transformers dequantizes itself
+    assert report["rel_err"] <= 1e-5 and report["top1_agreement"] == 1.0, report
+
+
+def bf16(t):
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
