@@ -162,3 +162,85 @@ def test_released_import_matches_transformers_own_load(tmp_path, released):
 
 def bf16(t):
     return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+# ---- bad input: one line naming file and tensor, nothing left behind ---------------------------------
+def leftovers(path):
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
+
+
+def break_released(hf, case):
+    index = hf / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    file = hf / weight_map[name + "_blocks"]
+    if case == "truncated":
+        data = file.read_bytes()
+        file.write_bytes(data[:len(data) - 100])
+        return rf"{file.name}: unreadable safetensors file"
+    if case == "missing_file":
+        weight_map["lm_head.weight"] = "model-00009-of-00009.safetensors"
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        return (r"model\.safetensors\.index\.json: names shard model-00009-of-00009\.safetensors \(for tensor "
+                r"lm_head\.weight\), which is missing")
+    if case == "scales_shape":
+        tensors = safetensors.torch.load_file(str(hf / weight_map[name + "_scales"]))
+        tensors[name + "_scales"] = tensors[name + "_scales"][:, :, :1].contiguous()
+        safetensors.torch.save_file(tensors, str(hf / weight_map[name + "_scales"]), metadata={"format": "pt"})
+        return (rf"tensor {name}_blocks \(scales {name}_scales\): MXFP4 blocks of shape \[3, 192, 2, 16\] need "
+                rf"scales of shape \[3, 192, 2\] \(blocks \[\.\.\., G, 16\]\), found \[3, 192, 1\]")
+    if case == "scale_byte":
+        tensors = safetensors.torch.load_file(str(hf / weight_map[name + "_scales"]))
+        tensors[name + "_scales"][2, 7, 1] = 255
+        safetensors.torch.save_file(tensors, str(hf / weight_map[name + "_scales"]), metadata={"format": "pt"})
+        return rf"{weight_map[name + '_blocks']}: tensor {name}_blocks: scale byte 255 overflows float32"
+    config = json.loads((hf / "config.json").read_text())
+    if case == "quant_method":
+        config["quantization_config"]["quant_method"] = "fp8"
+        expected = r"config\.json: field 'quantization_config\.quant_method' expected 'mxfp4' .*found 'fp8'"
+    else:                                   # architecture: attention without bias
+        config["attention_bias"] = False
+        expected = r"config\.json: field 'attention_bias' expected true"
+    (hf / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+@pytest.mark.parametrize("case", ["truncated", "missing_file", "scales_shape", "scale_byte", "quant_method",
+                                  "architecture"])
+def test_bad_released_dirs_are_named_in_one_line(tmp_path, released, case):
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(released[0], hf)
+    expected = break_released(hf, case)
+    with pytest.raises(UserError, match=expected) as raised:
+        import_hf(hf, tmp_path / "ck")
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "ck").exists() and leftovers(tmp_path / "ck") == []
+
+
+# ---- the tokenizer ---------------------------------------------------------------------------------------
+def harmony_tokenizer_json(enc):
+    """tokenizer.json as gpt-oss ships it, reduced to what recognition reads: the byte-level
+    BPE vocabulary and the added (special) tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    to_char = bytes_to_unicode()
+    vocab = {"".join(to_char[b] for b in token): rank for token, rank in enc._mergeable_ranks.items()}
+    added = [{"id": i, "content": name, "special": True} for name, i in enc._special_tokens.items()]
+    return {"model": {"type": "BPE", "vocab": vocab, "merges": []}, "added_tokens": added}
+
+
+def test_o200k_harmony_is_recognised_and_a_different_one_named(tmp_path):
+    from parity.hf_tokenizer import recognize
+    from train.data.tokenizer import o200k_harmony
+
+    enc = o200k_harmony()
+    found = harmony_tokenizer_json(enc)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(found))
+    got, line = recognize(tmp_path)
+    assert got is enc and line.startswith("o200k_harmony")
+    found["added_tokens"] = [a for a in found["added_tokens"] if a["content"] != "<|return|>"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(found))
+    got, line = recognize(tmp_path)
+    assert got is None and "special token '<|return|>' is missing" in line and "\n" not in line
