@@ -317,7 +317,7 @@ def test_export_refuses_a_non_empty_out_dir(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["mine.txt"] and leftovers(out) == []
     export_checkpoint(tmp_path / "ck", out, overwrite=True)
     assert not (out / "mine.txt").exists() and (out / "model.safetensors").is_file() and leftovers(out) == []
-    with pytest.raises(UserError, match="--dtype: expected one of float32, bfloat16, found 'float16'"):
+    with pytest.raises(UserError, match="--dtype: expected one of float32, bfloat16, mxfp4, found 'float16'"):
         export_checkpoint(tmp_path / "ck", tmp_path / "other", dtype="float16")
 
 

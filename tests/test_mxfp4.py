@@ -10,6 +10,7 @@ import safetensors.torch
 import torch
 
 from parity import mxfp4
+from parity.hf_export import export_checkpoint
 from parity.hf_import import import_hf
 from parity.hf_parity import compare_with_transformers
 from parity.hf_weights import HFWeights
@@ -244,3 +245,78 @@ def test_o200k_harmony_is_recognised_and_a_different_one_named(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(found))
     got, line = recognize(tmp_path)
     assert got is None and "special token '<|return|>' is missing" in line and "\n" not in line
+
+
+# ---- export to the released layout ----------------------------------------------------------------
+def read_dir(path):
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            out.update((k, s.get_tensor(k)) for k in s.keys())
+    return out
+
+
+def dequantized(tensors):
+    """Every tensor by its transformers name, expert weights dequantized by transformers' reference."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            out[base] = convert_moe_packed_tensors(t, tensors[base + "_scales"], dtype=torch.float32)
+        elif not name.endswith("_scales"):
+            out[name] = t
+    return out
+
+
+def test_released_import_export_round_trip_and_transformers_loads_it(tmp_path, released):
+    hf, source = released
+    import_hf(hf, tmp_path / "ck")
+    summary = export_checkpoint(tmp_path / "ck", tmp_path / "out", dtype="mxfp4", shard_size_bytes=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(summary["files"]) > 3 and set(index["weight_map"]) == set(source)
+    back = read_dir(tmp_path / "out")
+    assert all(back[n].dtype == t.dtype and back[n].shape == t.shape for n, t in source.items())
+    want, got = dequantized(source), dequantized(back)
+    for name, t in want.items():        # values, not bytes: an equivalent block may pick another scale
+        assert torch.equal(got[name].float(), t.float()), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((hf / "config.json").read_text())["quantization_config"]
+    state, cfg, _ = load_checkpoint(tmp_path / "ck")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    report = compare_with_transformers(cfg, state, tokens, hf_dir=tmp_path / "out")
+    assert report["rel_err"] <= 1e-5 and report["top1_agreement"] == 1.0, report
+
+
+def test_float32_export_reports_its_quantization_error(tmp_path):
+    from tests.test_hf_export import random_state
+    from train.checkpoint import save_checkpoint
+
+    state = random_state(RELEASED, seed=5)
+    save_checkpoint(tmp_path / "ck", state, RELEASED)
+    summary = export_checkpoint(tmp_path / "ck", tmp_path / "out", dtype="mxfp4")
+    written = json.loads((tmp_path / "out" / "mxfp4_error.json").read_text())["relative_error"]
+    back = dequantized(read_dir(tmp_path / "out"))
+    quantized_state = dict(state)
+    for name, t in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            error = float((back[name] - t).norm() / t.norm())
+            assert written[name] == pytest.approx(error, rel=1e-6) and 0 < error < 0.5, name
+            quantized_state[name] = back[name]
+        else:
+            assert torch.equal(back[name], t.bfloat16()), name
+    assert set(written) == {n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert summary["quantization_error"] == written
+    # The quantized model against the unquantized one on a fixed batch (reported, see the README).
+    from torch_model.model import GptOssForCausalLM
+    tokens = torch.randint(0, RELEASED.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    logits = []
+    for s in (state, quantized_state):
+        model = GptOssForCausalLM(RELEASED).eval()
+        model.load_state_dict({k: v.float() for k, v in s.items()})
+        with torch.no_grad():
+            logits.append(model(tokens).double().log_softmax(-1))
+    kl = float((logits[0].exp() * (logits[0] - logits[1])).sum(-1).mean())
+    top1 = float((logits[0].argmax(-1) == logits[1].argmax(-1)).double().mean())
+    print(f"MXFP4 export of a float32 checkpoint: KL(unquantized || quantized) {kl:.3e} nats/token, top-1 {top1:.3f}")
+    assert 0 < kl < 0.1

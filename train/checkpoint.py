@@ -446,6 +446,31 @@ def _restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarra
     return restored["params"]
 
 
+def iter_params(path: str | os.PathLike):
+    """(ModelConfig, meta, iterator of (per-layer torch name, float32 numpy array)) of the newest
+    complete checkpoint named by `path`, restoring one stored tensor at a time: host memory holds
+    one stored tensor (for the stacked layout, one parameter of all layers), never the model."""
+    step_dir = find_checkpoint(path)
+    meta, cfg = read_meta(step_dir)
+    stored = stored_shapes(step_dir)
+    where = f"checkpoint {step_dir}"
+    for key, (_, dtype) in stored.items():
+        if key[0] == "params" and dtype not in STORED_DTYPES:
+            raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
+    names = {k[1]: v for k, v in stored.items() if k[0] == "params"}
+    # Names and shapes checked before any data is read: zero-stride placeholders hold no memory.
+    placeholders = {n: np.broadcast_to(np.float32(0), shape) for n, (shape, _) in names.items()}
+    check_tensors({k: v.shape for k, v in LAYOUTS[meta["layout"]](placeholders, cfg).items()}, model_shapes(cfg), where)
+
+    def tensors():
+        for name, (shape, dtype) in names.items():
+            one = _restore_params_to_host(step_dir, {("params", name): (shape, dtype)})
+            for torch_name, value in LAYOUTS[meta["layout"]](one, cfg).items():
+                yield torch_name, np.asarray(value, dtype=np.float32)
+
+    return cfg, {k: v for k, v in meta.items() if k != "model"}, tensors()
+
+
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
     """(state_dict with per-layer torch names, ModelConfig, meta) of the newest complete
     checkpoint named by `path` (run directory, checkpoints directory or step directory).
