@@ -2,8 +2,10 @@
 
 Writes config.json (GptOssConfig), model.safetensors (or shards + model.safetensors.index.json
 above the size threshold), generation_config.json, the tokenizer (transformers' tokenizer.json +
-tokenizer_config.json converted from our tiktoken BPE, plus the original files under tiktoken/)
-and a README.md. Everything is written into a hidden directory beside the target and renamed
+tokenizer_config.json converted from our tiktoken BPE, the harmony chat template for harmony
+tokenizers, the original files under tiktoken/) and a README.md. Tensors stream from the
+checkpoint one at a time into shards; `--dtype mxfp4` writes gpt-oss's released layout (MXFP4
+experts, bf16 rest). Everything is written into a hidden directory beside the target and renamed
 at the end, so a failure leaves no partial output.
 """
 from __future__ import annotations

@@ -8,6 +8,7 @@ and MXFP4 sources), so host memory holds one tensor. The tokenizer comes along w
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from parity import hf_mapping
 from parity.hf_tokenizer import recognize
-from parity.hf_weights import HFWeights, check_quantization, numpy_to_torch, torch_to_numpy
+from parity.hf_weights import SOURCE_DTYPES, HFWeights, check_quantization, numpy_to_torch, torch_to_numpy
 from train import checkpoint
 from train.errors import UserError
 from train.jsonfile import read_json
@@ -51,15 +52,19 @@ def open_hf(hf_dir, *, dense: bool = False):
     return cfg, weights
 
 
-def read_stored(weights: HFWeights, name: str) -> np.ndarray:
+def read_stored(weights: HFWeights, name: str, scratch: Path | None = None) -> np.ndarray:
     """One whole tensor in the dtype a parameters-only checkpoint keeps (float32 sources stay
     float32, float16 widens exactly to float32, bfloat16 and MXFP4 become bfloat16: every MXFP4
-    value is exact in bfloat16). MXFP4 experts are dequantized a few experts at a time."""
+    value is exact in bfloat16). MXFP4 experts are dequantized a few experts at a time. With a
+    `scratch` file the result lives in that file's pages and float32/bfloat16 sources are mapped
+    from their shard, so the caller's anonymous memory holds no whole tensor."""
     entry = weights.entries[name]
     dtype = STORED[entry.dtype]
     if not entry.quantized:
+        if scratch is not None and np.dtype(SOURCE_DTYPES[entry.dtype]) == np.dtype(dtype):
+            return weights.map_whole(name)
         return weights.read(name).astype(dtype, copy=False)
-    out = np.empty(entry.shape, dtype)
+    out = np.empty(entry.shape, dtype) if scratch is None else np.memmap(scratch, dtype, mode="w+", shape=entry.shape)
     per_expert = 4 * math.prod(entry.shape[1:])
     step = max(1, EXPERT_CHUNK_BYTES // per_expert)
     for e in range(0, entry.shape[0], step):
@@ -82,13 +87,17 @@ def import_hf(hf_dir, out_dir, *, dense: bool = False, overwrite: bool = False, 
     total = sum(e.nbytes for e in weights.entries.values())
     start = time.perf_counter()
     with checkpoint.params_writer(out, cfg, step=0, extra=extra, tokenizer=enc, overwrite=overwrite) as add, \
+            tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-scratch-", dir=out.absolute().parent) as scratch, \
             tqdm(total=total, unit="B", unit_scale=True, desc="import", disable=not progress) as bar:
-        for name, entry in weights.entries.items():
-            value = read_stored(weights, name)
+        for i, (name, entry) in enumerate(weights.entries.items()):
+            # Orbax's writer keeps an anonymous buffer the size of the tensor it writes; ours stays
+            # file-backed (mapped from the shard, or dequantized into a scratch file) beside it.
+            scratch_file = Path(scratch) / f"{i}.bin"
+            value = read_stored(weights, name, scratch_file)
             # hf_mapping works on torch tensors; a one-tensor dict maps like the whole state.
             for ours, t in hf_mapping.from_hf_state({name: numpy_to_torch(value)}, cfg, where=str(hf_dir)).items():
                 add(ours, torch_to_numpy(t))
-            del value
+            scratch_file.unlink(missing_ok=True)
             bar.update(entry.nbytes)
     seconds = time.perf_counter() - start
     return {"out": str(out), "config": cfg, "dtypes": dtypes, "n_tensors": len(weights.entries),

@@ -142,6 +142,21 @@ class HFWeights:
         self.bytes_requested += part.numel() * part.element_size()
         return torch_to_numpy(part)
 
+    def map_whole(self, name: str) -> np.ndarray:
+        """An unquantized tensor as a memory map of its bytes in the shard: file-backed
+        pages the kernel may drop at will, no anonymous copy. (The safetensors layout: an 8-byte
+        little-endian header length, the JSON header, then the data at the header's offsets.)"""
+        entry = self.entries[name]
+        path = self.dir / entry.file
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        start, end = header[name]["data_offsets"]
+        self.bytes_requested += end - start
+        # Copy-on-write ("c"): never written, but writable, as torch.from_numpy wants.
+        return np.memmap(path, dtype=SOURCE_DTYPES[entry.dtype], mode="c", offset=8 + header_len + start,
+                         shape=entry.shape)
+
     def _read_mxfp4(self, entry: Entry, index: tuple[slice, ...]) -> np.ndarray:
         experts, inputs, outputs = index
         # A slice of the input dim may start or end inside a block: read the covering blocks, crop.
