@@ -237,6 +237,8 @@ def format_plan(p: Plan) -> str:
              f"{tpu_compile.CHIP_HBM_GIB.get(p.generation, '?')} GiB chip): "
              + ("fits" if p.fits else "DOES NOT FIT"),
              f"  lower {p.lower_s} s, compile {p.compile_s} s wall / {p.compile_cpu_s} s CPU (TPU compiler, on this host)"]
-    if p.error:
-        lines.append(f"  {'compiler: ' if p.compile_s is not None else ''}{p.error}")
+    if p.lower_s is None:       # not compiled: the state alone was over the chip's HBM
+        lines = lines[:3] + [f"  {p.error}; DOES NOT FIT"]
+    elif p.error:
+        lines.append(f"  compiler: {p.error}")
     return "\n".join(lines)

@@ -91,14 +91,6 @@ class ShardWriter:
         return names + [INDEX_FILE]
 
 
-def write_weights(out: Path, tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[str]:
-    """One model.safetensors, or shards plus the index transformers reads. Returns the file names."""
-    writer = ShardWriter(out, shard_bytes)
-    for name, t in tensors.items():
-        writer.add(name, t)
-    return writer.close()
-
-
 def is_expert_weight(hf_name: str) -> bool:
     return hf_name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
 

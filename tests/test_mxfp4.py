@@ -3,7 +3,6 @@ released-layout directory (written here by hand, odd shapes, several shards), im
 transformers' own load, MXFP4 export and its round trip, and bad input named in one line."""
 import json
 
-import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.torch
@@ -159,10 +158,6 @@ def test_released_import_matches_transformers_own_load(tmp_path, released):
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     report = compare_with_transformers(cfg, state, tokens, hf_dir=hf)   # transformers dequantizes itself
     assert report["rel_err"] <= 1e-5 and report["top1_agreement"] == 1.0, report
-
-
-def bf16(t):
-    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
 
 # ---- bad input: one line naming file and tensor, nothing left behind ---------------------------------
