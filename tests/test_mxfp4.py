@@ -313,5 +313,31 @@ def test_float32_export_reports_its_quantization_error(tmp_path):
             logits.append(model(tokens).double().log_softmax(-1))
     kl = float((logits[0].exp() * (logits[0] - logits[1])).sum(-1).mean())
     top1 = float((logits[0].argmax(-1) == logits[1].argmax(-1)).double().mean())
-    print(f"MXFP4 export of a float32 checkpoint: KL(unquantized || quantized) {kl:.3e} nats/token, top-1 {top1:.3f}")
+    print(f"MXFP4 export of a float32 checkpoint: relative error per tensor {min(written.values()):.4f}.."
+          f"{max(written.values()):.4f}; KL(unquantized || quantized) {kl:.3e} nats/token, top-1 {top1:.3f}")
     assert 0 < kl < 0.1
+
+
+def test_exported_harmony_chat_template_renders_as_harmony(tmp_path):
+    """A tokenizer with the harmony markers gets the chat template; transformers renders a
+    conversation with it exactly as the harmony format (train/chat.py) lays it out."""
+    import tiktoken
+
+    from parity.hf_export import write_tokenizer
+    from train.data.tokenizer import train_bpe
+
+    small = train_bpe(["<|start|>user<|message|>Hello there, how are you?<|end|>"] * 10, 300)
+    names = ["<|bos|>", "<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>"]
+    first = small.n_vocab
+    enc = tiktoken.Encoding(name="mini-harmony", pat_str=small._pat_str, mergeable_ranks=small._mergeable_ranks,
+                            special_tokens={n: first + i for i, n in enumerate(names)})
+    cfg = RELEASED.replace(bos_token_id=first, eos_token_id=first + 5)
+    assert "harmony chat_template.jinja" in write_tokenizer(enc, tmp_path, cfg)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": "Hi.", "channel": "final"}, {"role": "user", "content": "how are you?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    text = ("<|start|>system<|message|>Be brief.<|end|><|start|>user<|message|>Hello there<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Hi.<|end|><|start|>user<|message|>how are you?<|end|>"
+            "<|start|>assistant")
+    assert list(ids) == enc.encode(text, allowed_special="all")
