@@ -1,6 +1,7 @@
 """Runs in a subprocess with simulated CPU devices (tests/test_init_from_hf.py): builds the train
 state of a Hugging Face directory straight from its shards (train/init_from_hf.py) on a mesh and
-compares every addressable shard with the state a full load gives; prints what it read as JSON.
+compares every addressable shard with a full load (parameters read whole on the host, optimizer
+state zeros) and its sharding with the trainer's rules; prints what it read as JSON.
 
 usage: python tests/hf_init_worker.py DEVICES HF_DIR@MESH ... [--cluster COORDINATOR,N,ID]
 """
@@ -17,21 +18,17 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-def full_load_state(hf_dir, step_cfg, mesh):
-    """The reference: every tensor read whole on the host, then placed as a fresh run places it."""
-    from jax_bridge.step import TrainStep
+def full_load_params(hf_dir, layout) -> dict:
+    """The reference: every tensor read whole on the host, in the train state's layer layout."""
     from parity import hf_mapping
     from parity.hf_import import open_hf, read_stored
     from parity.hf_weights import numpy_to_torch
-    from torch_model.model import GptOssForCausalLM
 
     cfg, weights = open_hf(hf_dir)
     state = {}
     for name in weights.entries:
         state.update(hf_mapping.from_hf_state({name: numpy_to_torch(read_stored(weights, name)).float()}, cfg))
-    model = GptOssForCausalLM(cfg)
-    model.load_state_dict(state)
-    return TrainStep(model, step_cfg=step_cfg, mesh=mesh).init_state()
+    return layout.stack({k: v.numpy() for k, v in state.items()})
 
 
 def run(hf_dir: str, spec: str) -> dict:
@@ -50,14 +47,16 @@ def run(hf_dir: str, spec: str) -> dict:
     except ValueError as e:
         return {"refused": str(e)}
     state = init_from_hf.init_state(step, weights)
-    reference = full_load_state(hf_dir, step_cfg, mesh)
+    reference = full_load_params(hf_dir, step.layer_layout)
+    expected = step.state_shardings(state)
     mismatched = []
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(reference)):
-        same = got.sharding.is_equivalent_to(want.sharding, got.ndim) and all(
-            np.array_equal(np.asarray(a.data), np.asarray(b.data))
-            for a, b in zip(got.addressable_shards, want.addressable_shards))
+    for (path, got), sharding in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(expected)):
+        name = jax.tree_util.keystr(path)
+        want = reference[path[-1].key] if path[0].name == "params" else np.zeros(got.shape, got.dtype)
+        same = got.sharding.is_equivalent_to(sharding, got.ndim) and got.dtype == np.float32 and all(
+            np.array_equal(np.asarray(shard.data), want[shard.index]) for shard in got.addressable_shards)
         if not same:
-            mismatched.append(jax.tree_util.keystr(path))
+            mismatched.append(name)
     return {"mismatched": mismatched, "leaves": len(jax.tree.leaves(state)), "bytes_requested": weights.bytes_requested,
             "stored_bytes": sum(e.nbytes for e in weights.entries.values()), "process": jax.process_index()}
 

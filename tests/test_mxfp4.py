@@ -149,11 +149,17 @@ def test_slices_cross_block_boundaries(released):
         assert weights.bytes_requested - before < whole.size    # only the covering blocks were read
 
 
-def test_released_import_matches_transformers_own_load(tmp_path, released):
-    hf, _ = released
-    summary = import_hf(hf, tmp_path / "ck")
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory, released):
+    ck = tmp_path_factory.mktemp("imported") / "ck"
+    summary = import_hf(released[0], ck)
     assert summary["dtypes"] == ["bfloat16", "mxfp4"]
-    state, cfg, meta = load_checkpoint(tmp_path / "ck")
+    return ck
+
+
+def test_released_import_matches_transformers_own_load(released, imported):
+    hf, _ = released
+    state, cfg, meta = load_checkpoint(imported)
     assert cfg == RELEASED.replace(max_seq_len=cfg.max_seq_len, router_aux_loss_coef=0.0)   # a foreign file sets no training settings
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     report = compare_with_transformers(cfg, state, tokens, hf_dir=hf)   # transformers dequantizes itself
@@ -228,7 +234,7 @@ def harmony_tokenizer_json(enc):
 
 
 def test_o200k_harmony_is_recognised_and_a_different_one_named(tmp_path):
-    from parity.hf_tokenizer import recognize
+    from parity.hf_tokenizer import recognize, vocabulary_difference
     from train.data.tokenizer import o200k_harmony
 
     enc = o200k_harmony()
@@ -237,9 +243,14 @@ def test_o200k_harmony_is_recognised_and_a_different_one_named(tmp_path):
     got, line = recognize(tmp_path)
     assert got is enc and line.startswith("o200k_harmony")
     found["added_tokens"] = [a for a in found["added_tokens"] if a["content"] != "<|return|>"]
-    (tmp_path / "tokenizer.json").write_text(json.dumps(found))
+    assert vocabulary_difference(found, enc) == "special token '<|return|>' is missing"
+    token, rank = next(iter(found["model"]["vocab"].items()))     # the first one compared
+    found["model"]["vocab"][token] = rank + 1
+    assert vocabulary_difference(found, enc) == f"token {token!r} has id {rank + 1}, expected {rank}"
+    (tmp_path / "tokenizer.json").write_text("{}")
     got, line = recognize(tmp_path)
-    assert got is None and "special token '<|return|>' is missing" in line and "\n" not in line
+    assert got is None and line.endswith("is not o200k_harmony (model type None, expected a byte-level 'BPE'); "
+                                         "no tokenizer attached")
 
 
 # ---- export to the released layout ----------------------------------------------------------------
@@ -264,10 +275,9 @@ def dequantized(tensors):
     return out
 
 
-def test_released_import_export_round_trip_and_transformers_loads_it(tmp_path, released):
+def test_released_import_export_round_trip_and_transformers_loads_it(tmp_path, released, imported):
     hf, source = released
-    import_hf(hf, tmp_path / "ck")
-    summary = export_checkpoint(tmp_path / "ck", tmp_path / "out", dtype="mxfp4", shard_size_bytes=20_000)
+    summary = export_checkpoint(imported, tmp_path / "out", dtype="mxfp4", shard_size_bytes=20_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(summary["files"]) > 3 and set(index["weight_map"]) == set(source)
     back = read_dir(tmp_path / "out")
@@ -277,7 +287,7 @@ def test_released_import_export_round_trip_and_transformers_loads_it(tmp_path, r
         assert torch.equal(got[name].float(), t.float()), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["quantization_config"] == json.loads((hf / "config.json").read_text())["quantization_config"]
-    state, cfg, _ = load_checkpoint(tmp_path / "ck")
+    state, cfg, _ = load_checkpoint(imported)
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     report = compare_with_transformers(cfg, state, tokens, hf_dir=tmp_path / "out")
     assert report["rel_err"] <= 1e-5 and report["top1_agreement"] == 1.0, report
