@@ -4,6 +4,7 @@ finishing (plots, samples, summary). `train/loop.py` strings them together.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import time
@@ -127,7 +128,7 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         from_hf = isinstance(init_state, HFWeights)
-        with torch.device("meta" if from_hf else "cpu"):   # from HF: no weights on the host at all
+        with torch.device("meta") if from_hf else contextlib.nullcontext():   # from HF: no weights on the host
             self.model = GptOssForCausalLM(self.model_cfg)
         if init_state is not None and not from_hf:
             self.model.load_state_dict(init_state)
