@@ -137,6 +137,12 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   compute_dtype=step_cfg.compute_dtype, matmul_precision=step_cfg.matmul_precision,
                   hbm_bytes=tpu_compile.hbm_bytes(device), param_bytes=per_chip_bytes(state.params),
                   optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params))
+    held = result.param_bytes + result.optimizer_bytes + result.grad_bytes
+    if held > result.hbm_bytes:         # no need to compile: the state alone does not fit
+        result.fits = False
+        result.error = (f"parameters, optimizer state and gradients alone need {gib(held)} per chip, more than "
+                        f"{gib(result.hbm_bytes)}: not compiled")
+        return result
     start = time.perf_counter()
     if device_mesh is None:
         tokens = jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32)
@@ -172,6 +178,39 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     return result
 
 
+# Slice shapes of each generation, smallest first (compile-only topologies libtpu accepts).
+SLICES = {"v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+          "v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+          "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8"),
+          "v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8")}
+
+
+def smallest_slice(preset: str, generation: str, *, rows_per_chip: int = 1, report=None, **plan_kwargs) -> list[Plan]:
+    """Plan `preset` on the slices of `generation` (every chip on fsdp unless plan_kwargs name a
+    mesh), smallest first, with `rows_per_chip` sequences per chip, until one fits. Returns every
+    plan made; the last one fits unless none did. Slices whose state alone exceeds a chip's HBM
+    are not compiled."""
+    if generation not in SLICES:
+        raise ValueError(f"--find-slice: expected one of {', '.join(SLICES)}, found {generation!r}")
+    plans = []
+    for shape in SLICES[generation]:
+        topology = f"{generation}:{shape}"
+        chips = math.prod(int(d) for d in shape.split("x"))
+        try:
+            plans.append(plan(preset, topology, **{"mesh": "", **plan_kwargs, "batch_size": rows_per_chip * chips}))
+        except ValueError as e:     # e.g. a mesh whose axes do not divide the model at this size
+            plans.append(Plan(preset=preset, topology=topology, device_kind="", generation=generation, chips=chips,
+                              mesh=str(plan_kwargs.get("mesh", "")), n_layers=0, params=0, seq_len=0, batch_size=0,
+                              rows_per_chip=rows_per_chip, micro_batches=1, scan_layers=False, remat="", kernels={},
+                              compute_dtype="", matmul_precision="", hbm_bytes=0, fits=False,
+                              error=str(e).splitlines()[0]))
+        if report:
+            report(plans[-1])
+        if plans[-1].fits:
+            break
+    return plans
+
+
 def gib(n: int | None) -> str:
     """Bytes in GiB, or MiB below one GiB (a small plan's figures stay readable)."""
     if n is None:
@@ -198,6 +237,8 @@ def format_plan(p: Plan) -> str:
              f"{tpu_compile.CHIP_HBM_GIB.get(p.generation, '?')} GiB chip): "
              + ("fits" if p.fits else "DOES NOT FIT"),
              f"  lower {p.lower_s} s, compile {p.compile_s} s wall / {p.compile_cpu_s} s CPU (TPU compiler, on this host)"]
-    if p.error:
+    if p.lower_s is None:       # not compiled: the state alone was over the chip's HBM
+        lines = lines[:3] + [f"  {p.error}; DOES NOT FIT"]
+    elif p.error:
         lines.append(f"  compiler: {p.error}")
     return "\n".join(lines)

@@ -1,25 +1,31 @@
 """`torchlyra import`: a transformers GptOss directory -> a torchlyra checkpoint to train further.
 
-Reads config.json and unquantized safetensors weights (one file or shards with an index), maps
-them through parity/hf_mapping.py, and writes our checkpoint format (float32; bfloat16 and
-float16 widen exactly, so exporting back in the source dtype reproduces every bit).
-A tokenizer exported by torchlyra (tiktoken/ beside the weights) comes along.
+Reads config.json and the safetensors weights (unquantized, or gpt-oss's released MXFP4 layout)
+tensor by tensor through parity/hf_weights.py, maps them through parity/hf_mapping.py and streams
+them into a parameters-only checkpoint in the source precision (float32, or bfloat16 for bf16
+and MXFP4 sources), so host memory holds one tensor. The tokenizer comes along when recognised.
 """
 from __future__ import annotations
 
-import json
+import math
+import tempfile
+import time
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import torch
-from safetensors import safe_open
+from tqdm import tqdm
 
 from parity import hf_mapping
+from parity.hf_tokenizer import recognize
+from parity.hf_weights import SOURCE_DTYPES, HFWeights, check_quantization, numpy_to_torch, torch_to_numpy
 from train import checkpoint
 from train.errors import UserError
 from train.jsonfile import read_json
 
-INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STORED = {"F32": np.float32, "F16": np.float32, "BF16": ml_dtypes.bfloat16, "MXFP4": ml_dtypes.bfloat16}
+EXPERT_CHUNK_BYTES = 64 * 2**20     # dequantize MXFP4 experts this many float32 bytes at a time
 
 
 def read_hf_config(hf_dir: Path) -> dict:
@@ -34,83 +40,76 @@ def read_hf_config(hf_dir: Path) -> dict:
     return hf
 
 
-def weight_files(hf_dir: Path) -> dict[str, list[str]]:
-    """safetensors file -> tensor names it should hold (from the index when sharded)."""
-    index = hf_dir / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{index}: expected {{'weight_map': {{tensor: file}}}} ({type(e).__name__}: {e})") from None
-        files: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            files.setdefault(file, []).append(name)
-        return files
-    if (hf_dir / SINGLE_FILE).is_file():
-        return {SINGLE_FILE: []}
-    other = sorted(p.name for p in hf_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-    hint = f" (found {', '.join(other)}: only safetensors weights are supported)" if other else ""
-    raise UserError(f"{hf_dir}: expected {SINGLE_FILE} or {INDEX_FILE}, found neither{hint}")
-
-
-def read_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file, names in weight_files(hf_dir).items():
-        path = hf_dir / file
-        if not path.is_file():
-            raise UserError(f"{hf_dir / INDEX_FILE}: names shard {file}, which is missing")
-        try:
-            with safe_open(str(path), "pt") as f:
-                keys = list(f.keys())
-                for name in names:
-                    if name not in keys:
-                        raise UserError(f"{path}: tensor {name} (listed in {INDEX_FILE}) is not in this shard")
-                tensors.update((k, f.get_tensor(k)) for k in keys)
-        except UserError:
-            raise
-        except Exception as e:   # safetensors' own error types for garbled files
-            raise UserError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e})") from None
-    quantized = [k for k in tensors if k.endswith(("_blocks", "_scales"))]
-    if quantized:
-        raise UserError(f"{hf_dir}: tensor {quantized[0]} is MXFP4-quantized; only unquantized float32/bfloat16 "
-                        f"GptOss weights can be imported (dequantize first)")
-    for name, t in tensors.items():
-        if t.dtype not in FLOAT_DTYPES:
-            raise UserError(f"{hf_dir}: tensor {name} has dtype {t.dtype}, expected float32, bfloat16 or float16")
-    return tensors
-
-
-def import_hf(hf_dir, out_dir, *, dense: bool = False, overwrite: bool = False) -> dict:
-    """Write `out_dir` as a torchlyra checkpoint (step 0) of the GptOss model in `hf_dir`."""
+def open_hf(hf_dir, *, dense: bool = False):
+    """(ModelConfig, HFWeights) of a GptOss directory, config and shard headers validated against
+    each other (names and dequantized shapes); no tensor data read yet."""
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
-    cfg = hf_mapping.model_config_from_hf(hf, dense=dense, where=str(hf_dir / "config.json"))
-    out = Path(out_dir)
+    where = str(hf_dir / "config.json")
+    cfg = hf_mapping.model_config_from_hf(hf, dense=dense, where=where)
+    weights = HFWeights(hf_dir, quantized=check_quantization(hf, where) is not None)
+    checkpoint.check_tensors({k: e.shape for k, e in weights.entries.items()}, hf_mapping.hf_shapes(cfg), str(hf_dir))
+    return cfg, weights
+
+
+def read_stored(weights: HFWeights, name: str, scratch: Path | None = None) -> np.ndarray:
+    """One whole tensor in the dtype a parameters-only checkpoint keeps (float32 sources stay
+    float32, float16 widens exactly to float32, bfloat16 and MXFP4 become bfloat16: every MXFP4
+    value is exact in bfloat16). MXFP4 experts are dequantized a few experts at a time. With a
+    `scratch` file the result lives in that file's pages and float32/bfloat16 sources are mapped
+    from their shard, so the caller's anonymous memory holds no whole tensor."""
+    entry = weights.entries[name]
+    dtype = STORED[entry.dtype]
+    if not entry.quantized:
+        if scratch is not None and np.dtype(SOURCE_DTYPES[entry.dtype]) == np.dtype(dtype):
+            return weights.map_whole(name)
+        return weights.read(name).astype(dtype, copy=False)
+    out = np.empty(entry.shape, dtype) if scratch is None else np.memmap(scratch, dtype, mode="w+", shape=entry.shape)
+    per_expert = 4 * math.prod(entry.shape[1:])
+    step = max(1, EXPERT_CHUNK_BYTES // per_expert)
+    for e in range(0, entry.shape[0], step):
+        out[e:e + step] = weights.read(name, (slice(e, e + step),))
+    return out
+
+
+def import_hf(hf_dir, out_dir, *, dense: bool = False, overwrite: bool = False, progress: bool = False) -> dict:
+    """Write `out_dir` as a torchlyra parameters-only checkpoint (step 0) of the GptOss model in
+    `hf_dir`, streamed: one tensor in host memory at a time."""
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    cfg, weights = open_hf(hf_dir, dense=dense)
     # Fail before reading gigabytes if the output cannot be written.
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{out}: output directory exists and is not empty (pass --overwrite to replace it)")
-    hf_state = read_hf_tensors(hf_dir)
-    checkpoint.check_tensors({k: tuple(v.shape) for k, v in hf_state.items()}, hf_mapping.hf_shapes(cfg), str(hf_dir))
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in hf_state.values()})
-    state = hf_mapping.from_hf_state(hf_state, cfg, where=str(hf_dir))
+    enc, tokenizer = recognize(hf_dir)
+    dtypes = sorted({"mxfp4" if e.quantized else str(torch_dtype(e.dtype)).removeprefix("torch.")
+                     for e in weights.entries.values()})
     extra = {"imported_from": {"dir": str(hf_dir.resolve()), "dtypes": dtypes}}
-    enc = _our_tokenizer(hf_dir)
-    checkpoint.save_checkpoint(out, state, cfg, step=0, extra=extra, tokenizer=enc, overwrite=overwrite)
-    return {"out": str(out), "config": cfg, "dtypes": dtypes, "n_tensors": len(state),
-            "tokenizer": "tiktoken (from the export's tiktoken/)" if enc else "none"}
+    total = sum(e.nbytes for e in weights.entries.values())
+    start = time.perf_counter()
+    with checkpoint.params_writer(out, cfg, step=0, extra=extra, tokenizer=enc, overwrite=overwrite) as add, \
+            tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-scratch-", dir=out.absolute().parent) as scratch, \
+            tqdm(total=total, unit="B", unit_scale=True, desc="import", disable=not progress) as bar:
+        for i, (name, entry) in enumerate(weights.entries.items()):
+            # Orbax's writer keeps an anonymous buffer the size of the tensor it writes; ours stays
+            # file-backed (mapped from the shard, or dequantized into a scratch file) beside it.
+            scratch_file = Path(scratch) / f"{i}.bin"
+            value = read_stored(weights, name, scratch_file)
+            # hf_mapping works on torch tensors; a one-tensor dict maps like the whole state.
+            for ours, t in hf_mapping.from_hf_state({name: numpy_to_torch(value)}, cfg, where=str(hf_dir)).items():
+                add(ours, torch_to_numpy(t))
+            scratch_file.unlink(missing_ok=True)
+            bar.update(entry.nbytes)
+    seconds = time.perf_counter() - start
+    return {"out": str(out), "config": cfg, "dtypes": dtypes, "n_tensors": len(weights.entries),
+            "tokenizer": tokenizer, "input_bytes": total, "seconds": seconds}
 
 
-def _our_tokenizer(hf_dir: Path):
-    """The tiktoken BPE a torchlyra export carries in tiktoken/, else None (other tokenizers,
-    e.g. gpt-oss's o200k_harmony tokenizer.json, have no tiktoken form here)."""
-    if not (hf_dir / "tiktoken" / "tokenizer.tiktoken").is_file():
-        return None
-    from train.data.tokenizer import load_tokenizer
-    return load_tokenizer(hf_dir / "tiktoken")
+def torch_dtype(safetensors_dtype: str):
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[safetensors_dtype]
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--hf", required=True, help="Hugging Face GptOss directory (unquantized safetensors)")
+    parser.add_argument("--hf", required=True, help="Hugging Face GptOss directory (safetensors: float32/bfloat16, or gpt-oss's MXFP4 release)")
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--dense", action="store_true",
                         help="read a one-expert model with an all-zero router as the dense MLP preset")
@@ -118,9 +117,12 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    summary = import_hf(args.hf, args.out, dense=args.dense, overwrite=args.overwrite)
+    summary = import_hf(args.hf, args.out, dense=args.dense, overwrite=args.overwrite, progress=True)
     cfg = summary["config"]
     kind = f"{cfg.n_experts} experts top-{cfg.experts_per_token}" if cfg.is_moe else "dense MLP"
-    print(f"imported {summary['n_tensors']} tensors ({', '.join(summary['dtypes'])} -> float32; {cfg.n_layers} layers, "
-          f"d_model {cfg.d_model}, {kind}) into {summary['out']}; tokenizer: {summary['tokenizer']}")
+    rate = summary["input_bytes"] / 1e9 / max(summary["seconds"], 1e-9)
+    print(f"imported {summary['n_tensors']} tensors ({', '.join(summary['dtypes'])}; {cfg.n_layers} layers, "
+          f"d_model {cfg.d_model}, {kind}) into {summary['out']}: {summary['input_bytes'] / 1e9:.2f} GB of input in "
+          f"{summary['seconds']:.1f} s ({rate:.2f} GB/s)")
+    print(f"tokenizer: {summary['tokenizer']}")
     return 0

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from parity.hf_weights import check_quantization
+from parity.mxfp4 import BLOCK as MXFP4_BLOCK
 from torch_model.config import ModelConfig
 from train.checkpoint import config_from_dict, model_shapes
 from train.errors import UserError
@@ -107,10 +109,11 @@ def model_config_from_hf(hf: dict, *, dense: bool = False, where: str = "config.
     if hf.get("model_type") != "gpt_oss":   # checked before defaults apply
         hint = " (a torchlyra checkpoint? it needs no import)" if hf.get("format") == "torchlyra-checkpoint" else ""
         raise UserError(f"{where}: field 'model_type' expected 'gpt_oss', found {hf.get('model_type')!r}{hint}")
-    if get("quantization_config") is not None:
-        method = (get("quantization_config") or {}).get("quant_method", "?")
-        raise UserError(f"{where}: quantized checkpoint (quantization_config.quant_method={method!r}); "
-                        f"only unquantized float32/bfloat16 GptOss weights can be imported")
+    if check_quantization(hf, where) is not None:
+        # MXFP4 packs 32 values of an expert's input dim per block: both widths must divide.
+        for field in ("hidden_size", "intermediate_size"):
+            if not isinstance(get(field), int) or get(field) % MXFP4_BLOCK:
+                refuse(field, f"a multiple of {MXFP4_BLOCK} for MXFP4 expert weights")
     if get("tie_word_embeddings", False):
         refuse("tie_word_embeddings", "false")
     if not get("attention_bias", True):

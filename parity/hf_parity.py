@@ -5,10 +5,22 @@ ones our layout was checked against. Used by `torchlyra parity --hf` and the tes
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from parity import hf_mapping
 from torch_model.config import ModelConfig
+
+
+def quantized_load(hf_dir) -> dict:
+    """from_pretrained arguments for an MXFP4 directory on a CPU: dequantize while loading (a
+    plain load needs a GPU kernel and `accelerate`); none for an unquantized one."""
+    from transformers import Mxfp4Config
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    return {"quantization_config": Mxfp4Config(dequantize=True)} if config.get("quantization_config") else {}
 
 
 def _hf_model(cfg: ModelConfig, state: dict[str, torch.Tensor], hf_dir=None):
@@ -16,7 +28,7 @@ def _hf_model(cfg: ModelConfig, state: dict[str, torch.Tensor], hf_dir=None):
 
     impl = dict(attn_implementation="eager", experts_implementation="eager")
     if hf_dir is not None:      # what was written to disk, read the way users will read it
-        return GptOssForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **impl).eval()
+        return GptOssForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **impl, **quantized_load(hf_dir)).eval()
     model = GptOssForCausalLM(hf_mapping.build_hf_config(cfg, **impl)).eval()
     hf_state = {k: v.float() for k, v in hf_mapping.to_hf_state(state, cfg).items()}
     model.load_state_dict(hf_state, strict=True)

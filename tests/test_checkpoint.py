@@ -151,7 +151,7 @@ def test_save_rejects_state_that_does_not_match_config(tmp_path, state):
     ("missing", r"tensor model\.norm\.weight is missing \(expected shape \[32\]\)"),
     ("extra", r"unexpected tensor model\.layers\.0\.mlp\.gate\.weight of shape \[2, 32\]"),
     ("shape", r"tensor lm_head\.weight has shape \[64, 16\], expected \[64, 32\]"),
-    ("dtype", r"tensor lm_head\.weight has dtype bfloat16, expected float32"),
+    ("dtype", r"tensor lm_head\.weight has dtype float16, expected one of float32, bfloat16"),
     ("head_dim", r"field 'model'.*head_dim must be even.*15"),
     ("experts_per_token", r"field 'model'.*experts_per_token must be in 1\.\.n_experts \(2\), found 3"),
     ("layer_type", r"field 'model'.*unknown layer type 'local'"),
@@ -169,7 +169,7 @@ def test_load_errors_name_the_problem(tmp_path, state, case, expected):
     elif case == "shape":
         tensors["lm_head.weight"] = torch.zeros(64, 16)
     elif case == "dtype":
-        tensors["lm_head.weight"] = tensors["lm_head.weight"].bfloat16().float()
+        tensors["lm_head.weight"] = tensors["lm_head.weight"].half().float()
     elif case == "head_dim":
         model["head_dim"] = 15
     elif case == "experts_per_token":
@@ -184,7 +184,7 @@ def test_load_errors_name_the_problem(tmp_path, state, case, expected):
         import jax.numpy as jnp
         writer = checkpoint.CheckpointWriter(tmp_path / "ck", keep=1)
         params = {k: jnp.asarray(v.numpy()) for k, v in tensors.items()}
-        params["lm_head.weight"] = params["lm_head.weight"].astype(jnp.bfloat16)
+        params["lm_head.weight"] = params["lm_head.weight"].astype(jnp.float16)
         writer.save(3, {"params": params}, {"model": model})
         writer.close()
     else:

@@ -251,10 +251,11 @@ GPT_OSS_20B = {
 
 
 def test_released_gpt_oss_config_maps_to_the_preset():
-    with pytest.raises(UserError, match="quant_method='mxfp4'"):
-        hf_mapping.model_config_from_hf(GPT_OSS_20B)
-    unquantized = {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
-    cfg = hf_mapping.model_config_from_hf(unquantized)
+    cfg = hf_mapping.model_config_from_hf(GPT_OSS_20B)
+    assert cfg == hf_mapping.model_config_from_hf({k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"})
+    with pytest.raises(UserError, match=r"field 'hidden_size' expected a multiple of 32 for MXFP4 expert weights, "
+                                        r"found 2888"):
+        hf_mapping.model_config_from_hf({**GPT_OSS_20B, "hidden_size": 2888})
     preset = get_preset("gpt-oss-20b")
     # config.json names no bos id; max_seq_len is a training setting, not in the file.
     assert cfg == preset.replace(bos_token_id=0, max_seq_len=cfg.max_seq_len)
@@ -316,7 +317,7 @@ def test_export_refuses_a_non_empty_out_dir(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["mine.txt"] and leftovers(out) == []
     export_checkpoint(tmp_path / "ck", out, overwrite=True)
     assert not (out / "mine.txt").exists() and (out / "model.safetensors").is_file() and leftovers(out) == []
-    with pytest.raises(UserError, match="--dtype: expected one of float32, bfloat16, found 'float16'"):
+    with pytest.raises(UserError, match="--dtype: expected one of float32, bfloat16, mxfp4, found 'float16'"):
         export_checkpoint(tmp_path / "ck", tmp_path / "other", dtype="float16")
 
 
@@ -346,8 +347,10 @@ def _quantized_tensors(ts):
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("quantization_config", r"quantized checkpoint \(quantization_config\.quant_method='mxfp4'\)"),
-    ("mxfp4_tensors", r"tensor model\.layers\.0\.mlp\.experts\.gate_up_proj_blocks is MXFP4-quantized"),
+    ("quantization_config", r"config\.json: field 'quantization_config\.quant_method' expected 'mxfp4' \(gpt-oss's "
+                            r"release\), found 'bitsandbytes'"),
+    ("mxfp4_tensors", r"model\.safetensors: tensor model\.layers\.0\.mlp\.experts\.gate_up_proj_blocks is "
+                      r"MXFP4-quantized but config\.json has no quantization_config"),
     ("missing", r"tensor lm_head\.weight is missing \(expected shape \[512, 64\]\)"),
     ("extra", r"unexpected tensor model\.rotary_emb\.inv_freq of shape \[8\]"),
     ("shape", r"tensor model\.layers\.1\.mlp\.router\.weight has shape \[3, 64\], expected \[4, 64\]"),
@@ -359,7 +362,7 @@ def _quantized_tensors(ts):
 ])
 def test_import_rejects_bad_hf_dirs(tmp_path, small_hf, case, expected):
     config = {
-        "quantization_config": lambda c: {**c, "quantization_config": {"quant_method": "mxfp4"}},
+        "quantization_config": lambda c: {**c, "quantization_config": {"quant_method": "bitsandbytes"}},
         "truncate": lambda c: {**c, "rope_parameters": {**c["rope_parameters"], "truncate": True}},
         "rope_type": lambda c: {**c, "rope_parameters": {**c["rope_parameters"], "rope_type": "llama3"}},
         "model_type": lambda c: {**c, "model_type": "llama"},

@@ -1,6 +1,8 @@
 """`torchlyra plan`: the real train step compiled for a TPU slice without weights (jax_bridge/plan.py)."""
 import json
 
+import pytest
+
 from train.cli import main
 
 
@@ -83,3 +85,27 @@ def test_plan_bad_mesh_for_the_topology_is_one_line(capsys):
     assert "mesh tensor=4 must divide the attention heads (4 query, 2 key/value heads)" in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--topology", "v5e:2x2", "--mesh", "pipeline=4"]) == 2
     assert "--mesh: unknown axis 'pipeline'" in capsys.readouterr().err
+
+
+def test_find_slice_stops_at_the_first_slice_that_fits(monkeypatch):
+    """The search itself (each plan stubbed: compiling gpt-oss-20b takes minutes): slices in
+    increasing size, one sequence per chip, every chip on fsdp, stopping at the first fit."""
+    from jax_bridge import plan as plan_module
+
+    asked = []
+
+    def fake_plan(preset, topology, **kw):
+        asked.append((topology, kw["batch_size"], kw["mesh"]))
+        chips = kw["batch_size"]
+        return plan_module.Plan(preset=preset, topology=topology, device_kind="TPU v6 lite", generation="v6e",
+                                chips=chips, mesh=f"fsdp={chips}", n_layers=24, params=1, seq_len=4096,
+                                batch_size=chips, rows_per_chip=1, micro_batches=1, scan_layers=True, remat="full",
+                                kernels={}, compute_dtype="bfloat16", matmul_precision="default", hbm_bytes=1,
+                                fits=chips >= 16)
+
+    monkeypatch.setattr(plan_module, "plan", fake_plan)
+    plans = plan_module.smallest_slice("gpt-oss-20b", "v6e", seq_len=4096)
+    assert asked == [("v6e:2x2", 4, ""), ("v6e:2x4", 8, ""), ("v6e:4x4", 16, "")]
+    assert [p.fits for p in plans] == [False, False, True]
+    with pytest.raises(ValueError, match="--find-slice: expected one of v5e, v6e, v5p, v4, found 'v9'"):
+        plan_module.smallest_slice("tiny", "v9")

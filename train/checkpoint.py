@@ -4,7 +4,8 @@ A checkpoints directory (`RUN/checkpoints`) is an Orbax `CheckpointManager` dire
 directory per step, written asynchronously to `<step>.orbax-checkpoint-tmp` and renamed when
 complete (atomic finalize), the last K kept. Each step directory holds three Orbax items:
   state/      the train state pytree {"params": {name: array}, "opt_state": {...}} (or
-              {"params"} only, from `torchlyra import`), saved and restored through shardings;
+              {"params"} only, from `torchlyra import`: float32 or bfloat16, written one tensor
+              at a time by `params_writer`), saved and restored through shardings;
   meta/       JSON: format, version, step, contents, layout, model config, train config,
               kernels, tokenizer reference, loader state, counters;
   tokenizer/  the tokenizer files (`train.data.tokenizer.save_tokenizer`);
@@ -13,12 +14,15 @@ size and sha256 of every file. A step is complete only when its manifest verifie
 
 `load_checkpoint(path)` serves generate / export / parity / eval: it accepts a run directory,
 a checkpoints directory (newest complete step) or one step directory and returns the per-layer
-torch state_dict whatever `layout` the parameters are stored in (`LAYOUTS`).
+torch state_dict (float32) whatever `layout` the parameters are stored in (`LAYOUTS`);
+`iter_params(path)` gives the same tensors one stored tensor at a time (export streams them).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import json
 import os
 import sys
 import time
@@ -253,6 +257,56 @@ def save_checkpoint(dir: str | os.PathLike, model_state: dict[str, torch.Tensor]
     return Path(dir)
 
 
+STORED_DTYPES = ("float32", "bfloat16")    # a parameters-only checkpoint may keep bf16 sources
+
+
+@contextlib.contextmanager
+def params_writer(dir: str | os.PathLike, model_cfg: ModelConfig, *, step: int = 0, extra: dict | None = None,
+                  tokenizer=None, overwrite: bool | None = None):
+    """Write a parameters-only checkpoint one tensor at a time: yields `add(name, array)`; each
+    array goes to disk (an Orbax partial save) before the next is made, so host memory holds one
+    tensor, never the model. Float32 or bfloat16 arrays (kept as given; loaders widen to float32).
+    Names and shapes are checked against the model config, and the directory is published only
+    when complete (overwrite as in save_checkpoint)."""
+    from orbax.checkpoint.experimental import v1 as ocp_v1
+    from orbax.checkpoint.experimental.v1 import partial
+
+    _orbax()
+    expected, found = model_shapes(model_cfg), {}
+    policy = _holds_checkpoint if overwrite is None else ("always" if overwrite else "never")
+    with staged_dir(dir, replace=policy) as tmp:
+        step_dir = tmp.absolute() / str(step)
+
+        def add(name: str, array) -> None:
+            array = np.asarray(array)
+            if name in found:
+                raise ValueError(f"params_writer: tensor {name} added twice")
+            if str(array.dtype) not in STORED_DTYPES:
+                raise ValueError(f"params_writer: tensor {name} has dtype {array.dtype}, expected {STORED_DTYPES}")
+            found[name] = tuple(array.shape)
+            # The save is synchronous, so Orbax need not guard the array with a copy of its own;
+            # uncompressed, tensorstore writes straight from it, where zstd would first buffer the
+            # whole encoded tensor (measured: +1x the tensor's size in anonymous memory).
+            options = ocp_v1.options
+            with ocp_v1.Context(memory_options=options.MemoryOptions(deepcopy_host_arrays=False),
+                                array_options=options.ArrayOptions(saving=options.ArrayOptions.Saving(
+                                    use_compression=False))):
+                partial.save(step_dir, {"params": {name: array}})
+
+        yield add
+        check_tensors(found, expected, f"{dir}")
+        partial.finalize(step_dir)
+        if not (step_dir / STATE).is_dir():
+            raise RuntimeError(f"Orbax's partial save wrote no {STATE}/ item in {step_dir}")
+        meta = _meta(step, {"model": model_cfg.to_dict(), **(extra or {})}, {"params": found}, tokenizer)
+        (step_dir / META).mkdir()
+        (step_dir / META / "metadata").write_text(json.dumps(meta))
+        if tokenizer is not None:
+            from train.data.tokenizer import save_tokenizer
+            save_tokenizer(tokenizer, step_dir / TOKENIZER)
+        write_manifest(step_dir)
+
+
 def _holds_checkpoint(path: Path) -> bool:
     try:
         return bool(step_dirs(path)) or _is_step_dir(path)
@@ -404,6 +458,31 @@ def _restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarra
     return restored["params"]
 
 
+def iter_params(path: str | os.PathLike):
+    """(ModelConfig, meta, iterator of (per-layer torch name, float32 numpy array)) of the newest
+    complete checkpoint named by `path`, restoring one stored tensor at a time: host memory holds
+    one stored tensor (for the stacked layout, one parameter of all layers), never the model."""
+    step_dir = find_checkpoint(path)
+    meta, cfg = read_meta(step_dir)
+    stored = stored_shapes(step_dir)
+    where = f"checkpoint {step_dir}"
+    for key, (_, dtype) in stored.items():
+        if key[0] == "params" and dtype not in STORED_DTYPES:
+            raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
+    names = {k[1]: v for k, v in stored.items() if k[0] == "params"}
+    # Names and shapes checked before any data is read: zero-stride placeholders hold no memory.
+    placeholders = {n: np.broadcast_to(np.float32(0), shape) for n, (shape, _) in names.items()}
+    check_tensors({k: v.shape for k, v in LAYOUTS[meta["layout"]](placeholders, cfg).items()}, model_shapes(cfg), where)
+
+    def tensors():
+        for name, (shape, dtype) in names.items():
+            one = _restore_params_to_host(step_dir, {("params", name): (shape, dtype)})
+            for torch_name, value in LAYOUTS[meta["layout"]](one, cfg).items():
+                yield torch_name, np.asarray(value, dtype=np.float32)
+
+    return cfg, {k: v for k, v in meta.items() if k != "model"}, tensors()
+
+
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
     """(state_dict with per-layer torch names, ModelConfig, meta) of the newest complete
     checkpoint named by `path` (run directory, checkpoints directory or step directory).
@@ -413,8 +492,8 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], M
     stored = stored_shapes(step_dir)
     where = f"checkpoint {step_dir}"
     for key, (_, dtype) in stored.items():
-        if key[0] == "params" and dtype != "float32":
-            raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected float32")
+        if key[0] == "params" and dtype not in STORED_DTYPES:
+            raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
     params = LAYOUTS[meta["layout"]](_restore_params_to_host(step_dir, stored), cfg)
     check_tensors({k: tuple(v.shape) for k, v in params.items()}, model_shapes(cfg), where)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in params.items()}

@@ -31,6 +31,10 @@ def add_arguments(parser) -> None:
                         help="compute dtype (default: auto = bfloat16 on TPU)")
     parser.add_argument("--layers", type=int, default=None,
                         help="plan with this many layers instead of the preset's (compile time grows with depth)")
+    parser.add_argument("--find-slice", metavar="GENERATION", default=None,
+                        help="plan on this generation's slices (v5e, v6e, v5p, v4), smallest first, with every chip "
+                             "on fsdp and one sequence per chip, until one fits: the smallest slice that trains the "
+                             "preset (full fine-tune, Muon + AdamW)")
     parser.add_argument("--json", metavar="OUT", help="also write the plan as JSON to OUT")
 
 
@@ -48,6 +52,8 @@ def run(args) -> int:
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, found {value}")
     overrides = {"n_layers": args.layers} if args.layers else {}
+    if args.find_slice:
+        return find_slice(args, overrides)
     try:
         result = plan(args.preset, args.topology, mesh=None if args.mesh.strip() == ONE_CHIP else args.mesh,
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
@@ -65,4 +71,33 @@ def run(args) -> int:
         with open(args.json, "w") as fh:
             json.dump(result.to_dict(), fh, indent=1)
         print(f"wrote {args.json}")
+    return 0
+
+
+def find_slice(args, overrides: dict) -> int:
+    """--find-slice: the smallest slice of a generation whose chips hold the whole train step."""
+    from jax_bridge import tpu_compile
+    from jax_bridge.plan import format_plan, smallest_slice
+
+    try:
+        plans = smallest_slice(args.preset, args.find_slice, seq_len=args.seq_len, micro_batches=args.micro_batches,
+                               scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels,
+                               kernel_options=args.kernel_options, compute_dtype=args.compute_dtype,
+                               model_overrides=overrides, **({"mesh": args.mesh} if args.mesh.strip() else {}),
+                               report=lambda p: print(format_plan(p) if p.device_kind else
+                                                      f"plan: {p.topology}: {p.error}", flush=True))
+    except tpu_compile.TopologyError as e:
+        raise UserError(f"--find-slice: {e}") from None
+    except ValueError as e:
+        raise UserError(str(e).splitlines()[0]) from None
+    last = plans[-1]
+    if last.fits:
+        print(f"smallest {args.find_slice} slice for a full fine-tune of {args.preset}: {last.topology} "
+              f"({last.chips} chips, mesh {last.mesh})")
+    else:
+        print(f"no {args.find_slice} slice up to {last.topology} fits {args.preset}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump([p.to_dict() for p in plans], fh, indent=1)
     return 0

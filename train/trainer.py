@@ -4,6 +4,7 @@ finishing (plots, samples, summary). `train/loop.py` strings them together.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import time
@@ -14,7 +15,8 @@ import torch
 from tqdm import tqdm
 
 from jax_bridge.distributed import say
-from train import checkpoint, flops
+from parity.hf_weights import HFWeights
+from train import checkpoint, flops, init_from_hf
 from train.config import TrainConfig, resumed_config
 from train.errors import UserError
 from train.metrics import MetricsWriter, StepTimer, expert_load
@@ -146,8 +148,10 @@ class Trainer:
         val_data = TokenLoader(cfg.data, "val", **loader_args)
 
         torch.manual_seed(cfg.seed)
-        self.model = GptOssForCausalLM(self.model_cfg)
-        if init_state is not None:
+        from_hf = isinstance(init_state, HFWeights)
+        with torch.device("meta") if from_hf else contextlib.nullcontext():   # from HF: no weights on the host
+            self.model = GptOssForCausalLM(self.model_cfg)
+        if init_state is not None and not from_hf:
             self.model.load_state_dict(init_state)
         opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay)
         self.mesh = build_mesh(cfg)
@@ -157,7 +161,13 @@ class Trainer:
                 kernel_options=cfg.kernel_options, scan_layers=cfg.scan_layers, remat=cfg.remat), mesh=self.mesh)
         except (registry.KernelError, ValueError) as e:
             raise UserError(str(e)) from None
-        self.state = self.step.init_state()
+        if from_hf:
+            self.state = init_from_hf.init_state(self.step, init_state)
+            print(f"initialized from {cfg.init_from} (Hugging Face; process {jax.process_index()} read "
+                  f"{init_state.bytes_requested:,} of {sum(e.nbytes for e in init_state.entries.values()):,} bytes); "
+                  f"fresh optimizer state")
+        else:
+            self.state = self.step.init_state()
         self.done, self.counters = 0, {"skipped_total": 0, "consecutive_skips": 0, "last_good_step": 0}
         if meta:
             restored = checkpoint.restore_train_state(resume_dir, self.state._asdict(), layout=self.step.layout)
@@ -192,6 +202,8 @@ class Trainer:
         wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos, eos)
         if not cfg.init_from:
             return wanted, None
+        if init_from_hf.is_hf_dir(cfg.init_from):
+            return self._hf_model_config(wanted, explicit, bos, eos)
         state, init_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from)
         model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
         if {"preset", "model"} & set(explicit):
@@ -203,6 +215,24 @@ class Trainer:
                                  f"data {cfg.data}")
         print(f"initialized from {init_meta['step_dir']} (step {init_meta['step']}); fresh optimizer state")
         return model_cfg, state
+
+    def _hf_model_config(self, wanted, explicit: dict, bos: int, eos: int):
+        """(ModelConfig, HFWeights) of --init-from a Hugging Face directory: nothing read yet;
+        the train state is made from it slice by slice once the mesh exists."""
+        from parity.hf_tokenizer import recognize
+        from train.data.tokenizer import check_same_tokenizer
+
+        cfg = self.cfg
+        init_cfg, weights = init_from_hf.open_for_init(cfg.init_from)
+        model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
+        if {"preset", "model"} & set(explicit):
+            checkpoint.check_tensors(checkpoint.model_shapes(model_cfg), checkpoint.model_shapes(wanted),
+                                     f"--init-from {cfg.init_from} (against the requested preset/model)")
+        enc, line = recognize(Path(cfg.init_from))
+        if enc is not None:
+            check_same_tokenizer(enc, self.tokenizer, f"--init-from {cfg.init_from}", f"data {cfg.data}")
+        say(f"--init-from {cfg.init_from}: tokenizer {line}")
+        return model_cfg, weights
 
     def _open_metrics(self, resume_dir, meta) -> MetricsWriter | None:
         if not self.primary:
@@ -383,7 +413,7 @@ class Trainer:
             summary["plots"] = [str(p) for p in plot_run(self.out)]
             summary["metrics"] = str(self.out / "metrics.jsonl")
             summary["val_loss_start"] = self._first_eval()
-            self.model.load_state_dict(params)
+            self.model.load_state_dict(params, assign=True)     # assign: the model may be on `meta`
             summary["samples"] = sample_texts(self.model, self.tokenizer, self.cfg)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
