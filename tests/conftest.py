@@ -3,7 +3,15 @@ import sys
 
 # Tests run on CPU; keep XLA from grabbing every core's worth of threads in parallel tests.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# One persistent compilation cache for the whole suite, inherited by every subprocess a test starts
+# (the variables are JAX's own): a program that another test (or process) already compiled is
+# loaded instead of compiled again. Kept in the checkout (git-ignored), so a fresh clone starts
+# empty and a second `make test` reuses it; capped at 2 GiB, least recently used entries evicted.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".cache", "jax-tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 # Generation enables JAX's persistent compilation cache by default; tests that want it pass a
 # directory of their own, the rest leave the user's cache alone.
 os.environ.setdefault("TORCHLYRA_COMPILE_CACHE", "off")
