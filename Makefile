@@ -28,8 +28,10 @@ demo: $(STAMP)
 	@echo "plots:       runs/tiny/plots/*.png (again: torchlyra plot runs/tiny)"
 	@echo "checkpoints: runs/tiny/checkpoints (continue: torchlyra train --out runs/tiny --resume --steps N)"
 
+# Two workers, whole files each (module fixtures are built once); the wall time is printed last.
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
+	@start=$$(date +%s); $(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests; \
+	rc=$$?; echo "make test: the suite took $$(( $$(date +%s) - start )) s wall"; exit $$rc
 
 clean-runs:
 	rm -rf runs

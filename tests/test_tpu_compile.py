@@ -39,11 +39,15 @@ def forward_and_backward(fn, case, **kernel_kwargs):
 
 # v5e at tiny shapes is compiled by the train-step tests below: their programs hold the forward
 # and backward of every kernel of the `pallas` and `shipped` sets at the tiny preset's dims.
-CASES = [(t, s) for t in GENERATIONS for s in SHAPES if (t, s) != ("v5e:2x2", "tiny")]
+# Our kernels compile at every shape set on both generations; the jax-shipped ones (splash,
+# megablox: our code only wraps them) at Lyra Small's shapes, where their wrappers' block choices
+# are exercised (their gpt-oss-20b compiles took 70 s of the suite and test no code of ours).
+SHIPPED = {"splash", "megablox"}
+CASES = [(t, s, op, impl) for t in GENERATIONS for s in SHAPES for op, impl in PALLAS
+         if (t, s) != ("v5e:2x2", "tiny") and (impl not in SHIPPED or s == "lyra-small")]
 
 
-@pytest.mark.parametrize("op,impl", PALLAS, ids=[f"{o}-{i}" for o, i in PALLAS])
-@pytest.mark.parametrize("topology,shape", CASES, ids=[f"{t}-{s}" for t, s in CASES])
+@pytest.mark.parametrize("topology,shape,op,impl", CASES, ids=[f"{t}-{s}-{o}-{i}" for t, s, o, i in CASES])
 def test_kernel_compiles_for_tpu_forward_and_backward(topology, shape, op, impl):
     """Compiled under the strictest ambient matmul precision ("highest", what float32 parity
     runs set): a kernel dot that inherited it would fail on bf16 operands ("Bad lhs type")."""
