@@ -1,0 +1,626 @@
+"""Roofline of a compiled TPU program: how fast could one chip run it at its published peaks?
+
+The optimized HLO of a (deviceless) TPU compile is split into single-instruction modules; XLA's
+generic cost analysis prices each one (FLOPs, transcendentals, bytes per operand) and our Pallas
+kernels' `pl.CostEstimate` prices theirs. Each op's roofline time is max(FLOPs / peak, HBM bytes /
+bandwidth); ops are grouped by category (XLA matmuls, each kernel, elementwise, copies and layout,
+collectives, the optimizer's Newton-Schulz and the rest of its update). Private XLA bindings
+(`HloModule.to_string`, `hlo_module_from_text`, `hlo_module_cost_analysis`) are used: see
+tests/test_roofline.py, which fails loudly if they change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+# Published per-chip figures: dense bf16 peak FLOP/s and HBM bandwidth (bytes/s).
+#   v4:  275 TFLOP/s, 1200 GB/s  https://cloud.google.com/tpu/docs/v4
+#   v5e: 197 TFLOP/s,  819 GB/s  https://cloud.google.com/tpu/docs/v5e
+#   v5p: 459 TFLOP/s, 2765 GB/s  https://cloud.google.com/tpu/docs/v5p
+#   v6e: 918 TFLOP/s, 1638 GB/s  https://cloud.google.com/tpu/docs/v6e
+# v4's compile-only devices are single TensorCores (half a chip: jax_bridge/tpu_compile.py), so a
+# v4 device gets half of each figure.
+CHIPS = {"v4": (275e12, 1200e9, 0.5), "v5e": (197e12, 819e9, 1.0), "v5p": (459e12, 2765e9, 1.0),
+         "v6e": (918e12, 1638e9, 1.0)}
+CATEGORIES = ("matmul (XLA)", "kernel", "elementwise / fusions", "copies / layout", "collectives",
+              "optimizer: Newton-Schulz", "optimizer: other")
+OPTIMIZER_SCOPE = "optimizer_update"     # the jax.named_scope of the step's update (jax_bridge/step.py)
+
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+         "replica-id", "opt-barrier"}
+_CONTROL = {"while", "call", "conditional"}
+_MOVEMENT = {"copy", "copy-start", "copy-done", "transpose", "reshape", "slice", "dynamic-slice",
+             "dynamic-update-slice", "concatenate", "pad", "reverse", "gather"}
+_COLLECTIVE = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast", "send", "recv", "ragged-all-to-all")
+
+
+def device_peaks(generation: str) -> tuple[float, float]:
+    """(peak bf16 FLOP/s, HBM bytes/s) of one compile-only device of a TPU generation."""
+    if generation not in CHIPS:
+        raise ValueError(f"no published peaks for TPU generation {generation!r}; known: {', '.join(CHIPS)}")
+    flops, bandwidth, share = CHIPS[generation]
+    return flops * share, bandwidth * share
+
+
+# ---- HLO text: computations, instructions, single-instruction modules ---------------------------
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str          # result shape, with layout
+    opcode: str
+    operands: list      # operand shapes (with layouts), in order
+    operand_names: list
+    attrs: str          # everything after the operand list
+    line: str
+
+
+def _closing(text: str, start: int) -> int:
+    """Index just past the bracket group opening at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced HLO text: {text[start:start + 80]!r}")
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    if text[start:].strip():
+        parts.append(text[start:].strip())
+    return parts
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    found = _INSTR.match(line)
+    if not found:
+        return None
+    pos = found.end()
+    if line[pos] == "(":
+        end = _closing(line, pos)
+    else:
+        end = line.index(" ", pos)
+    shape = line[pos:end]
+    rest = line[end + 1:]
+    op = re.match(r"([\w\-]+)\(", rest)
+    if op is None:
+        raise ValueError(f"cannot read the opcode of HLO line {line[:120]!r}")
+    close = _closing(rest, op.end() - 1)
+    parts = [o.rsplit(" %", 1) for o in _split_top(rest[op.end():close - 1])]
+    return Instruction(found.group(1), shape, op.group(1), [p[0] for p in parts], [p[-1] for p in parts],
+                       rest[close:], line)
+
+
+def parse_module(text: str) -> tuple[dict, str]:
+    """({computation name: (header, [lines])}, entry name) of an HLO module's text, in order."""
+    comps, entry, current = {}, None, None
+    for line in text.splitlines():
+        if current is None:
+            head = re.match(r"^(ENTRY )?%([\w.\-]+) ", line)
+            if head and line.rstrip().endswith("{"):
+                current = head.group(2)
+                comps[current] = (line, [])
+                if head.group(1):
+                    entry = current
+        elif line.startswith("}"):
+            current = None
+        else:
+            comps[current][1].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+_CALLEE = re.compile(r"%([\w.\-]+)")
+
+
+def _callees(attrs: str, comps: dict) -> list[str]:
+    return [n for n in _CALLEE.findall(attrs) if n in comps]
+
+
+def _closure(names: list[str], comps: dict) -> list[str]:
+    """The computations `names` call, transitively, in module order (callees first)."""
+    seen, stack = set(), list(names)
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in comps[name][1]:
+            ins = parse_instruction(line)
+            if ins is not None:
+                stack.extend(_callees(ins.attrs, comps))
+    return [n for n in comps if n in seen]
+
+
+def _without_stack_frames(text: str) -> str:
+    """Stack frames live in the module's header tables, which a re-parsed piece does not carry."""
+    return re.sub(r" stack_frame_id=\d+", "", text)
+
+
+def single_op_module(ins: Instruction, comps: dict) -> str:
+    """HLO text of a module whose entry computes `ins` alone from parameters."""
+    attrs = _without_stack_frames(re.sub(r", control-predecessors=\{[^}]*\}", "", ins.attrs))
+    body = [f"  %p{i} = {shape} parameter({i})" for i, shape in enumerate(ins.operands)]
+    args = ", ".join(f"%p{i}" for i in range(len(ins.operands)))
+    body.append(f"  ROOT %{ins.name} = {ins.shape} {ins.opcode}({args}){attrs}")
+    parts = ["HloModule piece"]
+    for name in _closure(_callees(attrs, comps), comps):
+        header, lines = comps[name]
+        parts.append(_without_stack_frames("\n".join([header, *lines, "}"])))
+    parts.append("\n".join(["ENTRY %piece {", *body, "}"]))
+    return "\n\n".join(parts)
+
+
+# ---- shapes: bytes held outside HBM --------------------------------------------------------------
+
+def _leaves(shape: str) -> list[str]:
+    """Array shapes of a (possibly tuple) shape, flattened in order."""
+    shape = shape.strip()
+    if shape.startswith("("):
+        return [leaf for part in _split_top(shape[1:-1]) for leaf in _leaves(part)]
+    return [shape]
+
+
+def _at(shape: str, path: str) -> str | None:
+    """The sub-shape at a cost-analysis shape index such as '{}' or '{1}' or '{0,2}'."""
+    index = [int(i) for i in path.strip("{}").split(",") if i.strip()]
+    for i in index:
+        shape = shape.strip()
+        if not shape.startswith("("):
+            return None
+        parts = _split_top(shape[1:-1])
+        if i >= len(parts):
+            return None
+        shape = parts[i]
+    return shape
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+             "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+             "s4": 0.5, "u4": 0.5}
+
+
+def _array_bytes(leaf: str) -> float:
+    found = re.match(r"(\w+)\[([\d,]*)\]", leaf.strip())
+    if not found:
+        return 0.0
+    n = 1
+    for dim in filter(None, found.group(2).split(",")):
+        n *= int(dim)
+    return n * _ITEMSIZE.get(found.group(1), 4)
+
+
+def _in_hbm(leaf: str) -> bool:
+    """An array with no memory space, or S(0), is in HBM; S(1) is VMEM, others SMEM/sync flags."""
+    space = re.search(r"S\((\d+)\)\}\s*$", leaf.strip())
+    return space is None or space.group(1) == "0"
+
+
+def padding_factor(leaf: str) -> float:
+    """Physical / logical size of an array under its TPU tiling: the first tile T(a, b) pads the
+    most minor dimensions (e.g. a [.., 64] bf16 array in (8, 128) tiles moves twice its bytes)."""
+    found = re.match(r"\w+\[([\d,]*)\]\{([\d,]*):([^}]*)\}", leaf.strip())
+    tile = re.search(r"T\(([\d,]+)\)", found.group(3)) if found else None
+    if tile is None:
+        return 1.0
+    dims = [int(x) for x in found.group(1).split(",") if x]
+    minor_first = [dims[int(i)] for i in found.group(2).split(",") if i] if dims else []
+    padded = list(minor_first)
+    for k, size in enumerate(reversed([int(x) for x in tile.group(1).split(",")])):
+        if k < len(padded):
+            padded[k] = -(-padded[k] // size) * size
+        else:
+            padded.append(size)
+    logical = 1
+    for d in dims:
+        logical *= d
+    physical = 1
+    for d in padded:
+        physical *= d
+    return physical / logical if logical else 1.0
+
+
+def _hbm_share(shape: str | None) -> float:
+    """HBM bytes per logical byte of a (tuple) shape: the leaves outside HBM count zero, those in
+    HBM their tile padding."""
+    if shape is None:
+        return 1.0
+    leaves = _leaves(shape)
+    total = sum(_array_bytes(leaf) for leaf in leaves)
+    if total == 0:
+        return 1.0 if all(_in_hbm(leaf) for leaf in leaves) else 0.0
+    return sum(_array_bytes(leaf) * padding_factor(leaf) for leaf in leaves if _in_hbm(leaf)) / total
+
+
+_BYTES_KEY = re.compile(r"^bytes accessed(out|\d+)(\{[\d,]*\})$")
+
+
+def hbm_bytes(ins: Instruction, cost: dict) -> float:
+    """Bytes the op moves to or from HBM: the cost analysis' per-operand and per-output bytes,
+    less the share of operands and outputs the compiler placed in VMEM (or SMEM), padded to the
+    arrays' TPU tiles. An asynchronous copy (copy-start) moves its array once between its source
+    and destination (the output tuple repeats the source); its copy-done only waits."""
+    if ins.opcode == "copy-start":
+        dest, source = _leaves(ins.shape)[:2]
+        return sum(_array_bytes(leaf) * padding_factor(leaf) for leaf in (dest, source) if _in_hbm(leaf))
+    total = 0.0
+    for key, value in cost.items():
+        found = _BYTES_KEY.match(key)
+        if not found:
+            continue
+        which, path = found.groups()
+        known = which == "out" or int(which) < len(ins.operands)
+        shape = (ins.shape if which == "out" else ins.operands[int(which)]) if known else None
+        total += value * _hbm_share(_at(shape, path) if shape is not None else None)
+    return total
+
+
+# ---- costing and categorising ops --------------------------------------------------------------
+
+@dataclasses.dataclass
+class Op:
+    name: str
+    opcode: str
+    category: str
+    kernel: str            # the Pallas kernel's name for custom calls, else ""
+    shape: str             # result shape without layouts
+    operands: list
+    trips: int             # times the op runs per step (enclosing while loops' trip counts)
+    flops: float           # per run
+    transcendentals: float
+    bytes: float           # the generic cost analysis' bytes accessed (what the compiler sums)
+    hbm_bytes: float       # of which to or from HBM
+    estimated: bool = True  # False: a custom call without a cost estimate (counted as zero)
+    mxu_passes: int = 1     # float32 matmuls at precision "high" / "highest" run 3 / 6 bf16 passes
+
+
+def mxu_passes(piece: str) -> int:
+    """bf16 passes of the slowest float32 matmul in a piece's text: libtpu's cost analysis counts
+    float32 at "highest" as the same FLOPs (and time) as bf16, so the roofline adds the passes."""
+    passes = 1
+    for line in piece.splitlines():
+        found = re.search(r"\b(convolution|dot)\(", line)
+        if found and "f32[" in line.split(found.group(0), 1)[1].split(")", 1)[0]:
+            precision = re.search(r"operand_precision=\{(\w+)", line)
+            if precision:
+                passes = max(passes, {"highest": 6, "high": 3}.get(precision.group(1).lower(), 1))
+    return passes
+
+
+def _plain(shape: str) -> str:
+    return re.sub(r"\{[^{}]*\}", "", shape)
+
+
+def _trip_count(ins: Instruction, comps: dict) -> int | None:
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%([\w.\-]+)", ins.attrs)
+    if cond is None:
+        return None
+    lines = comps[cond.group(1)][1]
+    consts = {}
+    for line in lines:
+        c = parse_instruction(line)
+        if c is not None and c.opcode == "constant":
+            value = re.search(r"constant\((-?\d+)\)", line)
+            if value:
+                consts[c.name] = int(value.group(1))
+    for line in lines:
+        c = parse_instruction(line)
+        if c is not None and c.opcode == "compare" and "direction=LT" in c.attrs:
+            if len(c.operand_names) == 2 and c.operand_names[1] in consts:
+                return consts[c.operand_names[1]]       # jax's loops count from 0 in steps of 1
+    return None
+
+
+def _computation_opcodes(name: str, comps: dict) -> set:
+    ops = set()
+    for n in _closure([name], comps):
+        for line in comps[n][1]:
+            ins = parse_instruction(line)
+            if ins is not None:
+                ops.add(ins.opcode)
+    return ops
+
+
+def _kernel_cost(ins: Instruction):
+    """(flops, transcendentals, bytes) of a Mosaic kernel from its backend config, or None."""
+    found = re.search(r'"cost_estimate":\{([^}]*)\}', ins.attrs)
+    if not found:
+        return None
+    fields = {k: float(v) for k, v in re.findall(r'"(\w+)":"?(\d+)"?', found.group(1))}
+    return fields.get("flops", 0.0), fields.get("transcendentals", 0.0), fields.get("bytes_accessed", 0.0)
+
+
+def categorize(ins: Instruction, comps: dict) -> str:
+    in_optimizer = OPTIMIZER_SCOPE in ins.attrs.split('op_name="', 1)[-1].split('"', 1)[0] \
+        if 'op_name="' in ins.attrs else False
+    op = ins.opcode
+    if op.startswith(_COLLECTIVE):
+        return "collectives"
+    if op == "custom-call" and "tpu_custom_call" in ins.attrs:
+        return "kernel"
+    if op == "fusion":
+        called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+        inner = _computation_opcodes(called.group(1), comps) if called else set()
+        if inner & {"convolution", "dot"}:
+            return "optimizer: Newton-Schulz" if in_optimizer else "matmul (XLA)"
+        if in_optimizer:
+            return "optimizer: other"
+        moved = inner - _FREE - {"broadcast"}
+        return "copies / layout" if moved and moved <= _MOVEMENT else "elementwise / fusions"
+    if op in ("convolution", "dot"):
+        return "optimizer: Newton-Schulz" if in_optimizer else "matmul (XLA)"
+    if in_optimizer:
+        return "optimizer: other"
+    if op in _MOVEMENT:
+        return "copies / layout"
+    return "elementwise / fusions"
+
+
+def collect_ops(text: str, cost_fn) -> tuple[list[Op], list[str]]:
+    """Every costed op of the module text, with its trip count; and the while loops whose trip
+    count could not be read (counted once). cost_fn(module_text) -> XLA cost-analysis dict."""
+    comps, entry = parse_module(text)
+    ops, unknown = [], []
+
+    def walk(name: str, trips: int):
+        for line in comps[name][1]:
+            ins = parse_instruction(line)
+            if ins is None or ins.opcode in _FREE:
+                continue
+            if ins.opcode == "while":
+                count = _trip_count(ins, comps)
+                if count is None:
+                    unknown.append(ins.name)
+                for key in ("condition", "body"):
+                    walk(re.search(key + r"=%([\w.\-]+)", ins.attrs).group(1), trips * (count or 1))
+                continue
+            if ins.opcode.endswith(("-done", "-update")):
+                # The second half of an asynchronous pair (copy, collective, async call): its
+                # start carries the work; a piece holding only the wait cannot be parsed.
+                # Bytes as the generic analysis counts a wait (its result); none to HBM.
+                waited = sum(_array_bytes(leaf) for leaf in _leaves(ins.shape))
+                ops.append(Op(ins.name, ins.opcode, categorize(ins, comps), "", _plain(ins.shape),
+                              [_plain(o) for o in ins.operands], trips, 0.0, 0.0, waited, 0.0))
+                continue
+            if ins.opcode in _CONTROL:
+                for callee in _callees(ins.attrs, comps):
+                    walk(callee, trips)
+                continue
+            category = categorize(ins, comps)
+            kernel, estimated = "", True
+            if category == "kernel":
+                kernel = re.sub(r"\.\d+$", "", ins.name)
+                est = _kernel_cost(ins)
+                estimated = est is not None
+                flops, trans, nbytes = est or (0.0, 0.0, 0.0)
+                hbm = nbytes
+                passes = 1
+            else:
+                piece = single_op_module(ins, comps)
+                cost = cost_fn(piece)
+                flops, trans = cost.get("flops", 0.0), cost.get("transcendentals", 0.0)
+                nbytes, hbm = cost.get("bytes accessed", 0.0), hbm_bytes(ins, cost)
+                passes = mxu_passes(piece) if category in ("matmul (XLA)", "optimizer: Newton-Schulz") else 1
+            ops.append(Op(ins.name, ins.opcode, category, kernel, _plain(ins.shape),
+                          [_plain(o) for o in ins.operands], trips, max(flops, 0.0), max(trans, 0.0),
+                          max(nbytes, 0.0), max(hbm, 0.0), estimated, passes))
+
+    walk(entry, 1)
+    return ops, unknown
+
+
+def xla_cost_fn():
+    """The generic (platform-independent) HLO cost analysis, through the CPU client."""
+    import jax
+    from jaxlib import _hlo, _jax
+
+    client = jax.devices("cpu")[0].client
+    return lambda text: _jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(text))
+
+
+def module_text(compiled) -> str:
+    """The compiled program's optimized HLO with operand shapes and backend configs printed."""
+    from jaxlib import _hlo
+
+    modules = compiled.runtime_executable().hlo_modules()
+    if len(modules) != 1:
+        raise ValueError(f"expected one HLO module in the compiled program, found {len(modules)}")
+    options = _hlo.HloPrintOptions()
+    options.print_operand_shape = True
+    options.print_metadata = True
+    options.print_backend_config = True
+    return modules[0].to_string(options)
+
+
+# ---- the roofline ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Row:
+    category: str
+    ops: int
+    flops: float            # per step (trip counts applied)
+    transcendentals: float
+    hbm_bytes: float
+    seconds: float          # sum of the ops' roofline times
+    memory_bound_seconds: float
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Roofline:
+    generation: str
+    peak_flops: float
+    hbm_bandwidth: float
+    rows: list
+    flops: float
+    hbm_bytes: float
+    seconds: float
+    memory_bound_share: float
+    compiler_flops: float        # compiled.cost_analysis() (libtpu): loop bodies once, kernels by estimate
+    compiler_transcendentals: float
+    compiler_bytes: float        # libtpu's own byte count (its accounting differs from the generic one)
+    compiler_optimal_seconds: float | None
+    generic_bytes: float         # the generic analysis of the whole module + the kernels' estimates
+    once_flops: float            # the same totals summed over the per-op pieces, loop bodies once
+    once_transcendentals: float
+    once_bytes: float
+    top_memory_bound: list       # [{name, category, shape, operands, trips, hbm_bytes, seconds}]
+    unknown_trip_counts: list
+    kernels_without_estimate: list
+    model_flops: float | None = None
+    optimizer_seconds: float = 0.0
+    mfu_ceiling: float | None = None
+    model_mfu_ceiling: float | None = None
+    tiles: dict = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def totals_mismatch(self, tolerance: float = 0.01) -> list[str]:
+        """The program totals the per-op pieces fail to reproduce within `tolerance` (loop
+        bodies once, as the compilers count): FLOPs and transcendentals against libtpu's
+        totals, bytes against the generic analysis of the whole program. Empty: all agree."""
+        pairs = {"flops": (self.once_flops, self.compiler_flops),
+                 "transcendentals": (self.once_transcendentals, self.compiler_transcendentals),
+                 "bytes": (self.once_bytes, self.generic_bytes)}
+        return [f"{name}: per-op sum {ours:.6g} vs program {total:.6g}" for name, (ours, total) in pairs.items()
+                if abs(ours - total) > tolerance * max(abs(total), 1.0)]
+
+    def set_model_flops(self, model_flops: float) -> None:
+        """The model's FLOPs per step on this device (train/flops.py) and the MFU ceilings they
+        give: model FLOPs / (roofline time x peak), for the whole step and without the optimizer."""
+        self.model_flops = model_flops
+        if self.seconds:
+            self.mfu_ceiling = model_flops / (self.seconds * self.peak_flops)
+            model_part = self.seconds - self.optimizer_seconds
+            self.model_mfu_ceiling = model_flops / (model_part * self.peak_flops) if model_part > 0 else None
+
+
+def op_seconds(op: Op, peak_flops: float, bandwidth: float) -> tuple[float, bool]:
+    """(roofline seconds of one run, memory-bound?)."""
+    compute, memory = op.flops * op.mxu_passes / peak_flops, op.hbm_bytes / bandwidth
+    return max(compute, memory), memory > compute
+
+
+def roofline(compiled, generation: str, *, tiles: dict | None = None, top: int = 5) -> Roofline:
+    """The roofline of a compiled TPU program on one device of `generation` (set_model_flops
+    then adds the MFU ceilings)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return roofline_of_text(module_text(compiled), dict(cost), generation, tiles=tiles, top=top)
+
+
+def roofline_of_text(text: str, cost: dict, generation: str, *, cost_fn=None, tiles: dict | None = None,
+                     top: int = 5) -> Roofline:
+    """The same from the module's text (module_text) and libtpu's cost_analysis() dict."""
+    peak, bandwidth = device_peaks(generation)
+    cost_fn = cost_fn or xla_cost_fn()
+    ops, unknown = collect_ops(text, cost_fn)
+    rows, timed = {}, []
+    for op in ops:
+        seconds, memory_bound = op_seconds(op, peak, bandwidth)
+        key = f"kernel: {op.kernel}" if op.category == "kernel" else op.category
+        row = rows.setdefault(key, Row(key, 0, 0.0, 0.0, 0.0, 0.0, 0.0))
+        row.ops += 1
+        row.flops += op.flops * op.trips
+        row.transcendentals += op.transcendentals * op.trips
+        row.hbm_bytes += op.hbm_bytes * op.trips
+        row.seconds += seconds * op.trips
+        row.memory_bound_seconds += seconds * op.trips if memory_bound else 0.0
+        if not op.estimated:
+            row.note = "no cost estimate: not counted"
+        if memory_bound:
+            timed.append((seconds * op.trips, op))
+    rank = {c: i for i, c in enumerate(CATEGORIES)}
+    ordered = sorted(rows.values(), key=lambda r: (rank.get(r.category.split(":")[0] if r.category.startswith(
+        "kernel") else r.category, 99), r.category))
+    total = sum(r.seconds for r in ordered)
+    whole = cost_fn(_without_stack_frames(text))
+    kernel_bytes = sum(op.hbm_bytes for op in ops if op.category == "kernel")
+    timed.sort(key=lambda t: -t[0])
+    result = Roofline(
+        generation=generation, peak_flops=peak, hbm_bandwidth=bandwidth, rows=ordered,
+        flops=sum(r.flops for r in ordered), hbm_bytes=sum(r.hbm_bytes for r in ordered), seconds=total,
+        memory_bound_share=sum(r.memory_bound_seconds for r in ordered) / total if total else 0.0,
+        compiler_flops=float(cost.get("flops", 0.0)),
+        compiler_transcendentals=float(cost.get("transcendentals", 0.0)),
+        compiler_bytes=float(cost.get("bytes accessed", 0.0)), compiler_optimal_seconds=cost.get("optimal_seconds"),
+        generic_bytes=float(whole.get("bytes accessed", 0.0)) + kernel_bytes,
+        once_flops=sum(op.flops for op in ops), once_transcendentals=sum(op.transcendentals for op in ops),
+        once_bytes=sum(op.hbm_bytes if op.category == "kernel" else op.bytes for op in ops),
+        top_memory_bound=[dict(name=op.name, category=op.category, shape=op.shape, operands=op.operands,
+                               trips=op.trips, hbm_bytes=op.hbm_bytes * op.trips, seconds=s)
+                          for s, op in timed[:top]],
+        unknown_trip_counts=unknown,
+        kernels_without_estimate=sorted({op.kernel for op in ops if not op.estimated}), tiles=dict(tiles or {}))
+    result.optimizer_seconds = sum(r.seconds for r in ordered if r.category.startswith("optimizer"))
+    return result
+
+
+def _si(x: float, unit: str) -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def format_roofline(r: Roofline) -> str:
+    lines = [f"roofline on one {r.generation} device: {r.peak_flops / 1e12:.1f} TFLOP/s bf16, "
+             f"{r.hbm_bandwidth / 1e9:.0f} GB/s HBM (published peaks); per op max(FLOPs/peak, HBM bytes/bandwidth)",
+             f"  {'category':36} {'ops':>5} {'FLOPs':>12} {'HBM bytes':>12} {'time':>10} {'share':>6} {'mem-bound':>9}"]
+    for row in r.rows:
+        share = row.seconds / r.seconds if r.seconds else 0.0
+        mem = row.memory_bound_seconds / row.seconds if row.seconds else 0.0
+        lines.append(f"  {row.category[:36]:36} {row.ops:5d} {_si(row.flops, 'FLOP'):>12} "
+                     f"{_si(row.hbm_bytes, 'B'):>12} {row.seconds * 1e3:8.2f} ms {share:6.1%} {mem:9.0%}" + (f"  ({row.note})" if row.note else ""))
+    opt = r.compiler_optimal_seconds
+    lines.append(f"  {'total':36} {sum(x.ops for x in r.rows):5d} {_si(r.flops, 'FLOP'):>12} "
+                 f"{_si(r.hbm_bytes, 'B'):>12} {r.seconds * 1e3:8.2f} ms; memory-bound share "
+                 f"{r.memory_bound_share:.1%}")
+    mismatch = r.totals_mismatch()
+    lines.append(f"  libtpu's optimal_seconds: {'-' if opt is None else f'{opt * 1e3:.2f} ms'} (its own per-op model; "
+                 f"loop bodies once)")
+    lines.append(f"  program totals, loop bodies once: libtpu {_si(r.compiler_flops, 'FLOP')}, "
+                 f"{_si(r.compiler_bytes, 'B')} (its byte count); generic analysis + kernel estimates "
+                 f"{_si(r.generic_bytes, 'B')}; per-op sums {_si(r.once_flops, 'FLOP')}, {_si(r.once_bytes, 'B')}: "
+                 + ("agree within 1%" if not mismatch else "DISAGREE: " + "; ".join(mismatch)))
+    if r.model_flops:
+        lines.append(f"  model FLOPs (train/flops.py) {_si(r.model_flops, 'FLOP')} per device: MFU ceiling "
+                     f"{r.mfu_ceiling:.1%} for the step, {r.model_mfu_ceiling:.1%} for the model part alone "
+                     f"(without the optimizer's {r.optimizer_seconds * 1e3:.2f} ms)")
+    if r.top_memory_bound:
+        lines.append("  most expensive memory-bound ops:")
+        for t in r.top_memory_bound:
+            lines.append(f"    {t['seconds'] * 1e3:8.3f} ms  {t['category']:24} {t['name']} -> {t['shape']} "
+                         f"from {', '.join(t['operands'][:4])}" + (f" (x{t['trips']})" if t["trips"] > 1 else ""))
+    if r.kernels_without_estimate:
+        lines.append(f"  kernels without a cost estimate (invisible to cost analysis, counted as zero): "
+                     f"{', '.join(r.kernels_without_estimate)}")
+    if r.unknown_trip_counts:
+        lines.append(f"  loops whose trip count was not read (counted once): {', '.join(r.unknown_trip_counts)}")
+    if r.tiles:
+        lines.append("  tiles: " + json.dumps(r.tiles, sort_keys=True))
+    return "\n".join(lines)
