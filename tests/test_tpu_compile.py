@@ -149,7 +149,7 @@ def test_plan_roofline_of_the_tiny_step(tiny_step_plan):
     assert {c.removeprefix("kernel: ") for c in rows if c.startswith("kernel: ")} == kernels
     assert all(rows[f"kernel: {k}"]["flops"] > 0 and not rows[f"kernel: {k}"]["note"] for k in kernels)
     assert {"matmul (XLA)", "optimizer: Newton-Schulz", "optimizer: other"} <= set(rows)
-    assert r["kernels_without_estimate"] == [] and r["unknown_trip_counts"] == []
+    assert r["kernels_without_estimate"] == r["unknown_trip_counts"] == r["unpriced_ops"] == []
     assert sum(row["seconds"] for row in r["rows"]) == pytest.approx(r["seconds"])
     assert 0 < r["memory_bound_share"] < 1 and len(r["top_memory_bound"]) == 5
     cfg = get_preset("tiny").replace(n_layers=2)
