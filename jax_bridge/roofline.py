@@ -306,9 +306,12 @@ def hbm_bytes(ins: Instruction, cost: dict, skip: set = frozenset()) -> float:
         dest, source = _leaves(ins.shape)[:2]
         return sum(_array_bytes(leaf) * padding_factor(leaf) for leaf in (dest, source) if _in_hbm(leaf))
     total = 0.0
+    # A tuple operand or output has a key per element ('bytes accessedout{1}') and one for the
+    # whole ('bytes accessedout{}', their sum): the elements are counted, the whole is not.
+    split = {m.group(1) for m in map(_BYTES_KEY.match, cost) if m and m.group(2) != "{}"}
     for key, value in cost.items():
         found = _BYTES_KEY.match(key)
-        if not found or key in skip:
+        if not found or key in skip or (found.group(2) == "{}" and found.group(1) in split):
             continue
         which, path = found.groups()
         known = which == "out" or int(which) < len(ins.operands)

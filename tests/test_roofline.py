@@ -100,3 +100,38 @@ def test_chip_peaks_agree_with_the_mfu_table():
     kinds = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5p", "v6e": "TPU v6 lite"}
     for generation, (flops, _, _) in roofline.CHIPS.items():
         assert published_peak(kinds[generation], "bfloat16")[0] == flops
+
+
+def test_in_place_outputs_move_their_update_only():
+    """A scan writing one step into a stacked buffer (dynamic-update-slice into a parameter, in
+    place) moves the slice, not the buffer; a parameter returned unchanged moves nothing."""
+    text = """HloModule m
+
+%fused (p0: f32[8,128,128], p1: f32[1,128,128], p2: s32[], p3: f32[4,128]) -> (f32[8,128,128], f32[4,128]) {
+  %p0 = f32[8,128,128]{2,1,0:T(8,128)} parameter(0)
+  %p1 = f32[1,128,128]{2,1,0:T(8,128)} parameter(1)
+  %p2 = s32[]{:T(128)} parameter(2)
+  %p3 = f32[4,128]{1,0:T(8,128)} parameter(3)
+  %c = s32[]{:T(128)} constant(0)
+  %dus = f32[8,128,128]{2,1,0:T(8,128)} dynamic-update-slice(f32[8,128,128]{2,1,0:T(8,128)} %p0, f32[1,128,128]{2,1,0:T(8,128)} %p1, s32[]{:T(128)} %p2, s32[]{:T(128)} %c, s32[]{:T(128)} %c)
+  ROOT %t = (f32[8,128,128]{2,1,0:T(8,128)}, f32[4,128]{1,0:T(8,128)}) tuple(f32[8,128,128]{2,1,0:T(8,128)} %dus, f32[4,128]{1,0:T(8,128)} %p3)
+}
+
+ENTRY %e (a: f32[8,128,128], b: f32[1,128,128], i: s32[], d: f32[4,128]) -> (f32[8,128,128], f32[4,128]) {
+  %a = f32[8,128,128]{2,1,0:T(8,128)} parameter(0)
+  %b = f32[1,128,128]{2,1,0:T(8,128)} parameter(1)
+  %i = s32[]{:T(128)} parameter(2)
+  %d = f32[4,128]{1,0:T(8,128)} parameter(3)
+  ROOT %f = (f32[8,128,128]{2,1,0:T(8,128)}, f32[4,128]{1,0:T(8,128)}) fusion(f32[8,128,128]{2,1,0:T(8,128)} %a, f32[1,128,128]{2,1,0:T(8,128)} %b, s32[]{:T(128)} %i, f32[4,128]{1,0:T(8,128)} %d), kind=kLoop, calls=%fused
+}
+"""
+    comps, entry = roofline.parse_module(text)
+    fusion = roofline.parse_instruction(comps[entry][1][-1])
+    skip, added = roofline.in_place(fusion, comps)
+    assert skip == {"bytes accessedout{0}", "bytes accessed0{}", "bytes accessedout{1}", "bytes accessed3{}"}
+    update = 128 * 128 * 4
+    assert added == update                    # written into the buffer
+    ops, unknown, unpriced = roofline.collect_ops(text, roofline.xla_cost_fn())
+    assert unpriced == [] and len(ops) == 1
+    # the update read and written, and the index (scalars: padded to a 128-lane tile)
+    assert ops[0].hbm_bytes == pytest.approx(2 * update, abs=1024)
