@@ -48,6 +48,7 @@ class Plan:
     compute_dtype: str
     matmul_precision: str
     hbm_bytes: int               # what the compiler lets one device use
+    ns_dtype: str = "float32"    # Muon's Newton-Schulz
     # Per chip, from the state's shapes and shardings (not the compiler): the shards one chip holds.
     param_bytes: int = 0         # float32 master weights
     optimizer_bytes: int = 0     # Muon momentum, AdamW moments, step counts
@@ -129,7 +130,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, micro_batches=micro_batches,
                           matmul_precision=matmul_precision, platform="tpu", kernel_options=kernel_options,
                           scan_layers=scan_layers, remat=remat)
-    step = TrainStep(model, optimizer or OptimizerConfig(), step_cfg, mesh=device_mesh)
+    optimizer = optimizer or OptimizerConfig()
+    step = TrainStep(model, optimizer, step_cfg, mesh=device_mesh)
     state = step.abstract_state()
     result = Plan(preset=preset, topology=topology, device_kind=device.device_kind,
                   generation=tpu_compile.generation(device), chips=chips,
@@ -137,7 +139,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   params=cfg.param_counts()["total"], seq_len=seq_len, batch_size=batch_size, rows_per_chip=rows,
                   micro_batches=micro_batches, scan_layers=scan_layers, remat=remat, kernels=dict(step.kernels),
                   compute_dtype=step_cfg.compute_dtype, matmul_precision=step_cfg.matmul_precision,
-                  hbm_bytes=tpu_compile.hbm_bytes(device), param_bytes=per_chip_bytes(state.params),
+                  hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype,
+                  param_bytes=per_chip_bytes(state.params),
                   optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params))
     start = time.perf_counter()
     if device_mesh is None:
@@ -224,7 +227,8 @@ def format_plan(p: Plan) -> str:
              f"{p.chips} x {p.device_kind}, mesh {p.mesh if p.mesh != ONE_CHIP else 'none (one chip)'}",
              f"  step: seq {p.seq_len}, global batch {p.batch_size} = {placement}, {p.micro_batches} "
              f"micro-batch(es); layers {'scanned' if p.scan_layers else 'looped'}, remat {p.remat}; "
-             f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}; kernels {kernels}",
+             f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}, Newton-Schulz {p.ns_dtype}; "
+             f"kernels {kernels}",
              f"  per chip, from the shardings: parameters {gib(p.param_bytes)}, optimizer {gib(p.optimizer_bytes)}, "
              f"gradients {gib(p.grad_bytes)} (one per parameter shard, float32; part of the temporaries)",
              f"  per chip, by the compiler: arguments {gib(p.argument_bytes)}, outputs {gib(p.output_bytes)} "

@@ -434,8 +434,8 @@ def categorize(ins: Instruction, comps: dict) -> str:
         return "optimizer: Newton-Schulz" if in_optimizer else "matmul (XLA)"
     if in_optimizer:
         return "optimizer: other"
-    if op in _MOVEMENT:
-        return "copies / layout"
+    if op in _MOVEMENT or op.removesuffix("-start").removesuffix("-done") in _MOVEMENT:
+        return "copies / layout"         # also asynchronous slices and copies (slice-start, ...)
     return "elementwise / fusions"
 
 

@@ -33,6 +33,8 @@ def add_arguments(parser) -> None:
                         help="compute dtype (default: auto = bfloat16 on TPU)")
     parser.add_argument("--layers", type=int, default=None,
                         help="plan with this many layers instead of the preset's (compile time grows with depth)")
+    parser.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of Muon's Newton-Schulz iteration (default: float32, the optimizer's default)")
     parser.add_argument("--roofline", action="store_true",
                         help="also break the compiled step down by op category: FLOPs, HBM bytes and roofline "
                              "time at the chip's published peaks, MFU ceiling, most expensive memory-bound ops")
@@ -43,6 +45,7 @@ def run(args) -> int:
     from jax_bridge import registry, tpu_compile
     from jax_bridge.plan import ONE_CHIP, format_plan, plan
     from torch_model.config import ConfigError, get_preset
+    from torch_model.optim import OptimizerConfig
 
     try:
         get_preset(args.preset)
@@ -57,7 +60,8 @@ def run(args) -> int:
         result = plan(args.preset, args.topology, mesh=None if args.mesh.strip() == ONE_CHIP else args.mesh,
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
                       scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
-                      compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline)
+                      compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
+                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype))
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
