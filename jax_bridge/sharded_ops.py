@@ -54,16 +54,10 @@ def cross_entropy(fn, mesh, spmd: str):
             nll, lse = fn(hidden, weight, labels, ignore_index=ignore_index)
             return sharding.constrain(nll, mesh, ("batch",)), sharding.constrain(lse, mesh, ("batch",))
         rows = P(sharding.batch_axes(mesh))
-        w_spec = sharding.logical_spec(mesh, ("vocab", "embed"), weight.shape)
+        w_spec = sharding.logical_spec(mesh, ("vocab", None), weight.shape)   # gathered over `embed`
         vocab_axis = w_spec[0] if len(w_spec) else None
-        embed_axes = w_spec[1] if len(w_spec) > 1 else None
 
         def local(h, w, y):
-            if embed_axes is not None:
-                # Gathered here rather than before the shard_map, so that its gradient leaves by
-                # reduce-scatter (all_gather's transpose) into the weight's shards instead of an
-                # all-reduce of the whole [V, H] gradient on every device (BENCHMARKS.md, issue 24).
-                w = lax.all_gather(w, embed_axes, axis=1, tiled=True)
             if vocab_axis is None:
                 return fn(h, w, y, ignore_index=ignore_index)
             return vocab_parallel_cross_entropy(fn, h, w, y, ignore_index=ignore_index, axis=vocab_axis)
