@@ -14,6 +14,8 @@ import dataclasses
 import json
 import re
 
+from jax_bridge import hlo_text as hlo
+
 # Published per-chip figures: dense bf16 peak FLOP/s and HBM bandwidth (bytes/s).
 #   v4:  275 TFLOP/s, 1200 GB/s  https://cloud.google.com/tpu/docs/v4
 #   v5e: 197 TFLOP/s,  819 GB/s  https://cloud.google.com/tpu/docs/v5e
@@ -44,218 +46,22 @@ def device_peaks(generation: str) -> tuple[float, float]:
     return flops * share, bandwidth * share
 
 
-# ---- HLO text: computations, instructions, single-instruction modules ---------------------------
-
-@dataclasses.dataclass
-class Instruction:
-    name: str
-    shape: str          # result shape, with layout
-    opcode: str
-    operands: list      # operand shapes (with layouts), in order
-    operand_names: list
-    attrs: str          # everything after the operand list
-    line: str
-
-
-def _closing(text: str, start: int) -> int:
-    """Index just past the bracket group opening at text[start]."""
-    depth = 0
-    for i in range(start, len(text)):
-        ch = text[i]
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    raise ValueError(f"unbalanced HLO text: {text[start:start + 80]!r}")
-
-
-def _split_top(text: str) -> list[str]:
-    """Split on commas outside brackets."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    if text[start:].strip():
-        parts.append(text[start:].strip())
-    return parts
-
-
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
-
-
-def parse_instruction(line: str) -> Instruction | None:
-    found = _INSTR.match(line)
-    if not found:
-        return None
-    pos = found.end()
-    if line[pos] == "(":
-        end = _closing(line, pos)
-    else:
-        end = line.index(" ", pos)
-    shape = line[pos:end]
-    rest = line[end + 1:]
-    op = re.match(r"([\w\-]+)\(", rest)
-    if op is None:
-        raise ValueError(f"cannot read the opcode of HLO line {line[:120]!r}")
-    close = _closing(rest, op.end() - 1)
-    parts = [o.rsplit(" %", 1) for o in _split_top(rest[op.end():close - 1])]
-    return Instruction(found.group(1), shape, op.group(1), [p[0] for p in parts], [p[-1] for p in parts],
-                       rest[close:], line)
-
-
-def parse_module(text: str) -> tuple[dict, str]:
-    """({computation name: (header, [lines])}, entry name) of an HLO module's text, in order."""
-    comps, entry, current = {}, None, None
-    for line in text.splitlines():
-        if current is None:
-            head = re.match(r"^(ENTRY )?%([\w.\-]+) ", line)
-            if head and line.rstrip().endswith("{"):
-                current = head.group(2)
-                comps[current] = (line, [])
-                if head.group(1):
-                    entry = current
-        elif line.startswith("}"):
-            current = None
-        else:
-            comps[current][1].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return comps, entry
-
-
-_CALLEE = re.compile(r"%([\w.\-]+)")
-
-
-def _callees(attrs: str, comps: dict) -> list[str]:
-    return [n for n in _CALLEE.findall(attrs) if n in comps]
-
-
-def _closure(names: list[str], comps: dict) -> list[str]:
-    """The computations `names` call, transitively, in module order (callees first)."""
-    seen, stack = set(), list(names)
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for line in comps[name][1]:
-            ins = parse_instruction(line)
-            if ins is not None:
-                stack.extend(_callees(ins.attrs, comps))
-    return [n for n in comps if n in seen]
-
-
-def _without_stack_frames(text: str) -> str:
-    """Stack frames live in the module's header tables, which a re-parsed piece does not carry."""
-    return re.sub(r" stack_frame_id=\d+", "", text)
-
-
-def single_op_module(ins: Instruction, comps: dict) -> str:
-    """HLO text of a module whose entry computes `ins` alone from parameters."""
-    attrs = _without_stack_frames(re.sub(r", control-predecessors=\{[^}]*\}", "", ins.attrs))
-    body = [f"  %p{i} = {shape} parameter({i})" for i, shape in enumerate(ins.operands)]
-    args = ", ".join(f"%p{i}" for i in range(len(ins.operands)))
-    body.append(f"  ROOT %{ins.name} = {ins.shape} {ins.opcode}({args}){attrs}")
-    parts = ["HloModule piece"]
-    for name in _closure(_callees(attrs, comps), comps):
-        header, lines = comps[name]
-        parts.append(_without_stack_frames("\n".join([header, *lines, "}"])))
-    parts.append("\n".join(["ENTRY %piece {", *body, "}"]))
-    return "\n\n".join(parts)
-
-
-# ---- shapes: bytes held outside HBM --------------------------------------------------------------
-
-def _leaves(shape: str) -> list[str]:
-    """Array shapes of a (possibly tuple) shape, flattened in order."""
-    shape = shape.strip()
-    if shape.startswith("("):
-        return [leaf for part in _split_top(shape[1:-1]) for leaf in _leaves(part)]
-    return [shape]
-
-
-def _at(shape: str, path: str) -> str | None:
-    """The sub-shape at a cost-analysis shape index such as '{}' or '{1}' or '{0,2}'."""
-    index = [int(i) for i in path.strip("{}").split(",") if i.strip()]
-    for i in index:
-        shape = shape.strip()
-        if not shape.startswith("("):
-            return None
-        parts = _split_top(shape[1:-1])
-        if i >= len(parts):
-            return None
-        shape = parts[i]
-    return shape
-
-
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-             "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
-             "s4": 0.5, "u4": 0.5}
-
-
-def _array_bytes(leaf: str) -> float:
-    found = re.match(r"(\w+)\[([\d,]*)\]", leaf.strip())
-    if not found:
-        return 0.0
-    n = 1
-    for dim in filter(None, found.group(2).split(",")):
-        n *= int(dim)
-    return n * _ITEMSIZE.get(found.group(1), 4)
-
-
-def _in_hbm(leaf: str) -> bool:
-    """An array with no memory space, or S(0), is in HBM; S(1) is VMEM, others SMEM/sync flags."""
-    space = re.search(r"S\((\d+)\)\}\s*$", leaf.strip())
-    return space is None or space.group(1) == "0"
-
-
-def padding_factor(leaf: str) -> float:
-    """Physical / logical size of an array under its TPU tiling: the first tile T(a, b) pads the
-    most minor dimensions (e.g. a [.., 64] bf16 array in (8, 128) tiles moves twice its bytes)."""
-    found = re.match(r"\w+\[([\d,]*)\]\{([\d,]*):([^}]*)\}", leaf.strip())
-    tile = re.search(r"T\(([\d,]+)\)", found.group(3)) if found else None
-    if tile is None:
-        return 1.0
-    dims = [int(x) for x in found.group(1).split(",") if x]
-    minor_first = [dims[int(i)] for i in found.group(2).split(",") if i] if dims else []
-    padded = list(minor_first)
-    for k, size in enumerate(reversed([int(x) for x in tile.group(1).split(",")])):
-        if k < len(padded):
-            padded[k] = -(-padded[k] // size) * size
-        else:
-            padded.append(size)
-    logical = 1
-    for d in dims:
-        logical *= d
-    physical = 1
-    for d in padded:
-        physical *= d
-    return physical / logical if logical else 1.0
-
-
 def _hbm_share(shape: str | None) -> float:
     """HBM bytes per logical byte of a (tuple) shape: the leaves outside HBM count zero, those in
     HBM their tile padding."""
     if shape is None:
         return 1.0
-    leaves = _leaves(shape)
-    total = sum(_array_bytes(leaf) for leaf in leaves)
+    leaves = hlo.leaves(shape)
+    total = sum(hlo.array_bytes(leaf) for leaf in leaves)
     if total == 0:
-        return 1.0 if all(_in_hbm(leaf) for leaf in leaves) else 0.0
-    return sum(_array_bytes(leaf) * padding_factor(leaf) for leaf in leaves if _in_hbm(leaf)) / total
+        return 1.0 if all(hlo.in_hbm(leaf) for leaf in leaves) else 0.0
+    return sum(hlo.array_bytes(leaf) * hlo.padding_factor(leaf) for leaf in leaves if hlo.in_hbm(leaf)) / total
 
 
 _BYTES_KEY = re.compile(r"^bytes accessed(out|\d+)(\{[\d,]*\})$")
 
 
-def in_place(ins: Instruction, comps: dict) -> tuple[set[str], float]:
+def in_place(ins: hlo.Instruction, comps: dict) -> tuple[set[str], float]:
     """(cost-analysis byte keys of a fusion that move nothing, HBM bytes to add instead).
     Nothing moves for outputs that return a parameter unchanged or a collective's result (aliased
     buffers of an async collective fusion; the collective is priced apart), nor for parameters
@@ -264,7 +70,7 @@ def in_place(ins: Instruction, comps: dict) -> tuple[set[str], float]:
     called = re.search(r"calls=%([\w.\-]+)", ins.attrs) if ins.opcode == "fusion" else None
     if called is None or called.group(1) not in comps:
         return set(), 0.0
-    body = [i for i in (parse_instruction(line) for line in comps[called.group(1)][1]) if i is not None]
+    body = [i for i in (hlo.parse_instruction(line) for line in comps[called.group(1)][1]) if i is not None]
     root = next((i for i in body if re.match(r"^\s*ROOT ", i.line)), None)
     if root is None:
         return set(), 0.0
@@ -288,7 +94,7 @@ def in_place(ins: Instruction, comps: dict) -> tuple[set[str], float]:
         elif source is not None and source.opcode == "dynamic-update-slice" and source.operand_names[0] in params:
             keys.add(out_key)
             update = source.operands[1]
-            added += _array_bytes(update) * padding_factor(update) if _in_hbm(source.shape) else 0.0
+            added += hlo.array_bytes(update) * hlo.padding_factor(update) if hlo.in_hbm(source.shape) else 0.0
             buffer = source.operand_names[0]
         else:
             continue
@@ -297,14 +103,14 @@ def in_place(ins: Instruction, comps: dict) -> tuple[set[str], float]:
     return keys, added
 
 
-def hbm_bytes(ins: Instruction, cost: dict, skip: set = frozenset()) -> float:
+def hbm_bytes(ins: hlo.Instruction, cost: dict, skip: set = frozenset()) -> float:
     """Bytes the op moves to or from HBM: the cost analysis' per-operand and per-output bytes,
     less the share of operands and outputs the compiler placed in VMEM (or SMEM), padded to the
     arrays' TPU tiles. An asynchronous copy (copy-start) moves its array once between its source
     and destination (the output tuple repeats the source); its copy-done only waits."""
     if ins.opcode == "copy-start":
-        dest, source = _leaves(ins.shape)[:2]
-        return sum(_array_bytes(leaf) * padding_factor(leaf) for leaf in (dest, source) if _in_hbm(leaf))
+        dest, source = hlo.leaves(ins.shape)[:2]
+        return sum(hlo.array_bytes(leaf) * hlo.padding_factor(leaf) for leaf in (dest, source) if hlo.in_hbm(leaf))
     total = 0.0
     # A tuple operand or output has a key per element ('bytes accessedout{1}') and one for the
     # whole ('bytes accessedout{}', their sum): the elements are counted, the whole is not.
@@ -316,7 +122,7 @@ def hbm_bytes(ins: Instruction, cost: dict, skip: set = frozenset()) -> float:
         which, path = found.groups()
         known = which == "out" or int(which) < len(ins.operands)
         shape = (ins.shape if which == "out" else ins.operands[int(which)]) if known else None
-        total += value * _hbm_share(_at(shape, path) if shape is not None else None)
+        total += value * _hbm_share(hlo.sub_shape(shape, path) if shape is not None else None)
     return total
 
 
@@ -352,11 +158,7 @@ def mxu_passes(piece: str) -> int:
     return passes
 
 
-def _plain(shape: str) -> str:
-    return re.sub(r"\{[^{}]*\}", "", shape)
-
-
-def _trip_count(ins: Instruction, comps: dict) -> int | None:
+def _trip_count(ins: hlo.Instruction, comps: dict) -> int | None:
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
     if known:
         return int(known.group(1))
@@ -366,45 +168,35 @@ def _trip_count(ins: Instruction, comps: dict) -> int | None:
     lines = comps[cond.group(1)][1]
     consts = {}
     for line in lines:
-        c = parse_instruction(line)
+        c = hlo.parse_instruction(line)
         if c is not None and c.opcode == "constant":
             value = re.search(r"constant\((-?\d+)\)", line)
             if value:
                 consts[c.name] = int(value.group(1))
     for line in lines:
-        c = parse_instruction(line)
+        c = hlo.parse_instruction(line)
         if c is not None and c.opcode == "compare" and "direction=LT" in c.attrs:
             if len(c.operand_names) == 2 and c.operand_names[1] in consts:
                 return consts[c.operand_names[1]]       # jax's loops count from 0 in steps of 1
     return None
 
 
-def _computation_opcodes(name: str, comps: dict) -> set:
-    ops = set()
-    for n in _closure([name], comps):
-        for line in comps[n][1]:
-            ins = parse_instruction(line)
-            if ins is not None:
-                ops.add(ins.opcode)
-    return ops
-
-
-def _inner_collectives(ins: Instruction, comps: dict) -> list[Instruction]:
+def _inner_collectives(ins: hlo.Instruction, comps: dict) -> list[hlo.Instruction]:
     """The collectives inside a fusion's computations (none for other ops)."""
     if ins.opcode != "fusion":
         return []
     called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
     found = []
-    for name in _closure([called.group(1)], comps) if called else []:
+    for name in hlo.closure([called.group(1)], comps) if called else []:
         for line in comps[name][1]:
-            inner = parse_instruction(line)
+            inner = hlo.parse_instruction(line)
             if inner is not None and inner.opcode.startswith(_COLLECTIVE) and \
                     not inner.opcode.endswith(("-done", "-update")):
                 found.append(inner)
     return found
 
 
-def _kernel_cost(ins: Instruction):
+def _kernel_cost(ins: hlo.Instruction):
     """(flops, transcendentals, bytes) of a Mosaic kernel from its backend config, or None."""
     found = re.search(r'"cost_estimate":\{([^}]*)\}', ins.attrs)
     if not found:
@@ -413,7 +205,7 @@ def _kernel_cost(ins: Instruction):
     return fields.get("flops", 0.0), fields.get("transcendentals", 0.0), fields.get("bytes_accessed", 0.0)
 
 
-def categorize(ins: Instruction, comps: dict) -> str:
+def categorize(ins: hlo.Instruction, comps: dict) -> str:
     in_optimizer = OPTIMIZER_SCOPE in ins.attrs.split('op_name="', 1)[-1].split('"', 1)[0] \
         if 'op_name="' in ins.attrs else False
     op = ins.opcode
@@ -423,7 +215,7 @@ def categorize(ins: Instruction, comps: dict) -> str:
         return "kernel"
     if op == "fusion":
         called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
-        inner = _computation_opcodes(called.group(1), comps) if called else set()
+        inner = hlo.computation_opcodes(called.group(1), comps) if called else set()
         if inner & {"convolution", "dot"}:
             return "optimizer: Newton-Schulz" if in_optimizer else "matmul (XLA)"
         if in_optimizer:
@@ -443,12 +235,12 @@ def collect_ops(text: str, cost_fn) -> tuple[list[Op], list[str], list[str]]:
     """Every costed op of the module text, with its trip count; the while loops whose trip count
     could not be read (counted once); the ops the generic analysis could not price (counted as
     zero). cost_fn(module_text) -> XLA cost-analysis dict."""
-    comps, entry = parse_module(text)
+    comps, entry = hlo.parse_module(text)
     ops, unknown, unpriced = [], [], []
 
     def walk(name: str, trips: int):
         for line in comps[name][1]:
-            ins = parse_instruction(line)
+            ins = hlo.parse_instruction(line)
             if ins is None or ins.opcode in _FREE:
                 continue
             if ins.opcode == "while":
@@ -462,12 +254,12 @@ def collect_ops(text: str, cost_fn) -> tuple[list[Op], list[str], list[str]]:
                 # The second half of an asynchronous pair (copy, collective, async call): its
                 # start carries the work; a piece holding only the wait cannot be parsed.
                 # Bytes as the generic analysis counts a wait (its result); none to HBM.
-                waited = sum(_array_bytes(leaf) for leaf in _leaves(ins.shape))
-                ops.append(Op(ins.name, ins.opcode, categorize(ins, comps), "", _plain(ins.shape),
-                              [_plain(o) for o in ins.operands], trips, 0.0, 0.0, waited, 0.0))
+                waited = sum(hlo.array_bytes(leaf) for leaf in hlo.leaves(ins.shape))
+                ops.append(Op(ins.name, ins.opcode, categorize(ins, comps), "", hlo.without_layouts(ins.shape),
+                              [hlo.without_layouts(o) for o in ins.operands], trips, 0.0, 0.0, waited, 0.0))
                 continue
             if ins.opcode in _CONTROL:
-                for callee in _callees(ins.attrs, comps):
+                for callee in hlo.callees(ins.attrs, comps):
                     walk(callee, trips)
                 continue
             category = categorize(ins, comps)
@@ -480,7 +272,7 @@ def collect_ops(text: str, cost_fn) -> tuple[list[Op], list[str], list[str]]:
                 hbm = nbytes
                 passes = 1
             else:
-                piece = single_op_module(ins, comps)
+                piece = hlo.single_op_module(ins, comps)
                 try:
                     cost = cost_fn(piece)
                 except Exception as e:  # noqa: BLE001 - reported as unpriced, and the totals check shows it
@@ -494,18 +286,19 @@ def collect_ops(text: str, cost_fn) -> tuple[list[Op], list[str], list[str]]:
                     # An async collective fusion (a weight all-gather the TPU compiler fused into a
                     # matmul to overlap them): its collective is priced apart, as a collective.
                     try:
-                        moved = cost_fn(single_op_module(inner, comps))
+                        moved = cost_fn(hlo.single_op_module(inner, comps))
                     except Exception as e:  # noqa: BLE001
-                        unpriced.append(f"{ins.name}/{inner.name} ({inner.opcode}: {str(e).strip().splitlines()[0][:120]})")
+                        first = str(e).strip().splitlines()[0][:120]
+                        unpriced.append(f"{ins.name}/{inner.name} ({inner.opcode}: {first})")
                         continue
                     inner_bytes, inner_hbm = moved.get("bytes accessed", 0.0), hbm_bytes(inner, moved)
                     inner_flops = moved.get("flops", 0.0)
                     nbytes, hbm, flops = nbytes - inner_bytes, hbm - inner_hbm, flops - inner_flops
-                    ops.append(Op(f"{ins.name}/{inner.name}", inner.opcode, "collectives", "", _plain(inner.shape),
-                                  [_plain(o) for o in inner.operands], trips, max(inner_flops, 0.0), 0.0,
-                                  max(inner_bytes, 0.0), max(inner_hbm, 0.0)))
-            ops.append(Op(ins.name, ins.opcode, category, kernel, _plain(ins.shape),
-                          [_plain(o) for o in ins.operands], trips, max(flops, 0.0), max(trans, 0.0),
+                    ops.append(Op(f"{ins.name}/{inner.name}", inner.opcode, "collectives", "",
+                                  hlo.without_layouts(inner.shape), [hlo.without_layouts(o) for o in inner.operands],
+                                  trips, max(inner_flops, 0.0), 0.0, max(inner_bytes, 0.0), max(inner_hbm, 0.0)))
+            ops.append(Op(ins.name, ins.opcode, category, kernel, hlo.without_layouts(ins.shape),
+                          [hlo.without_layouts(o) for o in ins.operands], trips, max(flops, 0.0), max(trans, 0.0),
                           max(nbytes, 0.0), max(hbm, 0.0), estimated, passes))
 
     walk(entry, 1)
@@ -644,7 +437,7 @@ def roofline_of_text(text: str, cost: dict, generation: str, *, cost_fn=None, ti
         if r.category == "collectives":
             r.note = "assumed overlapped with compute: not in the step time; priced at HBM bandwidth, ICI not modelled"
     total = sum(r.seconds for r in ordered if r.category != "collectives")
-    whole = cost_fn(_without_stack_frames(text))
+    whole = cost_fn(hlo.without_stack_frames(text))
     kernel_bytes = sum(op.hbm_bytes for op in ops if op.category == "kernel")
     timed.sort(key=lambda t: -t[0])
     result = Roofline(
@@ -681,8 +474,10 @@ def format_roofline(r: Roofline) -> str:
     for row in r.rows:
         share = row.seconds / r.seconds if r.seconds else 0.0
         mem = row.memory_bound_seconds / row.seconds if row.seconds else 0.0
+        shown = "     -" if row.category == "collectives" else f"{share:6.1%}"
         lines.append(f"  {row.category[:36]:36} {row.ops:5d} {_si(row.flops, 'FLOP'):>12} "
-                     f"{_si(row.hbm_bytes, 'B'):>12} {row.seconds * 1e3:8.2f} ms {share:6.1%} {mem:9.0%}" + (f"  ({row.note})" if row.note else ""))
+                     f"{_si(row.hbm_bytes, 'B'):>12} {row.seconds * 1e3:8.2f} ms {shown} {mem:9.0%}"
+                     + (f"  ({row.note})" if row.note else ""))
     opt = r.compiler_optimal_seconds
     lines.append(f"  {'step (without collectives)':36} {sum(x.ops for x in r.rows):5d} {_si(r.flops, 'FLOP'):>12} "
                  f"{_si(r.hbm_bytes, 'B'):>12} {r.seconds * 1e3:8.2f} ms; memory-bound share "

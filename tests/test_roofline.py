@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_bridge import roofline, tpu_compile
+from jax_bridge import hlo_text, roofline, tpu_compile
 
 LAYERS, M, K = 3, 512, 256
 
@@ -73,11 +73,11 @@ def test_hbm_bytes_skip_vmem_and_count_tile_padding():
     padded tiles (a 64-wide minor dimension in 128-lane tiles moves twice its logical bytes)."""
     line = ("  %f = bf16[64,64]{1,0:T(8,128)(2,1)} fusion(bf16[64,64]{1,0:T(8,128)(2,1)S(1)} %a, "
             "f32[8,256]{1,0:T(8,128)} %b), kind=kLoop, calls=%c")
-    ins = roofline.parse_instruction(line)
+    ins = hlo_text.parse_instruction(line)
     assert (ins.name, ins.opcode, ins.operand_names) == ("f", "fusion", ["a", "b"])
     assert ins.operands == ["bf16[64,64]{1,0:T(8,128)(2,1)S(1)}", "f32[8,256]{1,0:T(8,128)}"]
-    assert roofline.padding_factor("bf16[64,64]{1,0:T(8,128)(2,1)}") == 2.0
-    assert roofline.padding_factor("f32[3]{0:T(128)}") == pytest.approx(128 / 3)
+    assert hlo_text.padding_factor("bf16[64,64]{1,0:T(8,128)(2,1)}") == 2.0
+    assert hlo_text.padding_factor("f32[3]{0:T(128)}") == pytest.approx(128 / 3)
     cost = {"bytes accessed0{}": 8192.0, "bytes accessed1{}": 8192.0, "bytes accessedout{}": 8192.0}
     assert roofline.hbm_bytes(ins, cost) == 8192.0 + 2 * 8192.0
     with pytest.raises(ValueError, match="no published peaks for TPU generation 'v9'"):
@@ -125,8 +125,8 @@ ENTRY %e (a: f32[8,128,128], b: f32[1,128,128], i: s32[], d: f32[4,128]) -> (f32
   ROOT %f = (f32[8,128,128]{2,1,0:T(8,128)}, f32[4,128]{1,0:T(8,128)}) fusion(f32[8,128,128]{2,1,0:T(8,128)} %a, f32[1,128,128]{2,1,0:T(8,128)} %b, s32[]{:T(128)} %i, f32[4,128]{1,0:T(8,128)} %d), kind=kLoop, calls=%fused
 }
 """
-    comps, entry = roofline.parse_module(text)
-    fusion = roofline.parse_instruction(comps[entry][1][-1])
+    comps, entry = hlo_text.parse_module(text)
+    fusion = hlo_text.parse_instruction(comps[entry][1][-1])
     skip, added = roofline.in_place(fusion, comps)
     assert skip == {"bytes accessedout{0}", "bytes accessed0{}", "bytes accessedout{1}", "bytes accessed3{}"}
     update = 128 * 128 * 4
