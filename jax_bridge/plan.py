@@ -48,6 +48,7 @@ class Plan:
     compute_dtype: str
     matmul_precision: str
     hbm_bytes: int               # what the compiler lets one device use
+    ns_dtype: str = "float32"    # Muon's Newton-Schulz
     # Per chip, from the state's shapes and shardings (not the compiler): the shards one chip holds.
     param_bytes: int = 0         # float32 master weights
     optimizer_bytes: int = 0     # Muon momentum, AdamW moments, step counts
@@ -64,6 +65,7 @@ class Plan:
     compile_s: float | None = None   # wall clock
     compile_cpu_s: float | None = None   # this process's CPU time while compiling (the host is shared)
     error: str | None = None
+    roofline: object | None = None   # jax_bridge.roofline.Roofline, when asked for
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,12 +89,13 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
          batch_size: int = 8, micro_batches: int = 1, scan_layers: bool = False, remat: str = "none",
          kernels: str | dict | None = "auto", kernel_options: str | dict | None = None,
          compute_dtype: str | None = None, matmul_precision: str | None = None,
-         model_overrides: dict | None = None, optimizer=None) -> Plan:
+         model_overrides: dict | None = None, optimizer=None, roofline: bool = False) -> Plan:
     """Compile `preset`'s train step for TPU `topology` and report one chip's memory.
     mesh: None = one chip, replicated state; a --mesh spec ("" = every chip on fsdp) = the sharded
     step over every chip. model_overrides: ModelConfig fields (e.g. {"n_layers": 2}); seq_len
     defaults to the preset's. A program that does not fit is reported (fits=False, temp_bytes from
-    the compiler's refusal), not raised. Bad mesh / batch: ValueError."""
+    the compiler's refusal), not raised. Bad mesh / batch: ValueError. roofline: also break the
+    compiled step down by op category (jax_bridge/roofline.py; one chip's share of the work)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -127,7 +130,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, micro_batches=micro_batches,
                           matmul_precision=matmul_precision, platform="tpu", kernel_options=kernel_options,
                           scan_layers=scan_layers, remat=remat)
-    step = TrainStep(model, optimizer or OptimizerConfig(), step_cfg, mesh=device_mesh)
+    optimizer = optimizer or OptimizerConfig()
+    step = TrainStep(model, optimizer, step_cfg, mesh=device_mesh)
     state = step.abstract_state()
     result = Plan(preset=preset, topology=topology, device_kind=device.device_kind,
                   generation=tpu_compile.generation(device), chips=chips,
@@ -135,7 +139,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   params=cfg.param_counts()["total"], seq_len=seq_len, batch_size=batch_size, rows_per_chip=rows,
                   micro_batches=micro_batches, scan_layers=scan_layers, remat=remat, kernels=dict(step.kernels),
                   compute_dtype=step_cfg.compute_dtype, matmul_precision=step_cfg.matmul_precision,
-                  hbm_bytes=tpu_compile.hbm_bytes(device), param_bytes=per_chip_bytes(state.params),
+                  hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype,
+                  param_bytes=per_chip_bytes(state.params),
                   optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params))
     held = result.param_bytes + result.optimizer_bytes + result.grad_bytes
     if held > result.hbm_bytes:         # no need to compile: the state alone does not fit
@@ -175,6 +180,13 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     result.alias_bytes, result.temp_bytes = int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes)
     result.total_bytes = result.argument_bytes + result.output_bytes - result.alias_bytes + result.temp_bytes
     result.fits = result.total_bytes <= result.hbm_bytes
+    if roofline:
+        from jax_bridge import roofline as roofline_mod
+
+        tokens_per_chip = rows * seq_len * micro_batches if device_mesh is None else \
+            batch_size * seq_len * micro_batches // chips
+        tiles = kernel_tiles(step.kernels, step_cfg.kernel_options, cfg, seq_len, tokens_per_chip)
+        result.roofline = roofline_mod.roofline(compiled, result.generation, tiles=tiles)
     return result
 
 
@@ -211,6 +223,32 @@ def smallest_slice(preset: str, generation: str, *, rows_per_chip: int = 1, repo
     return plans
 
 
+def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int) -> dict:
+    """The tile sizes each Pallas kernel of the step runs with: the options given, else the
+    kernel's defaults for these shapes (recorded beside a roofline: tiles are not tuned from it)."""
+    from jax_bridge import registry
+    from pallas_kernels import attention, cross_entropy, moe
+
+    given = registry.parse_kernel_options(options)
+    tiles = {}
+    for op, name in kernels.items():
+        mine = dict(given.get(op, {}).get(name, {}))
+        if (op, name) == ("attention", "pallas"):
+            block_q, block_kv = attention.default_block_sizes(seq_len, cfg.head_dim, "tpu")
+            mine = {"block_q": block_q, "block_kv": block_kv, **mine}
+        elif (op, name) == ("attention", "splash"):
+            mine = attention.splash_block_sizes(seq_len, cfg.head_dim, **mine)
+        elif (op, name) == ("cross_entropy", "pallas"):
+            block_n, block_v = cross_entropy.default_block_sizes(tokens, cfg.d_model, cfg.vocab_size, "tpu")
+            mine = {"block_n": block_n, "block_v": block_v, **mine}
+        elif (op, name) == ("moe", "pallas"):
+            block_m, block_i = moe.DEFAULT_FUSED_TILES["tpu"]
+            mine = {"block_m": block_m, "block_i": block_i, "note": "before the VMEM-budget shrink", **mine}
+        if mine:
+            tiles[f"{op}.{name}"] = mine
+    return tiles
+
+
 def gib(n: int | None) -> str:
     """Bytes in GiB, or MiB below one GiB (a small plan's figures stay readable)."""
     if n is None:
@@ -228,7 +266,8 @@ def format_plan(p: Plan) -> str:
              f"{p.chips} x {p.device_kind}, mesh {p.mesh if p.mesh != ONE_CHIP else 'none (one chip)'}",
              f"  step: seq {p.seq_len}, global batch {p.batch_size} = {placement}, {p.micro_batches} "
              f"micro-batch(es); layers {'scanned' if p.scan_layers else 'looped'}, remat {p.remat}; "
-             f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}; kernels {kernels}",
+             f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}, Newton-Schulz {p.ns_dtype}; "
+             f"kernels {kernels}",
              f"  per chip, from the shardings: parameters {gib(p.param_bytes)}, optimizer {gib(p.optimizer_bytes)}, "
              f"gradients {gib(p.grad_bytes)} (one per parameter shard, float32; part of the temporaries)",
              f"  per chip, by the compiler: arguments {gib(p.argument_bytes)}, outputs {gib(p.output_bytes)} "

@@ -184,13 +184,16 @@ class TrainStep:
         # parameters and optimizer state (its step count too) stay as they were, while the
         # caller's step counter, learning-rate schedule and data move on.
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(stats["grad_norm"])
-        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), TrainState(params, opt_state), state)
+        with jax.named_scope("optimizer_update"):
+            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), TrainState(params, opt_state),
+                                     state)
         metrics.update(grad_norm=stats["grad_norm"], grad_norm_clipped=stats["grad_norm_clipped"],
                        skipped=jnp.logical_not(finite).astype(jnp.int32))
         return self._constrain(new_state), metrics
 
     def _update(self, params, grads, opt_state, lr_scale):
-        with jax.default_matmul_precision(self.cfg.matmul_precision):
+        # The named scope marks the update's ops in the compiled program (jax_bridge/roofline.py).
+        with jax.default_matmul_precision(self.cfg.matmul_precision), jax.named_scope("optimizer_update"):
             return self.update(params, grads, opt_state, lr_scale)
 
     def _eval(self, params, tokens):

@@ -166,6 +166,41 @@ def _q_steps(cfg: _Cfg) -> int:
     return max(hi - lo + 1 for lo, hi in (_q_range(j, cfg) for j in range(cfg.nk)))
 
 
+def _live_tiles(cfg: _Cfg) -> int:
+    """(q block, kv block) tiles the kernels compute, per batch row and query head: the tiles
+    holding at least one visible (query, key) pair. Static: tiles skipped only at run time are
+    none (every tile in a block range holds a visible pair), padded rows count."""
+    return sum(hi - lo + 1 for lo, hi in (_kv_range(i, cfg) for i in range(cfg.nq)))
+
+
+def _cost_estimates(cfg: _Cfg, batch: int, q_heads: int, kv_heads: int, head_dim: int,
+                             itemsize: int) -> dict:
+    """pl.CostEstimate of the TPU forward, dq and dkv kernels (keys "fwd", "dq", "dkv"), from the
+    shapes, the block plan and the statically skipped tiles. Per live tile of bq x bkv: forward 2
+    matmuls (QK^T, PV), dq 3 (QK^T, dO V^T, dS K), dkv 4 (K Q^T, P^T dO, V dO^T, dS^T Q), each
+    2 bq bkv d FLOPs; one exp per score (+ the forward's per-row rescale and final log). Bytes:
+    what the block specs move between HBM and VMEM: the streamed operand's block once per live
+    tile (a skipped step re-uses the previous block: no DMA), the resident ones once per row of
+    blocks, row statistics in float32."""
+    bq, bkv, tp, d = cfg.block_q, cfg.block_kv, cfg.padded_len, head_dim
+    heads = batch * q_heads
+    tiles = heads * _live_tiles(cfg)
+    per_tile = 2 * bq * bkv * d
+    q_bytes = heads * tp * d * itemsize          # q, o, dO, dq: one [B, Hq, Tp, D] array each
+    kv_bytes = batch * kv_heads * tp * d * itemsize
+    row_bytes = heads * tp * 4                   # lse or delta, float32
+    estimate = lambda flops, exps, nbytes: pl.CostEstimate(flops=int(flops), transcendentals=int(exps),
+                                                           bytes_accessed=int(nbytes))
+    return {
+        "fwd": estimate(2 * per_tile * tiles, tiles * (bq * bkv + bq) + heads * tp,
+                        2 * q_bytes + tiles * 2 * bkv * d * itemsize + row_bytes + q_heads * 4),
+        "dq": estimate(3 * per_tile * tiles, tiles * bq * bkv,
+                       3 * q_bytes + tiles * 2 * bkv * d * itemsize + 2 * row_bytes),
+        "dkv": estimate(4 * per_tile * tiles, tiles * bq * bkv,
+                        4 * kv_bytes + tiles * 2 * bq * (d * itemsize + 4)),
+    }
+
+
 def attention_grid(seq_len: int, *, sliding_window: int, block_q: int, block_kv: int) -> dict:
     """The forward kernel's grid plan (for tests and cost reasoning).
 
@@ -178,8 +213,7 @@ def attention_grid(seq_len: int, *, sliding_window: int, block_q: int, block_kv:
     window = 0 if sliding_window >= seq_len else sliding_window
     cfg = _Cfg(window, 1.0, block_q, block_kv, seq_len, tp, mode)
     steps = _kv_steps(cfg)
-    computed = sum(hi - lo + 1 for lo, hi in (_kv_range(i, cfg) for i in range(cfg.nq)))
-    return dict(q_blocks=cfg.nq, kv_steps=steps, grid_steps=cfg.nq * steps, computed_blocks=computed)
+    return dict(q_blocks=cfg.nq, kv_steps=steps, grid_steps=cfg.nq * steps, computed_blocks=_live_tiles(cfg))
 
 
 def _visible(q_first, k_first, shape, window: int, transposed: bool = False):
@@ -334,6 +368,11 @@ def _tpu_call_kwargs(cfg: _Cfg):
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=cfg.vmem_limit))
 
 
+def _costs(cfg: _Cfg, q, k) -> dict:
+    b, hq, _, d = q.shape
+    return _cost_estimates(cfg, b, hq, k.shape[1], d, q.dtype.itemsize)
+
+
 def _tpu_forward(cfg: _Cfg, q, k, v, sinks):
     b, hq, tp, d = q.shape
     group = hq // k.shape[1]
@@ -356,7 +395,7 @@ def _tpu_forward(cfg: _Cfg, q, k, v, sinks):
                    jax.ShapeDtypeStruct((b, hq, 1, tp), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
                         pltpu.VMEM((bq, d), jnp.float32)],
-        name="attention_fwd", **_tpu_call_kwargs(cfg),
+        name="attention_fwd", cost_estimate=_costs(cfg, q, k)["fwd"], **_tpu_call_kwargs(cfg),
     )(sinks.astype(jnp.float32), q, k, v)
     return out, lse   # lse: [B, H, 1, Tp], the row layout the backward kernels read
 
@@ -390,7 +429,7 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta):
         out_specs=pl.BlockSpec((None, None, bq, d), q_map),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
-        name="attention_dq", **_tpu_call_kwargs(cfg),
+        name="attention_dq", cost_estimate=_costs(cfg, q, k)["dq"], **_tpu_call_kwargs(cfg),
     )(q, k, v, do, lse4, delta4)
 
     q_steps = _q_steps(cfg)
@@ -418,7 +457,7 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta):
         out_specs=[pl.BlockSpec((None, None, bkv, d), k_map), pl.BlockSpec((None, None, bkv, d), k_map)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
-        name="attention_dkv", **_tpu_call_kwargs(cfg),
+        name="attention_dkv", cost_estimate=_costs(cfg, q, k)["dkv"], **_tpu_call_kwargs(cfg),
     )(q, k, v, do, lse4, delta4)
     return dq, dk, dv
 

@@ -278,7 +278,7 @@ def _tpu_forward(hidden, weight, lab_row, *, ignore_index, tiles: _Tiles, mode: 
         scratch_shapes=[pltpu.VMEM((1, bn), jnp.float32)] * 3,
         compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, jnp.dtype(cdt).itemsize,
                                              tiles.compute, tiles.vmem_limit),
-        cost_estimate=pl.CostEstimate(
+        name="cross_entropy_fwd", cost_estimate=pl.CostEstimate(
             flops=2 * n * v * h, transcendentals=n * v,
             bytes_accessed=hidden.nbytes + pl.cdiv(n, bn) * weight.nbytes + 12 * n),
         interpret=mode.pallas_interpret(),
@@ -307,7 +307,7 @@ def _tpu_backward(hidden, weight, lab_row, lse_row, ca_row, cb_row, *, tiles: _T
         out_shape=jax.ShapeDtypeStruct((n, h), hidden.dtype),
         scratch_shapes=[pltpu.VMEM((bn, h), jnp.float32), pltpu.VMEM((bn, 128), jnp.float32)],
         compiler_params=params,
-        cost_estimate=pl.CostEstimate(
+        name="cross_entropy_dh", cost_estimate=pl.CostEstimate(
             flops=4 * n * v * h, transcendentals=n * v,
             bytes_accessed=2 * hidden.nbytes + pl.cdiv(n, bn) * weight.nbytes + 16 * n),
         interpret=mode.pallas_interpret(),
@@ -325,7 +325,7 @@ def _tpu_backward(hidden, weight, lab_row, lse_row, ca_row, cb_row, *, tiles: _T
         out_shape=jax.ShapeDtypeStruct((v, h), weight.dtype),
         scratch_shapes=[pltpu.VMEM((bv, h), jnp.float32)],
         compiler_params=params,
-        cost_estimate=pl.CostEstimate(
+        name="cross_entropy_dw", cost_estimate=pl.CostEstimate(
             flops=4 * n * v * h, transcendentals=n * v,
             bytes_accessed=2 * weight.nbytes + pl.cdiv(v, bv) * (hidden.nbytes + 16 * n)),
         interpret=mode.pallas_interpret(),

@@ -162,6 +162,70 @@ def test_sliding_window_grid_is_linear_in_window():
     assert (1, 2, nq, 2 * 2) in local_grids and (1, 2, nq, 2 * nq) in full_grids  # dkv: group x q steps
 
 
+def _pallas_costs(fn, *args):
+    """{kernel name: (flops, transcendentals, bytes_accessed)} of every pallas_call in fn's jaxpr."""
+    costs = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                est = eqn.params["cost_estimate"]
+                costs[eqn.params["name"]] = None if est is None else (est.flops, est.transcendentals,
+                                                                      est.bytes_accessed)
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return costs
+
+
+def hand_count(b, hq, hkv, t, d, window, bq, bkv, itemsize):
+    """The three TPU kernels' costs counted from scratch: the padded sequence's visibility mask
+    decides which (q block, kv block) tiles hold any visible pair; each such tile costs 2 matmuls
+    forward (QK^T, PV), 3 for dq (QK^T, dO V^T, dS K), 4 for dkv (K Q^T, P^T dO, V dO^T, dS^T Q)."""
+    tp = -(-t // max(bq, bkv)) * max(bq, bkv)
+    qpos, kpos = np.arange(tp)[:, None], np.arange(tp)[None, :]
+    visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+    tiles = sum(visible[i:i + bq, j:j + bkv].any() for i in range(0, tp, bq) for j in range(0, tp, bkv))
+    tiles *= b * hq
+    mm = 2 * bq * bkv * d
+    head_rows, kv_rows = b * hq * tp, b * hkv * tp
+    return {
+        # forward: q read, o written, a k and a v block per tile, lse written (f32), sinks
+        "attention_fwd": (2 * mm * tiles, tiles * bq * bkv + tiles * bq + head_rows,
+                          2 * head_rows * d * itemsize + tiles * 2 * bkv * d * itemsize + 4 * head_rows + 4 * hq),
+        # dq: q and dO read, dq written, k and v blocks per tile, lse and delta read
+        "attention_dq": (3 * mm * tiles, tiles * bq * bkv,
+                         3 * head_rows * d * itemsize + tiles * 2 * bkv * d * itemsize + 8 * head_rows),
+        # dkv: k, v read and dk, dv written once; per tile a q and a dO block, lse and delta rows
+        "attention_dkv": (4 * mm * tiles, tiles * bq * bkv,
+                          4 * kv_rows * d * itemsize + tiles * 2 * bq * (d * itemsize + 4)),
+    }
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 64, 100, 128, 128), (1, 8, 2, 1024, 128, 0, 256, 512),
+                                   (1, 4, 1, 2048, 128, 128, 512, 256)],
+                         ids=["odd-window100", "full-256x512", "window128-512x256"])
+def test_tpu_kernel_cost_estimates_match_hand_counts(shape):
+    """The forward, dq and dkv kernels carry pl.CostEstimate (what XLA's scheduler and cost
+    analysis see of them); each equals a count by hand, and skipped tiles are not counted: a
+    sliding window costs less than causal attention over the same blocks."""
+    b, hq, hkv, t, d, window, bq, bkv = shape
+    q = jax.ShapeDtypeStruct((b, hq, t, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, hkv, t, d), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((hq,), jnp.float32)
+    grad = jax.grad(lambda *a: attention_pallas(*a, sliding_window=window, scale=d ** -0.5, block_q=bq,
+                                                block_kv=bkv, platform="tpu").astype(jnp.float32).sum(),
+                    argnums=(0, 1, 2, 3))
+    costs = _pallas_costs(grad, q, k, k, s)
+    assert costs == hand_count(b, hq, hkv, t, d, window, bq, bkv, 2)
+    if window:
+        causal = hand_count(b, hq, hkv, t, d, 0, bq, bkv, 2)["attention_fwd"][0]
+        assert costs["attention_fwd"][0] < causal
+
+
 def _lower(export_platform, b, hq, hkv, t, d, window, platform):
     q = jax.ShapeDtypeStruct((b, hq, t, d), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((b, hkv, t, d), jnp.bfloat16)

@@ -8,7 +8,10 @@ at the tiny, Lyra Small and gpt-oss-20b shapes of `torchlyra bench kernels` (the
 `torchlyra bench kernels --platform tpu`, BENCHMARKS.md). Train step: `jax_bridge.plan` on a
 small config, once per kernel set.
 """
+import contextlib
 import functools
+import io
+import json
 
 import jax
 import jax.numpy as jnp
@@ -93,23 +96,83 @@ def test_bf16_attention_compiles_under_the_steps_highest_precision():
 KERNEL_SETS = {"pallas": "pallas", "shipped": "attention=splash,cross_entropy=pallas,moe=megablox"}
 
 
-@pytest.mark.parametrize("kernels", list(KERNEL_SETS))
-def test_train_step_compiles_for_v5e(kernels):
-    """The whole one-jit train step (model, backward, Muon + AdamW update) for one v5e chip, bf16
-    compute, per kernel set, on a 2-layer `tiny` (one sliding and one full layer) at sequence 256,
-    planned without weights."""
-    from jax_bridge.plan import plan
+@pytest.fixture(scope="module")
+def tiny_step_plan(tmp_path_factory):
+    """`torchlyra plan --roofline --json` of the whole one-jit train step (model, backward, Muon +
+    AdamW update) for one v5e chip, bf16 compute, per kernel set, on a 2-layer `tiny` (one sliding
+    and one full layer) at sequence 256, 2 rows per chip, planned without weights: one ~30 s
+    compile per kernel set, shared by the tests below. Returns (plan JSON, printed report)."""
+    from train.cli import main
 
-    result = plan("tiny", "v5e:2x2", seq_len=256, batch_size=8, kernels=KERNEL_SETS[kernels],
-                  model_overrides={"n_layers": 2})
-    assert result.error is None and result.fits
-    assert result.compute_dtype == "bfloat16" and result.matmul_precision == "default"
-    assert set(result.kernels.values()) <= {"xla", "pallas", "splash", "megablox"}
-    params_f32 = result.params * 4
-    assert result.argument_bytes >= 2 * params_f32          # parameters + Muon (1) / Adam (2) state, float32
-    assert result.alias_bytes >= 2 * params_f32             # the state is donated
-    assert result.total_bytes == (result.argument_bytes + result.output_bytes - result.alias_bytes
-                                  + result.temp_bytes) < result.hbm_bytes
+    cache = {}
+
+    def get(kernels):
+        if kernels not in cache:
+            out = tmp_path_factory.mktemp("plan") / "plan.json"
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                rc = main(["plan", "--preset", "tiny", "--layers", "2", "--topology", "v5e:2x2", "--mesh", "none",
+                           "--no-scan-layers", "--seq-len", "256", "--batch-size", "8",
+                           "--kernels", KERNEL_SETS[kernels], "--roofline", "--json", str(out)])
+            assert rc == 0
+            cache[kernels] = json.loads(out.read_text()), printed.getvalue()
+        return cache[kernels]
+    return get
+
+
+@pytest.mark.parametrize("kernels", list(KERNEL_SETS))
+def test_train_step_compiles_for_v5e(kernels, tiny_step_plan):
+    result, _ = tiny_step_plan(kernels)
+    assert result["error"] is None and result["fits"]
+    assert result["compute_dtype"] == "bfloat16" and result["matmul_precision"] == "default"
+    assert set(result["kernels"].values()) <= {"xla", "pallas", "splash", "megablox"}
+    params_f32 = result["params"] * 4
+    assert result["argument_bytes"] >= 2 * params_f32          # parameters + Muon (1) / Adam (2) state, float32
+    assert result["alias_bytes"] >= 2 * params_f32             # the state is donated
+    assert result["total_bytes"] == (result["argument_bytes"] + result["output_bytes"] - result["alias_bytes"]
+                                     + result["temp_bytes"]) < result["hbm_bytes"]
+
+
+def test_plan_roofline_of_the_tiny_step(tiny_step_plan):
+    """`plan --roofline`: the step's ops, split one by one out of the compiled program, sum to
+    the program's totals within 1% (FLOPs and transcendentals: libtpu's, which hold our kernels'
+    cost estimates; bytes: the generic analysis of the whole program); every kernel of ours is
+    counted and named; the model FLOPs of train/flops.py and the MFU ceilings are reported."""
+    from torch_model.config import get_preset
+    from train.flops import flops_per_token
+
+    plan, printed = tiny_step_plan("pallas")
+    r = plan["roofline"]
+    for name, ours, program in (("flops", r["once_flops"], r["compiler_flops"]),
+                                ("transcendentals", r["once_transcendentals"], r["compiler_transcendentals"]),
+                                ("bytes", r["once_bytes"], r["generic_bytes"])):
+        assert abs(ours - program) <= 0.01 * program, (name, ours, program)
+    rows = {row["category"]: row for row in r["rows"]}
+    kernels = {"attention_fwd", "attention_dq", "attention_dkv", "cross_entropy_fwd", "cross_entropy_dh",
+               "cross_entropy_dw", "moe_fused_fwd", "moe_fused_dx", "moe_fused_dw"}
+    assert {c.removeprefix("kernel: ") for c in rows if c.startswith("kernel: ")} == kernels
+    assert all(rows[f"kernel: {k}"]["flops"] > 0 and not rows[f"kernel: {k}"]["note"] for k in kernels)
+    assert {"matmul (XLA)", "optimizer: Newton-Schulz", "optimizer: other"} <= set(rows)
+    assert r["kernels_without_estimate"] == r["unknown_trip_counts"] == r["unpriced_ops"] == []
+    assert sum(row["seconds"] for row in r["rows"]) == pytest.approx(r["seconds"])
+    assert 0 < r["memory_bound_share"] < 1 and len(r["top_memory_bound"]) == 5
+    cfg = get_preset("tiny").replace(n_layers=2)
+    assert r["model_flops"] == pytest.approx(flops_per_token(cfg, 256) * 2 * 256)     # 2 rows per chip
+    # Roofline FLOPs hold the model's matmuls, the optimizer's and nothing skipped: at least the model's.
+    assert r["flops"] >= r["model_flops"]
+    assert r["mfu_ceiling"] == pytest.approx(r["model_flops"] / (r["seconds"] * 197e12))
+    assert r["mfu_ceiling"] < r["model_mfu_ceiling"] <= 1
+    assert r["tiles"]["attention.pallas"] == {"block_q": 128, "block_kv": 128}
+    assert "MFU ceiling" in printed and "Muon Newton-Schulz:" in printed and "agree within 1%" in printed
+
+
+def test_plan_roofline_says_splash_has_no_cost_estimate(tiny_step_plan):
+    """Splash's shipped kernels carry no cost estimate: the roofline counts them as zero and says so."""
+    plan, printed = tiny_step_plan("shipped")
+    r = plan["roofline"]
+    assert r["kernels_without_estimate"] and all("splash" in k or "mha" in k or "gmm" in k
+                                                 for k in r["kernels_without_estimate"])
+    assert "no cost estimate" in printed and "splash" in printed
 
 
 def test_topology_errors_are_one_line():

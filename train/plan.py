@@ -1,12 +1,14 @@
 """`torchlyra plan`: will a preset fit a TPU slice? Compiles the real (sharded) train step for the
 slice's chips with the TPU compiler, without weights, and prints per-chip memory against the
-chip's HBM and the compile time (the work is `jax_bridge.plan.plan`)."""
+chip's HBM and the compile time (the work is `jax_bridge.plan.plan`); with --roofline, also how
+fast one chip could run the step at its published peaks (`jax_bridge.roofline`) and the MFU
+ceiling that gives against the model FLOPs of train/flops.py."""
 from __future__ import annotations
 
 import argparse
 import json
-import os
 
+from train.atomic import write_atomic
 from train.errors import UserError
 
 
@@ -35,6 +37,11 @@ def add_arguments(parser) -> None:
                         help="plan on this generation's slices (v5e, v6e, v5p, v4), smallest first, with every chip "
                              "on fsdp and one sequence per chip, until one fits: the smallest slice that trains the "
                              "preset (full fine-tune, Muon + AdamW)")
+    parser.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of Muon's Newton-Schulz iteration (default: float32, the optimizer's default)")
+    parser.add_argument("--roofline", action="store_true",
+                        help="also break the compiled step down by op category: FLOPs, HBM bytes and roofline "
+                             "time at the chip's published peaks, MFU ceiling, most expensive memory-bound ops")
     parser.add_argument("--json", metavar="OUT", help="also write the plan as JSON to OUT")
 
 
@@ -42,6 +49,7 @@ def run(args) -> int:
     from jax_bridge import registry, tpu_compile
     from jax_bridge.plan import ONE_CHIP, format_plan, plan
     from torch_model.config import ConfigError, get_preset
+    from torch_model.optim import OptimizerConfig
 
     try:
         get_preset(args.preset)
@@ -58,7 +66,8 @@ def run(args) -> int:
         result = plan(args.preset, args.topology, mesh=None if args.mesh.strip() == ONE_CHIP else args.mesh,
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
                       scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
-                      compute_dtype=args.compute_dtype, model_overrides=overrides)
+                      compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
+                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype))
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
@@ -66,10 +75,10 @@ def run(args) -> int:
             raise
         raise UserError(str(e).splitlines()[0]) from None
     print(format_plan(result))
+    if result.roofline is not None:
+        print(roofline_report(result, get_preset(args.preset).replace(**overrides)))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(result.to_dict(), fh, indent=1)
+        write_atomic(args.json, (json.dumps(result.to_dict(), indent=1) + "\n").encode())
         print(f"wrote {args.json}")
     return 0
 
@@ -78,12 +87,14 @@ def find_slice(args, overrides: dict) -> int:
     """--find-slice: the smallest slice of a generation whose chips hold the whole train step."""
     from jax_bridge import tpu_compile
     from jax_bridge.plan import format_plan, smallest_slice
+    from torch_model.optim import OptimizerConfig
 
     try:
         plans = smallest_slice(args.preset, args.find_slice, seq_len=args.seq_len, micro_batches=args.micro_batches,
                                scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels,
                                kernel_options=args.kernel_options, compute_dtype=args.compute_dtype,
-                               model_overrides=overrides, **({"mesh": args.mesh} if args.mesh.strip() else {}),
+                               model_overrides=overrides, optimizer=OptimizerConfig(ns_dtype=args.ns_dtype),
+                               **({"mesh": args.mesh} if args.mesh.strip() else {}),
                                report=lambda p: print(format_plan(p) if p.device_kind else
                                                       f"plan: {p.topology}: {p.error}", flush=True))
     except tpu_compile.TopologyError as e:
@@ -97,7 +108,24 @@ def find_slice(args, overrides: dict) -> int:
     else:
         print(f"no {args.find_slice} slice up to {last.topology} fits {args.preset}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump([p.to_dict() for p in plans], fh, indent=1)
+        write_atomic(args.json, (json.dumps([p.to_dict() for p in plans], indent=1) + "\n").encode())
+        print(f"wrote {args.json}")
     return 0
+
+
+def roofline_report(result, cfg) -> str:
+    """Sets the model FLOPs of one chip's share of the step on the plan's roofline and formats
+    it, with Muon's Newton-Schulz per token."""
+    from jax_bridge.roofline import format_roofline
+    from train.flops import flops_per_token
+
+    tokens = result.batch_size * result.seq_len * result.micro_batches // result.chips
+    r = result.roofline
+    r.set_model_flops(flops_per_token(cfg, result.seq_len) * tokens)
+    lines = [format_roofline(r)]
+    ns = next((row for row in r.rows if row.category == "optimizer: Newton-Schulz"), None)
+    if ns is not None and r.seconds:
+        lines.append(f"  Muon Newton-Schulz: {ns.flops / 1e12:.2f} TFLOP ({ns.flops / r.model_flops:.0%} of the model "
+                     f"FLOPs), {ns.seconds * 1e3:.2f} ms = {ns.seconds / r.seconds:.1%} of the roofline step, "
+                     f"{ns.seconds / tokens * 1e9:.1f} ns per token at {tokens} tokens per chip")
+    return "\n".join(lines)
