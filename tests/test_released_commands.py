@@ -62,6 +62,12 @@ def test_the_loader_reads_a_released_directory_as_its_imported_checkpoint(dirs):
     assert enc is not None and enc.encode("ROMEO") == load_tokenizer(data).encode("ROMEO"), line
 
 
+def test_generate_names_a_released_directory_without_a_tokenizer(tmp_path):
+    write_released(tmp_path / "bare", RELEASED, seed=4)
+    with pytest.raises(UserError, match=r"bare: no tokenizer to generate text with \(tokenizer: none \(no tokenizer.json\)\)"):
+        load_for_generation(tmp_path / "bare")
+
+
 def test_generate_from_a_released_directory_equals_its_imported_checkpoint(dirs, capsys):
     hf, ck, data = dirs
     enc = load_tokenizer(data)

@@ -216,7 +216,7 @@ def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: boo
     model, meta = _load(checkpoint)
     tokenizer, found = checkpoint_tokenizer(checkpoint, meta)
     if tokenizer is None and require_tokenizer:
-        raise UserError(f"checkpoint {checkpoint}: no tokenizer ({found})")
+        raise UserError(f"checkpoint {checkpoint}: no tokenizer to generate text with (tokenizer: {found})")
     return model, tokenizer
 
 
