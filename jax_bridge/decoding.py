@@ -203,7 +203,8 @@ class Decoder:
             fn = jax.jit(lambda *a: self._prefill(*a, length=length, mode=mode))
             params = self.params_for(self.layout("prefill", batch * prompt))
             args = (params, _spec((batch, prompt), jnp.int32), _spec((batch, prompt), jnp.int32),
-                    _spec((batch,), jnp.bool_), _values_spec(n_stop), jax.random.key_data(jax.random.key(0)))
+                    _spec((batch,), jnp.bool_), _values_spec(n_stop, self.cfg.vocab_size),
+                    jax.random.key_data(jax.random.key(0)))
             return fn.lower(*args).compile(self.compiler_options)
         return self._compiled("prefill", (batch, prompt, length, mode, n_stop), build)
 
@@ -211,8 +212,8 @@ class Decoder:
         def build():
             fn = jax.jit(lambda *a: self._decode(*a, mode=mode), donate_argnums=(1,))
             params = self.params_for(self.layout("decode", batch))
-            return fn.lower(params, state_spec, _spec((), jnp.int32), _values_spec(n_stop)).compile(
-                self.compiler_options)
+            values = _values_spec(n_stop, self.cfg.vocab_size)
+            return fn.lower(params, state_spec, _spec((), jnp.int32), values).compile(self.compiler_options)
         return self._compiled("decode", (batch, length, mode, n_stop), build)
 
 
@@ -220,12 +221,15 @@ def _spec(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _values_spec(n_stop: int) -> SamplingValues:
+def _values_spec(n_stop: int, vocab_size: int) -> SamplingValues:
     f32 = _spec((), jnp.float32)
-    return SamplingValues(f32, f32, f32, _spec((n_stop,), jnp.int32))
+    return SamplingValues(f32, f32, f32, _spec((n_stop,), jnp.int32), _spec((vocab_size,), jnp.bool_))
 
 
-def sampling_values(temperature: float, top_p: float, penalty: float, stop_ids: tuple[int, ...], n_stop: int):
+def sampling_values(temperature: float, top_p: float, penalty: float, stop_ids: tuple[int, ...], n_stop: int,
+                    allowed: np.ndarray):
+    """The traced sampling values; `allowed` [V] bool marks the ids that may be chosen."""
     stops = np.full(n_stop, -1, np.int32)
     stops[:len(stop_ids)] = stop_ids
-    return SamplingValues(jnp.float32(temperature), jnp.float32(top_p), jnp.float32(penalty), jnp.asarray(stops))
+    return SamplingValues(jnp.float32(temperature), jnp.float32(top_p), jnp.float32(penalty), jnp.asarray(stops),
+                          jnp.asarray(allowed, jnp.bool_))

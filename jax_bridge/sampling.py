@@ -24,11 +24,13 @@ class SamplingMode(NamedTuple):
 
 
 class SamplingValues(NamedTuple):
-    """The traced part (float32 / int32 scalars and the stop ids [S], -1 = unused)."""
+    """The traced part (float32 / int32 scalars and the stop ids [S], -1 = unused). `allowed`
+    [V] bool: the ids that may be chosen (those the tokenizer can decode); None allows all."""
     temperature: jax.Array
     top_p: jax.Array
     penalty: jax.Array
     stop_ids: jax.Array
+    allowed: jax.Array | None = None
 
 
 def apply_repetition_penalty(logits, seen, penalty):
@@ -48,6 +50,8 @@ def top_p_keep(sorted_logits, top_p):
 def next_token(logits, seen, key, mode: SamplingMode, values: SamplingValues):
     """-> (tokens [B] int32, next key). logits: [B, V] (any float dtype)."""
     logits = logits.astype(jnp.float32)
+    if values.allowed is not None:      # never an id the tokenizer cannot decode (a padded vocabulary)
+        logits = jnp.where(values.allowed, logits, -jnp.inf)
     if mode.penalty:
         logits = apply_repetition_penalty(logits, seen, values.penalty)
     if mode.greedy:

@@ -14,42 +14,17 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from parity import hf_mapping
+from parity.hf_model import open_hf, stored_dtypes
 from parity.hf_tokenizer import recognize
-from parity.hf_weights import SOURCE_DTYPES, HFWeights, check_quantization, numpy_to_torch, torch_to_numpy
+from parity.hf_weights import SOURCE_DTYPES, HFWeights, numpy_to_torch, torch_to_numpy
 from train import checkpoint
 from train.errors import UserError
-from train.jsonfile import read_json
 
 STORED = {"F32": np.float32, "F16": np.float32, "BF16": ml_dtypes.bfloat16, "MXFP4": ml_dtypes.bfloat16}
 EXPERT_CHUNK_BYTES = 64 * 2**20     # dequantize MXFP4 experts this many float32 bytes at a time
-
-
-def read_hf_config(hf_dir: Path) -> dict:
-    path = hf_dir / "config.json"
-    if not hf_dir.is_dir():
-        raise UserError(f"{hf_dir}: Hugging Face model directory not found")
-    if not path.is_file():
-        raise UserError(f"{path}: expected a transformers config.json, found no file")
-    hf = read_json(path)
-    if not isinstance(hf, dict):
-        raise UserError(f"{path}: expected a JSON object, found {type(hf).__name__}")
-    return hf
-
-
-def open_hf(hf_dir, *, dense: bool = False):
-    """(ModelConfig, HFWeights) of a GptOss directory, config and shard headers validated against
-    each other (names and dequantized shapes); no tensor data read yet."""
-    hf_dir = Path(hf_dir)
-    hf = read_hf_config(hf_dir)
-    where = str(hf_dir / "config.json")
-    cfg = hf_mapping.model_config_from_hf(hf, dense=dense, where=where)
-    weights = HFWeights(hf_dir, quantized=check_quantization(hf, where) is not None)
-    checkpoint.check_tensors({k: e.shape for k, e in weights.entries.items()}, hf_mapping.hf_shapes(cfg), str(hf_dir))
-    return cfg, weights
 
 
 def read_stored(weights: HFWeights, name: str, scratch: Path | None = None) -> np.ndarray:
@@ -81,8 +56,7 @@ def import_hf(hf_dir, out_dir, *, dense: bool = False, overwrite: bool = False, 
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{out}: output directory exists and is not empty (pass --overwrite to replace it)")
     enc, tokenizer = recognize(hf_dir)
-    dtypes = sorted({"mxfp4" if e.quantized else str(torch_dtype(e.dtype)).removeprefix("torch.")
-                     for e in weights.entries.values()})
+    dtypes = stored_dtypes(weights)
     extra = {"imported_from": {"dir": str(hf_dir.resolve()), "dtypes": dtypes}}
     total = sum(e.nbytes for e in weights.entries.values())
     start = time.perf_counter()
@@ -102,10 +76,6 @@ def import_hf(hf_dir, out_dir, *, dense: bool = False, overwrite: bool = False, 
     seconds = time.perf_counter() - start
     return {"out": str(out), "config": cfg, "dtypes": dtypes, "n_tensors": len(weights.entries),
             "tokenizer": tokenizer, "input_bytes": total, "seconds": seconds}
-
-
-def torch_dtype(safetensors_dtype: str):
-    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[safetensors_dtype]
 
 
 def add_arguments(parser) -> None:

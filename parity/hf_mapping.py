@@ -20,7 +20,7 @@ import torch
 from parity.hf_weights import check_quantization
 from parity.mxfp4 import BLOCK as MXFP4_BLOCK
 from torch_model.config import ModelConfig
-from train.checkpoint import config_from_dict, model_shapes
+from train.model_checks import config_from_dict, model_shapes
 from train.errors import UserError
 
 # ModelConfig fields exported under config.json "torchlyra" so an import restores them

@@ -21,7 +21,8 @@ import torch  # noqa: E402
 def full_load_params(hf_dir, layout) -> dict:
     """The reference: every tensor read whole on the host, in the train state's layer layout."""
     from parity import hf_mapping
-    from parity.hf_import import open_hf, read_stored
+    from parity.hf_import import read_stored
+    from parity.hf_model import open_hf
     from parity.hf_weights import numpy_to_torch
 
     cfg, weights = open_hf(hf_dir)

@@ -206,7 +206,9 @@ def test_load_errors_for_missing_files_and_other_formats(tmp_path, state):
         load_checkpoint(v1)
     (v1 / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
     with pytest.raises(UserError, match=r"a Hugging Face model directory.*torchlyra import --hf"):
-        load_checkpoint(v1)
+        checkpoint.find_checkpoint(v1)      # export and resume take torchlyra checkpoints only
+    with pytest.raises(UserError, match=r"v1: expected model.safetensors or model.safetensors.index.json, found neither"):
+        load_checkpoint(v1)                 # generate / eval / parity read it directly: no weights here
     ck = tmp_path / "ck"
     save_checkpoint(ck, state, CFG)
     (ck / "0" / "meta" / "metadata").write_text("{not json")

@@ -124,6 +124,20 @@ def values(temperature=1.0, top_p=1.0, penalty=1.0):
     return SamplingValues(jnp.float32(temperature), jnp.float32(top_p), jnp.float32(penalty), jnp.asarray([-1]))
 
 
+def test_only_allowed_ids_are_chosen_whatever_the_mode():
+    """Ids a tokenizer cannot decode (here 30-39, the most likely, and every odd id) never come out:
+    greedy, a plain draw, and top-k with top-p and the repetition penalty."""
+    logits = jnp.asarray(np.linspace(0, 4, 40, dtype=np.float32)[None])
+    allowed = (np.arange(40) < 30) & (np.arange(40) % 2 == 0)
+    masked = values(top_p=0.9, penalty=1.3)._replace(allowed=jnp.asarray(allowed))
+    greedy = next_token(logits, jnp.zeros((1, 1), bool), jax.random.PRNGKey(0), SamplingMode(True, 0, False, False),
+                        masked)[0]
+    assert greedy.tolist() == [28]
+    for mode in (SamplingMode(False, 0, False, False), SamplingMode(False, 5, True, True)):
+        drawn = sample_many(logits, mode, masked, n=50)
+        assert allowed[drawn].all() and len(set(drawn)) > 1, (mode, drawn)
+
+
 def test_top_k_and_top_p_draw_only_from_their_sets():
     logits = jnp.asarray(np.linspace(0, 4, 40, dtype=np.float32)[None])   # token 39 most likely
     top3 = sample_many(logits, SamplingMode(False, 3, False, False), values())

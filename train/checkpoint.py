@@ -13,8 +13,9 @@ and, written after Orbax's rename, `torchlyra_manifest.json` (train/checkpoint_i
 size and sha256 of every file. A step is complete only when its manifest verifies.
 
 `load_checkpoint(path)` serves generate / export / parity / eval: it accepts a run directory,
-a checkpoints directory (newest complete step) or one step directory and returns the per-layer
-torch state_dict (float32) whatever `layout` the parameters are stored in (`LAYOUTS`);
+a checkpoints directory (newest complete step) or one step directory (or a Hugging Face GptOss
+directory, read through parity/hf_model.py) and returns the per-layer torch state_dict (float32)
+whatever `layout` the parameters are stored in (`LAYOUTS`); `checkpoint_tokenizer` its tokenizer;
 `iter_params(path)` gives the same tensors one stored tensor at a time (export streams them).
 """
 from __future__ import annotations
@@ -32,12 +33,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from torch_model.config import ConfigError, ModelConfig
+from torch_model.config import ModelConfig
 from train.atomic import staged_dir
 from train.checkpoint_integrity import (CheckpointDamaged, fault_while_saving, hooked_temporary_path, verify_manifest,
                                         write_manifest)
 from train.errors import UserError
 from train.jsonfile import read_json
+from train.model_checks import check_tensors, config_from_dict, model_shapes  # noqa: F401 (also this module's API)
 
 FORMAT, VERSION = "torchlyra-checkpoint", 2
 STATE, META, TOKENIZER = "state", "meta", "tokenizer"
@@ -73,47 +75,6 @@ LAYOUTS: dict[str, Callable[[dict, ModelConfig], dict]] = {"per_layer": _per_lay
 
 class NoCheckpoint(UserError):
     """A checkpoints directory holds no step at all."""
-
-
-# ---- shapes and validation -----------------------------------------------------------------
-def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in our model's state_dict, taken from the model itself
-    (built on the meta device: no memory, so it works for any preset)."""
-    from torch_model.model import GptOssForCausalLM
-
-    with torch.device("meta"):
-        model = GptOssForCausalLM(cfg)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str) -> None:
-    """UserError naming the missing, extra or wrongly shaped tensors (expected vs found)."""
-    missing = [n for n in expected if n not in found]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise UserError(f"{where}: tensor {missing[0]} is missing (expected shape {list(expected[missing[0]])}){more}")
-    extra = [n for n in found if n not in expected]
-    if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise UserError(f"{where}: unexpected tensor {extra[0]} of shape {list(found[extra[0]])}{more}; "
-                        f"the model config has no such parameter")
-    wrong = [n for n, shape in expected.items() if tuple(found[n]) != tuple(shape)]
-    if wrong:
-        listed = "; ".join(f"{n} has shape {list(found[n])}, expected {list(expected[n])}" for n in wrong[:3])
-        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
-        raise UserError(f"{where}: tensor {listed}{more}")
-
-
-def config_from_dict(d, where: str) -> ModelConfig:
-    """ModelConfig from a JSON object, with errors as UserError naming the field."""
-    if not isinstance(d, dict):
-        raise UserError(f"{where}: expected an object of ModelConfig fields, found {type(d).__name__}")
-    try:
-        return ModelConfig.from_dict(d)
-    except ConfigError as e:
-        raise UserError(f"{where}: {e}") from None
-    except TypeError as e:   # e.g. a value of the wrong type reaching arithmetic in __post_init__
-        raise UserError(f"{where}: {e}") from None
 
 
 def _flatten(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
@@ -485,8 +446,14 @@ def iter_params(path: str | os.PathLike):
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
     """(state_dict with per-layer torch names, ModelConfig, meta) of the newest complete
-    checkpoint named by `path` (run directory, checkpoints directory or step directory).
-    meta holds everything but "model", plus "step_dir" (where it was read from)."""
+    checkpoint named by `path` (run directory, checkpoints directory or step directory), or of
+    a Hugging Face GptOss directory (gpt-oss as released: MXFP4 dequantized on the host, or
+    unquantized; step 0, meta "hf_dir" set). meta holds everything but "model", plus "step_dir"
+    (where it was read from)."""
+    from parity.hf_model import is_hf_dir, load_hf
+
+    if is_hf_dir(path):
+        return load_hf(path)
     step_dir = find_checkpoint(path)
     meta, cfg = read_meta(step_dir)
     stored = stored_shapes(step_dir)
@@ -507,3 +474,18 @@ def tokenizer_dir(checkpoint_dir: str | os.PathLike, meta: dict) -> Path | None:
         return None
     base = Path(meta["step_dir"]) if "step_dir" in meta else Path(checkpoint_dir)
     return (base / ref["dir"]).resolve()
+
+
+def checkpoint_tokenizer(checkpoint_dir: str | os.PathLike, meta: dict):
+    """(tiktoken Encoding or None, one line saying which) of the checkpoint `meta` was read from:
+    ours from its tokenizer item; a Hugging Face directory's when recognised (o200k_harmony, or a
+    torchlyra export's tiktoken/: parity/hf_tokenizer.py)."""
+    if meta.get("hf_dir"):
+        from parity.hf_tokenizer import recognize
+        return recognize(Path(meta["hf_dir"]))
+    tok_dir = tokenizer_dir(checkpoint_dir, meta)
+    if tok_dir is None:
+        return None, "its metadata names no tokenizer (field tokenizer.dir)"
+    from train.data.tokenizer import load_tokenizer
+    enc = load_tokenizer(tok_dir)
+    return enc, f"{enc.name} (from {tok_dir})"

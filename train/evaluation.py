@@ -73,7 +73,9 @@ class Evaluator:
 
 # ---- command line ---------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="run directory, checkpoints directory or step directory")
+    parser.add_argument("--checkpoint", required=True,
+                        help="run directory, checkpoints directory or step directory, or a Hugging Face GptOss "
+                             "directory (gpt-oss as released: MXFP4 or bf16; give --data)")
     parser.add_argument("--data", help="prepared data directory (default: the one the run trained on)")
     parser.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
     parser.add_argument("--kernels", default="xla", help="kernel choice, as for `train --kernels`")
@@ -88,7 +90,7 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     from jax_bridge.lowering import params_to_jax
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import load_checkpoint, tokenizer_dir
+    from train.checkpoint import checkpoint_tokenizer, load_checkpoint
     from train.config import TrainConfig
     from train.data.loader import TokenLoader
     from train.data.tokenizer import check_same_tokenizer, load_tokenizer
@@ -100,9 +102,9 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     if not data:
         raise UserError(f"checkpoint {meta['step_dir']} names no data directory: pass --data DIR")
     data_tokenizer = load_tokenizer(data)
-    tok_dir = tokenizer_dir(checkpoint, meta)
-    if tok_dir is not None:
-        check_same_tokenizer(load_tokenizer(tok_dir), data_tokenizer, f"checkpoint {meta['step_dir']}", f"data {data}")
+    model_tokenizer, _ = checkpoint_tokenizer(checkpoint, meta)
+    if model_tokenizer is not None:
+        check_same_tokenizer(model_tokenizer, data_tokenizer, f"checkpoint {meta['step_dir']}", f"data {data}")
     n_batches = batches if batches is not None else run_cfg.eval_batches
     if n_batches <= 0:
         raise UserError(f"--batches must be > 0, found {n_batches}")

@@ -7,25 +7,13 @@ zeros, made on the devices.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parity.hf_import import open_hf
+from parity.hf_model import is_hf_dir, open_hf  # noqa: F401 (is_hf_dir: the trainer asks here)
 from parity.hf_weights import HFWeights
 from train.errors import UserError
-from train.jsonfile import read_json
-
-
-def is_hf_dir(path) -> bool:
-    """A directory holding a transformers config.json (not a torchlyra checkpoint)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    found = read_json(config)
-    return isinstance(found, dict) and "model_type" in found
 
 
 def open_for_init(path):

@@ -443,6 +443,6 @@ def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
     prompts = (DEFAULT_PROMPTS * cfg.samples)[:cfg.samples]
     outs = generate(model, [[bos] + tokenizer.encode_ordinary(p) for p in prompts],
                     max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                    seed=cfg.seed, stop_tokens=(eos,)).tokens
+                    seed=cfg.seed, stop_tokens=(eos,), tokenizer=tokenizer).tokens
     return [{"prompt": p, "text": p + tokenizer.decode([t for t in ids if t not in (bos, eos)])}
             for p, ids in zip(prompts, outs)]

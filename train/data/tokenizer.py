@@ -257,6 +257,26 @@ def special_tokens_by_id(enc: tiktoken.Encoding) -> list[str]:
     return [by_id.get(i, f"<|reserved_{i}|>") for i in range(first, max(by_id) + 1)] if by_id else []
 
 
+def decodable_ids(enc: tiktoken.Encoding, vocab_size: int) -> "np.ndarray":
+    """[vocab_size] bool: the ids `enc` can decode (its ranks and special tokens). A model's
+    vocabulary is often padded past the tokenizer's (to a multiple of 128, or a checkpoint made for
+    a larger tokenizer), and o200k_base has unassigned ids inside its range: generation must never
+    choose those. Refused when the tokenizer is larger than the model."""
+    import numpy as np
+
+    if enc.n_vocab > vocab_size:
+        raise UserError(f"tokenizer {enc.name} has {enc.n_vocab} ids, more than the model's vocab_size "
+                        f"({vocab_size}): this model cannot produce its tokens")
+    allowed = np.zeros(vocab_size, bool)
+    for i in range(enc.n_vocab):
+        try:
+            enc.decode_single_token_bytes(i)
+            allowed[i] = True
+        except KeyError:          # an unassigned id inside the tokenizer's range
+            pass
+    return allowed
+
+
 # ---- save / load ------------------------------------------------------------------------------
 def describe(enc: tiktoken.Encoding, ranks_sha256: str) -> dict:
     """What identifies a tokenizer and what a model needs from it (written to tokenizer.json and

@@ -14,7 +14,9 @@ from train.generation.text_stream import TextStream
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="checkpoint directory written by `torchlyra train`")
+    parser.add_argument("--checkpoint", required=True,
+                        help="checkpoint directory written by `torchlyra train` or `import`, or a Hugging Face "
+                             "GptOss directory (gpt-oss as released: MXFP4 or bf16)")
     parser.add_argument("--prompt", action="append", default=None, help="prompt text (repeat for a batch)")
     parser.add_argument("--max-tokens", type=int, default=200, help="new tokens per prompt at most")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -60,7 +62,7 @@ def run(args) -> int:
         stops = (cfg.eos_token_id,)
     sampling = dataclasses.replace(sampling, stop_tokens=(*stops, *(args.stop or ())))
     generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
-                          compile_cache=args.compile_cache)
+                          compile_cache=args.compile_cache, tokenizer=tokenizer)
     hidden = {cfg.bos_token_id, cfg.eos_token_id}
     streaming = args.stream and len(prompts) == 1
     if streaming:

@@ -64,13 +64,21 @@ def enable_compile_cache(directory: str | os.PathLike | None = None) -> Path | N
 class Generator:
     """A model ready to generate: its parameters on device and its compiled programs, kept
     across calls. `kernels` applies to prefill and decoding, `decode_kernels` (default: the same)
-    to the decode loop alone; on CPU an MoE left at `auto` runs the `decode` implementation."""
+    to the decode loop alone; on CPU an MoE left at `auto` runs the `decode` implementation.
+    With a `tokenizer`, only ids it can decode are ever chosen (the model's vocabulary may be
+    larger: padded, or trained for another tokenizer); without one, any id of the model."""
 
     def __init__(self, model, *, kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
-                 compile_cache: str | os.PathLike | None = None):
+                 compile_cache: str | os.PathLike | None = None, tokenizer=None):
+        import numpy as np
+
         from jax_bridge import registry
         from jax_bridge.decoding import Decoder, generation_kernels
         from pallas_kernels.platform import host_platform
+        from train.data.tokenizer import decodable_ids
+
+        self.allowed = (np.ones(model.cfg.vocab_size, bool) if tokenizer is None
+                        else decodable_ids(tokenizer, model.cfg.vocab_size))
 
         enable_compile_cache(compile_cache)
         try:
@@ -85,7 +93,10 @@ class Generator:
 
     @classmethod
     def from_checkpoint(cls, directory: str | os.PathLike, **kwargs) -> "Generator":
-        return cls(load_model(directory), **kwargs)
+        """The model of a checkpoint (ours, or a Hugging Face directory), restricted to the ids
+        of its tokenizer when it has one."""
+        model, tokenizer = load_for_generation(directory, require_tokenizer=False)
+        return cls(model, tokenizer=tokenizer, **kwargs)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig = SamplingConfig(), *,
                  on_tokens: Callable[[list[list[int]]], None] | None = None,
@@ -118,7 +129,7 @@ class Generator:
         ids, positions = left_pad(prompts + [[]] * (batch - rows), prompt_len)
         active = np.arange(batch) < rows
         values = sampling_values(sampling.temperature or 1.0, sampling.top_p, sampling.repetition_penalty,
-                                 sampling.stop_tokens, n_stop)
+                                 sampling.stop_tokens, n_stop, self.allowed)
         args = (jnp.asarray(ids.numpy(), jnp.int32), jnp.asarray(positions.numpy(), jnp.int32),
                 jnp.asarray(active), values, jax.random.PRNGKey(sampling.seed))
         state = prefill(decoder.params_for(decoder.layout("prefill", batch * prompt_len)), *args)
@@ -172,10 +183,11 @@ def _new_tokens(tokens, rows: int, prompt_len: int, start: int, stop: int) -> li
 
 def generate(model_or_checkpoint, prompts: list[list[int]], sampling: SamplingConfig | None = None, *,
              kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
-             on_tokens=None, stream_every: int | None = None, **sampling_fields) -> Generation:
+             on_tokens=None, stream_every: int | None = None, tokenizer=None, **sampling_fields) -> Generation:
     """Generate from a torch model, a checkpoint directory or a `Generator` (which keeps its
     compiled programs: reuse one to generate repeatedly). Sampling settings come as a
-    SamplingConfig or as its fields (max_new_tokens=..., temperature=..., ...)."""
+    SamplingConfig or as its fields (max_new_tokens=..., temperature=..., ...). `tokenizer`
+    (for a torch model): only ids it can decode are chosen; a checkpoint brings its own."""
     if sampling is None:
         sampling = SamplingConfig(**sampling_fields)
     elif sampling_fields:
@@ -185,25 +197,27 @@ def generate(model_or_checkpoint, prompts: list[list[int]], sampling: SamplingCo
     elif isinstance(model_or_checkpoint, (str, os.PathLike)):
         generator = Generator.from_checkpoint(model_or_checkpoint, kernels=kernels, decode_kernels=decode_kernels)
     else:
-        generator = Generator(model_or_checkpoint, kernels=kernels, decode_kernels=decode_kernels)
+        generator = Generator(model_or_checkpoint, kernels=kernels, decode_kernels=decode_kernels, tokenizer=tokenizer)
     return generator.generate(prompts, sampling, on_tokens=on_tokens, stream_every=stream_every)
 
 
 def load_model(checkpoint: str | os.PathLike):
-    """The float32 torch model of a checkpoint (through the one checkpoint loader)."""
+    """The float32 torch model of a checkpoint (through the one checkpoint loader: ours, or a
+    Hugging Face directory)."""
     return _load(checkpoint)[0]
 
 
-def load_for_generation(checkpoint: str | os.PathLike):
-    """(model, tokenizer) from a checkpoint written by `torchlyra train` (one restore)."""
-    from train.checkpoint import tokenizer_dir
-    from train.data.tokenizer import load_tokenizer
+def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: bool = True):
+    """(model, tokenizer) of a checkpoint: one written by `torchlyra train` / `import`, or a
+    Hugging Face directory (its tokenizer when recognised). The tokenizer is None only when not
+    required."""
+    from train.checkpoint import checkpoint_tokenizer
 
     model, meta = _load(checkpoint)
-    tok_dir = tokenizer_dir(checkpoint, meta)
-    if tok_dir is None:
-        raise UserError(f"checkpoint {checkpoint}: its metadata names no tokenizer (field tokenizer.dir)")
-    return model, load_tokenizer(tok_dir)
+    tokenizer, found = checkpoint_tokenizer(checkpoint, meta)
+    if tokenizer is None and require_tokenizer:
+        raise UserError(f"checkpoint {checkpoint}: no tokenizer to generate text with (tokenizer: {found})")
+    return model, tokenizer
 
 
 def _load(checkpoint):
