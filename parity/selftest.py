@@ -11,8 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parity import planted
-from parity.run import (LoweredProbe, Report, Row, _Lowered, _np, _routers, build_model, compare_runs, eager_run,
-                        lowered_run, parity_config, parity_inputs, parse_kernel_sets)
+from parity.checks import compare_runs
+from parity.inputs import build_model, parity_config, parity_inputs
+from parity.kernel_sets import parse_kernel_sets
+from parity.report import Report, Row
+from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
 from torch_model.config import ModelConfig
 from torch_model.optim import OptimizerConfig
 
@@ -100,9 +103,9 @@ def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: i
                            "source": "self-test micro model"})
     say("self-test: eager PyTorch float32 reference ...")
     reference = eager_run(model, ids, labels, opt_cfg)
-    router_names = [name for name, _ in _routers(model)]
-    shared = _Lowered(model, opt_cfg)
-    before = {n: _np(p) for n, p in shared.params.items()}
+    router_names = [name for name, _ in routers(model)]
+    shared = SharedLowered(model, opt_cfg)
+    before = {n: to_numpy(p) for n, p in shared.params.items()}
     outcomes, skipped, controls = [], [], {}
     with planted.registered(MICRO) as spec:
         kernels = parse_kernel_sets(spec)[0]

@@ -60,7 +60,7 @@ matrix test, seed 0). Worst value seen -> bound:
                      0.992..1.007 keeps the common 1 +- 0.06). The router z-loss coefficient of
                      the parity inputs (0.1) is what makes this small: at 0.01 the router's bf16
                      error reached rel 0.61, cos 0.81, norm_ratio 0.86, where a 20% scaling hides.
-  per expert slice   expert weight stacks only (run.py: bias slices are sums over a few tokens,
+  per expert slice   expert weight stacks only (checks.py: bias slices are sums over a few tokens,
                      one bf16 routing flip moved one by 7%): slice_cos 0.965 -> >= 0.95;
                      slice_norm_ratio 0.970..1.023 -> within 1 +- 0.05 (one expert's output x0.9
                      gives 0.894..0.915 on its slices; the whole tensor moves by ~1/E of that)

@@ -18,8 +18,10 @@ import pytest
 
 from jax_bridge import registry
 from parity import compare, tolerances
-from parity.run import (PARITY_LOSS, PARITY_SEQ_LEN, add_arguments, default_kernel_sets, kernel_label,
-                        parity_config, parity_inputs, parse_kernel_sets, run, run_parity)
+from parity.inputs import PARITY_LOSS, PARITY_SEQ_LEN, parity_config, parity_inputs
+from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
+from parity.run import add_arguments, run
+from parity.suite import run_parity
 from torch_model import config
 from torch_model.model import IGNORE_INDEX
 from train.errors import UserError

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from parity import planted, selftest
-from parity.run import add_arguments, compare_runs, run
+from parity.checks import compare_runs
+from parity.run import add_arguments, run
 from parity.selftest import CONTROL, run_selftest
 
 DTYPES = ("float32", "bfloat16")
