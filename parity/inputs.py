@@ -51,6 +51,22 @@ def parity_inputs(vocab_size: int, batch: int, seq_len: int, seed: int,
     one per row when the fraction is > 0, and never all of them)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch, seq_len + 1), generator=gen)
+    return _with_ignored_labels(tokens, seq_len, ignore_fraction, gen)
+
+
+def text_inputs(data: np.ndarray, batch: int, seq_len: int, seed: int,
+                ignore_fraction: float = PARITY_IGNORE_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `parity_inputs`, from windows of a token sequence `data` (1-D) at seeded offsets: what
+    a trained model sees, so its logits are as sharp and its routing as uneven as in use."""
+    gen = torch.Generator().manual_seed(seed)
+    if len(data) < seq_len + 1:
+        raise ValueError(f"text_inputs: {len(data)} tokens, a window needs {seq_len + 1}")
+    starts = torch.randint(0, len(data) - seq_len, (batch,), generator=gen)
+    tokens = torch.stack([torch.as_tensor(np.asarray(data[s:s + seq_len + 1], np.int64)) for s in starts.tolist()])
+    return _with_ignored_labels(tokens, seq_len, ignore_fraction, gen)
+
+
+def _with_ignored_labels(tokens: torch.Tensor, seq_len: int, ignore_fraction: float, gen) -> tuple:
     ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     if ignore_fraction > 0:
         n = min(seq_len - 1, max(1, round(ignore_fraction * seq_len)))
@@ -60,6 +76,7 @@ def parity_inputs(vocab_size: int, batch: int, seq_len: int, seed: int,
 
 
 def build_model(model_cfg: ModelConfig, state_dict: Mapping | None, seed: int):
+    """The eager model: `state_dict`'s weights, or (None) random init seeded with `seed`."""
     model = GptOssForCausalLM(model_cfg)
     if state_dict is None:
         model.reset_parameters(seed)
@@ -69,6 +86,8 @@ def build_model(model_cfg: ModelConfig, state_dict: Mapping | None, seed: int):
 
 
 def load_state_dict(model, state_dict: Mapping) -> None:
+    """Load float32 copies of `state_dict` (torch or numpy) into `model`; a missing, unexpected
+    or misshapen tensor is a UserError naming it."""
     tensors = {k: (v.detach() if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v, np.float32)))
                .to(torch.float32) for k, v in state_dict.items()}
     expected = dict(model.named_parameters())

@@ -12,11 +12,15 @@ from parity import tolerances
 
 PASS, FAIL, ERROR, SKIP, INFO = "PASS", "FAIL", "ERROR", "SKIP", "INFO"   # INFO: reported, not bounded
 # Names of the aggregate rows (they start with "<": the report groups them apart) and the suffix
-# of the per-expert rows.
+# of the per-expert rows (one row per expert of an expert weight stack, named with its token count).
 VECTOR = "<all parameters>"
 GRAD_VECTOR = "<all gradients>"
 GRAD_NORM = "<global norm>"
-PER_EXPERT = " (per expert)"
+PER_EXPERT_FORMAT = " (expert {})"
+
+
+def is_expert_row(name: str) -> bool:
+    return name.endswith(")") and " (expert " in name
 
 
 @dataclass
@@ -105,11 +109,14 @@ class Report:
             if status in (ERROR, SKIP):
                 lines.extend(r.line() for r in rows if r.status == status)
                 continue
-            groups: dict[tuple, list[Row]] = {}      # per-tensor rows apart from the aggregates <...>
+            # Per-tensor rows apart from the aggregates <...>; the per-expert rows in one group
+            # whatever their bounds (which follow each expert's token count).
+            groups: dict[tuple, list[Row]] = {}
             for r in rows:
-                groups.setdefault((r.category, r.bounds, r.name.startswith("<")), []).append(r)
-            for (category, bounds, _), group in groups.items():
-                lines.append(_summary_line(category, bounds, group))
+                key = (r.category, "per expert") if is_expert_row(r.name) else (r.category, r.bounds, r.name[:1] == "<")
+                groups.setdefault(key, []).append(r)
+            for key, group in groups.items():
+                lines.append(_expert_summary_line(group) if key[1] == "per expert" else _summary_line(key[0], key[1], group))
             shown = rows if verbose else [r for r in rows if r.failed]
             if shown:
                 lines.append("  -- every check:" if verbose else "  -- failing checks:")
@@ -131,6 +138,8 @@ class Report:
 def _format_value(key: str, value) -> str:
     if value is None:
         return "-"
+    if key == "tokens":
+        return str(int(value))
     if key.endswith("cos"):
         return f"{value:.7f}"
     if key.startswith("top1") or key == "mismatch" or key.endswith("ratio"):
@@ -161,3 +170,24 @@ def _summary_line(category: str, bounds: tuple, group: list[Row]) -> str:
             parts.append(f"worst {b.metric}={_format_value(b.metric, worst.metrics.get(b.metric))} ({worst.name})")
         detail = f"{len(group)} tensors, {failing} failing; " + ", ".join(parts)
     return f"  {status:<5} {category:<7} {detail}  [{tolerances.describe(bounds) or 'reported only'}]"
+
+
+def _expert_summary_line(group: list[Row]) -> str:
+    """The per-expert rows of one run: how many were judged (the rest had too few tokens to judge,
+    see tolerances.expert_bounds), how many failed, and the worst judged slice of each metric."""
+    judged = [r for r in group if r.status != INFO]
+    failing = sum(r.failed for r in group)
+    status = FAIL if failing else PASS if judged else INFO
+    parts = []
+    for metric, upper in (("slice_cos", False), ("slice_norm_off", True)):
+        def badness(r, metric=metric, upper=upper):
+            v = r.metrics.get("slice_cos") if metric == "slice_cos" else abs(np.log(r.metrics.get("slice_norm_ratio", 1.0)))
+            return (r.failed, np.inf if not np.isfinite(v) else v if upper else -v)
+        if judged:
+            worst = max(judged, key=badness)
+            shown = "slice_cos" if metric == "slice_cos" else "slice_norm_ratio"
+            parts.append(f"worst {shown}={_format_value(shown, worst.metrics.get(shown))} ({worst.name}, "
+                         f"{worst.metrics.get('tokens', '?')} tokens)")
+    detail = (f"{len(group)} expert slices, {len(group) - len(judged)} with too few tokens to judge (reported), "
+              f"{failing} failing; " + ", ".join(parts))
+    return f"  {status:<5} grad    {detail}  [bounds by token count: tolerances.expert_bounds]"

@@ -99,7 +99,8 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
                dtypes=("float32",), batch: int = 2, seq_len: int = PARITY_SEQ_LEN, seed: int = 0,
                opt_cfg: OptimizerConfig = OptimizerConfig(), include_hf: bool = False,
                full_step: bool = False, kernel_options=PARITY_TILES,
-               ignore_fraction: float = PARITY_IGNORE_FRACTION, progress=None) -> Report:
+               ignore_fraction: float = PARITY_IGNORE_FRACTION, inputs=None, compiler_options: dict | None = None,
+               progress=None) -> Report:
     """Compare the lowered train step with eager PyTorch for every kernel set and dtype.
 
     model_cfg: the model, used as given (`parity_config` makes the parity run's model from a
@@ -108,6 +109,8 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
     `parse_kernel_sets` takes. dtypes: compute dtypes of the lowered run. kernel_options: tile
     sizes etc. (registry syntax). Inputs: `parity_inputs` (random ids, `ignore_fraction` of the
     labels ignored; 0 with full_step, whose token layout has no ignored labels).
+    inputs: (ids, labels) int64 [batch, seq_len] to use instead (e.g. `text_inputs` for a trained
+    model). compiler_options: XLA options of the lowered compiles (the tests pass FAST_COMPILE).
     progress: callable(str) or None.
     """
     dtypes = (dtypes,) if isinstance(dtypes, str) else tuple(dtypes)
@@ -121,7 +124,11 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
     say = progress or (lambda msg: None)
 
     model = build_model(model_cfg, state_dict, seed)
-    ids, labels = parity_inputs(model_cfg.vocab_size, batch, seq_len, seed, ignore_fraction)
+    if inputs is None:
+        ids, labels = parity_inputs(model_cfg.vocab_size, batch, seq_len, seed, ignore_fraction)
+    else:
+        ids, labels = (torch.as_tensor(x, dtype=torch.int64) for x in inputs)
+        batch, seq_len = ids.shape
     tokens = torch.cat([ids, labels[:, -1:]], 1).numpy() if full_step else None
     report = Report(setup={
         "n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model, "n_experts": model_cfg.n_experts,
@@ -137,14 +144,14 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
     say("eager PyTorch float32 reference ...")
     reference = eager_run(model, ids, labels, opt_cfg)
     router_names = [name for name, _ in routers(model)]
-    shared = SharedLowered(model, opt_cfg)
+    shared = SharedLowered(model, opt_cfg, compiler_options)
     before = {n: to_numpy(p) for n, p in shared.params.items()}
     for choice in sets:
         label = kernel_label(choice)
         for dtype in dtypes:
             say(f"lowered {label} | {dtype} ...")
             try:
-                probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options)
+                probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options, compiler_options)
                 run = lowered_run(probe, shared, ids.numpy(), labels.numpy(), full_step_tokens=tokens)
             except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
                 report.rows.append(Row(label, dtype, "error", "kernel set", status=ERROR,
