@@ -57,6 +57,28 @@ def capture_routing(model):
             h.remove()
 
 
+@contextlib.contextmanager
+def forced_routing(model, experts):
+    """While tracing the lowered run: MoE layer i sends each token to `experts[i]` ([N, k], the
+    eager run's choice) instead of its own top-k, weighted by the softmax of its own router logits
+    at those experts. A near-tie that bf16 breaks the other way then no longer sends a token
+    through another expert, whose output in a trained model differs by O(1) and, through
+    attention, moves every later token and every gradient; the routing check still measures the
+    router's own choice (capture_routing, registered first, records it)."""
+    def force(i):
+        def hook(module, inputs, out):
+            chosen = experts[i].long()
+            return out[0], torch.softmax(torch.gather(out[0], -1, chosen), dim=-1), chosen
+        return hook
+
+    handles = [router.register_forward_hook(force(i)) for i, (_, router) in enumerate(routers(model))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def to_numpy(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
@@ -118,9 +140,10 @@ class SharedLowered:
 
 class LoweredProbe:
     """The lowered forward (logits and routing) and gradients of one kernel set and compute dtype,
-    compiled once: `probe(params, ids, labels, selector=0) -> (logits, routing, loss, grads)`.
+    compiled once: `probe(params, ids, labels, selector, forced) -> (logits, routing, loss, grads)`.
     `selector` picks a planted bug when the kernel set is the planted one (parity/planted.py);
-    other kernels ignore it."""
+    other kernels ignore it. `forced` (int32 [MoE layers, tokens, k]): the eager run's experts,
+    which both forwards use (`forced_routing`); `routing` is the lowered router's own choice."""
 
     def __init__(self, model, opt_cfg: OptimizerConfig, kernels: Mapping[str, str], dtype: str,
                  kernel_options=None, compiler_options: dict | None = None):
@@ -132,19 +155,23 @@ class LoweredProbe:
         self.kernels = self.step.kernels
         self._jitted = jax.jit(self._probe, compiler_options=compiler_options)
 
-    def _probe(self, params, ids, labels, selector):
+    def _probe(self, params, ids, labels, selector, forced):
         step = self.step
+        experts = step.env.j2t_iso(forced)
         with planted.selected(selector):
-            with capture_routing(self.model) as captured:
+            with capture_routing(self.model) as captured, forced_routing(self.model, experts):
                 with step.routing():
                     logits = step.forward(cast_params(params, step.compute_dtype), ids)
-                routing = [step.env.t2j_iso(pair) for pair in captured]
-            (loss, _), grads = jax.value_and_grad(step.loss_and_metrics, has_aux=True)(params, ids, labels)
+            routing = [step.env.t2j_iso(pair) for pair in captured]
+            with forced_routing(self.model, experts):
+                (loss, _), grads = jax.value_and_grad(step.loss_and_metrics, has_aux=True)(params, ids, labels)
         return logits, routing, loss, grads
 
-    def __call__(self, params, ids, labels, selector: int = 0):
+    def __call__(self, params, ids, labels, selector: int = 0, forced=None):
+        """`forced`: the eager run's routing [(router logits, experts [tokens, k])] per MoE layer."""
+        experts = np.stack([np.asarray(ex) for _, ex in forced]) if forced else np.zeros((0, 1, 1))
         return self._jitted(params, jnp.asarray(ids, jnp.int32), jnp.asarray(labels, jnp.int32),
-                            jnp.int32(selector))
+                            jnp.int32(selector), jnp.asarray(experts, jnp.int32))
 
 
 def _options_for(kernels: Mapping[str, str], options) -> dict:
@@ -154,11 +181,12 @@ def _options_for(kernels: Mapping[str, str], options) -> dict:
             for op, per in nested.items() if kernels.get(op) in per}
 
 
-def lowered_run(probe: LoweredProbe, shared: SharedLowered, ids, labels, selector: int = 0,
+def lowered_run(probe: LoweredProbe, shared: SharedLowered, ids, labels, reference: Run, selector: int = 0,
                 opt_cfg: OptimizerConfig | None = None, full_step_tokens=None) -> Run:
-    """One lowered run: the probe's forward and gradients, then one optimizer step on them (or,
-    with `full_step_tokens` [batch, seq_len + 1], the compiled train step itself)."""
-    logits, routing, loss, grads = probe(shared.params, ids, labels, selector)
+    """One lowered run: the probe's forward and gradients, on the experts the eager `reference`
+    chose, then one optimizer step on them (or, with `full_step_tokens` [batch, seq_len + 1], the
+    compiled train step itself: its own routing)."""
+    logits, routing, loss, grads = probe(shared.params, ids, labels, selector, reference.routing)
     if full_step_tokens is not None:
         state, metrics = probe.step(probe.step.init_state(), jnp.asarray(full_step_tokens, jnp.int32)[None])
         after, grad_norm = state.params, metrics["grad_norm"]

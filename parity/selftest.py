@@ -192,7 +192,7 @@ def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: i
                     changed = None
                     if bug is not None and bug.optimizer:
                         changed = opt_cfg.replace(**{k: getattr(opt_cfg, k) * f for k, f in bug.optimizer.items()})
-                    run = lowered_run(probes[dtype], shared, ids.numpy(), labels.numpy(),
+                    run = lowered_run(probes[dtype], shared, ids.numpy(), labels.numpy(), reference,
                                       selector=bug.selector if bug is not None else 0, opt_cfg=changed)
                     rows = compare_runs(reference, run, before, f"{name} @ {weights_name}", dtype, router_names)
                     report.rows.extend(rows)

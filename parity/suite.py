@@ -13,9 +13,15 @@ for every requested kernel set and compute dtype; per run it compares
   param      every parameter after one optimizer step, by name, plus the whole vector
   routing    per MoE layer, the fraction of tokens whose chosen experts differ. Measured on the
              real choices: a forward hook on each `mlp.router` records the router logits and
-             the top-k experts that each path's own forward computed (eager: torch.topk on the
-             eager hidden states; lowered: the traced forward's top-k on its hidden states, in
-             the compute dtype), so it measures end-to-end routing agreement.
+             the top-k experts that each path's own router computed (eager: torch.topk on the
+             eager hidden states; lowered: the traced forward's top-k on its hidden states).
+
+The lowered run sends every token to the experts the eager run chose (`runs.forced_routing`),
+weighted by its own router's softmax at them: top-k is discontinuous, and in a trained model one
+near-tie broken the other way by bf16 sends a token through an expert whose output differs by
+O(1), which attention carries to every later token and gradient (the demo's step-300 checkpoint:
+embedding gradient cos 0.91 from 2.5% flipped tokens). With the choice forced, the checks measure
+the arithmetic; the routing check measures the flips.
 
 The modules: `inputs.py` (model, weights, tokens), `kernel_sets.py`, `runs.py` (the eager and
 the lowered run; `full_step=True`, `--full-step`, runs the compiled train step itself),
@@ -152,7 +158,7 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
             say(f"lowered {label} | {dtype} ...")
             try:
                 probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options, compiler_options)
-                run = lowered_run(probe, shared, ids.numpy(), labels.numpy(), full_step_tokens=tokens)
+                run = lowered_run(probe, shared, ids.numpy(), labels.numpy(), reference, full_step_tokens=tokens)
             except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
                 report.rows.append(Row(label, dtype, "error", "kernel set", status=ERROR,
                                        message=f"{type(e).__name__}: {_first_line(e)}"))
