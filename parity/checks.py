@@ -42,7 +42,7 @@ def expert_token_counts(ref: Run, router_names: list[str]) -> dict[str, np.ndarr
 def compare_runs(ref: Run, got: Run, before: Mapping[str, np.ndarray], kernels: str, dtype: str,
                  router_names: list[str]) -> list[Row]:
     """Every check of one run against the ground truth."""
-    tol = lambda check, name=None: tolerances.bounds(dtype, check, name)  # noqa: E731
+    tol = lambda check: tolerances.bounds(dtype, check)  # noqa: E731
     same_route = None
     if router_names and len(got.routing) == len(ref.routing) == len(router_names):
         same_route = np.logical_and.reduce([compare.same_experts(g[1], e[1]) for g, e in zip(got.routing, ref.routing)])
@@ -54,9 +54,9 @@ def compare_runs(ref: Run, got: Run, before: Mapping[str, np.ndarray], kernels: 
     for name in names:
         if name in got.grads:
             rows.append(Row(kernels, dtype, "grad", name, compare.tensor_metrics(got.grads[name], ref.grads[name]),
-                            tol("grad", name)))
+                            tol("grad")))
         else:
-            rows.append(Row(kernels, dtype, "grad", name, bounds=tol("grad", name), status=FAIL,
+            rows.append(Row(kernels, dtype, "grad", name, bounds=tol("grad"), status=FAIL,
                             message="no gradient in the lowered run"))
     tokens = expert_token_counts(ref, router_names)
     for name in names:        # each expert's slice on its own: one expert wrong is ~1/E of the tensor
@@ -78,9 +78,9 @@ def compare_runs(ref: Run, got: Run, before: Mapping[str, np.ndarray], kernels: 
         if name in got.params_after:
             metrics = compare.tensor_metrics(got.params_after[name], ref.params_after[name])
             metrics.update(compare.update_metrics(got.params_after[name], ref.params_after[name], before[name]))
-            rows.append(Row(kernels, dtype, "param", name, metrics, tol("param", name)))
+            rows.append(Row(kernels, dtype, "param", name, metrics, tol("param")))
         else:
-            rows.append(Row(kernels, dtype, "param", name, bounds=tol("param", name), status=FAIL,
+            rows.append(Row(kernels, dtype, "param", name, bounds=tol("param"), status=FAIL,
                             message="no parameter in the lowered run"))
     if all(n in got.params_after for n in names):
         metrics = compare.tensor_metrics(flat(got.params_after), flat(ref.params_after))

@@ -47,50 +47,55 @@ slice_norm_ratio per expert; update_ratio = ||update_lowered|| / ||update_eager|
 gradient scaled by 0.8 or 1.25 on any one tensor, a zero update and a doubled learning rate fail
 (tests/test_parity_selftest.py perturbs a correct run to prove it, tensor by tensor).
 
-Calibration (issue 25; correct paths only: the xla kernel set, the default parity inputs,
-window 16 / seq 80 / 10% ignored labels / PARITY_LOSS; measured 2026-12-01 with the router in
-float32; the other kernel sets are held to the same bounds by the matrix test and the demo run).
+Calibration (issue 25; correct paths only: the xla kernel set, the default parity inputs, window
+16 / seq 80 / 10% ignored labels / PARITY_LOSS; measured 2026-12-01 with the router in float32
+and the lowered run on the eager run's experts (runs.forced_routing); the other kernel sets are
+held to the same bounds by the matrix test and by the demo checkpoint's run, BENCHMARKS.md).
 random init: the self-test micro model (seeds 0-5), `tiny` cut to 2 layers (seeds 0-2), the
 demo's 4-layer `tiny` (seeds 0-1). trained: the demo's checkpoints at steps 100, 200 and 300
-(`make demo`, runs/tiny), the self-test micro model after 100 steps on Shakespeare bytes (text
-inputs, 3 draws). Worst correct-path value, random init | trained -> bound:
-  logits     top1       0.9745 | 1.0         -> >= 0.95 (near-ties of a random-init model)
-             kl         1.1e-5 | 5.4e-5      (reported)
-             kl_floor   1.6e-7 | 3.8e-5      (reported: rounding the eager logits to bf16)
-             kl_excess  1.1e-5 | 1.6e-5      -> <= 1e-4 (kl - kl_floor; was kl <= 1e-4, which a
-                        sharper checkpoint fails on its output's resolution alone)
-  loss       rel        1.9e-4 | 3.9e-4      -> <= 5e-3
-  gradients, each tensor (the router now too, see below):
-             cos        0.9841 | 0.9986      -> >= 0.97
-             rel        0.180  | 0.056       -> <= 0.3
-             norm_ratio 0.955..1.048 | 0.979..1.038 -> within 1 +- 0.06 (0.955: a norm weight;
-                        1.048: a 4-entry sink tensor)
-  router gradients      cos 0.9906 | 0.9986, rel 0.138 | 0.056, norm_ratio 1.006 | 0.979:
-                        the common bounds, no longer the router's own (cos >= 0.9, rel <= 0.5,
-                        kept while the router computed in bf16, where it reached rel 0.27 at
-                        random init and failed on trained checkpoints)
+(`make demo`, runs/tiny; input seeds 0-1, at 300 also 2), a second demo-shaped run (seed 1, 120
+steps) and the self-test micro model after 100 steps on Shakespeare bytes (text inputs, 3 draws).
+Worst correct-path value, random init | trained -> bound:
+  logits     top1       0.9936 | 1.0          -> >= 0.95 (near-ties of a random-init model)
+             kl         2.6e-6 | 7.0e-5       (reported)
+             kl_floor   1.6e-7 | 4.3e-5       (reported: the eager logits rounded to bf16)
+             kl_excess  2.5e-6 | 3.2e-5       -> <= 1e-4 (kl - kl_floor; the bound was on kl, which
+                        a checkpoint's sharp logits approach on their own resolution)
+  loss       rel        2.4e-5 | 2.9e-4       -> <= 5e-3
+  gradients, each tensor (the router too: see below)
+             cos        0.9997 | 0.9984       -> >= 0.97
+             rel        0.025  | 0.058        -> <= 0.3
+             norm_ratio 0.993..1.011 | 0.982..1.038 -> within 1 +- 0.06
+  router gradients      cos 0.99997 | 0.9998, rel 0.008 | 0.019: held to the common bounds (they
+                        had their own, cos >= 0.9 and rel <= 0.5, while the router ran in bf16)
   per expert slice      expert weight stacks only (checks.py: bias slices are sums over a few
-             tokens), bounds by the expert's token count n in the eager run (the count shows
-             beside each expert row): 1 - slice_cos and |slice_norm_ratio - 1| <= 0.02 + 2.5 / n
-             for n >= EXPERT_MIN_TOKENS (8); fewer tokens: reported, not judged. Why: one token
-             routed differently moves a slice of n tokens by up to ~2.5 / n (a 6-token slice of
-             the demo's step 200: 0.42; 2 tokens at step 100: 0.087); bf16 noise adds ~0.02.
-             Worst |deviation| seen for n >= 8: 0.044 at n=13, 0.035 at n=20, 0.023 at n=47,
-             0.019 at n=64, 0.016 at n=91 (bounds 0.21, 0.145, 0.073, 0.059, 0.047). The fixed
-             bounds before (>= 0.95, 1 +- 0.05) failed small experts of trained checkpoints.
-  whole gradient        cos 0.9967 | 0.9998 -> >= 0.98; global norm rel 3.7e-3 | 2.7e-3 -> <= 2e-2
-  post-step, each tensor: update_ratio 0.974..1.026 | 0.985..1.019 -> within 1 +- 0.06, except
-             the attention sinks: 0.911 (micro seed 3, a 4-entry tensor whose Adam update is
-             sign-like, so one entry near eps moves it) -> within 1 +- 0.15 (BY_ROLE). update_cos
-             is reported, not bounded, per tensor (0.50 on a 4-entry sink tensor).
-  post-step, all        update_cos 0.9812 | 0.9960 -> >= 0.95; rel 9.7e-3 | 1.8e-3 -> <= 3e-2
-  routing    mismatch   1.9% | 1.9%          -> <= 10% per MoE layer
-What it costs in detection: a sink update wrong by less than 15%, an expert slice of fewer than 8
-tokens and, for an expert of n tokens, a slice error under 0.02 + 2.5 / n are visible in float32
-only (a 64-token expert: 6%, as before); the router's gradient is now held 3x tighter than
-before. What bf16 cannot see, float32 does: a change smaller than these margins (e.g. a 3%
-gradient scaling) fails the float32 run (rel <= 1e-4). float32 post-step whole vector: rel 1.13e-5
-on micro seed 5 (Adam's sign-like first step, see above) -> <= 2e-5 (was 1e-5).
+             tokens), by the expert's token count n in the eager run (shown beside each expert
+             row): 1 - slice_cos and |slice_norm_ratio - 1| <= 0.02 + 0.3 / sqrt(n); an expert
+             with no token is reported. Worst seen: 1 - slice_cos <= 0.003 at any n; |ratio - 1|
+             0.007 at n=3, 0.034 at n=12, 0.017 at n=21, 0.014 at n=43, 0.004 at n=88, at most
+             0.116 / sqrt(n) (bounds 0.19, 0.107, 0.085, 0.066, 0.052). One expert's output x0.9
+             gives 0.894..0.915 on its slices: caught from n = 22 tokens on (the micro model's
+             experts get 40-125). The fixed bounds before (>= 0.95, 1 +- 0.05) failed experts of
+             few tokens on trained checkpoints (issue 25: 0.926 at expert 6).
+  whole gradient        cos 0.99997 | 0.9998 -> >= 0.98; global norm rel 2.9e-3 (max) -> <= 2e-2
+  post-step, each tensor: update_ratio 0.976..1.025 | 0.99..1.018 -> within 1 +- 0.06
+             (update_cos is reported, not bounded, per tensor: 0.52 on a 4-entry sink tensor,
+             whose Adam update is sign-like)
+  post-step, all        update_cos 0.9951 | 0.9971 -> >= 0.95; rel 4.8e-3 | 1.5e-3 -> <= 3e-2
+  routing    mismatch   1.9% | 1.9%           -> <= 10% per MoE layer
+Before (same inputs): with the router in bf16 the demo's step-300 checkpoint failed the logits (kl
+2.1e-4, floor 3.8e-5), both layers' sink gradients (norm_ratio 1.062, 1.079) and an 11-token
+expert (slice_norm_ratio 0.872), and its router gradients reached rel 0.10; with the router in
+float32 but each path on its own routing, input seed 1 of that checkpoint still failed everywhere
+(embedding gradient cos 0.913, all gradients cos 0.974, a 21-token expert 0.387, kl 3.6e-4): 2.5%
+of tokens flipped experts in bf16, which a trained model's distinct experts and attention carry
+into every gradient. Widened: the logits bound now allows the output's own resolution (kl_excess);
+the per-expert bound below 100 tokens (a 21-token expert may be off by 8.5%, a 64-token one by
+5.75%; the fixed bound said 5%; above 100 tokens it is tighter);
+float32's whole post-step vector 1e-5 -> 2e-5 (1.13e-5 on micro seed 5: Adam's sign-like first
+step, above). Tightened: the router's gradient (cos 0.9 -> 0.97, rel 0.5 -> 0.3). What bf16
+cannot see, float32 does: a change smaller than these margins (e.g. a 3% gradient scaling) fails
+the float32 run (rel <= 1e-4).
 """
 from __future__ import annotations
 
@@ -164,17 +169,12 @@ TOLERANCES: dict[str, dict[str, tuple[Bound, ...]]] = {
     },
 }
 
-# Per-parameter-role overrides, (check, role) -> bounds (see the calibration above).
-BY_ROLE: dict[str, dict[tuple[str, str], tuple[Bound, ...]]] = {
-    "bfloat16": {("param", "sinks"): _within("update_ratio", 0.15)},
-}
-
 DTYPES = tuple(TOLERANCES)
 
 # Per-expert slices in bf16 (see the calibration above): the bounds widen as the expert's token
-# count n shrinks, and a slice of fewer than EXPERT_MIN_TOKENS tokens is reported, not judged.
-EXPERT_MIN_TOKENS = 8
-EXPERT_TOLERANCE = (0.02, 2.5)       # tolerance(n) = a + b / n, on 1 - slice_cos and on |slice_norm_ratio - 1|
+# count n shrinks; a slice of fewer than EXPERT_MIN_TOKENS tokens (none: no gradient) is reported.
+EXPERT_MIN_TOKENS = 1
+EXPERT_TOLERANCE = (0.02, 0.3)       # tolerance(n) = a + b / sqrt(n), on 1 - slice_cos and |slice_norm_ratio - 1|
 
 
 def expert_bounds(dtype: str, tokens: int | None) -> tuple[Bound, ...]:
@@ -185,21 +185,12 @@ def expert_bounds(dtype: str, tokens: int | None) -> tuple[Bound, ...]:
     if tokens < EXPERT_MIN_TOKENS:
         return ()
     a, b = EXPERT_TOLERANCE
-    tol = a + b / tokens
+    tol = a + b / math.sqrt(tokens)
     return (_ge("slice_cos", 1 - tol), *_within("slice_norm_ratio", tol))
 
 
-def role(name: str) -> str:
-    """A parameter's role for BY_ROLE: 'sinks', 'router' or 'other'."""
-    return "sinks" if name.endswith("self_attn.sinks") else "router" if ".mlp.router." in name else "other"
-
-
-def bounds(dtype: str, check: str, name: str | None = None) -> tuple[Bound, ...]:
-    """The bounds of `check` in `dtype`; for a parameter `name`, those of its role if BY_ROLE has them."""
-    if name is not None:
-        by_role = BY_ROLE.get(dtype, {}).get((check, role(name)))
-        if by_role is not None:
-            return by_role
+def bounds(dtype: str, check: str) -> tuple[Bound, ...]:
+    """The bounds of `check` in `dtype` (expert slices in bf16: `expert_bounds`)."""
     return TOLERANCES[dtype][check]
 
 
