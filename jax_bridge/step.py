@@ -19,6 +19,7 @@ from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform
+from torch_model.model import keeps_float32
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -75,8 +76,11 @@ class TrainState(NamedTuple):
     opt_state: dict
 
 
-def cast_params(params, dtype):
-    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+def cast_params(params: dict, dtype) -> dict:
+    """Floating parameters in the compute dtype, except those the model keeps in float32
+    (torch_model.model.keeps_float32: the router)."""
+    return {name: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) and not keeps_float32(name) else p
+            for name, p in params.items()}
 
 
 class TrainStep:

@@ -92,7 +92,11 @@ def logits_metrics(got, expected, tokens=None) -> dict[str, float]:
           dtype) of the eager maximum: logits closer than the resolution they are produced in
           cannot be ordered (in float32 that is a ~1e-7 relative near-tie; in bfloat16 2^-7, and
           a random-init model has many such near-ties);
-    kl    mean over tokens of KL(P_eager || P_lowered), P = softmax(logits).
+    kl    mean over tokens of KL(P_eager || P_lowered), P = softmax(logits);
+    kl_floor   the same for the eager logits merely rounded to the lowered logits' dtype: what the
+          output's own resolution costs (0 in float32; in bf16 it grows with the logits' size, so
+          a trained model's sharp logits have a floor that a random-init model's do not);
+    kl_excess  kl - kl_floor.
 
     `tokens` (bool [tokens], optional) restricts top1 and kl to those tokens; top1_all and kl_all
     are then reported over all tokens (top1_exact: plain argmax agreement over all tokens)."""
@@ -105,9 +109,15 @@ def logits_metrics(got, expected, tokens=None) -> dict[str, float]:
     agree = b2[np.arange(len(b2)), a2.argmax(-1)] >= eager_max - ulp
     logp, logq = _log_softmax(b2), _log_softmax(a2)
     kl = np.sum(np.exp(logp) * (logp - logq), axis=-1)
+    # The KL that rounding the eager logits to the lowered dtype alone gives: logits produced in
+    # bf16 cannot be closer than their own resolution, which grows with their size.
+    rounded = as_float64(np.asarray(expected, np.float32).astype(np.asarray(got).dtype)).reshape(b2.shape)
+    kl_floor = np.sum(np.exp(logp) * (logp - _log_softmax(rounded)), axis=-1)
     keep = np.ones(len(b2), bool) if tokens is None else np.asarray(tokens, bool).reshape(-1)
     out["top1"] = float(np.mean(agree[keep])) if keep.any() else float("nan")
     out["kl"] = float(np.mean(kl[keep])) if keep.any() else float("nan")
+    out["kl_floor"] = float(np.mean(kl_floor[keep])) if keep.any() else float("nan")
+    out["kl_excess"] = out["kl"] - out["kl_floor"]
     if tokens is not None:
         out["top1_all"], out["kl_all"] = float(np.mean(agree)), float(np.mean(kl))
     out["top1_exact"] = float(np.mean(a2.argmax(-1) == b2.argmax(-1)))

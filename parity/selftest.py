@@ -5,16 +5,28 @@ labels and all loss coefficients on, as the default parity run) the suite runs t
 set (parity/planted.py) once per compute dtype: first the control (no bug live: must PASS, so a
 failure below is the bug's, not the planted set's), then each bug. A bug is caught when the suite
 fails AND a failing check names a tensor where the bug lives (`PlantedBug.at_fault`).
+
+Twice: on random init, and on the same model trained TRAINED_STEPS steps (`trained_weights`: eager
+MuonAdamW on the trajectory's Shakespeare bytes), whose sharper logits and uneven routing are what
+a user's checkpoint brings; the trained run's inputs are windows of that text. Both weight sets
+share the compiled programs (the weights are arguments).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parity import planted
-from parity.run import (LoweredProbe, Report, Row, _Lowered, _np, _routers, build_model, compare_runs, eager_run,
-                        lowered_run, parity_config, parity_inputs, parse_kernel_sets)
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from parity import planted, trajectory
+from parity.checks import compare_runs
+from parity.inputs import build_model, parity_config, parity_inputs, text_inputs
+from parity.kernel_sets import parse_kernel_sets
+from parity.report import Report, Row
+from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
 from torch_model.config import ModelConfig
-from torch_model.optim import OptimizerConfig
+from torch_model.optim import MuonAdamW, OptimizerConfig
 
 # Window 8, not the matrix's 16: one extra key is then 1/9 of a window instead of 1/17, which
 # takes the off-by-one window bug from the edge of bf16 noise (q_proj gradient cos 0.974-0.977,
@@ -22,6 +34,40 @@ from torch_model.optim import OptimizerConfig
 MICRO = parity_config(ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                                   n_experts=4, experts_per_token=2, expert_dim=64, max_seq_len=80), window=8)
 CONTROL = "control (no bug)"
+RANDOM, TRAINED = "random init", "trained"
+WEIGHTS = (RANDOM, TRAINED)
+# Trained with the training-time loss coefficients of `tiny` (the parity run then weights every
+# term as usual); 100 steps of batch 4 take the loss from 6.3 to ~2.7 and leave the experts'
+# token counts uneven (as on the demo's checkpoints).
+TRAINED_STEPS, TRAINED_BATCH = 100, 4
+TRAINING_LOSS = {"router_aux_loss_coef": 1e-2, "router_z_loss_coef": 0.0, "lm_z_loss_coef": 0.0}
+
+
+def text_tokens() -> np.ndarray:
+    """The trajectory's Shakespeare text (parity/golden, no download) as byte ids."""
+    return np.frombuffer(trajectory.load_golden()["text"].encode("ascii"), np.uint8).astype(np.int64)
+
+
+def trained_weights(steps: int = TRAINED_STEPS, seed: int = 0, seq_len: int = 80) -> dict[str, torch.Tensor]:
+    """MICRO's weights after `steps` eager float32 MuonAdamW steps on consecutive windows of
+    `text_tokens` (batch TRAINED_BATCH x seq_len, wrapping around). One torch thread: on 64-wide
+    matrices threads cost more than they save (3.5x slower with 2 on a busy 2-core machine)."""
+    model = build_model(MICRO.replace(**TRAINING_LOSS), None, seed)
+    optimizer = MuonAdamW(model, OptimizerConfig())
+    data = torch.from_numpy(text_tokens())
+    per_step = TRAINED_BATCH * (seq_len + 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in tqdm(range(steps), desc="training the self-test's micro model", leave=False, disable=None):
+            start = (step * per_step) % (len(data) - per_step)
+            batch = data[start:start + per_step].view(TRAINED_BATCH, seq_len + 1)
+            model.zero_grad()
+            model(batch[:, :-1], batch[:, 1:])["loss"].backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @dataclass
@@ -32,6 +78,7 @@ class Outcome:
     named: bool               # ... and named a tensor where the bug lives
     failing: list[str] = field(default_factory=list)     # failing checks, "category name"
     note: str = ""
+    weights: str = RANDOM     # RANDOM or TRAINED
 
     @property
     def ok(self) -> bool:
@@ -43,25 +90,32 @@ class SelftestReport:
     outcomes: list[Outcome]
     skipped: list[tuple[str, str, str]]       # (bug, dtype, computed reason)
     report: Report                            # every check of every run
-    # Per dtype, what the magnitude tests perturb: (eager run, control run, params before, routers).
+    # Per (weights, dtype), what the magnitude tests perturb: (eager run, control run, params
+    # before, routers).
     controls: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
         return bool(self.outcomes) and all(o.ok for o in self.outcomes)
 
+    def weights(self) -> list[str]:
+        return list(dict.fromkeys(o.weights for o in self.outcomes))
+
+    def outcome(self, bug: str, dtype: str, weights: str = RANDOM) -> Outcome:
+        return next(o for o in self.outcomes if (o.bug, o.dtype, o.weights) == (bug, dtype, weights))
+
     def format(self, verbose: bool = False) -> str:
         lines = [f"parity self-test: planted bugs on a micro model ({MICRO.n_layers} layers, d_model {MICRO.d_model}, "
                  f"{MICRO.n_experts} experts, window {MICRO.sliding_window}, seq_len {self.report.setup['seq_len']}); "
-                 "each must fail the suite, naming the tensors at fault",
-                 f"  {'bug':<20} {'dtype':<9} {'result':<10} failing checks (tensors named)"]
+                 f"each must fail the suite, naming the tensors at fault; on {' and on '.join(self.weights())} weights",
+                 f"  {'bug':<20} {'weights':<12} {'dtype':<9} {'result':<10} failing checks (tensors named)"]
         for o in self.outcomes:
             result = ("PASS" if not o.caught else "FAILED!") if o.bug == CONTROL else \
                 ("caught" if o.ok else "MISSED" if not o.caught else "UNNAMED")
-            lines.append(f"  {o.bug:<20} {o.dtype:<9} {result:<10} {_names(o.failing, verbose)}"
+            lines.append(f"  {o.bug:<20} {o.weights:<12} {o.dtype:<9} {result:<10} {_names(o.failing, verbose)}"
                          + (f"  [{o.note}]" if o.note else ""))
         for bug, dtype, why in self.skipped:
-            lines.append(f"  {bug:<20} {dtype:<9} {'not run':<10} {why}")
+            lines.append(f"  {bug:<20} {'-':<12} {dtype:<9} {'not run':<10} {why}")
         n = sum(o.bug != CONTROL for o in self.outcomes)
         caught = sum(o.ok for o in self.outcomes if o.bug != CONTROL)
         lines.append(f"parity self-test: {'PASS' if self.passed else 'FAIL'} ({caught} of {n} planted bugs caught "
@@ -89,45 +143,67 @@ def _failing(rows: list[Row]) -> list[str]:
 
 
 def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: int = 0, batch: int = 2,
-                 seq_len: int = 80, opt_cfg: OptimizerConfig = OptimizerConfig(), progress=None) -> SelftestReport:
-    """Run the control and every planted bug in each dtype; see the module docstring."""
+                 seq_len: int = 80, opt_cfg: OptimizerConfig = OptimizerConfig(), weights=WEIGHTS,
+                 trained_state=None, compiler_options: dict | None = None, progress=None) -> SelftestReport:
+    """Run the control and every planted bug in each dtype, on each of `weights` (RANDOM,
+    TRAINED); see the module docstring. trained_state: TRAINED's weights (None: `trained_weights`
+    of `seed`). compiler_options: XLA options of the compiles."""
     say = progress or (lambda msg: None)
-    model = build_model(MICRO, None, seed)
-    ids, labels = parity_inputs(MICRO.vocab_size, batch, seq_len, seed)
     report = Report(setup={"n_layers": MICRO.n_layers, "d_model": MICRO.d_model, "n_experts": MICRO.n_experts,
                            "model_config": MICRO.to_dict(), "batch": batch, "seq_len": seq_len, "seed": seed,
                            "backend": "cpu", "post_step": "TrainStep.update on the lowered gradients",
-                           "source": "self-test micro model"})
-    say("self-test: eager PyTorch float32 reference ...")
-    reference = eager_run(model, ids, labels, opt_cfg)
-    router_names = [name for name, _ in _routers(model)]
-    shared = _Lowered(model, opt_cfg)
-    before = {n: _np(p) for n, p in shared.params.items()}
+                           "source": "self-test micro model", "weights": list(weights),
+                           "trained": {"steps": TRAINED_STEPS, "batch": TRAINED_BATCH, "loss": TRAINING_LOSS}})
+    cases = []              # per weight set: (name, model, ids, labels)
+    for name in weights:
+        if name == TRAINED:
+            if trained_state is None:
+                say(f"self-test: training the micro model {TRAINED_STEPS} steps (eager) ...")
+                trained_state = trained_weights(seed=seed, seq_len=seq_len)
+            model = build_model(MICRO, trained_state, seed)
+            ids, labels = text_inputs(text_tokens(), batch, seq_len, seed)
+        elif name == RANDOM:
+            model = build_model(MICRO, None, seed)
+            ids, labels = parity_inputs(MICRO.vocab_size, batch, seq_len, seed)
+        else:
+            raise ValueError(f"run_selftest: unknown weights {name!r}; choose from {WEIGHTS}")
+        cases.append((name, model, ids, labels))
     outcomes, skipped, controls = [], [], {}
+    probes, shared = {}, None
     with planted.registered(MICRO) as spec:
         kernels = parse_kernel_sets(spec)[0]
-        for dtype in dtypes:
-            say(f"self-test: compiling the planted kernel set | {dtype} ...")
-            probe = LoweredProbe(model, opt_cfg, kernels, dtype)
-            for bug in (None, *bugs):
-                name = CONTROL if bug is None else bug.name
-                if bug is not None and dtype not in bug.dtypes:
-                    skipped.append((name, dtype, bug.why_not))
-                    continue
-                changed = None
-                if bug is not None and bug.optimizer:
-                    changed = opt_cfg.replace(**{k: getattr(opt_cfg, k) * f for k, f in bug.optimizer.items()})
-                run = lowered_run(probe, shared, ids.numpy(), labels.numpy(),
-                                  selector=bug.selector if bug is not None else 0, opt_cfg=changed)
-                rows = compare_runs(reference, run, before, name, dtype, router_names)
-                report.rows.extend(rows)
-                failing = _failing(rows)
-                named = bug is not None and any(f in r.name for r in rows if r.failed and not r.name.startswith("<")
-                                                for f in bug.at_fault)
-                outcomes.append(Outcome(name, dtype, bool(failing), named, failing))
-                if bug is None:
-                    controls[dtype] = (reference, run, before, router_names)
-                say(f"  {name} | {dtype}: {'FAIL' if failing else 'pass'} ({len(failing)} failing checks)")
+        for weights_name, model, ids, labels in cases:
+            say(f"self-test ({weights_name}): eager PyTorch float32 reference ...")
+            reference = eager_run(model, ids, labels, opt_cfg)
+            router_names = [name for name, _ in routers(model)]
+            # One compiled update and one probe per dtype serve every weight set.
+            shared = SharedLowered(model, opt_cfg, compiler_options) if shared is None else shared.with_weights(model)
+            before = {n: to_numpy(p) for n, p in shared.params.items()}
+            for dtype in dtypes:
+                if dtype not in probes:
+                    say(f"self-test: compiling the planted kernel set | {dtype} ...")
+                    probes[dtype] = LoweredProbe(model, opt_cfg, kernels, dtype, compiler_options=compiler_options)
+                for bug in (None, *bugs):
+                    name = CONTROL if bug is None else bug.name
+                    if bug is not None and dtype not in bug.dtypes:
+                        if weights_name == cases[0][0]:
+                            skipped.append((name, dtype, bug.why_not))
+                        continue
+                    changed = None
+                    if bug is not None and bug.optimizer:
+                        changed = opt_cfg.replace(**{k: getattr(opt_cfg, k) * f for k, f in bug.optimizer.items()})
+                    run = lowered_run(probes[dtype], shared, ids.numpy(), labels.numpy(), reference,
+                                      selector=bug.selector if bug is not None else 0, opt_cfg=changed)
+                    rows = compare_runs(reference, run, before, f"{name} @ {weights_name}", dtype, router_names)
+                    report.rows.extend(rows)
+                    failing = _failing(rows)
+                    named = bug is not None and any(f in r.name for r in rows if r.failed and not r.name.startswith("<")
+                                                    for f in bug.at_fault)
+                    outcomes.append(Outcome(name, dtype, bool(failing), named, failing, weights=weights_name))
+                    if bug is None:
+                        controls[weights_name, dtype] = (reference, run, before, router_names)
+                    say(f"  {name} | {weights_name} | {dtype}: {'FAIL' if failing else 'pass'} "
+                        f"({len(failing)} failing checks)")
     return SelftestReport(outcomes, skipped, report, controls)
 
 

@@ -25,13 +25,13 @@ float32 (the lowered run must reproduce the eager numbers up to summation order)
   logits, loss       rel <= 1e-5
   gradients          rel <= 1e-4, per parameter (a failure names the layer and op), the whole
                      gradient vector, and the global gradient norm
-  post-step params   rel <= 1e-5 over the WHOLE parameter vector (all tensors concatenated) and
+  post-step params   rel <= 2e-5 over the WHOLE parameter vector (all tensors concatenated) and
                      rel <= 1e-3 per tensor. Why two: Adam's first step is sign-like
                      (m_hat / (sqrt(v_hat) + eps) = g / (|g| + eps)), so a zero-initialised bias
                      whose gradient entries sit near eps turns its gradient's last-bit noise into
                      an update difference of the order of the update itself; such a tensor's own
                      relative error reaches ~1e-4..5e-4 while the model's parameters agree to
-                     ~1e-6. The whole vector holds the step to 1e-5; the per-tensor bound still
+                     ~1e-6. The whole vector holds the step to 2e-5; the per-tensor bound still
                      catches any tensor whose update is wrong (an O(1) error there).
   routing            mismatch <= 1% per MoE layer (a genuine near-tie may flip; a bug flips far
                      more, and a flip that matters also fails the logits/gradient bounds)
@@ -47,33 +47,55 @@ slice_norm_ratio per expert; update_ratio = ||update_lowered|| / ||update_eager|
 gradient scaled by 0.8 or 1.25 on any one tensor, a zero update and a doubled learning rate fail
 (tests/test_parity_selftest.py perturbs a correct run to prove it, tensor by tensor).
 
-Calibration (correct paths: the xla kernel set, the default parity inputs: window 16, seq 80,
-10% ignored labels, PARITY_LOSS; measured 2026-11-30 on the self-test micro model, seeds 0-5, and
-`tiny` cut to 2 layers, seeds 0-2; the other kernel sets are held to the same bounds by the
-matrix test, seed 0). Worst value seen -> bound:
-  logits             top1 0.968 -> >= 0.95 (near-ties of a random-init model: 5 of 155 tokens);
-                     kl 1.1e-5 -> <= 1e-4
-  loss               rel 2.0e-4 -> <= 5e-3
-  gradients, each tensor except the router: cos 0.9895 -> >= 0.97; rel 0.145 -> <= 0.3;
-                     norm_ratio 0.974..1.032 -> within 1 +- 0.06
-  router gradients   cos 0.963, rel 0.27 -> cos >= 0.9, rel <= 0.5 (GRAD_BY_ROLE; norm_ratio
-                     0.992..1.007 keeps the common 1 +- 0.06). The router z-loss coefficient of
-                     the parity inputs (0.1) is what makes this small: at 0.01 the router's bf16
-                     error reached rel 0.61, cos 0.81, norm_ratio 0.86, where a 20% scaling hides.
-  per expert slice   expert weight stacks only (run.py: bias slices are sums over a few tokens,
-                     one bf16 routing flip moved one by 7%): slice_cos 0.965 -> >= 0.95;
-                     slice_norm_ratio 0.970..1.023 -> within 1 +- 0.05 (one expert's output x0.9
-                     gives 0.894..0.915 on its slices; the whole tensor moves by ~1/E of that)
-  whole gradient     cos 0.9991 -> >= 0.98; global norm rel 4.2e-3 -> <= 2e-2
-  post-step, each tensor: update_ratio 0.987..1.025 -> within 1 +- 0.06 (Adam's first step is
-                     sign-like, so the update's SIZE is robust where its direction is not: a
-                     4-entry sink tensor's update_cos fell to 0.51 on a correct path, so
-                     update_cos is reported, not bounded, per tensor; Muon's expert updates grow
-                     ~2% in bf16: noise fills singular directions of low-rank expert gradients)
-  post-step, all     update_cos 0.9907 -> >= 0.95; rel 6.8e-3 -> <= 3e-2
-  routing            mismatch 3.1% -> <= 10% per MoE layer
-What bf16 cannot see, float32 does: a change smaller than these margins (e.g. a 3% gradient
-scaling) fails the float32 run (rel <= 1e-4).
+Calibration (issue 25; correct paths only: the xla kernel set, the default parity inputs, window
+16 / seq 80 / 10% ignored labels / PARITY_LOSS; measured 2026-12-01 with the router in float32
+and the lowered run on the eager run's experts (runs.forced_routing); the other kernel sets are
+held to the same bounds by the matrix test and by the demo checkpoint's run, BENCHMARKS.md).
+random init: the self-test micro model (seeds 0-5), `tiny` cut to 2 layers (seeds 0-2), the
+demo's 4-layer `tiny` (seeds 0-1). trained: the demo's checkpoints at steps 100, 200 and 300
+(`make demo`, runs/tiny; input seeds 0-1, at 300 also 2), a second demo-shaped run (seed 1, 120
+steps) and the self-test micro model after 100 steps on Shakespeare bytes (text inputs, 3 draws).
+Worst correct-path value, random init | trained -> bound:
+  logits     top1       0.9936 | 1.0          -> >= 0.95 (near-ties of a random-init model)
+             kl         2.6e-6 | 7.0e-5       (reported)
+             kl_floor   1.6e-7 | 4.3e-5       (reported: the eager logits rounded to bf16)
+             kl_excess  2.5e-6 | 3.2e-5       -> <= 1e-4 (kl - kl_floor; the bound was on kl, which
+                        a checkpoint's sharp logits approach on their own resolution)
+  loss       rel        2.4e-5 | 2.9e-4       -> <= 5e-3
+  gradients, each tensor (the router too: see below)
+             cos        0.9997 | 0.9984       -> >= 0.97
+             rel        0.025  | 0.058        -> <= 0.3
+             norm_ratio 0.993..1.011 | 0.982..1.038 -> within 1 +- 0.06
+  router gradients      cos 0.99997 | 0.9998, rel 0.008 | 0.019: held to the common bounds (they
+                        had their own, cos >= 0.9 and rel <= 0.5, while the router ran in bf16)
+  per expert slice      expert weight stacks only (checks.py: bias slices are sums over a few
+             tokens), by the expert's token count n in the eager run (shown beside each expert
+             row): 1 - slice_cos and |slice_norm_ratio - 1| <= 0.02 + 0.3 / sqrt(n); an expert
+             with no token is reported. Worst seen: 1 - slice_cos <= 0.003 at any n; |ratio - 1|
+             0.007 at n=3, 0.034 at n=12, 0.017 at n=21, 0.014 at n=43, 0.004 at n=88, at most
+             0.116 / sqrt(n) (bounds 0.19, 0.107, 0.085, 0.066, 0.052). One expert's output x0.9
+             gives 0.894..0.915 on its slices: caught from n = 22 tokens on (the micro model's
+             experts get 40-125). The fixed bounds before (>= 0.95, 1 +- 0.05) failed experts of
+             few tokens on trained checkpoints (issue 25: 0.926 at expert 6).
+  whole gradient        cos 0.99997 | 0.9998 -> >= 0.98; global norm rel 2.9e-3 (max) -> <= 2e-2
+  post-step, each tensor: update_ratio 0.976..1.025 | 0.99..1.018 -> within 1 +- 0.06
+             (update_cos is reported, not bounded, per tensor: 0.52 on a 4-entry sink tensor,
+             whose Adam update is sign-like)
+  post-step, all        update_cos 0.9951 | 0.9971 -> >= 0.95; rel 4.8e-3 | 1.5e-3 -> <= 3e-2
+  routing    mismatch   1.9% | 1.9%           -> <= 10% per MoE layer
+Before (same inputs): with the router in bf16 the demo's step-300 checkpoint failed the logits (kl
+2.1e-4, floor 3.8e-5), both layers' sink gradients (norm_ratio 1.062, 1.079) and an 11-token
+expert (slice_norm_ratio 0.872), and its router gradients reached rel 0.10; with the router in
+float32 but each path on its own routing, input seed 1 of that checkpoint still failed everywhere
+(embedding gradient cos 0.913, all gradients cos 0.974, a 21-token expert 0.387, kl 3.6e-4): 2.5%
+of tokens flipped experts in bf16, which a trained model's distinct experts and attention carry
+into every gradient. Widened: the logits bound now allows the output's own resolution (kl_excess);
+the per-expert bound below 100 tokens (a 21-token expert may be off by 8.5%, a 64-token one by
+5.75%; the fixed bound said 5%; above 100 tokens it is tighter);
+float32's whole post-step vector 1e-5 -> 2e-5 (1.13e-5 on micro seed 5: Adam's sign-like first
+step, above). Tightened: the router's gradient (cos 0.9 -> 0.97, rel 0.5 -> 0.3). What bf16
+cannot see, float32 does: a change smaller than these margins (e.g. a 3% gradient scaling) fails
+the float32 run (rel <= 1e-4).
 """
 from __future__ import annotations
 
@@ -114,8 +136,8 @@ def _within(metric, tolerance):
     return _ge(metric, 1 - tolerance), _le(metric, 1 + tolerance)
 
 
-# Checks, by compute dtype. Keys: logits, loss, grad (each parameter's gradient; bf16 by parameter
-# role, GRAD_BY_ROLE), grad_expert (each expert's slice of an expert tensor's gradient), grad_vector
+# Checks, by compute dtype. Keys: logits, loss, grad (each parameter's gradient), grad_expert
+# (each expert's slice of an expert tensor's gradient; bf16: expert_bounds by token count), grad_vector
 # (all gradients concatenated), grad_norm (the global gradient norm the optimizer clips with), param
 # (each parameter after one step), param_vector (all parameters after one step, concatenated),
 # routing (each MoE layer's chosen experts), hf (`--hf`: our eager logits vs transformers' eager
@@ -129,14 +151,14 @@ TOLERANCES: dict[str, dict[str, tuple[Bound, ...]]] = {
         "grad_vector": (_le("rel", 1e-4),),
         "grad_norm": (_le("rel", 1e-4),),
         "param": (_le("rel", 1e-3), *_within("update_ratio", 1e-3)),
-        "param_vector": (_le("rel", 1e-5),),
+        "param_vector": (_le("rel", 2e-5),),
         "routing": (_le("mismatch", 0.01),),
         "hf": (_le("rel", 1e-5),),
     },
     "bfloat16": {
-        "logits": (_ge("top1", 0.95), _le("kl", 1e-4)),
+        "logits": (_ge("top1", 0.95), _le("kl_excess", 1e-4)),
         "loss": (_le("rel", 5e-3),),
-        "grad": (_ge("cos", 0.97), _le("rel", 0.3), *_within("norm_ratio", 0.06)),   # router: GRAD_BY_ROLE
+        "grad": (_ge("cos", 0.97), _le("rel", 0.3), *_within("norm_ratio", 0.06)),
         "grad_expert": (_ge("slice_cos", 0.95), *_within("slice_norm_ratio", 0.05)),
         "grad_vector": (_ge("cos", 0.98),),
         "grad_norm": (_le("rel", 2e-2),),
@@ -147,28 +169,28 @@ TOLERANCES: dict[str, dict[str, tuple[Bound, ...]]] = {
     },
 }
 
-# Per-parameter-role overrides of the `grad` check (see the calibration above): the router's
-# gradient is partly a difference of nearly equal terms through the top-k softmax, so its bf16
-# direction error stays several times every other tensor's; one loose bound for all would hide
-# real bugs in the others (a wrong RoPE base moves q/k gradients to cos 0.90-0.96).
-GRAD_BY_ROLE: dict[str, dict[str, tuple[Bound, ...]]] = {
-    "bfloat16": {"router": (_ge("cos", 0.9), _le("rel", 0.5), *_within("norm_ratio", 0.06))},
-}
-
 DTYPES = tuple(TOLERANCES)
 
+# Per-expert slices in bf16 (see the calibration above): the bounds widen as the expert's token
+# count n shrinks; a slice of fewer than EXPERT_MIN_TOKENS tokens (none: no gradient) is reported.
+EXPERT_MIN_TOKENS = 1
+EXPERT_TOLERANCE = (0.02, 0.3)       # tolerance(n) = a + b / sqrt(n), on 1 - slice_cos and |slice_norm_ratio - 1|
 
-def role(name: str) -> str:
-    """A parameter's role for GRAD_BY_ROLE: 'router' or 'other'."""
-    return "router" if ".mlp.router." in name else "other"
+
+def expert_bounds(dtype: str, tokens: int | None) -> tuple[Bound, ...]:
+    """The bounds of one expert's gradient slice that received `tokens` (token, slot) assignments
+    in the eager run (None: not known; the fixed `grad_expert` bounds, as in float32)."""
+    if dtype != "bfloat16" or tokens is None:
+        return TOLERANCES[dtype]["grad_expert"]
+    if tokens < EXPERT_MIN_TOKENS:
+        return ()
+    a, b = EXPERT_TOLERANCE
+    tol = a + b / math.sqrt(tokens)
+    return (_ge("slice_cos", 1 - tol), *_within("slice_norm_ratio", tol))
 
 
-def bounds(dtype: str, check: str, name: str | None = None) -> tuple[Bound, ...]:
-    """The bounds of `check` in `dtype`; for `grad`, those of the parameter `name`'s role."""
-    if check == "grad" and name is not None:
-        by_role = GRAD_BY_ROLE.get(dtype, {}).get(role(name))
-        if by_role is not None:
-            return by_role
+def bounds(dtype: str, check: str) -> tuple[Bound, ...]:
+    """The bounds of `check` in `dtype` (expert slices in bf16: `expert_bounds`)."""
     return TOLERANCES[dtype][check]
 
 

@@ -14,12 +14,16 @@ import io
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from jax_bridge import registry
 from parity import compare, tolerances
-from parity.run import (PARITY_LOSS, PARITY_SEQ_LEN, add_arguments, default_kernel_sets, kernel_label,
-                        parity_config, parity_inputs, parse_kernel_sets, run, run_parity)
+from parity.runs import FAST_COMPILE
+from parity.inputs import PARITY_LOSS, PARITY_SEQ_LEN, parity_config, parity_inputs
+from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
+from parity.run import add_arguments, run
+from parity.suite import run_parity
 from torch_model import config
 from torch_model.model import IGNORE_INDEX
 from train.errors import UserError
@@ -101,8 +105,6 @@ def test_unknown_preset_and_dtype_are_user_errors():
 
 
 def test_metrics_of_identical_and_perturbed_tensors():
-    import numpy as np
-
     x = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32)
     same = compare.logits_metrics(x, x)
     assert same["max_abs"] == 0 and same["rel"] == 0 and same["top1"] == 1 and abs(same["kl"]) < 1e-15
@@ -123,8 +125,34 @@ def test_tolerances_are_stated_for_every_check_and_dtype():
               "routing", "hf"}
     for dtype in ("float32", "bfloat16"):
         assert set(tolerances.TOLERANCES[dtype]) == checks
-    assert str(tolerances.bounds("float32", "param_vector")[0]) == "rel<=1e-05"
+    assert str(tolerances.bounds("float32", "param_vector")[0]) == "rel<=2e-05"
     assert str(tolerances.bounds("float32", "param")[0]) == "rel<=0.001"
+
+
+def test_bf16_compute_keeps_the_router_in_float32_in_both_paths():
+    """The router's logits, top-k and softmax run in float32 under bf16 compute (issue 25): the
+    lowered step leaves its parameters float32 (per-layer and stacked names) and the model
+    upcasts the router's input, so eager bf16 and eager float32 route alike."""
+    import jax.numpy as jnp
+    import torch
+
+    from jax_bridge.step import cast_params
+    from torch_model.model import GptOssForCausalLM
+
+    model = GptOssForCausalLM(SMALL)
+    params = {n: jnp.zeros(p.shape, jnp.float32) for n, p in model.named_parameters()}
+    params["model.layers.stack0.mlp.router.weight"] = jnp.zeros((2, 3), jnp.float32)   # scanned layout
+    cast = cast_params(params, jnp.bfloat16)
+    kept = {n for n, p in cast.items() if p.dtype == jnp.float32}
+    assert kept == {n for n in params if ".mlp.router." in n} and len(kept) == 2 * SMALL.n_layers + 1
+    router = model.model.layers[0].mlp.router
+    x = torch.randn(7, SMALL.d_model).to(torch.bfloat16)
+    logits, weights, experts = router(x)
+    assert logits.dtype == weights.dtype == torch.float32
+    with torch.no_grad():
+        expected = x.float() @ router.weight.T + router.bias
+    torch.testing.assert_close(logits, expected)           # float32 logits of the bf16 input, not bf16 logits
+    assert torch.equal(experts, logits.topk(SMALL.experts_per_token).indices)
 
 
 def test_parity_inputs_ignore_some_labels_and_the_config_weights_every_loss_term():
@@ -179,15 +207,24 @@ def test_json_has_an_entry_per_tensor_kernel_set_and_dtype(xla_cli):
     _, data, _ = xla_cli
     label = "attention=xla,cross_entropy=xla,moe=xla"
     names = parameter_names()
-    experts = [n + " (per expert)" for n in names if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    experts = [f"{n} (expert {e})" for n in names if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+               for e in range(SMALL.n_experts)]
     for dtype in ("float32", "bfloat16"):
         entries = [e for e in data["entries"] if e["kernels"] == label and e["dtype"] == dtype]
         by_category = {}
         for e in entries:
             by_category.setdefault(e["category"], []).append(e["name"])
             assert set(e) >= {"metrics", "tolerance", "passed", "status"}
-            assert e["tolerance"] and e["status"] == "PASS"      # every check bounded, in both dtypes
+            # Every check bounded, in both dtypes; only a bf16 expert slice of too few tokens is reported.
+            few = dtype == "bfloat16" and e["metrics"].get("tokens", np.inf) < tolerances.EXPERT_MIN_TOKENS
+            assert (e["status"], bool(e["tolerance"])) == (("INFO", False) if few else ("PASS", True)), e
         assert by_category["grad"] == names + experts + ["<all gradients>", "<global norm>"]
+        # Each expert row shows its token count; per layer they add up to the routed assignments.
+        per_layer = {}
+        for e in entries:
+            if " (expert " in e["name"] and "gate_up_proj" in e["name"]:
+                per_layer[e["name"].split(".mlp.")[0]] = per_layer.get(e["name"].split(".mlp.")[0], 0) + e["metrics"]["tokens"]
+        assert per_layer and set(per_layer.values()) == {BATCH * SEQ * SMALL.experts_per_token}
         assert by_category["param"] == names + ["<all parameters>"]
         assert by_category["logits"] == ["logits"] and by_category["loss"] == ["loss"]
         assert by_category["routing"] == ["model.layers.0.mlp.router", "model.layers.1.mlp.router"]
@@ -215,7 +252,8 @@ OTHER_SETS = [kernel_label(s) for s in default_kernel_sets()[0][1:]]
 @pytest.fixture(scope="module")
 def matrix():
     """Every other kernel set on the 2-layer parity model (sliding + full attention), seq 80."""
-    return run_parity(SMALL, kernel_sets=OTHER_SETS, dtypes=("float32", "bfloat16"), batch=BATCH, seq_len=SEQ)
+    return run_parity(SMALL, kernel_sets=OTHER_SETS, dtypes=("float32", "bfloat16"), batch=BATCH, seq_len=SEQ,
+                      compiler_options=FAST_COMPILE)
 
 
 @pytest.mark.slow

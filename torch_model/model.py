@@ -15,6 +15,17 @@ from torch_model.config import ModelConfig
 from torch_model.rope import apply_rope, rope_cos_sin
 
 IGNORE_INDEX = -100
+# Parameters that stay float32 when the model computes in bf16 (jax_bridge.step.cast_params; the
+# eager float32 model is unchanged): the router, so that its logits, top-k and softmax run in
+# float32 as careful MoE stacks do (Megatron-Core's moe_router_dtype=fp32): in bf16 a near-tie
+# between two experts flips a token's choice, and a trained router's logits differ by less than
+# bf16 resolves.
+FLOAT32_PARAMETERS = (".mlp.router.",)
+
+
+def keeps_float32(name: str) -> bool:
+    """Does the parameter `name` (per-layer or stacked) stay float32 under bf16 compute?"""
+    return any(fragment in name for fragment in FLOAT32_PARAMETERS)
 
 
 class RMSNorm(nn.Module):
@@ -82,7 +93,8 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(cfg.n_experts))
 
     def forward(self, x):
-        logits = F.linear(x, self.weight, self.bias)              # [N, E]
+        # float32 whatever the compute dtype (FLOAT32_PARAMETERS); the caller casts the weights back.
+        logits = F.linear(x.float(), self.weight.float(), self.bias.float())     # [N, E]
         top_logits, experts = torch.topk(logits, self.top_k, dim=-1)
         weights = torch.softmax(top_logits, dim=-1)               # softmax over the k chosen
         return logits, weights, experts

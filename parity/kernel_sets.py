@@ -1,0 +1,70 @@
+"""The kernel sets the parity suite runs: by default all-xla, then each other registered
+implementation of each op with the rest at xla (`default_kernel_sets`), or the sets a user names
+(`parse_kernel_sets`, e.g. 'attention=pallas,moe=xla').
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from jax_bridge import registry
+from pallas_kernels.platform import host_platform
+from parity.report import SKIP, Row
+from train.errors import UserError
+
+
+def kernel_label(choice: Mapping[str, str]) -> str:
+    return ",".join(f"{op}={choice[op]}" for op in registry.OPS)
+
+
+def default_kernel_sets(platform: str | None = None) -> tuple[list[dict[str, str]], list[Row]]:
+    """All-xla, then each other registered implementation of each op with the rest at xla.
+    Implementations registered for other platforms only are returned as SKIP rows (listed in
+    the report, never dropped silently)."""
+    platform = platform or host_platform()
+    base = {op: "xla" for op in registry.OPS}
+    sets, skipped = [dict(base)], []
+    for op in registry.OPS:
+        for name, impl in registry.implementations(op).items():
+            if name == "xla":
+                continue
+            choice = {**base, op: name}
+            if not impl.trains:
+                skipped.append(Row(kernel_label(choice), "-", "skip", "kernel set", status=SKIP,
+                                   message=f"{op}={name} is generation only (no backward): checked against the "
+                                           f"reference by tests/test_kernel_decode.py and the generation tests"))
+            elif platform not in impl.platforms:
+                skipped.append(Row(kernel_label(choice), "-", "skip", "kernel set", status=SKIP,
+                                   message=f"{op}={name} runs on {', '.join(impl.platforms)}, not on {platform}"))
+            else:
+                sets.append(choice)
+    return sets, skipped
+
+
+def parse_kernel_sets(specs) -> list[dict[str, str]]:
+    """Kernel sets from strings like 'attention=pallas,moe=xla' (several per string with ';'),
+    or dicts. Ops a set does not name run at `xla`; a bare name ('pallas') applies to every op.
+    Unknown ops or implementations are a UserError."""
+    if isinstance(specs, (str, Mapping)):
+        specs = [specs]
+    sets = []
+    for spec in specs:
+        parts = [spec] if isinstance(spec, Mapping) else [p.strip() for p in spec.split(";") if p.strip()]
+        for part in parts:
+            try:
+                choice = registry.parse_kernel_spec(part)
+            except registry.KernelError as e:
+                raise UserError(str(e)) from None
+            if isinstance(part, str) and "=" in part:
+                named = {p.split("=", 1)[0].strip() for p in part.split(",")}
+            else:
+                named = set(part) if isinstance(part, Mapping) else set(registry.OPS)
+            choice = {op: (name if op in named else "xla") for op, name in choice.items()}
+            for op, name in choice.items():
+                known = registry.implementations(op)
+                if name != "auto" and name not in known:
+                    raise UserError(f"--kernels: unknown implementation {op}={name}; "
+                                    f"registered: {', '.join(known)}")
+            sets.append(choice)
+    if not sets:
+        raise UserError("--kernels: no kernel set given")
+    return sets

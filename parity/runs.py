@@ -1,0 +1,197 @@
+"""The two runs the parity suite compares: the ground truth (`eager_run`: eager float32 PyTorch
+forward, backward and one `MuonAdamW` step) and the lowered JAX run of one kernel set and compute
+dtype (`LoweredProbe` + `lowered_run`), both as a `Run` of numpy arrays.
+
+The lowered post-step parameters come from the lowered optimizer (`SharedLowered.update`: the
+torch `muon_adamw_update` traced through torchax) applied to that run's lowered gradients: for
+one micro-batch this is the train step's math exactly, and the optimizer compiles once per suite
+rather than once per kernel set. With `full_step_tokens`, `lowered_run` takes them from the
+compiled train step itself (`TrainStep.__call__`). Routing is measured on each path's own
+choices: a forward hook on each `mlp.router` records its logits and top-k experts.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jax_bridge import registry
+from jax_bridge.lowering import optimizer_function, optimizer_state_to_jax, params_to_jax
+from jax_bridge.step import StepConfig, TrainStep, cast_params
+from parity import planted
+from torch_model.optim import MuonAdamW, OptimizerConfig, plan_parameters
+
+
+@dataclass
+class Run:
+    """What both paths produce, as numpy (float32 or the compute dtype)."""
+    logits: np.ndarray
+    loss: float
+    grads: dict[str, np.ndarray]
+    grad_norm: float
+    params_after: dict[str, np.ndarray]
+    routing: list[tuple[np.ndarray, np.ndarray]]     # per MoE layer: (router logits [N, E], experts [N, k])
+
+
+def routers(model) -> list[tuple[str, torch.nn.Module]]:
+    return [(f"model.layers.{i}.mlp.router", layer.mlp.router)
+            for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "router")]
+
+
+@contextlib.contextmanager
+def capture_routing(model):
+    """Record (router logits, chosen experts) of every MoE layer, in layer order."""
+    captured = []
+    handles = [router.register_forward_hook(lambda mod, inputs, out: captured.append((out[0], out[2])))
+               for _, router in routers(model)]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def forced_routing(model, experts):
+    """While tracing the lowered run: MoE layer i sends each token to `experts[i]` ([N, k], the
+    eager run's choice) instead of its own top-k, weighted by the softmax of its own router logits
+    at those experts. A near-tie that bf16 breaks the other way then no longer sends a token
+    through another expert, whose output in a trained model differs by O(1) and, through
+    attention, moves every later token and every gradient; the routing check still measures the
+    router's own choice (capture_routing, registered first, records it)."""
+    def force(i):
+        def hook(module, inputs, out):
+            chosen = experts[i].long()
+            return out[0], torch.softmax(torch.gather(out[0], -1, chosen), dim=-1), chosen
+        return hook
+
+    handles = [router.register_forward_hook(force(i)) for i, (_, router) in enumerate(routers(model))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def to_numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(jax.device_get(x))
+
+
+def eager_run(model, ids: torch.Tensor, labels: torch.Tensor, opt_cfg: OptimizerConfig) -> Run:
+    """Ground truth: eager float32 PyTorch. `model` is left unchanged (the step runs on a copy)."""
+    with torch.no_grad(), capture_routing(model) as captured:
+        logits = model(ids)
+    routing = [(to_numpy(lg), to_numpy(ex)) for lg, ex in captured]
+    trained = copy.deepcopy(model)
+    optimizer = MuonAdamW(trained, opt_cfg)
+    trained.zero_grad()
+    out = trained(ids, labels)
+    out["loss"].backward()
+    grads = {n: to_numpy(p.grad) if p.grad is not None else np.zeros(p.shape, np.float32)
+             for n, p in trained.named_parameters()}
+    optimizer.step()
+    return Run(logits=to_numpy(logits), loss=float(out["loss"].item()), grads=grads,
+               grad_norm=float(optimizer.last_stats["grad_norm"].item()),
+               params_after={n: to_numpy(p) for n, p in trained.named_parameters()}, routing=routing)
+
+
+# XLA compiler options for the test suite, where compiling dominates: the CPU backend's LLVM at
+# -O0 compiles the same optimized XLA program in about half the time (a probe of the 2-layer
+# parity model: 25 s -> 14 s; its gradients moved by at most 1e-7). Never the default.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+class SharedLowered:
+    """What every lowered run shares: parameters, initial optimizer state, and the optimizer
+    update compiled once per optimizer configuration (it does not depend on the kernels or the
+    compute dtype). `compiler_options`: XLA options of its compiles (None: the defaults)."""
+
+    def __init__(self, model, opt_cfg: OptimizerConfig, compiler_options: dict | None = None):
+        self.plan = plan_parameters(model.named_parameters())
+        self.params = params_to_jax(model)
+        self.opt_state = optimizer_state_to_jax(model, self.plan)
+        self.opt_cfg = opt_cfg
+        self.compiler_options = compiler_options
+        self._updates: dict[OptimizerConfig, object] = {}
+
+    def with_weights(self, model) -> SharedLowered:
+        """The same for other weights of the same model shape, sharing the compiled updates."""
+        other = SharedLowered(model, self.opt_cfg, self.compiler_options)
+        other._updates = self._updates
+        return other
+
+    def update(self, grads, opt_cfg: OptimizerConfig | None = None):
+        """(params after one step, grad_norm) from `grads` with `opt_cfg` (default: the suite's)."""
+        opt_cfg = opt_cfg or self.opt_cfg
+        if opt_cfg not in self._updates:
+            self._updates[opt_cfg] = jax.jit(optimizer_function(self.plan, opt_cfg),
+                                             compiler_options=self.compiler_options)
+        after, _, stats = self._updates[opt_cfg](self.params, grads, self.opt_state, jnp.float32(1.0))
+        return after, stats["grad_norm"]
+
+
+class LoweredProbe:
+    """The lowered forward (logits and routing) and gradients of one kernel set and compute dtype,
+    compiled once: `probe(params, ids, labels, selector, forced) -> (logits, routing, loss, grads)`.
+    `selector` picks a planted bug when the kernel set is the planted one (parity/planted.py);
+    other kernels ignore it. `forced` (int32 [MoE layers, tokens, k]): the eager run's experts,
+    which both forwards use (`forced_routing`); `routing` is the lowered router's own choice."""
+
+    def __init__(self, model, opt_cfg: OptimizerConfig, kernels: Mapping[str, str], dtype: str,
+                 kernel_options=None, compiler_options: dict | None = None):
+        # Parity compares against float32-exact eager torch: every non-kernel matmul at 'highest'.
+        self.model = model
+        self.step = TrainStep(model, opt_cfg, StepConfig(kernels=dict(kernels), compute_dtype=dtype,
+                                                         matmul_precision="highest",
+                                                         kernel_options=_options_for(kernels, kernel_options)))
+        self.kernels = self.step.kernels
+        self._jitted = jax.jit(self._probe, compiler_options=compiler_options)
+
+    def _probe(self, params, ids, labels, selector, forced):
+        step = self.step
+        experts = step.env.j2t_iso(forced)
+        with planted.selected(selector):
+            with capture_routing(self.model) as captured, forced_routing(self.model, experts):
+                with step.routing():
+                    logits = step.forward(cast_params(params, step.compute_dtype), ids)
+            routing = [step.env.t2j_iso(pair) for pair in captured]
+            with forced_routing(self.model, experts):
+                (loss, _), grads = jax.value_and_grad(step.loss_and_metrics, has_aux=True)(params, ids, labels)
+        return logits, routing, loss, grads
+
+    def __call__(self, params, ids, labels, selector: int = 0, forced=None):
+        """`forced`: the eager run's routing [(router logits, experts [tokens, k])] per MoE layer."""
+        experts = np.stack([np.asarray(ex) for _, ex in forced]) if forced else np.zeros((0, 1, 1))
+        return self._jitted(params, jnp.asarray(ids, jnp.int32), jnp.asarray(labels, jnp.int32),
+                            jnp.int32(selector), jnp.asarray(experts, jnp.int32))
+
+
+def _options_for(kernels: Mapping[str, str], options) -> dict:
+    """The kernel options of the implementations this set uses (the others are not checked)."""
+    nested = registry.parse_kernel_options(options)
+    return {op: {name: opts for name, opts in per.items() if kernels.get(op) == name}
+            for op, per in nested.items() if kernels.get(op) in per}
+
+
+def lowered_run(probe: LoweredProbe, shared: SharedLowered, ids, labels, reference: Run, selector: int = 0,
+                opt_cfg: OptimizerConfig | None = None, full_step_tokens=None) -> Run:
+    """One lowered run: the probe's forward and gradients, on the experts the eager `reference`
+    chose, then one optimizer step on them (or, with `full_step_tokens` [batch, seq_len + 1], the
+    compiled train step itself: its own routing)."""
+    logits, routing, loss, grads = probe(shared.params, ids, labels, selector, reference.routing)
+    if full_step_tokens is not None:
+        state, metrics = probe.step(probe.step.init_state(), jnp.asarray(full_step_tokens, jnp.int32)[None])
+        after, grad_norm = state.params, metrics["grad_norm"]
+    else:
+        after, grad_norm = shared.update(grads, opt_cfg)
+    return Run(logits=to_numpy(logits), loss=float(loss), grads={n: to_numpy(g) for n, g in grads.items()},
+               grad_norm=float(grad_norm), params_after={n: to_numpy(p) for n, p in after.items()},
+               routing=[(to_numpy(lg), to_numpy(ex)) for lg, ex in routing])

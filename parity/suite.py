@@ -1,0 +1,177 @@
+"""The parity suite: the lowered JAX train step against eager CPU PyTorch, per kernel set.
+
+Ground truth is eager PyTorch in float32 on CPU: `GptOssForCausalLM` forward (logits),
+forward/backward of the training loss (every parameter's gradient) and one `MuonAdamW` step.
+The lowered side is `TrainStep(model, opt_cfg, StepConfig(kernels=set, compute_dtype=dtype))`,
+for every requested kernel set and compute dtype; per run it compares
+
+  logits     the forward in the step's compute dtype (max_abs, rel, cos over all tokens; top1
+             and kl over the tokens both paths routed alike, see tolerances.py)
+  loss       the training loss
+  grad       every parameter's gradient, by parameter name (so a failure names layer and op),
+             the whole gradient vector and the global gradient norm
+  param      every parameter after one optimizer step, by name, plus the whole vector
+  routing    per MoE layer, the fraction of tokens whose chosen experts differ. Measured on the
+             real choices: a forward hook on each `mlp.router` records the router logits and
+             the top-k experts that each path's own router computed (eager: torch.topk on the
+             eager hidden states; lowered: the traced forward's top-k on its hidden states).
+
+The lowered run sends every token to the experts the eager run chose (`runs.forced_routing`),
+weighted by its own router's softmax at them: top-k is discontinuous, and in a trained model one
+near-tie broken the other way by bf16 sends a token through an expert whose output differs by
+O(1), which attention carries to every later token and gradient (the demo's step-300 checkpoint:
+embedding gradient cos 0.91 from 2.5% flipped tokens). With the choice forced, the checks measure
+the arithmetic; the routing check measures the flips.
+
+The modules: `inputs.py` (model, weights, tokens), `kernel_sets.py`, `runs.py` (the eager and
+the lowered run; `full_step=True`, `--full-step`, runs the compiled train step itself),
+`checks.py` (the rows of one run), `report.py`, `tolerances.py`, `coverage.py` (the mask and
+tile cases a set exercised, printed per kernel set); the CLI `torchlyra parity` is `run.py`.
+
+Default kernel sets: all ops at `xla`, then, for each op, each other registered implementation
+with the remaining ops at `xla`, so every registered implementation of every op is covered once
+(one registered only for other backends is listed as a SKIP line). A kernel set that cannot be
+built or run (an implementation not written yet, a kernel that raises) is an ERROR line and fails
+the suite; nothing is skipped or replaced silently.
+
+Self-test (`--selftest`, `parity/selftest.py`): the planted-bug catalogue of `parity/planted.py`
+must fail. Trajectory (`--trajectory`, `parity/trajectory.py`): 100 steps against a golden
+eager trajectory.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import torch
+
+from jax_bridge import registry
+from jax_bridge.step import COMPUTE_DTYPES
+from pallas_kernels.platform import host_platform
+from parity import coverage, tolerances
+from parity.checks import compare_runs
+from parity.inputs import PARITY_IGNORE_FRACTION, PARITY_LOSS, PARITY_SEQ_LEN, PARITY_TILES, build_model, parity_inputs
+from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
+from parity.report import ERROR, Report, Row
+from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
+from torch_model.config import ModelConfig
+from torch_model.model import IGNORE_INDEX
+from torch_model.optim import OptimizerConfig
+from train.errors import UserError
+
+
+_HF_METRICS = {"max_abs_err": "max_abs", "rel_err": "rel", "top1_agreement": "top1_exact"}
+
+
+def _hf_rows(model_cfg, state_dict, ids) -> list[Row]:
+    """Eager model vs transformers' GptOssForCausalLM (eager, float32) on the same tokens, through
+    `parity.hf_parity.compare_with_transformers` (imported only for --hf), held to the `hf` check."""
+    label, name = "transformers GptOssForCausalLM", "logits"
+    try:
+        from parity.hf_parity import compare_with_transformers
+
+        result = compare_with_transformers(model_cfg, state_dict, ids)
+    except Exception as e:  # noqa: BLE001 - a comparison that cannot run is a failed check
+        return [Row(label, "float32", "hf", name, status=ERROR, message=f"{type(e).__name__}: {_first_line(e)}")]
+    if not isinstance(result, Mapping) or not set(_HF_METRICS) <= set(result):
+        return [Row(label, "float32", "hf", name, status=ERROR,
+                    message=f"compare_with_transformers returned {result!r:.200}")]
+    metrics = {ours: float(result[theirs]) for theirs, ours in _HF_METRICS.items()}
+    details = ", ".join(f"{k}={v}" for k, v in result.items() if k not in _HF_METRICS)
+    return [Row(label, "float32", "hf", name, metrics, tolerances.bounds("float32", "hf"), message=details)]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _check_request(dtypes, batch: int, seq_len: int, ignore_fraction: float, kernel_options) -> None:
+    for dtype in dtypes:
+        if dtype not in COMPUTE_DTYPES or dtype not in tolerances.TOLERANCES:
+            raise UserError(f"--dtype: unknown compute dtype {dtype!r}; choose from {', '.join(tolerances.DTYPES)}")
+    if batch < 1 or seq_len < 2:
+        raise UserError(f"--batch must be >= 1 and --seq-len >= 2, found batch={batch}, seq_len={seq_len}")
+    if not 0 <= ignore_fraction < 1:
+        raise UserError(f"--ignore-fraction must be in [0, 1), found {ignore_fraction}")
+    try:
+        registry.check_options(kernel_options)
+    except registry.KernelError as e:
+        raise UserError(str(e)) from None
+
+
+def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, kernel_sets=None,
+               dtypes=("float32",), batch: int = 2, seq_len: int = PARITY_SEQ_LEN, seed: int = 0,
+               opt_cfg: OptimizerConfig = OptimizerConfig(), include_hf: bool = False,
+               full_step: bool = False, kernel_options=PARITY_TILES,
+               ignore_fraction: float = PARITY_IGNORE_FRACTION, inputs=None, compiler_options: dict | None = None,
+               progress=None) -> Report:
+    """Compare the lowered train step with eager PyTorch for every kernel set and dtype.
+
+    model_cfg: the model, used as given (`parity_config` makes the parity run's model from a
+    preset); state_dict: its weights (None: random init seeded with `seed`). kernel_sets: None
+    (every registered implementation, see `default_kernel_sets`) or strings / dicts as
+    `parse_kernel_sets` takes. dtypes: compute dtypes of the lowered run. kernel_options: tile
+    sizes etc. (registry syntax). Inputs: `parity_inputs` (random ids, `ignore_fraction` of the
+    labels ignored; 0 with full_step, whose token layout has no ignored labels).
+    inputs: (ids, labels) int64 [batch, seq_len] to use instead (e.g. `text_inputs` for a trained
+    model). compiler_options: XLA options of the lowered compiles (the tests pass FAST_COMPILE).
+    progress: callable(str) or None.
+    """
+    dtypes = (dtypes,) if isinstance(dtypes, str) else tuple(dtypes)
+    if full_step:
+        ignore_fraction = 0.0
+    _check_request(dtypes, batch, seq_len, ignore_fraction, kernel_options)
+    if kernel_sets is None:
+        sets, rows = default_kernel_sets()
+    else:
+        sets, rows = parse_kernel_sets(kernel_sets), []
+    say = progress or (lambda msg: None)
+
+    model = build_model(model_cfg, state_dict, seed)
+    if inputs is None:
+        ids, labels = parity_inputs(model_cfg.vocab_size, batch, seq_len, seed, ignore_fraction)
+    else:
+        ids, labels = (torch.as_tensor(x, dtype=torch.int64) for x in inputs)
+        batch, seq_len = ids.shape
+    tokens = torch.cat([ids, labels[:, -1:]], 1).numpy() if full_step else None
+    report = Report(setup={
+        "n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model, "n_experts": model_cfg.n_experts,
+        "model_config": model_cfg.to_dict(), "weights": "random (seeded)" if state_dict is None else "state dict",
+        "batch": batch, "seq_len": seq_len, "seed": seed, "dtypes": list(dtypes),
+        "ignored_labels": int((labels == IGNORE_INDEX).sum()), "kernel_options": str(kernel_options or ""),
+        "loss_coefficients": {k: getattr(model_cfg, k) for k in PARITY_LOSS},
+        "optimizer": dataclasses.asdict(opt_cfg), "backend": host_platform(),
+        "post_step": "TrainStep.__call__ (full step)" if full_step else "TrainStep.update on the lowered gradients",
+        "coverage": {}, "jax": jax.__version__, "torch": torch.__version__})
+    report.rows.extend(rows)
+
+    say("eager PyTorch float32 reference ...")
+    reference = eager_run(model, ids, labels, opt_cfg)
+    router_names = [name for name, _ in routers(model)]
+    shared = SharedLowered(model, opt_cfg, compiler_options)
+    before = {n: to_numpy(p) for n, p in shared.params.items()}
+    for choice in sets:
+        label = kernel_label(choice)
+        for dtype in dtypes:
+            say(f"lowered {label} | {dtype} ...")
+            try:
+                probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options, compiler_options)
+                run = lowered_run(probe, shared, ids.numpy(), labels.numpy(), reference, full_step_tokens=tokens)
+            except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
+                report.rows.append(Row(label, dtype, "error", "kernel set", status=ERROR,
+                                       message=f"{type(e).__name__}: {_first_line(e)}"))
+                continue
+            resolved = kernel_label(probe.kernels)
+            report.setup["coverage"][resolved] = coverage.describe(
+                probe.kernels, model_cfg, batch, seq_len, probe.step.cfg.kernel_options, labels.numpy(),
+                [experts for _, experts in reference.routing])
+            new_rows = compare_runs(reference, run, before, resolved, dtype, router_names)
+            report.rows.extend(new_rows)
+            say(f"  {'FAIL' if any(r.failed for r in new_rows) else 'PASS'} {resolved} | {dtype}")
+    if include_hf:
+        say("Hugging Face transformers comparison ...")
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
+        report.rows.extend(_hf_rows(model_cfg, state, ids.clone()))
+    return report
