@@ -153,10 +153,11 @@ def _parquet_row_groups(path: str, text_field: str) -> list[int]:
     import pyarrow.parquet as pq
 
     try:
-        meta = pq.ParquetFile(path).metadata
+        pf = pq.ParquetFile(path)
+        meta = pf.metadata
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
         raise UserError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    names = meta.schema.names
+    names = pf.schema_arrow.names  # top-level columns (a messages list is one, with nested leaves)
     if text_field not in names:
         raise UserError(f"{path}: no column {text_field!r} (--text-field, or --messages-field with --chat); "
                         f"columns: {', '.join(names)}")
