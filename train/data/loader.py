@@ -124,13 +124,16 @@ class TokenLoader:
     seq_len, seed and this process's index and count. `vocab_size` (the model's) refuses data
     whose ids would not fit; `check` is the integrity check at start (shards.check_shards).
     `document_masking` (None: on for chat data, off for text) gives each document its own segment
-    ids and positions; `truncate` cuts a conversation longer than a row instead of dropping it."""
+    ids and positions; `truncate` cuts a conversation longer than a row instead of dropping it.
+    `accepts_batch`: the caller consumes Batch objects; without it, data that needs them (chat,
+    or document masking) is refused by name rather than handed to code that would drop the
+    weights and segments."""
 
     def __init__(self, data_dir, split: str, *, global_batch: int, seq_len: int, seed: int = 0,
                  process_index: int = 0, process_count: int = 1, vocab_size: int | None = None,
                  check: str = "auto", prefetch: int = 4,
                  block_tokens: int = packing.BLOCK_TOKENS, buffer_pieces: int = packing.BUFFER_PIECES,
-                 document_masking: bool | None = None, truncate: bool = False):
+                 document_masking: bool | None = None, truncate: bool = False, accepts_batch: bool = False):
         if seq_len < 2:
             raise UserError(f"seq_len: expected at least 2, found {seq_len}")
         if global_batch < 1:
@@ -156,6 +159,11 @@ class TokenLoader:
         self.truncate = truncate
         self.document_masking = self.chat if document_masking is None else bool(document_masking)
         self.yields_batch = self.chat or self.document_masking
+        if self.yields_batch and not accepts_batch:
+            what = "chat data (loss weights per token)" if self.chat else "document masking"
+            raise UserError(f"{data_dir}: {what} needs a train step that takes loss weights, segment ids and "
+                            f"positions; this one trains on plain token rows only (see the README's "
+                            f"\"Fine-tune on conversations\")")
         self.pad_id = self.ds.bos_id if self.ds.eos_id is None else int(self.ds.eos_id)
         # A text document's packed form ends with EOS (when there is one); a conversation is as stored.
         self.packed_lengths = self.ds.lengths + (0 if self.chat else self.ds.eos_id is not None)
@@ -205,7 +213,8 @@ class TokenLoader:
             barren = barren + 1 if len(rows) == 0 else 0
             if barren > plan.num_blocks:
                 raise UserError(f"{self.data_dir}: split {self.split!r} ({self.ds.num_tokens} tokens) packs into "
-                                f"no full row of {self.seq_len + 1} tokens")
+                                f"no {'row' if self.chat else 'full row'} of {self.seq_len + 1} tokens"
+                                + self._too_long_note())
             take = min(count - len(out), len(rows) - row)
             out += [(rows, r) for r in range(row, row + take)]
             row += take
@@ -303,7 +312,14 @@ class TokenLoader:
             yield self._assemble(step[lo:lo + self.local_batch])
         if made == 0 and max_batches != 0:
             raise UserError(f"split {self.split!r} ({self.ds.num_tokens} tokens) is too small for one batch of "
-                            f"{self.global_batch} x {self.seq_len + 1} tokens")
+                            f"{self.global_batch} x {self.seq_len + 1} tokens" + self._too_long_note())
+
+    def _too_long_note(self) -> str:
+        if not self.chat or self.truncate:
+            return ""
+        too_long = int((self.packed_lengths > self.seq_len + 1).sum())
+        return (f" ({too_long} of its {len(self.ds)} conversations are longer than a row and dropped: "
+                "raise seq_len or truncate them)") if too_long else ""
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
