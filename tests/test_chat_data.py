@@ -227,6 +227,44 @@ def test_chat_reads_jsonl_gz_and_parquet_alike(chat_data, tmp_path):
         assert all_tokens(data) == expected, fmt
 
 
+def test_interrupted_chat_prepare_resumes_to_the_same_shards_counts_and_names(chat_data, tmp_path, monkeypatch,
+                                                                             capsys):
+    import argparse
+
+    from train.data import inputs, prepare
+
+    def run(argv):  # in this process, so the interruption reaches the test
+        parser = argparse.ArgumentParser()
+        prepare.add_arguments(parser)
+        return prepare.run(parser.parse_args(argv[1:]))
+
+    data, path, _ = chat_data
+    monkeypatch.setattr(inputs, "UNIT_BYTES", 1024)  # several units, malformed records in several
+    args = ["prepare", "--chat", "--input", str(path), "--tokenizer", str(data), "--tokens-per-shard", "300",
+            "--val-fraction", "0", "--workers", "1"]
+    assert main(args + ["--out", str(tmp_path / "reference")]) == 0
+    closes, real_close = [], shards.ShardWriter.close
+
+    def crash_on_fourth_close(self):
+        closes.append(self.path.name)
+        if len(closes) == 4:
+            raise KeyboardInterrupt
+        return real_close(self)
+
+    monkeypatch.setattr(shards.ShardWriter, "close", crash_on_fourth_close)
+    with pytest.raises(KeyboardInterrupt):
+        run(args + ["--out", str(tmp_path / "out")])
+    monkeypatch.setattr(shards.ShardWriter, "close", real_close)
+    capsys.readouterr()
+    assert run(args + ["--out", str(tmp_path / "out")]) == 0
+    assert "resuming an interrupted preparation (3 finished shard(s) kept" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "progress.json").exists()
+    got, want = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("out", "reference"))
+    for key in ("splits", "stats", "skipped", "conversations", "trained_tokens", "packing"):
+        assert got[key] == want[key], key
+    assert len(want["skipped"]["records"]) == len(BAD) and len(want["splits"]["train"]["shards"]) > 4
+
+
 def test_strict_makes_the_first_malformed_record_fatal(chat_data, tmp_path, capsys):
     _, path, bad_lines = chat_data
     code = main(["prepare", "--chat", "--strict", "--input", str(path), "--out", str(tmp_path / "d"),
@@ -346,6 +384,16 @@ def test_loader_batches_whole_conversations_with_segments_positions_and_padding(
         check_batch(batch, loader.ds, 96)
     assert first.real_tokens > 0 and 0 < first.trained_tokens < first.real_tokens
     loader.close()
+    # Two processes: each reads its half of the rows of every step.
+    halves = [TokenLoader(out, "train", global_batch=4, seq_len=95, seed=2, process_index=p, process_count=2,
+                          accepts_batch=True) for p in range(2)]
+    whole = TokenLoader(out, "train", global_batch=4, seq_len=95, seed=2, accepts_batch=True)
+    for _ in range(2):
+        parts, want = [h.next_batch() for h in halves], whole.next_batch()
+        for key in ("tokens", "weights", "segment_ids", "positions"):
+            np.testing.assert_array_equal(np.concatenate([getattr(p, key) for p in parts]), getattr(want, key))
+    for each in (*halves, whole):
+        each.close()
 
 
 def test_chat_loader_resumes_exactly(chat_data):
