@@ -273,6 +273,9 @@ def test_strict_makes_the_first_malformed_record_fatal(chat_data, tmp_path, caps
     assert code == 2 and f"{path}:{bad_lines[0]}: malformed conversation: no messages" in err
     assert main(["prepare", "--strict", "--input", str(path), "--out", str(tmp_path / "e")]) == 2
     assert "--strict and --messages-field apply to --chat data" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("plain text")
+    assert main(["prepare", "--chat", "--input", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "f")]) == 2
+    assert "notes.txt: --chat reads conversations from JSONL (.jsonl, .jsonl.gz) or Parquet" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- shards
@@ -315,6 +318,14 @@ def test_weights_stream_round_trips_across_record_boundaries(tmp_path, monkeypat
         segs = [(3, 5, 10), (1, 0, 7), (4, 1, 2), (0, 0, 1), (3, 13, 7)]
         for (d, s, n), ids, wt in zip(segs, ds.read_segments(segs), ds.read_segments(segs, "weights")):
             assert ids.tolist() == docs[d][s:s + n].tolist() and wt.tolist() == weights[d][s:s + n].tolist()
+    # --verify reads the weights as weights: a 2 is damage, token ids are checked apart.
+    w = shards.ShardWriter(tmp_path / shards.shard_name("train", 0), "uint16", weighted=True)
+    w.add(docs[1], np.asarray([0, 1, 2, 0, 0, 1, 1], np.uint8))
+    entry = w.close()
+    shards.write_manifest(tmp_path, {**manifest, "splits": {"train": {"docs": 1, "tokens": 7, "shards": [entry]}}})
+    from train.data.verify import verify_dataset
+    with pytest.raises(shards.DataIntegrityError, match="train-00000.array_record: loss weight 2, expected 0 or 1"):
+        verify_dataset(tmp_path)
     with pytest.raises(ValueError, match="weights expected one per token"):
         shards.ShardWriter(tmp_path / "x.array_record", "uint16", weighted=True).add(docs[0])
 
