@@ -120,8 +120,10 @@ def test_rendering_equals_openai_harmony_for_training_token_for_token(harmony_re
         assert ids.tolist() == reference(conversations.harmony_messages(msgs), auto_drop=False)
     # Two turns, both thinking: harmony's own dropping (of analysis before the first final
     # answer) gives the same tokens.
-    two = [{"role": "user", "content": "q1", "thinking": None}, {"role": "assistant", "content": "a1", "thinking": "t1"},
-           {"role": "user", "content": "q2", "thinking": None}, {"role": "assistant", "content": "a2", "thinking": "t2"}]
+    two = [{"role": "user", "content": "q1", "thinking": None},
+           {"role": "assistant", "content": "a1", "thinking": "t1"},
+           {"role": "user", "content": "q2", "thinking": None},
+           {"role": "assistant", "content": "a2", "thinking": "t2"}]
     undropped = [("user", "q1", None), ("assistant", "t1", "analysis"), ("assistant", "a1", "final"),
                  ("user", "q2", None), ("assistant", "t2", "analysis"), ("assistant", "a2", "final")]
     assert conversations.render_weighted(enc, two)[0].tolist() == reference(undropped, auto_drop=True)
@@ -168,7 +170,7 @@ def write_chats(root, fmt="jsonl"):
         import pyarrow.parquet as pq
         good = [r for r in records if "id" in r]
         path = root / "chats.parquet"
-        pq.write_table(pa.table({"messages": [r["messages"] for r in good]}), path, row_group_size=7)
+        pq.write_table(pa.table({"conv": [r["messages"] for r in good]}), path, row_group_size=7)  # --messages-field
         return path, []
     lines = "".join(json.dumps(r) + "\n" for r in records).encode()
     path = root / f"chats.{fmt}"
@@ -222,8 +224,9 @@ def test_chat_reads_jsonl_gz_and_parquet_alike(chat_data, tmp_path):
     for fmt in ("jsonl.gz", "parquet"):
         path, _ = write_chats(tmp_path / fmt, fmt)
         data = tmp_path / f"data-{fmt}"
+        field = ["--messages-field", "conv"] if fmt == "parquet" else []
         assert main(["prepare", "--chat", "--input", str(path), "--out", str(data), "--tokenizer", str(out),
-                     "--val-fraction", "0", "--workers", "1"]) == 0
+                     "--val-fraction", "0", "--workers", "1", *field]) == 0
         assert all_tokens(data) == expected, fmt
 
 
@@ -385,8 +388,9 @@ def test_loader_batches_whole_conversations_with_segments_positions_and_padding(
         TokenLoader(out, "train", global_batch=3, seq_len=95)  # today's trainer: refused by name
     with pytest.raises(UserError, match="4 of its 4 conversations are longer than a row"):
         TokenLoader(out, "val", global_batch=2, seq_len=8, accepts_batch=True).next_batch()
-    summary = loader.packing_summary()
-    assert 0 < summary["efficiency"] <= 1 and summary["rows"] > 0
+    summary, lengths = loader.packing_summary(), loader.ds.lengths
+    assert summary["real_tokens"] == lengths[lengths <= 96].sum() and summary["too_long"] == (lengths > 96).sum()
+    assert summary["efficiency"] == summary["real_tokens"] / (96 * summary["rows"]) and 0 < summary["efficiency"] <= 1
     first = loader.next_batch()
     second = loader.next_batch()
     for a, b in zip(vars(first).values(), vars(second).values()):

@@ -249,16 +249,19 @@ class Documents:
     conversations: list[list[dict]] = field(default_factory=list)  # chat: each document's messages
     malformed: list[str] = field(default_factory=list)  # chat: "where: why" of each skipped record
 
+    def skip_malformed(self, where: str, why: str, strict: bool) -> None:
+        if strict:
+            raise UserError(f"{where}: malformed conversation: {why} (--strict stops at the first)")
+        self.malformed.append(f"{where}: {why}")
+        self.stats.malformed += 1
+
     def add_conversation(self, doc_id: str, record, val: bool, where: Callable[[], str], messages_field: str,
                          strict: bool) -> None:
         """Check one chat record; keep its messages, or skip and name it (strict: raise)."""
         try:
             messages = conversations.parse_record(record, messages_field)
         except conversations.MalformedRecord as e:
-            if strict:
-                raise UserError(f"{where()}: malformed conversation: {e} (--strict stops at the first)") from None
-            self.malformed.append(f"{where()}: {e}")
-            self.stats.malformed += 1
+            self.skip_malformed(where(), str(e), strict)
             return
         text = conversations.text_of(messages)
         self.ids.append(doc_id)
@@ -384,12 +387,7 @@ def _read_jsonl_chat(unit: Unit, messages_field: str, strict: bool, docs: Docume
             try:
                 record = json.loads(decode(line)[0])
             except ValueError as e:
-                record = conversations.MalformedRecord(f"not valid JSON ({e})")
-            if isinstance(record, conversations.MalformedRecord):
-                if strict:
-                    raise UserError(f"{where()}: malformed conversation: {record} (--strict stops at the first)")
-                docs.malformed.append(f"{where()}: {record}")
-                docs.stats.malformed += 1
+                docs.skip_malformed(where(), f"not valid JSON ({e})", strict)
                 continue
             docs.add_conversation(f"{source.name}:{offset}", record, source.val, where, messages_field, strict)
     except OSError as e:
@@ -422,7 +420,8 @@ def read_unit(unit: Unit, text_field: str, chat: bool = False, strict: bool = Fa
         elif first.format == "parquet":
             _read_parquet_chat(unit, text_field, strict, docs)
         else:
-            raise UserError(f"{first.name}: chat data expected JSONL (.jsonl, .jsonl.gz) or Parquet, found {first.format}")
+            raise UserError(f"{first.name}: chat data expected JSONL (.jsonl, .jsonl.gz) or Parquet, "
+                            f"found {first.format}")
         return docs
     if first.format == "jsonl":
         _read_jsonl(unit, text_field, docs)

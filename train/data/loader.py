@@ -154,16 +154,20 @@ class TokenLoader:
         self.local_batch = global_batch // process_count
         self.block_tokens, self.buffer_pieces, self.prefetch = block_tokens, buffer_pieces, max(1, prefetch)
         self.chat = self.ds.weighted  # conversations with loss weights: packed whole
-        if truncate and not self.chat:
-            raise UserError(f"{data_dir}: truncate applies to chat data (text documents are cut into rows anyway)")
         self.truncate = truncate
         self.document_masking = self.chat if document_masking is None else bool(document_masking)
         self.yields_batch = self.chat or self.document_masking
-        if self.yields_batch and not accepts_batch:
+        problem = None
+        if truncate and not self.chat:
+            problem = f"{data_dir}: truncate applies to chat data (text documents are cut into rows anyway)"
+        elif self.yields_batch and not accepts_batch:
             what = "chat data (loss weights per token)" if self.chat else "document masking"
-            raise UserError(f"{data_dir}: {what} needs a train step that takes loss weights, segment ids and "
-                            f"positions; this one trains on plain token rows only (see the README's "
-                            f"\"Fine-tune on conversations\")")
+            problem = (f"{data_dir}: {what} needs a train step that takes loss weights, segment ids and "
+                       f"positions; this one trains on plain token rows only (see the README's "
+                       f"\"Fine-tune on conversations\")")
+        if problem:
+            self.ds.close()
+            raise UserError(problem)
         self.pad_id = self.ds.bos_id if self.ds.eos_id is None else int(self.ds.eos_id)
         # A text document's packed form ends with EOS (when there is one); a conversation is as stored.
         self.packed_lengths = self.ds.lengths + (0 if self.chat else self.ds.eos_id is not None)

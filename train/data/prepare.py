@@ -48,7 +48,9 @@ from train.data import conversations, inputs, packing, shards, tokenizer
 from train.errors import UserError
 from train.jsonfile import read_json
 
-PREPARE_VERSION = 3  # 3: bpe:N reserves harmony's chat tokens. Bump when reading, splitting or tokenization changes what a run produces
+# Bump when reading, splitting or tokenization changes what a run produces (3: bpe:N reserves
+# harmony's chat tokens).
+PREPARE_VERSION = 3
 DEFAULT_OUT = "data/shakespeare"
 PROGRESS = "progress.json"
 SPLITS = ("train", "val")

@@ -6,10 +6,11 @@ RECORD_TOKENS token ids each (little-endian uint16 or int32, no BOS/EOS: the pac
 then one last record: the documents' lengths (int64). So a reader touches only the records of
 the tokens it wants. Chat data (format version 3, manifest field "streams": ["tokens", "weights"])
 stores a second per-token stream: after each document's token records come as many records of
-its loss weights (uint8, 0 or 1). Version-2 data (tokens only) still reads. Shards are written under a temporary name and renamed when complete; the
-manifest lists each shard's token count, size, sha256 and the sha256 of every BLOCK_BYTES block
-(for a sampled check at start). Damage found while reading raises DataIntegrityError, a
-UserError naming the shard, never a raw Riegeli exception.
+its loss weights (uint8, 0 or 1). Version-2 data (tokens only) still reads. Shards are written
+under a temporary name and renamed when complete; the manifest lists each shard's token count,
+size, sha256 and the sha256 of every BLOCK_BYTES block (for a sampled check at start). Damage
+found while reading raises DataIntegrityError, a UserError naming the shard, never a raw Riegeli
+exception.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
                         f"{manifest.get('format_version')!r} (re-run `torchlyra prepare --force`)")
     streams = manifest.setdefault("streams", ["tokens"])  # version 2: tokens only
     if streams not in (["tokens"], ["tokens", "weights"]):
-        raise UserError(f"{path}: field 'streams' expected [\"tokens\"] or [\"tokens\", \"weights\"], found {streams!r}")
+        raise UserError(f"{path}: field 'streams' expected [\"tokens\"] or [\"tokens\", \"weights\"], "
+                        f"found {streams!r}")
     for key in ("tokenizer", "vocab_size", "bos_id", "eos_id", "dtype", "record_tokens", "splits"):
         if key not in manifest:
             raise UserError(f"{path}: field {key!r} missing")
@@ -262,7 +264,8 @@ class Dataset:
         loss weights (uint8), reading each needed record once; segments are grouped by shard so
         each shard is asked once."""
         if stream not in self.streams:
-            raise UserError(f"{self.data_dir / MANIFEST}: no {stream!r} stream (field 'streams' is {list(self.streams)})")
+            raise UserError(f"{self.data_dir / MANIFEST}: no {stream!r} stream "
+                            f"(field 'streams' is {list(self.streams)})")
         index = self.streams.index(stream)
         dtype, out_dtype = (self.np_dtype, np.int32) if stream == "tokens" else (np.dtype(STREAMS[stream]), np.uint8)
         wanted: dict[int, dict[int, None]] = {}
