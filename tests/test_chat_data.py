@@ -4,19 +4,26 @@ malformed records skipped, named and counted (--strict: fatal), the weights stre
 (version-2 data still reads), whole-conversation packing, and the loader's Batch (segments,
 positions, padding, fresh buffers, exact resume); document masking for plain text."""
 
+import argparse
 import gzip
 import json
 
 import numpy as np
 import pytest
 
-from train.cli import main
-from train.data import conversations, packing, shards, tokenizer
+from train.data import conversations, packing, prepare, shards, tokenizer
 from train.data.loader import PAD_SEGMENT, Batch, TokenLoader
 from train.errors import UserError
 
 START, MESSAGE, END, CHANNEL, RETURN = "<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>"
 WORDS = "to be or not that is the question whether tis nobler in the mind to suffer slings and arrows".split()
+
+
+def run_prepare(*argv):
+    """`torchlyra prepare ARGV` in this process (one worker), without the CLI's imports."""
+    parser = argparse.ArgumentParser()
+    prepare.add_arguments(parser)
+    return prepare.run(parser.parse_args([str(a) for a in argv] + ["--workers", "1"]))
 
 
 def say(rng, lo, hi):
@@ -187,8 +194,7 @@ def chat_data(tmp_path_factory):
     (root / "val" / "val.jsonl").write_text("".join(json.dumps({"messages": random_conversation(rng)}) + "\n"
                                                     for _ in range(VAL)))
     out = root / "data"
-    assert main(["prepare", "--chat", "--input", str(path), "--val-input", str(root / "val"), "--out", str(out),
-                 "--tokenizer", "bpe:300", "--workers", "1"]) == 0
+    assert run_prepare("--chat", "--input", path, "--val-input", root / "val", "--out", out, "--tokenizer", "bpe:300") == 0
     return out, path, bad_lines
 
 
@@ -210,7 +216,7 @@ def test_prepare_chat_counts_conversations_tokens_trained_tokens_and_names_each_
         for ids, w in zip(docs, weights):
             np.testing.assert_array_equal(w, weights_by_scanning(enc, ids.tolist()))
     assert set(m["packing"]) == {"256", "1024", "4096"} and 0 < m["packing"]["256"]["efficiency"] <= 1
-    assert main(["prepare", "--verify", str(out)]) == 0
+    assert run_prepare("--verify", out) == 0
 
 
 def test_chat_reads_jsonl_gz_and_parquet_alike(chat_data, tmp_path):
@@ -225,27 +231,19 @@ def test_chat_reads_jsonl_gz_and_parquet_alike(chat_data, tmp_path):
         path, _ = write_chats(tmp_path / fmt, fmt)
         data = tmp_path / f"data-{fmt}"
         field = ["--messages-field", "conv"] if fmt == "parquet" else []
-        assert main(["prepare", "--chat", "--input", str(path), "--out", str(data), "--tokenizer", str(out),
-                     "--val-fraction", "0", "--workers", "1", *field]) == 0
+        assert run_prepare("--chat", "--input", path, "--out", data, "--tokenizer", out, "--val-fraction", 0, *field) == 0
         assert all_tokens(data) == expected, fmt
 
 
 def test_interrupted_chat_prepare_resumes_to_the_same_shards_counts_and_names(chat_data, tmp_path, monkeypatch,
                                                                              capsys):
     import argparse
-
-    from train.data import inputs, prepare
-
-    def run(argv):  # in this process, so the interruption reaches the test
-        parser = argparse.ArgumentParser()
-        prepare.add_arguments(parser)
-        return prepare.run(parser.parse_args(argv[1:]))
+    from train.data import inputs
 
     data, path, _ = chat_data
     monkeypatch.setattr(inputs, "UNIT_BYTES", 1024)  # several units, malformed records in several
-    args = ["prepare", "--chat", "--input", str(path), "--tokenizer", str(data), "--tokens-per-shard", "300",
-            "--val-fraction", "0", "--workers", "1"]
-    assert main(args + ["--out", str(tmp_path / "reference")]) == 0
+    args = ["--chat", "--input", path, "--tokenizer", data, "--tokens-per-shard", 300, "--val-fraction", 0]
+    assert run_prepare(*args, "--out", tmp_path / "reference") == 0
     closes, real_close = [], shards.ShardWriter.close
 
     def crash_on_fourth_close(self):
@@ -256,10 +254,10 @@ def test_interrupted_chat_prepare_resumes_to_the_same_shards_counts_and_names(ch
 
     monkeypatch.setattr(shards.ShardWriter, "close", crash_on_fourth_close)
     with pytest.raises(KeyboardInterrupt):
-        run(args + ["--out", str(tmp_path / "out")])
+        run_prepare(*args, "--out", tmp_path / "out")
     monkeypatch.setattr(shards.ShardWriter, "close", real_close)
     capsys.readouterr()
-    assert run(args + ["--out", str(tmp_path / "out")]) == 0
+    assert run_prepare(*args, "--out", tmp_path / "out") == 0
     assert "resuming an interrupted preparation (3 finished shard(s) kept" in capsys.readouterr().err
     assert not (tmp_path / "out" / "progress.json").exists()
     got, want = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("out", "reference"))
@@ -268,17 +266,15 @@ def test_interrupted_chat_prepare_resumes_to_the_same_shards_counts_and_names(ch
     assert len(want["skipped"]["records"]) == len(BAD) and len(want["splits"]["train"]["shards"]) > 4
 
 
-def test_strict_makes_the_first_malformed_record_fatal(chat_data, tmp_path, capsys):
-    _, path, bad_lines = chat_data
-    code = main(["prepare", "--chat", "--strict", "--input", str(path), "--out", str(tmp_path / "d"),
-                 "--tokenizer", "bpe:300", "--workers", "1"])
-    err = capsys.readouterr().err
-    assert code == 2 and f"{path}:{bad_lines[0]}: malformed conversation: no messages" in err
-    assert main(["prepare", "--strict", "--input", str(path), "--out", str(tmp_path / "e")]) == 2
-    assert "--strict and --messages-field apply to --chat data" in capsys.readouterr().err
+def test_strict_makes_the_first_malformed_record_fatal(chat_data, tmp_path):
+    data, path, bad_lines = chat_data
+    with pytest.raises(UserError, match=f"^{path}:{bad_lines[0]}: malformed conversation: no messages"):
+        run_prepare("--chat", "--strict", "--input", path, "--out", tmp_path / "d", "--tokenizer", data)
+    with pytest.raises(UserError, match="--strict and --messages-field apply to --chat data"):
+        run_prepare("--strict", "--input", path, "--out", tmp_path / "e")
     (tmp_path / "notes.txt").write_text("plain text")
-    assert main(["prepare", "--chat", "--input", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "f")]) == 2
-    assert "notes.txt: --chat reads conversations from JSONL (.jsonl, .jsonl.gz) or Parquet" in capsys.readouterr().err
+    with pytest.raises(UserError, match="notes.txt: --chat reads conversations from JSONL .* or Parquet"):
+        run_prepare("--chat", "--input", tmp_path / "notes.txt", "--out", tmp_path / "f")
 
 
 # ---------------------------------------------------------------- shards
@@ -432,10 +428,19 @@ def test_chat_loader_resumes_exactly(chat_data):
     b.close()
 
 
-def test_document_masking_for_text_gives_each_bos_piece_its_own_segment(tmp_path):
-    from tests.helpers import prepare_play_corpus
-
-    data = prepare_play_corpus(tmp_path)
+@pytest.mark.parametrize("eos", [None, 998])
+def test_document_masking_for_text_gives_each_bos_piece_its_own_segment(tmp_path, eos):
+    rng = np.random.default_rng(6)
+    docs = [rng.integers(0, 990, rng.integers(3, 120)) for _ in range(40)]  # some longer than a row: cut
+    w = shards.ShardWriter(tmp_path / shards.shard_name("train", 0), "uint16")
+    for d in docs:
+        w.add(d)
+    entry = w.close()
+    shards.write_manifest(tmp_path, {
+        "format": shards.FORMAT, "format_version": 3, "streams": ["tokens"], "tokenizer": {}, "vocab_size": 1000,
+        "bos_id": 999, "eos_id": eos, "dtype": "uint16", "record_tokens": shards.RECORD_TOKENS,
+        "splits": {"train": {"docs": len(docs), "tokens": entry["tokens"], "shards": [entry]}}})
+    data = tmp_path
     plain = TokenLoader(data, "train", global_batch=2, seq_len=50, seed=3, block_tokens=300)
     masked = TokenLoader(data, "train", global_batch=2, seq_len=50, seed=3, block_tokens=300, document_masking=True,
                          accepts_batch=True)
