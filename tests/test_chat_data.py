@@ -95,7 +95,11 @@ def test_earlier_thinking_is_dropped_once_a_later_answer_exists_the_last_turn_ke
     assert conversations.harmony_messages(msgs) == [
         ("user", "q1", None), ("assistant", "a1", "final"), ("user", "q2", None), ("assistant", "a2", "final"),
         ("user", "q3", None), ("assistant", "t3", "analysis"), ("assistant", "a3", "final")]
-    # A last assistant message that only thinks: no later answer, so it keeps its thinking.
+    # Content as a list of text parts reads as their text; a last assistant message that only
+    # thinks has no later answer, so it keeps its thinking.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "q"}, {"type": "text", "text": "3"}]},
+             {"role": "assistant", "content": "a3"}]
+    assert conversations.parse_record({"messages": parts})[0]["content"] == "q3"
     msgs[-1] = {"role": "assistant", "content": "", "thinking": "t3"}
     assert conversations.harmony_messages(msgs)[-1] == ("assistant", "t3", "analysis")
 

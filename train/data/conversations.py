@@ -44,7 +44,7 @@ def parse_record(obj, messages_field: str = "messages") -> list[dict]:
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ROLES:
             raise MalformedRecord(f"message {i}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-        content, thinking = m.get("content"), m.get("thinking") if role == "assistant" else None
+        content, thinking = text_parts(m.get("content")), m.get("thinking") if role == "assistant" else None
         if m.get("tool_calls"):
             raise MalformedRecord(f"message {i}: non-text content (tool_calls)")
         if not isinstance(content, str) and not (role == "assistant" and content is None and thinking):
@@ -55,6 +55,15 @@ def parse_record(obj, messages_field: str = "messages") -> list[dict]:
     if not any(m["role"] == "assistant" for m in out):
         raise MalformedRecord("no assistant turn")
     return out
+
+
+def text_parts(content):
+    """OpenAI's content as a list of text parts ([{"type": "text", "text": ...}]) joined into one
+    string; anything else is returned as it is (parse_record judges it)."""
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    return content
 
 
 def harmony_messages(messages: list[dict]) -> list[tuple[str, str, str | None]]:
