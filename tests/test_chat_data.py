@@ -276,6 +276,8 @@ def test_strict_makes_the_first_malformed_record_fatal(chat_data, tmp_path):
         run_prepare("--chat", "--strict", "--input", path, "--out", tmp_path / "d", "--tokenizer", data)
     with pytest.raises(UserError, match="--strict and --messages-field apply to --chat data"):
         run_prepare("--strict", "--input", path, "--out", tmp_path / "e")
+    with pytest.raises(UserError, match="with --chat use --messages-field"):
+        run_prepare("--chat", "--text-field", "conv", "--input", path, "--out", tmp_path / "e")
     (tmp_path / "notes.txt").write_text("plain text")
     with pytest.raises(UserError, match="notes.txt: --chat reads conversations from JSONL .* or Parquet"):
         run_prepare("--chat", "--input", tmp_path / "notes.txt", "--out", tmp_path / "f")

@@ -95,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_args(args) -> None:
     if (args.strict or args.messages_field != "messages") and not args.chat:
         raise UserError("--strict and --messages-field apply to --chat data; add --chat")
+    if args.chat and args.text_field != "text":
+        raise UserError("--text-field names the text of plain documents; with --chat use --messages-field")
     if args.chat and not args.input:
         raise UserError("--chat needs --input (JSONL or Parquet files of conversations)")
     if args.val_fraction is None:
