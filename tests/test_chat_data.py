@@ -20,10 +20,10 @@ WORDS = "to be or not that is the question whether tis nobler in the mind to suf
 
 
 def run_prepare(*argv):
-    """`torchlyra prepare ARGV` in this process (one worker), without the CLI's imports."""
+    """`torchlyra prepare ARGV` in this process (one worker unless told), without the CLI's imports."""
     parser = argparse.ArgumentParser()
     prepare.add_arguments(parser)
-    return prepare.run(parser.parse_args([str(a) for a in argv] + ["--workers", "1"]))
+    return prepare.run(parser.parse_args([str(a) for a in argv] + ([] if "--workers" in argv else ["--workers", "1"])))
 
 
 def say(rng, lo, hi):
@@ -223,8 +223,11 @@ def test_prepare_chat_counts_conversations_tokens_trained_tokens_and_names_each_
     assert run_prepare("--verify", out) == 0
 
 
-def test_chat_reads_jsonl_gz_and_parquet_alike(chat_data, tmp_path):
+def test_chat_reads_jsonl_gz_and_parquet_alike_with_any_number_of_workers(chat_data, tmp_path, monkeypatch):
+    from train.data import inputs
+
     out, _, _ = chat_data
+    monkeypatch.setattr(inputs, "UNIT_BYTES", 2048)  # several units for two workers
 
     def all_tokens(data):
         with shards.open_dataset(data, "train") as ds:
@@ -234,7 +237,7 @@ def test_chat_reads_jsonl_gz_and_parquet_alike(chat_data, tmp_path):
     for fmt in ("jsonl.gz", "parquet"):
         path, _ = write_chats(tmp_path / fmt, fmt)
         data = tmp_path / f"data-{fmt}"
-        field = ["--messages-field", "conv"] if fmt == "parquet" else []
+        field = ["--messages-field", "conv"] if fmt == "parquet" else ["--workers", 2]
         assert run_prepare("--chat", "--input", path, "--out", data, "--tokenizer", out, "--val-fraction", 0, *field) == 0
         assert all_tokens(data) == expected, fmt
 
