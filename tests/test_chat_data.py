@@ -198,7 +198,8 @@ def chat_data(tmp_path_factory):
     (root / "val" / "val.jsonl").write_text("".join(json.dumps({"messages": random_conversation(rng)}) + "\n"
                                                     for _ in range(VAL)))
     out = root / "data"
-    assert run_prepare("--chat", "--input", path, "--val-input", root / "val", "--out", out, "--tokenizer", "bpe:300") == 0
+    assert run_prepare("--chat", "--input", path, "--val-input", root / "val", "--out", out,
+                       "--tokenizer", "bpe:300") == 0
     return out, path, bad_lines
 
 
@@ -238,7 +239,8 @@ def test_chat_reads_jsonl_gz_and_parquet_alike_with_any_number_of_workers(chat_d
         path, _ = write_chats(tmp_path / fmt, fmt)
         data = tmp_path / f"data-{fmt}"
         field = ["--messages-field", "conv"] if fmt == "parquet" else ["--workers", 2]
-        assert run_prepare("--chat", "--input", path, "--out", data, "--tokenizer", out, "--val-fraction", 0, *field) == 0
+        assert run_prepare("--chat", "--input", path, "--out", data, "--tokenizer", out, "--val-fraction", 0,
+                           *field) == 0
         assert all_tokens(data) == expected, fmt
 
 
