@@ -406,6 +406,15 @@ def test_loader_batches_whole_conversations_with_segments_positions_and_padding(
         check_batch(batch, loader.ds, 96)
     assert first.real_tokens > 0 and 0 < first.trained_tokens < first.real_tokens
     loader.close()
+    # Without document masking: the same rows, one segment of running positions per row.
+    plain = TokenLoader(out, "train", global_batch=3, seq_len=95, seed=2, accepts_batch=True, document_masking=False)
+    unmasked = plain.next_batch()
+    plain.close()
+    np.testing.assert_array_equal(unmasked.tokens, first.tokens)
+    np.testing.assert_array_equal(unmasked.weights, first.weights)
+    real = first.segment_ids != PAD_SEGMENT
+    np.testing.assert_array_equal(unmasked.segment_ids, real.astype(np.int32))
+    np.testing.assert_array_equal(unmasked.positions, np.where(real, np.arange(96), 0))
     # Two processes: each reads its half of the rows of every step.
     halves = [TokenLoader(out, "train", global_batch=4, seq_len=95, seed=2, process_index=p, process_count=2,
                           accepts_batch=True) for p in range(2)]
