@@ -20,7 +20,7 @@ ROLES = ("system", "developer", "user", "assistant")
 
 def harmony_renderer():
     """The project's harmony renderer (the one place that imports it)."""
-    from train import chat  # the renderer module; see the README's "Fine-tune on conversations"
+    from train import chat  # becomes `from train.generation import chat` when generation gets its package
 
     return chat
 
