@@ -283,6 +283,10 @@ def test_strict_makes_the_first_malformed_record_fatal(chat_data, tmp_path):
         run_prepare("--strict", "--input", path, "--out", tmp_path / "e")
     with pytest.raises(UserError, match="with --chat use --messages-field"):
         run_prepare("--chat", "--text-field", "conv", "--input", path, "--out", tmp_path / "e")
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(record) + "\n" for record, _ in BAD))
+    with pytest.raises(UserError, match=f"no training conversations: 0 kept, {len(BAD)} malformed record\\(s\\) "
+                                        f"skipped \\(the first: {tmp_path / 'bad.jsonl'}:1: no messages"):
+        run_prepare("--chat", "--input", tmp_path / "bad.jsonl", "--out", tmp_path / "g", "--tokenizer", data)
     (tmp_path / "notes.txt").write_text("plain text")
     with pytest.raises(UserError, match="notes.txt: --chat reads conversations from JSONL .* or Parquet"):
         run_prepare("--chat", "--input", tmp_path / "notes.txt", "--out", tmp_path / "f")
