@@ -14,15 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from train.errors import UserError
+from train.generation import chat
 
 ROLES = ("system", "developer", "user", "assistant")
-
-
-def harmony_renderer():
-    """The project's harmony renderer (the one place that imports it)."""
-    from train import chat  # becomes `from train.generation import chat` when generation gets its package
-
-    return chat
 
 
 class MalformedRecord(ValueError):
@@ -85,7 +79,6 @@ def harmony_messages(messages: list[dict]) -> list[tuple[str, str, str | None]]:
 
 def render_weighted(enc, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """(token ids int32, loss weights uint8) of one conversation (parse_record's output)."""
-    chat = harmony_renderer()
     prompt = len(chat.render(enc, [], reply=True))  # <|start|>assistant: the prompt for a reply, not trained
     ids, weights = [], []
     rendered = harmony_messages(messages)
