@@ -43,13 +43,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * hd, d)
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, segment_ids=None):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ops.OPS["attention"](q, k, v, self.sinks.to(q.dtype), self.sliding_window, self.head_dim ** -0.5)
+        # Segment ids only when given: an implementation without them still serves unpacked runs.
+        segments = () if segment_ids is None else (segment_ids,)
+        out = ops.OPS["attention"](q, k, v, self.sinks.to(q.dtype), self.sliding_window, self.head_dim ** -0.5,
+                                   *segments)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
     def forward_cached(self, x, cos, sin, keys, values, positions, slot_positions, new_slot_positions, start):
@@ -162,8 +165,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe else DenseMLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, segment_ids=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
         out, stats = self.mlp(self.post_attention_layernorm(x))
         return x + out, stats
 
@@ -182,19 +185,27 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, start_position: int = 0):
+    def forward(self, input_ids, start_position: int = 0, positions=None, segment_ids=None):
+        """positions: None (0.. per row, from start_position) or [B, T] per-row RoPE positions
+        (packed rows restart them at each conversation); segment_ids [B, T]: attention stays
+        within equal ids."""
         x = self.embed_tokens(input_ids)
-        positions = torch.arange(start_position, start_position + input_ids.shape[1], device=input_ids.device)
-        cos, sin = rope_cos_sin(self.cfg, positions, x.dtype)
-        x, stats = self.run_layers(x, cos, sin)
+        if positions is None:
+            positions = torch.arange(start_position, start_position + input_ids.shape[1], device=input_ids.device)
+            cos, sin = rope_cos_sin(self.cfg, positions, x.dtype)
+        else:
+            b, t = input_ids.shape
+            cos, sin = rope_cos_sin(self.cfg, positions.reshape(-1), x.dtype)
+            cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)
+        x, stats = self.run_layers(x, cos, sin) if segment_ids is None else self.run_layers(x, cos, sin, segment_ids)
         return self.norm(x), stats
 
-    def run_layers(self, x, cos, sin):
+    def run_layers(self, x, cos, sin, segment_ids=None):
         """The decoder stack, one layer after another; returns (x, per-layer router stats).
         (The JAX bridge may run this same stack as one scan over stacked layer weights.)"""
         stats = []
         for layer in self.layers:
-            x, layer_stats = layer(x, cos, sin)
+            x, layer_stats = layer(x, cos, sin, segment_ids)
             stats.append(layer_stats)
         return x, stats
 
@@ -242,8 +253,8 @@ class GptOssForCausalLM(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, input_ids, labels=None):
-        hidden, stats = self.model(input_ids)
+    def forward(self, input_ids, labels=None, positions=None, segment_ids=None):
+        hidden, stats = self.model(input_ids, positions=positions, segment_ids=segment_ids)
         if labels is None:
             return self.lm_head(hidden)
         return self.loss(hidden, labels, stats)
