@@ -31,6 +31,8 @@ def add_arguments(parser) -> None:
                         help="compute dtype (default: auto = bfloat16 on TPU)")
     parser.add_argument("--layers", type=int, default=None,
                         help="plan with this many layers instead of the preset's (compile time grows with depth)")
+    parser.add_argument("--packed", action="store_true",
+                        help="the SFT step: packed conversations (segment ids, positions, loss weights)")
     parser.add_argument("--json", metavar="OUT", help="also write the plan as JSON to OUT")
 
 
@@ -52,7 +54,7 @@ def run(args) -> int:
         result = plan(args.preset, args.topology, mesh=None if args.mesh.strip() == ONE_CHIP else args.mesh,
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
                       scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
-                      compute_dtype=args.compute_dtype, model_overrides=overrides)
+                      compute_dtype=args.compute_dtype, model_overrides=overrides, packed=args.packed)
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
