@@ -93,12 +93,14 @@ KERNEL_SETS = {"pallas": "pallas", "shipped": "attention=splash,cross_entropy=pa
 def test_train_step_compiles_for_v5e(kernels):
     """The whole one-jit train step (model, backward, Muon + AdamW update) for one v5e chip, bf16
     compute, per kernel set, on a 2-layer `tiny` (one sliding and one full layer) at sequence 256,
-    planned without weights."""
+    planned without weights. The pallas set compiles the SFT step (packed rows: segment-masked
+    attention with per-row block bounds, loss weights); its kernels' unpacked forms are compiled
+    one by one above."""
     from jax_bridge.plan import plan
 
     result = plan("tiny", "v5e:2x2", seq_len=256, batch_size=8, kernels=KERNEL_SETS[kernels],
-                  model_overrides={"n_layers": 2})
-    assert result.error is None and result.fits
+                  model_overrides={"n_layers": 2}, packed=kernels == "pallas")
+    assert result.error is None and result.fits and result.packed == (kernels == "pallas")
     assert result.compute_dtype == "bfloat16" and result.matmul_precision == "default"
     assert set(result.kernels.values()) <= {"xla", "pallas", "splash", "megablox"}
     params_f32 = result.params * 4
