@@ -128,12 +128,12 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
     whole = model_function(model)
     activation = ("batch", None, None)
 
-    def run(layer_params, h, cos, sin):
+    def run(layer_params, h, cos, sin, *segments):        # segments: () or (segment_ids,)
         h = sharding.constrain(h, mesh, activation)
         if not layout.stacked:
             stats = []
             for i, layer_fn in enumerate(layer_fns):
-                h, st = layer_fn(_params_of(layer_params, f"{LAYERS}{i}."), h, cos, sin)
+                h, st = layer_fn(_params_of(layer_params, f"{LAYERS}{i}."), h, cos, sin, *segments)
                 h = sharding.constrain(h, mesh, activation)
                 stats.append(st)
             return h, stats
@@ -142,7 +142,7 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
         def period(h, slot_params):
             outs = []
             for layer_fn, p in zip(layer_fns, slot_params):
-                h, st = layer_fn(p, h, cos, sin)
+                h, st = layer_fn(p, h, cos, sin, *segments)
                 h = sharding.constrain(h, mesh, activation)
                 outs.append(st)
             return h, outs
@@ -155,8 +155,8 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
         layer_params = {n: v for n, v in params.items() if n.startswith(LAYERS)}
         others = {n: v for n, v in params.items() if not n.startswith(LAYERS)}
 
-        def run_layers(x, cos, sin):        # called by the torch Backbone with torchax tensors
-            return env.j2t_iso(run(layer_params, *env.t2j_iso((x, cos, sin))))
+        def run_layers(x, cos, sin, *segments):        # called by the torch Backbone with torchax tensors
+            return env.j2t_iso(run(layer_params, *env.t2j_iso((x, cos, sin, *segments))))
 
         backbone.run_layers = run_layers
         try:

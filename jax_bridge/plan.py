@@ -66,6 +66,7 @@ class Plan:
     compile_cpu_s: float | None = None   # this process's CPU time while compiling (the host is shared)
     error: str | None = None
     roofline: object | None = None   # jax_bridge.roofline.Roofline, when asked for
+    packed: bool = False             # the SFT step: packed rows with segment ids and loss weights
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -89,19 +90,21 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
          batch_size: int = 8, micro_batches: int = 1, scan_layers: bool = False, remat: str = "none",
          kernels: str | dict | None = "auto", kernel_options: str | dict | None = None,
          compute_dtype: str | None = None, matmul_precision: str | None = None,
-         model_overrides: dict | None = None, optimizer=None, roofline: bool = False) -> Plan:
+         model_overrides: dict | None = None, optimizer=None, roofline: bool = False, packed: bool = False) -> Plan:
     """Compile `preset`'s train step for TPU `topology` and report one chip's memory.
     mesh: None = one chip, replicated state; a --mesh spec ("" = every chip on fsdp) = the sharded
     step over every chip. model_overrides: ModelConfig fields (e.g. {"n_layers": 2}); seq_len
     defaults to the preset's. A program that does not fit is reported (fits=False, temp_bytes from
     the compiler's refusal), not raised. Bad mesh / batch: ValueError. roofline: also break the
-    compiled step down by op category (jax_bridge/roofline.py; one chip's share of the work)."""
+    compiled step down by op category (jax_bridge/roofline.py; one chip's share of the work).
+    packed: the SFT step (packed conversations: tokens, loss weights, segment ids and positions;
+    segment-masked attention)."""
     import jax
     import jax.numpy as jnp
     import torch
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_bridge import sharding
+    from jax_bridge import registry, sharding
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
@@ -132,6 +135,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                           scan_layers=scan_layers, remat=remat)
     optimizer = optimizer or OptimizerConfig()
     step = TrainStep(model, optimizer, step_cfg, mesh=device_mesh)
+    if packed:
+        registry.check_segments(step.kernels)
     state = step.abstract_state()
     result = Plan(preset=preset, topology=topology, device_kind=device.device_kind,
                   generation=tpu_compile.generation(device), chips=chips,
@@ -141,7 +146,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   compute_dtype=step_cfg.compute_dtype, matmul_precision=step_cfg.matmul_precision,
                   hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype,
                   param_bytes=per_chip_bytes(state.params),
-                  optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params))
+                  optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params),
+                  packed=packed)
     held = result.param_bytes + result.optimizer_bytes + result.grad_bytes
     if held > result.hbm_bytes:         # no need to compile: the state alone does not fit
         result.fits = False
@@ -150,14 +156,14 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
         return result
     start = time.perf_counter()
     if device_mesh is None:
-        tokens = jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32)
+        tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32), packed)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32)
         lowered = tpu_compile.lower_for(step._step, (state, tokens, lr_scale), device, donate_argnums=(0,))
     else:
         # The trainer's inputs: sharded state, the global batch split over the batch axes; the
         # outputs take the shardings the step constrains them to.
-        tokens = jax.ShapeDtypeStruct((micro_batches, batch_size, seq_len + 1), jnp.int32,
-                                      sharding=sharding.batch_sharding(device_mesh))
+        tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, batch_size, seq_len + 1), jnp.int32,
+                                                  sharding=sharding.batch_sharding(device_mesh)), packed)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(device_mesh, P()))
         lowered = jax.jit(step._step, donate_argnums=(0,)).lower(state, tokens, lr_scale)
     result.lower_s = round(time.perf_counter() - start, 2)
@@ -249,6 +255,20 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int) -> dict
     return tiles
 
 
+def _batch_spec(tokens, packed: bool):
+    """The step's batch argument: the token array, or a packed batch's four arrays of its shape."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_bridge.step import PACKED_FIELDS
+
+    if not packed:
+        return tokens
+    dtype = {"weights": jnp.float32}
+    return {k: jax.ShapeDtypeStruct(tokens.shape, dtype.get(k, jnp.int32), sharding=tokens.sharding)
+            for k in PACKED_FIELDS}
+
+
 def gib(n: int | None) -> str:
     """Bytes in GiB, or MiB below one GiB (a small plan's figures stay readable)."""
     if n is None:
@@ -265,7 +285,8 @@ def format_plan(p: Plan) -> str:
     lines = [f"plan: {p.preset} ({p.n_layers} layers, {p.params / 1e9:.2f}B parameters) on {p.topology}: "
              f"{p.chips} x {p.device_kind}, mesh {p.mesh if p.mesh != ONE_CHIP else 'none (one chip)'}",
              f"  step: seq {p.seq_len}, global batch {p.batch_size} = {placement}, {p.micro_batches} "
-             f"micro-batch(es); layers {'scanned' if p.scan_layers else 'looped'}, remat {p.remat}; "
+             f"micro-batch(es){' of packed rows (SFT: segment ids, loss weights)' if p.packed else ''}; "
+             f"layers {'scanned' if p.scan_layers else 'looped'}, remat {p.remat}; "
              f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}, Newton-Schulz {p.ns_dtype}; "
              f"kernels {kernels}",
              f"  per chip, from the shardings: parameters {gib(p.param_bytes)}, optimizer {gib(p.optimizer_bytes)}, "

@@ -11,6 +11,11 @@ it. Per-implementation options (tile sizes) come from `kernel_options`, e.g.
 "attention.pallas.block_q=256,cross_entropy.pallas.block_v=1024"; each option must be a keyword
 parameter of that implementation.
 
+Attention's contract includes segment ids (packed conversations, `--document-masking`): an
+implementation that takes them has a `segment_ids` keyword ([B, T] integers, default None: one
+segment per row); one without it serves unpacked runs only and is refused by name for
+segment-masked ones.
+
 Users add their own with one call:
 
     from jax_bridge.registry import register_implementation
@@ -40,7 +45,7 @@ GENERATION_OPS = ("cached_attention",)           # used only by the KV-cache for
 # CPU's fastest grouped GEMM: BENCHMARKS.md, issue 12).
 AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("loop", "xla")}
 # The op's contract arguments: never kernel options.
-_CONTRACT = {"attention": ("sliding_window", "scale"), "cross_entropy": ("ignore_index",),
+_CONTRACT = {"attention": ("sliding_window", "scale", "segment_ids"), "cross_entropy": ("ignore_index",),
              "moe": ("alpha", "limit"), "cached_attention": ("sliding_window", "scale")}
 
 
@@ -83,6 +88,12 @@ class Implementation:
     def takes_platform(self) -> bool:
         names, var_kw = self._parameters()
         return "platform" in names or var_kw
+
+    @property
+    def takes_segment_ids(self) -> bool:
+        """An attention implementation with an explicit `segment_ids` keyword (not merely
+        **kwargs, which could drop it silently)."""
+        return "segment_ids" in self._parameters()[0]
 
     def check_options(self, options: dict) -> None:
         names, var_kw = self._parameters()
@@ -247,6 +258,16 @@ def check_trainable(resolved: dict[str, str]) -> None:
                               f"one of: {others}")
 
 
+def check_segments(resolved: dict[str, str]) -> None:
+    """A segment-masked run (packed conversations, document masking): the attention
+    implementation must take segment ids; refuse one that does not, by name."""
+    name = resolved["attention"]
+    if not _TABLE["attention"][name].takes_segment_ids:
+        others = ", ".join(n for n, impl in _TABLE["attention"].items() if impl.trains and impl.takes_segment_ids)
+        raise KernelError(f"attention={name} does not take segment ids (no `segment_ids` keyword), so it cannot "
+                          f"run segment-masked (packed) batches; choose one of: {others}")
+
+
 def runs_on(op: str, name: str, platform: str) -> bool:
     return platform in _TABLE[op][name].platforms
 
@@ -298,8 +319,12 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None)
 
     routed_experts = moe_dispatch.routed_experts(grouped, mesh=mesh)
 
-    def attention(q, k, v, sinks, sliding_window, scale):
-        return attn(q, k, v, sinks, sliding_window=int(sliding_window), scale=float(scale))
+    def attention(q, k, v, sinks, sliding_window, scale, segment_ids=None):
+        if segment_ids is None:
+            return attn(q, k, v, sinks, sliding_window=int(sliding_window), scale=float(scale))
+        check_segments(resolved)
+        return attn(q, k, v, sinks, sliding_window=int(sliding_window), scale=float(scale),
+                    segment_ids=segment_ids.astype("int32"))
 
     def cross_entropy(hidden, weight, labels, ignore_index):
         return ce(hidden, weight, labels, ignore_index=int(ignore_index))

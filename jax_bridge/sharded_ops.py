@@ -26,20 +26,26 @@ CHECK_VMA = False
 
 
 def attention(fn, mesh, spmd: str):
-    """fn(q [B, Hq, T, D], k, v [B, Hkv, T, D], sinks [Hq], *, sliding_window, scale)."""
+    """fn(q [B, Hq, T, D], k, v [B, Hkv, T, D], sinks [Hq], *, sliding_window, scale[, segment_ids [B, T]])."""
 
-    def call(q, k, v, sinks, *, sliding_window, scale):
+    def call(q, k, v, sinks, *, sliding_window, scale, segment_ids=None):
         q_spec = sharding.logical_spec(mesh, ("batch", "heads"), q.shape)
         kv_spec = sharding.logical_spec(mesh, ("batch", "kv_heads"), k.shape)
         sink_spec = sharding.logical_spec(mesh, ("heads",), sinks.shape)
+        seg = {} if segment_ids is None else {"segment_ids": segment_ids}
         if spmd == GSPMD:
             q, k, v = (sharding.constrain(a, mesh, ("batch", h)) for a, h in
                        ((q, "heads"), (k, "kv_heads"), (v, "kv_heads")))
-            out = fn(q, k, v, sinks, sliding_window=sliding_window, scale=scale)
+            out = fn(q, k, v, sinks, sliding_window=sliding_window, scale=scale, **seg)
             return sharding.constrain(out, mesh, ("batch", "heads"))
-        local = lambda q, k, v, s: fn(q, k, v, s, sliding_window=sliding_window, scale=scale)
-        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, sink_spec),
-                             out_specs=q_spec, check_vma=CHECK_VMA)(q, k, v, sinks)
+        if segment_ids is None:
+            local = lambda q, k, v, s: fn(q, k, v, s, sliding_window=sliding_window, scale=scale)
+            return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, sink_spec),
+                                 out_specs=q_spec, check_vma=CHECK_VMA)(q, k, v, sinks)
+        seg_spec = sharding.logical_spec(mesh, ("batch", None), segment_ids.shape)
+        local = lambda q, k, v, s, ids: fn(q, k, v, s, sliding_window=sliding_window, scale=scale, segment_ids=ids)
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, sink_spec, seg_spec),
+                             out_specs=q_spec, check_vma=CHECK_VMA)(q, k, v, sinks, segment_ids)
 
     return call
 

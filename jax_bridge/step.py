@@ -89,6 +89,12 @@ class TrainStep:
     `step(state, tokens, lr_scale) -> (state, metrics)` where tokens is int32
     [micro_batches, batch, seq_len + 1] (inputs are tokens[..., :-1], labels tokens[..., 1:]);
     with a mesh, `batch` is this process's rows of the global batch.
+
+    Packed rows (chat SFT, document masking) come as a dict of such arrays (PACKED_FIELDS:
+    tokens, weights, segment_ids, positions; see `packed_inputs`): attention stays within a
+    segment, RoPE uses the per-row positions, and the cross-entropy is the sum over trained
+    tokens divided by the trained tokens of the WHOLE step (every micro-batch, every process),
+    so accumulation equals one big batch exactly.
     """
 
     def __init__(self, model: torch.nn.Module, opt_cfg: OptimizerConfig = OptimizerConfig(),
@@ -159,31 +165,42 @@ class TrainStep:
                 jax.default_matmul_precision(self.cfg.matmul_precision):
             yield
 
-    def loss_and_metrics(self, params, inputs, labels):
+    def loss_and_metrics(self, params, inputs, labels, packed: tuple = ()):
+        """packed: () or (positions, segment_ids, loss_weights, loss_denominator, router_loss_scale)."""
         with self.routing():
-            out = self.forward(cast_params(params, self.compute_dtype), inputs, labels)
+            out = self.forward(cast_params(params, self.compute_dtype), inputs, labels, *packed)
         return out["loss"], out
 
     def _constrain(self, tree):
         return tree if self.mesh is None else jax.lax.with_sharding_constraint(tree, self.state_shardings(tree))
 
-    def _grads(self, params, tokens):
-        (loss, out), grads = jax.value_and_grad(self.loss_and_metrics, has_aux=True)(params, tokens[:, :-1],
-                                                                                    tokens[:, 1:])
+    def _grads(self, params, tokens, denominator=None, router_loss_scale: float = 1.0):
+        if isinstance(tokens, dict):
+            inputs, labels, packed = packed_inputs(tokens, denominator, router_loss_scale)
+        else:
+            inputs, labels, packed = tokens[:, :-1], tokens[:, 1:], ()
+        (loss, out), grads = jax.value_and_grad(self.loss_and_metrics, has_aux=True)(params, inputs, labels, packed)
         return (loss, out), self._constrain(grads)     # reduced straight into the parameters' sharding
 
     def _step(self, state: TrainState, tokens, lr_scale):
         self.trace_count += 1          # runs only while tracing: counts compilations
         zeros = self._constrain(jax.tree.map(jnp.zeros_like, state.params))
+        packed = isinstance(tokens, dict)
+        micro = jax.tree.leaves(tokens)[0].shape[0]
+        # Packed rows: every micro-batch's loss is its sum over trained tokens divided by the
+        # step's trained tokens, so the micro-batch gradients add up to the big batch's.
+        denominator = packed_denominator(tokens) if packed else None
 
         def accumulate(grad_sum, micro_tokens):
-            (_, out), grads = self._grads(state.params, micro_tokens)
+            (_, out), grads = self._grads(state.params, micro_tokens, denominator, 1.0 / micro)
             return self._constrain(jax.tree.map(jnp.add, grad_sum, grads)), _scalar_metrics(out)
 
         grad_sum, micro_metrics = jax.lax.scan(accumulate, zeros, tokens)
-        grads = jax.tree.map(lambda g: g / tokens.shape[0], grad_sum)
+        grads = grad_sum if packed else jax.tree.map(lambda g: g / micro, grad_sum)
         params, opt_state, stats = self._update(state.params, grads, state.opt_state, lr_scale)
         metrics = jax.tree.map(lambda m: m.mean(0), micro_metrics)
+        if packed:
+            metrics.update(packed_step_metrics(micro_metrics, tokens))
         # A non-finite loss or gradient norm skips the update here, with no host round trip:
         # parameters and optimizer state (its step count too) stay as they were, while the
         # caller's step counter, learning-rate schedule and data move on.
@@ -201,12 +218,23 @@ class TrainStep:
             return self.update(params, grads, opt_state, lr_scale)
 
     def _eval(self, params, tokens):
-        _, out = self.loss_and_metrics(params, tokens[:, :-1], tokens[:, 1:])
+        if isinstance(tokens, dict):
+            _, out = self.loss_and_metrics(params, *packed_inputs(tokens, None, 1.0))
+        else:
+            _, out = self.loss_and_metrics(params, tokens[:, :-1], tokens[:, 1:])
         return _scalar_metrics(out)
 
     # ---- public API ---------------------------------------------------------------------------
     def place_batch(self, tokens, batch_dim: int):
-        """This process's rows (int32) -> the global batch, split over the mesh's data axes."""
+        """This process's rows (int32; a packed batch: a dict of such arrays, the weights float32)
+        -> the global batch, split over the mesh's data axes."""
+        if isinstance(tokens, dict):
+            unknown = set(tokens) ^ set(PACKED_FIELDS)
+            if unknown:
+                raise ValueError(f"train step: a packed batch has the fields {PACKED_FIELDS}, found {sorted(tokens)}")
+            placed = {k: self.place_batch(v, batch_dim) for k, v in tokens.items()}
+            placed["weights"] = placed["weights"].astype(jnp.float32)    # 0/1: exact as int32
+            return placed
         tokens = np.asarray(tokens, dtype=np.int32) if not isinstance(tokens, jax.Array) else tokens
         if self.mesh is None:
             return jnp.asarray(tokens, dtype=jnp.int32)
@@ -221,9 +249,10 @@ class TrainStep:
         return jax.make_array_from_process_local_data(target, np.asarray(tokens, dtype=np.int32))
 
     def __call__(self, state: TrainState, tokens, lr_scale=1.0):
-        if np.ndim(tokens) != 3 or np.shape(tokens)[0] != self.cfg.micro_batches:
+        first = tokens["tokens"] if isinstance(tokens, dict) else tokens
+        if np.ndim(first) != 3 or np.shape(first)[0] != self.cfg.micro_batches:
             raise ValueError(f"train step: tokens must be [micro_batches={self.cfg.micro_batches}, batch, "
-                             f"seq_len+1], found shape {tuple(np.shape(tokens))}")
+                             f"seq_len+1], found shape {tuple(np.shape(first))}")
         return self._jitted(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32))
 
     def evaluate(self, params, tokens):
@@ -243,6 +272,42 @@ class TrainStep:
     def lower(self, state: TrainState, tokens, lr_scale=1.0):
         """The step's `jax.stages.Lowered` (trace + lowering); `.compile()` it to time the compile."""
         return self._jitted.lower(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32))
+
+
+PACKED_FIELDS = ("tokens", "weights", "segment_ids", "positions")
+
+
+def packed_batch(batches) -> dict:
+    """Loader Batches (train/data/loader.py) -> the step's packed dict, stacked on a leading axis
+    (micro-batches); one Batch -> its arrays as they are."""
+    if hasattr(batches, "tokens"):
+        return {k: getattr(batches, k) for k in PACKED_FIELDS}
+    return {k: np.stack([getattr(b, k) for b in batches]) for k in PACKED_FIELDS}
+
+
+def packed_denominator(tokens: dict):
+    """Trained tokens of the whole step (all micro-batches; the arrays are global: all processes)."""
+    return jnp.maximum(tokens["weights"][..., 1:].sum(), 1.0)
+
+
+def packed_inputs(tokens: dict, denominator, router_loss_scale: float):
+    """(inputs, labels, packed model arguments) of one packed micro-batch [B, seq_len + 1]: inputs
+    tokens[:, :-1] at positions[:, :-1] in segments segment_ids[:, :-1]; labels tokens[:, 1:]
+    weighted by weights[:, 1:]; denominator None: this batch's trained tokens."""
+    weights = tokens["weights"][:, 1:]
+    return (tokens["tokens"][:, :-1], tokens["tokens"][:, 1:],
+            (tokens["positions"][:, :-1], tokens["segment_ids"][:, :-1], weights,
+             jnp.maximum(weights.sum(), 1.0) if denominator is None else denominator, router_loss_scale))
+
+
+def packed_step_metrics(micro_metrics: dict, tokens: dict) -> dict:
+    """A packed step's loss parts summed over micro-batches (each is a share of the step's mean),
+    its trained tokens and their share of the predicted positions. Router losses stay the mean
+    over micro-batches."""
+    out = {k: micro_metrics[k].sum(0) for k in ("ce", "loss", "lm_z") if k in micro_metrics}
+    trained = tokens["weights"][..., 1:].sum()
+    out.update(trained_tokens=trained, trained_share=trained / tokens["weights"][..., 1:].size)
+    return out
 
 
 def _scalar_metrics(out: dict) -> dict:

@@ -2,6 +2,8 @@
 
 Layout: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (Tk >= Tq, queries are the last Tq positions),
 sinks [Hq]. sliding_window W > 0: query i sees keys i-W+1..i; W == 0: all keys <= i.
+segment_ids [B, T] (optional, Tq == Tk): query i sees key j only when their ids are equal, so
+conversations packed into one row never attend to each other (None: one segment per row).
 """
 from __future__ import annotations
 
@@ -9,25 +11,29 @@ import jax
 import jax.numpy as jnp
 
 
-def attention_reference(q, k, v, sinks, *, sliding_window: int, scale: float):
+def attention_reference(q, k, v, sinks, *, sliding_window: int, scale: float, segment_ids=None):
     """Plain JAX: materializes the [Tq, Tk] scores; the oracle and the `xla` implementation."""
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
+    if segment_ids is not None:
+        _check_segment_ids(segment_ids, b, tq, tk)
     # Scores in float32 from the inputs' own dtype at its dot precision (bf16 products are exact).
     out = attention_over_positions(q.reshape(b, hkv, hq // hkv, tq, d), k.astype(q.dtype), v.astype(jnp.float32),
                                    sinks, jnp.arange(tk - tq, tk)[None], jnp.arange(tk)[None],
                                    sliding_window=sliding_window, scale=scale, score_precision=dot_precision(q.dtype),
-                                   value_precision=jax.lax.Precision.HIGHEST)
+                                   value_precision=jax.lax.Precision.HIGHEST, q_segments=segment_ids,
+                                   k_segments=segment_ids)
     return out.reshape(b, hq, tq, d).astype(q.dtype)
 
 
 def attention_over_positions(qg, k, v, sinks, q_positions, k_positions, *, sliding_window: int, scale: float,
-                             score_precision, value_precision):
+                             score_precision, value_precision, q_segments=None, k_segments=None):
     """The one body of every plain-JAX attention (training's reference above, generation's cached
     attention): qg [B, Hkv, G, Tq, D], k and v [B, Hkv, S, D], positions [B or 1, Tq] and
     [B or 1, S] (-1: an empty slot). Key j is visible to query i when 0 <= k_pos[j] <= q_pos[i]
-    and, with a window W > 0, k_pos[j] > q_pos[i] - W. Softmax over the scores and each head's
-    sink logit, the sink's probability dropped. Returns float32 [B, Hkv, G, Tq, D]."""
+    and, with a window W > 0, k_pos[j] > q_pos[i] - W, and (segments given: [B, Tq], [B, S])
+    q_seg[i] == k_seg[j]. Softmax over the scores and each head's sink logit, the sink's
+    probability dropped. Returns float32 [B, Hkv, G, Tq, D]."""
     b, hkv, group, tq, _ = qg.shape
     scores = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k, precision=score_precision,
                         preferred_element_type=jnp.float32) * scale
@@ -36,6 +42,8 @@ def attention_over_positions(qg, k, v, sinks, q_positions, k_positions, *, slidi
     visible = (kpos >= 0) & (kpos <= qpos)
     if sliding_window > 0:
         visible = visible & (kpos > qpos - sliding_window)
+    if q_segments is not None:
+        visible = visible & (q_segments[:, None, None, :, None] == k_segments[:, None, None, None, :])
     scores = jnp.where(visible, scores, -jnp.inf)
     sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, group, 1, 1), (b, hkv, group, tq, 1))
     probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
@@ -108,6 +116,7 @@ class _Cfg:
     padded_len: int  # Tp, a multiple of both blocks
     mode: KernelMode
     vmem_limit: int | None = None   # TPU scoped VMEM limit; None: the compiler's default
+    segmented: bool = False         # segment ids given: per-row block bounds and a segment mask
 
     @property
     def gpu(self) -> bool:
@@ -181,7 +190,8 @@ def _cost_estimates(cfg: _Cfg, batch: int, q_heads: int, kv_heads: int, head_dim
     2 bq bkv d FLOPs; one exp per score (+ the forward's per-row rescale and final log). Bytes:
     what the block specs move between HBM and VMEM: the streamed operand's block once per live
     tile (a skipped step re-uses the previous block: no DMA), the resident ones once per row of
-    blocks, row statistics in float32."""
+    blocks, row statistics in float32. With segment ids (cfg.segmented) the tiles skipped at run
+    time by the per-row bounds count as computed (worst case: the estimate is static)."""
     bq, bkv, tp, d = cfg.block_q, cfg.block_kv, cfg.padded_len, head_dim
     heads = batch * q_heads
     tiles = heads * _live_tiles(cfg)
@@ -216,6 +226,23 @@ def attention_grid(seq_len: int, *, sliding_window: int, block_q: int, block_kv:
     return dict(q_blocks=cfg.nq, kv_steps=steps, grid_steps=cfg.nq * steps, computed_blocks=_live_tiles(cfg))
 
 
+def segment_tile_counts(segment_ids, *, sliding_window: int, block_q: int, block_kv: int) -> dict:
+    """The forward kernel's tiles with segment ids [B, T], summed over rows (per head): `band`
+    (inside the static causal/window band), `visited` (inside the per-row segment bounds: computed,
+    masked) and `skipped` (band tiles no query/key pair of which shares an id: no DMA, no compute).
+    Blocks as attention_pallas plans them on TPU."""
+    seq_len = segment_ids.shape[1]
+    mode = kernel_mode("tpu", who="segment_tile_counts")
+    block_q, block_kv, tp = _plan_blocks(seq_len, block_q, block_kv, mode)
+    window = 0 if sliding_window >= seq_len else sliding_window
+    cfg = _Cfg(window, 1.0, block_q, block_kv, seq_len, tp, mode, segmented=True)
+    kv_lo = np.asarray(_segment_block_bounds(_pad_segments(jnp.asarray(segment_ids), tp), cfg)[0])
+    bounds = [_kv_range(i, cfg) for i in range(cfg.nq)]
+    band = len(kv_lo) * sum(hi - lo + 1 for lo, hi in bounds)
+    visited = int(sum(hi + 1 for _, hi in bounds) * len(kv_lo) - kv_lo.sum())
+    return dict(band=band, visited=visited, skipped=band - visited, block_q=block_q, block_kv=block_kv)
+
+
 def _visible(q_first, k_first, shape, window: int, transposed: bool = False):
     """Causal (+ window) mask of one (q block, kv block) tile; rows are keys when transposed."""
     rows = lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -235,18 +262,91 @@ def _fully_visible(q_first, k_first, cfg: _Cfg):
     return ok
 
 
+def _tile_mask(q_first, k_first, shape, window: int, seg, transposed: bool = False):
+    """The tile's mask: causal (+ window), and with segments equal ids (col: the tile's rows'
+    ids [rows, 1], row: its columns' ids [1, cols])."""
+    vis = _visible(q_first, k_first, shape, window, transposed)
+    if seg is None:
+        return vis
+    return jnp.logical_and(vis, seg.col[...] == seg.row[...])
+
+
+def _run_live_step(step, live, full, seg):
+    """step(masked) on live tiles; the mask is skipped on fully visible tiles, which segments
+    (ids not known statically) never are."""
+    if seg is not None:
+        pl.when(live)(lambda: step(True))
+        return
+    pl.when(jnp.logical_and(live, full))(lambda: step(False))
+    pl.when(jnp.logical_and(live, jnp.logical_not(full)))(lambda: step(True))
+
+
 def _dot(a, b, contract, precision):
     """2-D matmul with float32 accumulation; contract = (lhs dim, rhs dim)."""
     return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
                            precision=precision, preferred_element_type=jnp.float32)
 
 
+# ---- segments: per-row block bounds (scalar prefetch) and the in-tile mask -----------------------
+# With segment ids the static causal/window band is narrowed per row: q block i needs kv blocks from
+# the first occurrence of any of its queries' segment ids, kv block j feeds q blocks up to the last
+# occurrence of any of its keys' ids. Tiles outside are skipped (no DMA, no compute); tiles inside
+# are always masked (causal/window AND equal ids). Ids need not be contiguous or sorted.
+
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+    """The refs a segmented kernel reads: kv_lo [B, nq] and q_hi [B, nk] (SMEM), and the ids
+    of this tile's queries and keys as a column and a row (broadcast to the tile)."""
+    kv_lo: object
+    q_hi: object
+    col: object      # [rows, 1]: queries (keys in the transposed dkv tile)
+    row: object      # [1, cols]: keys (queries in the transposed dkv tile)
+
+
+def _first_and_last_occurrence(seg):
+    """For seg [B, T]: first[b, t] / last[b, t] = the smallest / largest index of seg[b, t]'s id
+    in row b (a stable sort groups equal ids; a group's first element has the smallest index)."""
+    b, t = seg.shape
+    order = jnp.argsort(seg, axis=1, stable=True)
+    ordered = jnp.take_along_axis(seg, order, 1)
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    change = ordered[:, 1:] != ordered[:, :-1]
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), change], 1)
+    ends = jnp.concatenate([change, jnp.ones((b, 1), bool)], 1)
+    group_start = lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    group_end = lax.cummin(jnp.where(ends, idx, t - 1), axis=1, reverse=True)
+    back = jnp.argsort(order, axis=1)        # inverse permutation
+    first = jnp.take_along_axis(jnp.take_along_axis(order, group_start, 1), back, 1)
+    last = jnp.take_along_axis(jnp.take_along_axis(order, group_end, 1), back, 1)
+    return first.astype(jnp.int32), last.astype(jnp.int32)
+
+
+def _segment_block_bounds(seg, cfg: "_Cfg"):
+    """(kv_lo [B, nq], q_hi [B, nk], first, last): the static band narrowed by segments. seg is
+    padded to Tp (padding continues the last id: hidden from real queries by causality)."""
+    b = seg.shape[0]
+    first, last = _first_and_last_occurrence(seg)
+    seg_lo = first.reshape(b, cfg.nq, cfg.block_q).min(-1) // cfg.block_kv
+    seg_hi = last.reshape(b, cfg.nk, cfg.block_kv).max(-1) // cfg.block_q
+    static_lo = jnp.array([_kv_range(i, cfg)[0] for i in range(cfg.nq)], jnp.int32)
+    static_hi = jnp.array([_q_range(j, cfg)[1] for j in range(cfg.nk)], jnp.int32)
+    return jnp.maximum(seg_lo, static_lo), jnp.minimum(seg_hi, static_hi), first, last
+
+
+def _pad_segments(segment_ids, tp):
+    seg = segment_ids.astype(jnp.int32)
+    t = seg.shape[1]
+    return seg if t == tp else jnp.pad(seg, ((0, 0), (0, tp - t)), mode="edge")
+
+
 # ---- TPU (Mosaic) kernels: grid over (batch, head, block, inner block), VMEM accumulators -------
 
 def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *,
-                    cfg: _Cfg, precision):
-    h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+                    cfg: _Cfg, precision, seg: _Segments | None = None):
+    bi, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     lo, hi = _kv_range(i, cfg)
+    if seg is not None:
+        lo = seg.kv_lo[bi, i]
     kb = lo + j
 
     @pl.when(j == 0)
@@ -259,7 +359,7 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
     def step(masked: bool):
         s = _dot(q_ref[...], k_ref[...], (1, 1), precision) * cfg.scale
         if masked:
-            s = jnp.where(_visible(i * cfg.block_q, kb * cfg.block_kv, s.shape, cfg.window), s, _MASK_VALUE)
+            s = jnp.where(_tile_mask(i * cfg.block_q, kb * cfg.block_kv, s.shape, cfg.window, seg), s, _MASK_VALUE)
         m_prev = m_scr[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_next)
@@ -270,10 +370,7 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
         m_scr[...] = m_next
 
     # Steps past the last needed kv block are skipped (their index_map re-used the block: no DMA).
-    live = kb <= hi
-    full = _fully_visible(i * cfg.block_q, kb * cfg.block_kv, cfg)
-    pl.when(jnp.logical_and(live, full))(lambda: step(False))
-    pl.when(jnp.logical_and(live, jnp.logical_not(full)))(lambda: step(True))
+    _run_live_step(step, kb <= hi, _fully_visible(i * cfg.block_q, kb * cfg.block_kv, cfg), seg)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -296,9 +393,11 @@ def _lanes_to_row(col):
 
 
 def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, *,
-                   cfg: _Cfg, precision):
-    i, j = pl.program_id(2), pl.program_id(3)
+                   cfg: _Cfg, precision, seg: _Segments | None = None):
+    bi, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     lo, hi = _kv_range(i, cfg)
+    if seg is not None:
+        lo = seg.kv_lo[bi, i]
     kb = lo + j
 
     @pl.when(j == 0)
@@ -309,16 +408,13 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_s
         k, v = k_ref[...], v_ref[...]
         s = _dot(q_ref[...], k, (1, 1), precision) * cfg.scale
         if masked:
-            s = jnp.where(_visible(i * cfg.block_q, kb * cfg.block_kv, s.shape, cfg.window), s, _MASK_VALUE)
+            s = jnp.where(_tile_mask(i * cfg.block_q, kb * cfg.block_kv, s.shape, cfg.window, seg), s, _MASK_VALUE)
         p = jnp.exp(s - jnp.expand_dims(lse_ref[0], -1))          # lse includes the sink
         dp = _dot(do_ref[...], v, (1, 1), precision)
         ds = p * (dp - jnp.expand_dims(delta_ref[0], -1))
         dq_scr[...] += _dot(ds.astype(k.dtype), k, (1, 0), precision)
 
-    live = kb <= hi
-    full = _fully_visible(i * cfg.block_q, kb * cfg.block_kv, cfg)
-    pl.when(jnp.logical_and(live, full))(lambda: step(False))
-    pl.when(jnp.logical_and(live, jnp.logical_not(full)))(lambda: step(True))
+    _run_live_step(step, kb <= hi, _fully_visible(i * cfg.block_q, kb * cfg.block_kv, cfg), seg)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -326,10 +422,12 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_s
 
 
 def _tpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr, dv_scr, *,
-                    cfg: _Cfg, q_steps: int, precision):
+                    cfg: _Cfg, q_steps: int, precision, seg: _Segments | None = None):
     # Inner axis t walks (query head of the group, q block): the group's sum happens in VMEM.
-    j, t = pl.program_id(2), pl.program_id(3)
+    bi, j, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     lo, hi = _q_range(j, cfg)
+    if seg is not None:
+        hi = seg.q_hi[bi, j]
     qb = lo + lax.rem(t, q_steps)
 
     @pl.when(t == 0)
@@ -342,18 +440,15 @@ def _tpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_
         q, do = q_ref[...], do_ref[...]
         st = _dot(k_ref[...], q, (1, 1), precision) * cfg.scale
         if masked:
-            st = jnp.where(_visible(qb * cfg.block_q, j * cfg.block_kv, st.shape, cfg.window, transposed=True),
-                           st, _MASK_VALUE)
+            st = jnp.where(_tile_mask(qb * cfg.block_q, j * cfg.block_kv, st.shape, cfg.window, seg,
+                                      transposed=True), st, _MASK_VALUE)
         pt = jnp.exp(st - lse_ref[...])
         dv_scr[...] += _dot(pt.astype(do.dtype), do, (1, 0), precision)
         dpt = _dot(v_ref[...], do, (1, 1), precision)
         dst = pt * (dpt - delta_ref[...])
         dk_scr[...] += _dot(dst.astype(q.dtype), q, (1, 0), precision)
 
-    live = qb <= hi
-    full = _fully_visible(qb * cfg.block_q, j * cfg.block_kv, cfg)
-    pl.when(jnp.logical_and(live, full))(lambda: step(False))
-    pl.when(jnp.logical_and(live, jnp.logical_not(full)))(lambda: step(True))
+    _run_live_step(step, qb <= hi, _fully_visible(qb * cfg.block_q, j * cfg.block_kv, cfg), seg)
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _finish():
@@ -373,34 +468,65 @@ def _costs(cfg: _Cfg, q, k) -> dict:
     return _cost_estimates(cfg, b, hq, k.shape[1], d, q.dtype.itemsize)
 
 
-def _tpu_forward(cfg: _Cfg, q, k, v, sinks):
+def _tpu_call(kernel, cfg: _Cfg, segs, seg_specs, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name,
+              cost_estimate=None):
+    """pallas_call of a TPU attention kernel. With segments (segs = kv_lo, q_hi, ids as a column
+    [B, Tp, 1] and as a row [B, 1, Tp]) the block bounds are scalar-prefetch arguments, which
+    every index_map receives after the grid indices, and the tile's ids two more inputs."""
+    common = dict(out_shape=out_shape, name=name, cost_estimate=cost_estimate, **_tpu_call_kwargs(cfg))
+    if segs is None:
+        return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                              scratch_shapes=scratch_shapes, **common)
+    n_in = len(in_specs)
+
+    def segmented(kv_lo, q_hi, *refs):
+        col, row = refs[n_in], refs[n_in + 1]
+        return kernel(*refs[:n_in], *refs[n_in + 2:], seg=_Segments(kv_lo, q_hi, col, row))
+
+    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=[*in_specs, *seg_specs],
+                                        out_specs=out_specs, scratch_shapes=scratch_shapes)
+    call = pl.pallas_call(segmented, grid_spec=spec, **common)
+    kv_lo, q_hi, col_ids, row_ids = segs
+    return lambda *args: call(kv_lo, q_hi, *args, col_ids, row_ids)
+
+
+def _kv_block(cfg: _Cfg, bi, i, j, bounds):
+    """The kv block of forward/dq step j of q block i, clamped: skipped steps re-use the block."""
+    lo, hi = _kv_range(i, cfg)
+    if bounds:
+        lo = bounds[0][bi, i]
+    return jnp.minimum(lo + j, hi)
+
+
+def _tpu_forward(cfg: _Cfg, q, k, v, sinks, segs=None):
     b, hq, tp, d = q.shape
     group = hq // k.shape[1]
     bq, bkv, steps = cfg.block_q, cfg.block_kv, _kv_steps(cfg)
 
-    def kv_map(bi, h, i, j):
-        lo, hi = _kv_range(i, cfg)
-        return bi, lax.div(h, group), jnp.minimum(lo + j, hi), 0   # clamp: skipped steps re-use the block
+    def kv_map(bi, h, i, j, *bounds):
+        return bi, lax.div(h, group), _kv_block(cfg, bi, i, j, bounds), 0
 
-    out, lse = pl.pallas_call(
-        functools.partial(_tpu_fwd_kernel, cfg=cfg, precision=dot_precision(q.dtype)),
+    seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, h, i, j, *_: (bi, i, 0)),
+                 pl.BlockSpec((None, 1, bkv), lambda bi, h, i, j, *bounds: (bi, 0, _kv_block(cfg, bi, i, j, bounds)))]
+    out, lse = _tpu_call(
+        functools.partial(_tpu_fwd_kernel, cfg=cfg, precision=dot_precision(q.dtype)), cfg, segs, seg_specs,
         grid=(b, hq, cfg.nq, steps),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
+                  pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0)),
                   pl.BlockSpec((None, None, bkv, d), kv_map),
                   pl.BlockSpec((None, None, bkv, d), kv_map)],
-        out_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
-                   pl.BlockSpec((None, None, 1, bq), lambda bi, h, i, j: (bi, h, 0, i))],
+        out_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0)),
+                   pl.BlockSpec((None, None, 1, bq), lambda bi, h, i, j, *_: (bi, h, 0, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, 1, tp), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
                         pltpu.VMEM((bq, d), jnp.float32)],
-        name="attention_fwd", cost_estimate=_costs(cfg, q, k)["fwd"], **_tpu_call_kwargs(cfg),
+        name="attention_fwd", cost_estimate=_costs(cfg, q, k)["fwd"],
     )(sinks.astype(jnp.float32), q, k, v)
     return out, lse   # lse: [B, H, 1, Tp], the row layout the backward kernels read
 
 
-def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta):
+def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
     b, hq, tp, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -411,14 +537,15 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta):
 
     kv_steps = _kv_steps(cfg)
 
-    def kv_map(bi, h, i, j):
-        lo, hi = _kv_range(i, cfg)
-        return bi, lax.div(h, group), jnp.minimum(lo + j, hi), 0
+    def kv_map(bi, h, i, j, *bounds):
+        return bi, lax.div(h, group), _kv_block(cfg, bi, i, j, bounds), 0
 
-    q_map = lambda bi, h, i, j: (bi, h, i, 0)
-    row_map = lambda bi, h, i, j: (bi, h, 0, i)
-    dq = pl.pallas_call(
-        functools.partial(_tpu_dq_kernel, cfg=cfg, precision=prec),
+    q_map = lambda bi, h, i, j, *_: (bi, h, i, 0)
+    row_map = lambda bi, h, i, j, *_: (bi, h, 0, i)
+    dq_seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, h, i, j, *_: (bi, i, 0)),
+                    pl.BlockSpec((None, 1, bkv), lambda bi, h, i, j, *bounds: (bi, 0, _kv_block(cfg, bi, i, j, bounds)))]
+    dq = _tpu_call(
+        functools.partial(_tpu_dq_kernel, cfg=cfg, precision=prec), cfg, segs, dq_seg_specs,
         grid=(b, hq, cfg.nq, kv_steps),
         in_specs=[pl.BlockSpec((None, None, bq, d), q_map),
                   pl.BlockSpec((None, None, bkv, d), kv_map),
@@ -429,24 +556,29 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta):
         out_specs=pl.BlockSpec((None, None, bq, d), q_map),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
-        name="attention_dq", cost_estimate=_costs(cfg, q, k)["dq"], **_tpu_call_kwargs(cfg),
+        name="attention_dq", cost_estimate=_costs(cfg, q, k)["dq"],
     )(q, k, v, do, lse4, delta4)
 
     q_steps = _q_steps(cfg)
 
-    def qb_of(j, t):
+    def qb_of(bi, j, t, bounds):
         lo, hi = _q_range(j, cfg)
+        if bounds:
+            hi = bounds[1][bi, j]
         return jnp.minimum(lo + lax.rem(t, q_steps), hi)
 
-    def gq_map(bi, h, j, t):   # query head h * group + t // q_steps of kv head h
-        return bi, h * group + lax.div(t, q_steps), qb_of(j, t), 0
+    def gq_map(bi, h, j, t, *bounds):   # query head h * group + t // q_steps of kv head h
+        return bi, h * group + lax.div(t, q_steps), qb_of(bi, j, t, bounds), 0
 
-    def grow_map(bi, h, j, t):
-        return bi, h * group + lax.div(t, q_steps), 0, qb_of(j, t)
+    def grow_map(bi, h, j, t, *bounds):
+        return bi, h * group + lax.div(t, q_steps), 0, qb_of(bi, j, t, bounds)
 
-    k_map = lambda bi, h, j, t: (bi, h, j, 0)
-    dk, dv = pl.pallas_call(
-        functools.partial(_tpu_dkv_kernel, cfg=cfg, q_steps=q_steps, precision=prec),
+    k_map = lambda bi, h, j, t, *_: (bi, h, j, 0)
+    # The transposed tile's rows are keys, its columns queries.
+    dkv_seg_specs = [pl.BlockSpec((None, bkv, 1), lambda bi, h, j, t, *_: (bi, j, 0)),
+                     pl.BlockSpec((None, 1, bq), lambda bi, h, j, t, *bounds: (bi, 0, qb_of(bi, j, t, bounds)))]
+    dk, dv = _tpu_call(
+        functools.partial(_tpu_dkv_kernel, cfg=cfg, q_steps=q_steps, precision=prec), cfg, segs, dkv_seg_specs,
         grid=(b, hkv, cfg.nk, group * q_steps),
         in_specs=[pl.BlockSpec((None, None, bq, d), gq_map),
                   pl.BlockSpec((None, None, bkv, d), k_map),
@@ -457,7 +589,7 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta):
         out_specs=[pl.BlockSpec((None, None, bkv, d), k_map), pl.BlockSpec((None, None, bkv, d), k_map)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
-        name="attention_dkv", cost_estimate=_costs(cfg, q, k)["dkv"], **_tpu_call_kwargs(cfg),
+        name="attention_dkv", cost_estimate=_costs(cfg, q, k)["dkv"],
     )(q, k, v, do, lse4, delta4)
     return dq, dk, dv
 
@@ -466,17 +598,36 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta):
 # Simpler than the TPU grid: K/V (or Q/dO) of the head stay in HBM as whole-sequence refs and
 # the loop bounds are the exact block range, so nothing outside the window/diagonal is visited.
 
-def _gpu_fwd_kernel(q_ref, k_ref, v_ref, sink_ref, o_ref, lse_ref, *, cfg: _Cfg, precision):
+def _gpu_segmented(kernel, n_in: int):
+    """A Triton kernel called with three more inputs after its own: per token the first (or last)
+    occurrence of its id (this program's block), this program's ids and the whole row's ids. The
+    loop bound narrows to the blocks those occurrences reach; tiles are masked by equal ids."""
+    def segmented(*refs):
+        bound, mine, whole = refs[n_in:n_in + 3]
+        return kernel(*refs[:n_in], *refs[n_in + 3:], seg=_Segments(bound, bound, mine, whole))
+    return segmented
+
+
+def _gpu_tile_mask(q_first, k_first, shape, window, seg, sl, transposed=False):
+    vis = _visible(q_first, k_first, shape, window, transposed)
+    if seg is None:
+        return vis
+    return jnp.logical_and(vis, seg.col[...][:, None] == seg.row[sl][None, :])
+
+
+def _gpu_fwd_kernel(q_ref, k_ref, v_ref, sink_ref, o_ref, lse_ref, *, cfg: _Cfg, precision, seg=None):
     i = pl.program_id(2)
     bq, bkv = cfg.block_q, cfg.block_kv
     q = q_ref[...]
     lo, hi = _kv_range(i, cfg)
+    if seg is not None:
+        lo = jnp.maximum(lo, lax.div(jnp.min(seg.kv_lo[...]), bkv))
 
     def body(kb, carry):
         acc, m, l = carry
         sl = pl.ds(pl.multiple_of(kb * bkv, bkv), bkv)
         s = _dot(q, k_ref[sl, :], (1, 1), precision) * cfg.scale
-        s = jnp.where(_visible(i * bq, kb * bkv, s.shape, cfg.window), s, _MASK_VALUE)
+        s = jnp.where(_gpu_tile_mask(i * bq, kb * bkv, s.shape, cfg.window, seg, sl), s, _MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_next)
         p = jnp.exp(s - m_next[:, None])
@@ -490,18 +641,20 @@ def _gpu_fwd_kernel(q_ref, k_ref, v_ref, sink_ref, o_ref, lse_ref, *, cfg: _Cfg,
     lse_ref[...] = m + jnp.log(l)
 
 
-def _gpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Cfg, precision):
+def _gpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Cfg, precision, seg=None):
     i = pl.program_id(2)
     bq, bkv = cfg.block_q, cfg.block_kv
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
     lo, hi = _kv_range(i, cfg)
+    if seg is not None:
+        lo = jnp.maximum(lo, lax.div(jnp.min(seg.kv_lo[...]), bkv))
 
     def body(kb, dq):
         sl = pl.ds(pl.multiple_of(kb * bkv, bkv), bkv)
         k, v = k_ref[sl, :], v_ref[sl, :]
         s = _dot(q, k, (1, 1), precision) * cfg.scale
-        s = jnp.where(_visible(i * bq, kb * bkv, s.shape, cfg.window), s, _MASK_VALUE)
+        s = jnp.where(_gpu_tile_mask(i * bq, kb * bkv, s.shape, cfg.window, seg, sl), s, _MASK_VALUE)
         p = jnp.exp(s - lse)
         ds = p * (_dot(do, v, (1, 1), precision) - delta)
         return dq + _dot(ds.astype(k.dtype), k, (1, 0), precision)
@@ -511,11 +664,13 @@ def _gpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, c
 
 
 def _gpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Cfg,
-                    group: int, precision):
+                    group: int, precision, seg=None):
     j = pl.program_id(2)
     bq, bkv = cfg.block_q, cfg.block_kv
     k, v = k_ref[...], v_ref[...]
     lo, hi = _q_range(j, cfg)
+    if seg is not None:
+        hi = jnp.minimum(hi, lax.div(jnp.max(seg.q_hi[...]), bq))
 
     def head_body(g, carry):
         def body(qb, carry):
@@ -523,7 +678,8 @@ def _gpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_
             sl = pl.ds(pl.multiple_of(qb * bq, bq), bq)
             q, do = q_ref[g, sl, :], do_ref[g, sl, :]
             st = _dot(k, q, (1, 1), precision) * cfg.scale   # keys x queries
-            st = jnp.where(_visible(qb * bq, j * bkv, st.shape, cfg.window, transposed=True), st, _MASK_VALUE)
+            st = jnp.where(_gpu_tile_mask(qb * bq, j * bkv, st.shape, cfg.window, seg, sl, transposed=True),
+                           st, _MASK_VALUE)
             pt = jnp.exp(st - lse_ref[g, sl][None, :])
             dv = dv + _dot(pt.astype(do.dtype), do, (1, 0), precision)
             dst = pt * (_dot(v, do, (1, 1), precision) - delta_ref[g, sl][None, :])
@@ -542,26 +698,39 @@ def _gpu_call_kwargs(cfg: _Cfg, d: int):
                 compiler_params=pltriton.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2))
 
 
-def _gpu_forward(cfg: _Cfg, q, k, v, sinks):
+def _gpu_segment_inputs(segs, block: int, index):
+    """(specs, arrays) of the three segmented inputs: bounds and ids of this program's block
+    (`index(bi, h, i)` -> block index), ids of the whole row."""
+    if segs is None:
+        return [], []
+    bound, ids = segs
+    tp = ids.shape[1]
+    blk = pl.BlockSpec((None, block), lambda bi, h, i: (bi, index(bi, h, i)))
+    return [blk, blk, pl.BlockSpec((None, tp), lambda bi, h, i: (bi, 0))], [bound, ids, ids]
+
+
+def _gpu_forward(cfg: _Cfg, q, k, v, sinks, segs=None):
     b, hq, tp, d = q.shape
     group = hq // k.shape[1]
     bq = cfg.block_q
     sink_rows = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (hq, bq))  # a (bq,) tile per head
+    seg_specs, seg_args = _gpu_segment_inputs(segs and (segs[0], segs[2]), bq, lambda bi, h, i: i)
+    kernel = functools.partial(_gpu_fwd_kernel, cfg=cfg, precision=dot_precision(q.dtype))
     return pl.pallas_call(
-        functools.partial(_gpu_fwd_kernel, cfg=cfg, precision=dot_precision(q.dtype)),
+        _gpu_segmented(kernel, 4) if segs else kernel,
         grid=(b, hq, cfg.nq),
         in_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0)),
                   pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, lax.div(h, group), 0, 0)),
                   pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, lax.div(h, group), 0, 0)),
-                  pl.BlockSpec((None, bq), lambda bi, h, i: (h, 0))],
+                  pl.BlockSpec((None, bq), lambda bi, h, i: (h, 0)), *seg_specs],
         out_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0)),
                    pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, tp), jnp.float32)],
         name="attention_fwd_triton", **_gpu_call_kwargs(cfg, d),
-    )(q, k, v, sink_rows)
+    )(q, k, v, sink_rows, *seg_args)
 
 
-def _gpu_backward(cfg: _Cfg, q, k, v, do, lse, delta):
+def _gpu_backward(cfg: _Cfg, q, k, v, do, lse, delta, segs=None):
     b, hq, tp, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -569,34 +738,38 @@ def _gpu_backward(cfg: _Cfg, q, k, v, do, lse, delta):
     prec = dot_precision(q.dtype)
     blk = lambda bi, h, i: (bi, h, i, 0)
     kv_full = lambda bi, h, i: (bi, lax.div(h, group), 0, 0)
+    dq_kernel = functools.partial(_gpu_dq_kernel, cfg=cfg, precision=prec)
+    dq_seg_specs, dq_seg_args = _gpu_segment_inputs(segs and (segs[0], segs[2]), bq, lambda bi, h, i: i)
     dq = pl.pallas_call(
-        functools.partial(_gpu_dq_kernel, cfg=cfg, precision=prec),
+        _gpu_segmented(dq_kernel, 6) if segs else dq_kernel,
         grid=(b, hq, cfg.nq),
         in_specs=[pl.BlockSpec((None, None, bq, d), blk),
                   pl.BlockSpec((None, None, tp, d), kv_full),
                   pl.BlockSpec((None, None, tp, d), kv_full),
                   pl.BlockSpec((None, None, bq, d), blk),
                   pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i)),
-                  pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i))],
+                  pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i)), *dq_seg_specs],
         out_specs=pl.BlockSpec((None, None, bq, d), blk),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="attention_dq_triton", **_gpu_call_kwargs(cfg, d),
-    )(q, k, v, do, lse, delta)
+    )(q, k, v, do, lse, delta, *dq_seg_args)
     # dK/dV: one program per kv block of a kv head; it loops over the group's query heads.
     group_map = lambda bi, h, j: (bi, h, 0, 0)        # block of `group` heads = kv head h's queries
+    dkv_kernel = functools.partial(_gpu_dkv_kernel, cfg=cfg, group=group, precision=prec)
+    dkv_seg_specs, dkv_seg_args = _gpu_segment_inputs(segs and (segs[1], segs[2]), bkv, lambda bi, h, j: j)
     dk, dv = pl.pallas_call(
-        functools.partial(_gpu_dkv_kernel, cfg=cfg, group=group, precision=prec),
+        _gpu_segmented(dkv_kernel, 6) if segs else dkv_kernel,
         grid=(b, hkv, cfg.nk),
         in_specs=[pl.BlockSpec((None, group, tp, d), group_map),
                   pl.BlockSpec((None, None, bkv, d), blk),
                   pl.BlockSpec((None, None, bkv, d), blk),
                   pl.BlockSpec((None, group, tp, d), group_map),
                   pl.BlockSpec((None, group, tp), lambda bi, h, j: (bi, h, 0)),
-                  pl.BlockSpec((None, group, tp), lambda bi, h, j: (bi, h, 0))],
+                  pl.BlockSpec((None, group, tp), lambda bi, h, j: (bi, h, 0)), *dkv_seg_specs],
         out_specs=[pl.BlockSpec((None, None, bkv, d), blk), pl.BlockSpec((None, None, bkv, d), blk)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="attention_dkv_triton", **_gpu_call_kwargs(cfg, d),
-    )(q, k, v, do, lse, delta)
+    )(q, k, v, do, lse, delta, *dkv_seg_args)
     return dq, dk, dv
 
 
@@ -607,25 +780,35 @@ def _pad_seq(x, tp):
     return x if t == tp else jnp.pad(x, ((0, 0), (0, 0), (0, tp - t), (0, 0)))
 
 
-def _forward(cfg: _Cfg, q, k, v, sinks):
+def _segment_inputs(cfg: _Cfg, segment_ids):
+    """What the kernels read for segments: TPU (kv_lo, q_hi, ids [B, Tp, 1], ids [B, 1, Tp]);
+    GPU (first occurrences, last occurrences, ids [B, Tp]). None without segments."""
+    if segment_ids is None:
+        return None
+    seg = _pad_segments(segment_ids, cfg.padded_len)
+    kv_lo, q_hi, first, last = _segment_block_bounds(seg, cfg)
+    return (first, last, seg) if cfg.gpu else (kv_lo, q_hi, seg[:, :, None], seg[:, None, :])
+
+
+def _forward(cfg: _Cfg, q, k, v, sinks, segment_ids):
     qp, kp, vp = (_pad_seq(x, cfg.padded_len) for x in (q, k, v))
     fwd = _gpu_forward if cfg.gpu else _tpu_forward
-    out, lse = fwd(cfg, qp, kp, vp, sinks)
+    out, lse = fwd(cfg, qp, kp, vp, sinks, _segment_inputs(cfg, segment_ids))
     return out[:, :, :cfg.seq_len], lse   # lse stays padded: [B, H, Tp] (GPU), [B, H, 1, Tp] (TPU)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: _Cfg, q, k, v, sinks):
-    return _forward(cfg, q, k, v, sinks)[0]
+def _attention(cfg: _Cfg, q, k, v, sinks, segment_ids):
+    return _forward(cfg, q, k, v, sinks, segment_ids)[0]
 
 
-def _attention_fwd(cfg: _Cfg, q, k, v, sinks):
-    out, lse = _forward(cfg, q, k, v, sinks)
-    return out, (q, k, v, sinks, out, lse)
+def _attention_fwd(cfg: _Cfg, q, k, v, sinks, segment_ids):
+    out, lse = _forward(cfg, q, k, v, sinks, segment_ids)
+    return out, (q, k, v, sinks, segment_ids, out, lse)
 
 
 def _attention_bwd(cfg: _Cfg, res, do):
-    q, k, v, sinks, out, lse = res
+    q, k, v, sinks, segment_ids, out, lse = res
     t = cfg.seq_len
     # delta = rowsum(dO * O): the softmax-Jacobian term, shared by dQ, dK and the sink.
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -637,14 +820,15 @@ def _attention_bwd(cfg: _Cfg, res, do):
     pad_rows = lambda x: x if x.shape[2] == tp else jnp.pad(x, ((0, 0), (0, 0), (0, tp - x.shape[2])))
     qp, kp, vp, dop = (_pad_seq(x, tp) for x in (q, k, v, do.astype(q.dtype)))
     bwd = _gpu_backward if cfg.gpu else _tpu_backward
-    dq, dk, dv = bwd(cfg, qp, kp, vp, dop, lse, pad_rows(delta))   # padded rows: dO = 0
-    return dq[:, :, :t], dk[:, :, :t], dv[:, :, :t], dsinks
+    segs = _segment_inputs(cfg, segment_ids)
+    dq, dk, dv = bwd(cfg, qp, kp, vp, dop, lse, pad_rows(delta), segs)   # padded rows: dO = 0
+    return dq[:, :, :t], dk[:, :, :t], dv[:, :, :t], dsinks, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _check_inputs(q, k, v, sinks, sliding_window):
+def _check_inputs(q, k, v, sinks, sliding_window, segment_ids=None):
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"expected q [B,Hq,T,D], k/v [B,Hkv,T,D]; got {q.shape}, {k.shape}, {v.shape}")
     b, hq, tq, d = q.shape
@@ -659,6 +843,14 @@ def _check_inputs(q, k, v, sinks, sliding_window):
         raise ValueError(f"sinks must be [Hq]={hq,}; got {sinks.shape}")
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be >= 0; got {sliding_window}")
+    if segment_ids is not None:
+        _check_segment_ids(segment_ids, b, tq, k.shape[2])
+
+
+def _check_segment_ids(segment_ids, b: int, tq: int, tk: int):
+    if tq != tk or tuple(segment_ids.shape) != (b, tq) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be integer [B, T] = [{b}, {tq}] with Tq == Tk; got "
+                         f"{segment_ids.dtype} {tuple(segment_ids.shape)} (Tk={tk})")
 
 
 def _plan_blocks(t: int, block_q: int, block_kv: int, mode: KernelMode):
@@ -680,7 +872,7 @@ def _plan_blocks(t: int, block_q: int, block_kv: int, mode: KernelMode):
 
 def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float, platform: str,
                      block_q: int | None = None, block_kv: int | None = None, vmem_limit_bytes: int | None = None,
-                     interpret: str | None = None):
+                     interpret: str | None = None, segment_ids=None):
     """Flash attention with sinks, GQA, causal / sliding window; differentiable (custom_vjp).
 
     platform (pallas_kernels.platform): 'tpu' -> Mosaic kernels; 'gpu' -> Triton kernels; 'cpu' ->
@@ -691,9 +883,11 @@ def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float, platf
     numbers). Requires Tq == Tk (no decoding). TPU lowering needs blocks that are multiples of
     128 or cover the whole (padded) sequence; Triton needs power-of-two blocks >= 16 and a
     power-of-two head_dim. vmem_limit_bytes: the TPU kernels' scoped VMEM limit (default: the
-    compiler's).
+    compiler's). segment_ids [B, T] (integers, optional): a query sees only keys of its own id;
+    tiles whose queries and keys share no id are skipped (per-row block bounds: scalar-prefetch
+    arguments on TPU, loop bounds on GPU) and every visited tile is masked.
     """
-    _check_inputs(q, k, v, sinks, sliding_window)
+    _check_inputs(q, k, v, sinks, sliding_window, segment_ids)
     mode = kernel_mode(platform, interpret, who="attention_pallas")
     t, d = q.shape[2], q.shape[3]
     if mode.family == "gpu" and d & (d - 1):
@@ -701,8 +895,8 @@ def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float, platf
     default_q, default_kv = default_block_sizes(t, d, platform)
     block_q, block_kv, tp = _plan_blocks(t, block_q or default_q, block_kv or default_kv, mode)
     window = 0 if sliding_window >= t else int(sliding_window)   # a window covering T is plain causal
-    cfg = _Cfg(window, float(scale), block_q, block_kv, t, tp, mode, vmem_limit_bytes)
-    return _attention(cfg, q, k, v, sinks)
+    cfg = _Cfg(window, float(scale), block_q, block_kv, t, tp, mode, vmem_limit_bytes, segment_ids is not None)
+    return _attention(cfg, q, k, v, sinks, segment_ids)
 
 
 # ---- Splash (jax-shipped TPU kernel) wrapper: a baseline and fall-back --------------------------
@@ -735,7 +929,7 @@ def splash_block_sizes(seq_len: int, head_dim: int, **blocks) -> dict:
 
 
 def attention_splash(q, k, v, sinks, *, sliding_window: int, scale: float, platform: str,
-                     interpret: str | None = None, **blocks):
+                     interpret: str | None = None, segment_ids=None, **blocks):
     """The same op through jax's shipped Splash attention (TPU only; interpreted on CPU).
 
     Splash's MHA kernel takes GQA natively (q head h reads kv head h // (Hq // Hkv)) and has no
@@ -746,9 +940,10 @@ def attention_splash(q, k, v, sinks, *, sliding_window: int, scale: float, platf
     under the precision pallas_kernels.platform chooses for the input dtype (HIGHEST for float32,
     DEFAULT for bf16, which Mosaic needs). Tiles: `blocks` are splash's BlockSizes fields
     (SPLASH_BLOCKS); see splash_block_sizes. The sequence is padded to a multiple of the largest
-    tile; causality hides the padding from real queries.
+    tile; causality hides the padding from real queries. segment_ids [B, T]: splash's own
+    SegmentIds, which mask inside its tiles but skip none (its block sparsity is the static mask's).
     """
-    _check_inputs(q, k, v, sinks, sliding_window)
+    _check_inputs(q, k, v, sinks, sliding_window, segment_ids)
     unknown = set(blocks) - set(SPLASH_BLOCKS)
     if unknown:
         raise TypeError(f"attention_splash: unknown tile option(s) {sorted(unknown)}; tiles are {SPLASH_BLOCKS}")
@@ -761,6 +956,13 @@ def attention_splash(q, k, v, sinks, *, sliding_window: int, scale: float, platf
     kernel = _splash_kernel(q.shape[1], tp, window, sizes, mode.shipped_interpret())
     qs = _pad_seq((q.astype(jnp.float32) * scale).astype(q.dtype), tp)
     kp, vp = _pad_seq(k, tp), _pad_seq(v, tp)
-    call = with_matmul_precision(lambda q1, k1, v1, s: kernel(q1, k1, v1, sinks=s), precision_name(q.dtype))
-    out = jax.vmap(call, in_axes=(0, 0, 0, None))(qs, kp, vp, sinks)
+    if segment_ids is None:
+        call = with_matmul_precision(lambda q1, k1, v1, s: kernel(q1, k1, v1, sinks=s), precision_name(q.dtype))
+        out = jax.vmap(call, in_axes=(0, 0, 0, None))(qs, kp, vp, sinks)
+    else:
+        from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+        seg = _pad_segments(segment_ids, tp)
+        call = with_matmul_precision(lambda q1, k1, v1, s, ids: kernel(q1, k1, v1, segment_ids=SegmentIds(ids, ids),
+                                                                       sinks=s), precision_name(q.dtype))
+        out = jax.vmap(call, in_axes=(0, 0, 0, None, 0))(qs, kp, vp, sinks, seg)
     return out[:, :, :t].astype(q.dtype)

@@ -5,7 +5,8 @@ will use (its options or its defaults), with the kernels' own block planning
 (`pallas_kernels.attention`), so the printout says what the kernels actually ran:
 attention tiles that are skipped (outside the causal/sliding band), masked by the sliding
 window, masked only on the causal diagonal, fully visible, and partial (padding past the end);
-cross-entropy token/vocabulary tiles and ignored labels; MoE row tiles.
+cross-entropy token/vocabulary tiles and ignored labels; MoE row tiles. With segment ids (packed
+rows), how many band tiles a segment boundary masks or lets the kernel skip.
 """
 from __future__ import annotations
 
@@ -76,14 +77,45 @@ def _attention_lines(name: str, windows: list[int], seq_len: int, head_dim: int,
     return out
 
 
+def segment_lines(name: str, windows: list[int], segment_ids: np.ndarray, head_dim: int, options: dict) -> list[str]:
+    """What segment ids [B, T] did to the attention tiles: pallas skips the band tiles whose
+    queries and keys share no id and masks the rest; splash masks inside tiles, skips none."""
+    segment_ids = np.asarray(segment_ids)
+    seq_len = segment_ids.shape[1]
+    counts = [len(np.unique(row)) for row in segment_ids]
+    head = f"attention={name}, segments ({min(counts)}-{max(counts)} ids per row)"
+    if name == "xla":
+        return [f"{head}: equal-id mask on the [T, T] scores; no tiles"]
+    if name == "splash":
+        return [f"{head}: splash SegmentIds mask inside its tiles; tiles skipped by segments: none "
+                f"(its block sparsity is the static mask's)"]
+    if name != "pallas":
+        return [f"{head}: tiling unknown (not a built-in kernel)"]
+    out = []
+    for window in windows:
+        kind = f"window {window}" if window and window < seq_len else "full causal"
+        dq, dkv = attn.default_block_sizes(seq_len, head_dim, "tpu")
+        c = attn.segment_tile_counts(segment_ids, sliding_window=window, block_q=options.get("block_q") or dq,
+                                     block_kv=options.get("block_kv") or dkv)
+        text = (f"{head}, {kind}: of {c['band']} band tiles (all rows) {c['skipped']} skipped (no shared id), "
+                f"{c['visited']} visited and masked by id")
+        if not c["skipped"]:
+            text += "; NOT exercised: segment skipping (segments shorter than a tile pair, or one per row)"
+        out.append(text)
+    return out
+
+
 def describe(kernels: Mapping[str, str], model_cfg, batch: int, seq_len: int, options: Mapping,
-             labels: np.ndarray, experts: list | None = None) -> list[str]:
+             labels: np.ndarray, experts: list | None = None, segment_ids: np.ndarray | None = None) -> list[str]:
     """Lines naming the mask / tile cases each op of this kernel set exercised. `experts`: per MoE
     layer the chosen experts [tokens, k] (the eager routing), to count expert groups that start
-    inside a row tile."""
+    inside a row tile. `segment_ids` [B, T]: the batch's packed segments, if any."""
     options = {op: dict(per.get(kernels[op], {})) for op, per in (options or {}).items() if op in kernels}
     windows = sorted({model_cfg.window_of_layer(i) for i in range(model_cfg.n_layers)}, reverse=True)
     lines = _attention_lines(kernels["attention"], windows, seq_len, model_cfg.head_dim, options.get("attention", {}))
+    if segment_ids is not None:
+        lines += segment_lines(kernels["attention"], windows, segment_ids, model_cfg.head_dim,
+                               options.get("attention", {}))
     n = batch * seq_len
     ignored = int(np.sum(labels == IGNORE_INDEX))
     ce, ce_opts = kernels["cross_entropy"], options.get("cross_entropy", {})

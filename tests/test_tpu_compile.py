@@ -113,7 +113,8 @@ def tiny_step_plan(tmp_path_factory):
             with contextlib.redirect_stdout(printed):
                 rc = main(["plan", "--preset", "tiny", "--layers", "2", "--topology", "v5e:2x2", "--mesh", "none",
                            "--no-scan-layers", "--seq-len", "256", "--batch-size", "8",
-                           "--kernels", KERNEL_SETS[kernels], "--roofline", "--json", str(out)])
+                           "--kernels", KERNEL_SETS[kernels], "--roofline", "--json", str(out)]
+                          + (["--packed"] if kernels == "pallas" else []))
             assert rc == 0
             cache[kernels] = json.loads(out.read_text()), printed.getvalue()
         return cache[kernels]
@@ -123,7 +124,7 @@ def tiny_step_plan(tmp_path_factory):
 @pytest.mark.parametrize("kernels", list(KERNEL_SETS))
 def test_train_step_compiles_for_v5e(kernels, tiny_step_plan):
     result, _ = tiny_step_plan(kernels)
-    assert result["error"] is None and result["fits"]
+    assert result["error"] is None and result["fits"] and result["packed"] == (kernels == "pallas")
     assert result["compute_dtype"] == "bfloat16" and result["matmul_precision"] == "default"
     assert set(result["kernels"].values()) <= {"xla", "pallas", "splash", "megablox"}
     params_f32 = result["params"] * 4
@@ -185,3 +186,26 @@ def test_ordinary_runs_stay_on_cpu_and_hbm_is_the_compilers():
     device = tpu_compile.device_of("v5e:2x2")
     assert tpu_compile.generation(device) == "v5e"
     assert 15 << 30 < tpu_compile.hbm_bytes(device) <= 16 << 30    # v5e: 16 GiB per chip
+
+
+def test_segment_masked_attention_compiles_for_tpu():
+    """Packed rows (issue 21): the segment-masked kernels, forward and backward, through Mosaic
+    for v6e (pallas: per-row block bounds as scalar-prefetch arguments; splash: its SegmentIds),
+    one small case each at a length with two 128-wide tiles per side."""
+    b, hq, hkv, t, d = 2, 4, 2, 256, 64
+    q = jax.ShapeDtypeStruct((b, hq, t, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, hkv, t, d), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((hq,), jnp.float32)
+    segments = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    device = tpu_compile.device_of("v6e:2x2")
+    for impl, expected in (("pallas", 3), ("splash", 3)):
+        fn = registry.implementations("attention")[impl].load()
+        op = lambda q, k, v, s, ids: fn(q, k, v, s, sliding_window=0, scale=d ** -0.5, platform="tpu",
+                                        block_q=128, block_kv=128, segment_ids=ids) if impl == "pallas" else \
+            fn(q, k, v, s, sliding_window=0, scale=d ** -0.5, platform="tpu", segment_ids=ids)
+
+        def program(q, k, v, s, ids, dout, op=op):
+            out, vjp = jax.vjp(lambda *a: op(*a, ids), q, k, v, s)
+            return out, vjp(dout)
+        _, stats = tpu_compile.compile_for(program, (q, kv, kv, sinks, segments, q), device)
+        assert len(stats.kernels) >= expected, (impl, stats.kernels)

@@ -15,6 +15,7 @@ from torch_model.config import ModelConfig
 from torch_model.rope import apply_rope, rope_cos_sin
 
 IGNORE_INDEX = -100
+PAD_SEGMENT = 0     # the segment id of padding in packed rows (train/data/loader.py uses the same)
 # Parameters that stay float32 when the model computes in bf16 (jax_bridge.step.cast_params; the
 # eager float32 model is unchanged): the router, so that its logits, top-k and softmax run in
 # float32 as careful MoE stacks do (Megatron-Core's moe_router_dtype=fp32): in bf16 a near-tie
@@ -54,13 +55,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * hd, d)
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, segment_ids=None):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ops.OPS["attention"](q, k, v, self.sinks.to(q.dtype), self.sliding_window, self.head_dim ** -0.5)
+        # Segment ids only when given: an implementation without them still serves unpacked runs.
+        segments = () if segment_ids is None else (segment_ids,)
+        out = ops.OPS["attention"](q, k, v, self.sinks.to(q.dtype), self.sliding_window, self.head_dim ** -0.5,
+                                   *segments)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
     def forward_cached(self, x, cos, sin, keys, values, positions, slot_positions, new_slot_positions, start):
@@ -128,23 +132,36 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.experts = Experts(cfg)
 
-    def forward(self, x):
+    def forward(self, x, real=None):
+        """real: None, or [B, T] bool, False on padding (left out of the router statistics)."""
         b, t, d = x.shape
         flat = x.reshape(-1, d)
         logits, weights, experts = self.router(flat)
         out = self.experts(flat, experts, weights.to(x.dtype))
-        group_sizes = F.one_hot(experts.reshape(-1), self.n_experts).sum(0)      # [E], static shape
-        stats = router_stats(logits, group_sizes, self.n_experts, self.top_k)
+        if real is None:
+            group_sizes = F.one_hot(experts.reshape(-1), self.n_experts).sum(0)      # [E], static shape
+            stats = router_stats(logits, group_sizes, self.n_experts, self.top_k)
+        else:
+            mask = real.reshape(-1)
+            chosen = F.one_hot(experts, self.n_experts).sum(1) * mask[:, None]     # [N, E], padding rows 0
+            stats = router_stats(logits, chosen.sum(0), self.n_experts, self.top_k, mask)
         return out.view(b, t, d), stats
 
 
-def router_stats(logits, group_sizes, n_experts: int, top_k: int):
+def router_stats(logits, group_sizes, n_experts: int, top_k: int, real=None):
     """Switch-style load-balancing loss E * sum_e f_e * P_e, router z-loss, and the per-expert
-    token fractions f_e (for metrics)."""
+    token fractions f_e (for metrics). real: None, or [N] bool: the statistics (means over
+    tokens) are over the real tokens only; group_sizes must then count real tokens only."""
     probs = torch.softmax(logits.float(), dim=-1)
     fraction = group_sizes.float() / group_sizes.sum().clamp(min=1)
-    balance = n_experts * (fraction * probs.mean(0)).sum()
-    z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+    lse_sq = torch.logsumexp(logits.float(), dim=-1).pow(2)
+    if real is None:
+        mean_probs, z = probs.mean(0), lse_sq.mean()
+    else:
+        w = real.float()
+        n = w.sum().clamp(min=1)
+        mean_probs, z = (probs * w[:, None]).sum(0) / n, (lse_sq * w).sum() / n
+    balance = n_experts * (fraction * mean_probs).sum()
     return {"balance": balance, "z": z, "fraction": fraction}
 
 
@@ -161,7 +178,7 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(i, d))
         self.down_proj_bias = nn.Parameter(torch.zeros(d))
 
-    def forward(self, x):
+    def forward(self, x, real=None):
         h = ops.clamped_swiglu(x @ self.gate_up_proj + self.gate_up_proj_bias, self.alpha, self.limit)
         return h @ self.down_proj + self.down_proj_bias, None
 
@@ -174,9 +191,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe else DenseMLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        out, stats = self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, segment_ids=None):
+        """segment_ids [B, T] (packed rows): attention within equal ids; id PAD_SEGMENT (0) marks
+        padding, left out of the router's statistics."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+        real = None if segment_ids is None else segment_ids != PAD_SEGMENT
+        out, stats = self.mlp(self.post_attention_layernorm(x), real)
         return x + out, stats
 
     def forward_cached(self, x, cos, sin, *cache_args):
@@ -194,19 +214,27 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, start_position: int = 0):
+    def forward(self, input_ids, start_position: int = 0, positions=None, segment_ids=None):
+        """positions: None (0.. per row, from start_position) or [B, T] per-row RoPE positions
+        (packed rows restart them at each conversation); segment_ids [B, T]: attention stays
+        within equal ids."""
         x = self.embed_tokens(input_ids)
-        positions = torch.arange(start_position, start_position + input_ids.shape[1], device=input_ids.device)
-        cos, sin = rope_cos_sin(self.cfg, positions, x.dtype)
-        x, stats = self.run_layers(x, cos, sin)
+        if positions is None:
+            positions = torch.arange(start_position, start_position + input_ids.shape[1], device=input_ids.device)
+            cos, sin = rope_cos_sin(self.cfg, positions, x.dtype)
+        else:
+            b, t = input_ids.shape
+            cos, sin = rope_cos_sin(self.cfg, positions.reshape(-1), x.dtype)
+            cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)
+        x, stats = self.run_layers(x, cos, sin) if segment_ids is None else self.run_layers(x, cos, sin, segment_ids)
         return self.norm(x), stats
 
-    def run_layers(self, x, cos, sin):
+    def run_layers(self, x, cos, sin, segment_ids=None):
         """The decoder stack, one layer after another; returns (x, per-layer router stats).
         (The JAX bridge may run this same stack as one scan over stacked layer weights.)"""
         stats = []
         for layer in self.layers:
-            x, layer_stats = layer(x, cos, sin)
+            x, layer_stats = layer(x, cos, sin, segment_ids)
             stats.append(layer_stats)
         return x, stats
 
@@ -254,11 +282,16 @@ class GptOssForCausalLM(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, input_ids, labels=None):
-        hidden, stats = self.model(input_ids)
+    def forward(self, input_ids, labels=None, positions=None, segment_ids=None, loss_weights=None,
+                loss_denominator=None, router_loss_scale: float = 1.0):
+        """Packed rows (SFT, document masking) pass per-row `positions` and `segment_ids` [B, T]
+        and `loss_weights` [B, T] (see `loss`)."""
+        hidden, stats = self.model(input_ids, positions=positions, segment_ids=segment_ids)
         if labels is None:
             return self.lm_head(hidden)
-        return self.loss(hidden, labels, stats)
+        if loss_weights is None:
+            return self.loss(hidden, labels, stats)
+        return self.weighted_loss(hidden, labels, stats, loss_weights, loss_denominator, router_loss_scale)
 
     def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
         """Generation step: run T new tokens through the model with a KV cache (see
@@ -274,12 +307,35 @@ class GptOssForCausalLM(nn.Module):
                                             flat_labels, IGNORE_INDEX)
         n_valid = (flat_labels != IGNORE_INDEX).sum().clamp(min=1).float()
         ce = nll.sum() / n_valid
-        loss = ce
         out = {"ce": ce}
         if cfg.lm_z_loss_coef:
-            z = lse.pow(2).sum() / n_valid
-            loss = loss + cfg.lm_z_loss_coef * z
-            out["lm_z"] = z
+            out["lm_z"] = lse.pow(2).sum() / n_valid
+        return self._total(out, stats, 1.0)
+
+    def weighted_loss(self, hidden, labels, stats, weights, denominator=None, router_loss_scale: float = 1.0):
+        """Cross-entropy sum(w * nll) / denominator over the tokens (w: loss weights [B, T], 0 on
+        what is not trained; denominator default sum(w)). A step that splits one batch into
+        micro-batches passes the whole batch's sum(w) as the denominator and sums the micro-batch
+        losses, so it equals the big batch exactly; router losses (batch statistics of each
+        micro-batch) are scaled by router_loss_scale (1 / micro-batches: their mean)."""
+        cfg = self.cfg
+        w = weights.reshape(-1).float()
+        flat_labels = torch.where(w > 0, labels.reshape(-1), torch.full_like(labels.reshape(-1), IGNORE_INDEX))
+        nll, lse = ops.OPS["cross_entropy"](hidden.reshape(-1, cfg.d_model), self.lm_head.weight.to(hidden.dtype),
+                                            flat_labels, IGNORE_INDEX)
+        denom = w.sum().clamp(min=1) if denominator is None else denominator
+        out = {"ce": (nll * w).sum() / denom}
+        if cfg.lm_z_loss_coef:
+            out["lm_z"] = (lse.pow(2) * w).sum() / denom
+        return self._total(out, stats, router_loss_scale)
+
+    def _total(self, out: dict, stats, router_loss_scale: float) -> dict:
+        """The loss from its parts: ce, lm_z (when on) and the router's balance and z losses
+        (mean over MoE layers, times router_loss_scale)."""
+        cfg = self.cfg
+        loss = out["ce"]
+        if "lm_z" in out:
+            loss = loss + cfg.lm_z_loss_coef * out["lm_z"]
         if cfg.is_moe:
             balances = torch.stack([s["balance"] for s in stats])      # [MoE layers]
             router_zs = torch.stack([s["z"] for s in stats])
@@ -288,8 +344,8 @@ class GptOssForCausalLM(nn.Module):
                        router_z_per_layer=router_zs.detach(),
                        expert_fraction=torch.stack([s["fraction"] for s in stats]))
             if cfg.router_aux_loss_coef:
-                loss = loss + cfg.router_aux_loss_coef * balance
+                loss = loss + (cfg.router_aux_loss_coef * router_loss_scale) * balance
             if cfg.router_z_loss_coef:
-                loss = loss + cfg.router_z_loss_coef * router_z
+                loss = loss + (cfg.router_z_loss_coef * router_loss_scale) * router_z
         out["loss"] = loss
         return out

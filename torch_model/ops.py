@@ -18,17 +18,25 @@ NAMESPACE = "torchlyra"
 # ---------------------------------------------------------------------------------------------
 # Reference math (plain torch, differentiable)
 # ---------------------------------------------------------------------------------------------
-def attention_reference(q, k, v, sinks, sliding_window: int, scale: float):
+def attention_reference(q, k, v, sinks, sliding_window: int, scale: float, segment_ids=None):
     """Causal GQA attention with one learned sink logit per query head.
 
     q: [B, Hq, Tq, D]; k, v: [B, Hkv, Tk, D] with Tk >= Tq (queries are the last Tq positions);
     sinks: [Hq]. sliding_window W > 0 lets query i see keys i-W+1..i; 0 means all keys <= i.
+    segment_ids: None, or integer [B, T] (Tq == Tk): query i sees key j only when their ids are
+    equal (conversations packed into one row stay apart; padding is one more id).
     The sink joins each score row before the softmax and is dropped after (GPT-OSS).
     """
     tq, tk = q.shape[2], k.shape[2]
     qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
     kpos = torch.arange(tk, device=q.device)[None, :]
-    return _attend_with_sinks(q, k, v, sinks, _visible(qpos, kpos, sliding_window), scale)
+    visible = _visible(qpos, kpos, sliding_window)
+    if segment_ids is not None:
+        if tq != tk or tuple(segment_ids.shape) != (q.shape[0], tq):
+            raise ValueError(f"attention: segment_ids must be [B, T] = [{q.shape[0]}, {tq}] with Tq == Tk; "
+                             f"got {tuple(segment_ids.shape)} (Tk={tk})")
+        visible = visible & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return _attend_with_sinks(q, k, v, sinks, visible, scale)
 
 
 def cached_attention_reference(q, k, v, sinks, q_positions, k_positions, sliding_window: int, scale: float):
@@ -156,12 +164,12 @@ def _register_recompute_backward(op, reference, n_tensor_inputs: int, differenti
 
 @torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-              sliding_window: int, scale: float) -> torch.Tensor:
-    return attention_reference(q, k, v, sinks, sliding_window, scale)
+              sliding_window: int, scale: float, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    return attention_reference(q, k, v, sinks, sliding_window, scale, segment_ids)
 
 
 @attention.register_fake
-def _(q, k, v, sinks, sliding_window, scale):
+def _(q, k, v, sinks, sliding_window, scale, segment_ids=None):
     return torch.empty_like(q)
 
 

@@ -45,6 +45,8 @@ class TrainConfig:
     temperature: float = 0.8
     top_k: int = 40
     model: dict = field(default_factory=dict)      # ModelConfig overrides
+    document_masking: bool | None = None   # segment ids per document; None: on for chat data, off for text
+    truncate: bool = False         # chat: a conversation longer than a row is cut to one row (default: dropped)
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "micro_batches", "eval_every", "log_every", "checkpoint_every",
@@ -65,6 +67,10 @@ class TrainConfig:
             raise UserError(f"config: remat must be none, full or save-matmuls, found {self.remat!r}")
         if not isinstance(self.scan_layers, bool):
             raise UserError(f"config: scan_layers must be true or false, found {self.scan_layers!r}")
+        if self.document_masking not in (None, True, False):
+            raise UserError(f"config: document_masking must be true, false or null (auto), found {self.document_masking!r}")
+        if not isinstance(self.truncate, bool):
+            raise UserError(f"config: truncate must be true or false, found {self.truncate!r}")
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"config: compute_dtype must be auto, float32 or bfloat16, found {self.compute_dtype!r}")
 

@@ -2,7 +2,9 @@
 
 Bits per byte divide the model's cross-entropy by the UTF-8 bytes of the text the predicted
 tokens stand for (each token's byte length from the tokenizer; special tokens such as BOS count
-0 bytes and their predictions are left out), so runs with different tokenizers compare.
+0 bytes and their predictions are left out), so runs with different tokenizers compare. Packed
+rows (chat data, document masking) count only trained tokens (loss weight 1): the loss is their
+mean, bits per byte their nats over the UTF-8 bytes of the trained ordinary tokens.
 """
 from __future__ import annotations
 
@@ -42,6 +44,15 @@ class Evaluator:
         if not batches:
             raise UserError("evaluation: the validation split gave no batch")
         self.step = step
+        if hasattr(batches[0], "weights"):              # loader Batches: packed rows
+            from jax_bridge.step import packed_batch
+
+            self.batches = [packed_batch(b) for b in batches]
+            self.packed = True
+            self._losses = self._packed_losses(step, jnp.asarray(byte_lengths))
+            self.byte_lengths = byte_lengths
+            return
+        self.packed = False
         self.batches = [np.asarray(b, np.int32) for b in batches]
         self.byte_lengths = byte_lengths
         lengths = jnp.asarray(byte_lengths)
@@ -55,9 +66,43 @@ class Evaluator:
 
         self._losses = jax.jit(losses)
 
+    @staticmethod
+    def _packed_losses(step, lengths):
+        """jit(params, batch) -> (nats over trained tokens, nats over trained ordinary tokens):
+        sums, from the model's weighted loss with denominator 1."""
+        import jax
+        import jax.numpy as jnp
+
+        from jax_bridge.step import packed_inputs
+
+        def losses(params, batch):
+            inputs, labels, packed = packed_inputs(batch, jnp.float32(1.0), 1.0)
+            _, every = step.loss_and_metrics(params, inputs, labels, packed)
+            text_weights = packed[2] * (lengths[labels] > 0)
+            _, text = step.loss_and_metrics(params, inputs, labels, (*packed[:2], text_weights, *packed[3:]))
+            return every["ce"], text["ce"]
+
+        return jax.jit(losses)
+
+    def _packed_call(self, params) -> dict:
+        from jax_bridge.distributed import sum_over_processes
+
+        nats, text_nats, counts = 0.0, 0.0, []
+        for batch in self.batches:      # this process's rows; the sums are over the global batch
+            every, text = self._losses(params, self.step.place_batch(batch, 0))
+            nats, text_nats = nats + float(every), text_nats + float(text)
+            trained = batch["weights"][:, 1:] > 0
+            lengths = self.byte_lengths[batch["tokens"][:, 1:]] * trained
+            counts.append([int(trained.sum()), int(lengths.sum()), int((batch["segment_ids"] != 0).sum())])
+        trained, text_bytes, real = sum_over_processes(np.array(counts, np.int64)).sum(0)
+        return {"val_loss": nats / max(int(trained), 1), "val_bpb": text_nats / (math.log(2) * max(int(text_bytes), 1)),
+                "val_tokens": int(real), "val_trained_tokens": int(trained), "val_bytes": int(text_bytes)}
+
     def __call__(self, params) -> dict:
         from jax_bridge.distributed import sum_over_processes
 
+        if self.packed:
+            return self._packed_call(params)
         ce, text_ce, counts = [], [], []
         for batch in self.batches:      # this process's rows of each batch
             every, text = self._losses(params, self.step.place_batch(batch, 0))
@@ -109,7 +154,8 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     if n_batches <= 0:
         raise UserError(f"--batches must be > 0, found {n_batches}")
     loader = TokenLoader(data, "val", global_batch=run_cfg.batch_size, seq_len=run_cfg.seq_len, seed=run_cfg.seed,
-                         vocab_size=model_cfg.vocab_size)
+                         vocab_size=model_cfg.vocab_size, document_masking=run_cfg.document_masking,
+                         truncate=run_cfg.truncate, accepts_batch=True)
     model = GptOssForCausalLM(model_cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
     try:

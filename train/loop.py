@@ -75,8 +75,11 @@ _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": in
           "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
           "max_consecutive_skips": int, "host_timeout_s": int, "mesh": str, "remat": str}
 _SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",
-             "tensorboard": "also write TensorBoard event files to OUT/tensorboard"}
-_BOOLEANS = {"scan_layers": "decoder layers as one lax.scan over stacked parameters (default), or a loop"}
+             "tensorboard": "also write TensorBoard event files to OUT/tensorboard",
+             "truncate": "chat data: cut a conversation longer than a row to one row (default: drop it)"}
+_BOOLEANS = {"scan_layers": "decoder layers as one lax.scan over stacked parameters (default), or a loop",
+             "document_masking": "each document (conversation) its own segment: attention stays inside it and "
+                                 "positions restart (default: on for chat data, off for text)"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

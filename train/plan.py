@@ -42,6 +42,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--roofline", action="store_true",
                         help="also break the compiled step down by op category: FLOPs, HBM bytes and roofline "
                              "time at the chip's published peaks, MFU ceiling, most expensive memory-bound ops")
+    parser.add_argument("--packed", action="store_true",
+                        help="the SFT step: packed conversations (segment ids, positions, loss weights)")
     parser.add_argument("--json", metavar="OUT", help="also write the plan as JSON to OUT")
 
 
@@ -67,7 +69,7 @@ def run(args) -> int:
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
                       scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
-                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype))
+                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed)
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
@@ -94,7 +96,7 @@ def find_slice(args, overrides: dict) -> int:
                                scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels,
                                kernel_options=args.kernel_options, compute_dtype=args.compute_dtype,
                                model_overrides=overrides, optimizer=OptimizerConfig(ns_dtype=args.ns_dtype),
-                               **({"mesh": args.mesh} if args.mesh.strip() else {}),
+                               packed=args.packed, **({"mesh": args.mesh} if args.mesh.strip() else {}),
                                report=lambda p: print(format_plan(p) if p.device_kind else
                                                       f"plan: {p.topology}: {p.error}", flush=True))
     except tpu_compile.TopologyError as e:

@@ -143,7 +143,8 @@ class Trainer:
                             f"({self.model_cfg.vocab_size}); set model.vocab_size >= {self.tokenizer.n_vocab}")
         loader_args = dict(global_batch=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                            process_index=jax.process_index(), process_count=jax.process_count(),
-                           vocab_size=self.model_cfg.vocab_size)
+                           vocab_size=self.model_cfg.vocab_size, document_masking=cfg.document_masking,
+                           truncate=cfg.truncate, accepts_batch=True)
         self.train_data = TokenLoader(cfg.data, "train", **loader_args)
         val_data = TokenLoader(cfg.data, "val", **loader_args)
 
@@ -159,6 +160,8 @@ class Trainer:
             self.step = TrainStep(self.model, opt_cfg, StepConfig(
                 kernels=cfg.kernels, compute_dtype=cfg.compute_dtype, micro_batches=cfg.micro_batches,
                 kernel_options=cfg.kernel_options, scan_layers=cfg.scan_layers, remat=cfg.remat), mesh=self.mesh)
+            if self.train_data.yields_batch:      # packed rows: attention must take segment ids
+                registry.check_segments(self.step.kernels)
         except (registry.KernelError, ValueError) as e:
             raise UserError(str(e)) from None
         if from_hf:
@@ -187,6 +190,18 @@ class Trainer:
         self.metrics = self._open_metrics(resume_dir, meta)
         self.bar = tqdm(total=cfg.steps, initial=self.done, desc="train", dynamic_ncols=True,
                         disable=not (show_progress and self.primary))
+        if self.train_data.yields_batch:
+            self._report_packing()
+
+    def _report_packing(self) -> None:
+        """Packed rows (chat, document masking): the packing of epoch 0, printed and logged."""
+        summary = self.train_data.packing_summary()
+        what = "conversations" if self.train_data.chat else "documents (document masking)"
+        too_long = (f"; {summary['too_long']} longer than a row "
+                    f"({'truncated' if self.cfg.truncate else 'dropped'})") if summary["too_long"] else ""
+        say(f"packing: {what} into {summary['rows']:,} rows of {self.cfg.seq_len + 1} tokens per epoch, "
+            f"efficiency {summary['efficiency']:.1%} (real tokens / row tokens){too_long}")
+        self._write({"kind": "packing", "step": self.done, **summary})
 
     # ---- setup ------------------------------------------------------------------------------
     def _model_config(self, meta: dict | None, explicit: dict):
@@ -259,11 +274,13 @@ class Trainer:
     def next_batch(self) -> np.ndarray:
         """The next step's micro-batches; a data error stops the run after a checkpoint of the
         last good step (with the loader position from before the failed read)."""
+        from jax_bridge.step import packed_batch
+
         self._loader_state = self.train_data.state_dict()
         try:
-            batch = np.stack([self.train_data.next_batch() for _ in range(self.cfg.micro_batches)])
+            batches = [self.train_data.next_batch() for _ in range(self.cfg.micro_batches)]
             self._loader_state = None
-            return batch
+            return packed_batch(batches) if self.train_data.yields_batch else np.stack(batches)
         except UserError as e:
             path = self.save(wait=True)
             raise TrainingStopped(f"{e}; checkpoint of step {self.done} in {path}: fix the data, then continue "

@@ -7,6 +7,10 @@ A document is a whole text file, one JSONL line, or one Parquet row (never cut h
 packer splits a long document). Bad input: invalid UTF-8 is replaced (U+FFFD) and counted, empty
 documents are skipped and counted, a JSONL line that is not JSON or lacks the text field is an
 error naming the file and the line.
+
+Chat data (`prepare --chat`): a document is one conversation, the `messages` list of a JSONL line
+or Parquet row (conversations.parse_record). A malformed record is skipped, counted and named
+(file and line, or row), unless `strict`: then it is an error.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from train.data import corpus
+from train.data import conversations, corpus
 from train.errors import UserError
 
 FORMATS = {"text": (".txt", ".text", ".md"), "jsonl": (".jsonl", ".jsonl.gz", ".ndjson"), "parquet": (".parquet",)}
@@ -149,18 +153,24 @@ def _parquet_row_groups(path: str, text_field: str) -> list[int]:
     import pyarrow.parquet as pq
 
     try:
-        meta = pq.ParquetFile(path).metadata
+        pf = pq.ParquetFile(path)
+        meta = pf.metadata
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
         raise UserError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    names = meta.schema.names
+    names = pf.schema_arrow.names  # top-level columns (a messages list is one, with nested leaves)
     if text_field not in names:
-        raise UserError(f"{path}: no column {text_field!r} (--text-field); columns: {', '.join(names)}")
+        raise UserError(f"{path}: no column {text_field!r} (--text-field, or --messages-field with --chat); "
+                        f"columns: {', '.join(names)}")
     return [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
 
 
-def check_sources(sources: list[Source], text_field: str) -> None:
-    """What can be checked before any work: every Parquet file opens and has the text column."""
+def check_sources(sources: list[Source], text_field: str, chat: bool = False) -> None:
+    """What can be checked before any work: every Parquet file opens and has the text column;
+    chat data comes as JSONL or Parquet."""
     for s in sources:
+        if chat and s.format == "text":
+            raise UserError(f"{s.name}: --chat reads conversations from JSONL (.jsonl, .jsonl.gz) or Parquet, "
+                            f"found a text file")
         if s.format == "parquet":
             _parquet_row_groups(s.path, text_field)
 
@@ -220,9 +230,10 @@ class ReadStats:
     replaced: int = 0       # invalid UTF-8 sequences (or lone surrogates) replaced by U+FFFD
     replaced_docs: int = 0  # documents holding at least one replacement
     bytes: int = 0          # UTF-8 bytes of the kept documents
+    malformed: int = 0      # chat: records skipped as malformed
 
     def add(self, other: "ReadStats") -> None:
-        for k in ("documents", "empty", "replaced", "replaced_docs", "bytes"):
+        for k in ("documents", "empty", "replaced", "replaced_docs", "bytes", "malformed"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
@@ -235,6 +246,31 @@ class Documents:
     val: list[bool] = field(default_factory=list)
     nbytes: list[int] = field(default_factory=list)  # UTF-8 bytes of each document
     stats: ReadStats = field(default_factory=ReadStats)
+    conversations: list[list[dict]] = field(default_factory=list)  # chat: each document's messages
+    malformed: list[str] = field(default_factory=list)  # chat: "where: why" of each skipped record
+
+    def skip_malformed(self, where: str, why: str, strict: bool) -> None:
+        if strict:
+            raise UserError(f"{where}: malformed conversation: {why} (--strict stops at the first)")
+        self.malformed.append(f"{where}: {why}")
+        self.stats.malformed += 1
+
+    def add_conversation(self, doc_id: str, record, val: bool, where: Callable[[], str], messages_field: str,
+                         strict: bool) -> None:
+        """Check one chat record; keep its messages, or skip and name it (strict: raise)."""
+        try:
+            messages = conversations.parse_record(record, messages_field)
+        except conversations.MalformedRecord as e:
+            self.skip_malformed(where(), str(e), strict)
+            return
+        text = conversations.text_of(messages)
+        self.ids.append(doc_id)
+        self.texts.append(text)
+        self.val.append(val)
+        self.nbytes.append(len(text.encode("utf-8", "surrogatepass")))
+        self.conversations.append(messages)
+        self.stats.documents += 1
+        self.stats.bytes += self.nbytes[-1]
 
     def add(self, doc_id: str, text: str, val: bool, replaced: int = 0) -> None:
         if not text.strip():
@@ -341,9 +377,52 @@ def _read_parquet(unit: Unit, text_field: str, docs: Documents) -> None:
         docs.add(f"{source.name}:{first_row + row}", value or "", source.val, replaced)
 
 
-def read_unit(unit: Unit, text_field: str) -> Documents:
+def _read_jsonl_chat(unit: Unit, messages_field: str, strict: bool, docs: Documents) -> None:
+    source = unit.sources[0]
+    try:
+        for line, offset, line_number in _jsonl_lines(unit):
+            if not line.strip():
+                continue
+            where = lambda: f"{source.name}:{line_number()}"  # noqa: E731 (computed only when reported)
+            try:
+                record = json.loads(decode(line)[0])
+            except ValueError as e:
+                docs.skip_malformed(where(), f"not valid JSON ({e})", strict)
+                continue
+            docs.add_conversation(f"{source.name}:{offset}", record, source.val, where, messages_field, strict)
+    except OSError as e:
+        raise UserError(f"{source.name}: cannot read ({type(e).__name__}: {e})") from None
+
+
+def _read_parquet_chat(unit: Unit, messages_field: str, strict: bool, docs: Documents) -> None:
+    import pyarrow.parquet as pq
+
+    source = unit.sources[0]
+    try:
+        pf = pq.ParquetFile(source.path)
+        first_row = sum(pf.metadata.row_group(i).num_rows for i in range(unit.start))
+        column = pf.read_row_group(unit.start, columns=[messages_field]).column(0)
+    except Exception as e:  # pyarrow's own error types (ArrowInvalid, OSError)
+        raise UserError(f"{source.name}: row group {unit.start} unreadable ({type(e).__name__}: {e})") from None
+    for row, value in enumerate(column.to_pylist()):
+        docs.add_conversation(f"{source.name}:{first_row + row}", {messages_field: value}, source.val,
+                              lambda row=row: f"{source.name}: row {first_row + row}", messages_field, strict)
+
+
+def read_unit(unit: Unit, text_field: str, chat: bool = False, strict: bool = False) -> Documents:
+    """The documents of one unit; with `chat`, its conversations (text_field is then the
+    messages field)."""
     docs = Documents()
     first = unit.sources[0]
+    if chat:
+        if first.format == "jsonl":
+            _read_jsonl_chat(unit, text_field, strict, docs)
+        elif first.format == "parquet":
+            _read_parquet_chat(unit, text_field, strict, docs)
+        else:
+            raise UserError(f"{first.name}: chat data expected JSONL (.jsonl, .jsonl.gz) or Parquet, "
+                            f"found {first.format}")
+        return docs
     if first.format == "jsonl":
         _read_jsonl(unit, text_field, docs)
     elif first.format == "parquet":

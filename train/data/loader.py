@@ -7,6 +7,10 @@ and the state (epoch, block, row) is the same on every process: a run resumed on
 number of processes continues the same data. A background thread prepares the next batches
 (reads and assembles rows) while the step runs.
 
+Chat data (and plain text with `document_masking`) comes as a Batch: tokens, loss weights,
+segment ids and positions, each [rows, seq_len + 1]; plain text without masking stays a bare
+token array, as before.
+
 Errors from damaged shards surface from next_batch() as shards.DataIntegrityError (a UserError
 naming the shard) when the damaged batch is due, never earlier, so the trainer can checkpoint
 the last good step.
@@ -17,7 +21,8 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Union
 
 import numpy as np
 
@@ -26,6 +31,29 @@ from train.data.shards import Dataset, open_dataset
 from train.errors import UserError
 
 STATE_VERSION = 2
+PAD_SEGMENT = 0  # the segment id of padding; documents in a row are numbered 1, 2, ...
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows of packed documents, every array [rows, seq_len + 1] and newly allocated. The step
+    feeds tokens[:, :-1] at positions[:, :-1] with segment_ids[:, :-1] (attention only within a
+    segment) and predicts tokens[:, 1:], the loss weighted by weights[:, 1:]. A segment is one
+    document (a conversation, or a BOS-led piece of a text document); positions restart at 0 with
+    each; padding has segment id PAD_SEGMENT, weight 0, position 0 and the pad id. A token that
+    starts a segment is never trained (weight 0): nothing predicts across documents."""
+    tokens: np.ndarray       # int32
+    weights: np.ndarray      # float32, 0 or 1
+    segment_ids: np.ndarray  # int32
+    positions: np.ndarray    # int32
+
+    @property
+    def trained_tokens(self) -> int:
+        return int(self.weights[:, 1:].sum())
+
+    @property
+    def real_tokens(self) -> int:
+        return int((self.segment_ids != PAD_SEGMENT).sum())
 
 
 class RowReader:
@@ -52,18 +80,60 @@ class RowReader:
             if extra:
                 out[i, at + real] = self.eos
 
+    def batch(self, rows: list, document_masking: bool, pad_id: int) -> Batch:
+        """A Batch of rows (plan, row index): text rows as fill() makes them, one segment per
+        BOS-led piece (weight 1 but on each piece's BOS); whole-document rows (chat) with their
+        stored weights, padded. Without document_masking, a row's real tokens form one segment
+        with positions 0, 1, 2, ... (attention crosses documents, as in plain pretraining)."""
+        shape = (len(rows), self.row_len)
+        tokens, weights = np.full(shape, pad_id, np.int32), np.zeros(shape, np.float32)
+        segments, positions = np.full(shape, PAD_SEGMENT, np.int32), np.zeros(shape, np.int32)
+        if rows and not rows[0][0].whole:
+            self.fill(tokens, rows)
+        wanted, places = [], []
+        for i, (plan, r) in enumerate(rows):
+            pos = 0
+            for k, (doc, start, count) in enumerate(plan.segments(r), 1):
+                n = count if plan.whole else count + 1  # a text piece is led by BOS
+                if plan.whole:
+                    wanted.append((doc, start, count))
+                    places.append((i, pos, count))
+                else:
+                    weights[i, pos + 1:pos + n] = 1
+                segments[i, pos:pos + n] = k
+                positions[i, pos:pos + n] = np.arange(n)
+                pos += n
+        if wanted:
+            for (i, at, count), ids, w in zip(places, self.ds.read_segments(wanted),
+                                              self.ds.read_segments(wanted, "weights")):
+                tokens[i, at:at + count] = ids
+                weights[i, at:at + count] = w
+                weights[i, at] = 0  # a segment's first token: never predicted across documents
+        if not document_masking:
+            real = segments != PAD_SEGMENT
+            segments[real] = 1
+            positions[:] = np.where(real, np.arange(self.row_len, dtype=np.int32), 0)
+        return Batch(tokens, weights, segments, positions)
+
 
 class TokenLoader:
-    """Endless, shuffled, resumable batches [global_batch / process_count, seq_len + 1] int32.
+    """Endless, shuffled, resumable batches [global_batch / process_count, seq_len + 1] int32, or
+    Batch objects of that shape for chat data and for document_masking.
 
     Built with the data directory, split, GLOBAL batch (rows per micro-step over all processes),
     seq_len, seed and this process's index and count. `vocab_size` (the model's) refuses data
-    whose ids would not fit; `check` is the integrity check at start (shards.check_shards)."""
+    whose ids would not fit; `check` is the integrity check at start (shards.check_shards).
+    `document_masking` (None: on for chat data, off for text) gives each document its own segment
+    ids and positions; `truncate` cuts a conversation longer than a row instead of dropping it.
+    `accepts_batch`: the caller consumes Batch objects; without it, data that needs them (chat,
+    or document masking) is refused by name rather than handed to code that would drop the
+    weights and segments."""
 
     def __init__(self, data_dir, split: str, *, global_batch: int, seq_len: int, seed: int = 0,
                  process_index: int = 0, process_count: int = 1, vocab_size: int | None = None,
                  check: str = "auto", prefetch: int = 4,
-                 block_tokens: int = packing.BLOCK_TOKENS, buffer_pieces: int = packing.BUFFER_PIECES):
+                 block_tokens: int = packing.BLOCK_TOKENS, buffer_pieces: int = packing.BUFFER_PIECES,
+                 document_masking: bool | None = None, truncate: bool = False, accepts_batch: bool = False):
         if seq_len < 2:
             raise UserError(f"seq_len: expected at least 2, found {seq_len}")
         if global_batch < 1:
@@ -83,7 +153,24 @@ class TokenLoader:
         self.global_batch, self.process_index, self.process_count = global_batch, process_index, process_count
         self.local_batch = global_batch // process_count
         self.block_tokens, self.buffer_pieces, self.prefetch = block_tokens, buffer_pieces, max(1, prefetch)
-        self.packed_lengths = self.ds.lengths + (self.ds.eos_id is not None)
+        self.chat = self.ds.weighted  # conversations with loss weights: packed whole
+        self.truncate = truncate
+        self.document_masking = self.chat if document_masking is None else bool(document_masking)
+        self.yields_batch = self.chat or self.document_masking
+        problem = None
+        if truncate and not self.chat:
+            problem = f"{data_dir}: truncate applies to chat data (text documents are cut into rows anyway)"
+        elif self.yields_batch and not accepts_batch:
+            what = "chat data (loss weights per token)" if self.chat else "document masking"
+            problem = (f"{data_dir}: {what} needs a train step that takes loss weights, segment ids and "
+                       f"positions; this one trains on plain token rows only (see the README's "
+                       f"\"Fine-tune on conversations\")")
+        if problem:
+            self.ds.close()
+            raise UserError(problem)
+        self.pad_id = self.ds.bos_id if self.ds.eos_id is None else int(self.ds.eos_id)
+        # A text document's packed form ends with EOS (when there is one); a conversation is as stored.
+        self.packed_lengths = self.ds.lengths + (0 if self.chat else self.ds.eos_id is not None)
         self.rows = RowReader(self.ds, seq_len)
         self.epoch = self.block = self.row = 0
         self._epoch_plan: tuple[int, packing.EpochPlan] | None = None
@@ -96,10 +183,26 @@ class TokenLoader:
     def epoch_plan(self, epoch: int) -> packing.EpochPlan:
         if self._epoch_plan is None or self._epoch_plan[0] != epoch:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.ds))
-            self._epoch_plan = (epoch, packing.EpochPlan(
-                order, self.packed_lengths, self.seq_len, block_tokens=self.block_tokens,
-                shuffle_seed=(self.seed, epoch), buffer_pieces=self.buffer_pieces))
+            self._epoch_plan = (epoch, self._plan(order, (self.seed, epoch)))
         return self._epoch_plan[1]
+
+    def _plan(self, order: np.ndarray, shuffle_seed) -> packing.EpochPlan:
+        return packing.EpochPlan(order, self.packed_lengths, self.seq_len, block_tokens=self.block_tokens,
+                                 shuffle_seed=shuffle_seed, buffer_pieces=self.buffer_pieces, whole=self.chat,
+                                 truncate=self.truncate)
+
+    def packing_summary(self) -> dict:
+        """Epoch 0's rows, packing efficiency (real tokens / row tokens) and documents too long for
+        a row (dropped or truncated): what a run reports at start. Plans the whole epoch."""
+        return self._plan(np.random.default_rng([self.seed, 0]).permutation(len(self.ds)), (self.seed, 0)).summary()
+
+    def _assemble(self, rows: list):
+        """The rows' tokens as a new [len(rows), seq_len + 1] int32 array, or a Batch."""
+        if self.yields_batch:
+            return self.rows.batch(rows, self.document_masking, self.pad_id)
+        batch = np.empty((len(rows), self.seq_len + 1), np.int32)  # fresh: never a reused buffer
+        self.rows.fill(batch, rows)
+        return batch
 
     def _take_rows(self, position: tuple[int, int, int], count: int):
         """The next `count` rows of the stream from `position`: ([(plan, row)], new position)."""
@@ -114,7 +217,8 @@ class TokenLoader:
             barren = barren + 1 if len(rows) == 0 else 0
             if barren > plan.num_blocks:
                 raise UserError(f"{self.data_dir}: split {self.split!r} ({self.ds.num_tokens} tokens) packs into "
-                                f"no full row of {self.seq_len + 1} tokens")
+                                f"no {'row' if self.chat else 'full row'} of {self.seq_len + 1} tokens"
+                                + self._too_long_note())
             take = min(count - len(out), len(rows) - row)
             out += [(rows, r) for r in range(row, row + take)]
             row += take
@@ -130,9 +234,7 @@ class TokenLoader:
         after = self.global_batch - before - self.local_batch
         if after:
             _, position = self._take_rows(position, after)
-        batch = np.empty((self.local_batch, self.seq_len + 1), np.int32)  # fresh: never a reused buffer
-        self.rows.fill(batch, mine)
-        return batch, position
+        return self._assemble(mine), position
 
     # ---- prefetching -------------------------------------------------------------------------
     @staticmethod
@@ -177,9 +279,10 @@ class TokenLoader:
             self._thread.join()
             self._thread = self._queue = None
 
-    def next_batch(self) -> np.ndarray:
-        """A newly allocated [global_batch / process_count, seq_len + 1] int32 array: never a view
-        of a reused buffer, so micro-batches collected in a list stay distinct."""
+    def next_batch(self) -> Union[np.ndarray, Batch]:
+        """A newly allocated [global_batch / process_count, seq_len + 1] int32 array (a Batch of
+        such arrays for chat data or document_masking): never a view of a reused buffer, so
+        micro-batches collected in a list stay distinct."""
         if self._failed is not None:
             raise self._failed
         if self._thread is None:
@@ -192,18 +295,16 @@ class TokenLoader:
         self.epoch, self.block, self.row = position
         return batch
 
-    def __iter__(self) -> Iterator[np.ndarray]:
+    def __iter__(self) -> Iterator[Union[np.ndarray, Batch]]:
         while True:
             yield self.next_batch()
 
     # ---- evaluation --------------------------------------------------------------------------
-    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[np.ndarray]:
+    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[Union[np.ndarray, Batch]]:
         """Validation batches: one pass over the split in stored order (no shuffle), packed as in
         training, the same at every call and whatever the number of processes; up to max_batches
         global batches (a trailing partial one is dropped). Independent of the training stream."""
-        plan = packing.EpochPlan(np.arange(len(self.ds)), self.packed_lengths, self.seq_len,
-                                 block_tokens=self.block_tokens, shuffle_seed=None,
-                                 buffer_pieces=self.buffer_pieces)
+        plan = self._plan(np.arange(len(self.ds)), None)
         rows = ((plan.block(b), r) for b in range(plan.num_blocks) for r in range(len(plan.block(b))))
         lo = self.process_index * self.local_batch
         made = 0
@@ -211,13 +312,18 @@ class TokenLoader:
             step = [row for _, row in zip(range(self.global_batch), rows)]
             if len(step) < self.global_batch:
                 break
-            batch = np.empty((self.local_batch, self.seq_len + 1), np.int32)
-            self.rows.fill(batch, step[lo:lo + self.local_batch])
             made += 1
-            yield batch
+            yield self._assemble(step[lo:lo + self.local_batch])
         if made == 0 and max_batches != 0:
             raise UserError(f"split {self.split!r} ({self.ds.num_tokens} tokens) is too small for one batch of "
-                            f"{self.global_batch} x {self.seq_len + 1} tokens")
+                            f"{self.global_batch} x {self.seq_len + 1} tokens" + self._too_long_note())
+
+    def _too_long_note(self) -> str:
+        if not self.chat or self.truncate:
+            return ""
+        too_long = int((self.packed_lengths > self.seq_len + 1).sum())
+        return (f" ({too_long} of its {len(self.ds)} conversations are longer than a row and dropped: "
+                "raise seq_len or truncate them)") if too_long else ""
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -226,12 +332,15 @@ class TokenLoader:
         return {"version": STATE_VERSION, "split": self.split, "seed": self.seed, "seq_len": self.seq_len,
                 "block_tokens": self.block_tokens, "buffer_pieces": self.buffer_pieces,
                 "num_docs": len(self.ds), "num_tokens": self.ds.num_tokens,
+                "packing": "whole" if self.chat else "cut", "truncate": self.truncate,
                 "epoch": self.epoch, "block": self.block, "row": self.row}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
+        # "packing" and "truncate" came later: a state without them is of text data, cut.
+        state = {"packing": "cut", "truncate": False, **state}
         for key in ("version", "split", "seed", "seq_len", "block_tokens", "buffer_pieces", "num_docs",
-                    "num_tokens"):
+                    "num_tokens", "packing", "truncate"):
             if state.get(key) != mine[key]:
                 raise UserError(f"loader state: field {key!r} expected {mine[key]!r} (this loader), "
                                 f"found {state.get(key)!r}")

@@ -8,6 +8,12 @@ is a row by itself; the last, shorter piece of each document is packed best-fit:
 the longest waiting piece that fits the room left (the oldest among equals), and when none fits,
 the shortest is cropped to fill the row and its tail dropped. Nothing is padded.
 
+Conversations (chat data) are packed whole instead ("whole" packing): never cut and not led by
+BOS (a conversation starts with harmony's `<|start|>`); each row takes the longest waiting
+conversation that fits its room, and when none fits the row is closed and padded. One longer than
+a row is dropped and counted, or with `truncate` cut to one row (its start kept). The last, partial
+row of a block is kept (padded): no conversation is lost to packing.
+
 An epoch is the documents in a (seed, epoch) permutation, cut into blocks of about block_tokens
 tokens; each block is packed on its own (a partial last row is dropped) and its rows are shuffled
 from (seed, epoch, block), so a long document's rows spread over the block. A position in the
@@ -35,6 +41,9 @@ class BlockPlan:
     count: np.ndarray
     row_order: np.ndarray
     dropped_tokens: int
+    whole: bool = False        # segments are whole documents, not led by BOS; rows padded
+    dropped_docs: int = 0      # whole: documents longer than a row, dropped
+    truncated_docs: int = 0    # whole: documents longer than a row, cut to one row
 
     def __len__(self) -> int:
         return len(self.row_order)
@@ -130,13 +139,76 @@ def plan_block(docs: np.ndarray, packed_lengths: np.ndarray, seq_len: int, *, sh
                      order, int(dropped))
 
 
+def _best_fit_whole(items: list[tuple[int, int]], row_len: int, buffer_pieces: int) -> list[list[tuple[int, int]]]:
+    """Pack (doc, count) items, each count <= row_len, in arrival order into rows of at most
+    row_len tokens: each row takes the longest waiting item that fits its room (the oldest among
+    equals); when none fits, the row closes (to be padded). Nothing is cut or dropped."""
+    rows: list[list[tuple[int, int]]] = []
+    lens: list[int] = []      # waiting item lengths, ascending; ties in arrival order
+    waiting: list[tuple[int, int]] = []
+    pending = iter(items)
+    exhausted = False
+
+    def refill():
+        nonlocal exhausted
+        while not exhausted and len(waiting) < buffer_pieces:
+            item = next(pending, None)
+            if item is None:
+                exhausted = True
+                return
+            pos = bisect.bisect_right(lens, item[1])
+            lens.insert(pos, item[1])
+            waiting.insert(pos, item)
+
+    while True:
+        refill()
+        if not waiting:
+            return rows
+        row, room = [], row_len
+        while True:
+            refill()
+            pos = bisect.bisect_right(lens, room) - 1  # the longest item that fits...
+            if pos < 0:
+                break
+            pos = bisect.bisect_left(lens, lens[pos])  # ...the oldest of that length
+            row.append(waiting.pop(pos))
+            room -= lens.pop(pos)
+        rows.append(row)
+
+
+def plan_block_whole(docs: np.ndarray, lengths: np.ndarray, seq_len: int, *, shuffle_seed=None,
+                     buffer_pieces: int = BUFFER_PIECES, truncate: bool = False) -> BlockPlan:
+    """Pack whole documents `docs` (lengths[i] tokens each) into rows of seq_len + 1 tokens,
+    padded; one longer than a row is dropped, or with `truncate` cut to one row."""
+    row_len = seq_len + 1
+    docs, n = np.asarray(docs, np.int64), np.asarray(lengths, np.int64)
+    too_long = n > row_len
+    if truncate:
+        n = np.minimum(n, row_len)
+    keep = ~too_long | truncate
+    items = list(zip(docs[keep].tolist(), n[keep].tolist()))
+    rows = _best_fit_whole(items, row_len, buffer_pieces)
+    per_row = np.asarray([len(r) for r in rows], np.int64)
+    ptr = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)
+    seg_doc = np.asarray([d for r in rows for d, _ in r], np.int64)
+    seg_count = np.asarray([c for r in rows for _, c in r], np.int64)
+    order = (np.random.default_rng(shuffle_seed).permutation(len(rows)) if shuffle_seed is not None
+             else np.arange(len(rows))).astype(np.int64)
+    dropped = int(np.asarray(lengths, np.int64)[too_long].sum()) - (int(too_long.sum()) * row_len if truncate else 0)
+    return BlockPlan(ptr, seg_doc, np.zeros(len(seg_doc), np.int64), seg_count, order, dropped, whole=True,
+                     dropped_docs=0 if truncate else int(too_long.sum()),
+                     truncated_docs=int(too_long.sum()) if truncate else 0)
+
+
 class EpochPlan:
     """The blocks of one epoch: documents in `order`, cut where block_tokens is crossed; each
-    block planned on demand (and the last one kept)."""
+    block planned on demand (and the last one kept). `whole`: documents packed whole (chat)."""
 
     def __init__(self, order: np.ndarray, packed_lengths: np.ndarray, seq_len: int, *, block_tokens: int,
-                 shuffle_seed: tuple | None, buffer_pieces: int = BUFFER_PIECES):
+                 shuffle_seed: tuple | None, buffer_pieces: int = BUFFER_PIECES, whole: bool = False,
+                 truncate: bool = False):
         self.order, self.seq_len, self.buffer_pieces = order, seq_len, buffer_pieces
+        self.whole, self.truncate = whole, truncate
         self.packed = packed_lengths[order]
         self.starts = block_starts(self.packed, block_tokens)
         self.shuffle_seed = shuffle_seed
@@ -150,6 +222,26 @@ class EpochPlan:
         if self._cached is None or self._cached[0] != b:
             lo, hi = self.starts[b], self.starts[b + 1]
             seed = None if self.shuffle_seed is None else [*self.shuffle_seed, b]
-            self._cached = (b, plan_block(self.order[lo:hi], self.packed[lo:hi], self.seq_len,
-                                          shuffle_seed=seed, buffer_pieces=self.buffer_pieces))
+            if self.whole:
+                plan = plan_block_whole(self.order[lo:hi], self.packed[lo:hi], self.seq_len, shuffle_seed=seed,
+                                        buffer_pieces=self.buffer_pieces, truncate=self.truncate)
+            else:
+                plan = plan_block(self.order[lo:hi], self.packed[lo:hi], self.seq_len, shuffle_seed=seed,
+                                  buffer_pieces=self.buffer_pieces)
+            self._cached = (b, plan)
         return self._cached[1]
+
+    def summary(self) -> dict:
+        """Rows, real tokens / row tokens (`efficiency`), and documents dropped or cut, over the
+        whole epoch (plans every block)."""
+        rows = real = dropped = truncated = 0
+        for b in range(self.num_blocks):
+            plan = self.block(b)
+            rows += len(plan)
+            real += int(plan.count.sum()) + (0 if plan.whole else len(plan.doc))  # + the BOS of each piece
+            dropped += plan.dropped_docs
+            truncated += plan.truncated_docs
+        row_tokens = rows * (self.seq_len + 1)
+        return {"rows": rows, "real_tokens": real, "row_tokens": row_tokens,
+                "efficiency": real / row_tokens if row_tokens else 0.0, "too_long": dropped + truncated,
+                "dropped": dropped, "truncated": truncated}

@@ -4,6 +4,7 @@
     torchlyra prepare --input corpus/*.jsonl.gz --tokenizer o200k_harmony --out data/web \\
         --tokens-per-shard 300000000 --workers 32
     torchlyra prepare --verify data/web                 # check a whole dataset against its manifest
+    torchlyra prepare --chat --input chats.jsonl --tokenizer o200k_harmony --out data/chats
 
 Worker processes read and tokenize work units (inputs.py); the main process merges their results
 in unit order (so the output depends only on the inputs and settings, never on worker timing),
@@ -14,6 +15,10 @@ memory stays bounded whatever the corpus size.
 Interrupted (Ctrl-C, kill, crash), a re-run with the same inputs and settings resumes: progress.json
 lists the finished shards and where each split's next shard begins; a shard is written under a
 temporary name and renamed only when complete, and manifest.json is written last.
+
+With --chat, each record's `messages` are rendered in harmony with a loss weight per token
+(conversations.py), stored as a second stream of the same shards; malformed records are skipped,
+named and counted (--strict: the first one is an error).
 """
 
 from __future__ import annotations
@@ -39,17 +44,21 @@ import numpy as np
 from tqdm import tqdm
 
 from train.atomic import sha256_file, write_atomic
-from train.data import inputs, shards, tokenizer
+from train.data import conversations, inputs, packing, shards, tokenizer
 from train.errors import UserError
 from train.jsonfile import read_json
 
-PREPARE_VERSION = 2  # bump when reading, splitting or tokenization changes what a run produces
+# Bump when reading, splitting or tokenization changes what a run produces (3: bpe:N reserves
+# harmony's chat tokens).
+PREPARE_VERSION = 3
 DEFAULT_OUT = "data/shakespeare"
 PROGRESS = "progress.json"
 SPLITS = ("train", "val")
 # Shards and temporary files of an earlier or interrupted run.
 _SHARD = re.compile(r"^(train|val)-(\d{5})\.array_record$")
 _TEMP = re.compile(r"^\..+\.tmp-\d+$")
+MALFORMED_NAMED = 1000  # malformed records named in the manifest (all are counted and printed)
+PACKING_SEQ_LENS = (256, 1024, 4096)  # the manifest's packing efficiency table (chat)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["auto", *inputs.FORMATS], default="auto",
                         help="input format (default: from each file name)")
     parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
+    parser.add_argument("--chat", action="store_true",
+                        help="conversations (OpenAI chat records) rendered in harmony, with per-token loss weights")
+    parser.add_argument("--messages-field", default="messages",
+                        help="with --chat: JSONL field / Parquet column holding the messages list")
+    parser.add_argument("--strict", action="store_true",
+                        help="with --chat: the first malformed record is an error (default: skipped and counted)")
     parser.add_argument("--tokenizer", default="bpe:4096", help=f"{tokenizer.SPEC_HELP} (default bpe:4096)")
     parser.add_argument("--bpe-train-bytes", type=int, default=256 << 20,
                         help="bpe:N trains on at most this many bytes of training text (default 256 MiB)")
@@ -78,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args) -> None:
+    if (args.strict or args.messages_field != "messages") and not args.chat:
+        raise UserError("--strict and --messages-field apply to --chat data; add --chat")
+    if args.chat and args.text_field != "text":
+        raise UserError("--text-field names the text of plain documents; with --chat use --messages-field")
+    if args.chat and not args.input:
+        raise UserError("--chat needs --input (JSONL or Parquet files of conversations)")
     if args.val_fraction is None:
         args.val_fraction = 0.0 if args.val_input else 0.05
     if not 0.0 <= args.val_fraction < 1.0:
@@ -106,26 +127,37 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_dir: str, text_field: str, seed: int, fraction: float, dtype: str,
-                 in_process: bool = False) -> None:
+                 chat: bool = False, strict: bool = False, in_process: bool = False) -> None:
     if not in_process:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    if _WORKER.get("init") != (tokenizer_dir, text_field, seed, fraction, dtype):  # not inherited by fork
-        _WORKER.update(enc=tokenizer.load_tokenizer(tokenizer_dir), text_field=text_field, seed=seed,
-                       fraction=fraction, dtype=shards.DTYPES[dtype],
-                       init=(tokenizer_dir, text_field, seed, fraction, dtype))
+    init = (tokenizer_dir, text_field, seed, fraction, dtype, chat, strict)
+    if _WORKER.get("init") != init:  # not inherited by fork
+        enc = tokenizer.load_tokenizer(tokenizer_dir)
+        _WORKER.update(enc=enc, text_field=text_field, seed=seed, fraction=fraction, dtype=shards.DTYPES[dtype],
+                       chat=chat, strict=strict, init=init,
+                       byte_lengths=tokenizer.token_byte_lengths(enc) if chat else None)
 
 
 def tokenize_unit(unit: inputs.Unit) -> dict:
-    """Read and tokenize one unit: flat token ids, per-document lengths, bytes and split."""
+    """Read and tokenize one unit: flat token ids, per-document lengths, bytes and split; for chat
+    also the flat loss weights (bytes: of the trained ordinary tokens) and the malformed records."""
     w = _WORKER
-    docs = inputs.read_unit(unit, w["text_field"])
+    docs = inputs.read_unit(unit, w["text_field"], w["chat"], w["strict"])
     enc = w["enc"]
-    ids = [enc.encode_to_numpy(text, disallowed_special=()) for text in docs.texts]  # = encode_ordinary
+    weights = None
+    if w["chat"]:
+        rendered = [conversations.render_weighted(enc, m) for m in docs.conversations]
+        ids = [r[0] for r in rendered]
+        weights = np.concatenate([r[1] for r in rendered]) if rendered else np.zeros(0, np.uint8)
+        docs.nbytes = [int(w["byte_lengths"][i[wt.astype(bool)]].sum()) for i, wt in rendered]
+    else:
+        ids = [enc.encode_to_numpy(text, disallowed_special=()) for text in docs.texts]  # = encode_ordinary
     lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
     flat = np.concatenate(ids).astype(w["dtype"]) if ids else np.zeros(0, w["dtype"])
     val = np.fromiter((is_val(i, v, w["seed"], w["fraction"]) for i, v in zip(docs.ids, docs.val)), bool, len(ids))
     return {"unit": unit.index, "input_bytes": unit.nbytes, "tokens": flat, "lengths": lengths, "val": val,
-            "nbytes": np.asarray(docs.nbytes, np.int64), "stats": asdict(docs.stats)}
+            "nbytes": np.asarray(docs.nbytes, np.int64), "stats": asdict(docs.stats), "weights": weights,
+            "malformed": docs.malformed}
 
 
 def _pool_context():
@@ -183,7 +215,8 @@ def _settings(args, sources: list[inputs.Source]) -> dict:
     elif spec["kind"] == "dir":
         spec["sha256"] = tokenizer.read_description(spec["path"])["tiktoken_sha256"]
     return {"prepare_version": PREPARE_VERSION, "inputs": inputs.fingerprint(sources), "format": args.format,
-            "text_field": args.text_field, "tokenizer": spec, "bpe_train_bytes": args.bpe_train_bytes,
+            "text_field": args.text_field, "chat": args.chat, "messages_field": args.messages_field,
+            "strict": args.strict, "tokenizer": spec, "bpe_train_bytes": args.bpe_train_bytes,
             "val_fraction": args.val_fraction, "seed": args.seed, "tokens_per_shard": args.tokens_per_shard,
             "record_tokens": shards.RECORD_TOKENS, "writer_options": shards.WRITER_OPTIONS,
             "unit_bytes": inputs.UNIT_BYTES}
@@ -245,8 +278,9 @@ def _resumable(out: Path, settings: dict) -> dict | None:
 def _training_texts(units, args, limit: int):
     """Training-split texts in source order, up to `limit` UTF-8 bytes (for bpe:N)."""
     seen = 0
+    field = args.messages_field if args.chat else args.text_field
     for unit in units:
-        docs = inputs.read_unit(unit, args.text_field)
+        docs = inputs.read_unit(unit, field, args.chat)
         for doc_id, text, val, n in zip(docs.ids, docs.texts, docs.val, docs.nbytes):
             if not is_val(doc_id, val, args.seed, args.val_fraction):
                 yield text
@@ -261,6 +295,8 @@ def _make_tokenizer(out: Path, units, args) -> dict:
         print(f"training a {spec['vocab_size']}-id BPE on up to {args.bpe_train_bytes:,} bytes of training text",
               file=sys.stderr)
     enc = tokenizer.build_tokenizer(spec, _training_texts(units, args, args.bpe_train_bytes))
+    if args.chat:
+        conversations.check_chat_tokenizer(enc, f"--tokenizer {args.tokenizer}")
     return tokenizer.save_tokenizer(enc, out)
 
 
@@ -269,21 +305,23 @@ class SplitWriter:
     """One split's shards: documents arrive in source order; a shard closes before it would exceed
     tokens_per_shard tokens (a longer document gets a shard of its own)."""
 
-    def __init__(self, out: Path, name: str, dtype: str, tokens_per_shard: int, done: list[dict]):
-        self.out, self.name, self.dtype, self.limit = out, name, dtype, tokens_per_shard
+    def __init__(self, out: Path, name: str, dtype: str, tokens_per_shard: int, done: list[dict],
+                 weighted: bool = False):
+        self.out, self.name, self.dtype, self.limit, self.weighted = out, name, dtype, tokens_per_shard, weighted
         self.shards = list(done)
         self.writer: shards.ShardWriter | None = None
         self.text_bytes = 0
 
-    def add(self, ids: np.ndarray, nbytes: int) -> bool:
+    def add(self, ids: np.ndarray, nbytes: int, weights: np.ndarray | None = None) -> bool:
         """Write one document; True when a shard was closed to make room for it."""
         closed = False
         if self.writer is not None and self.writer.tokens + len(ids) > self.limit:
             self.close()
             closed = True
         if self.writer is None:
-            self.writer = shards.ShardWriter(self.out / shards.shard_name(self.name, len(self.shards)), self.dtype)
-        self.writer.add(ids)
+            self.writer = shards.ShardWriter(self.out / shards.shard_name(self.name, len(self.shards)), self.dtype,
+                                             self.weighted)
+        self.writer.add(ids, weights)
         self.text_bytes += nbytes
         return closed
 
@@ -300,8 +338,11 @@ class SplitWriter:
             self.writer = None
 
     def summary(self) -> dict:
-        return {"docs": sum(s["docs"] for s in self.shards), "tokens": sum(s["tokens"] for s in self.shards),
-                "text_bytes": sum(s["text_bytes"] for s in self.shards), "shards": self.shards}
+        out = {"docs": sum(s["docs"] for s in self.shards), "tokens": sum(s["tokens"] for s in self.shards),
+               "text_bytes": sum(s["text_bytes"] for s in self.shards), "shards": self.shards}
+        if self.weighted:
+            out["trained_tokens"] = sum(s["trained_tokens"] for s in self.shards)
+        return out
 
 
 def _merge(out: Path, results, writers: dict, progress: dict, bar) -> inputs.ReadStats:
@@ -313,13 +354,16 @@ def _merge(out: Path, results, writers: dict, progress: dict, bar) -> inputs.Rea
     for result in results:
         u = result["unit"]
         offsets = np.concatenate([[0], np.cumsum(result["lengths"])])
+        weights = result["weights"]
         for k, (val, nbytes) in enumerate(zip(result["val"].tolist(), result["nbytes"].tolist())):
             split = "val" if val else "train"
             if (u, k) < resume[split]:
                 continue  # already in a finished shard
-            if writers[split].add(result["tokens"][offsets[k]:offsets[k + 1]], nbytes):
+            lo, hi = offsets[k], offsets[k + 1]
+            if writers[split].add(result["tokens"][lo:hi], nbytes, None if weights is None else weights[lo:hi]):
                 # The shard just closed ends before (u, k); a restart re-reads unit u.
                 _record(out, progress, writers, split, (u, k), stats)
+        progress["malformed"] += [[u, name] for name in result["malformed"]]  # named once, at the end
         stats.add(inputs.ReadStats(**result["stats"]))
         tokens_done += int(offsets[-1])
         bar.update(result["input_bytes"])
@@ -335,7 +379,25 @@ def _record(out: Path, progress: dict, writers: dict, split: str, position: tupl
     first = min(SPLITS, key=lambda s: tuple(progress["splits"][s]["resume"]))
     progress["stats"] = progress["splits"][first]["stats"]
     progress["restart_unit"] = progress["splits"][first]["resume"][0]
-    write_atomic(out / PROGRESS, (json.dumps(progress) + "\n").encode())
+    # Malformed records of the units a restart re-reads are named again then: keep only the others.
+    kept = [m for m in progress["malformed"] if m[0] < progress["restart_unit"]]
+    write_atomic(out / PROGRESS, (json.dumps({**progress, "malformed": kept}) + "\n").encode())
+
+
+def packing_table(out: Path, manifest: dict) -> dict:
+    """For chat data: how the training split packs at a few sequence lengths (the loader's
+    planner, epoch 0 of seed 0): rows, real tokens / row tokens, conversations too long for a row."""
+    with shards.Dataset(out, "train", manifest) as ds:
+        lengths = ds.lengths
+    order = np.random.default_rng([0, 0]).permutation(len(lengths))
+    table = {}
+    for seq_len in PACKING_SEQ_LENS:
+        plan = packing.EpochPlan(order, lengths, seq_len, block_tokens=packing.BLOCK_TOKENS, shuffle_seed=None,
+                                 whole=True)
+        summary = plan.summary()
+        table[str(seq_len)] = {"rows": summary["rows"], "efficiency": round(summary["efficiency"], 4),
+                               "too_long": summary["too_long"]}
+    return table
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -354,16 +416,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"{out}: already prepared from the same inputs and settings; nothing to do (--force rebuilds)")
         return 0
     _check_not_foreign(out, args.force)
-    inputs.check_sources(sources, args.text_field)
+    field = args.messages_field if args.chat else args.text_field
+    inputs.check_sources(sources, field, args.chat)
     progress = None if args.force else _resumable(out, settings)
     out.mkdir(parents=True, exist_ok=True)
     (out / shards.MANIFEST).unlink(missing_ok=True)  # the new one is written last
     if progress is None:
         _clean(out, keep=set())
         (out / PROGRESS).unlink(missing_ok=True)
-        desc = _make_tokenizer(out, inputs.iter_units(sources, args.text_field), args)
+        desc = _make_tokenizer(out, inputs.iter_units(sources, field), args)
         empty = asdict(inputs.ReadStats())
-        progress = {"settings": settings, "tokenizer": desc, "stats": empty, "restart_unit": 0,
+        progress = {"settings": settings, "tokenizer": desc, "stats": empty, "restart_unit": 0, "malformed": [],
                     "splits": {s: {"shards": [], "resume": [0, 0], "stats": empty} for s in SPLITS}}
         write_atomic(out / PROGRESS, (json.dumps(progress) + "\n").encode())
     else:
@@ -373,10 +436,11 @@ def run(args: argparse.Namespace) -> int:
         _clean(out, keep={s["file"] for split in progress["splits"].values() for s in split["shards"]})
     desc = progress["tokenizer"]
     dtype = shards.token_dtype(desc["vocab_size"])
-    writers = {s: SplitWriter(out, s, dtype, args.tokens_per_shard, progress["splits"][s]["shards"]) for s in SPLITS}
-    units = inputs.iter_units(sources, args.text_field)
+    writers = {s: SplitWriter(out, s, dtype, args.tokens_per_shard, progress["splits"][s]["shards"], args.chat)
+               for s in SPLITS}
+    units = inputs.iter_units(sources, field)
     done_bytes = sum(u.nbytes for u in itertools.islice(units, progress["restart_unit"]))  # finished before
-    init = (str(out), args.text_field, args.seed, args.val_fraction, dtype)
+    init = (str(out), field, args.seed, args.val_fraction, dtype, args.chat, args.strict)
     results = Tokenized(units, args.workers, init)  # before the progress bar starts its thread
     bar = tqdm(total=sum(s.size for s in sources), initial=done_bytes, unit="B", unit_scale=True,
                desc="prepare", file=sys.stderr, dynamic_ncols=True)
@@ -389,11 +453,15 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         for w in writers.values():
             w.abort()
-    return _finish(out, args, sources, settings, desc, dtype, writers, stats, time.perf_counter() - start)
+    malformed = [name for _, name in progress["malformed"]]
+    return _finish(out, args, sources, settings, desc, dtype, writers, stats, malformed, time.perf_counter() - start)
 
 
-def _finish(out, args, sources, settings, desc, dtype, writers, stats, seconds) -> int:
+def _finish(out, args, sources, settings, desc, dtype, writers, stats, malformed, seconds) -> int:
     splits = {s: w.summary() for s, w in writers.items()}
+    if splits["train"]["docs"] == 0 and args.chat:
+        raise UserError(f"no training conversations: {stats.documents} kept, {stats.malformed} malformed record(s) "
+                        "skipped" + (f" (the first: {malformed[0]})" if malformed else ""))
     if splits["train"]["docs"] == 0:
         raise UserError(f"no training documents: all {stats.documents} documents went to validation "
                         f"(--val-fraction {args.val_fraction}); lower it")
@@ -404,10 +472,16 @@ def _finish(out, args, sources, settings, desc, dtype, writers, stats, seconds) 
                 "vocab_size": desc["vocab_size"], "model_vocab_size": desc["model_vocab_size"],
                 "bos_id": desc["bos_id"], "eos_id": desc["eos_id"], "dtype": dtype,
                 "record_tokens": shards.RECORD_TOKENS, "block_bytes": shards.BLOCK_BYTES,
-                "settings": settings, "stats": asdict(stats),
+                "settings": settings, "stats": asdict(stats), "kind": "chat" if args.chat else "text",
+                "streams": ["tokens", "weights"] if args.chat else ["tokens"],
                 "sources": [{"name": s.name, "format": s.format, "bytes": s.size, "split": "val" if s.val else None}
                             for s in sources],
                 "splits": splits}
+    if args.chat:
+        manifest["conversations"] = {s: v["docs"] for s, v in splits.items()}
+        manifest["trained_tokens"] = {s: v["trained_tokens"] for s, v in splits.items()}
+        manifest["skipped"] = {"malformed": stats.malformed, "records": malformed[:MALFORMED_NAMED]}
+        manifest["packing"] = packing_table(out, manifest)
     shards.write_manifest(out, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
     parts = "; ".join(f"{k} {v['docs']:,} docs / {v['tokens']:,} tokens in {len(v['shards'])} shard(s)"
@@ -415,6 +489,13 @@ def _finish(out, args, sources, settings, desc, dtype, writers, stats, seconds) 
     tokens = sum(v["tokens"] for v in splits.values())
     print(f"prepared {out}: {parts}; tokenizer {desc['name']} ({desc['vocab_size']} ids, bos {desc['bos_id']}, "
           f"eos {desc['eos_id']}), {dtype}; {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
+    if args.chat:
+        trained = sum(v["trained_tokens"] for v in splits.values())
+        print(f"chat: {stats.documents:,} conversation(s), {tokens:,} tokens of which {trained:,} trained "
+              f"({trained / max(tokens, 1):.1%}); skipped {stats.malformed:,} malformed record(s)"
+              + "".join(f"\n  {name}" for name in malformed))
+        print("packing (seq_len: real tokens / row tokens, conversations too long for a row): " + ", ".join(
+            f"{k}: {v['efficiency']:.1%}, {v['too_long']}" for k, v in manifest["packing"].items()))
     if stats.empty or stats.replaced:
         print(f"input: skipped {stats.empty:,} empty document(s); replaced {stats.replaced:,} invalid UTF-8 "
               f"sequence(s) in {stats.replaced_docs:,} document(s) with U+FFFD")

@@ -4,10 +4,13 @@ checks, and random access to any token range of any document.
 A shard holds whole documents (a document never spans shards) as records of at most
 RECORD_TOKENS token ids each (little-endian uint16 or int32, no BOS/EOS: the packer adds them),
 then one last record: the documents' lengths (int64). So a reader touches only the records of
-the tokens it wants. Shards are written under a temporary name and renamed when complete; the
-manifest lists each shard's token count, size, sha256 and the sha256 of every BLOCK_BYTES block
-(for a sampled check at start). Damage found while reading raises DataIntegrityError, a
-UserError naming the shard, never a raw Riegeli exception.
+the tokens it wants. Chat data (format version 3, manifest field "streams": ["tokens", "weights"])
+stores a second per-token stream: after each document's token records come as many records of
+its loss weights (uint8, 0 or 1). Version-2 data (tokens only) still reads. Shards are written
+under a temporary name and renamed when complete; the manifest lists each shard's token count,
+size, sha256 and the sha256 of every BLOCK_BYTES block (for a sampled check at start). Damage
+found while reading raises DataIntegrityError, a UserError naming the shard, never a raw Riegeli
+exception.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from train.errors import UserError
 from train.jsonfile import read_json
 
 FORMAT = "torchlyra-token-shards"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3          # 3: the "streams" field and the optional weights stream
+READABLE_VERSIONS = (2, 3)  # 2: tokens only, no "streams" field
+STREAMS = {"tokens": None, "weights": "<u1"}  # per-token streams; None: the manifest's token dtype
 MANIFEST = "manifest.json"
 # One record per chunk (group_size:1): reading a record decodes only that record. Uncompressed:
 # zstd:1 would halve o200k shards (int32) but costs the preparation about 10% more CPU and the
@@ -70,18 +75,27 @@ class ShardWriter:
     """Writes one shard under a temporary name; close() publishes it and returns its manifest
     entry, abort() removes it. A shard that was not closed never carries its final name."""
 
-    def __init__(self, path: Path, dtype: str):
-        self.path, self.dtype = Path(path), DTYPES[dtype]
+    def __init__(self, path: Path, dtype: str, weighted: bool = False):
+        self.path, self.dtype, self.weighted = Path(path), DTYPES[dtype], weighted
         self.tmp = temp_name(self.path)
         self.writer = arm.ArrayRecordWriter(str(self.tmp), WRITER_OPTIONS)
         self.lengths: list[int] = []
-        self.tokens = self.records = 0
+        self.tokens = self.records = self.trained = 0
 
-    def add(self, ids: np.ndarray) -> None:
-        ids = np.asarray(ids).astype(self.dtype, copy=False)
-        for start in range(0, len(ids), RECORD_TOKENS):
-            self.writer.write(ids[start:start + RECORD_TOKENS].tobytes())
+    def _write(self, values: np.ndarray) -> None:
+        for start in range(0, len(values), RECORD_TOKENS):
+            self.writer.write(values[start:start + RECORD_TOKENS].tobytes())
             self.records += 1
+
+    def add(self, ids: np.ndarray, weights: np.ndarray | None = None) -> None:
+        """One document; `weights` (one 0/1 per token) exactly when the shard is weighted."""
+        if (weights is not None) != self.weighted or (weights is not None and len(weights) != len(ids)):
+            raise ValueError(f"{self.path.name}: weights expected {'one per token' if self.weighted else 'none'}")
+        self._write(np.asarray(ids).astype(self.dtype, copy=False))
+        if weights is not None:
+            weights = np.asarray(weights).astype(STREAMS["weights"], copy=False)
+            self._write(weights)
+            self.trained += int(weights.sum())
         self.lengths.append(len(ids))
         self.tokens += len(ids)
 
@@ -90,8 +104,11 @@ class ShardWriter:
         self.writer.close()
         publish(self.tmp, self.path)
         sha, blocks = hash_blocks(self.path)
-        return {"file": self.path.name, "docs": len(self.lengths), "tokens": self.tokens,
-                "records": self.records + 1, "bytes": self.path.stat().st_size, "sha256": sha, "blocks": blocks}
+        entry = {"file": self.path.name, "docs": len(self.lengths), "tokens": self.tokens,
+                 "records": self.records + 1, "bytes": self.path.stat().st_size, "sha256": sha, "blocks": blocks}
+        if self.weighted:
+            entry["trained_tokens"] = self.trained
+        return entry
 
     def abort(self) -> None:
         try:
@@ -119,9 +136,13 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise UserError(f"{path}: field 'format' expected {FORMAT!r}, found {found!r}: "
                         "not a torchlyra dataset manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{path}: field 'format_version' expected {FORMAT_VERSION}, found "
+    if manifest.get("format_version") not in READABLE_VERSIONS:
+        raise UserError(f"{path}: field 'format_version' expected one of {READABLE_VERSIONS}, found "
                         f"{manifest.get('format_version')!r} (re-run `torchlyra prepare --force`)")
+    streams = manifest.setdefault("streams", ["tokens"])  # version 2: tokens only
+    if streams not in (["tokens"], ["tokens", "weights"]):
+        raise UserError(f"{path}: field 'streams' expected [\"tokens\"] or [\"tokens\", \"weights\"], "
+                        f"found {streams!r}")
     for key in ("tokenizer", "vocab_size", "bos_id", "eos_id", "dtype", "record_tokens", "splits"):
         if key not in manifest:
             raise UserError(f"{path}: field {key!r} missing")
@@ -192,6 +213,8 @@ class Dataset:
         self.eos_id = manifest["eos_id"]
         self.record_tokens = int(manifest["record_tokens"])
         self.np_dtype = np.dtype(DTYPES[manifest["dtype"]])
+        self.streams = tuple(manifest.get("streams", ["tokens"]))
+        self.weighted = "weights" in self.streams
         self._readers: dict[int, object] = {}
         self._lock = threading.Lock()  # the prefetch thread and an evaluation pass may read at once
         self.doc_start = np.cumsum([0] + [s["docs"] for s in self.shards])  # first document of each shard
@@ -202,11 +225,12 @@ class Dataset:
             if len(lens) != shard["docs"] or int(lens.sum()) != shard["tokens"]:
                 raise DataIntegrityError(f"{self._path(i)}: shard damaged: its index lists {len(lens)} documents "
                                          f"of {int(lens.sum())} tokens, {MANIFEST} says {shard['docs']} of {shard['tokens']}")
-            per_doc = -(-lens // self.record_tokens)
+            per_doc = -(-lens // self.record_tokens) * len(self.streams)  # each stream's records in turn
             record_start.append(np.concatenate([[0], np.cumsum(per_doc)[:-1]]).astype(np.int64))
             lengths.append(lens)
         self.lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
         self.record_start = np.concatenate(record_start) if record_start else np.zeros(0, np.int64)
+        self.stream_records = -(-self.lengths // self.record_tokens)  # records of one stream, per document
 
     def __len__(self) -> int:
         return self.num_docs
@@ -226,14 +250,24 @@ class Dataset:
             raise DataIntegrityError(f"{self._path(shard)}: shard damaged or unreadable ({detail}); "
                                      f"run `torchlyra prepare --verify {self.data_dir}`") from None
 
+    def read_records(self, shard: int, records: list[int]) -> list[bytes]:
+        """Raw records of one shard (integrity checks); DataIntegrityError naming it on failure."""
+        return self._read(shard, records)
+
     def locate(self, doc: int) -> tuple[int, int]:
         """(shard, first record) of a document."""
         shard = int(np.searchsorted(self.doc_start, doc, side="right")) - 1
         return shard, int(self.record_start[doc])
 
-    def read_segments(self, segments) -> list[np.ndarray]:
-        """Token ids (int32) of each (doc, start, count) segment, reading each needed record once;
-        segments are grouped by shard so each shard is asked once."""
+    def read_segments(self, segments, stream: str = "tokens") -> list[np.ndarray]:
+        """Token ids (int32) of each (doc, start, count) segment, or with stream="weights" their
+        loss weights (uint8), reading each needed record once; segments are grouped by shard so
+        each shard is asked once."""
+        if stream not in self.streams:
+            raise UserError(f"{self.data_dir / MANIFEST}: no {stream!r} stream "
+                            f"(field 'streams' is {list(self.streams)})")
+        index = self.streams.index(stream)
+        dtype, out_dtype = (self.np_dtype, np.int32) if stream == "tokens" else (np.dtype(STREAMS[stream]), np.uint8)
         wanted: dict[int, dict[int, None]] = {}
         spans = []
         c = self.record_tokens
@@ -242,6 +276,7 @@ class Dataset:
                 spans.append(None)
                 continue
             shard, first = self.locate(int(doc))
+            first += index * int(self.stream_records[doc])
             lo, hi = first + start // c, first + (start + count - 1) // c
             wanted.setdefault(shard, {}).update(dict.fromkeys(range(lo, hi + 1)))
             spans.append((shard, lo, hi, start - (start // c) * c, count))
@@ -249,11 +284,11 @@ class Dataset:
         for shard, records in wanted.items():
             recs = list(records)
             for r, raw in zip(recs, self._read(shard, recs)):
-                got[shard, r] = np.frombuffer(raw, self.np_dtype)
+                got[shard, r] = np.frombuffer(raw, dtype)
         out = []
         for span in spans:
             if span is None:
-                out.append(np.zeros(0, np.int32))
+                out.append(np.zeros(0, out_dtype))
                 continue
             shard, lo, hi, skip, count = span
             parts = [got[shard, r] for r in range(lo, hi + 1)]
@@ -261,7 +296,7 @@ class Dataset:
             piece = ids[skip:skip + count]
             if len(piece) != count:
                 raise DataIntegrityError(f"{self._path(shard)}: shard damaged: a record is shorter than its index says")
-            out.append(piece.astype(np.int32))
+            out.append(piece.astype(out_dtype))  # a copy: never a view of the record's bytes
         return out
 
     def doc(self, d: int) -> np.ndarray:

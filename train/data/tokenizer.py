@@ -12,6 +12,8 @@ Special ids (also in the README):
       <|return|> 200002 (harmony chat). The model's vocabulary is padded to 201,088.
   bpe:N and other vocabularies: <|bos|> (the last id) starts every document and doubles as its
       end: generation stops on it.
+  bpe:N also reserves harmony's chat tokens (HARMONY_CHAT_TOKENS, the ids just before <|bos|>), so
+      the small CPU models can be fine-tuned and talked to in the harmony chat format.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ HARMONY_SPECIALS = {
 
 # ---- trained BPE ------------------------------------------------------------------------------
 BOS = "<|bos|>"
+# Harmony's chat tokens, reserved by every bpe:N tokenizer (ids len(ranks) .. len(ranks)+6, then
+# <|bos|>): a conversation renders with the same special tokens as under o200k_harmony.
+HARMONY_CHAT_TOKENS = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>",
+                       "<|constrain|>")
+MIN_BPE_VOCAB = 256 + len(HARMONY_CHAT_TOKENS) + 1  # every byte, the chat tokens, <|bos|>
 # GPT-4's split pattern (cl100k_base): contractions, words, up to 3 digits, punctuation, spaces.
 PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
            r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -135,9 +142,9 @@ def parse_spec(spec: str) -> dict:
             size = int(spec[4:])
         except ValueError:
             size = -1
-        if size < 257:
-            raise UserError(f"--tokenizer {spec}: expected bpe:VOCAB_SIZE with VOCAB_SIZE >= 257 "
-                            f"(256 bytes + {BOS})")
+        if size < MIN_BPE_VOCAB:
+            raise UserError(f"--tokenizer {spec}: expected bpe:VOCAB_SIZE with VOCAB_SIZE >= {MIN_BPE_VOCAB} "
+                            f"(256 bytes + {len(HARMONY_CHAT_TOKENS)} harmony chat tokens + {BOS})")
         return {"kind": "bpe", "vocab_size": size}
     path = Path(spec)
     if path.is_dir():
@@ -179,19 +186,22 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 4096) -> tiktoken.Encoding:
-    """Train a byte-level BPE with vocab_size ids in all (256 bytes + merges + <|bos|>), with HF
+    """Train a byte-level BPE with vocab_size ids in all (256 bytes + merges + the harmony chat
+    tokens + <|bos|>, the last id), with HF
     `tokenizers` (fast, Rust) behind the regex tiktoken applies at encode time; its merges become
     tiktoken ranks (the 256 bytes first, then one per merge, in order). A corpus too small to
     yield that many merges gives a smaller vocabulary (enc.n_vocab)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-    if vocab_size < 257:
-        raise UserError(f"bpe:VOCAB_SIZE: expected at least 257 (256 bytes + {BOS}), found {vocab_size}")
+    if vocab_size < MIN_BPE_VOCAB:
+        raise UserError(f"bpe:VOCAB_SIZE: expected at least {MIN_BPE_VOCAB} (256 bytes + "
+                        f"{len(HARMONY_CHAT_TOKENS)} harmony chat tokens + {BOS}), found {vocab_size}")
+    reserved = len(HARMONY_CHAT_TOKENS) + 1
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, show_progress=False, special_tokens=[],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - reserved, show_progress=False, special_tokens=[],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     merges = json.loads(tok.to_str())["model"]["merges"]
@@ -202,10 +212,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096) -> tiktoken.Encoding
         left, right = merge.split(" ") if isinstance(merge, str) else merge
         token = bytes(to_byte[c] for c in left + right)
         ranks.setdefault(token, len(ranks))  # a merge that re-creates a known token adds no id
-        if len(ranks) == vocab_size - 1:
+        if len(ranks) == vocab_size - reserved:
             break
-    return tiktoken.Encoding(name=f"bpe-{len(ranks) + 1}", pat_str=PAT_STR, mergeable_ranks=ranks,
-                             special_tokens={BOS: len(ranks)})
+    specials = {name: len(ranks) + i for i, name in enumerate(HARMONY_CHAT_TOKENS)}
+    return tiktoken.Encoding(name=f"bpe-{len(ranks) + reserved}", pat_str=PAT_STR, mergeable_ranks=ranks,
+                             special_tokens={**specials, BOS: len(ranks) + len(HARMONY_CHAT_TOKENS)})
 
 
 def build_tokenizer(spec: dict, training_texts: Iterable[str] | None = None) -> tiktoken.Encoding:
@@ -232,6 +243,16 @@ def special_ids(enc: tiktoken.Encoding) -> dict:
         raise UserError(f"tokenizer {enc.name}: has neither {STARTOFTEXT}/{ENDOFTEXT} nor {BOS} to mark documents")
     return {"bos": specials[BOS], "eos": None, "stop": [specials[BOS]],
             "model_vocab_size": -(-enc.n_vocab // 128) * 128}
+
+
+def token_byte_lengths(enc: tiktoken.Encoding) -> "np.ndarray":
+    """UTF-8 bytes each id stands for (int64, one per id); special tokens count none."""
+    import numpy as np
+
+    lengths = np.zeros(enc.n_vocab, np.int64)
+    for token, rank in enc._mergeable_ranks.items():
+        lengths[rank] = len(token)
+    return lengths
 
 
 def bos_id(enc: tiktoken.Encoding) -> int:

@@ -2,8 +2,8 @@
 
 Every shard: present, of its recorded size and sha256; every record readable (ArrayRecord
 checks its own block hashes) and as long as the shard's index says; the index agreeing with the
-manifest's document and token counts; every token id below the vocabulary size. Also the
-tokenizer file's sha256. All damaged shards are named, then the command fails (exit 2).
+manifest's document and token counts; every token id below the vocabulary size, every loss weight
+0 or 1 (chat data). Also the tokenizer file's sha256. All damaged shards are named, then the command fails (exit 2).
 """
 
 from __future__ import annotations
@@ -34,13 +34,21 @@ def _check_shard(data_dir: Path, manifest: dict, split: str, entry: dict) -> int
     one = {**manifest, "splits": {split: {"docs": entry["docs"], "tokens": entry["tokens"], "shards": [entry]}}}
     with shards.Dataset(data_dir, split, one) as ds:  # reads the index record
         vocab = int(manifest["vocab_size"])
+        # Which stream each record holds: per document, each stream's records in turn.
+        kinds = np.concatenate([np.repeat(np.arange(len(ds.streams)), n) for n in ds.stream_records.tolist()] or
+                               [np.zeros(0, np.int64)])
         for start in range(0, entry["records"] - 1, 256):
             records = list(range(start, min(start + 256, entry["records"] - 1)))
-            for raw in ds._read(0, records):
+            for r, raw in zip(records, ds.read_records(0, records)):
+                if r < len(kinds) and ds.streams[kinds[r]] == "weights":
+                    w = np.frombuffer(raw, shards.STREAMS["weights"])
+                    if len(w) and int(w.max()) > 1:
+                        raise DataIntegrityError(f"{entry['file']}: loss weight {int(w.max())}, expected 0 or 1")
+                    continue
                 ids = np.frombuffer(raw, ds.np_dtype)
                 if len(ids) and int(ids.max()) >= vocab:
                     raise DataIntegrityError(f"{entry['file']}: token id {int(ids.max())} >= vocab_size {vocab}")
-        expected = -(-ds.lengths // ds.record_tokens)
+        expected = -(-ds.lengths // ds.record_tokens) * len(ds.streams)
         if int(expected.sum()) + 1 != entry["records"]:
             raise DataIntegrityError(f"{entry['file']}: {entry['records']} records, the index implies "
                                      f"{int(expected.sum()) + 1}")

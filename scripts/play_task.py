@@ -1,0 +1,108 @@
+"""A chat task made from the bundled Shakespeare corpus: given a line, name the play it comes from.
+
+`build` writes conversations (OpenAI chat shape) for SFT and held-out items never trained on;
+`score` asks a checkpoint each held-out question in the harmony chat format (greedy) and prints
+its accuracy (exact title). Used for BENCHMARKS.md's "SFT: a measured effect" (issue 21):
+
+    python scripts/play_task.py build --out data/play-task-src
+    python scripts/play_task.py score --checkpoint runs/tiny --items data/play-task-src/heldout.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+PLAYS = {"hamlet": "Hamlet", "macbeth": "Macbeth", "romeo_and_juliet": "Romeo and Juliet", "othello": "Othello",
+         "tempest": "The Tempest", "julius_caesar": "Julius Caesar"}
+QUESTION = "Which play is this line from?\n"
+SPEAKER = re.compile(r"^[A-Z][A-Za-z' ]{0,24}\.$")       # "Ham.", "First Witch."
+
+
+def play_lines(path: Path) -> list[str]:
+    """The first line of each speech (a block led by a speaker line), 25-90 characters, unique."""
+    lines, seen = [], set()
+    for block in re.split(r"\n\s*\n", path.read_text(encoding="utf-8", errors="replace")):
+        rows = [r.strip() for r in block.strip().splitlines()]
+        if len(rows) >= 2 and SPEAKER.match(rows[0]) and not rows[1].startswith("["):
+            line = rows[1]
+            if 25 <= len(line) <= 90 and line not in seen:
+                seen.add(line)
+                lines.append(line)
+    return lines
+
+
+def conversation(line: str, title: str) -> dict:
+    return {"messages": [{"role": "user", "content": QUESTION + line}, {"role": "assistant", "content": title}]}
+
+
+def build(out: Path, heldout_per_play: int, train_per_play: int, seed: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from train.data.corpus import extract_plays
+
+    paths = dict(extract_plays())
+    rng = random.Random(seed)
+    train, heldout = [], []
+    for name, title in PLAYS.items():
+        lines = play_lines(paths[name])
+        rng.shuffle(lines)
+        heldout += [conversation(line, title) for line in lines[:heldout_per_play]]
+        train += [conversation(line, title) for line in lines[heldout_per_play:heldout_per_play + train_per_play]]
+    rng.shuffle(train)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "val").mkdir(exist_ok=True)
+    for path, items in ((out / "train.jsonl", train), (out / "val" / "heldout.jsonl", heldout)):
+        path.write_text("".join(json.dumps(c) + "\n" for c in items))
+    print(f"{len(train)} training conversations in {out / 'train.jsonl'}, {len(heldout)} held-out in "
+          f"{out / 'val' / 'heldout.jsonl'} ({len(PLAYS)} plays: chance {1 / len(PLAYS):.1%})")
+
+
+def score(checkpoint: str, items: Path, batch: int) -> float:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from train.generation import chat
+    from train.generation.generator import Generator, load_for_generation
+    from train.generation.sampling import SamplingConfig
+
+    model, tokenizer = load_for_generation(checkpoint)
+    convs = [json.loads(line) for line in items.read_text().splitlines() if line.strip()]
+    prompts = [chat.render(tokenizer, [chat.Message("user", c["messages"][0]["content"])]) for c in convs]
+    answers = [c["messages"][1]["content"] for c in convs]
+    sampling = SamplingConfig(max_new_tokens=16, temperature=0.0,
+                              stop_tokens=(*chat.stop_tokens(tokenizer), model.cfg.eos_token_id))
+    generator = Generator(model)
+    replies = []
+    for i in range(0, len(prompts), batch):
+        result = generator.generate(prompts[i:i + batch], sampling)
+        replies += [chat.reply_text(tokenizer, ids)[0].strip() for ids in result.tokens]
+    correct = sum(r == a for r, a in zip(replies, answers))
+    titled = sum(r in PLAYS.values() for r in replies)
+    print(f"{checkpoint}: {correct}/{len(answers)} correct = {correct / len(answers):.1%} (chance "
+          f"{1 / len(PLAYS):.1%}); {titled} replies name one of the {len(PLAYS)} plays; examples: "
+          + " | ".join(repr(r) for r in replies[:3]))
+    return correct / len(answers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="write train.jsonl and val/heldout.jsonl")
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--heldout-per-play", type=int, default=40)
+    b.add_argument("--train-per-play", type=int, default=400)
+    b.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("score", help="accuracy of a checkpoint on held-out items")
+    s.add_argument("--checkpoint", required=True)
+    s.add_argument("--items", type=Path, required=True)
+    s.add_argument("--batch", type=int, default=48)
+    args = parser.parse_args()
+    if args.command == "build":
+        build(args.out, args.heldout_per_play, args.train_per_play, args.seed)
+    else:
+        score(args.checkpoint, args.items, args.batch)
+
+
+if __name__ == "__main__":
+    main()
