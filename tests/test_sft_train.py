@@ -30,7 +30,7 @@ def test_sft_run_trains_on_weighted_tokens_and_talks(chat_data, tmp_path, capsys
     assert evals[-1]["val_trained_tokens"] > 0 and evals[-1]["val_bpb"] > 0
     assert evals[-1]["val_trained_tokens"] < evals[-1]["val_tokens"]          # prompts are not scored
     capsys.readouterr()
-    assert main(["generate", "--checkpoint", str(out), "--chat", "--prompt", "hello", "--max-tokens", "5",
+    assert main(["generate", "--checkpoint", str(out), "--chat", "--prompt", "hello", "--max-tokens", "3",
                  "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip()
 

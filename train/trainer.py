@@ -188,10 +188,10 @@ class Trainer:
         self.last_eval: dict = {}
         self._loader_state = None        # set while a read is in flight (see next_batch)
         self.metrics = self._open_metrics(resume_dir, meta)
-        self.bar = tqdm(total=cfg.steps, initial=self.done, desc="train", dynamic_ncols=True,
-                        disable=not (show_progress and self.primary))
         if self.train_data.yields_batch:
             self._report_packing()
+        self.bar = tqdm(total=cfg.steps, initial=self.done, desc="train", dynamic_ncols=True,
+                        disable=not (show_progress and self.primary))
 
     def _report_packing(self) -> None:
         """Packed rows (chat, document masking): the packing of epoch 0, printed and logged."""
