@@ -37,8 +37,8 @@ CONTROL = "control (no bug)"
 RANDOM, TRAINED = "random init", "trained"
 WEIGHTS = (RANDOM, TRAINED)
 # Trained with the training-time loss coefficients of `tiny` (the parity run then weights every
-# term as usual); 100 steps of batch 4 take the loss from 6.3 to ~2.7 and leave the experts'
-# token counts uneven (as on the demo's checkpoints).
+# term as usual); 100 steps of batch 4 take the cross-entropy on text windows from 6.26 to 2.11,
+# the largest logit from 0.67 to 7.7, and leave the experts' loads uneven (39 to 125 tokens of 320).
 TRAINED_STEPS, TRAINED_BATCH = 100, 4
 TRAINING_LOSS = {"router_aux_loss_coef": 1e-2, "router_z_loss_coef": 0.0, "lm_z_loss_coef": 0.0}
 
