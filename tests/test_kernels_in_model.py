@@ -11,8 +11,10 @@ from torch_model.model import GptOssForCausalLM
 
 
 def test_all_pallas_train_step_matches_xla_step():
+    """Two layers (one sliding, one full attention) exercise every kernel: the interpreted Pallas
+    kernels cost the suite ~1 minute at tiny's four."""
     torch.manual_seed(0)
-    cfg = get_preset("tiny").replace(sliding_window=16)
+    cfg = get_preset("tiny").replace(sliding_window=16, n_layers=2)
     model = GptOssForCausalLM(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 2, 81)).astype(np.int32)
     xla = TrainStep(model, step_cfg=StepConfig(kernels="xla"))
