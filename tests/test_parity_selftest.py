@@ -80,8 +80,8 @@ def test_trained_weights_are_sharp_and_route_unevenly(result):
 def test_trained_checkpoint_passes_bf16_parity_on_the_reference_kernels(result, trained_state):
     """What `torchlyra parity --checkpoint` does after training, on the self-test's trained micro
     model and the reference kernel set (a planted bug on the same weights fails: above)."""
-    ids, labels = text_inputs(selftest.text_tokens(), 2, 80, 0)
-    report = run_parity(MICRO, trained_state, kernel_sets=["xla"], dtypes=("bfloat16",), inputs=(ids, labels),
+    report = run_parity(MICRO, trained_state, kernel_sets=["xla"], dtypes=("bfloat16",),
+                        inputs=text_inputs(selftest.text_tokens(), 2, 80, 0),
                         compiler_options=FAST_COMPILE)
     assert report.passed, "\n" + "\n".join(r.line() for r in report.failures())
     assert report.runs() == [("attention=xla,cross_entropy=xla,moe=xla", "bfloat16")]
