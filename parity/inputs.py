@@ -79,7 +79,8 @@ class ParityBatch:
 
     @property
     def labels(self) -> torch.Tensor:
-        return torch.where(self.weights[:, 1:] > 0, self.tokens[:, 1:], torch.full_like(self.tokens[:, 1:], IGNORE_INDEX))
+        targets = self.tokens[:, 1:]
+        return torch.where(self.weights[:, 1:] > 0, targets, torch.full_like(targets, IGNORE_INDEX))
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The model's per-row `positions` and `segment_ids` [B, seq_len] (empty: unsegmented)."""
@@ -116,7 +117,8 @@ def parity_inputs(vocab_size: int, batch: int, seq_len: int, seed: int,
     rows (`pack_rows`) unless `segments` is False."""
     gen = torch.Generator().manual_seed(seed)
     if segments:
-        return pack_rows(lambda n: torch.randint(0, vocab_size, (n,), generator=gen), batch, seq_len, ignore_fraction, gen)
+        return pack_rows(lambda n: torch.randint(0, vocab_size, (n,), generator=gen), batch, seq_len,
+                         ignore_fraction, gen)
     tokens = torch.randint(0, vocab_size, (batch, seq_len + 1), generator=gen)
     return ParityBatch.from_pairs(*_with_ignored_labels(tokens, seq_len, ignore_fraction, gen))
 

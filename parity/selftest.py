@@ -108,7 +108,8 @@ class SelftestReport:
 
     def format(self, verbose: bool = False) -> str:
         lines = [f"parity self-test: planted bugs on a micro model ({MICRO.n_layers} layers, d_model {MICRO.d_model}, "
-                 f"{MICRO.n_experts} experts, window {MICRO.sliding_window}, seq_len {self.report.setup['seq_len']}); "
+                 f"{MICRO.n_experts} experts, window {MICRO.sliding_window}, seq_len {self.report.setup['seq_len']}, "
+                 f"{'packed rows' if self.report.setup.get('segmented') else 'unsegmented rows'}); "
                  f"each must fail the suite, naming the tensors at fault; on {' and on '.join(self.weights())} weights",
                  f"  {'bug':<20} {'weights':<12} {'dtype':<9} {'result':<10} failing checks (tensors named)"]
         for o in self.outcomes:

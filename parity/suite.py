@@ -187,8 +187,11 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
                 probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options, compiler_options)
                 run = lowered_run(probe, shared, data, reference, full_step=full_step)
             except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
+                hint = ""
+                if isinstance(e, registry.KernelError) and data.segmented and "segment ids" in str(e):
+                    hint = "; the parity rows are packed by default: --no-segments runs plain rows"
                 report.rows.append(Row(label, dtype, "error", "kernel set", status=ERROR,
-                                       message=f"{type(e).__name__}: {_first_line(e)}"))
+                                       message=f"{type(e).__name__}: {_first_line(e)}{hint}"))
                 continue
             resolved = kernel_label(probe.kernels)
             report.setup["coverage"][resolved] = coverage.describe(

@@ -177,7 +177,8 @@ def test_parity_inputs_are_packed_rows_that_train_only_inside_a_segment():
     segments, positions = batch.segment_ids, batch.positions
     assert batch.tokens.shape == segments.shape == positions.shape == batch.weights.shape == (BATCH, SEQ + 1)
     real = [sorted(set(row.tolist()) - {PAD_SEGMENT}) for row in segments]
-    assert real == [[1, 2, 3], [1, 2]] and (segments[1, -5:] == PAD_SEGMENT).all() and (segments[0] != PAD_SEGMENT).all()
+    assert real == [[1, 2, 3], [1, 2]]
+    assert (segments[1, -5:] == PAD_SEGMENT).all() and (segments[0] != PAD_SEGMENT).all()   # odd rows: a padded tail
     lengths = [int((segments[0] == s).sum()) for s in (1, 2, 3)]
     assert len(set(lengths)) == 3                                          # conversations of different lengths
     for row_segments, row_positions in zip(segments, positions):
@@ -194,7 +195,8 @@ def test_parity_inputs_are_packed_rows_that_train_only_inside_a_segment():
     assert torch.equal(model_inputs["segment_ids"], segments[:, :-1]) and torch.equal(model_inputs["positions"],
                                                                                         positions[:, :-1])
     step = batch.step_tokens()
-    assert set(step) == {"tokens", "weights", "segment_ids", "positions"} and step["tokens"].shape == (1, BATCH, SEQ + 1)
+    assert set(step) == {"tokens", "weights", "segment_ids", "positions"}
+    assert step["tokens"].shape == (1, BATCH, SEQ + 1)
     assert step["weights"][0, :, 1:].sum() == (labels != IGNORE_INDEX).sum()      # the step's denominator
     short = parity_inputs(SMALL.vocab_size, 1, 6, seed=0)                         # too short to split: one segment
     assert set(short.segment_ids[0].tolist()) == {1}
@@ -234,6 +236,24 @@ def test_a_kernel_that_cannot_load_is_an_error_line_and_fails_the_suite():
     assert errors[0].kernels == "attention=xla,cross_entropy=xla,moe=test_missing"
     assert "no_such_kernel" in errors[0].message
     assert "ERROR" in report.format() and "parity: FAIL" in report.format()
+
+
+def test_an_attention_without_segment_ids_is_refused_by_name_on_packed_rows():
+    """The parity rows are packed by default: a user's attention with no `segment_ids` keyword is an
+    ERROR line naming it (registry.check_segments), not a silent unsegmented run."""
+    from pallas_kernels.attention import attention_reference
+
+    def plain_attention(q, k, v, sinks, *, sliding_window, scale):
+        return attention_reference(q, k, v, sinks, sliding_window=sliding_window, scale=scale)
+
+    from parity.selftest import MICRO
+
+    with registered("attention", "test_plain", plain_attention) as spec:
+        report = run_parity(MICRO, kernel_sets=[spec], batch=1, seq_len=8)
+    errors = [r for r in report.rows if r.status == "ERROR"]
+    assert not report.passed and len(errors) == 1
+    assert "attention=test_plain does not take segment ids" in errors[0].message
+    assert "--no-segments" in errors[0].message
 
 
 # ---- the xla set through the CLI, in float32 and bfloat16 ------------------------------------
