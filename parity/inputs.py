@@ -1,19 +1,22 @@
 """The parity suite's inputs: the parity run's model (`parity_config`), its weights (`build_model`:
-seeded random or a state dict) and its tokens (`parity_inputs`: random ids, some labels ignored).
+seeded random or a state dict) and its tokens (`parity_inputs`, `text_inputs`: a `ParityBatch`).
 
 Defaults that make every part visible: the preset's sliding window cut to PARITY_WINDOW (16) at
 sequence PARITY_SEQ_LEN (80), small kernel tiles (PARITY_TILES), one label in ten at the ignore
-index and non-zero router balance, router z-loss and LM z-loss coefficients (PARITY_LOSS).
+index, non-zero router balance, router z-loss and LM z-loss coefficients (PARITY_LOSS), and packed
+rows (issue 21): each row holds segments of different lengths (3 in even rows; 2 and a padded
+tail in odd rows; `SEGMENT_CUTS`) with positions restarting at each, as the SFT / document-masking loader packs.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from torch_model.config import ModelConfig
-from torch_model.model import IGNORE_INDEX, GptOssForCausalLM
+from torch_model.model import IGNORE_INDEX, PAD_SEGMENT, GptOssForCausalLM
 from train.errors import UserError
 
 # The default parity inputs (see the module docstring).
@@ -44,26 +47,140 @@ def parity_config(cfg: ModelConfig, window: int | None = PARITY_WINDOW, loss: Ma
     return cfg.replace(**changes)
 
 
+# Packed rows: even rows hold 3 segments cut at 15% and 80% of the row, odd rows 2 cut at 55% and a
+# padded tail of 1/6 of the row (its own segment id PAD_SEGMENT, position 0, weight 0, as
+# train/data/loader.py pads). At the default 80 tokens and parity tiles (16 x 32) these cuts let
+# the pallas kernel skip tiles on segment bounds in the sliding and the full layers (the coverage
+# lines count them). A row too short for segments of MIN_SEGMENT tokens holds one.
+SEGMENT_CUTS = ((0.15, 0.8), (0.55,))
+PAD_SHARE = (0.0, 1 / 6)
+MIN_SEGMENT = 4
+PAD_ID = 0
+
+
+@dataclass(frozen=True)
+class ParityBatch:
+    """The parity run's batch as the train step sees it: `tokens` int64 [B, seq_len + 1] and
+    `weights` float32 [B, seq_len + 1] (weights[:, 1:] is 1 where label tokens[:, 1:] is trained),
+    plus `segment_ids` / `positions` [B, seq_len + 1] for packed rows (None: unsegmented rows,
+    positions 0, 1, ...). Inputs are tokens[:, :-1], labels tokens[:, 1:] (ignored where weight 0)."""
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    segment_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    @property
+    def segmented(self) -> bool:
+        return self.segment_ids is not None
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.tokens[:, :-1]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        targets = self.tokens[:, 1:]
+        return torch.where(self.weights[:, 1:] > 0, targets, torch.full_like(targets, IGNORE_INDEX))
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's per-row `positions` and `segment_ids` [B, seq_len] (empty: unsegmented)."""
+        if not self.segmented:
+            return {}
+        return {"positions": self.positions[:, :-1], "segment_ids": self.segment_ids[:, :-1]}
+
+    def step_tokens(self):
+        """One step's batch for `TrainStep.__call__` (one micro-batch): the packed dict (tokens,
+        weights, segment ids, positions; its cross-entropy divides by the trained tokens, as the
+        eager loss divides by the labels not ignored) or, unsegmented, the bare tokens (which
+        have no ignored labels: the caller ignores none)."""
+        if not self.segmented:
+            return self.tokens.numpy()[None]
+        return {"tokens": self.tokens.numpy()[None], "weights": self.weights.numpy()[None],
+                "segment_ids": self.segment_ids.numpy()[None], "positions": self.positions.numpy()[None]}
+
+    @classmethod
+    def from_pairs(cls, ids, labels) -> ParityBatch:
+        """Unsegmented rows from (input ids, labels) int64 [B, seq_len], labels the next token
+        or IGNORE_INDEX."""
+        ids, labels = (torch.as_tensor(np.asarray(x), dtype=torch.int64) for x in (ids, labels))
+        last = labels[:, -1:].clamp(min=0)
+        tokens = torch.cat([ids, last], 1)
+        tokens[:, 1:] = torch.where(labels == IGNORE_INDEX, tokens[:, 1:], labels)
+        weights = torch.cat([torch.zeros_like(ids[:, :1]), (labels != IGNORE_INDEX).long()], 1).float()
+        return cls(tokens, weights)
+
+
 def parity_inputs(vocab_size: int, batch: int, seq_len: int, seed: int,
-                  ignore_fraction: float = PARITY_IGNORE_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, labels), int64 [batch, seq_len]: uniform random tokens seeded with `seed`,
-    labels the next token, a seeded `ignore_fraction` of the labels at the ignore index (at least
-    one per row when the fraction is > 0, and never all of them)."""
+                  ignore_fraction: float = PARITY_IGNORE_FRACTION, segments: bool = True) -> ParityBatch:
+    """Uniform random tokens seeded with `seed`, a seeded `ignore_fraction` of the labels at the
+    ignore index (at least one per row when the fraction is > 0, and never all of them); packed
+    rows (`pack_rows`) unless `segments` is False."""
     gen = torch.Generator().manual_seed(seed)
+    if segments:
+        return pack_rows(lambda n: torch.randint(0, vocab_size, (n,), generator=gen), batch, seq_len,
+                         ignore_fraction, gen)
     tokens = torch.randint(0, vocab_size, (batch, seq_len + 1), generator=gen)
-    return _with_ignored_labels(tokens, seq_len, ignore_fraction, gen)
+    return ParityBatch.from_pairs(*_with_ignored_labels(tokens, seq_len, ignore_fraction, gen))
 
 
 def text_inputs(data: np.ndarray, batch: int, seq_len: int, seed: int,
-                ignore_fraction: float = PARITY_IGNORE_FRACTION) -> tuple[torch.Tensor, torch.Tensor]:
-    """As `parity_inputs`, from windows of a token sequence `data` (1-D) at seeded offsets: what
-    a trained model sees, so its logits are as sharp and its routing as uneven as in use."""
+                ignore_fraction: float = PARITY_IGNORE_FRACTION, segments: bool = True) -> ParityBatch:
+    """As `parity_inputs`, from windows of a token sequence `data` (1-D) at seeded offsets (one
+    per segment): what a trained model sees, so its logits are as sharp and its routing as uneven
+    as in use."""
     gen = torch.Generator().manual_seed(seed)
     if len(data) < seq_len + 1:
         raise ValueError(f"text_inputs: {len(data)} tokens, a window needs {seq_len + 1}")
+
+    def window(n: int) -> torch.Tensor:
+        s = int(torch.randint(0, len(data) - n + 1, (1,), generator=gen))
+        return torch.as_tensor(np.asarray(data[s:s + n], np.int64))
+
+    if segments:
+        return pack_rows(window, batch, seq_len, ignore_fraction, gen)
     starts = torch.randint(0, len(data) - seq_len, (batch,), generator=gen)
     tokens = torch.stack([torch.as_tensor(np.asarray(data[s:s + seq_len + 1], np.int64)) for s in starts.tolist()])
-    return _with_ignored_labels(tokens, seq_len, ignore_fraction, gen)
+    return ParityBatch.from_pairs(*_with_ignored_labels(tokens, seq_len, ignore_fraction, gen))
+
+
+def segment_lengths(row: int, row_len: int) -> tuple[list[int], int]:
+    """(lengths of the real segments, padded tail) of packed row `row` of `row_len` tokens
+    (SEGMENT_CUTS, PAD_SHARE; one segment when a cut would leave one under MIN_SEGMENT)."""
+    pad = int(PAD_SHARE[row % len(PAD_SHARE)] * row_len)
+    if row_len - pad < 2 * MIN_SEGMENT:
+        pad = 0
+    real = row_len - pad
+    cuts = [round(f * (row_len - 1)) for f in SEGMENT_CUTS[row % len(SEGMENT_CUTS)]]
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, real])]
+    return (lengths if min(lengths) >= MIN_SEGMENT else [real]), pad
+
+
+def pack_rows(take: Callable[[int], torch.Tensor], batch: int, seq_len: int, ignore_fraction: float,
+              gen) -> ParityBatch:
+    """Packed rows of seq_len + 1 tokens: segments of `take(length)` tokens (ids 1, 2, ...,
+    positions restarting at 0), then the padded tail. A label is trained only inside a segment
+    (never across a boundary, never on padding); a seeded `ignore_fraction` of the labels is
+    ignored on top (at least one per row; never all of the row's trained ones)."""
+    row_len = seq_len + 1
+    tokens = torch.full((batch, row_len), PAD_ID, dtype=torch.int64)
+    segments = torch.full((batch, row_len), PAD_SEGMENT, dtype=torch.int64)
+    positions = torch.zeros((batch, row_len), dtype=torch.int64)
+    for r in range(batch):
+        lengths, _ = segment_lengths(r, row_len)
+        start = 0
+        for s, n in enumerate(lengths, start=1):
+            tokens[r, start:start + n] = take(n)
+            segments[r, start:start + n] = s
+            positions[r, start:start + n] = torch.arange(n)
+            start += n
+    trained = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != PAD_SEGMENT)
+    if ignore_fraction > 0:
+        n = max(1, round(ignore_fraction * seq_len))
+        for row in trained:
+            keep = row.nonzero().flatten()
+            row[keep[torch.randperm(len(keep), generator=gen)[:min(n, len(keep) - 1)]]] = False
+    weights = torch.cat([torch.zeros((batch, 1), dtype=torch.bool), trained], 1).float()
+    return ParityBatch(tokens, weights, segments, positions)
 
 
 def _with_ignored_labels(tokens: torch.Tensor, seq_len: int, ignore_fraction: float, gen) -> tuple:

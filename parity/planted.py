@@ -91,8 +91,10 @@ def _scale_grad(x, factor):
 
 # ---- planted kernels: each the op's reference plus one selectable error ---------------------------
 def _rotate(x, positions, inv_freq, scaling, inverse=False):
-    """RoPE as torch_model/rope.py (halves rotated), or its inverse. x [B, H, T, D]."""
-    freqs = positions[:, None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    """RoPE as torch_model/rope.py (halves rotated), or its inverse. x [B, H, T, D]; positions
+    [T] or per row [B, T]."""
+    positions = jnp.broadcast_to(positions, (x.shape[0], x.shape[2]))[:, None, :, None]
+    freqs = positions.astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
     cos, sin = jnp.cos(freqs) * scaling, jnp.sin(freqs) * scaling
     if inverse:                       # R^-1 = R^T / scaling^2
         cos, sin = cos / scaling ** 2, -sin / scaling ** 2
@@ -108,14 +110,24 @@ def rope_frequencies(model_config) -> tuple:
     return tuple(right), tuple(wrong), scaling
 
 
-def attention_planted(q, k, v, sinks, *, sliding_window: int, scale: float, rope=None):
+def segment_positions(segment_ids):
+    """Per-row positions restarting at each run of equal segment ids [B, T] (how packed rows
+    number their tokens; the parity inputs' padding, position 0 in the model, differs)."""
+    t = jnp.arange(segment_ids.shape[1])
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def attention_planted(q, k, v, sinks, *, sliding_window: int, scale: float, segment_ids=None, rope=None):
     """attention_reference with: sink gradient x2; window W+1; q/k re-rotated with another RoPE base
-    (`rope`: `rope_frequencies` of the model; bound by `registered`)."""
-    ref = functools.partial(attention_reference, scale=scale)
+    (`rope`: `rope_frequencies` of the model; bound by `registered`). Takes segment ids (packed
+    rows) as every built-in implementation does; the RoPE bug then re-rotates each segment from
+    its own start."""
+    ref = functools.partial(attention_reference, scale=scale, segment_ids=segment_ids)
     sinks = _scale_grad(sinks, jnp.where(_is(SINK_GRAD_X2), 2.0, 1.0))
     if rope is not None:
         right, wrong, scaling = rope
-        pos = jnp.arange(q.shape[2])
+        pos = jnp.arange(q.shape[2]) if segment_ids is None else segment_positions(segment_ids)
         fix = lambda x: _rotate(_rotate(x, pos, right, scaling, inverse=True), pos, wrong, scaling)  # noqa: E731
         rope = _is(ROPE_BASE)
         q, k = jnp.where(rope, fix(q), q), jnp.where(rope, fix(k), k)

@@ -97,6 +97,8 @@ class Report:
                  f"post-step params from {s['post_step']}",
                  f"loss coefficients: {s.get('loss_coefficients', {})}; kernel options: {s.get('kernel_options') or '-'}",
                  "ground truth: eager PyTorch float32 on CPU; tolerances: parity/tolerances.py"]
+        if "segments" in s:
+            lines.append(f"segments: {s['segments']}")
         shown_coverage = set()
         for kernels, dtype in self.runs():
             rows = self.select(kernels, dtype)

@@ -38,7 +38,11 @@ def add_arguments(parser) -> None:
                         help=f"fraction of labels at the ignore index (default {PARITY_IGNORE_FRACTION})")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and the tokens")
     parser.add_argument("--full-step", action="store_true",
-                        help="take post-step parameters from the compiled train step itself (slower; no ignored labels)")
+                        help="take post-step parameters from the compiled train step itself (slower; with "
+                             "--no-segments no ignored labels)")
+    parser.add_argument("--no-segments", dest="segments", action="store_false",
+                        help="unsegmented rows (one sequence per row, positions 0..T-1) instead of the default packed "
+                             "rows of 2-3 segments with restarting positions and a padded tail")
     parser.add_argument("--hf", action="store_true", help="also compare with Hugging Face transformers")
     parser.add_argument("--selftest", action="store_true",
                         help="run the planted-bug catalogue (parity/planted.py) on a micro model: every bug must "
@@ -66,7 +70,7 @@ def run(args) -> int:
     if args.selftest or args.trajectory:
         code = 0
         if args.selftest:
-            result = selftest.run_selftest(dtypes=tuple(args.dtype), progress=say)
+            result = selftest.run_selftest(dtypes=tuple(args.dtype), segments=args.segments, progress=say)
             print(result.format(verbose=args.verbose))
             _write_json(args.json, result.to_json())
             code |= 0 if result.passed else 1
@@ -96,7 +100,7 @@ def run(args) -> int:
     report = run_parity(model_cfg, state_dict, kernel_sets=args.kernels, dtypes=tuple(args.dtype),
                         batch=args.batch, seq_len=args.seq_len, seed=args.seed, include_hf=args.hf,
                         full_step=args.full_step, kernel_options=args.kernel_options,
-                        ignore_fraction=args.ignore_fraction, progress=say)
+                        ignore_fraction=args.ignore_fraction, segments=args.segments, progress=say)
     report.setup["source"] = source
     print(report.format(verbose=args.verbose))
     _write_json(args.json, report.to_json())

@@ -5,8 +5,9 @@ dtype (`LoweredProbe` + `lowered_run`), both as a `Run` of numpy arrays.
 The lowered post-step parameters come from the lowered optimizer (`SharedLowered.update`: the
 torch `muon_adamw_update` traced through torchax) applied to that run's lowered gradients: for
 one micro-batch this is the train step's math exactly, and the optimizer compiles once per suite
-rather than once per kernel set. With `full_step_tokens`, `lowered_run` takes them from the
-compiled train step itself (`TrainStep.__call__`). Routing is measured on each path's own
+rather than once per kernel set. With `full_step=True`, `lowered_run` takes them from the
+compiled train step itself (`TrainStep.__call__`). Both runs take the batch's segment ids and
+positions (packed rows, `parity.inputs.ParityBatch`) when it has them. Routing is measured on each path's own
 choices: a forward hook on each `mlp.router` records its logits and top-k experts.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax_bridge import registry
 from jax_bridge.lowering import optimizer_function, optimizer_state_to_jax, params_to_jax
 from jax_bridge.step import StepConfig, TrainStep, cast_params
 from parity import planted
+from parity.inputs import ParityBatch
 from torch_model.optim import MuonAdamW, OptimizerConfig, plan_parameters
 
 
@@ -85,15 +87,17 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def eager_run(model, ids: torch.Tensor, labels: torch.Tensor, opt_cfg: OptimizerConfig) -> Run:
-    """Ground truth: eager float32 PyTorch. `model` is left unchanged (the step runs on a copy)."""
+def eager_run(model, batch: ParityBatch, opt_cfg: OptimizerConfig) -> Run:
+    """Ground truth: eager float32 PyTorch on `batch` (its segment ids and positions, if packed).
+    `model` is left unchanged (the step runs on a copy)."""
+    ids, labels, packed = batch.ids, batch.labels, batch.model_inputs()
     with torch.no_grad(), capture_routing(model) as captured:
-        logits = model(ids)
+        logits = model(ids, **packed)
     routing = [(to_numpy(lg), to_numpy(ex)) for lg, ex in captured]
     trained = copy.deepcopy(model)
     optimizer = MuonAdamW(trained, opt_cfg)
     trained.zero_grad()
-    out = trained(ids, labels)
+    out = trained(ids, labels, **packed)
     out["loss"].backward()
     grads = {n: to_numpy(p.grad) if p.grad is not None else np.zeros(p.shape, np.float32)
              for n, p in trained.named_parameters()}
@@ -140,7 +144,8 @@ class SharedLowered:
 
 class LoweredProbe:
     """The lowered forward (logits and routing) and gradients of one kernel set and compute dtype,
-    compiled once: `probe(params, ids, labels, selector, forced) -> (logits, routing, loss, grads)`.
+    compiled once: `probe(params, batch, selector, forced) -> (logits, routing, loss, grads)`; a
+    packed batch's positions and segment ids are arguments (one more compile than unpacked).
     `selector` picks a planted bug when the kernel set is the planted one (parity/planted.py);
     other kernels ignore it. `forced` (int32 [MoE layers, tokens, k]): the eager run's experts,
     which both forwards use (`forced_routing`); `routing` is the lowered router's own choice."""
@@ -155,23 +160,26 @@ class LoweredProbe:
         self.kernels = self.step.kernels
         self._jitted = jax.jit(self._probe, compiler_options=compiler_options)
 
-    def _probe(self, params, ids, labels, selector, forced):
+    def _probe(self, params, ids, labels, selector, forced, packed):
+        # packed: () or (positions, segment_ids) [B, T], the model's arguments after the labels.
         step = self.step
         experts = step.env.j2t_iso(forced)
         with planted.selected(selector):
             with capture_routing(self.model) as captured, forced_routing(self.model, experts):
                 with step.routing():
-                    logits = step.forward(cast_params(params, step.compute_dtype), ids)
+                    logits = step.forward(cast_params(params, step.compute_dtype), ids, None, *packed)
             routing = [step.env.t2j_iso(pair) for pair in captured]
             with forced_routing(self.model, experts):
-                (loss, _), grads = jax.value_and_grad(step.loss_and_metrics, has_aux=True)(params, ids, labels)
+                (loss, _), grads = jax.value_and_grad(step.loss_and_metrics, has_aux=True)(params, ids, labels, packed)
         return logits, routing, loss, grads
 
-    def __call__(self, params, ids, labels, selector: int = 0, forced=None):
+    def __call__(self, params, batch: ParityBatch, selector: int = 0, forced=None):
         """`forced`: the eager run's routing [(router logits, experts [tokens, k])] per MoE layer."""
         experts = np.stack([np.asarray(ex) for _, ex in forced]) if forced else np.zeros((0, 1, 1))
-        return self._jitted(params, jnp.asarray(ids, jnp.int32), jnp.asarray(labels, jnp.int32),
-                            jnp.int32(selector), jnp.asarray(experts, jnp.int32))
+        packed = tuple(jnp.asarray(x.numpy(), jnp.int32) for x in batch.model_inputs().values())
+        return self._jitted(params, jnp.asarray(batch.ids.numpy(), jnp.int32),
+                            jnp.asarray(batch.labels.numpy(), jnp.int32), jnp.int32(selector),
+                            jnp.asarray(experts, jnp.int32), packed)
 
 
 def _options_for(kernels: Mapping[str, str], options) -> dict:
@@ -181,14 +189,14 @@ def _options_for(kernels: Mapping[str, str], options) -> dict:
             for op, per in nested.items() if kernels.get(op) in per}
 
 
-def lowered_run(probe: LoweredProbe, shared: SharedLowered, ids, labels, reference: Run, selector: int = 0,
-                opt_cfg: OptimizerConfig | None = None, full_step_tokens=None) -> Run:
-    """One lowered run: the probe's forward and gradients, on the experts the eager `reference`
-    chose, then one optimizer step on them (or, with `full_step_tokens` [batch, seq_len + 1], the
-    compiled train step itself: its own routing)."""
-    logits, routing, loss, grads = probe(shared.params, ids, labels, selector, reference.routing)
-    if full_step_tokens is not None:
-        state, metrics = probe.step(probe.step.init_state(), jnp.asarray(full_step_tokens, jnp.int32)[None])
+def lowered_run(probe: LoweredProbe, shared: SharedLowered, batch: ParityBatch, reference: Run, selector: int = 0,
+                opt_cfg: OptimizerConfig | None = None, full_step: bool = False) -> Run:
+    """One lowered run on `batch`: the probe's forward and gradients, on the experts the eager
+    `reference` chose, then one optimizer step on them (or, `full_step`, the compiled train step
+    itself on `batch.step_tokens()`: its own routing; packed, its weighted loss)."""
+    logits, routing, loss, grads = probe(shared.params, batch, selector, reference.routing)
+    if full_step:
+        state, metrics = probe.step(probe.step.init_state(), batch.step_tokens())
         after, grad_norm = state.params, metrics["grad_norm"]
     else:
         after, grad_norm = shared.update(grads, opt_cfg)

@@ -9,7 +9,9 @@ fails AND a failing check names a tensor where the bug lives (`PlantedBug.at_fau
 Twice: on random init, and on the same model trained TRAINED_STEPS steps (`trained_weights`: eager
 MuonAdamW on the trajectory's Shakespeare bytes), whose sharper logits and uneven routing are what
 a user's checkpoint brings; the trained run's inputs are windows of that text. Both weight sets
-share the compiled programs (the weights are arguments).
+share the compiled programs (the weights are arguments). Rows are packed as in the parity matrix
+(segment ids and restarting positions; the planted attention takes segment ids) unless
+`segments` is False.
 """
 from __future__ import annotations
 
@@ -106,7 +108,8 @@ class SelftestReport:
 
     def format(self, verbose: bool = False) -> str:
         lines = [f"parity self-test: planted bugs on a micro model ({MICRO.n_layers} layers, d_model {MICRO.d_model}, "
-                 f"{MICRO.n_experts} experts, window {MICRO.sliding_window}, seq_len {self.report.setup['seq_len']}); "
+                 f"{MICRO.n_experts} experts, window {MICRO.sliding_window}, seq_len {self.report.setup['seq_len']}, "
+                 f"{'packed rows' if self.report.setup.get('segmented') else 'unsegmented rows'}); "
                  f"each must fail the suite, naming the tensors at fault; on {' and on '.join(self.weights())} weights",
                  f"  {'bug':<20} {'weights':<12} {'dtype':<9} {'result':<10} failing checks (tensors named)"]
         for o in self.outcomes:
@@ -144,7 +147,8 @@ def _failing(rows: list[Row]) -> list[str]:
 
 def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: int = 0, batch: int = 2,
                  seq_len: int = 80, opt_cfg: OptimizerConfig = OptimizerConfig(), weights=WEIGHTS,
-                 trained_state=None, compiler_options: dict | None = None, progress=None) -> SelftestReport:
+                 trained_state=None, compiler_options: dict | None = None, segments: bool = True,
+                 progress=None) -> SelftestReport:
     """Run the control and every planted bug in each dtype, on each of `weights` (RANDOM,
     TRAINED); see the module docstring. trained_state: TRAINED's weights (None: `trained_weights`
     of `seed`). compiler_options: XLA options of the compiles."""
@@ -152,29 +156,29 @@ def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: i
     report = Report(setup={"n_layers": MICRO.n_layers, "d_model": MICRO.d_model, "n_experts": MICRO.n_experts,
                            "model_config": MICRO.to_dict(), "batch": batch, "seq_len": seq_len, "seed": seed,
                            "backend": "cpu", "post_step": "TrainStep.update on the lowered gradients",
-                           "source": "self-test micro model", "weights": list(weights),
+                           "source": "self-test micro model", "weights": list(weights), "segmented": segments,
                            "trained": {"steps": TRAINED_STEPS, "batch": TRAINED_BATCH, "loss": TRAINING_LOSS}})
-    cases = []              # per weight set: (name, model, ids, labels)
+    cases = []              # per weight set: (name, model, batch)
     for name in weights:
         if name == TRAINED:
             if trained_state is None:
                 say(f"self-test: training the micro model {TRAINED_STEPS} steps (eager) ...")
                 trained_state = trained_weights(seed=seed, seq_len=seq_len)
             model = build_model(MICRO, trained_state, seed)
-            ids, labels = text_inputs(text_tokens(), batch, seq_len, seed)
+            data = text_inputs(text_tokens(), batch, seq_len, seed, segments=segments)
         elif name == RANDOM:
             model = build_model(MICRO, None, seed)
-            ids, labels = parity_inputs(MICRO.vocab_size, batch, seq_len, seed)
+            data = parity_inputs(MICRO.vocab_size, batch, seq_len, seed, segments=segments)
         else:
             raise ValueError(f"run_selftest: unknown weights {name!r}; choose from {WEIGHTS}")
-        cases.append((name, model, ids, labels))
+        cases.append((name, model, data))
     outcomes, skipped, controls = [], [], {}
     probes, shared = {}, None
     with planted.registered(MICRO) as spec:
         kernels = parse_kernel_sets(spec)[0]
-        for weights_name, model, ids, labels in cases:
+        for weights_name, model, data in cases:
             say(f"self-test ({weights_name}): eager PyTorch float32 reference ...")
-            reference = eager_run(model, ids, labels, opt_cfg)
+            reference = eager_run(model, data, opt_cfg)
             router_names = [name for name, _ in routers(model)]
             # One compiled update and one probe per dtype serve every weight set.
             shared = SharedLowered(model, opt_cfg, compiler_options) if shared is None else shared.with_weights(model)
@@ -192,7 +196,7 @@ def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: i
                     changed = None
                     if bug is not None and bug.optimizer:
                         changed = opt_cfg.replace(**{k: getattr(opt_cfg, k) * f for k, f in bug.optimizer.items()})
-                    run = lowered_run(probes[dtype], shared, ids.numpy(), labels.numpy(), reference,
+                    run = lowered_run(probes[dtype], shared, data, reference,
                                       selector=bug.selector if bug is not None else 0, opt_cfg=changed)
                     rows = compare_runs(reference, run, before, f"{name} @ {weights_name}", dtype, router_names)
                     report.rows.extend(rows)

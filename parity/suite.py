@@ -23,6 +23,13 @@ O(1), which attention carries to every later token and gradient (the demo's step
 embedding gradient cos 0.91 from 2.5% flipped tokens). With the choice forced, the checks measure
 the arithmetic; the routing check measures the flips.
 
+Inputs are packed by default (issue 21): each row holds 2-3 segments of different lengths with
+positions restarting at each, odd rows a padded tail with its own segment id; both runs (every
+kernel set; logits, loss, gradients, the full step) take those segment ids and positions, and the
+coverage lines say how many attention tiles a segment boundary masks or skips. `segments=False`
+(`--no-segments`) runs unsegmented rows for comparison. The Hugging Face comparison (`--hf`) stays
+unsegmented: transformers' GptOss takes no segment ids, so it runs the same tokens as plain rows.
+
 The modules: `inputs.py` (model, weights, tokens), `kernel_sets.py`, `runs.py` (the eager and
 the lowered run; `full_step=True`, `--full-step`, runs the compiled train step itself),
 `checks.py` (the rows of one run), `report.py`, `tolerances.py`, `coverage.py` (the mask and
@@ -44,6 +51,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 import torch
 
 from jax_bridge import registry
@@ -51,12 +59,13 @@ from jax_bridge.step import COMPUTE_DTYPES
 from pallas_kernels.platform import host_platform
 from parity import coverage, tolerances
 from parity.checks import compare_runs
-from parity.inputs import PARITY_IGNORE_FRACTION, PARITY_LOSS, PARITY_SEQ_LEN, PARITY_TILES, build_model, parity_inputs
+from parity.inputs import (PARITY_IGNORE_FRACTION, PARITY_LOSS, PARITY_SEQ_LEN, PARITY_TILES, ParityBatch,
+                           build_model, parity_inputs)
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
 from parity.report import ERROR, Report, Row
 from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
 from torch_model.config import ModelConfig
-from torch_model.model import IGNORE_INDEX
+from torch_model.model import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.optim import OptimizerConfig
 from train.errors import UserError
 
@@ -65,7 +74,8 @@ _HF_METRICS = {"max_abs_err": "max_abs", "rel_err": "rel", "top1_agreement": "to
 
 
 def _hf_rows(model_cfg, state_dict, ids) -> list[Row]:
-    """Eager model vs transformers' GptOssForCausalLM (eager, float32) on the same tokens, through
+    """Eager model vs transformers' GptOssForCausalLM (eager, float32) on the same tokens as
+    unsegmented rows (transformers' GptOss takes no segment ids or per-row positions), through
     `parity.hf_parity.compare_with_transformers` (imported only for --hf), held to the `hf` check."""
     label, name = "transformers GptOssForCausalLM", "logits"
     try:
@@ -80,6 +90,20 @@ def _hf_rows(model_cfg, state_dict, ids) -> list[Row]:
     metrics = {ours: float(result[theirs]) for theirs, ours in _HF_METRICS.items()}
     details = ", ".join(f"{k}={v}" for k, v in result.items() if k not in _HF_METRICS)
     return [Row(label, "float32", "hf", name, metrics, tolerances.bounds("float32", "hf"), message=details)]
+
+
+def _segments_summary(segment_ids) -> str:
+    """'packed: row 0: 3 segments of 27+30+23, row 1: ...' or 'none (unsegmented rows)'."""
+    if segment_ids is None:
+        return "none (unsegmented rows)"
+    rows = []
+    for i, row in enumerate(segment_ids):
+        ids, counts = np.unique(row, return_counts=True)
+        real = [int(c) for s, c in zip(ids, counts) if s != PAD_SEGMENT]
+        pad = int(counts[ids == PAD_SEGMENT].sum())
+        rows.append(f"row {i}: {len(real)} segment{'s' if len(real) > 1 else ''} of {'+'.join(map(str, real))}"
+                    + (f" + {pad} padding" if pad else ""))
+    return "packed: " + "; ".join(rows)
 
 
 def _first_line(e: BaseException) -> str:
@@ -106,7 +130,7 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
                opt_cfg: OptimizerConfig = OptimizerConfig(), include_hf: bool = False,
                full_step: bool = False, kernel_options=PARITY_TILES,
                ignore_fraction: float = PARITY_IGNORE_FRACTION, inputs=None, compiler_options: dict | None = None,
-               progress=None) -> Report:
+               segments: bool = True, progress=None) -> Report:
     """Compare the lowered train step with eager PyTorch for every kernel set and dtype.
 
     model_cfg: the model, used as given (`parity_config` makes the parity run's model from a
@@ -114,13 +138,14 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
     (every registered implementation, see `default_kernel_sets`) or strings / dicts as
     `parse_kernel_sets` takes. dtypes: compute dtypes of the lowered run. kernel_options: tile
     sizes etc. (registry syntax). Inputs: `parity_inputs` (random ids, `ignore_fraction` of the
-    labels ignored; 0 with full_step, whose token layout has no ignored labels).
-    inputs: (ids, labels) int64 [batch, seq_len] to use instead (e.g. `text_inputs` for a trained
-    model). compiler_options: XLA options of the lowered compiles (the tests pass FAST_COMPILE).
+    labels ignored; packed rows unless `segments` is False; unsegmented with full_step, no ignored
+    labels: the bare token layout has none). inputs: a `ParityBatch` to use instead (e.g.
+    `text_inputs` for a trained model) or (ids, labels) int64 [batch, seq_len] (unsegmented rows).
+    compiler_options: XLA options of the lowered compiles (the tests pass FAST_COMPILE).
     progress: callable(str) or None.
     """
     dtypes = (dtypes,) if isinstance(dtypes, str) else tuple(dtypes)
-    if full_step:
+    if full_step and not segments:
         ignore_fraction = 0.0
     _check_request(dtypes, batch, seq_len, ignore_fraction, kernel_options)
     if kernel_sets is None:
@@ -131,16 +156,18 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
 
     model = build_model(model_cfg, state_dict, seed)
     if inputs is None:
-        ids, labels = parity_inputs(model_cfg.vocab_size, batch, seq_len, seed, ignore_fraction)
+        data = parity_inputs(model_cfg.vocab_size, batch, seq_len, seed, ignore_fraction, segments=segments)
     else:
-        ids, labels = (torch.as_tensor(x, dtype=torch.int64) for x in inputs)
-        batch, seq_len = ids.shape
-    tokens = torch.cat([ids, labels[:, -1:]], 1).numpy() if full_step else None
+        data = inputs if isinstance(inputs, ParityBatch) else ParityBatch.from_pairs(*inputs)
+        batch, seq_len = data.ids.shape
+    ids, labels = data.ids, data.labels
+    segment_ids = data.model_inputs()["segment_ids"].numpy() if data.segmented else None
     report = Report(setup={
         "n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model, "n_experts": model_cfg.n_experts,
         "model_config": model_cfg.to_dict(), "weights": "random (seeded)" if state_dict is None else "state dict",
         "batch": batch, "seq_len": seq_len, "seed": seed, "dtypes": list(dtypes),
-        "ignored_labels": int((labels == IGNORE_INDEX).sum()), "kernel_options": str(kernel_options or ""),
+        "ignored_labels": int((labels == IGNORE_INDEX).sum()), "segments": _segments_summary(segment_ids),
+        "kernel_options": str(kernel_options or ""),
         "loss_coefficients": {k: getattr(model_cfg, k) for k in PARITY_LOSS},
         "optimizer": dataclasses.asdict(opt_cfg), "backend": host_platform(),
         "post_step": "TrainStep.__call__ (full step)" if full_step else "TrainStep.update on the lowered gradients",
@@ -148,7 +175,7 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
     report.rows.extend(rows)
 
     say("eager PyTorch float32 reference ...")
-    reference = eager_run(model, ids, labels, opt_cfg)
+    reference = eager_run(model, data, opt_cfg)
     router_names = [name for name, _ in routers(model)]
     shared = SharedLowered(model, opt_cfg, compiler_options)
     before = {n: to_numpy(p) for n, p in shared.params.items()}
@@ -158,15 +185,18 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
             say(f"lowered {label} | {dtype} ...")
             try:
                 probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options, compiler_options)
-                run = lowered_run(probe, shared, ids.numpy(), labels.numpy(), reference, full_step_tokens=tokens)
+                run = lowered_run(probe, shared, data, reference, full_step=full_step)
             except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
+                hint = ""
+                if isinstance(e, registry.KernelError) and data.segmented and "segment ids" in str(e):
+                    hint = "; the parity rows are packed by default: --no-segments runs plain rows"
                 report.rows.append(Row(label, dtype, "error", "kernel set", status=ERROR,
-                                       message=f"{type(e).__name__}: {_first_line(e)}"))
+                                       message=f"{type(e).__name__}: {_first_line(e)}{hint}"))
                 continue
             resolved = kernel_label(probe.kernels)
             report.setup["coverage"][resolved] = coverage.describe(
                 probe.kernels, model_cfg, batch, seq_len, probe.step.cfg.kernel_options, labels.numpy(),
-                [experts for _, experts in reference.routing])
+                [experts for _, experts in reference.routing], segment_ids=segment_ids)
             new_rows = compare_runs(reference, run, before, resolved, dtype, router_names)
             report.rows.extend(new_rows)
             say(f"  {'FAIL' if any(r.failed for r in new_rows) else 'PASS'} {resolved} | {dtype}")

@@ -1,6 +1,6 @@
 """The parity suite: every registered kernel set matches eager PyTorch in float32 and bfloat16
-on inputs that exercise the sliding window, several kernel blocks, ignored labels and every loss
-term; the report prints the mask cases each set exercised; the CLI writes JSON and exits
+on inputs that exercise the sliding window, several kernel blocks, ignored labels, every loss
+term and packed rows (segment ids, restarting positions, a padded tail); the report prints the mask cases each set exercised; the CLI writes JSON and exits
 non-zero on failure. (Planted bugs: test_parity_selftest.py; trajectory: test_trajectory.py.)
 
 The model is `tiny` cut to 2 layers (one sliding, one full attention layer) with the parity
@@ -16,16 +16,17 @@ import json
 import jax
 import numpy as np
 import pytest
+import torch
 
 from jax_bridge import registry
 from parity import compare, tolerances
 from parity.runs import FAST_COMPILE
-from parity.inputs import PARITY_LOSS, PARITY_SEQ_LEN, parity_config, parity_inputs
+from parity.inputs import PARITY_LOSS, PARITY_SEQ_LEN, ParityBatch, parity_config, parity_inputs
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
 from parity.run import add_arguments, run
 from parity.suite import run_parity
 from torch_model import config
-from torch_model.model import IGNORE_INDEX
+from torch_model.model import IGNORE_INDEX, PAD_SEGMENT
 from train.errors import UserError
 
 BATCH, SEQ = 2, PARITY_SEQ_LEN
@@ -156,7 +157,9 @@ def test_bf16_compute_keeps_the_router_in_float32_in_both_paths():
 
 
 def test_parity_inputs_ignore_some_labels_and_the_config_weights_every_loss_term():
-    ids, labels = parity_inputs(SMALL.vocab_size, BATCH, SEQ, seed=0)
+    plain = parity_inputs(SMALL.vocab_size, BATCH, SEQ, seed=0, segments=False)
+    ids, labels = plain.ids, plain.labels
+    assert not plain.segmented and plain.model_inputs() == {}
     ignored = (labels == IGNORE_INDEX).sum(1)
     assert ids.shape == labels.shape == (BATCH, SEQ) and (ids >= 0).all()
     assert ((ignored >= 1) & (ignored < SEQ)).all() and ignored.sum() == BATCH * round(0.1 * SEQ)
@@ -164,6 +167,51 @@ def test_parity_inputs_ignore_some_labels_and_the_config_weights_every_loss_term
     for name, value in PARITY_LOSS.items():
         assert getattr(SMALL, name) == value > 0
     assert SMALL.sliding_window == 16 < SEQ and SMALL.layer_types == ("sliding_attention", "full_attention")
+    # the pair round-trips (what `inputs=(ids, labels)` and the unsegmented full step use)
+    again = ParityBatch.from_pairs(ids, labels)
+    assert torch.equal(again.ids, ids) and torch.equal(again.labels, labels)
+
+
+def test_parity_inputs_are_packed_rows_that_train_only_inside_a_segment():
+    batch = parity_inputs(SMALL.vocab_size, BATCH, SEQ, seed=0)
+    segments, positions = batch.segment_ids, batch.positions
+    assert batch.tokens.shape == segments.shape == positions.shape == batch.weights.shape == (BATCH, SEQ + 1)
+    real = [sorted(set(row.tolist()) - {PAD_SEGMENT}) for row in segments]
+    assert real == [[1, 2, 3], [1, 2]]
+    assert (segments[1, -5:] == PAD_SEGMENT).all() and (segments[0] != PAD_SEGMENT).all()   # odd rows: a padded tail
+    lengths = [int((segments[0] == s).sum()) for s in (1, 2, 3)]
+    assert len(set(lengths)) == 3                                          # conversations of different lengths
+    for row_segments, row_positions in zip(segments, positions):
+        for s in set(row_segments.tolist()) - {PAD_SEGMENT}:
+            assert row_positions[row_segments == s].tolist() == list(range(int((row_segments == s).sum())))
+        assert (row_positions[row_segments == PAD_SEGMENT] == 0).all()
+    # no label across a boundary or on padding; the random tenth ignored on top (at least one per row)
+    crossing = (segments[:, 1:] != segments[:, :-1]) | (segments[:, 1:] == PAD_SEGMENT)
+    labels = batch.labels
+    assert (labels[crossing] == IGNORE_INDEX).all()
+    assert ((labels == IGNORE_INDEX) & ~crossing).sum(1).tolist() == [round(0.1 * SEQ)] * BATCH
+    assert torch.equal(labels[labels != IGNORE_INDEX], batch.tokens[:, 1:][labels != IGNORE_INDEX])
+    model_inputs = batch.model_inputs()
+    assert torch.equal(model_inputs["segment_ids"], segments[:, :-1]) and torch.equal(model_inputs["positions"],
+                                                                                        positions[:, :-1])
+    step = batch.step_tokens()
+    assert set(step) == {"tokens", "weights", "segment_ids", "positions"}
+    assert step["tokens"].shape == (1, BATCH, SEQ + 1)
+    assert step["weights"][0, :, 1:].sum() == (labels != IGNORE_INDEX).sum()      # the step's denominator
+    short = parity_inputs(SMALL.vocab_size, 1, 6, seed=0)                         # too short to split: one segment
+    assert set(short.segment_ids[0].tolist()) == {1}
+    assert parse([]).segments and not parse(["--no-segments"]).segments          # the CLI's way back
+
+
+def test_full_step_on_packed_rows_matches_eager():
+    """--full-step on packed rows: the compiled train step itself (segment ids, positions and its
+    loss over the trained tokens of the packed batch) against eager, on the self-test's micro model."""
+    from parity.selftest import MICRO
+
+    report = run_parity(MICRO, kernel_sets=["xla"], batch=BATCH, full_step=True, compiler_options=FAST_COMPILE)
+    assert report.passed, "\n" + "\n".join(r.line() for r in report.failures())
+    assert report.setup["post_step"] == "TrainStep.__call__ (full step)" and report.setup["ignored_labels"] > 2 * 10
+    assert report.setup["segments"].startswith("packed: row 0: 3 segments")
 
 
 def test_mask_coverage_counts_skipped_windowed_diagonal_and_full_tiles():
@@ -188,6 +236,24 @@ def test_a_kernel_that_cannot_load_is_an_error_line_and_fails_the_suite():
     assert errors[0].kernels == "attention=xla,cross_entropy=xla,moe=test_missing"
     assert "no_such_kernel" in errors[0].message
     assert "ERROR" in report.format() and "parity: FAIL" in report.format()
+
+
+def test_an_attention_without_segment_ids_is_refused_by_name_on_packed_rows():
+    """The parity rows are packed by default: a user's attention with no `segment_ids` keyword is an
+    ERROR line naming it (registry.check_segments), not a silent unsegmented run."""
+    from pallas_kernels.attention import attention_reference
+
+    def plain_attention(q, k, v, sinks, *, sliding_window, scale):
+        return attention_reference(q, k, v, sinks, sliding_window=sliding_window, scale=scale)
+
+    from parity.selftest import MICRO
+
+    with registered("attention", "test_plain", plain_attention) as spec:
+        report = run_parity(MICRO, kernel_sets=[spec], batch=1, seq_len=8)
+    errors = [r for r in report.rows if r.status == "ERROR"]
+    assert not report.passed and len(errors) == 1
+    assert "attention=test_plain does not take segment ids" in errors[0].message
+    assert "--no-segments" in errors[0].message
 
 
 # ---- the xla set through the CLI, in float32 and bfloat16 ------------------------------------
@@ -235,14 +301,18 @@ def test_json_has_an_entry_per_tensor_kernel_set_and_dtype(xla_cli):
     assert {"norm_ratio", "cos", "rel"} <= set(grad["metrics"])
     param = next(e for e in data["entries"] if e["category"] == "param" and e["dtype"] == "bfloat16")
     assert {"update_ratio", "update_cos"} <= set(param["metrics"])
-    assert data["setup"]["ignored_labels"] == BATCH * round(0.1 * SEQ)
+    packed = parity_inputs(SMALL.vocab_size, BATCH, SEQ, seed=0)
+    assert data["setup"]["ignored_labels"] == int((packed.labels == IGNORE_INDEX).sum())
+    assert data["setup"]["segments"] == "packed: row 0: 3 segments of 12+52+16; row 1: 2 segments of 44+24 + 12 padding"
 
 
 def test_report_states_the_inputs_and_the_mask_cases(xla_cli):
     _, _, table = xla_cli
-    assert "window 16 on 1 sliding + 1 full layers" in table and "16 labels ignored" in table
+    assert "window 16 on 1 sliding + 1 full layers" in table and "32 labels ignored" in table
+    assert "segments: packed: row 0: 3 segments" in table
     assert "cover attention=xla, window 16: one [T, T] score matrix, sliding masked" in table
-    assert "cover cross_entropy=xla: 160 tokens, 16 ignored labels" in table
+    assert "cover attention=xla, segments (3-3 ids per row): equal-id mask" in table
+    assert "cover cross_entropy=xla: 160 tokens, 32 ignored labels" in table
 
 
 # ---- every other registered implementation, float32 and bfloat16 (interpret-mode Pallas) --------
@@ -272,10 +342,14 @@ def test_matrix_exercises_windowed_skipped_and_partial_attention_tiles(matrix):
     sliding = next(line for line in pallas if "window 16" in line)
     assert "blocks q 16 x kv 32, grid 6 x 3 tiles: 10 skipped, 5 sliding masked" in sliding
     assert "partial last block: yes" in sliding and "NOT exercised" not in " ".join(pallas)
+    segment_skips = [line for line in pallas if "segments (3-3 ids per row)" in line]
+    assert "window 16: of 16 band tiles (all rows) 1 skipped" in segment_skips[0]
+    assert "full causal: of 24 band tiles (all rows) 8 skipped" in segment_skips[1]
     splash = " ".join(cover["attention=splash,cross_entropy=xla,moe=xla"])
     assert "NOT exercised: skipped, multi-block" in splash and "multiples of 128" in splash
+    assert "splash SegmentIds mask inside its tiles; tiles skipped by segments: none" in splash
     ce = " ".join(cover["attention=xla,cross_entropy=pallas,moe=xla"])
-    assert "5 token tiles of 32, 4 vocab tiles of 1024" in ce and "16 ignored labels" in ce
+    assert "5 token tiles of 32, 4 vocab tiles of 1024" in ce and "32 ignored labels" in ce
     moe = " ".join(cover["attention=xla,cross_entropy=xla,moe=pallas"])
     assert "row tiles of 16 (20 tiles)" in moe and "expert groups start inside a tile" in moe
     print("\n" + matrix.format())          # the coverage printout, for the record (-s)

@@ -17,7 +17,7 @@ import pytest
 
 from parity import planted, selftest
 from parity.checks import compare_runs
-from parity.inputs import text_inputs
+from parity.inputs import parity_inputs, text_inputs
 from parity.run import add_arguments, run
 from parity.runs import FAST_COMPILE
 from parity.selftest import CONTROL, MICRO, RANDOM, TRAINED, WEIGHTS, run_selftest
@@ -80,8 +80,8 @@ def test_trained_weights_are_sharp_and_route_unevenly(result):
 def test_trained_checkpoint_passes_bf16_parity_on_the_reference_kernels(result, trained_state):
     """What `torchlyra parity --checkpoint` does after training, on the self-test's trained micro
     model and the reference kernel set (a planted bug on the same weights fails: above)."""
-    ids, labels = text_inputs(selftest.text_tokens(), 2, 80, 0)
-    report = run_parity(MICRO, trained_state, kernel_sets=["xla"], dtypes=("bfloat16",), inputs=(ids, labels),
+    report = run_parity(MICRO, trained_state, kernel_sets=["xla"], dtypes=("bfloat16",),
+                        inputs=text_inputs(selftest.text_tokens(), 2, 80, 0),
                         compiler_options=FAST_COMPILE)
     assert report.passed, "\n" + "\n".join(r.line() for r in report.failures())
     assert report.runs() == [("attention=xla,cross_entropy=xla,moe=xla", "bfloat16")]
@@ -119,6 +119,18 @@ def test_update_of_wrong_size_fails_every_tensor(result, dtype, what, scale):
     assert not passing, f"{what} passed for {passing}"
 
 
+def test_the_self_test_runs_packed_rows_and_its_rope_bug_restarts_with_each_segment(result):
+    """The planted attention takes segment ids like every built-in one, so the self-test runs the
+    parity matrix's packed rows; its RoPE bug re-rotates each segment from the segment's start."""
+    import jax.numpy as jnp
+
+    assert result.report.setup["segmented"] is True
+    batch = parity_inputs(MICRO.vocab_size, 2, 80, 0)
+    derived = np.asarray(planted.segment_positions(jnp.asarray(batch.segment_ids.numpy())))
+    real = batch.segment_ids.numpy() != 0
+    assert (derived[real] == batch.positions.numpy()[real]).all() and batch.positions.max() < 60
+
+
 # ---- the CLI ------------------------------------------------------------------------------------
 def cli(argv):
     parser = argparse.ArgumentParser()
@@ -132,7 +144,7 @@ def cli(argv):
 def test_selftest_cli_prints_the_table_and_exits_by_the_verdict(result, monkeypatch):
     monkeypatch.setattr(selftest, "run_selftest", lambda **kw: result)
     code, table = cli(["--selftest"])
-    assert code == 0 and "parity self-test: PASS" in table
+    assert code == 0 and "parity self-test: PASS" in table and "packed rows" in table
     for bug in planted.CATALOGUE:
         assert bug.name in table
     missed = selftest.SelftestReport([*result.outcomes[:-1], selftest.Outcome("adam_eps_x100", "bfloat16", False, False)],
