@@ -419,10 +419,9 @@ def _restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarra
     return restored["params"]
 
 
-def iter_params(path: str | os.PathLike):
-    """(ModelConfig, meta, iterator of (per-layer torch name, float32 numpy array)) of the newest
-    complete checkpoint named by `path`, restoring one stored tensor at a time: host memory holds
-    one stored tensor (for the stacked layout, one parameter of all layers), never the model."""
+def _open_checked(path):
+    """(step_dir, meta, ModelConfig, stored shapes and dtypes, "checkpoint DIR") of the newest
+    complete checkpoint named by `path`, every stored parameter's dtype checked."""
     step_dir = find_checkpoint(path)
     meta, cfg = read_meta(step_dir)
     stored = stored_shapes(step_dir)
@@ -430,6 +429,14 @@ def iter_params(path: str | os.PathLike):
     for key, (_, dtype) in stored.items():
         if key[0] == "params" and dtype not in STORED_DTYPES:
             raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
+    return step_dir, meta, cfg, stored, where
+
+
+def iter_params(path: str | os.PathLike):
+    """(ModelConfig, meta, iterator of (per-layer torch name, float32 numpy array)) of the newest
+    complete checkpoint named by `path`, restoring one stored tensor at a time: host memory holds
+    one stored tensor (for the stacked layout, one parameter of all layers), never the model."""
+    step_dir, meta, cfg, stored, where = _open_checked(path)
     names = {k[1]: v for k, v in stored.items() if k[0] == "params"}
     # Names and shapes checked before any data is read: zero-stride placeholders hold no memory.
     placeholders = {n: np.broadcast_to(np.float32(0), shape) for n, (shape, _) in names.items()}
@@ -454,13 +461,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], M
 
     if is_hf_dir(path):
         return load_hf(path)
-    step_dir = find_checkpoint(path)
-    meta, cfg = read_meta(step_dir)
-    stored = stored_shapes(step_dir)
-    where = f"checkpoint {step_dir}"
-    for key, (_, dtype) in stored.items():
-        if key[0] == "params" and dtype not in STORED_DTYPES:
-            raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
+    step_dir, meta, cfg, stored, where = _open_checked(path)
     params = LAYOUTS[meta["layout"]](_restore_params_to_host(step_dir, stored), cfg)
     check_tensors({k: tuple(v.shape) for k, v in params.items()}, model_shapes(cfg), where)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in params.items()}
