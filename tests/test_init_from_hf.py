@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_mxfp4 import RELEASED, write_released
-from tests.test_multihost import env_with_devices, free_port
+from tests.test_multihost import env_with_devices, free_port, outputs_of
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "hf_init_worker.py")
@@ -38,16 +38,7 @@ def test_two_processes_read_half_each_and_build_the_state_of_a_full_load(dirs):
     procs = [subprocess.Popen([sys.executable, WORKER, "4", f"{dirs / 'four'}@fsdp=4,expert=2",
                                f"{dirs / 'three'}@fsdp=4,expert=2", "--cluster", f"127.0.0.1:{port},2,{i}"], cwd=ROOT, env=env_with_devices(4),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+    outputs = outputs_of(procs)
     reports = [results(out) for out in outputs]
     assert all(three == {"refused": "mesh expert=2 must divide the number of experts (3)"} for _, three in reports)
     for r, _ in reports:

@@ -68,6 +68,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def outputs_of(procs, timeout: float = 600) -> list[str]:
+    """Each process's output, once all have exited 0 (any still running at the end is killed)."""
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+    return outputs
+
+
 def env_with_devices(n: int) -> dict:
     return {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
@@ -88,16 +103,7 @@ def runs(setup):
                               cwd=ROOT, env=env_with_devices(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
              for i in range(2)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+    outputs = outputs_of(procs)
     return root, outputs
 
 
