@@ -64,51 +64,66 @@ def block_starts(packed_lengths: np.ndarray, block_tokens: int) -> np.ndarray:
     return starts.astype(np.int64)
 
 
+class _Waiting:
+    """Pieces waiting to be packed, best-fit: at most `buffer_pieces` at once, drawn in arrival
+    order from `pending`, kept sorted by length (key(piece)); ties stay in arrival order."""
+
+    def __init__(self, pending, key, buffer_pieces: int):
+        self.pending, self.key, self.buffer_pieces = iter(pending), key, buffer_pieces
+        self.lens: list[int] = []
+        self.items: list = []
+        self.exhausted = False
+
+    def __len__(self) -> int:
+        self.refill()
+        return len(self.items)
+
+    def refill(self) -> None:
+        while not self.exhausted and len(self.items) < self.buffer_pieces:
+            piece = next(self.pending, None)
+            if piece is None:
+                self.exhausted = True
+                return
+            pos = bisect.bisect_right(self.lens, self.key(piece))
+            self.lens.insert(pos, self.key(piece))
+            self.items.insert(pos, piece)
+
+    def take_longest_fitting(self, room: int):
+        """The longest waiting piece of length <= room (the oldest of that length), or None."""
+        self.refill()
+        pos = bisect.bisect_right(self.lens, room) - 1
+        if pos < 0:
+            return None
+        pos = bisect.bisect_left(self.lens, self.lens[pos])
+        del self.lens[pos]
+        return self.items.pop(pos)
+
+    def take_shortest(self):
+        self.refill()
+        del self.lens[0]
+        return self.items.pop(0)
+
+
 def _best_fit(tails: list[tuple[int, int, int]], row_len: int, buffer_pieces: int):
     """Pack (doc, start, count) tail pieces, in arrival order, into rows of row_len tokens.
     Returns (rows as lists of segments, tokens dropped by crops and by the partial last row)."""
     rows, dropped = [], 0
-    lens: list[int] = []      # piece lengths (BOS included), ascending; ties in arrival order
-    items: list[tuple[int, int, int]] = []
-    pending = iter(tails)
-    exhausted = False
-
-    def refill():
-        nonlocal exhausted
-        while not exhausted and len(items) < buffer_pieces:
-            piece = next(pending, None)
-            if piece is None:
-                exhausted = True
-                return
-            pos = bisect.bisect_right(lens, piece[2] + 1)
-            lens.insert(pos, piece[2] + 1)
-            items.insert(pos, piece)
-
-    while True:
-        refill()
-        if not items:
-            return rows, dropped
+    waiting = _Waiting(tails, lambda piece: piece[2] + 1, buffer_pieces)   # lengths with their BOS
+    while waiting:
         row, room = [], row_len
-        while room > 0:
-            refill()
-            if not items:
-                break
-            pos = bisect.bisect_right(lens, room) - 1  # the longest piece that fits...
-            if pos >= 0:
-                pos = bisect.bisect_left(lens, lens[pos])  # ...the oldest of that length
-                doc, start, count = items.pop(pos)
-                del lens[pos]
-            else:  # nothing fits: crop the shortest to fill the row
-                doc, start, count = items.pop(0)
-                del lens[0]
+        while room > 0 and waiting:
+            piece = waiting.take_longest_fitting(room)
+            if piece is None:  # nothing fits: crop the shortest to fill the row
+                doc, start, count = waiting.take_shortest()
                 dropped += count - (room - 1)
-                count = room - 1
-            row.append((doc, start, count))
-            room -= count + 1
+                piece = (doc, start, room - 1)
+            row.append(piece)
+            room -= piece[2] + 1
         if room > 0:  # the block ran out: a partial row is dropped, never padded
             dropped += sum(c for _, _, c in row)
             return rows, dropped
         rows.append(row)
+    return rows, dropped
 
 
 def plan_block(docs: np.ndarray, packed_lengths: np.ndarray, seq_len: int, *, shuffle_seed=None,
@@ -144,36 +159,14 @@ def _best_fit_whole(items: list[tuple[int, int]], row_len: int, buffer_pieces: i
     row_len tokens: each row takes the longest waiting item that fits its room (the oldest among
     equals); when none fits, the row closes (to be padded). Nothing is cut or dropped."""
     rows: list[list[tuple[int, int]]] = []
-    lens: list[int] = []      # waiting item lengths, ascending; ties in arrival order
-    waiting: list[tuple[int, int]] = []
-    pending = iter(items)
-    exhausted = False
-
-    def refill():
-        nonlocal exhausted
-        while not exhausted and len(waiting) < buffer_pieces:
-            item = next(pending, None)
-            if item is None:
-                exhausted = True
-                return
-            pos = bisect.bisect_right(lens, item[1])
-            lens.insert(pos, item[1])
-            waiting.insert(pos, item)
-
-    while True:
-        refill()
-        if not waiting:
-            return rows
+    waiting = _Waiting(items, lambda item: item[1], buffer_pieces)
+    while waiting:
         row, room = [], row_len
-        while True:
-            refill()
-            pos = bisect.bisect_right(lens, room) - 1  # the longest item that fits...
-            if pos < 0:
-                break
-            pos = bisect.bisect_left(lens, lens[pos])  # ...the oldest of that length
-            row.append(waiting.pop(pos))
-            room -= lens.pop(pos)
+        while (item := waiting.take_longest_fitting(room)) is not None:
+            row.append(item)
+            room -= item[1]
         rows.append(row)
+    return rows
 
 
 def plan_block_whole(docs: np.ndarray, lengths: np.ndarray, seq_len: int, *, shuffle_seed=None,
