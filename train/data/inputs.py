@@ -357,17 +357,24 @@ def _read_jsonl(unit: Unit, text_field: str, docs: Documents) -> None:
         raise UserError(f"{source.name}: cannot read ({type(e).__name__}: {e})") from None
 
 
-def _read_parquet(unit: Unit, text_field: str, docs: Documents) -> None:
+def _parquet_row_group(unit: Unit, field: str):
+    """(source, index of the row group's first row in the file, the column `field` of row group
+    unit.start as Python values)."""
     import pyarrow.parquet as pq
 
     source = unit.sources[0]
     try:
         pf = pq.ParquetFile(source.path)
         first_row = sum(pf.metadata.row_group(i).num_rows for i in range(unit.start))
-        column = pf.read_row_group(unit.start, columns=[text_field]).column(0)
+        column = pf.read_row_group(unit.start, columns=[field]).column(0)
     except Exception as e:  # pyarrow's own error types (ArrowInvalid, OSError)
         raise UserError(f"{source.name}: row group {unit.start} unreadable ({type(e).__name__}: {e})") from None
-    for row, value in enumerate(column.to_pylist()):
+    return source, first_row, column.to_pylist()
+
+
+def _read_parquet(unit: Unit, text_field: str, docs: Documents) -> None:
+    source, first_row, values = _parquet_row_group(unit, text_field)
+    for row, value in enumerate(values):
         replaced = 0
         if isinstance(value, bytes):
             value, replaced = decode(value)
@@ -395,16 +402,8 @@ def _read_jsonl_chat(unit: Unit, messages_field: str, strict: bool, docs: Docume
 
 
 def _read_parquet_chat(unit: Unit, messages_field: str, strict: bool, docs: Documents) -> None:
-    import pyarrow.parquet as pq
-
-    source = unit.sources[0]
-    try:
-        pf = pq.ParquetFile(source.path)
-        first_row = sum(pf.metadata.row_group(i).num_rows for i in range(unit.start))
-        column = pf.read_row_group(unit.start, columns=[messages_field]).column(0)
-    except Exception as e:  # pyarrow's own error types (ArrowInvalid, OSError)
-        raise UserError(f"{source.name}: row group {unit.start} unreadable ({type(e).__name__}: {e})") from None
-    for row, value in enumerate(column.to_pylist()):
+    source, first_row, values = _parquet_row_group(unit, messages_field)
+    for row, value in enumerate(values):
         docs.add_conversation(f"{source.name}:{first_row + row}", {messages_field: value}, source.val,
                               lambda row=row: f"{source.name}: row {first_row + row}", messages_field, strict)
 
