@@ -120,21 +120,26 @@ def test_splash_matches_reference():
         attention_splash(*args[:4], sliding_window=window, scale=1.0, platform="gpu")
 
 
-def _pallas_grids(fn, *args):
-    """Grids of every pallas_call in fn's backward+forward jaxpr, in trace order."""
-    grids = []
+def _pallas_calls(fn, *args) -> list[dict]:
+    """The params of every pallas_call in fn's jaxpr (nested jaxprs included), in trace order."""
+    calls = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                grids.append(tuple(eqn.params["grid_mapping"].grid))
+                calls.append(eqn.params)
             for p in eqn.params.values():
                 for sub in (p if isinstance(p, (list, tuple)) else [p]):
                     inner = getattr(sub, "jaxpr", sub)
                     if hasattr(inner, "eqns"):
                         walk(inner)
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return grids
+    return calls
+
+
+def _pallas_grids(fn, *args):
+    """Grids of every pallas_call in fn's backward+forward jaxpr, in trace order."""
+    return [tuple(params["grid_mapping"].grid) for params in _pallas_calls(fn, *args)]
 
 
 def test_sliding_window_grid_is_linear_in_window():
@@ -165,19 +170,9 @@ def test_sliding_window_grid_is_linear_in_window():
 def _pallas_costs(fn, *args):
     """{kernel name: (flops, transcendentals, bytes_accessed)} of every pallas_call in fn's jaxpr."""
     costs = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                est = eqn.params["cost_estimate"]
-                costs[eqn.params["name"]] = None if est is None else (est.flops, est.transcendentals,
-                                                                      est.bytes_accessed)
-            for p in eqn.params.values():
-                for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for params in _pallas_calls(fn, *args):
+        est = params["cost_estimate"]
+        costs[params["name"]] = None if est is None else (est.flops, est.transcendentals, est.bytes_accessed)
     return costs
 
 
