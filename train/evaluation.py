@@ -19,15 +19,14 @@ from train.errors import UserError
 
 
 def token_byte_lengths(tokenizer, vocab_size: int) -> np.ndarray:
-    """[vocab_size] int32: UTF-8 bytes of each token id; 0 for special tokens and padding ids."""
+    """[vocab_size] int32: UTF-8 bytes of each token id; 0 for special tokens, unassigned and
+    padding ids (the tokenizer's own table, cut or padded to the model's vocabulary)."""
+    from train.data.tokenizer import token_byte_lengths as tokenizer_byte_lengths
+
+    table = tokenizer_byte_lengths(tokenizer)
     lengths = np.zeros(vocab_size, np.int32)
-    specials = {tokenizer.encode_single_token(s) for s in tokenizer.special_tokens_set}
-    for i in range(min(tokenizer.n_vocab, vocab_size)):
-        if i not in specials:
-            try:
-                lengths[i] = len(tokenizer.decode_single_token_bytes(i))
-            except KeyError:       # an unassigned id inside the vocabulary
-                pass
+    n = min(len(table), vocab_size)
+    lengths[:n] = table[:n]
     return lengths
 
 
