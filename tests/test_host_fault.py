@@ -59,6 +59,28 @@ def test_the_relay_passes_output_on_and_holds_back_cpp_log_text_from_its_first_l
     assert sink.getvalue().decode() == before + COORDINATOR_GONE
 
 
+# What Orbax's background save thread logged in a survivor when its peer died mid-save (seen in a
+# clean-clone `make test`; the heartbeat timeout reached the barrier before the service's abort).
+ORBAX_BARRIER_FAILED = (
+    "ERROR:absl:[process=0] Failed to run 4 Handler Commit operations or the Commit callback in background save "
+    "thread, directory: /tmp/run/checkpoints/4\n"
+    "Traceback (most recent call last):\n"
+    '  File "orbax/checkpoint/_src/multihost/multihost.py", line 309, in _fn\n'
+    "    client.wait_at_barrier(key, timeout_ms)\n"
+    "jax.errors.JaxRuntimeError: INTERNAL: Barrier failed because: task is set to ERROR: UNAVAILABLE: Task 1 "
+    "heartbeat timeout.\n"
+    "TimeoutError: Timed out while waiting for async_write_complete barrier.\n")
+
+
+def test_the_relay_holds_back_a_library_traceback_logged_from_a_background_thread():
+    before = "train: 100%|##########| 5/5 [00:16<00:00]\n"
+    relay, sink = relay_of((before + ORBAX_BARRIER_FAILED).encode())
+    assert sink.getvalue().decode() == before
+    assert "Task 1 heartbeat timeout" in relay.text()
+    relay.release()
+    assert sink.getvalue().decode() == before + ORBAX_BARRIER_FAILED
+
+
 def test_a_resume_on_fewer_devices_without_mesh_puts_every_device_on_fsdp(monkeypatch, capsys):
     monkeypatch.setattr(jax, "device_count", lambda: 2)
     saved = TrainConfig(mesh="data=2,fsdp=2")

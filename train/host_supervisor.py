@@ -20,9 +20,12 @@ from train.host_fault import EXIT_HOST_LOST, SUPERVISOR_FD_ENV
 # heartbeat check, the abort, this parent's line).
 STOP_GRACE_S = 10
 # The start of a line of XLA's C++ log (absl: "E1201 08:35:15.315793 6894 file.cc:1549] ...") or of
-# the crash report that follows a fatal one; anywhere, as it may follow a progress bar's "\r".
-CPP_LOG = re.compile(rb"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]|\*\*\* Check failure|terminate called after")
-# C++ output is held this long: a fatal message ends the process within milliseconds, and what
+# the crash report that follows a fatal one, or of an error a library logs from a background thread
+# when the service fails its barrier (Orbax's async save: "ERROR:absl:... Traceback ..."); anywhere,
+# as it may follow a progress bar's "\r".
+CPP_LOG = re.compile(rb"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]|\*\*\* Check failure|terminate called after"
+                     rb"|ERROR:absl:|Traceback \(most recent call last\)")
+# Such output is held this long: a fatal message ends the process within milliseconds, and what
 # ends it is reported in our line instead; output of a process that lives on is passed on.
 HOLD_S = 2.0
 # What the coordination service writes when it ends a process because a peer is gone.
