@@ -103,7 +103,7 @@ def test_end_of_run_samples_never_choose_ids_beyond_the_tokenizer(dirs):
 
 
 def test_eval_of_a_released_directory_equals_its_imported_checkpoint(dirs):
-    from train.evaluation import evaluate_checkpoint
+    from train.evaluation.validation import evaluate_checkpoint
 
     hf, ck, data = dirs
     from_hf = evaluate_checkpoint(str(hf), data=data, batches=1)

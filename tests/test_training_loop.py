@@ -365,7 +365,7 @@ def test_eval_command_reproduces_the_runs_validation_and_writes_json(reference, 
 
 
 def test_bits_per_byte_count_the_bytes_of_the_text():
-    from train.evaluation import token_byte_lengths
+    from train.evaluation.validation import token_byte_lengths
     from train.data.tokenizer import train_bpe
 
     enc = train_bpe(["héllo wörld, hello there\n"] * 20, 300)

@@ -107,6 +107,8 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """E expert MLPs stored as HF does: x @ W (not W @ x), gate/up interleaved in the last dim."""
 
+    is_transposed = True    # as transformers' GptOssExperts: peft shapes expert adapters [in, out] from it
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, d, i = cfg.n_experts, cfg.d_model, cfg.expert_dim

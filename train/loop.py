@@ -3,7 +3,7 @@
 The loop below is the whole schedule of a run; each line calls one job of `train/trainer.py`
 (setup and resume, step, logging, evaluation, checkpoints, the end). Stopping signals live in
 `train/preemption.py`, the checkpoint format in `train/checkpoint.py`, metrics in
-`train/metrics.py`, evaluation in `train/evaluation.py`. A multi-host run trains under a small
+`train/metrics.py`, evaluation in `train/evaluation/`. A multi-host run trains under a small
 parent process that reports a lost host in one line (`train/host_supervisor.py`).
 """
 from __future__ import annotations

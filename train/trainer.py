@@ -124,7 +124,7 @@ class Trainer:
         from jax_bridge.step import StepConfig, TrainState, TrainStep
         from torch_model.model import GptOssForCausalLM
         from torch_model.optim import OptimizerConfig
-        from train.evaluation import Evaluator, token_byte_lengths
+        from train.evaluation.validation import Evaluator, token_byte_lengths
         from train.data.loader import TokenLoader
         from train.data.tokenizer import load_tokenizer
 
