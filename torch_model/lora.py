@@ -1,0 +1,126 @@
+"""LoRA through peft: the user's `--lora` spec, checked, and the torch model wrapped by peft's own
+`LoraConfig` (no second LoRA is written here).
+
+Targets name what peft adapts. `attention` (= `all-linear`): the q/k/v/o projections, the only
+`nn.Linear` layers transformers' GptOss has besides `lm_head`; `lm_head` is left out because the
+fused cross-entropy reads its weight directly, so an adapter there would never get a gradient (and
+peft excludes the output layer on transformers models too). `experts`: peft's LoRA on the 3-D
+expert tensors (`target_parameters`), rank r per expert, in transformers' orientation
+(`Experts.is_transposed`). A module name (`q_proj`, `v_proj`, ...) picks single projections.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from torch_model.config import ConfigError
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+TARGET_GROUPS = {"all-linear": ATTENTION_PROJECTIONS, "attention": ATTENTION_PROJECTIONS}
+ADAPTER_NAME = "default"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """`r=16,alpha=32,dropout=0,targets=all-linear+experts` as a value."""
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("all-linear",)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        names: list[str] = []
+        for target in self.targets:
+            if target == "experts":
+                continue
+            for name in TARGET_GROUPS.get(target, (target,)):
+                if name not in names:
+                    names.append(name)
+        return tuple(names)
+
+    @property
+    def target_parameters(self) -> tuple[str, ...]:
+        return EXPERT_PARAMETERS if "experts" in self.targets else ()
+
+    def __str__(self) -> str:
+        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={'+'.join(self.targets)}"
+
+
+def parse_lora_spec(text: str) -> LoraSpec:
+    """Parse `key=value,...` (keys r, alpha, dropout, targets; targets joined by '+')."""
+    fields: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key not in ("r", "alpha", "dropout", "targets"):
+            raise ConfigError(f"--lora: expected key=value with keys r, alpha, dropout, targets; found {part!r}")
+        try:
+            fields[key] = (tuple(filter(None, value.split("+"))) if key == "targets"
+                           else int(value) if key == "r" else float(value))
+        except ValueError:
+            raise ConfigError(f"--lora: {key} must be a number, found {value!r}") from None
+    spec = LoraSpec(**fields)
+    check_lora_spec(spec)
+    return spec
+
+
+def check_lora_spec(spec: LoraSpec) -> None:
+    if spec.r < 1:
+        raise ConfigError(f"--lora: r must be an integer >= 1, found {spec.r}")
+    if spec.alpha <= 0:
+        raise ConfigError(f"--lora: alpha must be > 0, found {spec.alpha:g}")
+    if not 0 <= spec.dropout < 1:
+        raise ConfigError(f"--lora: dropout must be in [0, 1), found {spec.dropout:g}")
+    if not spec.targets:
+        raise ConfigError("--lora: targets is empty (e.g. targets=all-linear+experts)")
+    if "lm_head" in spec.targets:
+        raise ConfigError("--lora: lm_head cannot be adapted: the fused cross-entropy reads its weight directly, so "
+                          "its adapter would get no gradient (freeze or train it whole instead)")
+    if spec.dropout > 0 and "experts" in spec.targets:
+        raise ConfigError(f"--lora: dropout={spec.dropout:g} with targets including experts: peft's LoRA on expert "
+                          "parameters cannot apply dropout (it adapts the weight, not the input); use dropout=0 "
+                          "or leave experts out")
+
+
+def lora_config(spec: LoraSpec):
+    """peft's LoraConfig for the spec."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
+                      target_modules=list(spec.target_modules) or None,
+                      target_parameters=list(spec.target_parameters) or None)
+
+
+def apply_lora(model, spec: LoraSpec):
+    """The model wrapped by peft (`PeftModel`): base parameters frozen (requires_grad False), the
+    adapters trainable; parameter names gain `base_model.model.` and `.base_layer.`/`lora_A.default.`
+    as peft names them. A target matching no module is an error (peft's, reworded)."""
+    from peft import get_peft_model
+
+    check_lora_spec(spec)
+    unknown = [t for t in spec.target_modules if not any(name.endswith("." + t) or name == t
+                                                         for name, _ in model.named_modules())]
+    if unknown:
+        raise ConfigError(f"--lora: targets {', '.join(unknown)} match no module of the model "
+                          f"(choose from all-linear, attention, experts, {', '.join(ATTENTION_PROJECTIONS)})")
+    return get_peft_model(model, lora_config(spec))
+
+
+@contextlib.contextmanager
+def swapping_parametrized_tensors():
+    """peft's expert LoRA registers a torch parametrization on each forward; parametrize then
+    calls `Tensor.set_`, which torchax cannot lower. With this torch flag it swaps tensors
+    instead. The flag is process-global, so it is set only for the duration of a trace."""
+    import torch
+
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
