@@ -103,7 +103,8 @@ class Generator:
                  stream_every: int | None = None) -> Generation:
         """Continue each prompt (a list of token ids). `on_tokens(new)` receives, per prompt, the
         tokens produced since its previous call: after the first token and then every
-        `stream_every` decode steps (default: once, at the end)."""
+        `stream_every` decode steps (default: once, at the end). It may return the indices of
+        rows to end there (a stop string seen in their text): they produce nothing more."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -137,7 +138,7 @@ class Generator:
         prefill_seconds = time.perf_counter() - started
         emitted = 1
         if on_tokens is not None:
-            on_tokens(_new_tokens(tokens, rows, prompt_len, 0, 1))
+            state = _end_rows(state, on_tokens(_new_tokens(tokens, rows, prompt_len, 0, 1)))
 
         started = time.perf_counter()
         steps, done = 1, bool(np.asarray(state.done).all())
@@ -148,7 +149,8 @@ class Generator:
             steps, done = int(state.step), bool(np.asarray(state.done).all())
             if on_tokens is not None:
                 tokens = np.asarray(state.tokens)
-                on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, steps))
+                state = _end_rows(state, on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, steps)))
+                done = bool(np.asarray(state.done).all())
                 emitted = steps
         tokens = np.asarray(state.tokens)
         decode_seconds = time.perf_counter() - started
@@ -173,6 +175,19 @@ def _check_request(cfg, prompts: list[list[int]], sampling: SamplingConfig, stre
     if longest + sampling.max_new_tokens > cfg.max_position_embeddings:
         raise UserError(f"generate: {longest} prompt tokens + {sampling.max_new_tokens} new ones exceed the "
                         f"model's max_position_embeddings ({cfg.max_position_embeddings})")
+
+
+def _end_rows(state, rows):
+    """The decode state with these rows marked done (a caller's verdict, e.g. a stop string), in
+    the placement the compiled decode program expects."""
+    import jax
+    import numpy as np
+
+    if not rows:
+        return state
+    ending = np.zeros(state.done.shape, bool)
+    ending[list(rows)] = True
+    return state._replace(done=jax.device_put(np.asarray(state.done) | ending, state.done.sharding))
 
 
 def _new_tokens(tokens, rows: int, prompt_len: int, start: int, stop: int) -> list[list[int]]:
