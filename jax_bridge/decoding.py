@@ -112,11 +112,14 @@ class Decoder:
         self.matmul_precision = matmul_precision or default_matmul_precision(self.compute_dtype)
         self.compiler_options = dict(compiler_options or {})
         self.mesh = mesh
-        self.params = cast_params(params_to_jax(model), COMPUTE_DTYPES[self.compute_dtype])
-        if mesh is not None:
+        compute = COMPUTE_DTYPES[self.compute_dtype]
+        if mesh is None:
+            self.params = cast_params(params_to_jax(model), compute)
+        else:       # from the host straight into shards: no device ever holds a whole model
             sharding.check_model_fits(self.cfg, mesh)
-            self.params = sharding.place(self.params, {name: NamedSharding(mesh, sharding.param_spec(name, p.shape, mesh))
-                                                       for name, p in self.params.items()})
+            host = cast_params({n: p.detach().float().numpy() for n, p in model.named_parameters()}, compute)
+            self.params = sharding.place(host, {name: NamedSharding(mesh, sharding.param_spec(name, p.shape, mesh))
+                                                for name, p in host.items()})
         # Tuples in model order, never sets: the traced program (hence the persistent cache key)
         # must not depend on the process's string hashing.
         self.linear_weights = tuple(f"{name}.weight" for name, module in model.named_modules()
