@@ -80,7 +80,9 @@ def test_long_prompts_are_cut_from_the_left_and_the_count_reported(setup):
     _, tokenizer, greedy = setup
     long = [319] + tokenizer.encode_ordinary(" ".join(PLAY_LINES))[:WINDOW]
     room = WINDOW - NEW
-    got = greedy.generate([GenerationRequest(tuple(long), NEW), GenerationRequest(tuple(long[-room:]), NEW)])
+    # Four requests: the bucket of the test above (its programs are reused).
+    others = [GenerationRequest(tuple(p), NEW) for p in fresh_prompts(tokenizer, seed=1)[:2]]
+    got = greedy.generate([GenerationRequest(tuple(long), NEW), GenerationRequest(tuple(long[-room:]), NEW), *others])
     assert got[0].truncated == len(long) - room and got[1].truncated == 0
     assert got[0].tokens == got[1].tokens and got[0].text == got[1].text
 
