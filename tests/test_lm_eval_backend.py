@@ -136,3 +136,22 @@ def test_bad_model_arguments_are_one_line_errors(exported):
         TorchlyraLM()
     with pytest.raises(UserError, match="takes a number of rows, found 'auto'"):
         TorchlyraLM(checkpoint=str(exported[0]), batch_size="auto")
+
+
+def test_generate_until_sends_greedy_requests_with_the_stop_strings(exported):
+    """The request translation only: generation itself is train.evaluation.greedy's (and its tests')."""
+    from lm_eval.api.instance import Instance
+
+    from train.evaluation.lm_eval_backend import TorchlyraLM
+    from train.evaluation.requests import GenerationResult
+
+    lm = TorchlyraLM(checkpoint=str(exported[0]), max_length=MAX_LENGTH)
+    seen = []
+    lm.scorer.generate = lambda requests: seen.extend(requests) or [GenerationResult("out", (1,), 0) for _ in requests]
+    ask = lambda context, kwargs: Instance("generate_until", {}, (context, kwargs), 0)
+    assert lm.generate_until([ask("ROMEO:", {"until": ["\n"], "max_gen_toks": 5}), ask("", {})]) == ["out", "out"]
+    eos = lm.tokenizer.decode([lm.eot_token_id])
+    assert seen[0].prompt == tuple(lm.tokenizer.encode("ROMEO:")) and seen[0].max_new_tokens == 5
+    assert seen[0].stop == ("\n", eos) and seen[1].prompt == (lm.prefix_token_id,) and seen[1].stop == (eos,)
+    with pytest.raises(UserError, match="decodes greedily only"):
+        lm.generate_until([ask("ROMEO:", {"do_sample": True, "temperature": 0.7})])
