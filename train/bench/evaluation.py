@@ -47,15 +47,15 @@ def add_arguments(parser) -> None:
                              "timed on the first requests)")
 
 
-def faster_thread_count(lm, instances, log) -> int:
-    """The faster torch thread count (1 or the default) for the hf backend on the first requests
+def faster_thread_count(lm, instances, log, default: int) -> int:
+    """The faster torch thread count (1 or `default`, torch's own) for the hf backend on the first requests
     (after an untimed call): on a machine whose cores are shared, extra threads can make torch
     much slower."""
     import torch
 
     seconds = {}
     lm.loglikelihood(instances, disable_tqdm=True)      # untimed: first-call costs
-    for threads in sorted({1, torch.get_num_threads()}, reverse=True):
+    for threads in sorted({1, default}, reverse=True):
         torch.set_num_threads(threads)
         t = time.perf_counter()
         lm.loglikelihood(instances, disable_tqdm=True)
@@ -133,7 +133,7 @@ def measure(instances, hf_dir: Path, batch_size: int, args, log) -> dict:
     if args.hf_threads is not None:
         torch.set_num_threads(args.hf_threads)
     else:
-        faster_thread_count(hf, instances[:2 * batch_size], log)
+        faster_thread_count(hf, instances[:2 * batch_size], log, args.torch_default_threads)
     backends = {"torchlyra": ours, "hf": hf}
     answers, seconds = {}, {n: [] for n in backends}
     for name, lm in backends.items():       # untimed: our compilation, first-call costs
@@ -151,6 +151,8 @@ def measure(instances, hf_dir: Path, batch_size: int, args, log) -> dict:
 
 
 def run(args) -> int:
+    import torch
+
     from train.bench.machine import machine_info
 
     for name in ("examples", "choices", "repeats", "hf_threads"):
@@ -164,6 +166,7 @@ def run(args) -> int:
         raise UserError(f"--batch-sizes: expected comma-separated positive integers, found {args.batch_sizes!r}")
     log = lambda s: print(s, file=sys.stderr, flush=True)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
+    args.torch_default_threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         workdir = Path(tmp)
         (workdir / "tasks").mkdir()

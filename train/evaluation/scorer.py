@@ -10,6 +10,7 @@ so no real position sees a pad token.
 """
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -23,6 +24,7 @@ from train.evaluation.requests import Loglikelihood, LoglikelihoodRequest, windo
 MIN_LENGTH = 16                  # shortest length bucket (positions per row)
 MIN_SCORED = 8                   # fewest scored positions per row a program takes
 LOGITS_BUDGET = 1 << 27          # float32 logits formed at once per device (512 MiB)
+IN_FLIGHT = 4                    # batches dispatched ahead of the one whose results are read
 
 
 class Compilation(NamedTuple):
@@ -256,6 +258,17 @@ class CompiledScorer:
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
         results: list[Loglikelihood | None] = [None] * len(windows)
         shard = self._batch_sharding()
+        in_flight: collections.deque = collections.deque()
+
+        def collect(bar):
+            chunk, logprob, greedy = in_flight.popleft()
+            logprob, greedy = np.asarray(logprob), np.asarray(greedy)
+            for row, i in enumerate(chunk):
+                _, n, dropped = windows[i]
+                results[i] = Loglikelihood(logprob=float(logprob[row]), greedy=bool(greedy[row]), tokens=n,
+                                           truncated=dropped)
+            bar.update(len(chunk))
+
         with tqdm(total=len(windows), desc="loglikelihood", unit="req", disable=not self.progress or None) as bar:
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
@@ -271,13 +284,13 @@ class CompiledScorer:
                     index[row, :n] = np.arange(len(ids) - 1 - n, len(ids) - 1)   # the continuation's targets
                     scored[row, :n] = True
                 program = self.program(rows, positions, width)
-                logprob, greedy = program(self.params, *(jax.device_put(a, shard) for a in (tokens, index, scored)))
-                logprob, greedy = np.asarray(logprob), np.asarray(greedy)
-                for row, i in enumerate(chunk):
-                    _, n, dropped = windows[i]
-                    results[i] = Loglikelihood(logprob=float(logprob[row]), greedy=bool(greedy[row]), tokens=n,
-                                               truncated=dropped)
-                bar.update(len(chunk))
+                # Dispatched without waiting: the host prepares the next batches while this one runs.
+                inputs = (jax.device_put(a, shard) for a in (tokens, index, scored))
+                in_flight.append((chunk, *program(self.params, *inputs)))
+                if len(in_flight) > IN_FLIGHT:
+                    collect(bar)
+            while in_flight:
+                collect(bar)
         return results
 
 
