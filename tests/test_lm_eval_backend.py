@@ -47,19 +47,17 @@ def write_tasks(directory: Path) -> None:
             f"output_type: {output_type}\n{fields}\nmetric_list:\n{metric_list}")
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(Hugging Face dir of a random model with a BPE tokenizer whose BOS is the model's, tasks dir)."""
+def export_random_model(root: Path, vocab_size: int) -> Path:
+    """A Hugging Face dir of a random model with a BPE tokenizer whose BOS is the model's."""
     from parity.hf_export import export_checkpoint
     from train.checkpoint import save_checkpoint
     from train.data.tokenizer import train_bpe
 
-    root = tmp_path_factory.mktemp("lm_eval")
     enc = train_bpe(PLAY_LINES * 30, 320)
     bos = enc._special_tokens["<|bos|>"]
-    cfg = get_preset("tiny").replace(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                                     n_experts=4, expert_dim=32, sliding_window=8, max_seq_len=MAX_LENGTH,
-                                     bos_token_id=bos, eos_token_id=bos)
+    cfg = get_preset("tiny").replace(vocab_size=vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                     head_dim=16, n_experts=4, expert_dim=32, sliding_window=8,
+                                     max_seq_len=MAX_LENGTH, bos_token_id=bos, eos_token_id=bos)
     torch.manual_seed(0)
     model = GptOssForCausalLM(cfg)
     with torch.no_grad():
@@ -68,8 +66,16 @@ def exported(tmp_path_factory):
                 p.normal_(0, 0.1)
     save_checkpoint(root / "ck", model.state_dict(), cfg, step=3, tokenizer=enc)
     assert export_checkpoint(root / "ck", root / "hf")["tokenizer"].startswith("transformers: tokenizer.json")
+    return root / "hf"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(Hugging Face dir of a random model, tasks dir)."""
+    root = tmp_path_factory.mktemp("lm_eval")
+    hf = export_random_model(root, 384)
     write_tasks(root / "tasks")
-    return root / "hf", root / "tasks"
+    return hf, root / "tasks"
 
 
 def logged_samples(output_path: Path) -> dict[str, list[dict]]:
@@ -155,3 +161,24 @@ def test_generate_until_sends_greedy_requests_with_the_stop_strings(exported):
     assert seen[0].stop == ("\n", eos) and seen[1].prompt == (lm.prefix_token_id,) and seen[1].stop == (eos,)
     with pytest.raises(UserError, match="decodes greedily only"):
         lm.generate_until([ask("ROMEO:", {"do_sample": True, "temperature": 0.7})])
+
+
+def test_generate_until_gives_the_hf_backends_greedy_text(tmp_path):
+    """End to end: the scorer's greedy generation (train.evaluation.greedy) against lm-eval's own
+    `hf` backend on the exported model, stop strings and token limits as lm-eval passes them. The
+    model's vocabulary is the tokenizer's: ours never picks an id the tokenizer cannot decode, hf
+    would."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from train.evaluation.lm_eval_backend import TorchlyraLM
+
+    model_dir = export_random_model(tmp_path, 320)
+    ask = lambda context, kwargs: Instance("generate_until", {}, (context, kwargs), 0)
+    requests = [ask("ROMEO: But soft", {"until": ["\n\n"], "max_gen_toks": 12}),
+                ask("JULIET:", {"until": ["o"], "max_gen_toks": 12}),
+                ask("HAMLET: To be, or not", {"until": ["zz"], "max_gen_toks": 6})]
+    ours = TorchlyraLM(checkpoint=str(model_dir), max_length=MAX_LENGTH).generate_until(requests)
+    hf = HFLM(pretrained=str(model_dir), dtype="float32", batch_size=1, max_length=MAX_LENGTH, device="cpu")
+    assert ours == hf.generate_until(requests)
+    assert any(text for text in ours)

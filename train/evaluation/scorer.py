@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from train.errors import UserError
-from train.evaluation.requests import Loglikelihood, LoglikelihoodRequest, window
+from train.evaluation.requests import (GenerationRequest, GenerationResult, Loglikelihood, LoglikelihoodRequest,
+                                       window)
 
 MIN_LENGTH = 16                  # shortest length bucket (positions per row)
 MIN_SCORED = 8                   # fewest scored positions per row a program takes
@@ -101,7 +102,7 @@ class CompiledScorer:
 
     def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla", mesh=None,
                  batch_size: int = 16, max_length: int | None = None, compute_dtype: str | None = None,
-                 platform: str | None = None, scan_layers: bool = True, progress: bool = True):
+                 platform: str | None = None, scan_layers: bool = True, progress: bool = True, tokenizer=None):
         import jax
 
         from jax_bridge import registry, sharding
@@ -133,6 +134,8 @@ class CompiledScorer:
             except ValueError as e:
                 raise UserError(f"--mesh: {e}") from None
         self.cfg, self.mesh, self.batch_size, self.progress = cfg, mesh, batch_size, progress
+        self.model, self.tokenizer, self.kernel_spec = model, tokenizer, kernels
+        self._generator = None          # generate()'s GreedyGenerator, built on first use
         self.shards = 1 if mesh is None else sharding.batch_shards(mesh)
         self.env = get_env()
         self.compute_dtype = COMPUTE_DTYPES[self.step_cfg.compute_dtype]
@@ -294,6 +297,19 @@ class CompiledScorer:
         return results
 
 
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Greedy continuations (train.evaluation.greedy on the same model, kernels, mesh, batch
+        size and window); needs the tokenizer (stop strings are text)."""
+        if self.tokenizer is None:
+            raise UserError("scorer: generation needs the model's tokenizer (this checkpoint has none)")
+        if self._generator is None:
+            from train.evaluation.greedy import GreedyGenerator
+
+            self._generator = GreedyGenerator(self.model, self.tokenizer, kernels=self.kernel_spec, mesh=self.mesh,
+                                              batch_size=self.batch_size, max_length=self.max_length)
+        return self._generator.generate(requests, progress=self.progress)
+
+
 # ---- loading ------------------------------------------------------------------------------------
 def checkpoint_info(meta: dict) -> dict:
     """What a report card says of the model: its name, where it was read from, the step and the
@@ -325,5 +341,5 @@ def load_scorer(checkpoint_or_hf_dir, *, kernels: str | dict | None = "xla", mes
     del state
     tokenizer, _ = checkpoint_tokenizer(checkpoint_or_hf_dir, meta)
     scorer = CompiledScorer(model.eval(), kernels=kernels, mesh=mesh, batch_size=batch_size, max_length=max_length,
-                            **scorer_options)
+                            tokenizer=tokenizer, **scorer_options)
     return scorer, tokenizer, checkpoint_info(meta)
