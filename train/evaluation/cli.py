@@ -1,0 +1,99 @@
+"""`torchlyra eval`: with `--tasks`, task evaluation (CORE-6, HumanEval, task files) written as JSON
+and a markdown report card; without, validation loss and bits per byte (validation.py), as before.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+
+from train.errors import UserError
+from train.evaluation import validation
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    validation.add_arguments(parser)
+    parser.add_argument("--tasks", help="comma-separated: core (CORE-6, BIG-bench JSON), one of its tasks, humaneval, "
+                                        "or FILE.jsonl (a task file); without it, validation loss and bits per byte")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N examples of each task")
+    parser.add_argument("--report", help="write the markdown report card here")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per scoring or generation batch")
+    parser.add_argument("--mesh", default="", help="device mesh for scoring, as for `train --mesh`")
+    parser.add_argument("--scorer", choices=("compiled", "eager"), default="eager",
+                        help="compiled: the jitted scoring program; eager: the float32 PyTorch reference (slow)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def model_info(checkpoint: str, meta: dict) -> dict:
+    """The report card's header: checkpoint, step and tokens seen (steps x batch x sequence length)."""
+    train_cfg = meta.get("train_config") or {}
+    step = meta.get("step")
+    seen = step * train_cfg["batch_size"] * train_cfg["seq_len"] if step is not None and \
+        {"batch_size", "seq_len"} <= set(train_cfg) else None
+    return {"checkpoint": meta.get("step_dir", checkpoint), "step": step, "tokens_seen": seen}
+
+
+def load_model(checkpoint: str):
+    """(float32 torch model, tokenizer, model info) of a checkpoint (ours or a Hugging Face one)."""
+    import torch
+
+    from torch_model.model import GptOssForCausalLM
+    from train.checkpoint import checkpoint_tokenizer, load_checkpoint
+
+    state, model_cfg, meta = load_checkpoint(checkpoint)
+    tokenizer, found = checkpoint_tokenizer(checkpoint, meta)
+    if tokenizer is None:
+        raise UserError(f"checkpoint {checkpoint}: no tokenizer to build prompts with (tokenizer: {found})")
+    model = GptOssForCausalLM(model_cfg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    return model.eval(), tokenizer, model_info(checkpoint, meta)
+
+
+def greedy_generator(model, tokenizer, args):
+    """evalgen's GreedyGenerator when this build has it, else None (generative tasks then refuse)."""
+    try:
+        module = importlib.import_module("train.evaluation.greedy")
+    except ModuleNotFoundError as e:
+        if e.name != "train.evaluation.greedy":
+            raise
+        return None
+    return module.GreedyGenerator(model, tokenizer, kernels=args.kernels, mesh=args.mesh, batch_size=args.batch_size)
+
+
+def run_tasks(args) -> dict:
+    from train.evaluation.report import print_summary, report_card, write_json
+    from train.evaluation.suite import parse_spec, run_suite
+
+    parse_spec(args.tasks)                      # a bad name fails before the model loads
+    if args.limit is not None and args.limit <= 0:
+        raise UserError(f"--limit must be > 0, found {args.limit}")
+    model, tokenizer, info = load_model(args.checkpoint)
+    from train.evaluation.eager_scorer import EagerScorer
+
+    scorer = EagerScorer(model)
+    generator = greedy_generator(model, tokenizer, args)
+    evaluation = run_suite(args.tasks, scorer=scorer, generator=generator, tokenizer=tokenizer,
+                           bos=model.cfg.bos_token_id, limit=args.limit, progress=args.progress)
+    evaluation = {"model": info, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                  "scorer": args.scorer, "limit": args.limit, "window": scorer.max_length, **evaluation}
+    print(f"checkpoint {info['checkpoint']} (step {info['step']}):")
+    print_summary(evaluation)
+    if args.json_out:
+        write_json(args.json_out, evaluation)
+        print(f"  written to {args.json_out}")
+    if args.report:
+        from train.atomic import write_atomic
+
+        write_atomic(args.report, report_card(evaluation).encode())
+        print(f"  report card written to {args.report}")
+    return evaluation
+
+
+def run(args) -> int:
+    if not args.tasks:
+        for flag in ("limit", "report"):
+            if getattr(args, flag) is not None:
+                raise UserError(f"--{flag} needs --tasks (without it, eval measures validation loss)")
+        return validation.run(args)
+    run_tasks(args)
+    return 0
