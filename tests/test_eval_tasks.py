@@ -281,3 +281,50 @@ def test_core6_files_parse_with_expected_counts(bigbench_cache):
     assert tasks["operators"].examples[0] == Example(
         "Given the definition of the op operator, compute the result.\nop i is i.\nop 17 =", "17")
     assert tasks["cs_algorithms"].examples[320].answer in ("Valid", "Invalid")
+
+
+# ---- periodic task evaluation in training --------------------------------------------------------
+def tensorboard_scalars(run_dir) -> dict:
+    """{(tag, step): value} from the run's TensorBoard event files (TFRecord frames of Event protos)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = {}
+    for path in (run_dir / "tensorboard").iterdir():
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                out[(value.tag, event.step)] = value.simple_value
+    return out
+
+
+def test_training_writes_task_scores_to_metrics_and_tensorboard(tmp_path, capsys):
+    """`train --eval-tasks FILE --eval-every 2`: each eval record holds the task's score, equal to
+    `eval --tasks` on the checkpoint of that step; TensorBoard gets the same scalars."""
+    from helpers import prepare_play_corpus
+
+    data = prepare_play_corpus(tmp_path)
+    mc = write_lines(tmp_path / "plays.jsonl",
+                     *[{"context": f"{who}:", "choices": ["But soft", "O Romeo", "To be"], "gold": i}
+                       for i, who in enumerate(["ROMEO", "JULIET", "HAMLET"])])
+    config = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16,
+                        "n_experts": 2, "expert_dim": 32, "sliding_window": 16, "vocab_size": 384}}
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "run.json"), "--data", data, "--out", str(out), "--steps", "4",
+                 "--batch-size", "2", "--seq-len", "32", "--eval-every", "2", "--eval-batches", "1", "--eval-tasks",
+                 str(mc), "--samples", "0", "--tensorboard", "--checkpoint-every", "2"]) == 0
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(set(r["tasks"]) == {"plays"} for r in evals)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out), "--tasks", str(mc), "--json", str(tmp_path / "e.json"),
+                 "--no-progress"]) == 0
+    final = json.loads((tmp_path / "e.json").read_text())["tasks"][0]
+    assert evals[-1]["tasks"]["plays"] == final["score"]
+    assert evals[-1]["tasks_centered"]["plays"] == pytest.approx(final["centered"])
+    scalars = tensorboard_scalars(out)
+    assert scalars[("eval/tasks/plays", 4)] == pytest.approx(final["score"])
