@@ -259,11 +259,13 @@ def test_eval_tasks_end_to_end(tmp_path, capsys, checkpoints, tokenizer, model):
 
 # ---- CORE-6 from the BIG-bench archive -----------------------------------------------------------
 @pytest.fixture(scope="session")
-def bigbench_cache(tmp_path_factory):
-    """The archive is downloaded once per session (reuses $TORCHLYRA_CACHE when CI sets it)."""
+def bigbench_cache():
+    """$TORCHLYRA_CACHE when CI sets it, else the checkout's git-ignored .cache/torchlyra-tests
+    (as the JAX compilation cache): the 358 MB archive is downloaded once per clone, not per run."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with pytest.MonkeyPatch.context() as mp:
         if not os.environ.get("TORCHLYRA_CACHE"):
-            mp.setenv("TORCHLYRA_CACHE", str(tmp_path_factory.mktemp("cache")))
+            mp.setenv("TORCHLYRA_CACHE", os.path.join(root, ".cache", "torchlyra-tests"))
         yield os.environ["TORCHLYRA_CACHE"]
 
 
