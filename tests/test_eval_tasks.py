@@ -228,9 +228,10 @@ def test_bad_inputs_one_line_exit_2(tmp_path, capsys, checkpoints):
     one_error_line(capsys, ["eval", "--checkpoint", str(chat_ck), "--tasks", "core,mmlu"],
                    "unknown task 'mmlu'; known: core, humaneval, qa_wikidata")
     bad = write_lines(tmp_path / "bad.jsonl", {"context": "c", "continuation": "d"}, "{oops")
-    one_error_line(capsys, ["eval", "--checkpoint", str(chat_ck), "--tasks", str(bad)], f"{bad}:2: not a JSON object")
+    one_error_line(capsys, ["eval", "--checkpoint", str(chat_ck), "--tasks", str(bad), "--scorer", "eager"],
+                   f"{bad}:2: not a JSON object")
     chat_task = write_lines(tmp_path / "chat.jsonl", {"task": {"chat": True}}, {"context": "c", "continuation": "d"})
-    one_error_line(capsys, ["eval", "--checkpoint", str(plain_ck), "--tasks", str(chat_task)],
+    one_error_line(capsys, ["eval", "--checkpoint", str(plain_ck), "--tasks", str(chat_task), "--scorer", "eager"],
                    "chat needs a tokenizer with the harmony special tokens")
 
 
@@ -243,7 +244,7 @@ def test_eval_tasks_end_to_end(tmp_path, capsys, checkpoints, tokenizer, model):
     lm = write_lines(tmp_path / "lm.jsonl", {"context": "Two plus two is", "continuation": "four."})
     out, card = tmp_path / "eval.json", tmp_path / "card.md"
     assert main(["eval", "--checkpoint", str(chat_ck), "--tasks", f"{mc},{lm}", "--json", str(out),
-                 "--report", str(card), "--no-progress"]) == 0
+                 "--report", str(card), "--no-progress", "--scorer", "eager"]) == 0
     evaluation = json.loads(out.read_text())
     expected = run_task(MC, scorer=EagerScorer(model), generator=None, tokenizer=tokenizer,
                         bos=model.cfg.bos_token_id, progress=False)
@@ -324,7 +325,7 @@ def test_training_writes_task_scores_to_metrics_and_tensorboard(tmp_path, capsys
     assert [r["step"] for r in evals] == [0, 2, 4] and all(set(r["tasks"]) == {"plays"} for r in evals)
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(out), "--tasks", str(mc), "--json", str(tmp_path / "e.json"),
-                 "--no-progress"]) == 0
+                 "--no-progress", "--scorer", "eager"]) == 0
     final = json.loads((tmp_path / "e.json").read_text())["tasks"][0]
     assert evals[-1]["tasks"]["plays"] == final["score"]
     assert evals[-1]["tasks_centered"]["plays"] == pytest.approx(final["centered"])

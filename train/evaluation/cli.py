@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", help="write the markdown report card here")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per scoring or generation batch")
     parser.add_argument("--mesh", default="", help="device mesh for scoring, as for `train --mesh`")
-    parser.add_argument("--scorer", choices=("compiled", "eager"), default="eager",
+    parser.add_argument("--scorer", choices=("compiled", "eager"), default="compiled",
                         help="compiled: the jitted scoring program; eager: the float32 PyTorch reference (slow)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
@@ -67,6 +67,11 @@ def run_tasks(args) -> dict:
     parse_spec(args.tasks)                      # a bad name fails before the model loads
     if args.limit is not None and args.limit <= 0:
         raise UserError(f"--limit must be > 0, found {args.limit}")
+    if args.scorer == "compiled":
+        raise UserError("--scorer compiled: this build has no compiled scorer (train/evaluation/scorer.py); "
+                        "use --scorer eager")
+    if args.mesh:
+        raise UserError("--mesh: the eager scorer runs on the host, unsharded; use --scorer compiled")
     model, tokenizer, info = load_model(args.checkpoint)
     from train.evaluation.eager_scorer import EagerScorer
 
