@@ -18,8 +18,10 @@ def fewshot(task: Task, index: int) -> list[Example]:
     n = min(task.settings.num_fewshot, len(task.examples) - 1)
     if n <= 0:
         return []
-    others = [i for i in range(len(task.examples)) if i != index]
-    return [task.examples[i] for i in random.Random(task.settings.seed + index).sample(others, n)]
+    # Positions in the list of the other examples (all but `index`), without building that list:
+    # the same draw as sampling the list itself, but O(shots) per example instead of O(examples).
+    picks = random.Random(task.settings.seed + index).sample(range(len(task.examples) - 1), n)
+    return [task.examples[p + (p >= index)] for p in picks]
 
 
 class PromptBuilder:
