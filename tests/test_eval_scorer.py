@@ -1,0 +1,167 @@
+"""The compiled scorer against its oracles: the eager scorer (ragged and truncated requests, a
+batch of 3 rows, greedy flags both ways), transformers on the exported model, and itself on an
+8-device mesh (subprocess); each bucket compiles once; bad requests are one-line errors."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from torch_model.config import get_preset
+from torch_model.model import GptOssForCausalLM
+from train.errors import UserError
+from train.evaluation.eager_scorer import EagerScorer
+from train.evaluation.requests import LoglikelihoodRequest
+from train.evaluation.scorer import CompiledScorer, checkpoint_info, length_bucket, load_scorer, rows_bucket
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LENGTH = 24
+CFG = get_preset("tiny").replace(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                 n_experts=4, expert_dim=32, sliding_window=8, max_seq_len=MAX_LENGTH)
+# (context, continuation) lengths: ragged, longer than the window, and (last three) truncated.
+SHAPES = [(1, 1), (2, 5), (6, 3), (9, 1), (11, 6), (15, 2), (20, 4), (23, 2), (30, 3), (26, 8)]
+
+
+def random_model(seed: int = 0) -> GptOssForCausalLM:
+    """Every tensor random and larger than the init's (sharper distributions: some argmax chains)."""
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(CFG)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def greedy_continuation(model, context: list[int], n: int) -> tuple[int, ...]:
+    """The model's argmax chain as the scorer will see it: after the request's own truncation."""
+    ids, start = list(context), max(0, len(context) + n - (MAX_LENGTH + 1))
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids[start:]]))[0, -1].argmax()))
+    return tuple(ids[len(context):])
+
+
+def fresh_requests(model, seed: int) -> list[LoglikelihoodRequest]:
+    """SHAPES with random ids, plus two whose continuation is the model's own greedy chain."""
+    rng = np.random.default_rng(seed)
+    out = [LoglikelihoodRequest(tuple(rng.integers(0, CFG.vocab_size, c).tolist()),
+                                tuple(rng.integers(0, CFG.vocab_size, k).tolist())) for c, k in SHAPES]
+    for c, k in [(4, 3), (28, 2)]:
+        context = rng.integers(0, CFG.vocab_size, c).tolist()
+        out.append(LoglikelihoodRequest(tuple(context), greedy_continuation(model, context, k)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+@pytest.fixture(scope="module")
+def scorer(model):
+    return CompiledScorer(model, batch_size=3, max_length=MAX_LENGTH, progress=False)
+
+
+def test_buckets_round_rows_and_positions():
+    assert [length_bucket(n, 24) for n in (1, 16, 17, 23, 24)] == [16, 16, 24, 24, 24]
+    assert length_bucket(33, 4096) == 64
+    assert [rows_bucket(n, 12, 1) for n in (1, 3, 5, 12, 20)] == [1, 4, 8, 12, 12]
+    assert rows_bucket(3, 12, 4) == 4 and rows_bucket(12, 6, 4) == 8
+
+
+def test_report_card_info_names_the_run_and_counts_its_token_slots():
+    meta = {"step_dir": "/x/runs/tiny/checkpoints/300", "step": 300,
+            "train_config": {"preset": "tiny", "micro_batches": 2, "batch_size": 8, "seq_len": 256}}
+    assert checkpoint_info(meta) == {"model": "tiny", "preset": "tiny", "checkpoint": "/x/runs/tiny/checkpoints/300",
+                                     "step": 300, "tokens_seen": 300 * 2 * 8 * 256}
+
+
+def test_compiled_scorer_equals_the_eager_scorer_request_by_request(model, scorer):
+    requests = fresh_requests(model, seed=int(np.random.SeedSequence().entropy % 2**32))
+    got = scorer.loglikelihood(requests)
+    want = EagerScorer(model, max_length=MAX_LENGTH).loglikelihood(requests)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g.logprob - w.logprob) <= 1e-5 * abs(w.logprob), (i, g, w)
+        assert (g.greedy, g.tokens, g.truncated) == (w.greedy, w.tokens, w.truncated), (i, g, w)
+    assert [r.truncated > 0 for r in got].count(True) >= 3
+    assert got[-2].greedy and got[-1].greedy and not all(r.greedy for r in got)
+
+
+def test_each_bucket_compiles_once(model, scorer):
+    requests = fresh_requests(model, seed=1)
+    scorer.loglikelihood(requests)
+    compiled = list(scorer.compilations)
+    assert len({c.bucket for c in compiled}) == len(compiled)
+    again = scorer.loglikelihood(requests[::-1])          # the same shapes in another order
+    assert scorer.compilations == compiled
+    first = scorer.loglikelihood(requests)        # other batch-mates: equal up to float rounding
+    assert all(abs(a.logprob - b.logprob) <= 1e-6 * abs(b.logprob) for a, b in zip(again[::-1], first))
+
+
+def test_bad_requests_are_one_line_errors(scorer):
+    with pytest.raises(UserError, match=r"request 1: token id 128 is outside the model's vocabulary \[0, 128\)"):
+        scorer.loglikelihood([LoglikelihoodRequest((1,), (2,)), LoglikelihoodRequest((1,), (128,))])
+    with pytest.raises(UserError, match="empty context"):
+        scorer.loglikelihood([LoglikelihoodRequest((), (2,))])
+    with pytest.raises(UserError, match="max_length must be in"):
+        CompiledScorer(GptOssForCausalLM(CFG), max_length=CFG.max_position_embeddings + 1)
+
+
+def test_equals_transformers_on_the_exported_model(tmp_path, model):
+    from parity.generation import load_transformers
+    from parity.hf_export import export_checkpoint
+    from train.checkpoint import save_checkpoint
+    from train.evaluation.requests import window
+
+    save_checkpoint(tmp_path / "ck", model.state_dict(), CFG, step=7)
+    export_checkpoint(tmp_path / "ck", tmp_path / "hf")
+    hf = load_transformers(tmp_path / "hf")
+    requests = fresh_requests(model, seed=2)
+    ours, _, info = load_scorer(tmp_path / "hf", batch_size=len(requests), max_length=MAX_LENGTH, progress=False)
+    assert info["model"] == "hf" and info["step"] == 0
+    for i, (request, result) in enumerate(zip(requests, ours.loglikelihood(requests))):
+        tokens, n, _ = window(request, MAX_LENGTH)
+        ids = torch.tensor([tokens])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(ids[:, :-1]).logits.float(), -1)[0, -n:]
+        expected = float(logprobs.gather(-1, ids[0, -n:, None]).sum())
+        assert abs(result.logprob - expected) <= 1e-4 * abs(expected), (i, result, expected)
+        assert result.greedy == bool((logprobs.argmax(-1) == ids[0, -n:]).all())
+    _, _, info = load_scorer(tmp_path / "ck", max_length=MAX_LENGTH)
+    assert (info["model"], info["step"], info["tokens_seen"]) == ("ck", 7, None)
+
+
+MESH_WORKER = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, os.getcwd())
+    import jax
+    from tests.test_eval_scorer import MAX_LENGTH, fresh_requests, random_model
+    from train.evaluation.scorer import CompiledScorer
+    assert len(jax.devices()) == 8
+    model = random_model()
+    scorer = CompiledScorer(model, mesh=sys.argv[1], batch_size=12, max_length=MAX_LENGTH, progress=False)
+    results = scorer.loglikelihood(fresh_requests(model, seed=3))
+    print("RESULT " + json.dumps({"results": [[r.logprob, r.greedy] for r in results],
+                                  "specs": sorted({str(p.sharding.spec) for p in scorer.params.values()})}))
+""")
+
+
+def test_sharded_on_eight_devices_equals_one_device(model, scorer):
+    mesh = "fsdp=2,tensor=2,expert=2"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", MESH_WORKER, mesh], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert any("tensor" in spec for spec in out["specs"]), out["specs"]      # the weights really are split
+    one_device = scorer.loglikelihood(fresh_requests(model, seed=3))
+    assert len(out["results"]) == len(one_device)
+    for i, ((logprob, greedy), want) in enumerate(zip(out["results"], one_device)):
+        assert abs(logprob - want.logprob) <= 1e-5 * abs(want.logprob) and greedy == want.greedy, (i, logprob, want)

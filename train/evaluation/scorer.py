@@ -1,0 +1,296 @@
+"""The compiled scorer: log-likelihoods of continuations from one jitted forward of the lowered
+model (the train step's kernels, dtype and precision defaults, sharded by the training mesh
+rules), requests sorted by length and batched into bucketed shapes that compile once each.
+
+Each bucket's program takes right-padded token rows and a mask of the scored target positions
+and returns, per row, the summed target log-probability and whether every scored target is the
+argmax: logits are formed on device a slice of positions at a time and never leave it. Right
+padding needs no attention mask: attention is causal, so no real position sees a pad token.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from train.errors import UserError
+from train.evaluation.requests import Loglikelihood, LoglikelihoodRequest, window
+
+MIN_LENGTH = 16                  # shortest length bucket (positions per row)
+LOGITS_BUDGET = 1 << 27          # float32 logits formed at once per device (512 MiB)
+
+
+class Compilation(NamedTuple):
+    bucket: tuple[int, int]      # (rows, positions)
+    seconds: float               # tracing + lowering + compiling
+
+
+class HiddenStates(torch.nn.Module):
+    """The model's final (normed) hidden states [B, T, H] under the model's own parameter names:
+    the scoring program applies the head itself, a slice of positions at a time."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.cfg = model.cfg
+        self.model, self.lm_head = model.model, model.lm_head
+
+    def forward(self, input_ids):
+        return self.model(input_ids)[0]
+
+
+def length_bucket(positions: int, max_length: int) -> int:
+    """Positions a row is padded to: the next power of two (at least MIN_LENGTH), at most max_length."""
+    return min(max(MIN_LENGTH, 1 << max(0, positions - 1).bit_length()), max_length)
+
+
+def rows_bucket(rows: int, batch_size: int, shards: int) -> int:
+    """Rows a batch is padded to: a full batch is batch_size; a last partial one the next power
+    of two below it; either rounded up to a multiple of the mesh's batch shards."""
+    rows = batch_size if rows >= batch_size else min(batch_size, 1 << max(0, rows - 1).bit_length())
+    return -(-rows // shards) * shards
+
+
+def positions_tile(rows: int, positions: int, vocab: int, shards: int) -> int:
+    """The largest divisor of `positions` whose [rows / shards, tile, vocab] float32 logits stay
+    within LOGITS_BUDGET (at least 1)."""
+    local_rows = max(1, rows // shards)
+    fitting = [d for d in range(1, positions + 1) if positions % d == 0 and local_rows * d * vocab <= LOGITS_BUDGET]
+    return max(fitting, default=1)
+
+
+def target_scores(hidden, head, targets, tile: int):
+    """(log p(target) [B, T] float32, target is the argmax [B, T]) from hidden states [B, T, H]
+    and the head [V, H], forming logits for `tile` positions of every row at a time."""
+    import jax
+    import jax.numpy as jnp
+
+    b, t, h = hidden.shape
+    slices = (hidden.reshape(b, t // tile, tile, h).swapaxes(0, 1), targets.reshape(b, t // tile, tile).swapaxes(0, 1))
+
+    def one(args):
+        states, labels = args
+        logits = jnp.einsum("bth,vh->btv", states, head, preferred_element_type=jnp.float32)
+        picked = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+        return picked - jax.nn.logsumexp(logits, -1), jnp.argmax(logits, -1) == labels
+
+    logprobs, best = jax.lax.map(one, slices)
+    return logprobs.swapaxes(0, 1).reshape(b, t), best.swapaxes(0, 1).reshape(b, t)
+
+
+class CompiledScorer:
+    """`loglikelihood(requests)` on the lowered model (see the module docstring). `mesh`: None
+    (one device), a `--mesh` spec string or a jax Mesh; `compute_dtype` None: the train step's
+    default for the platform (CPU float32, TPU/GPU bfloat16), and its matmul precision with it.
+    Parameters are held in the compute dtype (the router in float32, as in the step)."""
+
+    def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla", mesh=None,
+                 batch_size: int = 16, max_length: int | None = None, compute_dtype: str | None = None,
+                 platform: str | None = None, scan_layers: bool = True, progress: bool = True):
+        import jax
+
+        from jax_bridge import registry, sharding
+        from jax_bridge.env import get_env
+        from jax_bridge.layer_stack import LayerLayout, layered_forward
+        from jax_bridge.step import COMPUTE_DTYPES, StepConfig
+
+        cfg = model.cfg
+        self.max_length = max_length or cfg.max_seq_len
+        if not 0 < self.max_length <= cfg.max_position_embeddings:
+            raise UserError(f"scorer: max_length must be in [1, {cfg.max_position_embeddings}] "
+                            f"(the model's max_position_embeddings), found {self.max_length}")
+        if batch_size < 1:
+            raise UserError(f"scorer: batch_size must be >= 1, found {batch_size}")
+        try:
+            self.step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, platform=platform,
+                                       scan_layers=scan_layers)
+            self.kernels = registry.resolve(self.step_cfg.kernels, self.step_cfg.platform)
+        except (registry.KernelError, ValueError) as e:
+            raise UserError(f"scorer: {e}") from None
+        if isinstance(mesh, str):
+            try:
+                mesh = sharding.make_mesh(mesh)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+        if mesh is not None:
+            try:
+                sharding.check_model_fits(cfg, mesh)
+            except ValueError as e:
+                raise UserError(f"--mesh: {e}") from None
+        self.cfg, self.mesh, self.batch_size, self.progress = cfg, mesh, batch_size, progress
+        self.shards = 1 if mesh is None else sharding.batch_shards(mesh)
+        self.env = get_env()
+        self.compute_dtype = COMPUTE_DTYPES[self.step_cfg.compute_dtype]
+        self.layout = LayerLayout.for_config(cfg, scan_layers)
+        self.forward = layered_forward(HiddenStates(model), self.layout, mesh=mesh)
+        self.compilations: list[Compilation] = []
+        self._programs: dict[tuple[int, int], object] = {}
+        self.params = None if next(model.parameters()).is_meta else self._place(model)
+        self._jitted = jax.jit(self._score)
+
+    # ---- parameters --------------------------------------------------------------------------------
+    def _host_params(self, model) -> dict:
+        from torch_model.model import keeps_float32
+
+        params = {}
+        for name, p in model.named_parameters():
+            value = p.detach().float().numpy()
+            params[name] = value if keeps_float32(name) else value.astype(self.compute_dtype)
+        return self.layout.stack(params)
+
+    def _param_shardings(self, params: dict):
+        from jax_bridge import sharding
+
+        return None if self.mesh is None else sharding.state_shardings(params, self.mesh)
+
+    def _place(self, model) -> dict:
+        import jax
+
+        from jax_bridge import sharding
+
+        params = self._host_params(model)
+        if self.mesh is None:
+            return jax.device_put(params)
+        return sharding.place(params, self._param_shardings(params))
+
+    def abstract_params(self, model) -> dict:
+        """The parameters' shapes, dtypes and shardings as the program takes them (the model may
+        live on the `meta` device): for compiling without weights (`lower`)."""
+        import jax
+
+        from jax_bridge.lowering import abstract_params
+        from torch_model.model import keeps_float32
+
+        flat = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if keeps_float32(n) else self.compute_dtype)
+                for n, a in abstract_params(model).items()}
+        stacked = self.layout.stack(flat, stack=lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype))
+        shardings = self._param_shardings(stacked)
+        if shardings is None:
+            return stacked
+        return {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings[n]) for n, a in stacked.items()}
+
+    # ---- the program -------------------------------------------------------------------------------
+    def _score(self, params, tokens, scored):
+        """tokens [B, T + 1] int32 (right-padded), scored [B, T] bool (targets tokens[:, 1:] that
+        count) -> (summed log-probability [B] float32, every scored target is the argmax [B])."""
+        import jax
+        import jax.numpy as jnp
+
+        from jax_bridge import registry, sharding
+
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        rows, positions = inputs.shape
+        tile = positions_tile(rows, positions, self.cfg.vocab_size, self.shards)
+        with registry.routed(self.env, self.kernels, platform=self.step_cfg.platform,
+                             options=self.step_cfg.kernel_options, mesh=self.mesh), \
+                jax.default_matmul_precision(self.step_cfg.matmul_precision):
+            hidden = sharding.constrain(self.forward(params, inputs), self.mesh, ("batch", None, None))
+            logprobs, best = target_scores(hidden, params["lm_head.weight"], targets, tile)
+        return jnp.where(scored, logprobs, 0.0).sum(1), jnp.all(best | ~scored, axis=1)
+
+    def _batch_specs(self, rows: int, positions: int):
+        import jax
+        import jax.numpy as jnp
+
+        shard = self._batch_sharding()
+        return (jax.ShapeDtypeStruct((rows, positions + 1), jnp.int32, sharding=shard),
+                jax.ShapeDtypeStruct((rows, positions), jnp.bool_, sharding=shard))
+
+    def _batch_sharding(self):
+        import jax
+
+        from jax_bridge import sharding
+
+        if self.mesh is None:
+            return None
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(sharding.batch_axes(self.mesh), None))
+
+    def lower(self, rows: int, positions: int, params=None):
+        """The scoring program of one bucket as a `jax.stages.Lowered` (params: abstract ones from
+        `abstract_params` to compile without weights; default this scorer's)."""
+        return self._jitted.lower(params if params is not None else self.params, *self._batch_specs(rows, positions))
+
+    def program(self, rows: int, positions: int):
+        """The compiled program of a bucket: compiled on first use, then kept."""
+        key = (rows, positions)
+        if key not in self._programs:
+            started = time.perf_counter()
+            self._programs[key] = self.lower(rows, positions).compile()
+            self.compilations.append(Compilation(key, time.perf_counter() - started))
+        return self._programs[key]
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def loglikelihood(self, requests: Sequence[LoglikelihoodRequest]) -> list[Loglikelihood]:
+        """Results in request order. Requests are windowed (requests.window: lm-eval's left
+        truncation), sorted longest first and run in batches of `batch_size`."""
+        import jax
+        from tqdm import tqdm
+
+        if self.params is None:
+            raise UserError("scorer: built without weights (a meta-device model): it can only be lowered")
+        windows = [window(r, self.max_length) for r in requests]
+        for i, (tokens, _, _) in enumerate(windows):
+            bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise UserError(f"loglikelihood request {i}: token id {bad[0]} is outside the model's vocabulary "
+                                f"[0, {self.cfg.vocab_size})")
+        order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
+        results: list[Loglikelihood | None] = [None] * len(windows)
+        shard = self._batch_sharding()
+        with tqdm(total=len(windows), desc="loglikelihood", unit="req", disable=not self.progress or None) as bar:
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start:start + self.batch_size]
+                rows = rows_bucket(len(chunk), self.batch_size, self.shards)
+                positions = length_bucket(len(windows[chunk[0]][0]) - 1, self.max_length)
+                tokens = np.zeros((rows, positions + 1), np.int32)
+                scored = np.zeros((rows, positions), bool)
+                for row, i in enumerate(chunk):
+                    ids, n, _ = windows[i]
+                    tokens[row, :len(ids)] = ids
+                    scored[row, len(ids) - 1 - n:len(ids) - 1] = True
+                program = self.program(rows, positions)
+                logprob, greedy = program(self.params, jax.device_put(tokens, shard), jax.device_put(scored, shard))
+                logprob, greedy = np.asarray(logprob), np.asarray(greedy)
+                for row, i in enumerate(chunk):
+                    _, n, dropped = windows[i]
+                    results[i] = Loglikelihood(logprob=float(logprob[row]), greedy=bool(greedy[row]), tokens=n,
+                                               truncated=dropped)
+                bar.update(len(chunk))
+        return results
+
+
+# ---- loading ------------------------------------------------------------------------------------
+def checkpoint_info(meta: dict) -> dict:
+    """What a report card says of the model: its name, where it was read from, the step and the
+    tokens seen (step x micro-batches x batch x sequence length of its train config: the token
+    slots trained by this run; None when the checkpoint has no train config, e.g. an import)."""
+    step_dir = Path(meta["step_dir"])
+    if meta.get("hf_dir"):
+        name = step_dir.name
+    else:
+        name = step_dir.parent.parent.name if step_dir.parent.name == "checkpoints" else step_dir.parent.name
+    run = meta.get("train_config") or {}
+    per_step = [run.get(k) for k in ("micro_batches", "batch_size", "seq_len")]
+    tokens = int(meta["step"]) * int(np.prod(per_step)) if all(isinstance(v, int) for v in per_step) else None
+    return {"model": name, "preset": run.get("preset"), "checkpoint": str(step_dir), "step": int(meta["step"]),
+            "tokens_seen": tokens}
+
+
+def load_scorer(checkpoint_or_hf_dir, *, kernels: str | dict | None = "xla", mesh=None, batch_size: int = 16,
+                max_length: int | None = None, **scorer_options):
+    """(CompiledScorer, tokenizer or None, info) of a checkpoint (run, checkpoints or step
+    directory) or a Hugging Face GptOss directory, loaded through the one checkpoint loader;
+    info: `checkpoint_info`. Other keywords go to CompiledScorer."""
+    from torch_model.model import GptOssForCausalLM
+    from train.checkpoint import checkpoint_tokenizer, load_checkpoint
+
+    state, model_cfg, meta = load_checkpoint(checkpoint_or_hf_dir)
+    model = GptOssForCausalLM(model_cfg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    del state
+    tokenizer, _ = checkpoint_tokenizer(checkpoint_or_hf_dir, meta)
+    scorer = CompiledScorer(model.eval(), kernels=kernels, mesh=mesh, batch_size=batch_size, max_length=max_length,
+                            **scorer_options)
+    return scorer, tokenizer, checkpoint_info(meta)
