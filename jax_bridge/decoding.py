@@ -7,6 +7,11 @@ device, until every row has stopped or a step limit is reached. The limit is an 
 same compiled program serves any number of new tokens and streaming (several calls, each
 continuing the donated state) alike. Programs are compiled ahead of time per bucket (batch,
 prompt length, total length, sampling mode); each compilation is counted and timed.
+
+Precision follows the train step's per-platform defaults (jax_bridge/step.py: float32 and
+"highest" matmuls on CPU, bf16 with "default" on accelerators). With a device mesh, parameters
+are placed by the training rules (jax_bridge/sharding.py), the batch is split over the mesh's
+batch axes and the kernels run as they do in training under that mesh.
 """
 from __future__ import annotations
 
@@ -18,11 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jax_bridge import registry
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_bridge import registry, sharding
 from jax_bridge.env import get_env
 from jax_bridge.lowering import model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token
+from jax_bridge.step import COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision
 from torch_model import kv_cache
 
 PROMPT_MULTIPLE = 32      # prompt lengths are padded up to a multiple of this
@@ -85,11 +93,13 @@ jax.monitoring.register_event_listener(_count_cache_events)
 
 
 class Decoder:
-    """Compiled prefill and decode programs for one model (parameters as JAX arrays)."""
+    """Compiled prefill and decode programs for one model (parameters as JAX arrays, sharded over
+    `mesh` when given). compute_dtype / matmul_precision None: the train step's defaults."""
 
     def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla",
-                 decode_kernels: str | dict | None = None, matmul_precision: str = "highest",
-                 compiler_options: dict | None = None, platform: str | None = None):
+                 decode_kernels: str | dict | None = None, matmul_precision: str | None = None,
+                 compute_dtype: str | None = None, compiler_options: dict | None = None,
+                 platform: str | None = None, mesh=None):
         self.cfg = model.cfg
         self.env = get_env()
         self.platform = check_platform(platform or host_platform(), "Decoder platform")
@@ -97,9 +107,19 @@ class Decoder:
         self.kernels = registry.resolve(kernels, self.platform, ops=ops)
         self.decode_kernels = (self.kernels if decode_kernels is None
                                else registry.resolve(decode_kernels, self.platform, ops=ops))
-        self.matmul_precision = matmul_precision
+        self.compute_dtype = (DEFAULT_COMPUTE_DTYPE[self.platform] if compute_dtype in (None, "auto")
+                              else compute_dtype)
+        self.matmul_precision = matmul_precision or default_matmul_precision(self.compute_dtype)
         self.compiler_options = dict(compiler_options or {})
-        self.params = params_to_jax(model)
+        self.mesh = mesh
+        compute = COMPUTE_DTYPES[self.compute_dtype]
+        if mesh is None:
+            self.params = cast_params(params_to_jax(model), compute)
+        else:       # from the host straight into shards: no device ever holds a whole model
+            sharding.check_model_fits(self.cfg, mesh)
+            host = cast_params({n: p.detach().float().numpy() for n, p in model.named_parameters()}, compute)
+            self.params = sharding.place(host, {name: NamedSharding(mesh, sharding.param_spec(name, p.shape, mesh))
+                                                for name, p in host.items()})
         # Tuples in model order, never sets: the traced program (hence the persistent cache key)
         # must not depend on the process's string hashing.
         self.linear_weights = tuple(f"{name}.weight" for name, module in model.named_modules()
@@ -124,7 +144,8 @@ class Decoder:
           which XLA resolves to that expert's own buffer (no copy), where a dynamic slice of one
           [E, ...] array copies the expert's weights on every step.
         """
-        split = program == "decode" and self.decode_kernels.get("moe") == "decode"
+        # Under a mesh an expert's slice of an expert-split array is no array of its own: not split.
+        split = program == "decode" and self.decode_kernels.get("moe") == "decode" and self.mesh is None
         return Layout(transposed=rows > 1, split_experts=split)
 
     def params_for(self, layout: "Layout") -> dict:
@@ -143,12 +164,12 @@ class Decoder:
             params.update({k: params[k].T for k in self.linear_weights})
         if layout.split_experts:
             params.update({k: jnp.stack(params[k]) for k in self.expert_weights})
-        with registry.routed(self.env, kernels, platform=self.platform), \
+        with registry.routed(self.env, kernels, platform=self.platform, mesh=self.mesh), \
                 jax.default_matmul_precision(self.matmul_precision):
             return self._forward(params, ids, positions, cache, start)
 
     def _empty_cache(self, batch: int, length: int) -> kv_cache.KVCache:
-        dtype = next(iter(self.params.values())).dtype
+        dtype = COMPUTE_DTYPES[self.compute_dtype]
         with self.env:
             cache = kv_cache.init_cache(self.cfg, batch, length, dtype=getattr(torch, jnp.dtype(dtype).name),
                                         device="jax")
@@ -188,6 +209,44 @@ class Decoder:
 
         return jax.lax.while_loop(running, step, state)
 
+    # ---- placement --------------------------------------------------------------------------------
+    @property
+    def batch_shards(self) -> int:
+        """Batch rows must be a multiple of this: the devices the batch is split over."""
+        return 1 if self.mesh is None else sharding.batch_shards(self.mesh)
+
+    def _sharding(self, split_rows: bool):
+        """Inputs: rows split over the batch axes, or replicated (None: no mesh, one device)."""
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, PartitionSpec(sharding.batch_axes(self.mesh)) if split_rows else PartitionSpec())
+
+    def place_inputs(self, ids, positions, active, values: SamplingValues, key):
+        """The prefill program's inputs on the devices, as it was compiled for them."""
+        rows, whole = self._sharding(True), self._sharding(False)
+        put = (lambda x, s: jnp.asarray(x)) if self.mesh is None else jax.device_put
+        return (put(ids, rows), put(positions, rows), put(active, rows), jax.tree.map(lambda v: put(v, whole), values),
+                put(key, whole))
+
+    def place_limit(self, limit: int):
+        return jnp.int32(limit) if self.mesh is None else jax.device_put(np.int32(limit), self._sharding(False))
+
+    def last_logits(self, ids, positions):
+        """The last position's float32 logits of a left-padded prompt batch (ids, positions [B, T]
+        numpy, B a multiple of batch_shards), computed as prefill computes them; for checks
+        against other placements and references (jitted here, not bucketed or cached)."""
+        batch, prompt = ids.shape
+        layout = self.layout("prefill", batch * prompt)
+
+        def run(params, ids, positions):
+            cache = self._empty_cache(batch, prompt)
+            logits, _ = self._forward_cached(params, ids, positions, cache, jnp.int32(0), self.kernels, layout)
+            return logits.astype(jnp.float32)
+
+        rows = self._sharding(True)
+        put = jnp.asarray if rows is None else (lambda x: jax.device_put(x, rows))
+        return np.asarray(jax.jit(run)(self.params_for(layout), put(ids), put(positions)))
+
     # ---- compiled programs ----------------------------------------------------------------------
     def _compiled(self, program: str, bucket: tuple, build):
         key = (program, bucket)
@@ -202,9 +261,11 @@ class Decoder:
         def build():
             fn = jax.jit(lambda *a: self._prefill(*a, length=length, mode=mode))
             params = self.params_for(self.layout("prefill", batch * prompt))
-            args = (params, _spec((batch, prompt), jnp.int32), _spec((batch, prompt), jnp.int32),
-                    _spec((batch,), jnp.bool_), _values_spec(n_stop, self.cfg.vocab_size),
-                    jax.random.key_data(jax.random.key(0)))
+            rows, whole = self._sharding(True), self._sharding(False)
+            key = jax.random.key_data(jax.random.key(0))
+            args = (params, _spec((batch, prompt), jnp.int32, rows), _spec((batch, prompt), jnp.int32, rows),
+                    _spec((batch,), jnp.bool_, rows), _values_spec(n_stop, self.cfg.vocab_size, whole),
+                    _spec(key.shape, key.dtype, whole))
             return fn.lower(*args).compile(self.compiler_options)
         return self._compiled("prefill", (batch, prompt, length, mode, n_stop), build)
 
@@ -212,18 +273,20 @@ class Decoder:
         def build():
             fn = jax.jit(lambda *a: self._decode(*a, mode=mode), donate_argnums=(1,))
             params = self.params_for(self.layout("decode", batch))
-            values = _values_spec(n_stop, self.cfg.vocab_size)
-            return fn.lower(params, state_spec, _spec((), jnp.int32), values).compile(self.compiler_options)
+            whole = self._sharding(False)
+            values = _values_spec(n_stop, self.cfg.vocab_size, whole)
+            return fn.lower(params, state_spec, _spec((), jnp.int32, whole), values).compile(self.compiler_options)
         return self._compiled("decode", (batch, length, mode, n_stop), build)
 
 
-def _spec(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype)
+def _spec(shape, dtype, placement=None):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=placement)
 
 
-def _values_spec(n_stop: int, vocab_size: int) -> SamplingValues:
-    f32 = _spec((), jnp.float32)
-    return SamplingValues(f32, f32, f32, _spec((n_stop,), jnp.int32), _spec((vocab_size,), jnp.bool_))
+def _values_spec(n_stop: int, vocab_size: int, placement=None) -> SamplingValues:
+    f32 = _spec((), jnp.float32, placement)
+    return SamplingValues(f32, f32, f32, _spec((n_stop,), jnp.int32, placement),
+                          _spec((vocab_size,), jnp.bool_, placement))
 
 
 def sampling_values(temperature: float, top_p: float, penalty: float, stop_ids: tuple[int, ...], n_stop: int,

@@ -110,6 +110,14 @@ def make_mesh(spec: str | dict | None = None, devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES)
 
 
+def requested_mesh(spec: str | dict | None) -> Mesh | None:
+    """The mesh a `--mesh` option asks for, as `train` reads it: nothing named puts every device on
+    `fsdp`, and on a single device there is no mesh (None)."""
+    if not spec and jax.device_count() == 1:
+        return None
+    return make_mesh(spec or None)
+
+
 def describe_sizes(sizes: dict[str, int]) -> str:
     named = [f"{a}={s}" for a, s in sizes.items() if s > 1]
     return ",".join(named) or "one device"

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra stop token id (repeatable; the model's eos always stops)")
     parser.add_argument("--kernels", default="auto",
                         help="kernels, e.g. cached_attention=xla,moe=decode (auto: moe=decode on CPU)")
+    parser.add_argument("--mesh", default="",
+                        help="device mesh as for train, e.g. fsdp=4,tensor=2 (default: every device on fsdp; "
+                             "the batch is padded to a multiple of the devices it is split over)")
     parser.add_argument("--decode-kernels", default=None, help="kernels of the decode loop alone (default: --kernels)")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print each result at the end instead of streaming a single prompt")
@@ -49,6 +52,7 @@ def run(args) -> int:
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     if (args.system or args.messages) and not args.chat:
         raise UserError("--system and --messages need --chat")
+    mesh = generation_mesh(args.mesh)
     model, tokenizer = load_for_generation(args.checkpoint)
     cfg = model.cfg
     if args.chat:
@@ -62,7 +66,7 @@ def run(args) -> int:
         stops = (cfg.eos_token_id,)
     sampling = dataclasses.replace(sampling, stop_tokens=(*stops, *(args.stop or ())))
     generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
-                          compile_cache=args.compile_cache, tokenizer=tokenizer)
+                          compile_cache=args.compile_cache, tokenizer=tokenizer, mesh=mesh)
     hidden = {cfg.bos_token_id, cfg.eos_token_id}
     streaming = args.stream and len(prompts) == 1
     if streaming:
@@ -81,6 +85,15 @@ def run(args) -> int:
     if args.timings:
         print(format_timings(result), file=sys.stderr)
     return 0
+
+
+def generation_mesh(spec: str):
+    from jax_bridge.sharding import requested_mesh
+
+    try:
+        return requested_mesh(spec)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def chat_conversations(args) -> list[list]:

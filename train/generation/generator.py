@@ -66,10 +66,11 @@ class Generator:
     across calls. `kernels` applies to prefill and decoding, `decode_kernels` (default: the same)
     to the decode loop alone; on CPU an MoE left at `auto` runs the `decode` implementation.
     With a `tokenizer`, only ids it can decode are ever chosen (the model's vocabulary may be
-    larger: padded, or trained for another tokenizer); without one, any id of the model."""
+    larger: padded, or trained for another tokenizer); without one, any id of the model.
+    `mesh` (jax_bridge.sharding.make_mesh): prefill and decoding run sharded by the training rules."""
 
     def __init__(self, model, *, kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
-                 compile_cache: str | os.PathLike | None = None, tokenizer=None):
+                 compile_cache: str | os.PathLike | None = None, tokenizer=None, mesh=None):
         import numpy as np
 
         from jax_bridge import registry
@@ -86,9 +87,13 @@ class Generator:
             if decode_kernels is not None:
                 decode_kernels = generation_kernels(decode_kernels, platform)
             self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform),
-                                   decode_kernels=decode_kernels)
+                                   decode_kernels=decode_kernels, mesh=mesh)
         except registry.KernelError as e:
             raise UserError(str(e)) from None
+        except ValueError as e:             # a mesh the model cannot be split over
+            if mesh is None:
+                raise
+            raise UserError(f"generate --mesh: {e}") from None
         self.cfg = model.cfg
 
     @classmethod
@@ -103,9 +108,9 @@ class Generator:
                  stream_every: int | None = None) -> Generation:
         """Continue each prompt (a list of token ids). `on_tokens(new)` receives, per prompt, the
         tokens produced since its previous call: after the first token and then every
-        `stream_every` decode steps (default: once, at the end)."""
+        `stream_every` decode steps (default: once, at the end). It may return the indices of
+        rows to end there (a stop string seen in their text): they produce nothing more."""
         import jax
-        import jax.numpy as jnp
         import numpy as np
 
         from jax_bridge.decoding import batch_bucket, round_up, sampling_values, PROMPT_MULTIPLE, LENGTH_MULTIPLE
@@ -116,7 +121,7 @@ class Generator:
         _check_request(cfg, prompts, sampling, stream_every)
         longest, n_new = max(len(p) for p in prompts), sampling.max_new_tokens
         rows = len(prompts)
-        batch, prompt_len = batch_bucket(rows), round_up(longest, PROMPT_MULTIPLE)
+        batch, prompt_len = round_up(batch_bucket(rows), decoder.batch_shards), round_up(longest, PROMPT_MULTIPLE)
         length = round_up(prompt_len + n_new, LENGTH_MULTIPLE)
         mode = sampling.mode(cfg.vocab_size)
         n_stop = round_up(max(1, len(sampling.stop_tokens)), 4)
@@ -130,25 +135,26 @@ class Generator:
         active = np.arange(batch) < rows
         values = sampling_values(sampling.temperature or 1.0, sampling.top_p, sampling.repetition_penalty,
                                  sampling.stop_tokens, n_stop, self.allowed)
-        args = (jnp.asarray(ids.numpy(), jnp.int32), jnp.asarray(positions.numpy(), jnp.int32),
-                jnp.asarray(active), values, jax.random.PRNGKey(sampling.seed))
+        args = decoder.place_inputs(ids.numpy().astype(np.int32), positions.numpy().astype(np.int32), active, values,
+                                    jax.random.PRNGKey(sampling.seed))
         state = prefill(decoder.params_for(decoder.layout("prefill", batch * prompt_len)), *args)
         tokens = np.asarray(state.tokens)
         prefill_seconds = time.perf_counter() - started
         emitted = 1
         if on_tokens is not None:
-            on_tokens(_new_tokens(tokens, rows, prompt_len, 0, 1))
+            state = _end_rows(state, on_tokens(_new_tokens(tokens, rows, prompt_len, 0, 1)))
 
         started = time.perf_counter()
         steps, done = 1, bool(np.asarray(state.done).all())
         chunk = stream_every or n_new
         while steps < n_new and not done:
             state = decode(decoder.params_for(decoder.layout("decode", batch)), state,
-                           jnp.int32(min(steps + chunk, n_new)), values)
+                           decoder.place_limit(min(steps + chunk, n_new)), args[3])
             steps, done = int(state.step), bool(np.asarray(state.done).all())
             if on_tokens is not None:
                 tokens = np.asarray(state.tokens)
-                on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, steps))
+                state = _end_rows(state, on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, steps)))
+                done = bool(np.asarray(state.done).all())
                 emitted = steps
         tokens = np.asarray(state.tokens)
         decode_seconds = time.perf_counter() - started
@@ -173,6 +179,19 @@ def _check_request(cfg, prompts: list[list[int]], sampling: SamplingConfig, stre
     if longest + sampling.max_new_tokens > cfg.max_position_embeddings:
         raise UserError(f"generate: {longest} prompt tokens + {sampling.max_new_tokens} new ones exceed the "
                         f"model's max_position_embeddings ({cfg.max_position_embeddings})")
+
+
+def _end_rows(state, rows):
+    """The decode state with these rows marked done (a caller's verdict, e.g. a stop string), in
+    the placement the compiled decode program expects."""
+    import jax
+    import numpy as np
+
+    if not rows:
+        return state
+    ending = np.zeros(state.done.shape, bool)
+    ending[list(rows)] = True
+    return state._replace(done=jax.device_put(np.asarray(state.done) | ending, state.done.sharding))
 
 
 def _new_tokens(tokens, rows: int, prompt_len: int, start: int, stop: int) -> list[list[int]]:

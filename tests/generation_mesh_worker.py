@@ -1,0 +1,60 @@
+"""Runs in a subprocess with 8 simulated CPU devices (see test_generation_mesh.py): greedy
+generation and prefill logits of a small MoE model on one device and sharded over each mesh
+given, printed as JSON.
+
+usage: python tests/generation_mesh_worker.py SEED MESH ...   e.g. 3 fsdp=2,tensor=2,expert=2
+"""
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from jax_bridge import sharding  # noqa: E402
+from jax_bridge.decoding import round_up  # noqa: E402
+from parity.generation import eager_greedy  # noqa: E402
+from torch_model.config import get_preset  # noqa: E402
+from torch_model.kv_cache import left_pad  # noqa: E402
+from torch_model.model import GptOssForCausalLM  # noqa: E402
+from train.generation.generator import Generator  # noqa: E402
+from train.generation.sampling import SamplingConfig  # noqa: E402
+
+NEW = 12
+# 4 experts, 4/2 heads, vocabulary 320: every mesh axis (data, fsdp, tensor, expert) can split.
+CONFIG = dict(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
+              expert_dim=32, sliding_window=8, max_seq_len=64, bos_token_id=0, eos_token_id=0)
+
+
+def run(model, prompts, mesh):
+    generator = Generator(model, mesh=mesh)
+    tokens = generator.generate(prompts, SamplingConfig(max_new_tokens=NEW, temperature=0)).tokens
+    rows = round_up(len(prompts), generator.decoder.batch_shards)
+    ids, positions = left_pad(prompts + [[]] * (rows - len(prompts)), round_up(max(map(len, prompts)), 32))
+    logits = generator.decoder.last_logits(ids.numpy().astype(np.int32), positions.numpy().astype(np.int32))
+    return tokens, logits[:len(prompts)]
+
+
+def main(seed: int, meshes: list[str]) -> dict:
+    assert len(jax.devices()) == 8
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(get_preset("tiny").replace(**CONFIG)).eval()
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, CONFIG["vocab_size"], n).tolist() for n in (5, 17, 33)]    # odd lengths
+    tokens, logits = run(model, prompts, None)
+    _, margins = eager_greedy(model, prompts, NEW)
+    out = {"one_device": tokens, "margins": margins, "meshes": {}}
+    for spec in meshes:
+        mesh_tokens, mesh_logits = run(model, prompts, sharding.make_mesh(spec))
+        out["meshes"][spec] = {"tokens": mesh_tokens, "logits_max_abs_diff": float(np.abs(mesh_logits - logits).max()),
+                               "logits_max_abs": float(np.abs(logits).max())}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2:])))
