@@ -19,7 +19,7 @@ from train.evaluation.runner import run_task
 from train.evaluation.tasks import Example, Task, TaskSettings, read_task_file
 
 WINDOW = 48
-CFG = get_preset("tiny").replace(vocab_size=384, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+CFG = get_preset("tiny").replace(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                                  n_experts=2, experts_per_token=1, expert_dim=32, sliding_window=16,
                                  max_seq_len=WINDOW)
 TEXT = ["The capital of France is Paris.", "Two plus two is four.", "Red, green and blue are colours."] * 20
@@ -35,7 +35,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def model(tokenizer):
     torch.manual_seed(0)
-    m = GptOssForCausalLM(CFG.replace(bos_token_id=tokenizer.n_vocab - 1, eos_token_id=tokenizer.n_vocab - 1))
+    bos = tokenizer.n_vocab - 1      # every id the model can pick is decodable (as eager greedy assumes)
+    m = GptOssForCausalLM(CFG.replace(vocab_size=tokenizer.n_vocab, bos_token_id=bos, eos_token_id=bos))
     return m.float().eval()
 
 
@@ -211,7 +212,7 @@ def checkpoints(tmp_path_factory, tokenizer, model):
     plain = tiktoken.Encoding(name="bytes", pat_str=tokenizer._pat_str,
                               mergeable_ranks={bytes([b]): b for b in range(256)}, special_tokens={"<|bos|>": 256})
     chat_ck = save_checkpoint(root / "chat", model.state_dict(), model.cfg, step=7, tokenizer=tokenizer,
-                              extra={"train_config": {"batch_size": 4, "seq_len": 32}})
+                              extra={"train_config": {"micro_batches": 1, "batch_size": 4, "seq_len": 32}})
     plain_model = GptOssForCausalLM(model.cfg.replace(bos_token_id=256, eos_token_id=256))
     plain_ck = save_checkpoint(root / "plain", plain_model.state_dict(), plain_model.cfg, step=0, tokenizer=plain)
     return chat_ck, plain_ck
@@ -236,26 +237,47 @@ def test_bad_inputs_one_line_exit_2(tmp_path, capsys, checkpoints):
 
 
 def test_eval_tasks_end_to_end(tmp_path, capsys, checkpoints, tokenizer, model):
-    """`eval --tasks FILE.jsonl --json --report`: the JSON holds what the runner computes, the
-    report card one row per task with the model's step and tokens seen."""
+    """`eval --tasks FILE.jsonl,... --json --report` on the compiled scorer and generator: the
+    per-example log-likelihoods equal the eager runner's (float32, 1e-4), the generated text the
+    eager greedy tokens' (cut at the stop string); the report card has one row per task and the
+    model's step and tokens seen."""
+    from parity.generation import eager_greedy
+    from train.evaluation.runner import cut_at_stop
+
     chat_ck, _ = checkpoints
     records = [{"context": e.context, "choices": list(e.choices), "gold": e.gold} for e in MC.examples]
     mc = write_lines(tmp_path / "mc.jsonl", {"task": {"num_fewshot": 1}}, *records)
-    lm = write_lines(tmp_path / "lm.jsonl", {"context": "Two plus two is", "continuation": "four."})
+    lm = write_lines(tmp_path / "lm.jsonl", {"context": "Two plus two is", "continuation": "four."},
+                     {"context": "Red, green and blue are colours. " * 12, "continuation": "Red"})
+    gen = write_lines(tmp_path / "gen.jsonl", {"task": {"stop": ["."], "max_new_tokens": 6}},
+                      {"prompt": "The capital of France is", "reference": "Paris"},
+                      {"prompt": "Two plus two", "reference": "is four"})
     out, card = tmp_path / "eval.json", tmp_path / "card.md"
-    assert main(["eval", "--checkpoint", str(chat_ck), "--tasks", f"{mc},{lm}", "--json", str(out),
-                 "--report", str(card), "--no-progress", "--scorer", "eager"]) == 0
+    assert main(["eval", "--checkpoint", str(chat_ck), "--tasks", f"{mc},{lm},{gen}", "--json", str(out),
+                 "--report", str(card), "--no-progress", "--batch-size", "4"]) == 0
     evaluation = json.loads(out.read_text())
-    expected = run_task(MC, scorer=EagerScorer(model), generator=None, tokenizer=tokenizer,
-                        bos=model.cfg.bos_token_id, progress=False)
-    got = evaluation["tasks"][0]
-    assert got["task"] == "mc" and got["score"] == expected["score"] and got["centered"] == pytest.approx(expected["centered"])
-    assert [t["task"] for t in evaluation["tasks"]] == ["mc", "lm"]
+    assert [t["task"] for t in evaluation["tasks"]] == ["mc", "lm", "gen"] and evaluation["scorer"] == "compiled"
+    got = {t["task"]: t for t in evaluation["tasks"]}
+    lm_task = read_task_file(lm)
+    for task in (MC, lm_task):
+        expected = run_task(task, scorer=EagerScorer(model), generator=None, tokenizer=tokenizer,
+                            bos=model.cfg.bos_token_id, progress=False)
+        for mine, ref in zip(got[task.name]["per_example"], expected["per_example"]):
+            key = "logprobs" if task is MC else "logprob"
+            assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-4)
+            assert mine["correct"] == ref["correct"]
+        assert got[task.name]["truncated"] == expected["truncated"]
+    assert got["lm"]["truncated"] == 1
+    bos = model.cfg.bos_token_id
+    prompts = [[bos, *tokenizer.encode_ordinary(p)] for p in ("The capital of France is", "Two plus two")]
+    eager, _ = eager_greedy(model, prompts, 6)
+    texts = [cut_at_stop(tokenizer.decode([t for t in ids if t != bos]), (".",)) for ids in eager]
+    assert [e["output"] for e in got["gen"]["per_example"]] == texts
     assert evaluation["model"]["step"] == 7 and evaluation["model"]["tokens_seen"] == 7 * 4 * 32
     text = card.read_text()
     assert "step 7, tokens seen 896" in text
-    rows = [line for line in text.splitlines() if line.startswith("| mc ") or line.startswith("| lm ")]
-    assert len(rows) == 2 and f"{100 * expected['score']:.1f}%" in rows[0] and "33.3%" in rows[0]
+    rows = [line for line in text.splitlines() if line.startswith(("| mc ", "| lm ", "| gen "))]
+    assert len(rows) == 3 and f"{100 * got['mc']['score']:.1f}%" in rows[0] and "33.3%" in rows[0]
 
 
 # ---- CORE-6 from the BIG-bench archive -----------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 
 from train.errors import UserError
 from train.evaluation import validation
@@ -24,21 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
-def model_info(checkpoint: str, meta: dict) -> dict:
-    """The report card's header: checkpoint, step and tokens seen (steps x batch x sequence length)."""
-    train_cfg = meta.get("train_config") or {}
-    step = meta.get("step")
-    seen = step * train_cfg["batch_size"] * train_cfg["seq_len"] if step is not None and \
-        {"batch_size", "seq_len"} <= set(train_cfg) else None
-    return {"checkpoint": meta.get("step_dir", checkpoint), "step": step, "tokens_seen": seen}
-
-
 def load_model(checkpoint: str):
     """(float32 torch model, tokenizer, model info) of a checkpoint (ours or a Hugging Face one)."""
     import torch
 
     from torch_model.model import GptOssForCausalLM
     from train.checkpoint import checkpoint_tokenizer, load_checkpoint
+    from train.evaluation.scorer import checkpoint_info
 
     state, model_cfg, meta = load_checkpoint(checkpoint)
     tokenizer, found = checkpoint_tokenizer(checkpoint, meta)
@@ -46,39 +37,51 @@ def load_model(checkpoint: str):
         raise UserError(f"checkpoint {checkpoint}: no tokenizer to build prompts with (tokenizer: {found})")
     model = GptOssForCausalLM(model_cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-    return model.eval(), tokenizer, model_info(checkpoint, meta)
+    return model.eval(), tokenizer, checkpoint_info(meta)
 
 
-def greedy_generator(model, tokenizer, args):
-    """evalgen's GreedyGenerator when this build has it, else None (generative tasks then refuse)."""
+def greedy_generator(args, tokenizer, model=None):
+    """The compiled greedy generator (train/evaluation/greedy.py) on the checkpoint's model."""
+    from jax_bridge import sharding
+    from train.evaluation.greedy import GreedyGenerator
+
+    if model is None:
+        model, _, _ = load_model(args.checkpoint)
     try:
-        module = importlib.import_module("train.evaluation.greedy")
-    except ModuleNotFoundError as e:
-        if e.name != "train.evaluation.greedy":
-            raise
-        return None
-    return module.GreedyGenerator(model, tokenizer, kernels=args.kernels, mesh=args.mesh, batch_size=args.batch_size)
+        mesh = sharding.make_mesh(args.mesh) if args.mesh else None
+    except ValueError as e:
+        raise UserError(f"--mesh: {e}") from None
+    return GreedyGenerator(model, tokenizer, kernels=args.kernels, mesh=mesh, batch_size=args.batch_size)
 
 
 def run_tasks(args) -> dict:
     from train.evaluation.report import print_summary, report_card, write_json
-    from train.evaluation.suite import parse_spec, run_suite
+    from train.evaluation.suite import HUMANEVAL, load_tasks, parse_spec, run_suite
 
-    parse_spec(args.tasks)                      # a bad name fails before the model loads
     if args.limit is not None and args.limit <= 0:
         raise UserError(f"--limit must be > 0, found {args.limit}")
+    names = parse_spec(args.tasks)
+    tasks = load_tasks(names)                   # a bad name or task file fails before the model loads
     if args.scorer == "compiled":
-        raise UserError("--scorer compiled: this build has no compiled scorer (train/evaluation/scorer.py); "
-                        "use --scorer eager")
-    if args.mesh:
-        raise UserError("--mesh: the eager scorer runs on the host, unsharded; use --scorer compiled")
-    model, tokenizer, info = load_model(args.checkpoint)
-    from train.evaluation.eager_scorer import EagerScorer
+        from train.evaluation.scorer import load_scorer
 
-    scorer = EagerScorer(model)
-    generator = greedy_generator(model, tokenizer, args)
-    evaluation = run_suite(args.tasks, scorer=scorer, generator=generator, tokenizer=tokenizer,
-                           bos=model.cfg.bos_token_id, limit=args.limit, progress=args.progress)
+        scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels, mesh=args.mesh or None,
+                                              batch_size=args.batch_size, progress=False)
+        if tokenizer is None:
+            raise UserError(f"checkpoint {args.checkpoint}: no tokenizer to build prompts with")
+        model = None
+    else:
+        if args.mesh:
+            raise UserError("--mesh: the eager scorer runs on the host, unsharded; use --scorer compiled")
+        from train.evaluation.eager_scorer import EagerScorer
+
+        model, tokenizer, info = load_model(args.checkpoint)
+        scorer = EagerScorer(model)
+    bos = scorer.cfg.bos_token_id if model is None else model.cfg.bos_token_id
+    generative = HUMANEVAL in names or any(t.settings.kind == "generative" for t in tasks)
+    generator = greedy_generator(args, tokenizer, model) if generative else None
+    evaluation = run_suite(names, tasks, scorer=scorer, generator=generator, tokenizer=tokenizer,
+                           bos=bos, limit=args.limit, progress=args.progress)
     evaluation = {"model": info, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   "scorer": args.scorer, "limit": args.limit, "window": scorer.max_length, **evaluation}
     print(f"checkpoint {info['checkpoint']} (step {info['step']}):")

@@ -13,7 +13,7 @@ class TaskEvaluator:
             from train.errors import UserError
 
             raise UserError("--eval-tasks: humaneval runs generated programs; run it with `torchlyra eval`")
-        self.spec, self.tokenizer, self.model_cfg, self.limit = spec, tokenizer, model_cfg, limit
+        self.names, self.tokenizer, self.model_cfg, self.limit = names, tokenizer, model_cfg, limit
         self.tasks = load_tasks(names)          # a fetch or a bad task file fails before training
         for task in self.tasks:
             if task.settings.kind == "generative":
@@ -37,6 +37,6 @@ class TaskEvaluator:
         record = {"tasks": {r["task"]: r["score"] for r in results},
                   "tasks_centered": {r["task"]: r["centered"] for r in results}}
         core = [r["centered"] for r in results if r["task"] in CORE_TASKS]
-        if "core" in parse_spec(self.spec):
+        if "core" in self.names:
             record["core6"] = sum(core) / len(core)
         return record

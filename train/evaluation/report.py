@@ -19,7 +19,9 @@ def report_card(evaluation: dict) -> str:
     """Markdown: a header about the model, one row per task, then the suite scores and notes."""
     model = evaluation["model"]
     seen = model.get("tokens_seen")
-    lines = [f"# Report card: {model['checkpoint']}", "",
+    preset = f" (preset {model['preset']})" if model.get("preset") else ""
+    lines = [f"# Report card: {model.get('model', model['checkpoint'])}{preset}", "",
+             f"- checkpoint `{model['checkpoint']}`",
              f"- step {model.get('step')}, tokens seen {'unknown' if seen is None else f'{seen:,}'}",
              f"- date {evaluation['date']}",
              f"- scorer {evaluation['scorer']}, limit {evaluation.get('limit') or 'none'} examples per task", "",

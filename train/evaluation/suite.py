@@ -4,7 +4,6 @@ separated; the results of every task and the suite scores (CORE-6: the mean cent
 """
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from train.errors import UserError
@@ -50,25 +49,19 @@ def load_tasks(names: list[str]) -> list:
 
 
 def humaneval(generator, tokenizer, *, limit, progress) -> dict:
-    """HumanEval pass@1 through evalgen's sandboxed runner (train/evaluation/humaneval.py)."""
-    try:
-        module = importlib.import_module("train.evaluation.humaneval")
-    except ModuleNotFoundError as e:
-        if e.name != "train.evaluation.humaneval":
-            raise
-        raise UserError("--tasks humaneval: this build has no HumanEval runner (train/evaluation/humaneval.py)") from None
-    if generator is None:
-        raise UserError("--tasks humaneval: needs the greedy generator, which this build lacks")
-    result = module.run_humaneval(generator, tokenizer, limit=limit, max_new_tokens=512, progress=progress)
-    return {"task": HUMANEVAL, "kind": "generative", "metric": "pass@1", "baseline": 0.0, **result}
+    """HumanEval pass@1: evalgen's runner, programs executed in its sandbox (humaneval.py)."""
+    from train.evaluation.humaneval import run_humaneval
+
+    result = run_humaneval(generator, tokenizer, limit=limit, progress=progress)
+    return {"kind": "generative", "centered": result["score"], "of": 164, **result}
 
 
-def run_suite(spec: str, *, scorer, generator, tokenizer, bos: int, limit: int | None = None,
+def run_suite(names: list[str], tasks: list, *, scorer, generator, tokenizer, bos: int, limit: int | None = None,
               progress: bool = True) -> dict:
-    """{"tasks": [per-task results], "suites": [suite scores]} for a --tasks spec."""
-    names = parse_spec(spec)
+    """{"tasks": [per-task results], "suites": [suite scores]} for the parsed --tasks names and
+    their loaded tasks (parse_spec, load_tasks)."""
     results = [run_task(t, scorer=scorer, generator=generator, tokenizer=tokenizer, bos=bos, limit=limit,
-                        progress=progress) for t in load_tasks(names)]
+                        progress=progress) for t in tasks]
     if HUMANEVAL in names:
         results.append(humaneval(generator, tokenizer, limit=limit, progress=progress))
     suites = []
