@@ -17,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N examples of each task")
     parser.add_argument("--report", help="write the markdown report card here")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per scoring or generation batch")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="the window a prompt is scored in (default: the model's max_seq_len); longer prompts "
+                             "lose tokens on the left, counted per task")
     parser.add_argument("--mesh", default="", help="device mesh for scoring, as for `train --mesh`")
     parser.add_argument("--scorer", choices=("compiled", "eager"), default="compiled",
                         help="compiled: the jitted scoring program; eager: the float32 PyTorch reference (slow)")
@@ -51,7 +54,8 @@ def greedy_generator(args, tokenizer, model=None):
         mesh = sharding.make_mesh(args.mesh) if args.mesh else None
     except ValueError as e:
         raise UserError(f"--mesh: {e}") from None
-    return GreedyGenerator(model, tokenizer, kernels=args.kernels, mesh=mesh, batch_size=args.batch_size)
+    return GreedyGenerator(model, tokenizer, kernels=args.kernels, mesh=mesh, batch_size=args.batch_size,
+                           max_length=args.max_length)
 
 
 def run_tasks(args) -> dict:
@@ -66,7 +70,8 @@ def run_tasks(args) -> dict:
         from train.evaluation.scorer import load_scorer
 
         scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels, mesh=args.mesh or None,
-                                              batch_size=args.batch_size, progress=False)
+                                              batch_size=args.batch_size, max_length=args.max_length,
+                                              progress=False)
         if tokenizer is None:
             raise UserError(f"checkpoint {args.checkpoint}: no tokenizer to build prompts with")
         model = None
@@ -76,7 +81,9 @@ def run_tasks(args) -> dict:
         from train.evaluation.eager_scorer import EagerScorer
 
         model, tokenizer, info = load_model(args.checkpoint)
-        scorer = EagerScorer(model)
+        if args.max_length is not None and not 0 < args.max_length <= model.cfg.max_position_embeddings:
+            raise UserError(f"--max-length must be in [1, {model.cfg.max_position_embeddings}], found {args.max_length}")
+        scorer = EagerScorer(model, args.max_length)
     bos = scorer.cfg.bos_token_id if model is None else model.cfg.bos_token_id
     generative = HUMANEVAL in names or any(t.settings.kind == "generative" for t in tasks)
     generator = greedy_generator(args, tokenizer, model) if generative else None
@@ -99,9 +106,9 @@ def run_tasks(args) -> dict:
 
 def run(args) -> int:
     if not args.tasks:
-        for flag in ("limit", "report"):
+        for flag in ("limit", "report", "max_length"):
             if getattr(args, flag) is not None:
-                raise UserError(f"--{flag} needs --tasks (without it, eval measures validation loss)")
+                raise UserError(f"--{flag.replace('_', '-')} needs --tasks (without it, eval measures validation loss)")
         return validation.run(args)
     run_tasks(args)
     return 0

@@ -24,7 +24,8 @@ def report_card(evaluation: dict) -> str:
              f"- checkpoint `{model['checkpoint']}`",
              f"- step {model.get('step')}, tokens seen {'unknown' if seen is None else f'{seen:,}'}",
              f"- date {evaluation['date']}",
-             f"- scorer {evaluation['scorer']}, limit {evaluation.get('limit') or 'none'} examples per task", "",
+             f"- scorer {evaluation['scorer']}, window {evaluation.get('window')} tokens, limit "
+             f"{evaluation.get('limit') or 'none'} examples per task", "",
              "| task | metric | score | centered | baseline | examples | truncated |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in evaluation["tasks"]:
