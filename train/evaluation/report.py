@@ -11,8 +11,8 @@ def write_json(path, evaluation: dict) -> None:
     write_atomic(path, (json.dumps(evaluation, indent=1) + "\n").encode())
 
 
-def percent(value) -> str:
-    return "" if value is None else f"{100 * value:.1f}%"
+def percent(value, digits: int = 1) -> str:
+    return "" if value is None else f"{100 * value:.{digits}f}%"
 
 
 def report_card(evaluation: dict) -> str:
@@ -33,7 +33,7 @@ def report_card(evaluation: dict) -> str:
         lines.append(f"| {r['task']} | {r['metric']} | {percent(r['score'])} | {percent(r.get('centered'))} | "
                      f"{percent(r.get('baseline'))} | {examples} | {r.get('truncated', 0):,} |")
     for s in evaluation["suites"]:
-        lines += ["", f"**{s['name']}**: {s['metric']} {100 * s['score']:.2f} over {', '.join(s['tasks'])}; {s['note']}."]
+        lines += ["", f"**{s['name']}**: {s['metric']} {percent(s['score'], 2)} over {', '.join(s['tasks'])}; {s['note']}."]
     lines += ["", "Centered accuracy: (accuracy - baseline) / (1 - baseline). Truncated: examples whose prompt "
               "lost tokens on the left to fit the model's window."]
     return "\n".join(lines) + "\n"
@@ -44,4 +44,4 @@ def print_summary(evaluation: dict) -> None:
         print(f"  {r['task']:<26} {r['metric']:<38} {percent(r['score']):>7}  centered {percent(r.get('centered')):>7}"
               f"  ({r['examples']:,} examples, {r.get('truncated', 0):,} truncated)")
     for s in evaluation["suites"]:
-        print(f"  {s['name']}: {s['metric']} {100 * s['score']:.2f} ({s['note']})")
+        print(f"  {s['name']}: {s['metric']} {percent(s['score'], 2)} ({s['note']})")
