@@ -328,7 +328,7 @@ def tensorboard_scalars(run_dir) -> dict:
 
 
 def test_training_writes_task_scores_to_metrics_and_tensorboard(tmp_path, capsys):
-    """`train --eval-tasks FILE --eval-every 2`: each eval record holds the task's score, equal to
+    """`train --eval-tasks FILE --eval-every 1`: each eval record holds the task's score, equal to
     `eval --tasks` on the checkpoint of that step; TensorBoard gets the same scalars."""
     from helpers import prepare_play_corpus
 
@@ -340,11 +340,11 @@ def test_training_writes_task_scores_to_metrics_and_tensorboard(tmp_path, capsys
                         "n_experts": 2, "expert_dim": 32, "sliding_window": 16, "vocab_size": 384}}
     (tmp_path / "run.json").write_text(json.dumps(config))
     out = tmp_path / "run"
-    assert main(["train", "--config", str(tmp_path / "run.json"), "--data", data, "--out", str(out), "--steps", "4",
-                 "--batch-size", "2", "--seq-len", "32", "--eval-every", "2", "--eval-batches", "1", "--eval-tasks",
-                 str(mc), "--samples", "0", "--tensorboard", "--checkpoint-every", "2"]) == 0
+    assert main(["train", "--config", str(tmp_path / "run.json"), "--data", data, "--out", str(out), "--steps", "2",
+                 "--batch-size", "2", "--seq-len", "32", "--eval-every", "1", "--eval-batches", "1", "--eval-tasks",
+                 str(mc), "--samples", "0", "--tensorboard"]) == 0
     evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 2, 4] and all(set(r["tasks"]) == {"plays"} for r in evals)
+    assert [r["step"] for r in evals] == [0, 1, 2] and all(set(r["tasks"]) == {"plays"} for r in evals)
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(out), "--tasks", str(mc), "--json", str(tmp_path / "e.json"),
                  "--no-progress", "--scorer", "eager"]) == 0
@@ -352,4 +352,4 @@ def test_training_writes_task_scores_to_metrics_and_tensorboard(tmp_path, capsys
     assert evals[-1]["tasks"]["plays"] == final["score"]
     assert evals[-1]["tasks_centered"]["plays"] == pytest.approx(final["centered"])
     scalars = tensorboard_scalars(out)
-    assert scalars[("eval/tasks/plays", 4)] == pytest.approx(final["score"])
+    assert scalars[("eval/tasks/plays", 2)] == pytest.approx(final["score"])
