@@ -16,13 +16,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "or FILE.jsonl (a task file); without it, validation loss and bits per byte")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N examples of each task")
     parser.add_argument("--report", help="write the markdown report card here")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per scoring or generation batch")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per scoring or generation batch (16)")
     parser.add_argument("--max-length", type=int, default=None,
                         help="the window a prompt is scored in (default: the model's max_seq_len); longer prompts "
                              "lose tokens on the left, counted per task")
     parser.add_argument("--mesh", default="", help="device mesh for scoring, as for `train --mesh`")
-    parser.add_argument("--scorer", choices=("compiled", "eager"), default="compiled",
-                        help="compiled: the jitted scoring program; eager: the float32 PyTorch reference (slow)")
+    parser.add_argument("--scorer", choices=("compiled", "eager"), default=None,
+                        help="compiled (default): the jitted scoring program; eager: the float32 PyTorch reference (slow)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
@@ -65,6 +65,8 @@ def run_tasks(args) -> dict:
     if args.limit is not None and args.limit <= 0:
         raise UserError(f"--limit must be > 0, found {args.limit}")
     names = parse_spec(args.tasks)
+    args.batch_size = 16 if args.batch_size is None else args.batch_size
+    args.scorer = args.scorer or "compiled"
     tasks = load_tasks(names)                   # a bad name or task file fails before the model loads
     if args.scorer == "compiled":
         from train.evaluation.scorer import load_scorer
@@ -106,8 +108,8 @@ def run_tasks(args) -> dict:
 
 def run(args) -> int:
     if not args.tasks:
-        for flag in ("limit", "report", "max_length"):
-            if getattr(args, flag) is not None:
+        for flag in ("limit", "report", "max_length", "batch_size", "mesh", "scorer"):
+            if getattr(args, flag) not in (None, ""):
                 raise UserError(f"--{flag.replace('_', '-')} needs --tasks (without it, eval measures validation loss)")
         return validation.run(args)
     run_tasks(args)

@@ -62,7 +62,7 @@ def score_loglikelihood(task: Task, scorer, builder: PromptBuilder, indices: ran
 
 def score_generative(task: Task, generator, builder: PromptBuilder, indices: range, progress: bool) -> dict:
     if generator is None:
-        raise UserError(f"task {task.name}: generative tasks need the greedy generator, which this build lacks")
+        raise UserError(f"task {task.name}: a generative task needs a generator (train/evaluation/greedy.py), none given")
     requests = [builder.generation_request(i) for i in indices]
     results = []
     with tqdm(total=len(requests), desc=task.name, unit="ex", disable=not progress, dynamic_ncols=True) as bar:
