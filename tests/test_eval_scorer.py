@@ -69,7 +69,7 @@ def scorer(model):
 
 def test_buckets_round_rows_and_positions():
     assert [length_bucket(n, 24) for n in (1, 16, 17, 23, 24)] == [16, 16, 24, 24, 24]
-    assert length_bucket(33, 4096) == 64
+    assert [length_bucket(n, 4096) for n in (32, 33, 48, 49, 65, 96, 97, 3000)] == [32, 48, 48, 64, 96, 96, 128, 3072]
     assert [rows_bucket(n, 12, 1) for n in (1, 3, 5, 12, 20)] == [1, 4, 8, 12, 12]
     assert rows_bucket(3, 12, 4) == 4 and rows_bucket(12, 6, 4) == 8
 

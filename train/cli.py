@@ -20,6 +20,7 @@ COMMANDS = {
     "parity": ("parity.run", "compare eager PyTorch with the lowered JAX run, per kernel set"),
     "bench": ("train.bench.cli", "benchmarks: kernel memory and speed, the train step against PyTorch peers"),
     "plan": ("train.plan", "compile the train step for a TPU slice (no weights, no TPU) and check it fits"),
+    "lm-eval": ("train.evaluation.lm_eval_cli", "lm-evaluation-harness with the torchlyra backend (lm-eval's arguments)"),
 }
 
 

@@ -11,6 +11,7 @@ BENCHMARKS = {
                                  "(speed ratios, MFU)"),
     "generate": ("train.bench.generate", "decode tokens/s and time to first token against transformers"),
     "data": ("train.bench.data", "preparation vs raw tiktoken, and loader throughput"),
+    "eval": ("train.bench.evaluation", "multiple-choice scoring examples/s against lm-eval's hf backend"),
 }
 
 

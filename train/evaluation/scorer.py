@@ -2,13 +2,15 @@
 model (the train step's kernels, dtype and precision defaults, sharded by the training mesh
 rules), requests sorted by length and batched into bucketed shapes that compile once each.
 
-Each bucket's program takes right-padded token rows and a mask of the scored target positions
-and returns, per row, the summed target log-probability and whether every scored target is the
-argmax: logits are formed on device a slice of positions at a time and never leave it. Right
-padding needs no attention mask: attention is causal, so no real position sees a pad token.
+Each bucket's program takes right-padded token rows and the positions of each row's scored
+targets (its continuation) and returns, per row, the summed target log-probability and whether
+every scored target is the argmax: logits are formed on device, for the scored positions only, a
+slice at a time, and never leave it. Right padding needs no attention mask: attention is causal,
+so no real position sees a pad token.
 """
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -20,11 +22,13 @@ from train.errors import UserError
 from train.evaluation.requests import Loglikelihood, LoglikelihoodRequest, window
 
 MIN_LENGTH = 16                  # shortest length bucket (positions per row)
+MIN_SCORED = 8                   # fewest scored positions per row a program takes
 LOGITS_BUDGET = 1 << 27          # float32 logits formed at once per device (512 MiB)
+IN_FLIGHT = 4                    # batches dispatched ahead of the one whose results are read
 
 
 class Compilation(NamedTuple):
-    bucket: tuple[int, int]      # (rows, positions)
+    bucket: tuple[int, int, int]  # (rows, positions, scored positions per row)
     seconds: float               # tracing + lowering + compiling
 
 
@@ -42,8 +46,17 @@ class HiddenStates(torch.nn.Module):
 
 
 def length_bucket(positions: int, max_length: int) -> int:
-    """Positions a row is padded to: the next power of two (at least MIN_LENGTH), at most max_length."""
-    return min(max(MIN_LENGTH, 1 << max(0, positions - 1).bit_length()), max_length)
+    """Positions a row is padded to: the next of 16, 24, 32, 48, 64, 96, ... (powers of two and
+    1.5 x powers of two: at most a third of a row is padding), at most max_length."""
+    power = 1 << max(0, positions - 1).bit_length()
+    bucket = power * 3 // 4 if power >= 2 * MIN_LENGTH and positions <= power * 3 // 4 else power
+    return min(max(MIN_LENGTH, bucket), max_length)
+
+
+def scored_bucket(targets: int, positions: int) -> int:
+    """Scored positions a row's program takes: the next power of two (at least MIN_SCORED), at
+    most the row's positions."""
+    return min(max(MIN_SCORED, 1 << max(0, targets - 1).bit_length()), positions)
 
 
 def rows_bucket(rows: int, batch_size: int, shards: int) -> int:
@@ -126,7 +139,7 @@ class CompiledScorer:
         self.layout = LayerLayout.for_config(cfg, scan_layers)
         self.forward = layered_forward(HiddenStates(model), self.layout, mesh=mesh)
         self.compilations: list[Compilation] = []
-        self._programs: dict[tuple[int, int], object] = {}
+        self._programs: dict[tuple[int, int, int], object] = {}
         self.params = None if next(model.parameters()).is_meta else self._place(model)
         self._jitted = jax.jit(self._score)
 
@@ -172,31 +185,35 @@ class CompiledScorer:
         return {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings[n]) for n, a in stacked.items()}
 
     # ---- the program -------------------------------------------------------------------------------
-    def _score(self, params, tokens, scored):
-        """tokens [B, T + 1] int32 (right-padded), scored [B, T] bool (targets tokens[:, 1:] that
-        count) -> (summed log-probability [B] float32, every scored target is the argmax [B])."""
+    def _score(self, params, tokens, index, scored):
+        """tokens [B, T + 1] int32 (right-padded); index [B, K] int32: positions t whose target
+        tokens[:, t + 1] is scored, where scored [B, K] is True -> (summed log-probability [B]
+        float32, every scored target is the argmax [B])."""
         import jax
         import jax.numpy as jnp
 
         from jax_bridge import registry, sharding
 
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        rows, positions = inputs.shape
-        tile = positions_tile(rows, positions, self.cfg.vocab_size, self.shards)
+        rows, width = index.shape
+        tile = positions_tile(rows, width, self.cfg.vocab_size, self.shards)
         with registry.routed(self.env, self.kernels, platform=self.step_cfg.platform,
                              options=self.step_cfg.kernel_options, mesh=self.mesh), \
                 jax.default_matmul_precision(self.step_cfg.matmul_precision):
             hidden = sharding.constrain(self.forward(params, inputs), self.mesh, ("batch", None, None))
-            logprobs, best = target_scores(hidden, params["lm_head.weight"], targets, tile)
+            picked = jnp.take_along_axis(hidden, index[..., None], axis=1)            # [B, K, H]
+            logprobs, best = target_scores(picked, params["lm_head.weight"], jnp.take_along_axis(targets, index, 1),
+                                           tile)
         return jnp.where(scored, logprobs, 0.0).sum(1), jnp.all(best | ~scored, axis=1)
 
-    def _batch_specs(self, rows: int, positions: int):
+    def _batch_specs(self, rows: int, positions: int, scored: int):
         import jax
         import jax.numpy as jnp
 
         shard = self._batch_sharding()
         return (jax.ShapeDtypeStruct((rows, positions + 1), jnp.int32, sharding=shard),
-                jax.ShapeDtypeStruct((rows, positions), jnp.bool_, sharding=shard))
+                jax.ShapeDtypeStruct((rows, scored), jnp.int32, sharding=shard),
+                jax.ShapeDtypeStruct((rows, scored), jnp.bool_, sharding=shard))
 
     def _batch_sharding(self):
         import jax
@@ -207,17 +224,19 @@ class CompiledScorer:
             return None
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(sharding.batch_axes(self.mesh), None))
 
-    def lower(self, rows: int, positions: int, params=None):
-        """The scoring program of one bucket as a `jax.stages.Lowered` (params: abstract ones from
-        `abstract_params` to compile without weights; default this scorer's)."""
-        return self._jitted.lower(params if params is not None else self.params, *self._batch_specs(rows, positions))
+    def lower(self, rows: int, positions: int, scored: int | None = None, params=None):
+        """The scoring program of one bucket as a `jax.stages.Lowered`; scored: positions scored
+        per row (default all); params: abstract ones from `abstract_params` to compile without
+        weights (default this scorer's)."""
+        return self._jitted.lower(params if params is not None else self.params,
+                                  *self._batch_specs(rows, positions, scored or positions))
 
-    def program(self, rows: int, positions: int):
+    def program(self, rows: int, positions: int, scored: int):
         """The compiled program of a bucket: compiled on first use, then kept."""
-        key = (rows, positions)
+        key = (rows, positions, scored)
         if key not in self._programs:
             started = time.perf_counter()
-            self._programs[key] = self.lower(rows, positions).compile()
+            self._programs[key] = self.lower(rows, positions, scored).compile()
             self.compilations.append(Compilation(key, time.perf_counter() - started))
         return self._programs[key]
 
@@ -239,25 +258,39 @@ class CompiledScorer:
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
         results: list[Loglikelihood | None] = [None] * len(windows)
         shard = self._batch_sharding()
+        in_flight: collections.deque = collections.deque()
+
+        def collect(bar):
+            chunk, logprob, greedy = in_flight.popleft()
+            logprob, greedy = np.asarray(logprob), np.asarray(greedy)
+            for row, i in enumerate(chunk):
+                _, n, dropped = windows[i]
+                results[i] = Loglikelihood(logprob=float(logprob[row]), greedy=bool(greedy[row]), tokens=n,
+                                           truncated=dropped)
+            bar.update(len(chunk))
+
         with tqdm(total=len(windows), desc="loglikelihood", unit="req", disable=not self.progress or None) as bar:
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
                 rows = rows_bucket(len(chunk), self.batch_size, self.shards)
                 positions = length_bucket(len(windows[chunk[0]][0]) - 1, self.max_length)
+                width = scored_bucket(max(windows[i][1] for i in chunk), positions)
                 tokens = np.zeros((rows, positions + 1), np.int32)
-                scored = np.zeros((rows, positions), bool)
+                index = np.zeros((rows, width), np.int32)
+                scored = np.zeros((rows, width), bool)
                 for row, i in enumerate(chunk):
                     ids, n, _ = windows[i]
                     tokens[row, :len(ids)] = ids
-                    scored[row, len(ids) - 1 - n:len(ids) - 1] = True
-                program = self.program(rows, positions)
-                logprob, greedy = program(self.params, jax.device_put(tokens, shard), jax.device_put(scored, shard))
-                logprob, greedy = np.asarray(logprob), np.asarray(greedy)
-                for row, i in enumerate(chunk):
-                    _, n, dropped = windows[i]
-                    results[i] = Loglikelihood(logprob=float(logprob[row]), greedy=bool(greedy[row]), tokens=n,
-                                               truncated=dropped)
-                bar.update(len(chunk))
+                    index[row, :n] = np.arange(len(ids) - 1 - n, len(ids) - 1)   # the continuation's targets
+                    scored[row, :n] = True
+                program = self.program(rows, positions, width)
+                # Dispatched without waiting: the host prepares the next batches while this one runs.
+                inputs = (jax.device_put(a, shard) for a in (tokens, index, scored))
+                in_flight.append((chunk, *program(self.params, *inputs)))
+                if len(in_flight) > IN_FLIGHT:
+                    collect(bar)
+            while in_flight:
+                collect(bar)
         return results
 
 

@@ -1,0 +1,136 @@
+"""The lm-evaluation-harness backend `torchlyra`: lm-eval 0.4.13's `LM` on our compiled scorer
+(`torchlyra lm-eval ARGS...`, train/evaluation/lm_eval_cli.py, registers it and runs lm-eval).
+
+BOS policy, as lm-eval's `hf` backend by default: text is encoded with no BOS; an empty context
+becomes the model's BOS (`bos_token_id`: lm-eval's prefix token), or, when the continuation
+already starts with it, its first token. `add_bos_token=True` prepends BOS to every encoding.
+Model arguments: checkpoint (run, step or Hugging Face dir; required), kernels (default xla),
+mesh (axes joined by ':', e.g. fsdp=4:tensor=2), max_length, add_bos_token, prefix_token_id.
+"""
+from __future__ import annotations
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from train.errors import UserError
+from train.evaluation.requests import GenerationRequest, LoglikelihoodRequest
+
+NAME = "torchlyra"
+
+
+class TorchlyraLM(TemplateLM):
+    """lm-eval requests -> token requests for the compiled scorer (`scorer.load_scorer`)."""
+
+    def __init__(self, checkpoint: str | None = None, kernels: str = "xla", mesh: str | None = None,
+                 max_length: int | None = None, add_bos_token: bool = False, prefix_token_id: int | None = None,
+                 batch_size: int | str | None = 16, max_gen_toks: int = 256, **ignored):
+        from train.evaluation.scorer import load_scorer
+
+        super().__init__()
+        if not checkpoint:
+            raise UserError("lm-eval --model torchlyra: give --model_args checkpoint=DIR (a run, step or Hugging Face "
+                            "directory)")
+        try:
+            rows = int(16 if batch_size is None else batch_size)
+        except ValueError:
+            raise UserError(f"lm-eval --batch_size: the torchlyra backend takes a number of rows, "
+                            f"found {batch_size!r}") from None
+        self.scorer, self.tokenizer, self.info = load_scorer(
+            str(checkpoint), kernels=kernels, mesh=mesh.replace(":", ",") if isinstance(mesh, str) else mesh,
+            batch_size=rows, max_length=max_length)
+        if self.tokenizer is None:
+            raise UserError(f"checkpoint {checkpoint}: no tokenizer, and lm-eval sends text")
+        self.cfg = self.scorer.cfg
+        self.add_bos_token = bool(add_bos_token)
+        self._prefix = self.cfg.bos_token_id if prefix_token_id is None else int(prefix_token_id)
+        self.max_gen_toks = int(max_gen_toks)
+
+    # ---- tokens ------------------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.cfg.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self._prefix
+
+    @property
+    def max_length(self) -> int:
+        return self.scorer.max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        # Special-token text is encoded as the special token, as a transformers tokenizer does.
+        ids = self.tokenizer.encode(string, allowed_special="all")
+        bos = self.add_bos_token if add_special_tokens is None else add_special_tokens and self.add_bos_token
+        return [self._prefix, *ids] if bos and ids[:1] != [self._prefix] else ids
+
+    def tok_decode(self, tokens) -> str:
+        return self.tokenizer.decode(list(tokens))
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        token_requests = [LoglikelihoodRequest(tuple(context), tuple(continuation))
+                          for _, context, continuation in requests]
+        results = self.scorer.loglikelihood(token_requests)
+        out = []
+        for (key, _, _), result in zip(requests, results):
+            answer = (result.logprob, result.greedy)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+            out.append(answer)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each string's log-likelihood over disjoint windows of the model's length (lm-eval's
+        rolling windows, the first conditioned on the prefix token), all windows in one scoring run."""
+        windows, owners = [], []
+        for i, (string,) in enumerate(tqdm([r.args for r in requests], desc="rolling windows", disable=disable_tqdm)):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm)):
+            totals[owner] += logprob
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations through the scorer's `generate` (train.evaluation.greedy), cut
+        before the first `until` string or the end-of-text token's text."""
+        generate = getattr(self.scorer, "generate", None)
+        if generate is None:
+            raise UserError("lm-eval generate_until: this build's scorer has no greedy generation "
+                            "(train/evaluation/greedy.py)")
+        eos = self.tokenizer.decode([self.eot_token_id])
+        token_requests = []
+        for context, gen_kwargs in [r.args for r in requests]:
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
+                raise UserError(f"lm-eval generate_until: the torchlyra backend decodes greedily only, the task "
+                                f"asks for sampling ({gen_kwargs})")
+            prompt = self.tok_encode(context) or [self.prefix_token_id]
+            until = handle_stop_sequences(kwargs.get("until"), eos=eos)
+            token_requests.append(GenerationRequest(tuple(prompt), int(kwargs["max_gen_toks"]), tuple(until)))
+        results = generate(token_requests)
+        for request, result in zip(requests, results):
+            self.cache_hook.add_partial("generate_until", request.args, result.text)
+        return [result.text for result in results]
+
+
+def register() -> None:
+    """Register the backend as `torchlyra`, after lm-eval's own (it fills its registry only while
+    the registry is empty: registering first would hide `hf` and the rest)."""
+    import lm_eval.models  # noqa: F401  (fills the registry)
+    from lm_eval.api.registry import model_registry, register_model
+
+    if NAME not in model_registry:
+        register_model(NAME)(TorchlyraLM)
