@@ -1,6 +1,6 @@
 """Runs in a subprocess with 8 simulated CPU devices (see test_generation_mesh.py): greedy
-generation and prefill logits of a small MoE model on one device and sharded over each mesh
-given, printed as JSON.
+tokens of a small MoE model on one device and sharded over each mesh given, and the sharded
+prefill's last-position logits beside eager PyTorch's, printed as JSON.
 
 usage: python tests/generation_mesh_worker.py SEED MESH ...   e.g. 3 fsdp=2,tensor=2,expert=2
 """
@@ -31,13 +31,15 @@ CONFIG = dict(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, h
               expert_dim=32, sliding_window=8, max_seq_len=64, bos_token_id=0, eos_token_id=0)
 
 
-def run(model, prompts, mesh):
+def greedy(model, prompts, mesh):
     generator = Generator(model, mesh=mesh)
-    tokens = generator.generate(prompts, SamplingConfig(max_new_tokens=NEW, temperature=0)).tokens
+    return generator, generator.generate(prompts, SamplingConfig(max_new_tokens=NEW, temperature=0)).tokens
+
+
+def last_logits(generator, prompts):
     rows = round_up(len(prompts), generator.decoder.batch_shards)
     ids, positions = left_pad(prompts + [[]] * (rows - len(prompts)), round_up(max(map(len, prompts)), 32))
-    logits = generator.decoder.last_logits(ids.numpy().astype(np.int32), positions.numpy().astype(np.int32))
-    return tokens, logits[:len(prompts)]
+    return generator.decoder.last_logits(ids.numpy().astype(np.int32), positions.numpy().astype(np.int32))[:len(prompts)]
 
 
 def main(seed: int, meshes: list[str]) -> dict:
@@ -46,13 +48,16 @@ def main(seed: int, meshes: list[str]) -> dict:
     model = GptOssForCausalLM(get_preset("tiny").replace(**CONFIG)).eval()
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, CONFIG["vocab_size"], n).tolist() for n in (5, 17, 33)]    # odd lengths
-    tokens, logits = run(model, prompts, None)
+    _, tokens = greedy(model, prompts, None)
     _, margins = eager_greedy(model, prompts, NEW)
+    with torch.no_grad():
+        eager = np.stack([model(torch.tensor([p]))[0, -1].numpy() for p in prompts])
     out = {"one_device": tokens, "margins": margins, "meshes": {}}
     for spec in meshes:
-        mesh_tokens, mesh_logits = run(model, prompts, sharding.make_mesh(spec))
-        out["meshes"][spec] = {"tokens": mesh_tokens, "logits_max_abs_diff": float(np.abs(mesh_logits - logits).max()),
-                               "logits_max_abs": float(np.abs(logits).max())}
+        generator, mesh_tokens = greedy(model, prompts, sharding.make_mesh(spec))
+        mesh_logits = last_logits(generator, prompts)
+        out["meshes"][spec] = {"tokens": mesh_tokens, "logits_max_abs_diff": float(np.abs(mesh_logits - eager).max()),
+                               "logits_max_abs": float(np.abs(eager).max())}
     return out
 
 

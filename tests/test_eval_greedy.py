@@ -41,7 +41,7 @@ def test_cut_at_stop_takes_the_earliest_stop_string():
     assert cut_at_stop("abc", ("\n#", "")) == ("abc", False)
 
 
-def test_greedy_equals_eager_and_stop_strings_cut_where_full_decoding_would(setup):
+def test_greedy_equals_eager_and_stop_strings_cut_where_full_decoding_would(setup, monkeypatch):
     model, tokenizer, greedy = setup
     prompts = fresh_prompts(tokenizer, seed=int(np.random.SeedSequence().entropy % 1000))
     free = greedy.generate([GenerationRequest(tuple(p), NEW) for p in prompts])
@@ -61,21 +61,28 @@ def test_greedy_equals_eager_and_stop_strings_cut_where_full_decoding_would(setu
         stops.append(text[len(text) // 3:len(text) // 3 + 2])
     requests = [GenerationRequest(tuple(p), NEW, stop=(s, "\u2603")) for p, s in zip(prompts, stops)]
     requests[3] = GenerationRequest(tuple(prompts[3]), 7)          # its own, shorter limit
+    runs = []
+    generate = greedy.generator.generate
+    monkeypatch.setattr(greedy.generator, "generate", lambda *a, **k: runs.append(generate(*a, **k)) or runs[-1])
     cut = greedy.generate(requests)
+    assert runs[-1].decode_steps + 1 < NEW, "the stop strings did not end the decode loop early"
     for i, (r, c, s) in enumerate(zip(free, cut, stops)):
         if i == 3:
             assert c.tokens == r.tokens[:7] and c.text == greedy.decode(r.tokens[:7])
             continue
         assert c.text == r.text[:r.text.find(s)]
-        assert c.tokens == r.tokens[:len(c.tokens)]
-        assert len(c.tokens) < len(r.tokens), "the stop string did not end the row early"
+        # The tokens run through the one that completed the stop string, whatever the chunk size.
+        assert c.tokens == r.tokens[:len(c.tokens)] and s in greedy.decode(c.tokens)
+        assert s not in greedy.decode(c.tokens[:-1])
 
 
 def test_long_prompts_are_cut_from_the_left_and_the_count_reported(setup):
     _, tokenizer, greedy = setup
     long = [319] + tokenizer.encode_ordinary(" ".join(PLAY_LINES))[:WINDOW]
     room = WINDOW - NEW
-    got = greedy.generate([GenerationRequest(tuple(long), NEW), GenerationRequest(tuple(long[-room:]), NEW)])
+    # Four requests: the bucket of the test above (its programs are reused).
+    others = [GenerationRequest(tuple(p), NEW) for p in fresh_prompts(tokenizer, seed=1)[:2]]
+    got = greedy.generate([GenerationRequest(tuple(long), NEW), GenerationRequest(tuple(long[-room:]), NEW), *others])
     assert got[0].truncated == len(long) - room and got[1].truncated == 0
     assert got[0].tokens == got[1].tokens and got[0].text == got[1].text
 

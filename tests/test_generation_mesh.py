@@ -1,6 +1,7 @@
 """Generation sharded over a device mesh (jax_bridge/decoding.py with `mesh`): on 8 simulated CPU
 devices in one subprocess (tests/generation_mesh_worker.py), greedy tokens equal the single-device
-ones and the prefill logits agree to float rounding, on fresh random prompts of odd lengths; a
+ones and the sharded prefill's logits equal eager PyTorch's to float rounding, on fresh random
+prompts of odd lengths; a
 mesh that does not fit the devices is one line at the CLI."""
 import json
 import os

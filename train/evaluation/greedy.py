@@ -4,8 +4,10 @@ the compiled generator (bucketed shapes, the decode loop on device, temperature 
 Stop strings are checked between decode chunks of `chunk_tokens` steps: a row whose text holds one
 is ended there, so a short answer costs about its own length rather than `max_new_tokens` (decoding
 everything and cutting afterwards would run every row to its limit: HumanEval completions stop
-after a few dozen of 300+ tokens). The text is then cut before the first stop string, exactly what
-decoding everything and cutting gives. The tokenizer's stop tokens end a row inside the loop.
+after a few dozen of 300+ tokens). The text is then cut before the earliest stop string it holds
+(as lm-eval cuts). That equals decoding everything and cutting unless one stop string starts before
+another but completes after it (overlapping stop strings; HumanEval's, each a newline and a
+keyword, cannot). The tokenizer's stop tokens end a row inside the loop.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
 
 
 class GreedyGenerator:
-    """Answers generation requests with a model and its tokenizer. `max_length`: the window a
+    """Answers generation requests with a model and its tokenizer. A result's `tokens` are those
+    generated through the one that completed the stop string (or the stop token, or the limit). `max_length`: the window a
     prompt and its new tokens share (default: the model's max_seq_len); a longer prompt keeps its
     last `max_length - max_new_tokens` tokens (lm-eval's rule), the count dropped reported.
     `mesh`: a device mesh (jax_bridge.sharding.make_mesh) to run prefill and decoding sharded."""
@@ -98,5 +101,9 @@ class GreedyGenerator:
         answers = []
         for request, tokens, limit in zip(requests, produced, limits):
             tokens = tokens[:limit]
-            answers.append((cut_at_stop(self.decode(tokens), request.stop)[0], tokens))
+            text, stopped = cut_at_stop(self.decode(tokens), request.stop)
+            if stopped:          # drop what the last chunk produced after the stop string was complete
+                tokens = tokens[:next(n for n in range(1, len(tokens) + 1)
+                                      if cut_at_stop(self.decode(tokens[:n]), request.stop)[1])]
+            answers.append((text, tokens))
         return answers
