@@ -11,6 +11,7 @@ import torch
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
 from train.cli import main
+from train.data.tokenizer import PAT_STR
 from train.errors import UserError
 from train.evaluation.eager_scorer import EagerScorer
 from train.evaluation.prompts import PromptBuilder
@@ -209,7 +210,7 @@ def checkpoints(tmp_path_factory, tokenizer, model):
     from train.checkpoint import save_checkpoint
 
     root = tmp_path_factory.mktemp("evaltasks")
-    plain = tiktoken.Encoding(name="bytes", pat_str=tokenizer._pat_str,
+    plain = tiktoken.Encoding(name="bytes", pat_str=PAT_STR,
                               mergeable_ranks={bytes([b]): b for b in range(256)}, special_tokens={"<|bos|>": 256})
     chat_ck = save_checkpoint(root / "chat", model.state_dict(), model.cfg, step=7, tokenizer=tokenizer,
                               extra={"train_config": {"micro_batches": 1, "batch_size": 4, "seq_len": 32}})
