@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "prepare": ("train.data.prepare", "tokenize text, JSONL or Parquet into ArrayRecord shards (default: Shakespeare)"),
     "train": ("train.loop", "train a model on prepared data"),
-    "eval": ("train.evaluation.validation", "validation loss and bits per byte of a checkpoint"),
+    "eval": ("train.evaluation.cli", "tasks (CORE-6, HumanEval, task files) or validation loss and bits per byte of a checkpoint"),
     "plot": ("train.plots", "plot a run's metrics (loss, learning rate, gradient norm, throughput, expert load)"),
     "generate": ("train.generation.cli", "sample from a checkpoint"),
     "export": ("parity.hf_export", "write a checkpoint as a Hugging Face GptOss directory"),

@@ -32,6 +32,8 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 8
+    eval_tasks: str = ""           # also score these tasks at each evaluation (as `eval --tasks`: core, FILE.jsonl)
+    eval_tasks_limit: int = 100    # the first N examples of each such task
     log_every: int = 10
     checkpoint_every: int = 100    # steps between periodic checkpoints (the last step is always saved)
     keep_checkpoints: int = 3      # the newest K are kept
@@ -49,7 +51,7 @@ class TrainConfig:
     truncate: bool = False         # chat: a conversation longer than a row is cut to one row (default: dropped)
 
     def __post_init__(self):
-        positive = ("steps", "batch_size", "micro_batches", "eval_every", "log_every", "checkpoint_every",
+        positive = ("steps", "batch_size", "micro_batches", "eval_every", "eval_tasks_limit", "log_every", "checkpoint_every",
                     "keep_checkpoints", "max_consecutive_skips", "host_timeout_s")
         for name in positive:
             value = getattr(self, name)
@@ -83,7 +85,7 @@ class TrainConfig:
 
 # What a resumed run may change; every other field must match the checkpoint's, or the resumed
 # run would not continue the same training (model, data, batch, sequence, optimizer, schedule).
-CHANGEABLE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+CHANGEABLE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "eval_tasks", "eval_tasks_limit", "checkpoint_every", "keep_checkpoints",
                         "tensorboard", "max_consecutive_skips", "host_timeout_s", "samples", "sample_tokens", "temperature", "top_k",
                         "kernels", "kernel_options", "mesh", "remat", "out", "resume", "init_from")
 

@@ -71,7 +71,7 @@ def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict
 # ---- command line -------------------------------------------------------------------------------
 _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": int, "seq_len": int,
           "micro_batches": int, "lr": float, "adam_lr": float, "warmup_steps": int, "kernels": str,
-          "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int,
+          "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "eval_tasks": str, "eval_tasks_limit": int, "samples": int,
           "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
           "max_consecutive_skips": int, "host_timeout_s": int, "mesh": str, "remat": str}
 _SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",

@@ -179,6 +179,11 @@ class Trainer:
             self.done, self.counters = meta["step"], dict(meta.get("counters", self.counters))
         self.evaluator = Evaluator(self.step, list(val_data.iter_eval_batches(cfg.eval_batches)),
                                    token_byte_lengths(self.tokenizer, self.model_cfg.vocab_size))
+        self.task_evaluator = None
+        if cfg.eval_tasks:
+            from train.evaluation.periodic import TaskEvaluator
+
+            self.task_evaluator = TaskEvaluator(cfg.eval_tasks, self.tokenizer, self.model_cfg, cfg.eval_tasks_limit)
 
         self.checkpoints = checkpoint.CheckpointWriter(self.out / "checkpoints", keep=cfg.keep_checkpoints)
         self.last_saved = self.done if meta else None
@@ -360,12 +365,25 @@ class Trainer:
         jax.block_until_ready(self.state.params)          # the steps' time is not evaluation's
         with self.timer.paused():
             result = self.evaluator(self.state.params)
+            if self.task_evaluator is not None:
+                result.update(self._task_scores())
         self._write({"kind": "eval", "step": self.done, **result})
         if self.done and self.primary:
+            tasks = "".join(f", {name} {score:.1%}" for name, score in result.get("tasks", {}).items())
+            core = f", CORE-6 (BIG-bench JSON) {100 * result['core6']:.2f}" if "core6" in result else ""
             self.bar.write(f"step {self.done}: validation loss {result['val_loss']:.4f}, "
-                           f"{result['val_bpb']:.4f} bits/byte")
+                           f"{result['val_bpb']:.4f} bits/byte{tasks}{core}")
         self.last_eval = result
         return result
+
+    def _task_scores(self) -> dict:
+        """The --eval-tasks scores, computed on the primary process from the gathered host parameters
+        (every process takes part in the gathering)."""
+        from jax_bridge import sharding
+        from jax_bridge.lowering import params_to_torch
+
+        params = params_to_torch(sharding.to_host(self.step.layer_params(self.state.params)))
+        return self.task_evaluator(params) if self.primary else {}
 
     def save(self, wait: bool = False) -> Path:
         """Checkpoint the state after step `self.done` (once per step); returns its directory."""

@@ -1,0 +1,116 @@
+"""`torchlyra eval`: with `--tasks`, task evaluation (CORE-6, HumanEval, task files) written as JSON
+and a markdown report card; without, validation loss and bits per byte (validation.py), as before.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+
+from train.errors import UserError
+from train.evaluation import validation
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    validation.add_arguments(parser)
+    parser.add_argument("--tasks", help="comma-separated: core (CORE-6, BIG-bench JSON), one of its tasks, humaneval, "
+                                        "or FILE.jsonl (a task file); without it, validation loss and bits per byte")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N examples of each task")
+    parser.add_argument("--report", help="write the markdown report card here")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per scoring or generation batch (16)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="the window a prompt is scored in (default: the model's max_seq_len); longer prompts "
+                             "lose tokens on the left, counted per task")
+    parser.add_argument("--mesh", default="", help="device mesh for scoring, as for `train --mesh`")
+    parser.add_argument("--scorer", choices=("compiled", "eager"), default=None,
+                        help="compiled (default): the jitted scoring program; eager: the float32 PyTorch reference (slow)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def load_model(checkpoint: str):
+    """(float32 torch model, tokenizer, model info) of a checkpoint (ours or a Hugging Face one)."""
+    import torch
+
+    from torch_model.model import GptOssForCausalLM
+    from train.checkpoint import checkpoint_tokenizer, load_checkpoint
+    from train.evaluation.scorer import checkpoint_info
+
+    state, model_cfg, meta = load_checkpoint(checkpoint)
+    tokenizer, found = checkpoint_tokenizer(checkpoint, meta)
+    if tokenizer is None:
+        raise UserError(f"checkpoint {checkpoint}: no tokenizer to build prompts with (tokenizer: {found})")
+    model = GptOssForCausalLM(model_cfg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    return model.eval(), tokenizer, checkpoint_info(meta)
+
+
+def greedy_generator(args, tokenizer, model=None):
+    """The compiled greedy generator (train/evaluation/greedy.py) on the checkpoint's model."""
+    from jax_bridge import sharding
+    from train.evaluation.greedy import GreedyGenerator
+
+    if model is None:
+        model, _, _ = load_model(args.checkpoint)
+    try:
+        mesh = sharding.make_mesh(args.mesh) if args.mesh else None
+    except ValueError as e:
+        raise UserError(f"--mesh: {e}") from None
+    return GreedyGenerator(model, tokenizer, kernels=args.kernels, mesh=mesh, batch_size=args.batch_size,
+                           max_length=args.max_length)
+
+
+def run_tasks(args) -> dict:
+    from train.evaluation.report import print_summary, report_card, write_json
+    from train.evaluation.suite import HUMANEVAL, load_tasks, parse_spec, run_suite
+
+    if args.limit is not None and args.limit <= 0:
+        raise UserError(f"--limit must be > 0, found {args.limit}")
+    names = parse_spec(args.tasks)
+    args.batch_size = 16 if args.batch_size is None else args.batch_size
+    args.scorer = args.scorer or "compiled"
+    tasks = load_tasks(names)                   # a bad name or task file fails before the model loads
+    if args.scorer == "compiled":
+        from train.evaluation.scorer import load_scorer
+
+        scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels, mesh=args.mesh or None,
+                                              batch_size=args.batch_size, max_length=args.max_length,
+                                              progress=False)
+        if tokenizer is None:
+            raise UserError(f"checkpoint {args.checkpoint}: no tokenizer to build prompts with")
+        model = None
+    else:
+        if args.mesh:
+            raise UserError("--mesh: the eager scorer runs on the host, unsharded; use --scorer compiled")
+        from train.evaluation.eager_scorer import EagerScorer
+
+        model, tokenizer, info = load_model(args.checkpoint)
+        if args.max_length is not None and not 0 < args.max_length <= model.cfg.max_position_embeddings:
+            raise UserError(f"--max-length must be in [1, {model.cfg.max_position_embeddings}], found {args.max_length}")
+        scorer = EagerScorer(model, args.max_length)
+    bos = scorer.cfg.bos_token_id if model is None else model.cfg.bos_token_id
+    generative = HUMANEVAL in names or any(t.settings.kind == "generative" for t in tasks)
+    generator = greedy_generator(args, tokenizer, model) if generative else None
+    evaluation = run_suite(names, tasks, scorer=scorer, generator=generator, tokenizer=tokenizer,
+                           bos=bos, limit=args.limit, progress=args.progress)
+    evaluation = {"model": info, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                  "scorer": args.scorer, "limit": args.limit, "window": scorer.max_length, **evaluation}
+    print(f"checkpoint {info['checkpoint']} (step {info['step']}):")
+    print_summary(evaluation)
+    if args.json_out:
+        write_json(args.json_out, evaluation)
+        print(f"  written to {args.json_out}")
+    if args.report:
+        from train.atomic import write_atomic
+
+        write_atomic(args.report, report_card(evaluation).encode())
+        print(f"  report card written to {args.report}")
+    return evaluation
+
+
+def run(args) -> int:
+    if not args.tasks:
+        for flag in ("limit", "report", "max_length", "batch_size", "mesh", "scorer"):
+            if getattr(args, flag) not in (None, ""):
+                raise UserError(f"--{flag.replace('_', '-')} needs --tasks (without it, eval measures validation loss)")
+        return validation.run(args)
+    run_tasks(args)
+    return 0
