@@ -50,13 +50,14 @@ def losses(run_dir) -> dict[int, float]:
 
 def test_lora_run_saves_adapters_and_a_base_reference_and_resumes_exactly(root):
     full = root / "lora"
-    run_training(config(root, full, lora=LORA), show_progress=False)
+    run_training(config(root, full, lora=LORA, adapter_optimizer="adamw"), show_progress=False)
     step_dir = checkpoint.find_checkpoint(full)
     stored = checkpoint.stored_shapes(step_dir)
     params = sorted(k[1] for k in stored if k[0] == "params")
     trained = lambda name: ".lora_" in name or name == "lm_head.modules_to_save.default.weight"
     assert params and all(trained(n) for n in params)                         # never the frozen base
     assert all(trained(k[-1]) for k in stored if k[-1] != "step")
+    assert {k[1] for k in stored if k[0] == "opt_state"} == {"exp_avg", "exp_avg_sq", "step"}   # adapter_optimizer
     meta, _ = checkpoint.read_meta(step_dir)
     base = meta["lora"]["base"]
     assert meta["lora"]["spec"] == LORA and base["kind"] == "checkpoint" and len(base["sha256"]) == 64
