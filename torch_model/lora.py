@@ -9,8 +9,8 @@ expert tensors (`target_parameters`), rank r per expert, in transformers' orient
 (`Experts.is_transposed`). A module name (`q_proj`, `v_proj`, ...) picks single projections.
 `modules_to_save` (e.g. `embed_tokens+lm_head`) trains those modules whole beside the adapters, as
 peft's own `modules_to_save` (needed when fine-tuning teaches tokens the base never learned).
-`base_parameter_of` maps peft's
-parameter names back to the base model's, for the optimizer's groups and the sharding rules.
+`base_parameter_of` maps peft's parameter names back to the base model's, for the optimizer's
+groups and the sharding rules.
 """
 from __future__ import annotations
 
