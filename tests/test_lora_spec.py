@@ -56,3 +56,22 @@ def test_wrapped_model_lowers_through_torchax_like_eager_peft():
         lowered = jax.jit(model_function(wrapped))(params_to_jax(wrapped), jnp.asarray(ids.numpy()))
     assert not torch.__future__.get_swap_module_params_on_conversion()    # scoped to the trace
     assert np.abs(np.asarray(lowered) - eager).max() <= 1e-5 * np.abs(eager).max()
+
+
+def test_merged_state_dict_gives_the_wrapped_models_logits_and_leaves_it_as_it_was():
+    from torch_model.lora import merged_state_dict, unwrap
+
+    torch.manual_seed(1)
+    cfg = get_preset("tiny").replace(n_layers=2, vocab_size=300)
+    wrapped = apply_lora(GptOssForCausalLM(cfg), parse_lora_spec("r=4,alpha=8,targets=all-linear+experts"))
+    with torch.no_grad():
+        for p in wrapped.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+    params = {n: p.detach().clone() for n, p in unwrap(wrapped).named_parameters()}
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        expected = wrapped(ids).numpy()
+        plain = GptOssForCausalLM(cfg)
+        plain.load_state_dict(merged_state_dict(wrapped, params))
+        assert np.abs(plain(ids).numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
+        assert np.array_equal(wrapped(ids).numpy(), expected)                   # still adapted, unchanged

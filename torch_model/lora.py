@@ -7,10 +7,15 @@ fused cross-entropy reads its weight directly, so an adapter there would never g
 peft excludes the output layer on transformers models too). `experts`: peft's LoRA on the 3-D
 expert tensors (`target_parameters`), rank r per expert, in transformers' orientation
 (`Experts.is_transposed`). A module name (`q_proj`, `v_proj`, ...) picks single projections.
+`modules_to_save` (e.g. `embed_tokens+lm_head`) trains those modules whole beside the adapters, as
+peft's own `modules_to_save` (needed when fine-tuning teaches tokens the base never learned).
+`base_parameter_of` maps peft's parameter names back to the base model's, for the optimizer's
+groups and the sharding rules.
 """
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 
 from torch_model.config import ConfigError
@@ -19,6 +24,8 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 TARGET_GROUPS = {"all-linear": ATTENTION_PROJECTIONS, "attention": ATTENTION_PROJECTIONS}
 ADAPTER_NAME = "default"
+PEFT_PREFIX = "base_model.model."         # what PeftModel puts before the wrapped model's names
+_ADAPTER = re.compile(r"(?P<module>.+)\.lora_(?P<role>[AB])\." + ADAPTER_NAME + r"\.weight")
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,7 @@ class LoraSpec:
     alpha: float = 32.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("all-linear",)
+    modules_to_save: tuple[str, ...] = ()    # trained whole beside the adapters (peft's modules_to_save)
 
     @property
     def scaling(self) -> float:
@@ -49,18 +57,20 @@ class LoraSpec:
         return EXPERT_PARAMETERS if "experts" in self.targets else ()
 
     def __str__(self) -> str:
-        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={'+'.join(self.targets)}"
+        save = f",modules_to_save={'+'.join(self.modules_to_save)}" if self.modules_to_save else ""
+        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={'+'.join(self.targets)}{save}"
 
 
 def parse_lora_spec(text: str) -> LoraSpec:
-    """Parse `key=value,...` (keys r, alpha, dropout, targets; targets joined by '+')."""
+    """Parse `key=value,...` (keys r, alpha, dropout, targets, modules_to_save; lists joined by '+')."""
     fields: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
-        if not sep or key not in ("r", "alpha", "dropout", "targets"):
-            raise ConfigError(f"--lora: expected key=value with keys r, alpha, dropout, targets; found {part!r}")
+        if not sep or key not in ("r", "alpha", "dropout", "targets", "modules_to_save"):
+            raise ConfigError(f"--lora: expected key=value with keys r, alpha, dropout, targets, modules_to_save; "
+                              f"found {part!r}")
         try:
-            fields[key] = (tuple(filter(None, value.split("+"))) if key == "targets"
+            fields[key] = (tuple(filter(None, value.split("+"))) if key in ("targets", "modules_to_save")
                            else int(value) if key == "r" else float(value))
         except ValueError:
             raise ConfigError(f"--lora: {key} must be a number, found {value!r}") from None
@@ -93,6 +103,7 @@ def lora_config(spec: LoraSpec):
 
     return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
                       target_modules=list(spec.target_modules) or None,
+                      modules_to_save=list(spec.modules_to_save) or None,
                       target_parameters=list(spec.target_parameters) or None)
 
 
@@ -103,24 +114,107 @@ def apply_lora(model, spec: LoraSpec):
     from peft import get_peft_model
 
     check_lora_spec(spec)
-    unknown = [t for t in spec.target_modules if not any(name.endswith("." + t) or name == t
-                                                         for name, _ in model.named_modules())]
+    unknown = [t for t in (*spec.target_modules, *spec.modules_to_save)
+               if not any(name.endswith("." + t) or name == t for name, _ in model.named_modules())]
     if unknown:
         raise ConfigError(f"--lora: targets {', '.join(unknown)} match no module of the model "
                           f"(choose from all-linear, attention, experts, {', '.join(ATTENTION_PROJECTIONS)})")
-    return get_peft_model(model, lora_config(spec))
+    wrapped = get_peft_model(model, lora_config(spec))
+    check_adapter_names(wrapped)
+    return wrapped
+
+
+def base_parameter_of(name: str) -> tuple[str, str | None]:
+    """(the base model's name of the parameter, None) for a base parameter under peft's names
+    (`base_model.model.` and `.base_layer` dropped), or (the name of the parameter an adapter
+    adapts, "A" or "B") for `...lora_A.default.weight` / `lora_B`. peft nests one ParamWrapper
+    per expert tensor in the order of `target_parameters` (the last one outermost), so
+    `mlp.experts.lora_*` adapts down_proj and `mlp.experts.base_layer.lora_*` gate_up_proj
+    (`check_adapter_names` holds peft to that)."""
+    name = name.removeprefix(PEFT_PREFIX)
+    found = _ADAPTER.fullmatch(name)
+    if found is None:
+        for wrapper in (".base_layer", f".modules_to_save.{ADAPTER_NAME}", ".original_module"):
+            name = name.replace(wrapper, "")
+        return name, None
+    module = found["module"]
+    gate_up, down = (p.rsplit(".", 1)[1] for p in EXPERT_PARAMETERS)
+    if module.endswith(".mlp.experts"):
+        base = f"{module}.{down}"
+    elif module.endswith(".mlp.experts.base_layer"):
+        base = f"{module.removesuffix('.base_layer')}.{gate_up}"
+    else:
+        base = module.replace(".base_layer", "") + ".weight"
+    return base, found["role"]
+
+
+def is_expert_adapter(name: str) -> bool:
+    base, role = base_parameter_of(name)
+    return role is not None and base.endswith(EXPERT_PARAMETERS)
+
+
+def check_adapter_names(model) -> None:
+    """Every adapter's `base_parameter_of` names the tensor peft really adapts (for expert
+    tensors, the ParamWrapper's `parameter_name`): the rules built on those names hold."""
+    for path, module in model.named_modules():
+        if not hasattr(module, "lora_A") or ADAPTER_NAME not in getattr(module, "lora_A", {}):
+            continue
+        owner = path.removeprefix(PEFT_PREFIX).replace(".base_layer", "")
+        expected = f"{owner}.{getattr(module, 'parameter_name', 'weight')}"
+        found, _ = base_parameter_of(f"{path}.lora_A.{ADAPTER_NAME}.weight")
+        if found != expected:
+            raise ConfigError(f"--lora: peft adapts {expected} with the adapter at {path}, but the names map it "
+                              f"to {found} (peft's nesting of expert wrappers changed?)")
+
+
+def unwrap(model):
+    """The torch model inside a PeftModel (peft injects its layers in place), else the model."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def is_adapted(model) -> bool:
+    return any(_ADAPTER.fullmatch(name) or f".modules_to_save.{ADAPTER_NAME}." in name
+               for name, _ in model.named_parameters())
 
 
 @contextlib.contextmanager
-def swapping_parametrized_tensors():
+def swapping_parametrized_tensors(model=None):
     """peft's expert LoRA registers a torch parametrization on each forward; parametrize then
     calls `Tensor.set_`, which torchax cannot lower. With this torch flag it swaps tensors
-    instead. The flag is process-global, so it is set only for the duration of a trace."""
+    instead. The flag is process-global, so it is set only for the duration of a trace.
+    With `model`: every module's registered parameters are put back afterwards. Under
+    `functional_call` (how the bridge traces), removing the parametrization re-registers the
+    traced tensor as a buffer and drops the expert Parameter (seen with peft 0.21.2, torch
+    2.13): the model would come out of its first trace broken for the next one."""
     import torch
 
+    modules = list(model.modules()) if model is not None else []
+    saved = [(module, dict(module._parameters), dict(module._buffers)) for module in modules]
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         yield
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+        for module, params, buffers in saved:
+            for registry, before_trace in ((module._parameters, params), (module._buffers, buffers)):
+                if list(registry.items()) != list(before_trace.items()):
+                    for name in {*params, *buffers}:
+                        module.__dict__.pop(name, None)
+                    registry.clear()
+                    registry.update(before_trace)
+
+
+def merged_state_dict(wrapped, params: dict) -> dict:
+    """The plain model's state_dict for `params` (the wrapped model's own names: base, adapters),
+    the adapters merged into their base weights by peft. `wrapped` is left as it was: peft's
+    merge works on a copy."""
+    import copy
+
+    import torch
+
+    clone = copy.deepcopy(wrapped)
+    with torch.no_grad():
+        unwrap(clone).load_state_dict({n: t.float() for n, t in params.items()})
+    return {n: t.detach() for n, t in clone.merge_and_unload().state_dict().items()}
