@@ -9,8 +9,10 @@ import sys
 
 from parity import selftest, tolerances, trajectory
 from parity.inputs import PARITY_IGNORE_FRACTION, PARITY_SEQ_LEN, PARITY_TILES, PARITY_WINDOW, parity_config
+from parity.lora_parity import run_lora_parity
 from parity.suite import run_parity
 from torch_model.config import ConfigError, get_preset
+from torch_model.lora import parse_lora_spec
 from train.errors import UserError
 
 
@@ -50,6 +52,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trajectory", action="store_true",
                         help="100 steps of a micro model on the bundled data, eager PyTorch vs the lowered step "
                              "(float32); both sides are run")
+    parser.add_argument("--lora", metavar="SPEC",
+                        help="the LoRA rows instead (parity/lora_parity.py): the preset wrapped by peft with random "
+                             "adapters (e.g. r=16,alpha=32,targets=all-linear+experts), lowered vs eager peft, "
+                             "float32, every kernel set")
     parser.add_argument("--json", metavar="OUT", help="write every check (metrics, tolerance, pass/fail) as JSON")
     parser.add_argument("--verbose", action="store_true", help="print every check, not only the failing ones")
 
@@ -71,6 +77,9 @@ def run(args) -> int:
         code = 0
         if args.selftest:
             result = selftest.run_selftest(dtypes=tuple(args.dtype), segments=args.segments, progress=say)
+            lora = selftest.run_lora_selftest(progress=say)
+            result.outcomes.extend(lora.outcomes)
+            result.report.rows.extend(lora.report.rows)
             print(result.format(verbose=args.verbose))
             _write_json(args.json, result.to_json())
             code |= 0 if result.passed else 1
@@ -97,6 +106,14 @@ def run(args) -> int:
             raise UserError(f"--window must be >= 0, found {args.window}")
         model_cfg = parity_config(model_cfg, window=args.window or None)
         state_dict, source = None, f"preset {args.preset}"
+    if args.lora:
+        report = run_lora_parity(model_cfg, parse_lora_spec(args.lora), state_dict, kernel_sets=args.kernels,
+                                 batch=args.batch, seq_len=args.seq_len, seed=args.seed,
+                                 kernel_options=args.kernel_options, progress=say)
+        report.setup["source"] = source
+        print(report.format(verbose=args.verbose))
+        _write_json(args.json, report.to_json())
+        return 0 if report.passed else 1
     report = run_parity(model_cfg, state_dict, kernel_sets=args.kernels, dtypes=tuple(args.dtype),
                         batch=args.batch, seq_len=args.seq_len, seed=args.seed, include_hf=args.hf,
                         full_step=args.full_step, kernel_options=args.kernel_options,
