@@ -75,7 +75,7 @@ def optimizer_function(plan, cfg: OptimizerConfig, orthogonalize=None):
 
 def optimizer_state_to_jax(model: torch.nn.Module, plan) -> dict:
     env = get_env()
-    state = init_state({n: p.detach() for n, p in model.named_parameters()}, plan)
+    state = init_state({n: p.detach() for n, p in model.named_parameters() if n in plan}, plan)
     return jax.tree.map(env.t2j_copy, state, is_leaf=lambda x: isinstance(x, torch.Tensor))
 
 
@@ -90,9 +90,10 @@ def abstract_params(model: torch.nn.Module) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def abstract_optimizer_state(model: torch.nn.Module, plan) -> dict:
-    """The optimizer state's shapes and dtypes (see abstract_params)."""
+    """The optimizer state's shapes and dtypes (see abstract_params), for the parameters `plan`
+    covers (the trainable ones)."""
     with torch.device("meta"):
-        state = init_state({n: p.detach() for n, p in model.named_parameters()}, plan)
+        state = init_state({n: p.detach() for n, p in model.named_parameters() if n in plan}, plan)
     return jax.tree.map(_abstract, state, is_leaf=lambda x: isinstance(x, torch.Tensor))
 
 

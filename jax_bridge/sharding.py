@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from torch_model.lora import base_parameter_of
+
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # Logical dimensions of each parameter (per layer), by name; first full match wins.
@@ -154,13 +156,31 @@ def logical_spec(mesh: Mesh, axes: Iterable, shape: Iterable[int] | None = None)
 
 
 def param_axes(name: str, ndim: int) -> tuple:
-    """Logical dimension names of a parameter; a stacked one gets a leading `layers`."""
+    """Logical dimension names of a parameter; a stacked one gets a leading `layers`. peft's
+    names map to the base model's (torch_model.lora.base_parameter_of); a LoRA adapter takes its
+    base weight's axes: A [r, in] shares `in`'s, B [out, r] `out`'s. Expert adapters ([r*E, in],
+    [out, r*E]) leave the r*E axis whole: peft orders B's columns rank-major, so no split of it
+    follows the experts'."""
+    base, role = base_parameter_of(name)
+    axes = _rule_axes(base, name)
+    if role is not None:
+        if len(axes) == 3:                   # experts, x @ W[e]: [E, in, out]
+            in_axis, out_axis = axes[1], axes[2]
+        elif len(axes) == 2:                 # nn.Linear weight: [out, in]
+            out_axis, in_axis = axes
+        else:
+            raise ValueError(f"sharding: adapter {name!r} adapts {base!r}, which is not a matrix")
+        axes = (None, in_axis) if role == "A" else (out_axis, None)
+    if ndim == len(axes) + 1:
+        return ("layers",) + axes
+    if ndim != len(axes):
+        raise ValueError(f"sharding: parameter {name!r} has {ndim} dims; its rule names {len(axes)}")
+    return axes
+
+
+def _rule_axes(base: str, name: str) -> tuple:
     for pattern, axes in PARAM_AXES:
-        if re.fullmatch(pattern, name):
-            if ndim == len(axes) + 1:
-                return ("layers",) + axes
-            if ndim != len(axes):
-                raise ValueError(f"sharding: parameter {name!r} has {ndim} dims; its rule names {len(axes)}")
+        if re.fullmatch(pattern, base):
             return axes
     raise ValueError(f"sharding: no rule for parameter {name!r} (add one to PARAM_AXES)")
 

@@ -2,6 +2,8 @@
 with `lax.scan`, and the torch optimizer's update, all in a single program with the train
 state donated. With a device mesh the state lives sharded by the rules of `sharding.py`, the
 batch is split over its data axes, and the gradients are reduced straight into that sharding.
+Frozen parameters (`requires_grad` False: a peft LoRA base, `--freeze`) are held apart, in the
+compute dtype, and get no gradient, optimizer state or update.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform
+from torch_model.lora import is_adapted, swapping_parametrized_tensors, unwrap
 from torch_model.model import keeps_float32
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 
@@ -72,7 +75,7 @@ class StepConfig:
 
 
 class TrainState(NamedTuple):
-    params: dict        # float32 master weights
+    params: dict        # float32 master weights of the trainable parameters
     opt_state: dict
 
 
@@ -95,11 +98,18 @@ class TrainStep:
     segment, RoPE uses the per-row positions, and the cross-entropy is the sum over trained
     tokens divided by the trained tokens of the WHOLE step (every micro-batch, every process),
     so accumulation equals one big batch exactly.
+
+    `model` may be a peft model (its wrapped torch model is traced: state names are that
+    model's, `model.layers.0.self_attn.q_proj.lora_A.default.weight`) or hold frozen parameters.
+    Only parameters with `requires_grad` are in the TrainState; the frozen ones are `self.frozen`
+    (set by `init_state`, or `place_frozen`), in the compute dtype (routers float32), sharded by
+    the same rules, passed to the step as an argument that is not donated.
     """
 
     def __init__(self, model: torch.nn.Module, opt_cfg: OptimizerConfig = OptimizerConfig(),
                  step_cfg: StepConfig | None = None, mesh=None):
         step_cfg = step_cfg or StepConfig()
+        model = unwrap(model)            # peft injects its layers in place: trace the torch model
         self.model, self.opt_cfg, self.cfg, self.mesh = model, opt_cfg, step_cfg, mesh
         self.env = get_env()
         self.platform = step_cfg.platform
@@ -110,13 +120,18 @@ class TrainStep:
             sharding.check_model_fits(model.cfg, mesh)
         self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
         self.layout = self.layer_layout.tag     # how state.params are stored (train/checkpoint.py LAYOUTS)
-        self.layer_plan = plan_parameters(model.named_parameters())
+        self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
+        self.lora = is_adapted(model)
+        self.layer_plan = plan_parameters([(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                                          adapters=opt_cfg.adapter_optimizer)
+        self._check_frozen_stack()
         # Every layer stacked into one array has the same rule: take the first one's.
         self.plan = self.layer_layout.stack(self.layer_plan, stack=lambda rules: rules[0])
         self.forward = layered_forward(model, self.layer_layout, remat=step_cfg.remat, mesh=mesh)
         self.update = optimizer_function(self.plan, opt_cfg, **(
             {} if mesh is None else {"orthogonalize": sharded_ops.orthogonalizer(mesh)}))
         self.compute_dtype = COMPUTE_DTYPES[step_cfg.compute_dtype]
+        self.frozen: dict = {}
         self.trace_count = 0
         self._jitted = jax.jit(self._step, donate_argnums=(0,))
         self._jitted_eval = jax.jit(self._eval)
@@ -124,24 +139,63 @@ class TrainStep:
         self._jitted_update = jax.jit(self._update, donate_argnums=(0, 2))
 
     # ---- state --------------------------------------------------------------------------------
+    def _check_frozen_stack(self) -> None:
+        """Stacked layers share one array per parameter: a parameter is frozen in all or none."""
+        if not self.layer_layout.stacked or not self.frozen_names:
+            return
+        frozen = set(self.frozen_names)
+        by_rest: dict = {}
+        for name, _ in self.model.named_parameters():
+            parts = name.split(".")
+            if name.startswith("model.layers.") and parts[2].isdigit():
+                by_rest.setdefault(".".join(parts[3:]), set()).add(name in frozen)
+        mixed = sorted(rest for rest, kinds in by_rest.items() if len(kinds) > 1)
+        if mixed:
+            raise ValueError(f"frozen parameters: {mixed[0]} is frozen in some layers only; with scanned layers a "
+                             f"parameter is frozen in every layer or none (or train with --no-scan-layers)")
+
+    def trainable_parameters(self) -> dict:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
     def host_state(self) -> TrainState:
         """The initial train state as host (numpy) arrays, in this step's layer layout."""
-        params = {n: p.detach().cpu().float().numpy() for n, p in self.model.named_parameters()}
-        opt = init_state({n: p.detach() for n, p in self.model.named_parameters()}, self.layer_plan)
+        trainable = self.trainable_parameters()
+        params = {n: p.detach().cpu().float().numpy() for n, p in trainable.items()}
+        opt = init_state({n: p.detach() for n, p in trainable.items()}, self.layer_plan)
         opt = jax.tree.map(lambda t: t.numpy(), opt, is_leaf=lambda x: isinstance(x, torch.Tensor))
         return self.layer_layout.map_state(self.layer_layout.stack, TrainState(params, opt))
 
+    def host_frozen(self) -> dict:
+        """The frozen parameters as host arrays in the compute dtype (routers float32), stacked
+        as the train state is."""
+        frozen = {n: p.detach().cpu().float().numpy() for n, p in self.model.named_parameters()
+                  if not p.requires_grad}
+        return self.layer_layout.stack(cast_params(frozen, self.compute_dtype))
+
+    def place_frozen(self, host: dict) -> dict:
+        """Frozen host arrays onto the devices (sharded by the rules), kept as `self.frozen`."""
+        self.frozen = (jax.device_put(host) if self.mesh is None
+                       else sharding.place(host, sharding.state_shardings(host, self.mesh)))
+        return self.frozen
+
     def init_state(self) -> TrainState:
+        """The initial train state on the devices; also places the frozen parameters."""
         state = self.host_state()
+        self.place_frozen(self.host_frozen())
         if self.mesh is None:
             return jax.device_put(state)
         return sharding.place(state, sharding.state_shardings(state, self.mesh))
+
+    def full_params(self, params: dict) -> dict:
+        """The trainable parameters with the frozen ones: what the model's forward takes."""
+        return {**params, **self.frozen}
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and (with a mesh) shardings of the train state, computed without any
         weights: the model may live on the `meta` device (planning a preset that fits no host)."""
         stack = lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
-        flat = TrainState(abstract_params(self.model), abstract_optimizer_state(self.model, self.layer_plan))
+        trainable = {n: a for n, a in abstract_params(self.model).items() if n in self.layer_plan}
+        flat = TrainState(trainable, abstract_optimizer_state(self.model, self.layer_plan))
         state = self.layer_layout.map_state(lambda d: self.layer_layout.stack(d, stack=stack), flat)
         if self.mesh is None:
             return state
@@ -159,14 +213,17 @@ class TrainStep:
     @contextlib.contextmanager
     def routing(self):
         """While tracing: the model's hot ops run the chosen kernels (compiled for this step's
-        platform, with their options) and its own matmuls run at the step's precision."""
+        platform, with their options) and its own matmuls run at the step's precision; a LoRA
+        model's expert parametrizations swap tensors (lora.swapping_parametrized_tensors)."""
         with registry.routed(self.env, self.kernels, platform=self.platform, options=self.cfg.kernel_options,
                              mesh=self.mesh), \
-                jax.default_matmul_precision(self.cfg.matmul_precision):
+                jax.default_matmul_precision(self.cfg.matmul_precision), \
+                (swapping_parametrized_tensors() if self.lora else contextlib.nullcontext()):
             yield
 
     def loss_and_metrics(self, params, inputs, labels, packed: tuple = ()):
-        """packed: () or (positions, segment_ids, loss_weights, loss_denominator, router_loss_scale)."""
+        """params: all of them (`full_params`); packed: () or (positions, segment_ids,
+        loss_weights, loss_denominator, router_loss_scale)."""
         with self.routing():
             out = self.forward(cast_params(params, self.compute_dtype), inputs, labels, *packed)
         return out["loss"], out
@@ -174,15 +231,21 @@ class TrainStep:
     def _constrain(self, tree):
         return tree if self.mesh is None else jax.lax.with_sharding_constraint(tree, self.state_shardings(tree))
 
-    def _grads(self, params, tokens, denominator=None, router_loss_scale: float = 1.0):
+    def _grads(self, params, tokens, denominator=None, router_loss_scale: float = 1.0, frozen=None):
+        """Gradients of the trainable `params` only; `frozen` enters the forward as inputs."""
         if isinstance(tokens, dict):
             inputs, labels, packed = packed_inputs(tokens, denominator, router_loss_scale)
         else:
             inputs, labels, packed = tokens[:, :-1], tokens[:, 1:], ()
-        (loss, out), grads = jax.value_and_grad(self.loss_and_metrics, has_aux=True)(params, inputs, labels, packed)
+        frozen = frozen or {}
+
+        def loss_of_trainable(trainable, *args):
+            return self.loss_and_metrics({**trainable, **frozen}, *args)
+
+        (loss, out), grads = jax.value_and_grad(loss_of_trainable, has_aux=True)(params, inputs, labels, packed)
         return (loss, out), self._constrain(grads)     # reduced straight into the parameters' sharding
 
-    def _step(self, state: TrainState, tokens, lr_scale):
+    def _step(self, state: TrainState, tokens, lr_scale, frozen=None):
         self.trace_count += 1          # runs only while tracing: counts compilations
         zeros = self._constrain(jax.tree.map(jnp.zeros_like, state.params))
         packed = isinstance(tokens, dict)
@@ -192,7 +255,7 @@ class TrainStep:
         denominator = packed_denominator(tokens) if packed else None
 
         def accumulate(grad_sum, micro_tokens):
-            (_, out), grads = self._grads(state.params, micro_tokens, denominator, 1.0 / micro)
+            (_, out), grads = self._grads(state.params, micro_tokens, denominator, 1.0 / micro, frozen)
             return self._constrain(jax.tree.map(jnp.add, grad_sum, grads)), _scalar_metrics(out)
 
         grad_sum, micro_metrics = jax.lax.scan(accumulate, zeros, tokens)
@@ -217,7 +280,8 @@ class TrainStep:
         with jax.default_matmul_precision(self.cfg.matmul_precision), jax.named_scope("optimizer_update"):
             return self.update(params, grads, opt_state, lr_scale)
 
-    def _eval(self, params, tokens):
+    def _eval(self, params, tokens, frozen=None):
+        params = {**params, **(frozen or {})}
         if isinstance(tokens, dict):
             _, out = self.loss_and_metrics(params, *packed_inputs(tokens, None, 1.0))
         else:
@@ -253,16 +317,17 @@ class TrainStep:
         if np.ndim(first) != 3 or np.shape(first)[0] != self.cfg.micro_batches:
             raise ValueError(f"train step: tokens must be [micro_batches={self.cfg.micro_batches}, batch, "
                              f"seq_len+1], found shape {tuple(np.shape(first))}")
-        return self._jitted(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32))
+        return self._jitted(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32), self.frozen)
 
     def evaluate(self, params, tokens):
-        """Loss metrics of one batch [batch, seq_len+1] without updating anything."""
-        return self._jitted_eval(params, self.place_batch(tokens, 0))
+        """Loss metrics of one batch [batch, seq_len+1] without updating anything (params: the
+        trainable ones; the frozen ones are added)."""
+        return self._jitted_eval(params, self.place_batch(tokens, 0), frozen=self.frozen)
 
     def grads(self, params, tokens):
         """(loss, metrics), grads for one batch [batch, seq_len+1] (for parity checks and the
         step benchmark's forward+backward)."""
-        return self._jitted_grads(params, self.place_batch(tokens, 0))
+        return self._jitted_grads(params, self.place_batch(tokens, 0), frozen=self.frozen)
 
     def apply_update(self, params, grads, opt_state, lr_scale=1.0):
         """(params, opt_state, stats): the optimizer update alone, jitted as inside the step
@@ -271,7 +336,7 @@ class TrainStep:
 
     def lower(self, state: TrainState, tokens, lr_scale=1.0):
         """The step's `jax.stages.Lowered` (trace + lowering); `.compile()` it to time the compile."""
-        return self._jitted.lower(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32))
+        return self._jitted.lower(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32), self.frozen)
 
 
 PACKED_FIELDS = ("tokens", "weights", "segment_ids", "positions")

@@ -6,11 +6,13 @@ Targets name what peft adapts. `attention` (= `all-linear`): the q/k/v/o project
 fused cross-entropy reads its weight directly, so an adapter there would never get a gradient (and
 peft excludes the output layer on transformers models too). `experts`: peft's LoRA on the 3-D
 expert tensors (`target_parameters`), rank r per expert, in transformers' orientation
-(`Experts.is_transposed`). A module name (`q_proj`, `v_proj`, ...) picks single projections.
+(`Experts.is_transposed`). A module name (`q_proj`, `v_proj`, ...) picks single projections. `base_parameter_of` maps peft's
+parameter names back to the base model's, for the optimizer's groups and the sharding rules.
 """
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 
 from torch_model.config import ConfigError
@@ -19,6 +21,8 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 TARGET_GROUPS = {"all-linear": ATTENTION_PROJECTIONS, "attention": ATTENTION_PROJECTIONS}
 ADAPTER_NAME = "default"
+PEFT_PREFIX = "base_model.model."         # what PeftModel puts before the wrapped model's names
+_ADAPTER = re.compile(r"(?P<module>.+)\.lora_(?P<role>[AB])\." + ADAPTER_NAME + r"\.weight")
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,60 @@ def apply_lora(model, spec: LoraSpec):
     if unknown:
         raise ConfigError(f"--lora: targets {', '.join(unknown)} match no module of the model "
                           f"(choose from all-linear, attention, experts, {', '.join(ATTENTION_PROJECTIONS)})")
-    return get_peft_model(model, lora_config(spec))
+    wrapped = get_peft_model(model, lora_config(spec))
+    check_adapter_names(wrapped)
+    return wrapped
+
+
+def base_parameter_of(name: str) -> tuple[str, str | None]:
+    """(the base model's name of the parameter, None) for a base parameter under peft's names
+    (`base_model.model.` and `.base_layer` dropped), or (the name of the parameter an adapter
+    adapts, "A" or "B") for `...lora_A.default.weight` / `lora_B`. peft nests one ParamWrapper
+    per expert tensor in the order of `target_parameters` (the last one outermost), so
+    `mlp.experts.lora_*` adapts down_proj and `mlp.experts.base_layer.lora_*` gate_up_proj
+    (`check_adapter_names` holds peft to that)."""
+    name = name.removeprefix(PEFT_PREFIX)
+    found = _ADAPTER.fullmatch(name)
+    if found is None:
+        return name.replace(".base_layer", ""), None
+    module = found["module"]
+    gate_up, down = (p.rsplit(".", 1)[1] for p in EXPERT_PARAMETERS)
+    if module.endswith(".mlp.experts"):
+        base = f"{module}.{down}"
+    elif module.endswith(".mlp.experts.base_layer"):
+        base = f"{module.removesuffix('.base_layer')}.{gate_up}"
+    else:
+        base = module.replace(".base_layer", "") + ".weight"
+    return base, found["role"]
+
+
+def is_expert_adapter(name: str) -> bool:
+    base, role = base_parameter_of(name)
+    return role is not None and base.endswith(EXPERT_PARAMETERS)
+
+
+def check_adapter_names(model) -> None:
+    """Every adapter's `base_parameter_of` names the tensor peft really adapts (for expert
+    tensors, the ParamWrapper's `parameter_name`): the rules built on those names hold."""
+    for path, module in model.named_modules():
+        if not hasattr(module, "lora_A") or ADAPTER_NAME not in getattr(module, "lora_A", {}):
+            continue
+        owner = path.removeprefix(PEFT_PREFIX).replace(".base_layer", "")
+        expected = f"{owner}.{getattr(module, 'parameter_name', 'weight')}"
+        found, _ = base_parameter_of(f"{path}.lora_A.{ADAPTER_NAME}.weight")
+        if found != expected:
+            raise ConfigError(f"--lora: peft adapts {expected} with the adapter at {path}, but the names map it "
+                              f"to {found} (peft's nesting of expert wrappers changed?)")
+
+
+def unwrap(model):
+    """The torch model inside a PeftModel (peft injects its layers in place), else the model."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def is_adapted(model) -> bool:
+    return any(_ADAPTER.fullmatch(name) for name, _ in model.named_parameters())
 
 
 @contextlib.contextmanager

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from torch_model.lora import base_parameter_of, is_expert_adapter
+
 MUON, ADAMW = "muon", "adamw"
 
 
@@ -38,8 +40,12 @@ class OptimizerConfig:
     adam_betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     max_grad_norm: float = 1.0          # global-norm clipping; 0 disables
+    adapter_optimizer: str = MUON       # LoRA adapters of linear layers: muon | adamw (experts': adamw)
 
     def __post_init__(self):
+        if self.adapter_optimizer not in (MUON, ADAMW):
+            raise ValueError(f"OptimizerConfig.adapter_optimizer must be 'muon' or 'adamw', "
+                             f"found {self.adapter_optimizer!r}")
         if self.ns_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"OptimizerConfig.ns_dtype must be 'float32' or 'bfloat16', found {self.ns_dtype!r}")
         for name in ("lr", "adam_lr", "eps"):
@@ -73,11 +79,25 @@ _RULES: list[tuple[str, ParamPlan]] = [
 ]
 
 
-def plan_parameters(named_params) -> dict[str, ParamPlan]:
-    """Assign each parameter to Muon or AdamW by name; raise if any is unmatched or ambiguous."""
+ADAPTER_OPTIMIZERS = (MUON, ADAMW)
+
+
+def plan_parameters(named_params, adapters: str = MUON) -> dict[str, ParamPlan]:
+    """Assign each parameter to Muon or AdamW by name; raise if any is unmatched or ambiguous.
+    peft's names map to the base model's (torch_model.lora.base_parameter_of). LoRA adapters of
+    linear layers (A [r, in], B [out, r]) take `adapters`; expert adapters, stored by peft as one
+    [r*E, in] / [out, r*E] matrix, always take AdamW: orthogonalizing the stack whole would mix
+    the experts."""
+    if adapters not in ADAPTER_OPTIMIZERS:
+        raise ValueError(f"optimizer: adapters must be one of {ADAPTER_OPTIMIZERS}, found {adapters!r}")
     plan = {}
     for name, p in named_params:
-        hits = [rule for suffix, rule in _RULES if name.endswith(suffix)]
+        base, role = base_parameter_of(name)
+        if role is not None:
+            plan[name] = ParamPlan(ADAMW) if is_expert_adapter(name) else (_LINEAR if adapters == MUON
+                                                                           else ParamPlan(ADAMW))
+            continue
+        hits = [rule for suffix, rule in _RULES if base.endswith(suffix)]
         if len(hits) != 1:
             raise ValueError(f"optimizer: parameter {name!r} {tuple(p.shape)} matches {len(hits)} "
                              f"parameter-group rules (expected exactly 1)")
@@ -205,8 +225,8 @@ class MuonAdamW(torch.optim.Optimizer):
     exactly one; `step()` applies `muon_adamw_update` in place."""
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig = OptimizerConfig()):
-        named = list(model.named_parameters())
-        self.plan = plan_parameters(named)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # frozen: no state
+        self.plan = plan_parameters(named, cfg.adapter_optimizer)
         self.cfg = cfg
         self.names = {id(p): n for n, p in named}
         groups = [{"params": [p for n, p in named if self.plan[n].kind == kind], "kind": kind}
