@@ -202,6 +202,18 @@ class TrainStep:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
                             self.state_shardings(state))
 
+    def abstract_frozen(self) -> dict:
+        """Shapes, dtypes (the compute dtype; routers float32) and shardings of the frozen
+        parameters, without weights (see abstract_state)."""
+        stack = lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+        flat = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if keeps_float32(n) else self.compute_dtype)
+                for n, a in abstract_params(self.model).items() if n not in self.layer_plan}
+        frozen = self.layer_layout.stack(flat, stack=stack)
+        if self.mesh is None:
+            return frozen
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), frozen,
+                            self.state_shardings(frozen))
+
     def state_shardings(self, state):
         return None if self.mesh is None else sharding.state_shardings(state, self.mesh)
 

@@ -45,6 +45,9 @@ FORMAT, VERSION = "torchlyra-checkpoint", 2
 STATE, META, TOKENIZER = "state", "meta", "tokenizer"
 DAMAGED_DIR = "damaged"                  # damaged steps are moved here (not a step name for Orbax)
 TRAIN_STATE, PARAMS_ONLY = "train_state", "params"
+# State groups holding parameters: trained ones, and a --freeze run's frozen ones (a LoRA run
+# stores no frozen group: its base is referenced, train/lora_checkpoint.py).
+PARAM_GROUPS = ("params", "frozen")
 
 
 def _orbax():
@@ -407,16 +410,19 @@ def restore_train_state(step_dir: str | os.PathLike, target: dict, *, layout: st
         step_dir.absolute() / STATE, args=ocp.args.StandardRestore(abstract))
 
 
-def _restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray]:
+def restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray]:
+    """The parameters among `stored` (stored_shapes entries) as host arrays: the trained ones
+    ("params") and a --freeze run's frozen ones ("frozen"), in one dict."""
     ocp = _orbax()
 
-    shapes = {k[1]: s for k, (s, _) in stored.items() if k[0] == "params"}
-    item = {"params": {n: np.zeros(0, np.float32) for n in shapes}}
-    restore_args = {"params": {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in shapes}}
+    groups = {g: [k[1] for k in stored if k[0] == g] for g in PARAM_GROUPS}
+    groups = {g: names for g, names in groups.items() if names}
+    item = {g: {n: np.zeros(0, np.float32) for n in names} for g, names in groups.items()}
+    restore_args = {g: {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names} for g, names in groups.items()}
     restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
         step_dir.absolute() / STATE, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
                                                                  partial_restore=True))
-    return restored["params"]
+    return {n: v for g in groups for n, v in restored[g].items()}
 
 
 def _open_checked(path):
@@ -426,8 +432,11 @@ def _open_checked(path):
     meta, cfg = read_meta(step_dir)
     stored = stored_shapes(step_dir)
     where = f"checkpoint {step_dir}"
+    if isinstance(meta.get("lora"), dict):
+        raise UserError(f"{where} holds LoRA adapters of the base {meta['lora']['base']['path']}, not a whole model: "
+                        f"load it with train.lora_checkpoint.load_lora_model")
     for key, (_, dtype) in stored.items():
-        if key[0] == "params" and dtype not in STORED_DTYPES:
+        if key[0] in PARAM_GROUPS and dtype not in STORED_DTYPES:
             raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
     return step_dir, meta, cfg, stored, where
 
@@ -437,14 +446,14 @@ def iter_params(path: str | os.PathLike):
     complete checkpoint named by `path`, restoring one stored tensor at a time: host memory holds
     one stored tensor (for the stacked layout, one parameter of all layers), never the model."""
     step_dir, meta, cfg, stored, where = _open_checked(path)
-    names = {k[1]: v for k, v in stored.items() if k[0] == "params"}
+    names = {k: v for k, v in stored.items() if k[0] in PARAM_GROUPS}
     # Names and shapes checked before any data is read: zero-stride placeholders hold no memory.
-    placeholders = {n: np.broadcast_to(np.float32(0), shape) for n, (shape, _) in names.items()}
+    placeholders = {k[1]: np.broadcast_to(np.float32(0), shape) for k, (shape, _) in names.items()}
     check_tensors({k: v.shape for k, v in LAYOUTS[meta["layout"]](placeholders, cfg).items()}, model_shapes(cfg), where)
 
     def tensors():
-        for name, (shape, dtype) in names.items():
-            one = _restore_params_to_host(step_dir, {("params", name): (shape, dtype)})
+        for key, (shape, dtype) in names.items():
+            one = restore_params_to_host(step_dir, {key: (shape, dtype)})
             for torch_name, value in LAYOUTS[meta["layout"]](one, cfg).items():
                 yield torch_name, np.asarray(value, dtype=np.float32)
 
@@ -462,7 +471,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], M
     if is_hf_dir(path):
         return load_hf(path)
     step_dir, meta, cfg, stored, where = _open_checked(path)
-    params = LAYOUTS[meta["layout"]](_restore_params_to_host(step_dir, stored), cfg)
+    params = LAYOUTS[meta["layout"]](restore_params_to_host(step_dir, stored), cfg)
     check_tensors({k: tuple(v.shape) for k, v in params.items()}, model_shapes(cfg), where)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in params.items()}
     return state, cfg, {k: v for k, v in meta.items() if k != "model"}

@@ -47,6 +47,9 @@ class TrainConfig:
     model: dict = field(default_factory=dict)      # ModelConfig overrides
     document_masking: bool | None = None   # segment ids per document; None: on for chat data, off for text
     truncate: bool = False         # chat: a conversation longer than a row is cut to one row (default: dropped)
+    lora: str = ""                 # peft LoRA on the --init-from model, e.g. "r=16,alpha=32,dropout=0,targets=all-linear+experts"
+    freeze: list = field(default_factory=list)   # shell-style patterns of parameter names left untrained
+    adapter_optimizer: str = "muon"   # LoRA adapters of linear layers: muon | adamw (expert adapters: adamw)
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "micro_batches", "eval_every", "log_every", "checkpoint_every",
@@ -71,8 +74,29 @@ class TrainConfig:
             raise UserError(f"config: document_masking must be true, false or null (auto), found {self.document_masking!r}")
         if not isinstance(self.truncate, bool):
             raise UserError(f"config: truncate must be true or false, found {self.truncate!r}")
+        self._check_lora()
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"config: compute_dtype must be auto, float32 or bfloat16, found {self.compute_dtype!r}")
+
+    def _check_lora(self) -> None:
+        from torch_model.config import ConfigError
+        from torch_model.lora import parse_lora_spec
+
+        if not isinstance(self.lora, str):
+            raise UserError(f"config: lora must be a string such as 'r=16,alpha=32,targets=all-linear', found {self.lora!r}")
+        if self.lora:
+            try:
+                parse_lora_spec(self.lora)
+            except ConfigError as e:
+                raise UserError(str(e)) from None
+            if not self.init_from:
+                raise UserError("config: lora needs init_from (--init-from), the base model the adapters train on: "
+                                "a checkpoint or a Hugging Face directory")
+        if not isinstance(self.freeze, (list, tuple)) or not all(isinstance(p, str) and p for p in self.freeze):
+            raise UserError(f"config: freeze must be a list of name patterns such as ['*.mlp.router.*'], "
+                            f"found {self.freeze!r}")
+        if self.adapter_optimizer not in ("muon", "adamw"):
+            raise UserError(f"config: adapter_optimizer must be muon or adamw, found {self.adapter_optimizer!r}")
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -73,7 +73,8 @@ _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": in
           "micro_batches": int, "lr": float, "adam_lr": float, "warmup_steps": int, "kernels": str,
           "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "samples": int,
           "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
-          "max_consecutive_skips": int, "host_timeout_s": int, "mesh": str, "remat": str}
+          "max_consecutive_skips": int, "host_timeout_s": int, "mesh": str, "remat": str, "lora": str,
+          "adapter_optimizer": str}
 _SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",
              "tensorboard": "also write TensorBoard event files to OUT/tensorboard",
              "truncate": "chat data: cut a conversation longer than a row to one row (default: drop it)"}
@@ -91,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, help_text in _BOOLEANS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, action=argparse.BooleanOptionalAction,
                             default=None, help=help_text)
+    parser.add_argument("--freeze", dest="freeze", action="append", default=None, metavar="PATTERN",
+                        help="leave the parameters whose names match this shell-style pattern untrained "
+                             "(repeatable), e.g. '*.mlp.router.*' or 'model.embed_tokens.weight'")
     cluster = parser.add_argument_group("multi-host (one command per host; not needed on a TPU pod or under SLURM)")
     cluster.add_argument("--coordinator", help="HOST:PORT of process 0, which every process connects to")
     cluster.add_argument("--num-processes", type=int, help="number of processes (hosts) in the run")
@@ -100,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args) -> tuple[TrainConfig, dict]:
     """(config, the settings given explicitly by the config file and flags)."""
     explicit = load_config_file(args.config) if args.config else {}
-    explicit.update({k: getattr(args, k) for k in (*_FLAGS, *_SWITCHES, *_BOOLEANS)
+    explicit.update({k: getattr(args, k) for k in (*_FLAGS, *_SWITCHES, *_BOOLEANS, "freeze")
                      if getattr(args, k, None) is not None})
     try:
         return TrainConfig(**explicit), explicit

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from jax_bridge.distributed import say
 from parity.hf_weights import HFWeights
-from train import checkpoint, flops, init_from_hf
+from train import checkpoint, flops, init_from_hf, lora_checkpoint
 from train.config import TrainConfig, resumed_config
 from train.errors import UserError
 from train.metrics import MetricsWriter, StepTimer, expert_load
@@ -137,6 +137,7 @@ class Trainer:
         except registry.KernelError as e:
             raise UserError(str(e)) from None
         self.tokenizer = load_tokenizer(cfg.data)  # the data's: its special ids become the model's
+        self.base_reference = None                 # a LoRA run's base (train/lora_checkpoint.py)
         self.model_cfg, init_state = self._model_config(meta, explicit or {})
         if self.tokenizer.n_vocab > self.model_cfg.vocab_size:
             raise UserError(f"data vocabulary ({self.tokenizer.n_vocab}) is larger than the model's vocab_size "
@@ -154,6 +155,7 @@ class Trainer:
             self.model = GptOssForCausalLM(self.model_cfg)
         if init_state is not None and not from_hf:
             self.model.load_state_dict(init_state)
+        self.peft_model = self._adapt(self.model)
         opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay)
         self.mesh = build_mesh(cfg)
         try:
@@ -164,6 +166,8 @@ class Trainer:
                 registry.check_segments(self.step.kernels)
         except (registry.KernelError, ValueError) as e:
             raise UserError(str(e)) from None
+        if self.step.frozen_names:
+            self._report_trainable()
         if from_hf:
             self.state = init_from_hf.init_state(self.step, init_state)
             print(f"initialized from {cfg.init_from} (Hugging Face; process {jax.process_index()} read "
@@ -173,7 +177,9 @@ class Trainer:
             self.state = self.step.init_state()
         self.done, self.counters = 0, {"skipped_total": 0, "consecutive_skips": 0, "last_good_step": 0}
         if meta:
-            restored = checkpoint.restore_train_state(resume_dir, self.state._asdict(), layout=self.step.layout)
+            restored = checkpoint.restore_train_state(resume_dir, self._saved_state(), layout=self.step.layout)
+            if "frozen" in restored:
+                self.step.place_frozen(restored.pop("frozen"))
             self.state = TrainState(**restored)
             self.train_data.load_state_dict(meta["loader"])
             self.done, self.counters = meta["step"], dict(meta.get("counters", self.counters))
@@ -204,6 +210,38 @@ class Trainer:
         self._write({"kind": "packing", "step": self.done, **summary})
 
     # ---- setup ------------------------------------------------------------------------------
+    def _adapt(self, model):
+        """--freeze and --lora applied to the torch model (its names: `torchlyra train --freeze`
+        patterns match them); returns the peft model, or None without LoRA."""
+        from torch_model.config import ConfigError
+        from torch_model.freeze import freeze_parameters
+        from torch_model.lora import apply_lora, parse_lora_spec
+
+        try:
+            wrapped = apply_lora(model, parse_lora_spec(self.cfg.lora)) if self.cfg.lora else None
+            if self.cfg.freeze:
+                freeze_parameters(model, self.cfg.freeze)
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+        return wrapped
+
+    def _report_trainable(self) -> None:
+        counts = {kind: sum(p.numel() for p in self.step.model.parameters() if p.requires_grad == kind)
+                  for kind in (True, False)}
+        what = f"LoRA {self.cfg.lora} on {self.base_reference['path']}" if self.cfg.lora else \
+            f"--freeze {' '.join(self.cfg.freeze)}"
+        say(f"{what}: training {counts[True]:,} parameters ({counts[True] / sum(counts.values()):.2%}); "
+            f"{counts[False]:,} frozen ({len(self.step.frozen_names)} tensors, held in "
+            f"{self.step.cfg.compute_dtype}, no optimizer state)")
+
+    def _saved_state(self) -> dict:
+        """What a checkpoint holds: the train state, and a --freeze run's frozen parameters
+        (a LoRA run's frozen base is only referenced: train/lora_checkpoint.py)."""
+        state = self.state._asdict()
+        if self.step.frozen and not self.cfg.lora:
+            state["frozen"] = self.step.frozen
+        return state
+
     def _model_config(self, meta: dict | None, explicit: dict):
         """(ModelConfig, initial parameters or None): a resumed run's from its checkpoint, an
         --init-from run's from that checkpoint (an explicit preset/model must have its shapes),
@@ -212,14 +250,25 @@ class Trainer:
 
         cfg = self.cfg
         if meta:
-            return checkpoint.config_from_dict(meta["model"], f"checkpoint {meta['step_dir']} field 'model'"), None
+            model_cfg = checkpoint.config_from_dict(meta["model"], f"checkpoint {meta['step_dir']} field 'model'")
+            if not isinstance(meta.get(lora_checkpoint.LORA_META), dict):
+                return model_cfg, None
+            self.base_reference = meta[lora_checkpoint.LORA_META]["base"]
+            return model_cfg, lora_checkpoint.load_base_state(meta)     # the base, verified
         bos, eos = bos_id(self.tokenizer), end_id(self.tokenizer)
         wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos, eos)
         if not cfg.init_from:
             return wanted, None
         if init_from_hf.is_hf_dir(cfg.init_from):
-            return self._hf_model_config(wanted, explicit, bos, eos)
+            model_cfg, weights = self._hf_model_config(wanted, explicit, bos, eos)
+            if not (cfg.lora or cfg.freeze):
+                return model_cfg, weights
+            # LoRA or frozen parameters: the model is built on the host (not streamed onto the mesh).
+            state, _, init_meta = checkpoint.load_checkpoint(cfg.init_from)
+            self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
+            return model_cfg, state
         state, init_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from)
+        self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
         model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
         if {"preset", "model"} & set(explicit):
             checkpoint.check_tensors(checkpoint.model_shapes(model_cfg), checkpoint.model_shapes(wanted),
@@ -359,7 +408,7 @@ class Trainer:
 
         jax.block_until_ready(self.state.params)          # the steps' time is not evaluation's
         with self.timer.paused():
-            result = self.evaluator(self.state.params)
+            result = self.evaluator(self.step.full_params(self.state.params))
         self._write({"kind": "eval", "step": self.done, **result})
         if self.done and self.primary:
             self.bar.write(f"step {self.done}: validation loss {result['val_loss']:.4f}, "
@@ -383,8 +432,12 @@ class Trainer:
                 "layout": self.step.layout, "loader": loader, "counters": dict(self.counters),
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "devices": jax.device_count(), "processes": jax.process_count()}
+        if self.cfg.lora:
+            from torch_model.lora import parse_lora_spec
+
+            meta[lora_checkpoint.LORA_META] = {"spec": str(parse_lora_spec(self.cfg.lora)), "base": self.base_reference}
         with self.timer.paused():
-            self.checkpoints.save(self.done, self.state._asdict(), meta, self.tokenizer)
+            self.checkpoints.save(self.done, self._saved_state(), meta, self.tokenizer)
             if wait:
                 self.checkpoints.wait()
         self.last_saved = self.done
@@ -423,7 +476,8 @@ class Trainer:
                    "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count}
         # The parameters under per-layer names on the host, for the samples (every process takes
         # part in gathering arrays that span processes).
-        params = params_to_torch(sharding.to_host(self.step.layer_params(self.state.params)))
+        params = params_to_torch(sharding.to_host(self.step.layer_params(self.step.full_params(self.state.params))))
+        params = {n: t.float() for n, t in params.items()}      # frozen ones may be in the compute dtype
         if self.primary:
             self.metrics.close()
             self.metrics = None
@@ -431,7 +485,10 @@ class Trainer:
             summary["metrics"] = str(self.out / "metrics.jsonl")
             summary["val_loss_start"] = self._first_eval()
             self.model.load_state_dict(params, assign=True)     # assign: the model may be on `meta`
-            summary["samples"] = sample_texts(self.model, self.tokenizer, self.cfg)
+            # Samples from the adapted model merged into plain weights (generate's own LoRA path
+            # is issue 22's second part); the run is over, so the model may be changed.
+            sampled = self.peft_model.merge_and_unload() if self.peft_model is not None else self.model
+            summary["samples"] = sample_texts(sampled, self.tokenizer, self.cfg)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
