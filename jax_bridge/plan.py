@@ -149,7 +149,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     if packed:
         registry.check_segments(step.kernels)
     state = step.abstract_state()
-    frozen = abstract_frozen(step)
+    frozen = step.abstract_frozen()
     result = Plan(preset=preset, topology=topology, device_kind=device.device_kind,
                   generation=tpu_compile.generation(device), chips=chips,
                   mesh=ONE_CHIP if device_mesh is None else sharding.describe(device_mesh), n_layers=cfg.n_layers,
@@ -209,32 +209,6 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
         tiles = kernel_tiles(step.kernels, step_cfg.kernel_options, cfg, seq_len, tokens_per_chip)
         result.roofline = roofline_mod.roofline(compiled, result.generation, tiles=tiles)
     return result
-
-
-def abstract_frozen(step) -> dict:
-    """The step's frozen parameters as ShapeDtypeStructs, as `TrainStep.host_frozen` holds them
-    (compute dtype, routers float32; stacked like the state) with the rules' shardings: the
-    argument a LoRA step takes beside its state ({} for a full fine-tune)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jax_bridge import sharding
-    from jax_bridge.lowering import abstract_params
-    from torch_model.model import keeps_float32
-
-    def in_compute_dtype(name, a):
-        floating = jnp.issubdtype(a.dtype, jnp.floating) and not keeps_float32(name)
-        return jax.ShapeDtypeStruct(a.shape, step.compute_dtype if floating else a.dtype)
-
-    flat = {n: in_compute_dtype(n, a) for n, a in abstract_params(step.model).items() if n in set(step.frozen_names)}
-    if not flat:
-        return {}
-    stack = lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)  # noqa: E731
-    frozen = step.layer_layout.stack(flat, stack=stack)
-    if step.mesh is None:
-        return frozen
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), frozen,
-                        sharding.state_shardings(frozen, step.mesh))
 
 
 def expert_delta_bytes(frozen: dict, n_layers: int) -> int:

@@ -9,7 +9,6 @@ parity/planted.py live in the lowered run only, for the self-test.
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,8 @@ from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_s
 from parity.report import ERROR, Report, Row
 from parity.runs import capture_routing, forced_routing, kernel_options_for, to_numpy
 from torch_model.config import ModelConfig
-from torch_model.lora import LoraSpec, apply_lora, swapping_parametrized_tensors
+from torch_model.lora import LoraSpec, apply_lora
+from torch_model.lora_tracing import retraceable
 from torch_model.model import IGNORE_INDEX
 
 DTYPE = "float32"          # the LoRA rows compare float32 paths (the brief's bounds)
@@ -79,10 +79,7 @@ class LoraProbe:
     once: `probe(batch, forced) -> (logits, loss, grads)`; only the adapters are differentiated."""
 
     def __init__(self, wrapped, kernels, kernel_options=PARITY_TILES, compiler_options=None, planted_bug=None):
-        # A copy per probe: tracing peft's expert LoRA under functional_call leaves the expert base
-        # tensor registered as a buffer, so a second trace of the same module object fails.
-        self.wrapped, self.planted_bug = copy.deepcopy(wrapped), planted_bug
-        wrapped = self.wrapped
+        self.wrapped, self.planted_bug = wrapped, planted_bug
         self.kernels = registry.resolve(dict(kernels))
         self.options = kernel_options_for(self.kernels, kernel_options)
         params = params_to_jax(wrapped)
@@ -97,7 +94,7 @@ class LoraProbe:
         env = get_env()
         bug = planted.lora_bug(self.planted_bug, self.wrapped) if self.planted_bug else contextlib.nullcontext()
         with registry.routed(env, self.kernels, platform=host_platform(), options=self.options), \
-                jax.default_matmul_precision("highest"), swapping_parametrized_tensors(), bug, \
+                jax.default_matmul_precision("highest"), retraceable(self.wrapped), bug, \
                 forced_routing(base_of(self.wrapped), env.j2t_iso(experts)):
             yield
 
