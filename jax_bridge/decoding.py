@@ -10,6 +10,7 @@ prompt length, total length, sampling mode); each compilation is counted and tim
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import NamedTuple
 
@@ -24,6 +25,8 @@ from jax_bridge.lowering import model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token
 from torch_model import kv_cache
+from torch_model.lora import is_adapted
+from torch_model.lora_tracing import retraceable
 
 PROMPT_MULTIPLE = 32      # prompt lengths are padded up to a multiple of this
 LENGTH_MULTIPLE = 64      # and the total (prompt bucket + new tokens) to a multiple of this
@@ -108,6 +111,8 @@ class Decoder:
                                     if name.endswith(("experts.gate_up_proj", "experts.down_proj")))
         self._layouts: dict[Layout, dict] = {}
         self._forward = model_function(model, "forward_cached")
+        # A model holding peft's LoRA layers is traced twice (prefill, decode): see lora_tracing.
+        self._tracing = (lambda: retraceable(model)) if is_adapted(model) else contextlib.nullcontext
         self._programs: dict[tuple, object] = {}
         self.compilations: list[Compilation] = []
 
@@ -144,7 +149,7 @@ class Decoder:
         if layout.split_experts:
             params.update({k: jnp.stack(params[k]) for k in self.expert_weights})
         with registry.routed(self.env, kernels, platform=self.platform), \
-                jax.default_matmul_precision(self.matmul_precision):
+                jax.default_matmul_precision(self.matmul_precision), self._tracing():
             return self._forward(params, ids, positions, cache, start)
 
     def _empty_cache(self, batch: int, length: int) -> kv_cache.KVCache:
