@@ -9,6 +9,7 @@ parity/planted.py live in the lowered run only, for the self-test.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import jax
 import jax.numpy as jnp
@@ -132,10 +133,50 @@ def lora_rows(reference: dict, logits, loss, grads, label: str) -> list[Row]:
     return rows
 
 
+def lora_step_rows(wrapped, tokens: torch.Tensor, choice, kernel_options, compiler_steps: int, label: str) -> list[Row]:
+    """The LoRA train step itself (jax_bridge.step.TrainStep on the peft model: adapters trained,
+    the base frozen) against eager peft + MuonAdamW, `compiler_steps` steps on `tokens` [B, T+1]:
+    every adapter after the steps (rel <= 1e-5) and every frozen tensor bit-identical. The step
+    routes by its own router (no forced experts)."""
+    from jax_bridge.step import StepConfig, TrainStep
+    from torch_model.lora import unwrap
+    from torch_model.optim import MuonAdamW, OptimizerConfig
+
+    trained = copy.deepcopy(wrapped)
+    inner = unwrap(trained)
+    optimizer = MuonAdamW(inner, OptimizerConfig())
+    for _ in range(compiler_steps):
+        inner.zero_grad()
+        inner(tokens[:, :-1], tokens[:, 1:])["loss"].backward()
+        optimizer.step()
+    expected = {n: to_numpy(p) for n, p in inner.named_parameters() if p.requires_grad}
+    step = TrainStep(copy.deepcopy(wrapped), OptimizerConfig(),
+                     StepConfig(kernels=dict(choice), compute_dtype=DTYPE, matmul_precision="highest",
+                                kernel_options=kernel_options_for(registry.resolve(dict(choice)), kernel_options)))
+    state = step.init_state()
+    frozen_before = {n: to_numpy(v) for n, v in step.frozen.items()}
+    for _ in range(compiler_steps):
+        state, _ = step(state, tokens.numpy()[None])
+    rows = [Row(label, DTYPE, "param", f"{name} (after {compiler_steps} LoRA steps)",
+                compare.tensor_metrics(to_numpy(state.params[name]), value), tolerances.bounds(DTYPE, "lora_param"))
+            for name, value in expected.items()]
+    names = list(expected)
+    flat = lambda d: np.concatenate([np.asarray(d[n], np.float64).ravel() for n in names])  # noqa: E731
+    rows.append(Row(label, DTYPE, "param", f"<all adapters after {compiler_steps} LoRA steps>",
+                    compare.tensor_metrics(flat({n: to_numpy(state.params[n]) for n in names}), flat(expected)),
+                    tolerances.bounds(DTYPE, "lora_param_vector")))
+    for name, before in frozen_before.items():
+        rows.append(Row(label, DTYPE, "frozen", name, compare.tensor_metrics(to_numpy(step.frozen[name]), before),
+                        tolerances.bounds(DTYPE, "frozen")))
+    return rows
+
+
 def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, adapters=None, *, kernel_sets=None,
                     batch: int = 2, seq_len: int = PARITY_SEQ_LEN, seed: int = 0, kernel_options=PARITY_TILES,
-                    compiler_options=None, planted_bug: str | None = None, progress=None) -> Report:
-    """The LoRA rows for every kernel set (None: the suite's default sets), float32."""
+                    compiler_options=None, planted_bug: str | None = None, train_steps: int = 0,
+                    progress=None) -> Report:
+    """The LoRA rows for every kernel set (None: the suite's default sets), float32; with
+    `train_steps`, also the LoRA train step's adapters and frozen base after that many steps."""
     say = progress or (lambda msg: None)
     sets, rows = (default_kernel_sets() if kernel_sets is None else (parse_kernel_sets(kernel_sets), []))
     wrapped = lora_parity_model(model_cfg, spec, state_dict, adapters, seed)
@@ -150,7 +191,7 @@ def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, ada
                            "loss_coefficients": {k: getattr(model_cfg, k) for k in PARITY_LOSS},
                            "kernel_options": str(kernel_options or ""),
                            "weights": "random (seeded)" if state_dict is None else "state dict",
-                           "post_step": "not compared (forward and adapter gradients)", "backend": host_platform()})
+                           "post_step": f"TrainStep (LoRA), {train_steps} steps" if train_steps else "not compared", "backend": host_platform()})
     report.rows.extend(rows)
     say(f"LoRA ({spec}): eager peft float32 reference ...")
     reference = eager_lora_run(wrapped, data)
@@ -165,6 +206,15 @@ def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, ada
                                    message=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
             continue
         new_rows = lora_rows(reference, *got, kernel_label(probe.kernels) + " +lora")
+        if train_steps:
+            tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq_len + 1),
+                                   generator=torch.Generator().manual_seed(seed + 2))
+            try:
+                new_rows += lora_step_rows(wrapped, tokens, choice, kernel_options, train_steps,
+                                           kernel_label(probe.kernels) + " +lora")
+            except Exception as e:  # noqa: BLE001 - a step that cannot run is a failed check
+                new_rows.append(Row(label, DTYPE, "error", "LoRA train step", status=ERROR,
+                                    message=f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"))
         report.rows.extend(new_rows)
         say(f"  {'FAIL' if any(r.failed for r in new_rows) else 'PASS'} {label}")
     return report

@@ -228,15 +228,17 @@ LORA_WEIGHTS = "random init, LoRA"
 
 
 def run_lora_selftest(bugs=tuple(planted.LORA_BUGS), seed: int = 0, kernel_set: str = "xla", seq_len: int = 80,
-                      compiler_options: dict | None = None, progress=None) -> SelftestReport:
-    """The LoRA rows on MICRO (float32, `kernel_set`): the control must pass, each planted LoRA
-    bug (live in the lowered run only) must fail naming an adapter."""
+                      train_steps: int = 1, compiler_options: dict | None = None, progress=None) -> SelftestReport:
+    """The LoRA rows on MICRO (float32, `kernel_set`): the control (with `train_steps` LoRA train
+    steps) must pass, each planted LoRA bug (live in the lowered run only) must fail naming an
+    adapter."""
     spec = parse_lora_spec(LORA_SPEC)
     report = Report(setup={"source": "self-test micro model", "lora": LORA_SPEC, "seed": seed})
     outcomes = []
     for name in (None, *bugs):
         run = run_lora_parity(MICRO, spec, kernel_sets=[kernel_set], seed=seed, seq_len=seq_len,
-                              compiler_options=compiler_options, planted_bug=name, progress=progress)
+                              compiler_options=compiler_options, planted_bug=name,
+                              train_steps=train_steps if name is None else 0, progress=progress)
         rows = run.rows
         report.rows.extend(rows)
         failing = _failing(rows)
