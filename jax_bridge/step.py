@@ -230,7 +230,7 @@ class TrainStep:
         with registry.routed(self.env, self.kernels, platform=self.platform, options=self.cfg.kernel_options,
                              mesh=self.mesh), \
                 jax.default_matmul_precision(self.cfg.matmul_precision), \
-                (swapping_parametrized_tensors() if self.lora else contextlib.nullcontext()):
+                (swapping_parametrized_tensors(self.model) if self.lora else contextlib.nullcontext()):
             yield
 
     def loss_and_metrics(self, params, inputs, labels, packed: tuple = ()):

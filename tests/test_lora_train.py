@@ -68,6 +68,8 @@ def test_lora_step_gradients_and_update_match_eager_peft(lora_setup):
     grads, expected = eager_step(copy.deepcopy(model), ids, step.opt_cfg)
     adapters = sorted(n for n in before if ".lora_" in n)
     assert sorted(grads) == adapters and len(adapters) == 2 * (4 + 2) * 2    # A, B; 4 projections + 2 expert tensors
+    registered = lambda: ([(n, id(p)) for n, p in model.named_parameters()], [n for n, _ in model.named_buffers()])
+    before_trace = registered()
     state = step.init_state()
     assert sorted(state.params) == adapters                                     # only trainable parameters
     (_, _), lowered = step.grads(state.params, ids.numpy())
@@ -75,6 +77,7 @@ def test_lora_step_gradients_and_update_match_eager_peft(lora_setup):
     for name in adapters:
         assert rel_err(lowered[name], to_numpy(grads[name])) < 1e-4, name
     state, _ = step(state, ids.numpy()[None])
+    assert registered() == before_trace       # peft's parametrization under functional_call left no trace
     for name in adapters:
         assert rel_err(state.params[name], expected[name]) < 1e-5, name
     assert np.abs(np.asarray(state.params[adapters[0]]) - before[adapters[0]]).max() > 0

@@ -169,15 +169,28 @@ def is_adapted(model) -> bool:
 
 
 @contextlib.contextmanager
-def swapping_parametrized_tensors():
+def swapping_parametrized_tensors(model=None):
     """peft's expert LoRA registers a torch parametrization on each forward; parametrize then
     calls `Tensor.set_`, which torchax cannot lower. With this torch flag it swaps tensors
-    instead. The flag is process-global, so it is set only for the duration of a trace."""
+    instead. The flag is process-global, so it is set only for the duration of a trace.
+    With `model`: every module's registered parameters are put back afterwards. Under
+    `functional_call` (how the bridge traces), removing the parametrization re-registers the
+    traced tensor as a buffer and drops the expert Parameter (seen with peft 0.21.2, torch
+    2.13): the model would come out of its first trace broken for the next one."""
     import torch
 
+    modules = list(model.modules()) if model is not None else []
+    saved = [(module, dict(module._parameters), dict(module._buffers)) for module in modules]
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         yield
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+        for module, params, buffers in saved:
+            for registry, before_trace in ((module._parameters, params), (module._buffers, buffers)):
+                if list(registry.items()) != list(before_trace.items()):
+                    for name in {*params, *buffers}:
+                        module.__dict__.pop(name, None)
+                    registry.clear()
+                    registry.update(before_trace)
