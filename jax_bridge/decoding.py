@@ -25,8 +25,7 @@ from jax_bridge.lowering import model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token
 from torch_model import kv_cache
-from torch_model.lora import is_adapted
-from torch_model.lora_tracing import retraceable
+from torch_model.lora import is_adapted, swapping_parametrized_tensors
 
 PROMPT_MULTIPLE = 32      # prompt lengths are padded up to a multiple of this
 LENGTH_MULTIPLE = 64      # and the total (prompt bucket + new tokens) to a multiple of this
@@ -111,8 +110,9 @@ class Decoder:
                                     if name.endswith(("experts.gate_up_proj", "experts.down_proj")))
         self._layouts: dict[Layout, dict] = {}
         self._forward = model_function(model, "forward_cached")
-        # A model holding peft's LoRA layers is traced twice (prefill, decode): see lora_tracing.
-        self._tracing = (lambda: retraceable(model)) if is_adapted(model) else contextlib.nullcontext
+        # A model holding peft's LoRA layers: traced twice (prefill, decode), its parameters kept.
+        self._tracing = ((lambda: swapping_parametrized_tensors(model)) if is_adapted(model)
+                         else contextlib.nullcontext)
         self._programs: dict[tuple, object] = {}
         self.compilations: list[Compilation] = []
 

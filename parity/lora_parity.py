@@ -26,8 +26,7 @@ from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_s
 from parity.report import ERROR, Report, Row
 from parity.runs import capture_routing, forced_routing, kernel_options_for, to_numpy
 from torch_model.config import ModelConfig
-from torch_model.lora import LoraSpec, apply_lora
-from torch_model.lora_tracing import retraceable
+from torch_model.lora import LoraSpec, apply_lora, swapping_parametrized_tensors
 from torch_model.model import IGNORE_INDEX
 
 DTYPE = "float32"          # the LoRA rows compare float32 paths (the brief's bounds)
@@ -95,7 +94,7 @@ class LoraProbe:
         env = get_env()
         bug = planted.lora_bug(self.planted_bug, self.wrapped) if self.planted_bug else contextlib.nullcontext()
         with registry.routed(env, self.kernels, platform=host_platform(), options=self.options), \
-                jax.default_matmul_precision("highest"), retraceable(self.wrapped), bug, \
+                jax.default_matmul_precision("highest"), swapping_parametrized_tensors(self.wrapped), bug, \
                 forced_routing(base_of(self.wrapped), env.j2t_iso(experts)):
             yield
 
