@@ -10,6 +10,7 @@ import sys
 from parity import selftest, tolerances, trajectory
 from parity.inputs import PARITY_IGNORE_FRACTION, PARITY_SEQ_LEN, PARITY_TILES, PARITY_WINDOW, parity_config
 from parity.lora_parity import run_lora_parity
+from parity.report import Report
 from parity.suite import run_parity
 from torch_model.config import ConfigError, get_preset
 from torch_model.lora import parse_lora_spec
@@ -82,8 +83,9 @@ def run(args) -> int:
         if args.selftest:
             result = selftest.run_selftest(dtypes=tuple(args.dtype), segments=args.segments, progress=say)
             lora = selftest.run_lora_selftest(progress=say)
-            result.outcomes.extend(lora.outcomes)
-            result.report.rows.extend(lora.report.rows)
+            result = selftest.SelftestReport(result.outcomes + lora.outcomes, result.skipped,
+                                             Report(result.report.setup, result.report.rows + lora.report.rows),
+                                             result.controls)
             print(result.format(verbose=args.verbose))
             _write_json(args.json, result.to_json())
             code |= 0 if result.passed else 1
