@@ -190,7 +190,8 @@ def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, ada
                            "loss_coefficients": {k: getattr(model_cfg, k) for k in PARITY_LOSS},
                            "kernel_options": str(kernel_options or ""),
                            "weights": "random (seeded)" if state_dict is None else "state dict",
-                           "post_step": f"TrainStep (LoRA), {train_steps} steps" if train_steps else "not compared", "backend": host_platform()})
+                           "post_step": f"TrainStep (LoRA), {train_steps} steps" if train_steps else "not compared",
+                           "backend": host_platform()})
     report.rows.extend(rows)
     say(f"LoRA ({spec}): eager peft float32 reference ...")
     reference = eager_lora_run(wrapped, data)
@@ -201,8 +202,9 @@ def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, ada
             probe = LoraProbe(wrapped, choice, kernel_options, compiler_options, planted_bug)
             got = probe(data, reference["routing"])
         except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             report.rows.append(Row(label, DTYPE, "error", "kernel set", status=ERROR,
-                                   message=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+                                   message=f"{type(e).__name__}: {first}"))
             continue
         new_rows = lora_rows(reference, *got, kernel_label(probe.kernels) + " +lora")
         if train_steps:

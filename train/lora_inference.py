@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from train.errors import UserError
-
 
 def lora_meta(checkpoint: str | os.PathLike) -> dict | None:
     """The metadata of a LoRA checkpoint named by `checkpoint` (run, checkpoints or step
