@@ -48,5 +48,3 @@ def lora_tokenizer(checkpoint, meta: dict):
     step_dir = find_checkpoint(path)
     base_meta, _ = read_meta(step_dir)
     return checkpoint_tokenizer(step_dir, {**base_meta, "step_dir": str(step_dir)})
-
-
