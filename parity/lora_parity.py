@@ -135,8 +135,8 @@ def lora_rows(reference: dict, logits, loss, grads, label: str) -> list[Row]:
 def lora_step_rows(wrapped, tokens: torch.Tensor, choice, kernel_options, compiler_steps: int, label: str) -> list[Row]:
     """The LoRA train step itself (jax_bridge.step.TrainStep on the peft model: adapters trained,
     the base frozen) against eager peft + MuonAdamW, `compiler_steps` steps on `tokens` [B, T+1]:
-    every adapter after the steps (rel <= 1e-5) and every frozen tensor bit-identical. The step
-    routes by its own router (no forced experts)."""
+    the adapters after the steps (tolerances: lora_param, lora_param_vector) and every frozen
+    tensor bit-identical. The step routes by its own router (no forced experts)."""
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.lora import unwrap
     from torch_model.optim import MuonAdamW, OptimizerConfig
