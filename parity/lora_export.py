@@ -62,7 +62,7 @@ def export_adapter(peft_model, out_dir, *, base_model: str | None = None, overwr
             settings["target_modules"] + settings["target_parameters"])
         (tmp / "README.md").write_text(ADAPTER_README.format(
             name=Path(out_dir).name, spec=spec, base=base_model or "BASE_DIR", base_note=base_note))
-    n_params = sum(p.numel() for n, p in peft_model.named_parameters() if ".lora_" in n)
+    n_params = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)   # modules_to_save too
     return {"out": str(out_dir), "files": list(ADAPTER_FILES) + ["README.md"], "n_adapter_params": n_params,
             "base_model": base_model, **settings}
 

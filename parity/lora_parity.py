@@ -42,19 +42,18 @@ def base_of(peft_model):
 
 
 def lora_parity_model(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, adapters=None, seed: int = 0):
-    """The peft-wrapped model: base weights `state_dict` (None: random, seeded), adapters
-    `adapters` ({peft name: tensor}; None: A and B random, seeded, so that every adapter has a
-    gradient: peft starts B at zero, which would leave A's gradient zero)."""
+    """The peft-wrapped model: base weights `state_dict` (None: random, seeded), trained tensors
+    `adapters` ({peft name: tensor} of every trainable one: LoRA A and B, and modules_to_save
+    copies; None: A and B random, seeded, so that every adapter has a gradient: peft starts B at
+    zero, which would leave A's gradient zero)."""
     wrapped = apply_lora(build_model(model_cfg, state_dict, seed), spec)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
-            if not is_adapter(name):
-                continue
-            if adapters is None:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-            else:
+            if adapters is not None and p.requires_grad:
                 p.copy_(adapters[name])
+            elif adapters is None and is_adapter(name):
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     return wrapped
 
 
@@ -180,7 +179,7 @@ def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, ada
     sets, rows = (default_kernel_sets() if kernel_sets is None else (parse_kernel_sets(kernel_sets), []))
     wrapped = lora_parity_model(model_cfg, spec, state_dict, adapters, seed)
     data = parity_inputs(model_cfg.vocab_size, batch, seq_len, seed)
-    n_adapter = sum(p.numel() for n, p in wrapped.named_parameters() if is_adapter(n))
+    n_adapter = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     report = Report(setup={"n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model,
                            "n_experts": model_cfg.n_experts, "model_config": model_cfg.to_dict(),
                            "lora": str(spec), "adapter_parameters": n_adapter, "batch": batch, "seq_len": seq_len,

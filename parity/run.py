@@ -142,7 +142,7 @@ def run_lora_checkpoint(args, say) -> int:
     from train.lora_checkpoint import LORA_META, load_base_state, load_lora_model
 
     wrapped, model_cfg, meta = load_lora_model(args.checkpoint)
-    adapters = {n: p.detach().clone() for n, p in wrapped.named_parameters() if ".lora_" in n}
+    adapters = {n: p.detach().clone() for n, p in wrapped.named_parameters() if p.requires_grad}
     report = run_lora_parity(parity_config(model_cfg, window=None), parse_lora_spec(meta[LORA_META]["spec"]),
                              load_base_state(meta), adapters, kernel_sets=args.kernels, batch=args.batch,
                              seq_len=args.seq_len, seed=args.seed, kernel_options=args.kernel_options,

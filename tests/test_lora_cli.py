@@ -20,7 +20,7 @@ MICRO = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, 
                    "expert_dim": 32, "sliding_window": 8, "vocab_size": 320},
          "batch_size": 4, "seq_len": 32, "steps": 6, "warmup_steps": 2, "log_every": 1, "eval_every": 6,
          "eval_batches": 1, "checkpoint_every": 3, "keep_checkpoints": 3, "samples": 0}
-LORA = "r=2,alpha=4,dropout=0,targets=all-linear+experts"
+LORA = "r=2,alpha=4,dropout=0,targets=all-linear+experts,modules_to_save=lm_head"
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +50,14 @@ def losses(run_dir) -> dict[int, float]:
 
 def test_lora_run_saves_adapters_and_a_base_reference_and_resumes_exactly(root):
     full = root / "lora"
-    run_training(config(root, full, lora=LORA), show_progress=False)
+    run_training(config(root, full, lora=LORA, adapter_optimizer="adamw"), show_progress=False)
     step_dir = checkpoint.find_checkpoint(full)
     stored = checkpoint.stored_shapes(step_dir)
     params = sorted(k[1] for k in stored if k[0] == "params")
-    assert params and all(".lora_" in n for n in params)                     # never the frozen base
-    assert all(".lora_" in k[-1] for k in stored if k[0] != "opt_state" or k[-1] != "step")
+    trained = lambda name: ".lora_" in name or name == "lm_head.modules_to_save.default.weight"
+    assert params and all(trained(n) for n in params)                         # never the frozen base
+    assert all(trained(k[-1]) for k in stored if k[-1] != "step")
+    assert {k[1] for k in stored if k[0] == "opt_state"} == {"exp_avg", "exp_avg_sq", "step"}   # adapter_optimizer
     meta, _ = checkpoint.read_meta(step_dir)
     base = meta["lora"]["base"]
     assert meta["lora"]["spec"] == LORA and base["kind"] == "checkpoint" and len(base["sha256"]) == 64

@@ -30,8 +30,9 @@ def tiny_model(seed=0, n_layers=2):
 
 
 def lora_model(seed=0):
-    """A tiny peft model with every adapter non-zero (B starts at zero in peft)."""
-    wrapped = apply_lora(tiny_model(seed), parse_lora_spec("r=4,alpha=8,targets=all-linear+experts"))
+    """A tiny peft model with every adapter non-zero (B starts at zero in peft) and lm_head trained
+    whole (peft's modules_to_save)."""
+    wrapped = apply_lora(tiny_model(seed), parse_lora_spec("r=4,alpha=8,targets=all-linear+experts,modules_to_save=lm_head"))
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
             if ".lora_B." in name:
@@ -66,8 +67,9 @@ def test_lora_step_gradients_and_update_match_eager_peft(lora_setup):
     ids = tokens()
     before = {n: to_numpy(p) for n, p in model.get_base_model().named_parameters()}
     grads, expected = eager_step(copy.deepcopy(model), ids, step.opt_cfg)
-    adapters = sorted(n for n in before if ".lora_" in n)
-    assert sorted(grads) == adapters and len(adapters) == 2 * (4 + 2) * 2    # A, B; 4 projections + 2 expert tensors
+    adapters = sorted(n for n in before if ".lora_" in n or ".modules_to_save." in n)
+    assert sorted(grads) == adapters and len(adapters) == 2 * (4 + 2) * 2 + 1   # A, B of 4 projections + 2 expert
+    assert "lm_head.modules_to_save.default.weight" in adapters                # tensors; lm_head's trained copy
     registered = lambda: ([(n, id(p)) for n, p in model.named_parameters()], [n for n, _ in model.named_buffers()])
     before_trace = registered()
     state = step.init_state()
@@ -91,9 +93,9 @@ def test_optimizer_state_only_for_trainable_parameters_by_name(lora_setup):
     _, step = lora_setup
     opt = step.init_state().opt_state
     experts = {n for n in step.layer_plan if ".mlp.experts." in n}
-    linear = set(step.layer_plan) - experts
+    linear = set(step.layer_plan) - experts - {"lm_head.modules_to_save.default.weight"}
     assert set(opt["momentum"]) == linear                          # Muon: the q/k/v/o adapters
-    assert set(opt["exp_avg"]) == set(opt["exp_avg_sq"]) == experts   # AdamW: expert adapters, never mixed
+    assert set(opt["exp_avg"]) == set(opt["exp_avg_sq"]) == experts | {"lm_head.modules_to_save.default.weight"}
     assert not any(n in step.layer_plan for n in step.frozen_names)
     adam = plan_parameters(step.trainable_parameters().items(), adapters=ADAMW)
     assert {r.kind for r in adam.values()} == {ADAMW}
@@ -128,6 +130,10 @@ def test_rules_map_every_peft_name_to_its_base_weight():
                 "self_attn.q_proj.base_layer.weight": ("heads", "embed")}
     for rest, axes in expected.items():
         assert sharding.param_axes("base_model.model." + layer + rest, len(axes)) == axes, rest
+    for name in ("lm_head.modules_to_save.default.weight", "base_model.model.lm_head.original_module.weight"):
+        assert sharding.param_axes(name, 2) == ("vocab", "embed"), name
+    spec = parse_lora_spec("r=2,targets=experts,modules_to_save=embed_tokens+lm_head")
+    assert parse_lora_spec(str(spec)) == spec and spec.modules_to_save == ("embed_tokens", "lm_head")
     assert sharding.param_axes("model.layers.stack0.self_attn.v_proj.lora_A.default.weight", 3) == ("layers", None, "embed")
     assert base_parameter_of(layer + "mlp.experts.lora_A.default.weight") == (layer + "mlp.experts.down_proj", "A")
     with pytest.raises(ValueError, match="no rule for parameter 'model.layers.0.mlp.w_proj.lora_A"):

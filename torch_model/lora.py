@@ -6,7 +6,10 @@ Targets name what peft adapts. `attention` (= `all-linear`): the q/k/v/o project
 fused cross-entropy reads its weight directly, so an adapter there would never get a gradient (and
 peft excludes the output layer on transformers models too). `experts`: peft's LoRA on the 3-D
 expert tensors (`target_parameters`), rank r per expert, in transformers' orientation
-(`Experts.is_transposed`). A module name (`q_proj`, `v_proj`, ...) picks single projections. `base_parameter_of` maps peft's
+(`Experts.is_transposed`). A module name (`q_proj`, `v_proj`, ...) picks single projections.
+`modules_to_save` (e.g. `embed_tokens+lm_head`) trains those modules whole beside the adapters, as
+peft's own `modules_to_save` (needed when fine-tuning teaches tokens the base never learned).
+`base_parameter_of` maps peft's
 parameter names back to the base model's, for the optimizer's groups and the sharding rules.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ class LoraSpec:
     alpha: float = 32.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("all-linear",)
+    modules_to_save: tuple[str, ...] = ()    # trained whole beside the adapters (peft's modules_to_save)
 
     @property
     def scaling(self) -> float:
@@ -53,18 +57,20 @@ class LoraSpec:
         return EXPERT_PARAMETERS if "experts" in self.targets else ()
 
     def __str__(self) -> str:
-        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={'+'.join(self.targets)}"
+        save = f",modules_to_save={'+'.join(self.modules_to_save)}" if self.modules_to_save else ""
+        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={'+'.join(self.targets)}{save}"
 
 
 def parse_lora_spec(text: str) -> LoraSpec:
-    """Parse `key=value,...` (keys r, alpha, dropout, targets; targets joined by '+')."""
+    """Parse `key=value,...` (keys r, alpha, dropout, targets, modules_to_save; lists joined by '+')."""
     fields: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
-        if not sep or key not in ("r", "alpha", "dropout", "targets"):
-            raise ConfigError(f"--lora: expected key=value with keys r, alpha, dropout, targets; found {part!r}")
+        if not sep or key not in ("r", "alpha", "dropout", "targets", "modules_to_save"):
+            raise ConfigError(f"--lora: expected key=value with keys r, alpha, dropout, targets, modules_to_save; "
+                              f"found {part!r}")
         try:
-            fields[key] = (tuple(filter(None, value.split("+"))) if key == "targets"
+            fields[key] = (tuple(filter(None, value.split("+"))) if key in ("targets", "modules_to_save")
                            else int(value) if key == "r" else float(value))
         except ValueError:
             raise ConfigError(f"--lora: {key} must be a number, found {value!r}") from None
@@ -97,6 +103,7 @@ def lora_config(spec: LoraSpec):
 
     return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
                       target_modules=list(spec.target_modules) or None,
+                      modules_to_save=list(spec.modules_to_save) or None,
                       target_parameters=list(spec.target_parameters) or None)
 
 
@@ -107,8 +114,8 @@ def apply_lora(model, spec: LoraSpec):
     from peft import get_peft_model
 
     check_lora_spec(spec)
-    unknown = [t for t in spec.target_modules if not any(name.endswith("." + t) or name == t
-                                                         for name, _ in model.named_modules())]
+    unknown = [t for t in (*spec.target_modules, *spec.modules_to_save)
+               if not any(name.endswith("." + t) or name == t for name, _ in model.named_modules())]
     if unknown:
         raise ConfigError(f"--lora: targets {', '.join(unknown)} match no module of the model "
                           f"(choose from all-linear, attention, experts, {', '.join(ATTENTION_PROJECTIONS)})")
@@ -127,7 +134,9 @@ def base_parameter_of(name: str) -> tuple[str, str | None]:
     name = name.removeprefix(PEFT_PREFIX)
     found = _ADAPTER.fullmatch(name)
     if found is None:
-        return name.replace(".base_layer", ""), None
+        for wrapper in (".base_layer", f".modules_to_save.{ADAPTER_NAME}", ".original_module"):
+            name = name.replace(wrapper, "")
+        return name, None
     module = found["module"]
     gate_up, down = (p.rsplit(".", 1)[1] for p in EXPERT_PARAMETERS)
     if module.endswith(".mlp.experts"):
@@ -165,7 +174,8 @@ def unwrap(model):
 
 
 def is_adapted(model) -> bool:
-    return any(_ADAPTER.fullmatch(name) for name, _ in model.named_parameters())
+    return any(_ADAPTER.fullmatch(name) or f".modules_to_save.{ADAPTER_NAME}." in name
+               for name, _ in model.named_parameters())
 
 
 @contextlib.contextmanager

@@ -156,7 +156,8 @@ class Trainer:
         if init_state is not None and not from_hf:
             self.model.load_state_dict(init_state)
         self.peft_model = self._adapt(self.model)
-        opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay)
+        opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay,
+                                  adapter_optimizer=cfg.adapter_optimizer)
         self.mesh = build_mesh(cfg)
         try:
             self.step = TrainStep(self.model, opt_cfg, StepConfig(
