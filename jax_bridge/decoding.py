@@ -15,6 +15,7 @@ batch axes and the kernels run as they do in training under that mesh.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token
 from jax_bridge.step import COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision
 from torch_model import kv_cache
+from torch_model.lora import is_adapted, swapping_parametrized_tensors
 
 PROMPT_MULTIPLE = 32      # prompt lengths are padded up to a multiple of this
 LENGTH_MULTIPLE = 64      # and the total (prompt bucket + new tokens) to a multiple of this
@@ -128,6 +130,9 @@ class Decoder:
                                     if name.endswith(("experts.gate_up_proj", "experts.down_proj")))
         self._layouts: dict[Layout, dict] = {}
         self._forward = model_function(model, "forward_cached")
+        # A model holding peft's LoRA layers: traced twice (prefill, decode), its parameters kept.
+        self._tracing = ((lambda: swapping_parametrized_tensors(model)) if is_adapted(model)
+                         else contextlib.nullcontext)
         self._programs: dict[tuple, object] = {}
         self.compilations: list[Compilation] = []
 
@@ -165,7 +170,7 @@ class Decoder:
         if layout.split_experts:
             params.update({k: jnp.stack(params[k]) for k in self.expert_weights})
         with registry.routed(self.env, kernels, platform=self.platform, mesh=self.mesh), \
-                jax.default_matmul_precision(self.matmul_precision):
+                jax.default_matmul_precision(self.matmul_precision), self._tracing():
             return self._forward(params, ids, positions, cache, start)
 
     def _empty_cache(self, batch: int, length: int) -> kv_cache.KVCache:

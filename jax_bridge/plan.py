@@ -67,6 +67,12 @@ class Plan:
     error: str | None = None
     roofline: object | None = None   # jax_bridge.roofline.Roofline, when asked for
     packed: bool = False             # the SFT step: packed rows with segment ids and loss weights
+    # LoRA (--lora): only the adapters train; the frozen base is an argument in the compute dtype.
+    lora: str = ""                   # the spec, "" for a full fine-tune
+    trainable_params: int = 0        # parameters with gradients and optimizer state
+    frozen_bytes: int = 0            # per chip: the frozen base's shards (compute dtype, routers float32)
+    expert_delta_bytes: int = 0      # per chip: one layer's W + scaling * B A of its expert stacks, which
+                                     # peft's expert LoRA forms in every forward (inside temporaries)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -90,7 +96,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
          batch_size: int = 8, micro_batches: int = 1, scan_layers: bool = False, remat: str = "none",
          kernels: str | dict | None = "auto", kernel_options: str | dict | None = None,
          compute_dtype: str | None = None, matmul_precision: str | None = None,
-         model_overrides: dict | None = None, optimizer=None, roofline: bool = False, packed: bool = False) -> Plan:
+         model_overrides: dict | None = None, optimizer=None, roofline: bool = False, packed: bool = False,
+         lora: str | None = None) -> Plan:
     """Compile `preset`'s train step for TPU `topology` and report one chip's memory.
     mesh: None = one chip, replicated state; a --mesh spec ("" = every chip on fsdp) = the sharded
     step over every chip. model_overrides: ModelConfig fields (e.g. {"n_layers": 2}); seq_len
@@ -98,7 +105,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     the compiler's refusal), not raised. Bad mesh / batch: ValueError. roofline: also break the
     compiled step down by op category (jax_bridge/roofline.py; one chip's share of the work).
     packed: the SFT step (packed conversations: tokens, loss weights, segment ids and positions;
-    segment-masked attention)."""
+    segment-masked attention). lora: a --lora spec: the LoRA step (peft's adapters trained, the
+    base frozen in the compute dtype and passed to the step undonated)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -130,6 +138,9 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     cfg = cfg.replace(**{"max_seq_len": seq_len, **(model_overrides or {})})
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg)
+        if lora:
+            from torch_model.lora import apply_lora, parse_lora_spec
+            model = apply_lora(model, parse_lora_spec(lora))
     step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, micro_batches=micro_batches,
                           matmul_precision=matmul_precision, platform="tpu", kernel_options=kernel_options,
                           scan_layers=scan_layers, remat=remat)
@@ -138,6 +149,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     if packed:
         registry.check_segments(step.kernels)
     state = step.abstract_state()
+    frozen = step.abstract_frozen()
     result = Plan(preset=preset, topology=topology, device_kind=device.device_kind,
                   generation=tpu_compile.generation(device), chips=chips,
                   mesh=ONE_CHIP if device_mesh is None else sharding.describe(device_mesh), n_layers=cfg.n_layers,
@@ -147,8 +159,11 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype,
                   param_bytes=per_chip_bytes(state.params),
                   optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params),
-                  packed=packed)
-    held = result.param_bytes + result.optimizer_bytes + result.grad_bytes
+                  packed=packed, lora=lora or "", trainable_params=sum(math.prod(a.shape) for a in
+                                                                    jax.tree.leaves(state.params)),
+                  frozen_bytes=per_chip_bytes(frozen),
+                  expert_delta_bytes=expert_delta_bytes(frozen, cfg.n_layers) if "experts" in (lora or "") else 0)
+    held = result.param_bytes + result.optimizer_bytes + result.grad_bytes + result.frozen_bytes
     if held > result.hbm_bytes:         # no need to compile: the state alone does not fit
         result.fits = False
         result.error = (f"parameters, optimizer state and gradients alone need {gib(held)} per chip, more than "
@@ -158,14 +173,14 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     if device_mesh is None:
         tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32), packed)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32)
-        lowered = tpu_compile.lower_for(step._step, (state, tokens, lr_scale), device, donate_argnums=(0,))
+        lowered = tpu_compile.lower_for(step._step, (state, tokens, lr_scale, frozen), device, donate_argnums=(0,))
     else:
         # The trainer's inputs: sharded state, the global batch split over the batch axes; the
         # outputs take the shardings the step constrains them to.
         tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, batch_size, seq_len + 1), jnp.int32,
                                                   sharding=sharding.batch_sharding(device_mesh)), packed)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(device_mesh, P()))
-        lowered = jax.jit(step._step, donate_argnums=(0,)).lower(state, tokens, lr_scale)
+        lowered = jax.jit(step._step, donate_argnums=(0,)).lower(state, tokens, lr_scale, frozen)
     result.lower_s = round(time.perf_counter() - start, 2)
     start, cpu_start = time.perf_counter(), time.process_time()
     try:
@@ -194,6 +209,16 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
         tiles = kernel_tiles(step.kernels, step_cfg.kernel_options, cfg, seq_len, tokens_per_chip)
         result.roofline = roofline_mod.roofline(compiled, result.generation, tiles=tiles)
     return result
+
+
+def expert_delta_bytes(frozen: dict, n_layers: int) -> int:
+    """Per chip, one layer's share of the frozen expert weight stacks: the size of the merged
+    weight W + scaling * B A that peft's expert LoRA forms for each stack in every forward (and
+    that the backward keeps per layer unless rematerialized)."""
+    # peft keeps the base tensor inside its wrappers: mlp.experts.base_layer.base_layer.gate_up_proj
+    experts = {n: a for n, a in frozen.items()
+               if ".mlp.experts." in n and n.endswith((".gate_up_proj", ".down_proj"))}
+    return per_chip_bytes(experts) // n_layers
 
 
 # Slice shapes of each generation, smallest first (compile-only topologies libtpu accepts).
@@ -291,6 +316,10 @@ def format_plan(p: Plan) -> str:
              f"kernels {kernels}",
              f"  per chip, from the shardings: parameters {gib(p.param_bytes)}, optimizer {gib(p.optimizer_bytes)}, "
              f"gradients {gib(p.grad_bytes)} (one per parameter shard, float32; part of the temporaries)",
+             *([f"  LoRA {p.lora}: {p.trainable_params / 1e6:.1f}M trainable parameters (the state above); frozen "
+                f"base {gib(p.frozen_bytes)} per chip ({p.compute_dtype}, an argument, not donated)"
+                + (f"; peft's expert LoRA forms W + scaling * B A per layer: {gib(p.expert_delta_bytes)} per chip "
+                   f"per layer, inside the temporaries" if p.expert_delta_bytes else "")] if p.lora else []),
              f"  per chip, by the compiler: arguments {gib(p.argument_bytes)}, outputs {gib(p.output_bytes)} "
              f"({gib(p.alias_bytes)} donated from the arguments), temporaries {gib(p.temp_bytes)}",
              f"  total {gib(p.total_bytes)} of {gib(p.hbm_bytes)} HBM per chip (the compiler's limit; "
@@ -298,7 +327,7 @@ def format_plan(p: Plan) -> str:
              + ("fits" if p.fits else "DOES NOT FIT"),
              f"  lower {p.lower_s} s, compile {p.compile_s} s wall / {p.compile_cpu_s} s CPU (TPU compiler, on this host)"]
     if p.lower_s is None:       # not compiled: the state alone was over the chip's HBM
-        lines = lines[:3] + [f"  {p.error}; DOES NOT FIT"]
+        lines = lines[:4 if p.lora else 3] + [f"  {p.error}; DOES NOT FIT"]
     elif p.error:
         lines.append(f"  compiler: {p.error}")
     return "\n".join(lines)

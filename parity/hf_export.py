@@ -176,11 +176,31 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
     """Write `out_dir` as a transformers GptOss model directory, streamed one tensor at a time
     from the checkpoint; dtype "mxfp4" writes gpt-oss's released layout. Returns a summary
     (with "quantization_error": relative error per MXFP4 tensor)."""
+    check_export_options(dtype, shard_size_bytes)
+    cfg, meta, params = checkpoint.iter_params(checkpoint_dir)
+    tok_dir = checkpoint.tokenizer_dir(checkpoint_dir, meta)
+    enc = None
+    if tok_dir is not None:
+        from train.data.tokenizer import load_tokenizer
+        enc = load_tokenizer(tok_dir)
+    return write_hf_dir(cfg, params, out_dir, step=meta.get("step", 0), enc=enc, dtype=dtype,
+                        shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress)
+
+
+def check_export_options(dtype: str, shard_size_bytes: int) -> None:
     if dtype not in DTYPES:
         raise UserError(f"--dtype: expected one of {', '.join(DTYPES)}, found {dtype!r}")
     if shard_size_bytes <= 0:
         raise UserError(f"--shard-size: expected a positive size, found {shard_size_bytes}")
-    cfg, meta, params = checkpoint.iter_params(checkpoint_dir)
+
+
+def write_hf_dir(cfg, params, out_dir, *, step: int = 0, enc=None, dtype: str = "float32",
+                 shard_size_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = False,
+                 note: str = "") -> dict:
+    """Write `out_dir` from `params`, an iterable of (our per-layer name, float32 numpy array)
+    covering the model (a checkpoint streamed, or a model in memory such as a merged LoRA);
+    `note` is appended to the README. Returns the summary export_checkpoint returns."""
+    check_export_options(dtype, shard_size_bytes)
     quantized = dtype == "mxfp4"
     if quantized:
         width = cfg.expert_dim if cfg.is_moe else cfg.dense_dim
@@ -189,11 +209,6 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
                 raise UserError(f"--dtype mxfp4: ModelConfig.{field} must be a multiple of {mxfp4.BLOCK}, found {size}")
     extra = {"quantization_config": MXFP4_CONFIG} if quantized else {}
     hf_cfg = hf_mapping.build_hf_config(cfg, dtype="bfloat16" if quantized else dtype, **extra)
-    tok_dir = checkpoint.tokenizer_dir(checkpoint_dir, meta)
-    enc = None
-    if tok_dir is not None:
-        from train.data.tokenizer import load_tokenizer
-        enc = load_tokenizer(tok_dir)
 
     from transformers import GenerationConfig
     errors: dict[str, float] = {}
@@ -216,13 +231,13 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
                 {"rule": "OCP MX: scale 2**(floor(log2(block amax)) - 2), round to nearest even, saturating",
                  "relative_error": errors}, indent=1) + "\n")
         (tmp / "README.md").write_text(README.format(
-            name=Path(out_dir).name, step=meta.get("step", 0), dtype=dtype, n_params=n_params,
+            name=Path(out_dir).name, step=step, dtype=dtype, n_params=n_params,
             moe=f", {cfg.n_experts} experts top-{cfg.experts_per_token}" if cfg.is_moe else ", dense MLP",
             weights=f"`{files[0]}`" if len(files) == 1 else f"{len(files) - 1} shards `model-*-of-*.safetensors`, "
                                                            f"listed in `{INDEX_FILE}`", tokenizer=tokenizer,
             dense_note=" The dense MLP is stored as a one-expert MoE with a zero router (exactly equal)."
-            if not cfg.is_moe else "") + (MXFP4_NOTE if quantized else ""))
-    return {"out": str(out_dir), "step": meta.get("step", 0), "dtype": dtype, "files": files,
+            if not cfg.is_moe else "") + (MXFP4_NOTE if quantized else "") + note)
+    return {"out": str(out_dir), "step": step, "dtype": dtype, "files": files,
             "n_tensors": len(writer.weight_map) or len(hf_mapping.hf_shapes(cfg)), "n_params": n_params,
             "tokenizer": tokenizer, "quantization_error": errors}
 

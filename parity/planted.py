@@ -178,3 +178,30 @@ def registered(model_config):
     finally:
         for op in fns:
             registry.unregister_implementation(op, "planted")
+
+
+# ---- LoRA: bugs of the peft-wrapped model, live while the lowered LoRA run is traced ---------------
+# Not kernels: the LoRA path is peft's torch code, traced. A bug changes it for one compile of the
+# lowered run (parity/lora_parity.py), so the eager peft run stays the truth.
+LORA_SCALING_TWICE = "lora_scaling_twice"
+LORA_BUGS = {
+    LORA_SCALING_TWICE: PlantedBug(LORA_SCALING_TWICE, "LoRA: the adapter's scaling alpha/r applied twice "
+                                   "(B A x * scaling * scaling); seen only where alpha != r",
+                                   ("lora_A", "lora_B", "logits"), dtypes=("float32",)),
+}
+
+
+@contextlib.contextmanager
+def lora_bug(name: str, peft_model):
+    """While tracing: the LoRA bug `name` live in `peft_model` (restored afterwards)."""
+    if name not in LORA_BUGS:
+        raise ValueError(f"unknown planted LoRA bug {name!r}; known: {', '.join(LORA_BUGS)}")
+    layers = [m for m in peft_model.modules() if isinstance(getattr(m, "scaling", None), dict) and m.scaling]
+    saved = [dict(m.scaling) for m in layers]
+    for layer in layers:
+        layer.scaling.update({k: v * v for k, v in layer.scaling.items()})
+    try:
+        yield
+    finally:
+        for layer, before in zip(layers, saved):
+            layer.scaling.update(before)

@@ -9,8 +9,12 @@ import sys
 
 from parity import selftest, tolerances, trajectory
 from parity.inputs import PARITY_IGNORE_FRACTION, PARITY_SEQ_LEN, PARITY_TILES, PARITY_WINDOW, parity_config
+from parity.lora_parity import run_lora_parity
+from parity.report import Report
 from parity.suite import run_parity
 from torch_model.config import ConfigError, get_preset
+from torch_model.lora import parse_lora_spec
+from train.lora_inference import lora_meta
 from train.errors import UserError
 
 
@@ -50,6 +54,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trajectory", action="store_true",
                         help="100 steps of a micro model on the bundled data, eager PyTorch vs the lowered step "
                              "(float32); both sides are run")
+    parser.add_argument("--lora", metavar="SPEC",
+                        help="the LoRA rows instead (parity/lora_parity.py): the preset wrapped by peft with random "
+                             "adapters (e.g. r=16,alpha=32,targets=all-linear+experts), lowered vs eager peft, "
+                             "float32, every kernel set")
+    parser.add_argument("--lora-steps", type=int, default=2, metavar="N",
+                        help="with --lora or a LoRA checkpoint: also N LoRA train steps (TrainStep) against eager "
+                             "peft + MuonAdamW: adapters rel <= 2e-5 together (each 1e-4), the frozen base "
+                             "bit-identical (default 2; 0: off)")
     parser.add_argument("--json", metavar="OUT", help="write every check (metrics, tolerance, pass/fail) as JSON")
     parser.add_argument("--verbose", action="store_true", help="print every check, not only the failing ones")
 
@@ -71,6 +83,10 @@ def run(args) -> int:
         code = 0
         if args.selftest:
             result = selftest.run_selftest(dtypes=tuple(args.dtype), segments=args.segments, progress=say)
+            lora = selftest.run_lora_selftest(progress=say)
+            result = selftest.SelftestReport(result.outcomes + lora.outcomes, result.skipped,
+                                             Report(result.report.setup, result.report.rows + lora.report.rows),
+                                             result.controls)
             print(result.format(verbose=args.verbose))
             _write_json(args.json, result.to_json())
             code |= 0 if result.passed else 1
@@ -81,6 +97,8 @@ def run(args) -> int:
                 _write_json(args.json, result.to_json())
             code |= 0 if result.passed else 1
         return code
+    if args.checkpoint and lora_meta(args.checkpoint) is not None:
+        return run_lora_checkpoint(args, say)
     if args.checkpoint:
         try:
             from train.checkpoint import load_checkpoint
@@ -97,6 +115,11 @@ def run(args) -> int:
             raise UserError(f"--window must be >= 0, found {args.window}")
         model_cfg = parity_config(model_cfg, window=args.window or None)
         state_dict, source = None, f"preset {args.preset}"
+    if args.lora:
+        report = run_lora_parity(model_cfg, parse_lora_spec(args.lora), state_dict, kernel_sets=args.kernels,
+                                 batch=args.batch, seq_len=args.seq_len, seed=args.seed,
+                                 kernel_options=args.kernel_options, train_steps=args.lora_steps, progress=say)
+        return _print_lora(report, source, args)
     report = run_parity(model_cfg, state_dict, kernel_sets=args.kernels, dtypes=tuple(args.dtype),
                         batch=args.batch, seq_len=args.seq_len, seed=args.seed, include_hf=args.hf,
                         full_step=args.full_step, kernel_options=args.kernel_options,
@@ -105,3 +128,23 @@ def run(args) -> int:
     print(report.format(verbose=args.verbose))
     _write_json(args.json, report.to_json())
     return 0 if report.passed else 1
+
+
+def _print_lora(report, source: str, args) -> int:
+    report.setup["source"] = source
+    print(report.format(verbose=args.verbose))
+    _write_json(args.json, report.to_json())
+    return 0 if report.passed else 1
+
+
+def run_lora_checkpoint(args, say) -> int:
+    """--checkpoint of a LoRA run: the LoRA rows on its base and its trained adapters."""
+    from train.lora_checkpoint import LORA_META, load_base_state, load_lora_model
+
+    wrapped, model_cfg, meta = load_lora_model(args.checkpoint)
+    adapters = {n: p.detach().clone() for n, p in wrapped.named_parameters() if p.requires_grad}
+    report = run_lora_parity(parity_config(model_cfg, window=None), parse_lora_spec(meta[LORA_META]["spec"]),
+                             load_base_state(meta), adapters, kernel_sets=args.kernels, batch=args.batch,
+                             seq_len=args.seq_len, seed=args.seed, kernel_options=args.kernel_options,
+                             train_steps=args.lora_steps, progress=say)
+    return _print_lora(report, f"LoRA checkpoint {args.checkpoint} (base {meta[LORA_META]['base']['path']})", args)

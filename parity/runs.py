@@ -156,7 +156,7 @@ class LoweredProbe:
         self.model = model
         self.step = TrainStep(model, opt_cfg, StepConfig(kernels=dict(kernels), compute_dtype=dtype,
                                                          matmul_precision="highest",
-                                                         kernel_options=_options_for(kernels, kernel_options)))
+                                                         kernel_options=kernel_options_for(kernels, kernel_options)))
         self.kernels = self.step.kernels
         self._jitted = jax.jit(self._probe, compiler_options=compiler_options)
 
@@ -182,7 +182,7 @@ class LoweredProbe:
                             jnp.asarray(experts, jnp.int32), packed)
 
 
-def _options_for(kernels: Mapping[str, str], options) -> dict:
+def kernel_options_for(kernels: Mapping[str, str], options) -> dict:
     """The kernel options of the implementations this set uses (the others are not checked)."""
     nested = registry.parse_kernel_options(options)
     return {op: {name: opts for name, opts in per.items() if kernels.get(op) == name}

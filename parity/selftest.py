@@ -12,6 +12,10 @@ a user's checkpoint brings; the trained run's inputs are windows of that text. B
 share the compiled programs (the weights are arguments). Rows are packed as in the parity matrix
 (segment ids and restarting positions; the planted attention takes segment ids) unless
 `segments` is False.
+
+LoRA (`run_lora_selftest`): the lowered peft model against eager peft on MICRO; the control must
+pass and each bug of `planted.LORA_BUGS` (the adapter's scaling applied twice) must fail, naming
+an adapter.
 """
 from __future__ import annotations
 
@@ -25,9 +29,11 @@ from parity import planted, trajectory
 from parity.checks import compare_runs
 from parity.inputs import build_model, parity_config, parity_inputs, text_inputs
 from parity.kernel_sets import parse_kernel_sets
+from parity.lora_parity import run_lora_parity
 from parity.report import Report, Row
 from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
 from torch_model.config import ModelConfig
+from torch_model.lora import parse_lora_spec
 from torch_model.optim import MuonAdamW, OptimizerConfig
 
 # Window 8, not the matrix's 16: one extra key is then 1/9 of a window instead of 1/17, which
@@ -214,3 +220,29 @@ def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: i
 def failing_tensor_names(outcome: Outcome) -> set[str]:
     """The per-tensor names among an outcome's failing checks (for tests)."""
     return {f.split(" ", 1)[1] for f in outcome.failing if not f.split(" ", 1)[1].startswith("<")}
+
+
+# ---- LoRA: the lowered peft model against eager peft (parity/lora_parity.py) ------------------------
+LORA_SPEC = "r=4,alpha=8,targets=all-linear+experts"    # alpha != r: a scaling slip changes the output
+LORA_WEIGHTS = "random init, LoRA"
+
+
+def run_lora_selftest(bugs=tuple(planted.LORA_BUGS), seed: int = 0, kernel_set: str = "xla", seq_len: int = 80,
+                      train_steps: int = 1, compiler_options: dict | None = None, progress=None) -> SelftestReport:
+    """The LoRA rows on MICRO (float32, `kernel_set`): the control (with `train_steps` LoRA train
+    steps) must pass, each planted LoRA bug (live in the lowered run only) must fail naming an
+    adapter."""
+    spec = parse_lora_spec(LORA_SPEC)
+    report = Report(setup={"source": "self-test micro model", "lora": LORA_SPEC, "seed": seed})
+    outcomes = []
+    for name in (None, *bugs):
+        run = run_lora_parity(MICRO, spec, kernel_sets=[kernel_set], seed=seed, seq_len=seq_len,
+                              compiler_options=compiler_options, planted_bug=name,
+                              train_steps=train_steps if name is None else 0, progress=progress)
+        rows = run.rows
+        report.rows.extend(rows)
+        failing = _failing(rows)
+        bug = planted.LORA_BUGS.get(name)
+        named = bug is not None and any(f in r.name for r in rows if r.failed for f in bug.at_fault)
+        outcomes.append(Outcome(name or CONTROL, "float32", bool(failing), named, failing, weights=LORA_WEIGHTS))
+    return SelftestReport(outcomes, [], report)

@@ -18,6 +18,7 @@ import pytest
 from parity import planted, selftest
 from parity.checks import compare_runs
 from parity.inputs import parity_inputs, text_inputs
+from parity.report import Report
 from parity.run import add_arguments, run
 from parity.runs import FAST_COMPILE
 from parity.selftest import CONTROL, MICRO, RANDOM, TRAINED, WEIGHTS, run_selftest
@@ -142,10 +143,17 @@ def cli(argv):
 
 
 def test_selftest_cli_prints_the_table_and_exits_by_the_verdict(result, monkeypatch):
+    lora = selftest.SelftestReport(   # the LoRA self-test runs for real in test_lora_parity.py
+        [selftest.Outcome(CONTROL, "float32", False, False, weights=selftest.LORA_WEIGHTS),
+         selftest.Outcome(planted.LORA_SCALING_TWICE, "float32", True, True, ["grad lora_B"],
+                          weights=selftest.LORA_WEIGHTS)], [], Report(setup={}))
+    monkeypatch.setattr(selftest, "run_lora_selftest", lambda **kw: lora)
     monkeypatch.setattr(selftest, "run_selftest", lambda **kw: result)
+    n_outcomes = len(result.outcomes)
     code, table = cli(["--selftest"])
     assert code == 0 and "parity self-test: PASS" in table and "packed rows" in table
-    for bug in planted.CATALOGUE:
+    assert len(result.outcomes) == n_outcomes                       # the fixture is left as it was
+    for bug in (*planted.CATALOGUE, planted.LORA_BUGS[planted.LORA_SCALING_TWICE]):
         assert bug.name in table
     missed = selftest.SelftestReport([*result.outcomes[:-1], selftest.Outcome("adam_eps_x100", "bfloat16", False, False)],
                                      result.skipped, result.report, result.controls)

@@ -15,7 +15,7 @@ COMMANDS = {
     "eval": ("train.evaluation.cli", "tasks (CORE-6, HumanEval, task files) or validation loss and bits per byte of a checkpoint"),
     "plot": ("train.plots", "plot a run's metrics (loss, learning rate, gradient norm, throughput, expert load)"),
     "generate": ("train.generation.cli", "sample from a checkpoint"),
-    "export": ("parity.hf_export", "write a checkpoint as a Hugging Face GptOss directory"),
+    "export": ("parity.export_cli", "write a checkpoint as Hugging Face files (LoRA: merged, or --adapter)"),
     "import": ("parity.hf_import", "read a Hugging Face GptOss directory into a checkpoint"),
     "parity": ("parity.run", "compare eager PyTorch with the lowered JAX run, per kernel set"),
     "bench": ("train.bench.cli", "benchmarks: kernel memory and speed, the train step against PyTorch peers"),

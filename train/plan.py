@@ -44,6 +44,9 @@ def add_arguments(parser) -> None:
                              "time at the chip's published peaks, MFU ceiling, most expensive memory-bound ops")
     parser.add_argument("--packed", action="store_true",
                         help="the SFT step: packed conversations (segment ids, positions, loss weights)")
+    parser.add_argument("--lora", metavar="SPEC", default=None,
+                        help="plan the LoRA step (as train --lora, e.g. r=16,alpha=32,targets=all-linear+experts): "
+                             "adapters trained, the base frozen in the compute dtype")
     parser.add_argument("--json", metavar="OUT", help="also write the plan as JSON to OUT")
 
 
@@ -69,7 +72,7 @@ def run(args) -> int:
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
                       scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
-                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed)
+                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora)
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
@@ -89,6 +92,7 @@ def find_slice(args, overrides: dict) -> int:
     """--find-slice: the smallest slice of a generation whose chips hold the whole train step."""
     from jax_bridge import tpu_compile
     from jax_bridge.plan import format_plan, smallest_slice
+    from torch_model.config import ConfigError
     from torch_model.optim import OptimizerConfig
 
     try:
@@ -96,16 +100,20 @@ def find_slice(args, overrides: dict) -> int:
                                scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels,
                                kernel_options=args.kernel_options, compute_dtype=args.compute_dtype,
                                model_overrides=overrides, optimizer=OptimizerConfig(ns_dtype=args.ns_dtype),
-                               packed=args.packed, **({"mesh": args.mesh} if args.mesh.strip() else {}),
+                               packed=args.packed, lora=args.lora,
+                               **({"mesh": args.mesh} if args.mesh.strip() else {}),
                                report=lambda p: print(format_plan(p) if p.device_kind else
                                                       f"plan: {p.topology}: {p.error}", flush=True))
     except tpu_compile.TopologyError as e:
         raise UserError(f"--find-slice: {e}") from None
+    except ConfigError as e:
+        raise UserError(str(e)) from None
     except ValueError as e:
         raise UserError(str(e).splitlines()[0]) from None
     last = plans[-1]
     if last.fits:
-        print(f"smallest {args.find_slice} slice for a full fine-tune of {args.preset}: {last.topology} "
+        what = f"LoRA ({args.lora})" if args.lora else "a full fine-tune"
+        print(f"smallest {args.find_slice} slice for {what} of {args.preset}: {last.topology} "
               f"({last.chips} chips, mesh {last.mesh})")
     else:
         print(f"no {args.find_slice} slice up to {last.topology} fits {args.preset}")

@@ -123,11 +123,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="prepared data directory (default: the one the run trained on)")
     parser.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
     parser.add_argument("--kernels", default="xla", help="kernel choice, as for `train --kernels`")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA checkpoint: merge the adapters into the weights first (default: base + adapters "
+                             "unmerged, as trained)")
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
 
 
 def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: int | None = None,
-                        kernels: str = "xla") -> dict:
+                        kernels: str = "xla", merge: bool = False) -> dict:
     import torch
 
     from jax_bridge import registry
@@ -139,14 +142,22 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     from train.data.loader import TokenLoader
     from train.data.tokenizer import check_same_tokenizer, load_tokenizer
 
-    state, model_cfg, meta = load_checkpoint(checkpoint)
+    from train.lora_inference import load_lora_for_inference, lora_meta, lora_tokenizer
+
+    if lora_meta(checkpoint) is not None:       # base + adapters (peft's layers in our model), or merged
+        model, meta = load_lora_for_inference(checkpoint, merge=merge)
+        model_cfg, state = model.cfg, None
+    elif merge:
+        raise UserError(f"--merge: checkpoint {checkpoint} holds no LoRA adapters (nothing to merge)")
+    else:
+        state, model_cfg, meta = load_checkpoint(checkpoint)
     run_cfg = TrainConfig(**{k: v for k, v in (meta.get("train_config") or {}).items()
                              if k in TrainConfig.__dataclass_fields__})
     data = data or (meta.get("train_config") or {}).get("data")
     if not data:
         raise UserError(f"checkpoint {meta['step_dir']} names no data directory: pass --data DIR")
     data_tokenizer = load_tokenizer(data)
-    model_tokenizer, _ = checkpoint_tokenizer(checkpoint, meta)
+    model_tokenizer, _ = (lora_tokenizer if state is None else checkpoint_tokenizer)(checkpoint, meta)
     if model_tokenizer is not None:
         check_same_tokenizer(model_tokenizer, data_tokenizer, f"checkpoint {meta['step_dir']}", f"data {data}")
     n_batches = batches if batches is not None else run_cfg.eval_batches
@@ -155,8 +166,9 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     loader = TokenLoader(data, "val", global_batch=run_cfg.batch_size, seq_len=run_cfg.seq_len, seed=run_cfg.seed,
                          vocab_size=model_cfg.vocab_size, document_masking=run_cfg.document_masking,
                          truncate=run_cfg.truncate, accepts_batch=True)
-    model = GptOssForCausalLM(model_cfg)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    if state is not None:
+        model = GptOssForCausalLM(model_cfg)
+        model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
     try:
         step = TrainStep(model, step_cfg=StepConfig(kernels=kernels, compute_dtype=run_cfg.compute_dtype))
     except registry.KernelError as e:
@@ -169,7 +181,8 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
 
 
 def run(args) -> int:
-    result = evaluate_checkpoint(args.checkpoint, data=args.data, batches=args.batches, kernels=args.kernels)
+    result = evaluate_checkpoint(args.checkpoint, data=args.data, batches=args.batches, kernels=args.kernels,
+                                 merge=args.merge)
     print(f"checkpoint {result['checkpoint']} (step {result['step']}) on {result['data']} ({result['split']}, "
           f"{result['val_tokens']:,} tokens, {result['val_bytes']:,} bytes):")
     print(f"  validation loss  {result['val_loss']:.4f} nats/token")

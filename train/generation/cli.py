@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="harmony chat format (o200k_harmony models): each --prompt is a user message; "
                              "stops on <|return|> or <|call|>")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA checkpoint: merge the adapters into the weights first (default: base + adapters "
+                             "unmerged, as trained)")
     parser.add_argument("--system", default=None, help="with --chat: a system message before each user message")
     parser.add_argument("--messages", default=None,
                         help='with --chat: a JSON file holding one conversation, [{"role": ..., "content": ...}, ...]')
@@ -53,7 +56,7 @@ def run(args) -> int:
     if (args.system or args.messages) and not args.chat:
         raise UserError("--system and --messages need --chat")
     mesh = generation_mesh(args.mesh)
-    model, tokenizer = load_for_generation(args.checkpoint)
+    model, tokenizer = load_for_generation(args.checkpoint, merge=args.merge)
     cfg = model.cfg
     if args.chat:
         conversations = chat_conversations(args)

@@ -220,31 +220,38 @@ def generate(model_or_checkpoint, prompts: list[list[int]], sampling: SamplingCo
     return generator.generate(prompts, sampling, on_tokens=on_tokens, stream_every=stream_every)
 
 
-def load_model(checkpoint: str | os.PathLike):
+def load_model(checkpoint: str | os.PathLike, *, merge: bool = False):
     """The float32 torch model of a checkpoint (through the one checkpoint loader: ours, or a
-    Hugging Face directory)."""
-    return _load(checkpoint)[0]
+    Hugging Face directory; a LoRA checkpoint: base + adapters, merged if `merge`)."""
+    return _load(checkpoint, merge)[0]
 
 
-def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: bool = True):
+def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: bool = True, merge: bool = False):
     """(model, tokenizer) of a checkpoint: one written by `torchlyra train` / `import`, or a
-    Hugging Face directory (its tokenizer when recognised). The tokenizer is None only when not
-    required."""
+    Hugging Face directory (its tokenizer when recognised). A LoRA checkpoint gives its base with
+    peft's LoRA layers (unmerged), or with `merge` the adapters merged into the weights. The
+    tokenizer is None only when not required."""
     from train.checkpoint import checkpoint_tokenizer
+    from train.lora_inference import lora_tokenizer
 
-    model, meta = _load(checkpoint)
-    tokenizer, found = checkpoint_tokenizer(checkpoint, meta)
+    model, meta = _load(checkpoint, merge)
+    tokenizer, found = (lora_tokenizer if "lora" in meta else checkpoint_tokenizer)(checkpoint, meta)
     if tokenizer is None and require_tokenizer:
         raise UserError(f"checkpoint {checkpoint}: no tokenizer to generate text with (tokenizer: {found})")
     return model, tokenizer
 
 
-def _load(checkpoint):
+def _load(checkpoint, merge: bool = False):
     import torch
 
     from torch_model.model import GptOssForCausalLM
     from train.checkpoint import load_checkpoint
+    from train.lora_inference import load_lora_for_inference, lora_meta
 
+    if lora_meta(checkpoint) is not None:
+        return load_lora_for_inference(checkpoint, merge=merge)
+    if merge:
+        raise UserError(f"--merge: checkpoint {checkpoint} holds no LoRA adapters (nothing to merge)")
     state, model_cfg, meta = load_checkpoint(checkpoint)
     model = GptOssForCausalLM(model_cfg)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})

@@ -1,0 +1,69 @@
+"""`torchlyra export`: a checkpoint -> Hugging Face files. A whole-model checkpoint goes through
+parity/hf_export.py; a LoRA checkpoint is written merged (default: base + adapters, any --dtype)
+or, with --adapter, as peft's own adapter files (parity/lora_export.py)."""
+from __future__ import annotations
+
+from parity import hf_export, lora_export
+from train.errors import UserError
+
+
+def add_arguments(parser) -> None:
+    hf_export.add_arguments(parser)
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA checkpoint's adapters as peft files (adapter_config.json, "
+                             "adapter_model.safetensors) for PeftModel.from_pretrained on transformers' GptOss "
+                             "(default for a LoRA checkpoint: the merged model)")
+    parser.add_argument("--base-model", default=None, metavar="NAME_OR_DIR",
+                        help="with --adapter: the base_model_name_or_path to record (default: the LoRA "
+                             "checkpoint's base when it is a Hugging Face directory)")
+
+
+def run(args) -> int:
+    from train.lora_inference import lora_meta
+
+    meta = lora_meta(args.checkpoint)
+    if meta is None:
+        if args.adapter or args.base_model:
+            raise UserError(f"--adapter: checkpoint {args.checkpoint} holds no LoRA adapters (a whole model: "
+                            f"export it without --adapter)")
+        return hf_export.run(args)
+    if args.adapter:
+        return run_adapter(args, meta)
+    return run_merged(args)
+
+
+def run_adapter(args, meta) -> int:
+    from train.lora_checkpoint import HF_BASE, LORA_META, load_lora_model
+
+    base = meta[LORA_META]["base"]
+    base_model = args.base_model or (base["path"] if base["kind"] == HF_BASE else None)
+    wrapped, _, meta = load_lora_model(args.checkpoint)
+    summary = lora_export.export_adapter(wrapped, args.out, base_model=base_model, overwrite=args.overwrite)
+    print(f"exported the LoRA adapters of step {meta.get('step', 0)} ({summary['n_adapter_params']:,} parameters, "
+          f"r={summary['r']}, alpha={summary['alpha']:g}) to {summary['out']}: adapter_config.json, "
+          f"adapter_model.safetensors")
+    if base_model is None:
+        print(f"base: not recorded (the base {base['path']} is a torchlyra checkpoint: `torchlyra export` it and "
+              f"pass that directory as --base-model, or load it yourself before PeftModel.from_pretrained)")
+    else:
+        print(f"base: {base_model}")
+    return 0
+
+
+def run_merged(args) -> int:
+    from train.lora_checkpoint import load_lora_model
+    from train.lora_inference import lora_tokenizer
+
+    wrapped, cfg, meta = load_lora_model(args.checkpoint)
+    enc, _ = lora_tokenizer(args.checkpoint, meta)
+    summary = lora_export.export_merged(wrapped, cfg, args.out, step=meta.get("step", 0), enc=enc, dtype=args.dtype,
+                                        shard_size_bytes=hf_export.parse_size(args.shard_size),
+                                        overwrite=args.overwrite, progress=True)
+    print(f"exported step {summary['step']} merged (base + LoRA adapters; {summary['n_params']:,} parameters, "
+          f"{summary['dtype']}) to {summary['out']}: {', '.join(summary['files'])}")
+    print(f"tokenizer: {summary['tokenizer']}")
+    if summary["quantization_error"]:
+        errors = summary["quantization_error"]
+        print(f"MXFP4 relative error per tensor (mxfp4_error.json): mean {sum(errors.values()) / len(errors):.4f}; "
+              f"part of the adapters' change is below the MXFP4 grid and rounds away")
+    return 0

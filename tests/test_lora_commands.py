@@ -1,0 +1,95 @@
+"""A LoRA checkpoint (adapters + a verified reference to its base) through the commands: `export
+--adapter` (peft files transformers + peft load), `export` (merged), `generate` (base + adapters
+unmerged, lowered: the eager peft model's greedy tokens), `--merge` refused for a whole model."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from torch_model.config import get_preset
+from torch_model.lora import apply_lora, parse_lora_spec, unwrap
+from torch_model.model import GptOssForCausalLM
+from train import checkpoint
+from train.cli import main
+from train.lora_checkpoint import LORA_META, base_reference
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+CFG = get_preset("tiny").replace(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                 n_experts=4, experts_per_token=2, expert_dim=32, sliding_window=8,
+                                 bos_token_id=319, eos_token_id=319)
+SPEC = "r=2,alpha=6,targets=all-linear+experts"
+PROMPT = "ROMEO: good"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A base checkpoint (random weights, a trained BPE) and a LoRA checkpoint of it with random
+    adapters, written as a LoRA run writes them (adapters only, the base referenced)."""
+    import jax.numpy as jnp
+
+    from train.data.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("lora_commands")
+    enc = train_bpe([open(__file__).read()] * 4, CFG.vocab_size)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(CFG)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+    checkpoint.save_checkpoint(root / "base", model.state_dict(), CFG, tokenizer=enc)
+    _, _, base_meta = checkpoint.load_checkpoint(root / "base")
+    wrapped = apply_lora(model, parse_lora_spec(SPEC)).eval()
+    adapters = {}
+    with torch.no_grad():
+        for name, p in unwrap(wrapped).named_parameters():
+            if p.requires_grad:
+                p.copy_(0.2 * torch.randn_like(p))
+                adapters[name] = jnp.asarray(p.numpy())
+    writer = checkpoint.CheckpointWriter(root / "lora" / "checkpoints", keep=1)
+    writer.save(4, {"params": adapters}, {"model": CFG.to_dict(), LORA_META: {
+        "spec": SPEC, "base": base_reference(root / "base", base_meta)}}, tokenizer=enc)
+    writer.close()
+    return root, wrapped, enc
+
+
+def test_export_adapter_and_merged_of_a_lora_checkpoint_load_in_transformers(lora_run, capsys):
+    root, wrapped, enc = lora_run
+    ids = torch.tensor([[CFG.bos_token_id] + enc.encode_ordinary(PROMPT) * 2])
+    with torch.no_grad():
+        ours = wrapped(ids).double()
+    assert main(["export", "--checkpoint", str(root / "base"), "--out", str(root / "hf_base")]) == 0
+    assert main(["export", "--checkpoint", str(root / "lora"), "--adapter", "--out", str(root / "adapter"),
+                 "--base-model", str(root / "hf_base")]) == 0
+    assert main(["export", "--checkpoint", str(root / "lora"), "--out", str(root / "merged")]) == 0
+    assert "merged (base + LoRA adapters" in capsys.readouterr().out
+    config = json.loads((root / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(root / "hf_base") and config["r"] == 2
+    load = dict(dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")
+    base = transformers.AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], **load)
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, root / "adapter").eval()(input_ids=ids).logits.double()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(root / "merged", **load)(input_ids=ids).logits
+    for theirs in (adapted, merged.double()):
+        assert float((theirs - ours).norm() / ours.norm()) <= 1e-5
+    assert (root / "merged" / "tokenizer.json").is_file()
+
+
+def test_generate_runs_base_plus_adapters_unmerged_like_eager_peft(lora_run, capsys):
+    root, wrapped, enc = lora_run
+    prompt = [CFG.bos_token_id] + enc.encode_ordinary(PROMPT)
+    ids = list(prompt)
+    with torch.no_grad():                                  # eager peft, greedy
+        for _ in range(5):
+            ids.append(int(wrapped(torch.tensor([ids]))[0, -1].argmax()))
+    expected = PROMPT + enc.decode([t for t in ids[len(prompt):] if t != CFG.eos_token_id])
+    with torch.no_grad(), wrapped.disable_adapter():       # the adapters change what is generated
+        assert int(wrapped(torch.tensor([ids[:-1]]))[0, -1].argmax()) != ids[-1] or \
+            int(wrapped(torch.tensor([prompt]))[0, -1].argmax()) != ids[len(prompt)]
+    assert main(["generate", "--checkpoint", str(root / "lora"), "--prompt", PROMPT, "--temperature", "0",
+                 "--max-tokens", "5", "--kernels", "xla"]) == 0
+    assert expected in capsys.readouterr().out
+    assert main(["generate", "--checkpoint", str(root / "base"), "--prompt", PROMPT, "--merge"]) == 2
+    assert "holds no LoRA adapters" in capsys.readouterr().err

@@ -1,0 +1,50 @@
+"""The model `generate`, `eval` and `export` use for a LoRA checkpoint (adapters + a reference to
+the base, train/lora_checkpoint.py): base + adapters unmerged (peft's layers inside our model, as
+they trained), or merged by peft's `merge_and_unload` (`--merge`: plain weights, no LoRA path).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def lora_meta(checkpoint: str | os.PathLike) -> dict | None:
+    """The metadata of a LoRA checkpoint named by `checkpoint` (run, checkpoints or step
+    directory), None for any other checkpoint or a Hugging Face directory."""
+    from parity.hf_model import is_hf_dir
+    from train.checkpoint import find_checkpoint, read_meta
+    from train.lora_checkpoint import LORA_META
+
+    if is_hf_dir(checkpoint):
+        return None
+    meta, _ = read_meta(find_checkpoint(checkpoint))
+    return meta if isinstance(meta.get(LORA_META), dict) else None
+
+
+def load_lora_for_inference(checkpoint, *, merge: bool = False):
+    """(model, meta): our GptOssForCausalLM holding peft's LoRA layers (unmerged), or with the
+    adapters merged into its weights; float32, eval mode. meta as load_checkpoint gives it."""
+    from torch_model.lora import unwrap
+    from train.lora_checkpoint import load_lora_model
+
+    wrapped, _, meta = load_lora_model(checkpoint)
+    model = wrapped.merge_and_unload(progressbar=False) if merge else unwrap(wrapped)
+    return model.eval(), meta
+
+
+def lora_tokenizer(checkpoint, meta: dict):
+    """(tiktoken Encoding or None, one line saying which): the LoRA checkpoint's own tokenizer,
+    else its base's (a LoRA run trains on the base's tokenizer)."""
+    from train.checkpoint import checkpoint_tokenizer, find_checkpoint, read_meta
+    from train.lora_checkpoint import HF_BASE, LORA_META
+
+    enc, found = checkpoint_tokenizer(checkpoint, meta)
+    if enc is not None:
+        return enc, found
+    base = meta[LORA_META]["base"]
+    path = Path(base["path"])
+    if base["kind"] == HF_BASE:
+        return checkpoint_tokenizer(path, {"hf_dir": str(path)})
+    step_dir = find_checkpoint(path)
+    base_meta, _ = read_meta(step_dir)
+    return checkpoint_tokenizer(step_dir, {**base_meta, "step_dir": str(step_dir)})
