@@ -93,3 +93,28 @@ def test_generate_runs_base_plus_adapters_unmerged_like_eager_peft(lora_run, cap
     assert expected in capsys.readouterr().out
     assert main(["generate", "--checkpoint", str(root / "base"), "--prompt", PROMPT, "--merge"]) == 2
     assert "holds no LoRA adapters" in capsys.readouterr().err
+
+
+def test_eval_tasks_scores_base_plus_adapters_like_eager_peft(lora_run, tmp_path, capsys):
+    """`eval --tasks` of a LoRA checkpoint: the compiled scorer runs base + adapters unmerged (and
+    merged with --merge); each choice's log-likelihood equals the eager peft model's."""
+    root, wrapped, enc = lora_run
+    examples = [{"context": "ROMEO: good", "choices": ["night", "morrow", "lord"], "gold": 1},
+                {"context": "import numpy as", "choices": ["np", "pytest"], "gold": 0}]
+    task = tmp_path / "lines.jsonl"
+    task.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    expected = []
+    with torch.no_grad():
+        for e in examples:
+            context = [CFG.bos_token_id] + enc.encode_ordinary(e["context"])
+            for choice in e["choices"]:
+                full = [CFG.bos_token_id] + enc.encode_ordinary(e["context"] + " " + choice)
+                logprobs = torch.log_softmax(wrapped(torch.tensor([full[:-1]]))[0].double(), -1)
+                expected.append(sum(float(logprobs[t - 1, full[t]]) for t in range(len(context), len(full))))
+    for extra in ([], ["--merge"]):
+        out = tmp_path / f"eval{len(extra)}.json"
+        assert main(["eval", "--checkpoint", str(root / "lora"), "--tasks", str(task), "--json", str(out),
+                     "--no-progress", *extra]) == 0
+        found = [ll for ex in json.loads(out.read_text())["tasks"][0]["per_example"] for ll in ex["logprobs"]]
+        assert np.allclose(found, expected, rtol=1e-4, atol=1e-5), (extra, found, expected)
+    capsys.readouterr()

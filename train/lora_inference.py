@@ -48,3 +48,32 @@ def lora_tokenizer(checkpoint, meta: dict):
     step_dir = find_checkpoint(path)
     base_meta, _ = read_meta(step_dir)
     return checkpoint_tokenizer(step_dir, {**base_meta, "step_dir": str(step_dir)})
+
+
+def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False):
+    """(float32 model in eval mode, meta) of any checkpoint the inference commands take: ours, a
+    Hugging Face directory (through the one checkpoint loader), or a LoRA checkpoint (base +
+    adapters unmerged, or merged with `merge`, which any other checkpoint refuses)."""
+    import torch
+
+    from torch_model.model import GptOssForCausalLM
+    from train.checkpoint import load_checkpoint
+    from train.errors import UserError
+
+    if lora_meta(checkpoint) is not None:
+        return load_lora_for_inference(checkpoint, merge=merge)
+    if merge:
+        raise UserError(f"--merge: checkpoint {checkpoint} holds no LoRA adapters (nothing to merge)")
+    state, model_cfg, meta = load_checkpoint(checkpoint)
+    model = GptOssForCausalLM(model_cfg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    return model.eval(), meta
+
+
+def inference_tokenizer(checkpoint, meta: dict):
+    """(tiktoken Encoding or None, one line saying which) of a checkpoint loaded by
+    `load_inference_model`: a LoRA checkpoint's falls back to its base's."""
+    from train.checkpoint import checkpoint_tokenizer
+    from train.lora_checkpoint import LORA_META
+
+    return (lora_tokenizer if LORA_META in meta else checkpoint_tokenizer)(checkpoint, meta)

@@ -26,21 +26,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
-def load_model(checkpoint: str):
-    """(float32 torch model, tokenizer, model info) of a checkpoint (ours or a Hugging Face one)."""
-    import torch
-
-    from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import checkpoint_tokenizer, load_checkpoint
+def load_model(checkpoint: str, merge: bool = False):
+    """(float32 torch model, tokenizer, model info) of a checkpoint (ours, a Hugging Face one, or
+    LoRA adapters on their base)."""
     from train.evaluation.scorer import checkpoint_info
+    from train.lora_inference import inference_tokenizer, load_inference_model
 
-    state, model_cfg, meta = load_checkpoint(checkpoint)
-    tokenizer, found = checkpoint_tokenizer(checkpoint, meta)
+    model, meta = load_inference_model(checkpoint, merge=merge)
+    tokenizer, found = inference_tokenizer(checkpoint, meta)
     if tokenizer is None:
         raise UserError(f"checkpoint {checkpoint}: no tokenizer to build prompts with (tokenizer: {found})")
-    model = GptOssForCausalLM(model_cfg)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-    return model.eval(), tokenizer, checkpoint_info(meta)
+    return model, tokenizer, checkpoint_info(meta)
 
 
 def greedy_generator(args, tokenizer, model=None):
@@ -49,7 +45,7 @@ def greedy_generator(args, tokenizer, model=None):
     from train.evaluation.greedy import GreedyGenerator
 
     if model is None:
-        model, _, _ = load_model(args.checkpoint)
+        model, _, _ = load_model(args.checkpoint, args.merge)
     try:
         mesh = sharding.make_mesh(args.mesh) if args.mesh else None
     except ValueError as e:
@@ -73,16 +69,16 @@ def run_tasks(args) -> dict:
 
         scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels, mesh=args.mesh or None,
                                               batch_size=args.batch_size, max_length=args.max_length,
-                                              progress=False)
+                                              merge=args.merge, progress=False)
         if tokenizer is None:
             raise UserError(f"checkpoint {args.checkpoint}: no tokenizer to build prompts with")
-        model = None
+        model = scorer.model            # the generator, if any, shares it
     else:
         if args.mesh:
             raise UserError("--mesh: the eager scorer runs on the host, unsharded; use --scorer compiled")
         from train.evaluation.eager_scorer import EagerScorer
 
-        model, tokenizer, info = load_model(args.checkpoint)
+        model, tokenizer, info = load_model(args.checkpoint, args.merge)
         if args.max_length is not None and not 0 < args.max_length <= model.cfg.max_position_embeddings:
             raise UserError(f"--max-length must be in [1, {model.cfg.max_position_embeddings}], found {args.max_length}")
         scorer = EagerScorer(model, args.max_length)

@@ -11,6 +11,7 @@ so no real position sees a pad token.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -18,6 +19,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from torch_model.lora import ADAPTER_NAME, is_adapted, swapping_parametrized_tensors
 from train.errors import UserError
 from train.evaluation.requests import (GenerationRequest, GenerationResult, Loglikelihood, LoglikelihoodRequest,
                                        window)
@@ -141,6 +143,12 @@ class CompiledScorer:
         self.compute_dtype = COMPUTE_DTYPES[self.step_cfg.compute_dtype]
         self.layout = LayerLayout.for_config(cfg, scan_layers)
         self.forward = layered_forward(HiddenStates(model), self.layout, mesh=mesh)
+        # A LoRA model (peft's layers in ours) traces inside peft's parametrization scope; a head
+        # trained whole by peft (modules_to_save) is read under its own name.
+        self._tracing = ((lambda: swapping_parametrized_tensors(model)) if is_adapted(model)
+                         else contextlib.nullcontext)
+        trained_head = f"lm_head.modules_to_save.{ADAPTER_NAME}.weight"
+        self.head_name = trained_head if trained_head in dict(model.named_parameters()) else "lm_head.weight"
         self.compilations: list[Compilation] = []
         self._programs: dict[tuple[int, int, int], object] = {}
         self.params = None if next(model.parameters()).is_meta else self._place(model)
@@ -202,10 +210,10 @@ class CompiledScorer:
         tile = positions_tile(rows, width, self.cfg.vocab_size, self.shards)
         with registry.routed(self.env, self.kernels, platform=self.step_cfg.platform,
                              options=self.step_cfg.kernel_options, mesh=self.mesh), \
-                jax.default_matmul_precision(self.step_cfg.matmul_precision):
+                jax.default_matmul_precision(self.step_cfg.matmul_precision), self._tracing():
             hidden = sharding.constrain(self.forward(params, inputs), self.mesh, ("batch", None, None))
             picked = jnp.take_along_axis(hidden, index[..., None], axis=1)            # [B, K, H]
-            logprobs, best = target_scores(picked, params["lm_head.weight"], jnp.take_along_axis(targets, index, 1),
+            logprobs, best = target_scores(picked, params[self.head_name], jnp.take_along_axis(targets, index, 1),
                                            tile)
         return jnp.where(scored, logprobs, 0.0).sum(1), jnp.all(best | ~scored, axis=1)
 
@@ -328,18 +336,15 @@ def checkpoint_info(meta: dict) -> dict:
 
 
 def load_scorer(checkpoint_or_hf_dir, *, kernels: str | dict | None = "xla", mesh=None, batch_size: int = 16,
-                max_length: int | None = None, **scorer_options):
+                max_length: int | None = None, merge: bool = False, **scorer_options):
     """(CompiledScorer, tokenizer or None, info) of a checkpoint (run, checkpoints or step
-    directory) or a Hugging Face GptOss directory, loaded through the one checkpoint loader;
-    info: `checkpoint_info`. Other keywords go to CompiledScorer."""
-    from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import checkpoint_tokenizer, load_checkpoint
+    directory), a Hugging Face GptOss directory or a LoRA checkpoint (base + adapters unmerged,
+    or merged with `merge`), loaded as every inference command loads them; info:
+    `checkpoint_info`. Other keywords go to CompiledScorer."""
+    from train.lora_inference import inference_tokenizer, load_inference_model
 
-    state, model_cfg, meta = load_checkpoint(checkpoint_or_hf_dir)
-    model = GptOssForCausalLM(model_cfg)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-    del state
-    tokenizer, _ = checkpoint_tokenizer(checkpoint_or_hf_dir, meta)
-    scorer = CompiledScorer(model.eval(), kernels=kernels, mesh=mesh, batch_size=batch_size, max_length=max_length,
+    model, meta = load_inference_model(checkpoint_or_hf_dir, merge=merge)
+    tokenizer, _ = inference_tokenizer(checkpoint_or_hf_dir, meta)
+    scorer = CompiledScorer(model, kernels=kernels, mesh=mesh, batch_size=batch_size, max_length=max_length,
                             tokenizer=tokenizer, **scorer_options)
     return scorer, tokenizer, checkpoint_info(meta)

@@ -131,33 +131,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: int | None = None,
                         kernels: str = "xla", merge: bool = False) -> dict:
-    import torch
-
     from jax_bridge import registry
     from jax_bridge.lowering import params_to_jax
     from jax_bridge.step import StepConfig, TrainStep
-    from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import checkpoint_tokenizer, load_checkpoint
     from train.config import TrainConfig
     from train.data.loader import TokenLoader
     from train.data.tokenizer import check_same_tokenizer, load_tokenizer
+    from train.lora_inference import inference_tokenizer, load_inference_model
 
-    from train.lora_inference import load_lora_for_inference, lora_meta, lora_tokenizer
-
-    if lora_meta(checkpoint) is not None:       # base + adapters (peft's layers in our model), or merged
-        model, meta = load_lora_for_inference(checkpoint, merge=merge)
-        model_cfg, state = model.cfg, None
-    elif merge:
-        raise UserError(f"--merge: checkpoint {checkpoint} holds no LoRA adapters (nothing to merge)")
-    else:
-        state, model_cfg, meta = load_checkpoint(checkpoint)
+    model, meta = load_inference_model(checkpoint, merge=merge)
+    model_cfg = model.cfg
     run_cfg = TrainConfig(**{k: v for k, v in (meta.get("train_config") or {}).items()
                              if k in TrainConfig.__dataclass_fields__})
     data = data or (meta.get("train_config") or {}).get("data")
     if not data:
         raise UserError(f"checkpoint {meta['step_dir']} names no data directory: pass --data DIR")
     data_tokenizer = load_tokenizer(data)
-    model_tokenizer, _ = (lora_tokenizer if state is None else checkpoint_tokenizer)(checkpoint, meta)
+    model_tokenizer, _ = inference_tokenizer(checkpoint, meta)
     if model_tokenizer is not None:
         check_same_tokenizer(model_tokenizer, data_tokenizer, f"checkpoint {meta['step_dir']}", f"data {data}")
     n_batches = batches if batches is not None else run_cfg.eval_batches
@@ -166,9 +156,6 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     loader = TokenLoader(data, "val", global_batch=run_cfg.batch_size, seq_len=run_cfg.seq_len, seed=run_cfg.seed,
                          vocab_size=model_cfg.vocab_size, document_masking=run_cfg.document_masking,
                          truncate=run_cfg.truncate, accepts_batch=True)
-    if state is not None:
-        model = GptOssForCausalLM(model_cfg)
-        model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
     try:
         step = TrainStep(model, step_cfg=StepConfig(kernels=kernels, compute_dtype=run_cfg.compute_dtype))
     except registry.KernelError as e:

@@ -223,7 +223,9 @@ def generate(model_or_checkpoint, prompts: list[list[int]], sampling: SamplingCo
 def load_model(checkpoint: str | os.PathLike, *, merge: bool = False):
     """The float32 torch model of a checkpoint (through the one checkpoint loader: ours, or a
     Hugging Face directory; a LoRA checkpoint: base + adapters, merged if `merge`)."""
-    return _load(checkpoint, merge)[0]
+    from train.lora_inference import load_inference_model
+
+    return load_inference_model(checkpoint, merge=merge)[0]
 
 
 def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: bool = True, merge: bool = False):
@@ -231,28 +233,10 @@ def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: boo
     Hugging Face directory (its tokenizer when recognised). A LoRA checkpoint gives its base with
     peft's LoRA layers (unmerged), or with `merge` the adapters merged into the weights. The
     tokenizer is None only when not required."""
-    from train.checkpoint import checkpoint_tokenizer
-    from train.lora_inference import lora_tokenizer
+    from train.lora_inference import inference_tokenizer, load_inference_model
 
-    model, meta = _load(checkpoint, merge)
-    tokenizer, found = (lora_tokenizer if "lora" in meta else checkpoint_tokenizer)(checkpoint, meta)
+    model, meta = load_inference_model(checkpoint, merge=merge)
+    tokenizer, found = inference_tokenizer(checkpoint, meta)
     if tokenizer is None and require_tokenizer:
         raise UserError(f"checkpoint {checkpoint}: no tokenizer to generate text with (tokenizer: {found})")
     return model, tokenizer
-
-
-def _load(checkpoint, merge: bool = False):
-    import torch
-
-    from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import load_checkpoint
-    from train.lora_inference import load_lora_for_inference, lora_meta
-
-    if lora_meta(checkpoint) is not None:
-        return load_lora_for_inference(checkpoint, merge=merge)
-    if merge:
-        raise UserError(f"--merge: checkpoint {checkpoint} holds no LoRA adapters (nothing to merge)")
-    state, model_cfg, meta = load_checkpoint(checkpoint)
-    model = GptOssForCausalLM(model_cfg)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-    return model.eval(), meta
