@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from parity import trajectory  # noqa: E402
 from train.shards import write_atomic  # noqa: E402
-from train.corpus import MEMBER_RE, fetch_archive  # noqa: E402
+from train.data.corpus import MEMBER_RE, fetch_archive  # noqa: E402
 
 PLAY, OFFSET = "hamlet", 20_000          # past the front matter, into the dialogue
 

