@@ -297,8 +297,8 @@ class CompiledScorer:
 
     def _dispatch_shared(self, requests, indices):
         """(request indices, log-probabilities, greedy flags) per batch of shared-context rows:
-        the batch's contexts prefilled once (or the previous batch's cache, same contexts), then
-        its continuation rows read them."""
+        one program prefills the batch's contexts and scores its rows on them; a batch with the
+        previous batch's contexts scores its rows on the kept cache instead."""
         contexts = [r.context for r in requests]
         lengths = [len(r.continuation) for r in requests]
         previous = None          # (contexts, prefill length, cache) of the last prefill
@@ -306,16 +306,19 @@ class CompiledScorer:
             rows = rows_bucket(len(batch.rows), self.batch_size, 1)
             width = continuation_bucket(max(lengths[i] for i in batch.rows))
             prefill = length_bucket(max(len(c) for c in batch.contexts) - 1, self.max_length)
-            if previous is None or previous[0] != batch.contexts or previous[2].full_positions.shape[1] < prefill + width:
-                ids, positions = prefill_inputs(batch.contexts, rows_bucket(len(batch.contexts), self.batch_size, 1),
-                                                prefill)
-                previous = (batch.contexts, prefill, self.context_programs.prefill(ids, positions, prefill + width))
-            _, prefill, cache = previous
             context_of_row = np.zeros(rows, np.int32)
             context_of_row[:len(batch.rows)] = batch.context_of_row
-            inputs = continuation_inputs([contexts[i] for i in batch.rows], [requests[i].continuation for i in batch.rows],
-                                         rows, width)
-            yield (list(batch.rows), *self.context_programs.score(cache, context_of_row, *inputs, start=prefill))
+            inputs = (context_of_row, *continuation_inputs([contexts[i] for i in batch.rows],
+                                                           [requests[i].continuation for i in batch.rows], rows, width))
+            kept = previous is not None and previous[0] == batch.contexts
+            if kept and previous[2].full_positions.shape[1] >= prefill + width:     # the cache has room for these rows
+                yield (list(batch.rows), *self.context_programs.score(previous[2], *inputs, start=prefill))
+                continue
+            context_rows = rows_bucket(len(batch.contexts), self.batch_size, 1)
+            ids, positions = prefill_inputs(batch.contexts, context_rows, prefill)
+            cache, logprob, greedy = self.context_programs.prefill_and_score(ids, positions, prefill + width, *inputs)
+            previous = (batch.contexts, prefill, cache)
+            yield list(batch.rows), logprob, greedy
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Greedy continuations (train.evaluation.greedy on the same model, kernels, mesh, batch

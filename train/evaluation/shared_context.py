@@ -97,7 +97,8 @@ class CachedHiddenStates(torch.nn.Module):
 
 
 class ContextPrograms:
-    """The prefill and continuation programs of a CompiledScorer (its parameters, kernels,
+    """The programs of a CompiledScorer for shared contexts: prefill + score (a batch with new
+contexts, one call) and score (rows reading a kept cache) (its parameters, kernels,
     precision and tracing scope), compiled once per bucket and recorded in its `compilations`."""
 
     def __init__(self, scorer, model: torch.nn.Module):
@@ -110,8 +111,8 @@ class ContextPrograms:
         self.kernels = registry.resolve(scorer.step_cfg.kernels, scorer.step_cfg.platform,
                                         ops=registry.OPS + registry.GENERATION_OPS)
         self.forward_cached = model_function(CachedHiddenStates(model))
-        self._prefill_jit = jax.jit(self._prefill, static_argnums=(3,))
-        self._continue_jit = jax.jit(self._continue)
+        self._prefill_jit = jax.jit(self._prefill_and_score, static_argnames="slots")
+        self._score_jit = jax.jit(self._score)
         self._programs: dict[tuple, object] = {}
 
     def _run(self, params, *args):
@@ -133,13 +134,16 @@ class ContextPrograms:
                                         dtype=getattr(torch, jnp.dtype(self.scorer.compute_dtype).name))
         return env.t2j_iso(cache)
 
-    def _prefill(self, params, ids, positions, slots: int):
+    def _prefill_and_score(self, params, context_ids, context_positions, *rows, slots: int):
+        """The contexts prefilled into a cache of `slots` slots, then `_score` of the rows on it:
+        (cache, summed log-probabilities, greedy flags), one program (one call per batch)."""
         import jax.numpy as jnp
 
-        _, cache = self._run(params, ids, positions, self._empty_cache(ids.shape[0], slots), jnp.int32(0))
-        return cache
+        empty = self._empty_cache(context_ids.shape[0], slots)
+        _, cache = self._run(params, context_ids, context_positions, empty, jnp.int32(0))
+        return (cache, *self._score(params, cache, *rows, jnp.int32(context_ids.shape[1])))
 
-    def _continue(self, params, cache, context_of_row, ids, positions, targets, scored, start):
+    def _score(self, params, cache, context_of_row, ids, positions, targets, scored, start):
         import jax
         import jax.numpy as jnp
 
@@ -159,14 +163,15 @@ class ContextPrograms:
             self.scorer.compilations.append(Compilation(key, time.perf_counter() - started))
         return self._programs[key]
 
-    def prefill(self, ids: np.ndarray, positions: np.ndarray, slots: int):
-        """The contexts' KV cache (on device) for left-padded ids/positions, `slots` long."""
-        import jax
-
-        spec = jax.ShapeDtypeStruct(ids.shape, np.int32)
-        program = self._compiled(("prefill", *ids.shape, slots),
-                                 lambda: self._prefill_jit.lower(self.scorer.params, spec, spec, slots))
-        return program(self.scorer.params, ids, positions)
+    def prefill_and_score(self, context_ids: np.ndarray, context_positions: np.ndarray, slots: int, *rows):
+        """(the contexts' KV cache of `slots` slots, on device; summed log-probability [rows];
+        every target is the argmax [rows]) for left-padded contexts and continuation `rows`
+        (context_of_row, ids, positions, targets, scored: see `score`)."""
+        args = (context_ids, context_positions, *rows)
+        key = ("prefill", *context_ids.shape, slots, *rows[1].shape)
+        program = self._compiled(key, lambda: self._prefill_jit.lower(self.scorer.params, *map(_spec, args),
+                                                                      slots=slots))
+        return program(self.scorer.params, *args)
 
     def score(self, cache, context_of_row, ids, positions, targets, scored, start: int):
         """(summed log-probability [rows], every target is the argmax [rows]) of continuation
@@ -174,8 +179,14 @@ class ContextPrograms:
         import jax
 
         args = (context_of_row, ids, positions, targets, scored, np.int32(start))
-        specs = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in args]
         cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache)
         key = ("continue", len(cache.full_positions), cache.full_positions.shape[1], *ids.shape)
-        program = self._compiled(key, lambda: self._continue_jit.lower(self.scorer.params, cache_spec, *specs))
+        program = self._compiled(key, lambda: self._score_jit.lower(self.scorer.params, cache_spec,
+                                                                    *map(_spec, args)))
         return program(self.scorer.params, cache, *args)
+
+
+def _spec(array):
+    import jax
+
+    return jax.ShapeDtypeStruct(np.shape(array), np.asarray(array).dtype)
