@@ -130,8 +130,12 @@ class CompiledScorer:
         self._jitted = jax.jit(self._score)
         if share_contexts and mesh is not None:
             raise UserError("scorer: share_contexts is not built under a mesh (leave it unset there)")
-        self.context_programs = ContextPrograms(self, model) if share_contexts or (
-            share_contexts is None and mesh is None) else None
+        self.context_programs = None
+        if share_contexts or (share_contexts is None and mesh is None):
+            try:
+                self.context_programs = ContextPrograms(self, model)
+            except (registry.KernelError, ValueError) as e:
+                raise UserError(f"scorer: {e}") from None
 
     # ---- parameters --------------------------------------------------------------------------------
     def _host_params(self, model) -> dict:

@@ -6,9 +6,11 @@ A request's context minus its last token is prefilled (left-padded rows, the mod
 `forward_cached` lowered by torchax); each continuation row is that last context token followed
 by the continuation minus its last token, at the positions that follow its context, so every
 scored target's log-probability comes from the continuation row itself. Only requests whose
-window keeps the whole context (requests.window drops nothing) share: a truncated request's
-window starts at a different token for each continuation length, so its context is not one
-sequence to reuse; those keep the one-forward path, which computes the same log-likelihoods.
+window keeps the whole context (requests.window drops nothing) share. A truncated request's
+window starts at a different token for each continuation length, so its tokens are not the
+shared context followed by the continuation and there is nothing to share: it is scored by the
+one-forward program, which is not a fallback but the same computation (the two agree with the
+eager scorer to float rounding, tests/test_eval_scorer.py), done without the reuse.
 """
 from __future__ import annotations
 
