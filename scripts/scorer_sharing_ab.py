@@ -2,7 +2,7 @@
 on the same 400 token requests shaped like `torchlyra bench eval`'s (100 contexts of 14-44
 tokens, 4 continuations of 3-15 each; `tiny`, vocabulary 1024, random weights, kernels auto):
 
-    python scripts/scorer_sharing_ab.py BATCH_SIZES REPEATS      (e.g. 1,16 7)
+    python scripts/scorer_sharing_ab.py BATCH_SIZES REPEATS [KERNELS]     (e.g. 1,16 7 moe=xla)
 """
 import statistics
 import sys
@@ -25,8 +25,9 @@ for d in range(100):
     for k in range(4):
         reqs.append(LoglikelihoodRequest(c, tuple(rng.integers(0, 1024, int(rng.integers(3, 16))).tolist())))
 repeats = int(sys.argv[2])
+kernels = sys.argv[3] if len(sys.argv) > 3 else "auto"
 for bs in [int(b) for b in sys.argv[1].split(",")]:
-    scorers = {share: CompiledScorer(model, batch_size=bs, kernels="auto", progress=False, share_contexts=share)
+    scorers = {share: CompiledScorer(model, batch_size=bs, kernels=kernels, progress=False, share_contexts=share)
                for share in (False, True)}
     times = {share: [] for share in scorers}
     for s in scorers.values():
