@@ -1,6 +1,7 @@
 """The compiled scorer against its oracles: the eager scorer (ragged and truncated requests, a
-batch of 3 rows, greedy flags both ways), transformers on the exported model, and itself on an
-8-device mesh (subprocess); each bucket compiles once; bad requests are one-line errors."""
+batch of 3 rows, greedy flags both ways; requests sharing contexts at batch sizes 1, 3 and 16),
+transformers on the exported model, and itself on an 8-device mesh (subprocess); each bucket
+compiles once; a shared context is computed once; bad requests are one-line errors."""
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from train.errors import UserError
 from train.evaluation.eager_scorer import EagerScorer
 from train.evaluation.requests import LoglikelihoodRequest
 from train.evaluation.scorer import CompiledScorer, checkpoint_info, length_bucket, load_scorer, rows_bucket
+from train.evaluation.shared_context import plan_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LENGTH = 24
@@ -57,6 +59,25 @@ def fresh_requests(model, seed: int) -> list[LoglikelihoodRequest]:
     return out
 
 
+def shared_requests(model, seed: int) -> list[LoglikelihoodRequest]:
+    """Multiple-choice-like groups: contexts of 1-20 tokens (some longer than the sliding window
+    of 8) with 1-5 continuations of 1-6 tokens each, one group's continuations the model's greedy
+    chain and a wrong one, and fresh_requests' truncated ones mixed in; shuffled."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for length in (1, 3, 9, 12, 17, 20):
+        context = tuple(rng.integers(0, CFG.vocab_size, length).tolist())
+        for _ in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(1, min(6, MAX_LENGTH + 1 - length) + 1))
+            out.append(LoglikelihoodRequest(context, tuple(rng.integers(0, CFG.vocab_size, n).tolist())))
+    context = rng.integers(0, CFG.vocab_size, 10).tolist()
+    chain = greedy_continuation(model, context, 4)
+    wrong = chain[:2] + ((chain[2] + 1) % CFG.vocab_size,)
+    out += [LoglikelihoodRequest(tuple(context), chain), LoglikelihoodRequest(tuple(context), wrong)]
+    out += [r for r in fresh_requests(model, seed) if len(r.context) + len(r.continuation) > MAX_LENGTH + 1]
+    return [out[i] for i in rng.permutation(len(out))]
+
+
 @pytest.fixture(scope="module")
 def model():
     return random_model()
@@ -90,6 +111,44 @@ def test_compiled_scorer_equals_the_eager_scorer_request_by_request(model, score
         assert (g.greedy, g.tokens, g.truncated) == (w.greedy, w.tokens, w.truncated), (i, g, w)
     assert [r.truncated > 0 for r in got].count(True) >= 3
     assert got[-2].greedy and got[-1].greedy and not all(r.greedy for r in got)
+
+
+@pytest.fixture(scope="module")
+def shared_case(model):
+    """Fresh random requests sharing contexts and the eager scorer's answers to them."""
+    requests = shared_requests(model, seed=int(np.random.SeedSequence().entropy % 2**32))
+    return requests, EagerScorer(model, max_length=MAX_LENGTH).loglikelihood(requests)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_requests_sharing_contexts_equal_the_eager_scorer(model, scorer, shared_case, batch_size, monkeypatch):
+    requests, want = shared_case
+    if batch_size != scorer.batch_size:
+        scorer = CompiledScorer(model, batch_size=batch_size, max_length=MAX_LENGTH, progress=False)
+    prefilled = []
+    original = scorer.context_programs.prefill_and_score
+    monkeypatch.setattr(scorer.context_programs, "prefill_and_score", lambda *a: prefilled.append(a) or original(*a))
+    got = scorer.loglikelihood(requests)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g.logprob - w.logprob) <= 1e-5 * abs(w.logprob), (i, g, w)
+        assert (g.greedy, g.tokens, g.truncated) == (w.greedy, w.tokens, w.truncated), (i, g, w)
+    truncated = [r.truncated > 0 for r in got].count(True)
+    contexts = {r.context for r, g in zip(requests, got) if not g.truncated}
+    assert truncated >= 3 and any(g.greedy for g in got) and not all(g.greedy for g in got)
+    shared = [i for i, g in enumerate(got) if not g.truncated]
+    batches = plan_batches([r.context for r in requests], [len(r.continuation) for r in requests], shared, batch_size)
+    # One prefill per batch, except a batch with the previous batch's contexts (it reads the kept cache).
+    assert len(prefilled) == 1 + sum(a.contexts != b.contexts for a, b in zip(batches, batches[1:])) < len(shared)
+    if batch_size == 1:     # each context computed once across its continuations
+        assert len(prefilled) == len(contexts)
+
+
+def test_plan_batches_holds_each_context_once_per_batch():
+    contexts = [(1, 2), (3,), (1, 2), (4, 5, 6), (1, 2), (3,)]
+    batches = plan_batches(contexts, [1, 2, 3, 1, 2, 1], range(6), batch_size=4)
+    assert [b.rows for b in batches] == [(3, 2, 4, 0), (1, 5)]        # longest context first, then longest continuation
+    assert [b.contexts for b in batches] == [((4, 5, 6), (1, 2)), ((3,),)]
+    assert [b.context_of_row for b in batches] == [(0, 1, 1, 1), (0, 0)]
 
 
 def test_each_bucket_compiles_once(model, scorer):

@@ -6,7 +6,8 @@ Each bucket's program takes right-padded token rows and the positions of each ro
 targets (its continuation) and returns, per row, the summed target log-probability and whether
 every scored target is the argmax: logits are formed on device, for the scored positions only, a
 slice at a time, and never leave it. Right padding needs no attention mask: attention is causal,
-so no real position sees a pad token.
+so no real position sees a pad token. Requests that share a context (a multiple-choice
+question's choices) compute it once instead: train.evaluation.shared_context.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import collections
 import contextlib
 import time
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -23,16 +24,13 @@ from torch_model.lora import ADAPTER_NAME, is_adapted, swapping_parametrized_ten
 from train.errors import UserError
 from train.evaluation.requests import (GenerationRequest, GenerationResult, Loglikelihood, LoglikelihoodRequest,
                                        window)
+from train.evaluation.shared_context import (ContextPrograms, continuation_bucket, continuation_inputs,
+                                             plan_batches, prefill_inputs)
+from train.evaluation.target_logprobs import Compilation, positions_tile, target_scores
 
 MIN_LENGTH = 16                  # shortest length bucket (positions per row)
 MIN_SCORED = 8                   # fewest scored positions per row a program takes
-LOGITS_BUDGET = 1 << 27          # float32 logits formed at once per device (512 MiB)
 IN_FLIGHT = 4                    # batches dispatched ahead of the one whose results are read
-
-
-class Compilation(NamedTuple):
-    bucket: tuple[int, int, int]  # (rows, positions, scored positions per row)
-    seconds: float               # tracing + lowering + compiling
 
 
 class HiddenStates(torch.nn.Module):
@@ -69,42 +67,19 @@ def rows_bucket(rows: int, batch_size: int, shards: int) -> int:
     return -(-rows // shards) * shards
 
 
-def positions_tile(rows: int, positions: int, vocab: int, shards: int) -> int:
-    """The largest divisor of `positions` whose [rows / shards, tile, vocab] float32 logits stay
-    within LOGITS_BUDGET (at least 1)."""
-    local_rows = max(1, rows // shards)
-    fitting = [d for d in range(1, positions + 1) if positions % d == 0 and local_rows * d * vocab <= LOGITS_BUDGET]
-    return max(fitting, default=1)
-
-
-def target_scores(hidden, head, targets, tile: int):
-    """(log p(target) [B, T] float32, target is the argmax [B, T]) from hidden states [B, T, H]
-    and the head [V, H], forming logits for `tile` positions of every row at a time."""
-    import jax
-    import jax.numpy as jnp
-
-    b, t, h = hidden.shape
-    slices = (hidden.reshape(b, t // tile, tile, h).swapaxes(0, 1), targets.reshape(b, t // tile, tile).swapaxes(0, 1))
-
-    def one(args):
-        states, labels = args
-        logits = jnp.einsum("bth,vh->btv", states, head, preferred_element_type=jnp.float32)
-        picked = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
-        return picked - jax.nn.logsumexp(logits, -1), jnp.argmax(logits, -1) == labels
-
-    logprobs, best = jax.lax.map(one, slices)
-    return logprobs.swapaxes(0, 1).reshape(b, t), best.swapaxes(0, 1).reshape(b, t)
-
-
 class CompiledScorer:
     """`loglikelihood(requests)` on the lowered model (see the module docstring). `mesh`: None
     (one device), a `--mesh` spec string or a jax Mesh; `compute_dtype` None: the train step's
     default for the platform (CPU float32, TPU/GPU bfloat16), and its matmul precision with it.
-    Parameters are held in the compute dtype (the router in float32, as in the step)."""
+    Parameters are held in the compute dtype (the router in float32, as in the step).
+    `share_contexts` (default: without a mesh): requests with the same context compute it once
+    (train.evaluation.shared_context); not built under a mesh, where every request runs the
+    one-forward program."""
 
     def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla", mesh=None,
                  batch_size: int = 16, max_length: int | None = None, compute_dtype: str | None = None,
-                 platform: str | None = None, scan_layers: bool = True, progress: bool = True, tokenizer=None):
+                 platform: str | None = None, scan_layers: bool = True, progress: bool = True, tokenizer=None,
+                 share_contexts: bool | None = None):
         import jax
 
         from jax_bridge import registry, sharding
@@ -145,7 +120,7 @@ class CompiledScorer:
         self.forward = layered_forward(HiddenStates(model), self.layout, mesh=mesh)
         # A LoRA model (peft's layers in ours) traces inside peft's parametrization scope; a head
         # trained whole by peft (modules_to_save) is read under its own name.
-        self._tracing = ((lambda: swapping_parametrized_tensors(model)) if is_adapted(model)
+        self.tracing = ((lambda: swapping_parametrized_tensors(model)) if is_adapted(model)
                          else contextlib.nullcontext)
         trained_head = f"lm_head.modules_to_save.{ADAPTER_NAME}.weight"
         self.head_name = trained_head if trained_head in dict(model.named_parameters()) else "lm_head.weight"
@@ -153,6 +128,14 @@ class CompiledScorer:
         self._programs: dict[tuple[int, int, int], object] = {}
         self.params = None if next(model.parameters()).is_meta else self._place(model)
         self._jitted = jax.jit(self._score)
+        if share_contexts and mesh is not None:
+            raise UserError("scorer: share_contexts is not built under a mesh (leave it unset there)")
+        self.context_programs = None
+        if share_contexts or (share_contexts is None and mesh is None):
+            try:
+                self.context_programs = ContextPrograms(self, model)
+            except (registry.KernelError, ValueError) as e:
+                raise UserError(f"scorer: {e}") from None
 
     # ---- parameters --------------------------------------------------------------------------------
     def _host_params(self, model) -> dict:
@@ -210,7 +193,7 @@ class CompiledScorer:
         tile = positions_tile(rows, width, self.cfg.vocab_size, self.shards)
         with registry.routed(self.env, self.kernels, platform=self.step_cfg.platform,
                              options=self.step_cfg.kernel_options, mesh=self.mesh), \
-                jax.default_matmul_precision(self.step_cfg.matmul_precision), self._tracing():
+                jax.default_matmul_precision(self.step_cfg.matmul_precision), self.tracing():
             hidden = sharding.constrain(self.forward(params, inputs), self.mesh, ("batch", None, None))
             picked = jnp.take_along_axis(hidden, index[..., None], axis=1)            # [B, K, H]
             logprobs, best = target_scores(picked, params[self.head_name], jnp.take_along_axis(targets, index, 1),
@@ -254,8 +237,10 @@ class CompiledScorer:
     # ---- requests ----------------------------------------------------------------------------------
     def loglikelihood(self, requests: Sequence[LoglikelihoodRequest]) -> list[Loglikelihood]:
         """Results in request order. Requests are windowed (requests.window: lm-eval's left
-        truncation), sorted longest first and run in batches of `batch_size`."""
-        import jax
+        truncation) and run in batches of `batch_size` rows: with `context_programs`, those whose
+        window keeps the whole context grouped by context (each context computed once per batch,
+        and kept for the next batch when it has the same contexts: batch size 1 reuses it across
+        a multiple-choice question's choices), the others sorted longest first, one forward each."""
         from tqdm import tqdm
 
         if self.params is None:
@@ -266,9 +251,9 @@ class CompiledScorer:
             if bad:
                 raise UserError(f"loglikelihood request {i}: token id {bad[0]} is outside the model's vocabulary "
                                 f"[0, {self.cfg.vocab_size})")
-        order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
+        shared = [i for i, w in enumerate(windows) if w[2] == 0] if self.context_programs is not None else []
+        alone = sorted(set(range(len(windows))) - set(shared), key=lambda i: -len(windows[i][0]))
         results: list[Loglikelihood | None] = [None] * len(windows)
-        shard = self._batch_sharding()
         in_flight: collections.deque = collections.deque()
 
         def collect(bar):
@@ -281,29 +266,63 @@ class CompiledScorer:
             bar.update(len(chunk))
 
         with tqdm(total=len(windows), desc="loglikelihood", unit="req", disable=not self.progress or None) as bar:
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start:start + self.batch_size]
-                rows = rows_bucket(len(chunk), self.batch_size, self.shards)
-                positions = length_bucket(len(windows[chunk[0]][0]) - 1, self.max_length)
-                width = scored_bucket(max(windows[i][1] for i in chunk), positions)
-                tokens = np.zeros((rows, positions + 1), np.int32)
-                index = np.zeros((rows, width), np.int32)
-                scored = np.zeros((rows, width), bool)
-                for row, i in enumerate(chunk):
-                    ids, n, _ = windows[i]
-                    tokens[row, :len(ids)] = ids
-                    index[row, :n] = np.arange(len(ids) - 1 - n, len(ids) - 1)   # the continuation's targets
-                    scored[row, :n] = True
-                program = self.program(rows, positions, width)
-                # Dispatched without waiting: the host prepares the next batches while this one runs.
-                inputs = (jax.device_put(a, shard) for a in (tokens, index, scored))
-                in_flight.append((chunk, *program(self.params, *inputs)))
+            # Dispatched without waiting: the host prepares the next batches while these run.
+            batches = [self._dispatch_shared(requests, shared)] if shared else []
+            batches.append(self._dispatch_alone(windows, alone))
+            for batch in (b for dispatched in batches for b in dispatched):
+                in_flight.append(batch)
                 if len(in_flight) > IN_FLIGHT:
                     collect(bar)
             while in_flight:
                 collect(bar)
         return results
 
+    def _dispatch_alone(self, windows, order):
+        """(request indices, log-probabilities, greedy flags) per batch of the one-forward program."""
+        import jax
+
+        shard = self._batch_sharding()
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            rows = rows_bucket(len(chunk), self.batch_size, self.shards)
+            positions = length_bucket(len(windows[chunk[0]][0]) - 1, self.max_length)
+            width = scored_bucket(max(windows[i][1] for i in chunk), positions)
+            tokens = np.zeros((rows, positions + 1), np.int32)
+            index = np.zeros((rows, width), np.int32)
+            scored = np.zeros((rows, width), bool)
+            for row, i in enumerate(chunk):
+                ids, n, _ = windows[i]
+                tokens[row, :len(ids)] = ids
+                index[row, :n] = np.arange(len(ids) - 1 - n, len(ids) - 1)   # the continuation's targets
+                scored[row, :n] = True
+            program = self.program(rows, positions, width)
+            inputs = (jax.device_put(a, shard) for a in (tokens, index, scored))
+            yield (chunk, *program(self.params, *inputs))
+
+    def _dispatch_shared(self, requests, indices):
+        """(request indices, log-probabilities, greedy flags) per batch of shared-context rows:
+        one program prefills the batch's contexts and scores its rows on them; a batch with the
+        previous batch's contexts scores its rows on the kept cache instead."""
+        contexts = [r.context for r in requests]
+        lengths = [len(r.continuation) for r in requests]
+        previous = None          # (contexts, prefill length, cache) of the last prefill
+        for batch in plan_batches(contexts, lengths, indices, self.batch_size):
+            rows = rows_bucket(len(batch.rows), self.batch_size, 1)
+            width = continuation_bucket(max(lengths[i] for i in batch.rows))
+            prefill = length_bucket(max(len(c) for c in batch.contexts) - 1, self.max_length)
+            context_of_row = np.zeros(rows, np.int32)
+            context_of_row[:len(batch.rows)] = batch.context_of_row
+            inputs = (context_of_row, *continuation_inputs([contexts[i] for i in batch.rows],
+                                                           [requests[i].continuation for i in batch.rows], rows, width))
+            kept = previous is not None and previous[0] == batch.contexts
+            if kept and previous[2].full_positions.shape[1] >= prefill + width:     # the cache has room for these rows
+                yield (list(batch.rows), *self.context_programs.score(previous[2], *inputs, start=prefill))
+                continue
+            context_rows = rows_bucket(len(batch.contexts), self.batch_size, 1)
+            ids, positions = prefill_inputs(batch.contexts, context_rows, prefill)
+            cache, logprob, greedy = self.context_programs.prefill_and_score(ids, positions, prefill + width, *inputs)
+            previous = (batch.contexts, prefill, cache)
+            yield list(batch.rows), logprob, greedy
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Greedy continuations (train.evaluation.greedy on the same model, kernels, mesh, batch

@@ -1,0 +1,41 @@
+"""Per-position target log-probabilities on device, shared by the scorer's programs: logits formed
+a slice of positions at a time (never all at once, never leaving the device), and the record of
+one program's compilation."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+LOGITS_BUDGET = 1 << 27          # float32 logits formed at once per device (512 MiB)
+
+
+class Compilation(NamedTuple):
+    bucket: tuple                # the one-forward program: (rows, positions, scored per row); the shared-
+                                 # context ones: ("prefill" | "continue", shapes...)
+    seconds: float               # tracing + lowering + compiling
+
+
+def positions_tile(rows: int, positions: int, vocab: int, shards: int) -> int:
+    """The largest divisor of `positions` whose [rows / shards, tile, vocab] float32 logits stay
+    within LOGITS_BUDGET (at least 1)."""
+    local_rows = max(1, rows // shards)
+    fitting = [d for d in range(1, positions + 1) if positions % d == 0 and local_rows * d * vocab <= LOGITS_BUDGET]
+    return max(fitting, default=1)
+
+
+def target_scores(hidden, head, targets, tile: int):
+    """(log p(target) [B, T] float32, target is the argmax [B, T]) from hidden states [B, T, H]
+    and the head [V, H], forming logits for `tile` positions of every row at a time."""
+    import jax
+    import jax.numpy as jnp
+
+    b, t, h = hidden.shape
+    slices = (hidden.reshape(b, t // tile, tile, h).swapaxes(0, 1), targets.reshape(b, t // tile, tile).swapaxes(0, 1))
+
+    def one(args):
+        states, labels = args
+        logits = jnp.einsum("bth,vh->btv", states, head, preferred_element_type=jnp.float32)
+        picked = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+        return picked - jax.nn.logsumexp(logits, -1), jnp.argmax(logits, -1) == labels
+
+    logprobs, best = jax.lax.map(one, slices)
+    return logprobs.swapaxes(0, 1).reshape(b, t), best.swapaxes(0, 1).reshape(b, t)
