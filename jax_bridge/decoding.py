@@ -94,6 +94,14 @@ def _count_cache_events(event: str, **_):
 jax.monitoring.register_event_listener(_count_cache_events)
 
 
+def empty_cache(env, cfg, rows: int, slots: int, dtype) -> kv_cache.KVCache:
+    """An empty KV cache of `rows` rows and `slots` positions as JAX arrays in `dtype` (inside a
+    traced program: the model's own `kv_cache.init_cache`, through the torchax env)."""
+    with env:
+        cache = kv_cache.init_cache(cfg, rows, slots, dtype=getattr(torch, jnp.dtype(dtype).name), device="jax")
+    return env.t2j_iso(cache)
+
+
 class Decoder:
     """Compiled prefill and decode programs for one model (parameters as JAX arrays, sharded over
     `mesh` when given). compute_dtype / matmul_precision None: the train step's defaults."""
@@ -174,11 +182,7 @@ class Decoder:
             return self._forward(params, ids, positions, cache, start)
 
     def _empty_cache(self, batch: int, length: int) -> kv_cache.KVCache:
-        dtype = COMPUTE_DTYPES[self.compute_dtype]
-        with self.env:
-            cache = kv_cache.init_cache(self.cfg, batch, length, dtype=getattr(torch, jnp.dtype(dtype).name),
-                                        device="jax")
-        return self.env.t2j_iso(cache)
+        return empty_cache(self.env, self.cfg, batch, length, COMPUTE_DTYPES[self.compute_dtype])
 
     def _prefill(self, params, ids, positions, active, values, key, *, length: int, mode: SamplingMode):
         batch, prompt = ids.shape

@@ -39,18 +39,12 @@ def load_model(checkpoint: str, merge: bool = False):
     return model, tokenizer, checkpoint_info(meta)
 
 
-def greedy_generator(args, tokenizer, model=None):
-    """The compiled greedy generator (train/evaluation/greedy.py) on the checkpoint's model."""
-    from jax_bridge import sharding
+def eager_generator(args, model, tokenizer):
+    """The compiled greedy generator (train/evaluation/greedy.py) on the eager scorer's model (the
+    compiled scorer has its own: `CompiledScorer.generator`)."""
     from train.evaluation.greedy import GreedyGenerator
 
-    if model is None:
-        model, _, _ = load_model(args.checkpoint, args.merge)
-    try:
-        mesh = sharding.make_mesh(args.mesh) if args.mesh else None
-    except ValueError as e:
-        raise UserError(f"--mesh: {e}") from None
-    return GreedyGenerator(model, tokenizer, kernels=args.kernels, mesh=mesh, batch_size=args.batch_size,
+    return GreedyGenerator(model, tokenizer, kernels=args.kernels, batch_size=args.batch_size,
                            max_length=args.max_length)
 
 
@@ -72,7 +66,6 @@ def run_tasks(args) -> dict:
                                               merge=args.merge, progress=False)
         if tokenizer is None:
             raise UserError(f"checkpoint {args.checkpoint}: no tokenizer to build prompts with")
-        model = scorer.model            # the generator, if any, shares it
     else:
         if args.mesh:
             raise UserError("--mesh: the eager scorer runs on the host, unsharded; use --scorer compiled")
@@ -82,9 +75,11 @@ def run_tasks(args) -> dict:
         if args.max_length is not None and not 0 < args.max_length <= model.cfg.max_position_embeddings:
             raise UserError(f"--max-length must be in [1, {model.cfg.max_position_embeddings}], found {args.max_length}")
         scorer = EagerScorer(model, args.max_length)
-    bos = scorer.cfg.bos_token_id if model is None else model.cfg.bos_token_id
+    bos = scorer.model.cfg.bos_token_id
     generative = HUMANEVAL in names or any(t.settings.kind == "generative" for t in tasks)
-    generator = greedy_generator(args, tokenizer, model) if generative else None
+    generator = None
+    if generative:
+        generator = scorer.generator() if args.scorer == "compiled" else eager_generator(args, model, tokenizer)
     evaluation = run_suite(names, tasks, scorer=scorer, generator=generator, tokenizer=tokenizer,
                            bos=bos, limit=args.limit, progress=args.progress)
     evaluation = {"model": info, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -26,24 +26,11 @@ from train.evaluation.requests import (GenerationRequest, GenerationResult, Logl
                                        window)
 from train.evaluation.shared_context import (ContextPrograms, continuation_bucket, continuation_inputs,
                                              plan_batches, prefill_inputs)
-from train.evaluation.target_logprobs import Compilation, positions_tile, target_scores
+from train.evaluation.target_logprobs import Compilation, HiddenStates, positions_tile, target_scores
 
 MIN_LENGTH = 16                  # shortest length bucket (positions per row)
 MIN_SCORED = 8                   # fewest scored positions per row a program takes
 IN_FLIGHT = 4                    # batches dispatched ahead of the one whose results are read
-
-
-class HiddenStates(torch.nn.Module):
-    """The model's final (normed) hidden states [B, T, H] under the model's own parameter names:
-    the scoring program applies the head itself, a slice of positions at a time."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.cfg = model.cfg
-        self.model, self.lm_head = model.model, model.lm_head
-
-    def forward(self, input_ids):
-        return self.model(input_ids)[0]
 
 
 def length_bucket(positions: int, max_length: int) -> int:
@@ -125,7 +112,7 @@ class CompiledScorer:
         trained_head = f"lm_head.modules_to_save.{ADAPTER_NAME}.weight"
         self.head_name = trained_head if trained_head in dict(model.named_parameters()) else "lm_head.weight"
         self.compilations: list[Compilation] = []
-        self._programs: dict[tuple[int, int, int], object] = {}
+        self._programs: dict[tuple, object] = {}
         self.params = None if next(model.parameters()).is_meta else self._place(model)
         self._jitted = jax.jit(self._score)
         if share_contexts and mesh is not None:
@@ -139,13 +126,10 @@ class CompiledScorer:
 
     # ---- parameters --------------------------------------------------------------------------------
     def _host_params(self, model) -> dict:
-        from torch_model.model import keeps_float32
+        from jax_bridge.step import cast_params
 
-        params = {}
-        for name, p in model.named_parameters():
-            value = p.detach().float().numpy()
-            params[name] = value if keeps_float32(name) else value.astype(self.compute_dtype)
-        return self.layout.stack(params)
+        host = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
+        return self.layout.stack(cast_params(host, self.compute_dtype))
 
     def _param_shardings(self, params: dict):
         from jax_bridge import sharding
@@ -227,10 +211,14 @@ class CompiledScorer:
 
     def program(self, rows: int, positions: int, scored: int):
         """The compiled program of a bucket: compiled on first use, then kept."""
-        key = (rows, positions, scored)
+        return self.compiled((rows, positions, scored), lambda: self.lower(rows, positions, scored))
+
+    def compiled(self, key: tuple, lower):
+        """The program under `key`, `lower()` compiled on first use (the time recorded in
+        `compilations`), then kept: every program of this scorer, shared-context ones included."""
         if key not in self._programs:
             started = time.perf_counter()
-            self._programs[key] = self.lower(rows, positions, scored).compile()
+            self._programs[key] = lower().compile()
             self.compilations.append(Compilation(key, time.perf_counter() - started))
         return self._programs[key]
 
@@ -324,9 +312,9 @@ class CompiledScorer:
             previous = (batch.contexts, prefill, cache)
             yield list(batch.rows), logprob, greedy
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Greedy continuations (train.evaluation.greedy on the same model, kernels, mesh, batch
-        size and window); needs the tokenizer (stop strings are text)."""
+    def generator(self):
+        """The GreedyGenerator on the same model, kernels, mesh, batch size and window, built once;
+        needs the tokenizer (stop strings are text)."""
         if self.tokenizer is None:
             raise UserError("scorer: generation needs the model's tokenizer (this checkpoint has none)")
         if self._generator is None:
@@ -334,7 +322,11 @@ class CompiledScorer:
 
             self._generator = GreedyGenerator(self.model, self.tokenizer, kernels=self.kernel_spec, mesh=self.mesh,
                                               batch_size=self.batch_size, max_length=self.max_length)
-        return self._generator.generate(requests, progress=self.progress)
+        return self._generator
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Greedy continuations (`generator()`)."""
+        return self.generator().generate(requests, progress=self.progress)
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from torch_model import kv_cache
-from train.evaluation.target_logprobs import Compilation, positions_tile, target_scores
+from train.evaluation.target_logprobs import HiddenStates, positions_tile, target_scores
 
 MIN_CONTINUATION = 8     # fewest continuation positions per row a program takes (> 1: see Attention.forward_cached)
 
@@ -85,23 +85,10 @@ def continuation_inputs(contexts, continuations, rows: int, positions: int):
     return ids, pos, targets, scored
 
 
-class CachedHiddenStates(torch.nn.Module):
-    """`Backbone.forward_cached` under the model's own parameter names: (final hidden states
-    [B, T, H], updated cache)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.cfg = model.cfg
-        self.model, self.lm_head = model.model, model.lm_head
-
-    def forward(self, input_ids, positions, cache, start):
-        return self.model.forward_cached(input_ids, positions, cache, start)
-
-
 class ContextPrograms:
     """The programs of a CompiledScorer for shared contexts: prefill + score (a batch with new
-contexts, one call) and score (rows reading a kept cache) (its parameters, kernels,
-    precision and tracing scope), compiled once per bucket and recorded in its `compilations`."""
+    contexts, one call) and score (rows reading a kept cache), on the scorer's parameters,
+    kernels, precision and tracing scope, compiled once per bucket by the scorer (`compiled`)."""
 
     def __init__(self, scorer, model: torch.nn.Module):
         import jax
@@ -112,10 +99,9 @@ contexts, one call) and score (rows reading a kept cache) (its parameters, kerne
         self.scorer = scorer
         self.kernels = registry.resolve(scorer.step_cfg.kernels, scorer.step_cfg.platform,
                                         ops=registry.OPS + registry.GENERATION_OPS)
-        self.forward_cached = model_function(CachedHiddenStates(model))
+        self.forward_cached = model_function(HiddenStates(model), "forward_cached")
         self._prefill_jit = jax.jit(self._prefill_and_score, static_argnames="slots")
         self._score_jit = jax.jit(self._score)
-        self._programs: dict[tuple, object] = {}
 
     def _run(self, params, *args):
         import jax
@@ -127,21 +113,15 @@ contexts, one call) and score (rows reading a kept cache) (its parameters, kerne
                 jax.default_matmul_precision(s.step_cfg.matmul_precision), s.tracing():
             return self.forward_cached(s.layout.unstack(params), *args)
 
-    def _empty_cache(self, rows: int, slots: int) -> kv_cache.KVCache:
-        import jax.numpy as jnp
-
-        env = self.scorer.env
-        with env:
-            cache = kv_cache.init_cache(self.scorer.cfg, rows, slots, device="jax",
-                                        dtype=getattr(torch, jnp.dtype(self.scorer.compute_dtype).name))
-        return env.t2j_iso(cache)
-
     def _prefill_and_score(self, params, context_ids, context_positions, *rows, slots: int):
         """The contexts prefilled into a cache of `slots` slots, then `_score` of the rows on it:
         (cache, summed log-probabilities, greedy flags), one program (one call per batch)."""
         import jax.numpy as jnp
 
-        empty = self._empty_cache(context_ids.shape[0], slots)
+        from jax_bridge.decoding import empty_cache
+
+        s = self.scorer
+        empty = empty_cache(s.env, s.cfg, context_ids.shape[0], slots, s.compute_dtype)
         _, cache = self._run(params, context_ids, context_positions, empty, jnp.int32(0))
         return (cache, *self._score(params, cache, *rows, jnp.int32(context_ids.shape[1])))
 
@@ -156,22 +136,13 @@ contexts, one call) and score (rows reading a kept cache) (its parameters, kerne
         logprobs, best = target_scores(hidden, params[s.head_name], targets, tile)
         return jnp.where(scored, logprobs, 0.0).sum(1), jnp.all(best | ~scored, axis=1)
 
-    def _compiled(self, key: tuple, lower):
-        import time
-
-        if key not in self._programs:
-            started = time.perf_counter()
-            self._programs[key] = lower().compile()
-            self.scorer.compilations.append(Compilation(key, time.perf_counter() - started))
-        return self._programs[key]
-
     def prefill_and_score(self, context_ids: np.ndarray, context_positions: np.ndarray, slots: int, *rows):
         """(the contexts' KV cache of `slots` slots, on device; summed log-probability [rows];
         every target is the argmax [rows]) for left-padded contexts and continuation `rows`
         (context_of_row, ids, positions, targets, scored: see `score`)."""
         args = (context_ids, context_positions, *rows)
         key = ("prefill", *context_ids.shape, slots, *rows[1].shape)
-        program = self._compiled(key, lambda: self._prefill_jit.lower(self.scorer.params, *map(_spec, args),
+        program = self.scorer.compiled(key, lambda: self._prefill_jit.lower(self.scorer.params, *map(_spec, args),
                                                                       slots=slots))
         return program(self.scorer.params, *args)
 
@@ -183,7 +154,7 @@ contexts, one call) and score (rows reading a kept cache) (its parameters, kerne
         args = (context_of_row, ids, positions, targets, scored, np.int32(start))
         cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache)
         key = ("continue", len(cache.full_positions), cache.full_positions.shape[1], *ids.shape)
-        program = self._compiled(key, lambda: self._score_jit.lower(self.scorer.params, cache_spec,
+        program = self.scorer.compiled(key, lambda: self._score_jit.lower(self.scorer.params, cache_spec,
                                                                     *map(_spec, args)))
         return program(self.scorer.params, cache, *args)
 

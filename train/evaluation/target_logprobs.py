@@ -1,9 +1,12 @@
 """Per-position target log-probabilities on device, shared by the scorer's programs: logits formed
 a slice of positions at a time (never all at once, never leaving the device), and the record of
-one program's compilation."""
+one program's compilation; the model's hidden states under its own parameter names, the head
+left to the programs."""
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import torch
 
 LOGITS_BUDGET = 1 << 27          # float32 logits formed at once per device (512 MiB)
 
@@ -12,6 +15,23 @@ class Compilation(NamedTuple):
     bucket: tuple                # the one-forward program: (rows, positions, scored per row); the shared-
                                  # context ones: ("prefill" | "continue", shapes...)
     seconds: float               # tracing + lowering + compiling
+
+
+class HiddenStates(torch.nn.Module):
+    """The model's final (normed) hidden states [B, T, H] under the model's own parameter names:
+    the scoring programs apply the head themselves, a slice of positions at a time. `forward`:
+    one full forward; `forward_cached`: `Backbone.forward_cached` (hidden states, updated cache)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.cfg = model.cfg
+        self.model, self.lm_head = model.model, model.lm_head
+
+    def forward(self, input_ids):
+        return self.model(input_ids)[0]
+
+    def forward_cached(self, input_ids, positions, cache, start):
+        return self.model.forward_cached(input_ids, positions, cache, start)
 
 
 def positions_tile(rows: int, positions: int, vocab: int, shards: int) -> int:
