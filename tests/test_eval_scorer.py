@@ -78,6 +78,14 @@ def shared_requests(model, seed: int) -> list[LoglikelihoodRequest]:
     return [out[i] for i in rng.permutation(len(out))]
 
 
+def logprob_close(got: float, want: float) -> bool:
+    """float32 agreement of two log-likelihoods: 1e-4 relative (the issue's bound against transformers),
+    1e-4 absolute near zero. Over 40 seeds of these requests the compiled scorer differed from the eager
+    one by at most 1.0e-5 relative (2.5e-5 absolute per token): a pure 1e-5 relative bound failed in CI.
+    A wrong position or cache row is off by more than 0.01."""
+    return abs(got - want) <= 1e-4 * max(1.0, abs(want))
+
+
 @pytest.fixture(scope="module")
 def model():
     return random_model()
@@ -107,7 +115,7 @@ def test_compiled_scorer_equals_the_eager_scorer_request_by_request(model, score
     got = scorer.loglikelihood(requests)
     want = EagerScorer(model, max_length=MAX_LENGTH).loglikelihood(requests)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert abs(g.logprob - w.logprob) <= 1e-5 * abs(w.logprob), (i, g, w)
+        assert logprob_close(g.logprob, w.logprob), (i, g, w)
         assert (g.greedy, g.tokens, g.truncated) == (w.greedy, w.tokens, w.truncated), (i, g, w)
     assert [r.truncated > 0 for r in got].count(True) >= 3
     assert got[-2].greedy and got[-1].greedy and not all(r.greedy for r in got)
@@ -130,7 +138,7 @@ def test_requests_sharing_contexts_equal_the_eager_scorer(model, scorer, shared_
     monkeypatch.setattr(scorer.context_programs, "prefill_and_score", lambda *a: prefilled.append(a) or original(*a))
     got = scorer.loglikelihood(requests)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert abs(g.logprob - w.logprob) <= 1e-5 * abs(w.logprob), (i, g, w)
+        assert logprob_close(g.logprob, w.logprob), (i, g, w)
         assert (g.greedy, g.tokens, g.truncated) == (w.greedy, w.tokens, w.truncated), (i, g, w)
     truncated = [r.truncated > 0 for r in got].count(True)
     contexts = {r.context for r, g in zip(requests, got) if not g.truncated}
@@ -223,4 +231,4 @@ def test_sharded_on_eight_devices_equals_one_device(model, scorer):
     one_device = scorer.loglikelihood(fresh_requests(model, seed=3))
     assert len(out["results"]) == len(one_device)
     for i, ((logprob, greedy), want) in enumerate(zip(out["results"], one_device)):
-        assert abs(logprob - want.logprob) <= 1e-5 * abs(want.logprob) and greedy == want.greedy, (i, logprob, want)
+        assert logprob_close(logprob, want.logprob) and greedy == want.greedy, (i, logprob, want)
