@@ -205,7 +205,7 @@ def test_equals_transformers_on_the_exported_model(tmp_path, model):
 
 MESH_WORKER = textwrap.dedent("""
     import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     sys.path.insert(0, os.getcwd())
     import jax
     from tests.test_eval_scorer import MAX_LENGTH, fresh_requests, random_model

@@ -84,8 +84,12 @@ def outputs_of(procs, timeout: float = 600) -> list[str]:
 
 
 def env_with_devices(n: int) -> dict:
+    """A clean environment for a cluster process, with the suite's XLA options and its persistent
+    compilation cache (the processes of later tests load the train step the first pair compiled)."""
+    inherited = {k: v for k, v in os.environ.items() if k.startswith("JAX_COMPILATION_CACHE") or
+                 k == "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"}
     return {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+            **inherited, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"}
 
 
 def cluster_args(port: int, process: int) -> list[str]:
