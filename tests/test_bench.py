@@ -150,6 +150,28 @@ def test_bench_generate_runs_every_path_side_by_side(tmp_path, capsys, monkeypat
     assert report["settings"]["new_tokens"] == 6 and report["goal"]["ratio"] == 3.0
 
 
+def test_bench_eval_scores_a_few_shot_task_with_both_backends_alike(tmp_path, capsys, monkeypatch):
+    """`bench eval` on a micro model: our lm-eval backend and lm-eval's `hf` backend answer the same
+    1-shot multiple-choice requests with the same log-likelihoods and greedy flags, side by side."""
+    from torch_model import config
+    from train.cli import main
+
+    micro = config.get_preset("tiny").replace(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                                             head_dim=16, n_experts=4, expert_dim=16, sliding_window=8, max_seq_len=256)
+    monkeypatch.setitem(config.PRESETS, "tiny", micro)
+    out = tmp_path / "eval.json"
+    assert main(["bench", "eval", "--examples", "3", "--choices", "3", "--shots", "1", "--batch-sizes", "2",
+                 "--repeats", "1", "--hf-threads", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "goal: torchlyra >= 3x hf's examples/s at every batch size" in printed and "1-shot" in printed
+    report = json.loads(out.read_text())
+    assert report["requests"] == 9 and report["shots"] == 1
+    assert report["mean_context_tokens"] > 2 * report["mean_answer_tokens"]     # the shot is in the context
+    (row,) = report["rows"]
+    assert row["batch"] == 2 and row["torchlyra_examples_per_s"] > 0 and row["hf_examples_per_s"] > 0
+    assert row["max_rel_difference"] <= 1e-4 and row["same_greedy"] == 1.0
+
+
 # ---- torchlyra bench step (its smoke run is the GPU script's step part, on CPU) -----------------------
 def test_gpu_script_step_part_smoke_pairs_child_peers_through_eager(tmp_path):
     """The GPU script's step part on CPU: `torchlyra bench step` at a micro config against eager

@@ -7,7 +7,6 @@ SIGKILLed while saving (a host lost mid-run): process 0 stops within the stated 
 line and exit 75 and leaves no partial checkpoint, and the run resumes in one process on 2 devices
 (another mesh) with the same losses as the uninterrupted run."""
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -22,6 +21,8 @@ from train.checkpoint_integrity import SAVE_FAULT_ENV
 from train.cli import main
 from train.host_fault import EXIT_HOST_LOST
 from train.host_supervisor import STOP_GRACE_S, newest_complete_checkpoint
+
+from tests.worker_env import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LINES = [
@@ -83,15 +84,6 @@ def outputs_of(procs, timeout: float = 600) -> list[str]:
     return outputs
 
 
-def env_with_devices(n: int) -> dict:
-    """A clean environment for a cluster process, with the suite's XLA options and its persistent
-    compilation cache (the processes of later tests load the train step the first pair compiled)."""
-    inherited = {k: v for k, v in os.environ.items() if k.startswith("JAX_COMPILATION_CACHE") or
-                 k == "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"}
-    return {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            **inherited, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"}
-
-
 def cluster_args(port: int, process: int) -> list[str]:
     return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process)]
 
@@ -104,7 +96,7 @@ def runs(setup):
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "train.cli", *train_args(root, "two", "--mesh", "data=2,fsdp=2"),
                                *cluster_args(port, i)],
-                              cwd=ROOT, env=env_with_devices(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              cwd=ROOT, env=worker_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
              for i in range(2)]
     outputs = outputs_of(procs)
@@ -138,7 +130,7 @@ def host_lost(runs):
     logs = [(root / f"host_lost.{i}.log").open("w+") for i in range(2)]     # files: no pipe fills up and blocks
     procs = [subprocess.Popen([sys.executable, "-m", "train.cli", "train", "--out", str(out), "--resume",
                                "--checkpoint-every", "2", "--host-timeout-s", str(HOST_TIMEOUT_S), *cluster_args(port, i)],
-                              cwd=ROOT, env={**env_with_devices(2), **({SAVE_FAULT_ENV: "4"} if i == 1 else {})},
+                              cwd=ROOT, env={**worker_env(2), **({SAVE_FAULT_ENV: "4"} if i == 1 else {})},
                               stdout=logs[i], stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     ended = [None, None]
@@ -199,7 +191,7 @@ def test_after_losing_a_host_the_run_resumes_on_one_process_of_two_devices_with_
     resumed = root / "resumed_after_loss"
     shutil.copytree(out, resumed)
     proc = subprocess.run([sys.executable, "-m", "train.cli", "train", "--out", str(resumed), "--resume",
-                           "--mesh", "tensor=2"], cwd=ROOT, env=env_with_devices(2), capture_output=True, text=True,
+                           "--mesh", "tensor=2"], cwd=ROOT, env=worker_env(2), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mesh: tensor=2" in proc.stdout and f"resuming from {resumed / 'checkpoints' / '3'}" in proc.stdout

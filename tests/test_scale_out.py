@@ -3,12 +3,13 @@ scanned layers on several meshes gives the losses and parameters of the plain la
 device, the state stays split by the rules (bytes actually held per device), the Pallas
 kernels run per device under shard_map, and Muon's update does not gather whole stacks."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.worker_env import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # kernels@mesh[@remat]
@@ -18,7 +19,7 @@ RUNS = ["xla@data=8", "xla@data=2,fsdp=4@full", "xla@fsdp=2,tensor=2,expert=2@sa
 
 @pytest.fixture(scope="module")
 def results():
-    env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    env = worker_env()
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_worker.py"), *RUNS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

@@ -37,6 +37,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--preset", default="tiny", help="preset when no --checkpoint (default tiny)")
     parser.add_argument("--examples", type=int, default=100, help="multiple-choice documents (default 100)")
     parser.add_argument("--choices", type=int, default=4, help="choices per document (default 4)")
+    parser.add_argument("--shots", type=int, default=0,
+                        help="solved examples before each question, from a separate split, as few-shot tasks "
+                             "(CORE: 10) run (default 0)")
     parser.add_argument("--batch-sizes", default="1,16",
                         help="comma-separated rows per forward, the same for both backends (default 1,16)")
     parser.add_argument("--max-length", type=int, default=None, help="window (default: the model's max_seq_len)")
@@ -66,17 +69,22 @@ def faster_thread_count(lm, instances, log, default: int) -> int:
     return best
 
 
-def synthetic_task(directory: Path, examples: int, choices: int, seed: int = 0) -> str:
+def synthetic_task(directory: Path, examples: int, choices: int, shots: int = 0, seed: int = 0) -> str:
     """A local lm-eval multiple-choice task (JSON data, YAML config) of random sentences:
-    contexts of 12-40 words, answers of 3-15. Returns the task name."""
+    questions of 12-40 words, answers of 3-15; with `shots`, each question follows that many
+    solved ones (lm-eval's few-shot prompt, drawn from a split of its own). Returns the task name."""
     rng = np.random.default_rng(seed)
     sentence = lambda lo, hi: " ".join(rng.choice(WORDS, rng.integers(lo, hi + 1)))
-    docs = [{"question": sentence(12, 40).capitalize() + ".", "choices": [sentence(3, 15) for _ in range(choices)],
-             "gold": int(rng.integers(choices))} for _ in range(examples)]
-    data = directory / "bench_mc.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    doc = lambda: {"question": sentence(12, 40).capitalize() + ".", "choices": [sentence(3, 15) for _ in range(choices)],
+                   "gold": int(rng.integers(choices))}
+    splits = {"test": [doc() for _ in range(examples)], "train": [doc() for _ in range(max(shots, 1) * 4)]}
+    files = ""
+    for split, docs in splits.items():
+        (directory / f"bench_mc_{split}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+        files += f"    {split}: {directory / f'bench_mc_{split}.jsonl'}\n"
     (directory / "bench_mc.yaml").write_text(
-        f"task: bench_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        f"task: bench_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n{files}test_split: test\n"
+        f"fewshot_split: train\nnum_fewshot: {shots}\n"
         "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
         "doc_to_target: \"{{gold}}\"\nmetric_list:\n  - metric: acc\n")
     return "bench_mc"
@@ -108,7 +116,7 @@ def exported_model(args, workdir: Path, task_dir: Path) -> tuple[Path, str]:
             cfg = get_preset(args.preset)
         except ConfigError as e:
             raise UserError(str(e)) from None
-        text = [json.loads(line)["question"] for line in (task_dir / "bench_mc.jsonl").open()]
+        text = [json.loads(line)["question"] for line in (task_dir / "bench_mc_test.jsonl").open()]
         enc = train_bpe(text, min(cfg.vocab_size, 1024))
         bos = enc._special_tokens["<|bos|>"]
         cfg = cfg.replace(bos_token_id=bos, eos_token_id=bos)
@@ -145,7 +153,8 @@ def measure(instances, hf_dir: Path, batch_size: int, args, log) -> dict:
             seconds[name].append(time.perf_counter() - t)
         log(f"batch {batch_size}, repeat {rep + 1}/{args.repeats}: "
             + ", ".join(f"{n} {s[-1]:.2f} s" for n, s in seconds.items()))
-    return {"seconds": seconds, "answers": answers, "compilations": ours.scorer.compilations,
+    lengths = [(len(ours.tok_encode(i.args[0])), len(ours.tok_encode(i.args[1]))) for i in instances]
+    return {"seconds": seconds, "answers": answers, "compilations": ours.scorer.compilations, "lengths": lengths,
             "hf_threads": torch.get_num_threads(), "window": ours.max_length, "kernels": dict(ours.scorer.kernels),
             "cfg": ours.cfg}
 
@@ -155,6 +164,8 @@ def run(args) -> int:
 
     from train.bench.machine import machine_info
 
+    if args.shots < 0:
+        raise UserError(f"--shots must be >= 0, found {args.shots}")
     for name in ("examples", "choices", "repeats", "hf_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, found {getattr(args, name)}")
@@ -170,7 +181,7 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         workdir = Path(tmp)
         (workdir / "tasks").mkdir()
-        name = synthetic_task(workdir / "tasks", args.examples, args.choices)
+        name = synthetic_task(workdir / "tasks", args.examples, args.choices, args.shots)
         hf_dir, source = exported_model(args, workdir, workdir / "tasks")
         instances = task_instances(workdir / "tasks", name)
         results = {b: measure(instances, hf_dir, b, args, log) for b in batch_sizes}
@@ -191,7 +202,9 @@ def run(args) -> int:
 
     print(format_table(rows))
     print(f"goal: torchlyra >= {GOAL:.0f}x hf's examples/s at every batch size: {'met' if met else 'NOT met'}")
-    print(f"{docs} documents x {args.choices} choices = {len(instances)} loglikelihood requests; window "
+    context_tokens, answer_tokens = (statistics.mean(n) for n in zip(*last["lengths"]))
+    print(f"{docs} documents x {args.choices} choices = {len(instances)} loglikelihood requests "
+          f"({args.shots}-shot; on average {context_tokens:.0f} context and {answer_tokens:.1f} answer tokens); window "
           f"{last['window']}; {source}; float32; our kernels: "
           + ", ".join(f"{op}={impl}" for op, impl in last["kernels"].items())
           + f"; {elapsed:.0f} s in all; load average {load[0]} -> {load[1]} on {os.cpu_count()} cores; "
@@ -199,6 +212,7 @@ def run(args) -> int:
     if args.json:
         date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         report = dict(date=date, machine=machine_info(), weights=source, model=last["cfg"].to_dict(), documents=docs,
+                      shots=args.shots, mean_context_tokens=context_tokens, mean_answer_tokens=answer_tokens,
                       requests=len(instances), window=last["window"], kernels=last["kernels"], goal=GOAL, met=met,
                       load_average_start_end=load, rows=rows)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
