@@ -276,7 +276,7 @@ def test_eval_tasks_end_to_end(tmp_path, capsys, checkpoints, tokenizer, model):
     assert [e["output"] for e in got["gen"]["per_example"]] == texts
     assert evaluation["model"]["step"] == 7 and evaluation["model"]["tokens_seen"] == 7 * 4 * 32
     text = card.read_text()
-    assert "step 7, tokens seen 896" in text
+    assert "step 7, tokens seen 896" in text and "every example of each task" in text
     rows = [line for line in text.splitlines() if line.startswith(("| mc ", "| lm ", "| gen "))]
     assert len(rows) == 3 and f"{100 * got['mc']['score']:.1f}%" in rows[0] and "33.3%" in rows[0]
 

@@ -24,8 +24,9 @@ def report_card(evaluation: dict) -> str:
              f"- checkpoint `{model['checkpoint']}`",
              f"- step {model.get('step')}, tokens seen {'unknown' if seen is None else f'{seen:,}'}",
              f"- date {evaluation['date']}",
-             f"- scorer {evaluation['scorer']}, window {evaluation.get('window')} tokens, limit "
-             f"{evaluation.get('limit') or 'none'} examples per task", "",
+             f"- scorer {evaluation['scorer']}, window {evaluation.get('window')} tokens, "
+             + (f"the first {evaluation['limit']} examples of each task" if evaluation.get("limit")
+                else "every example of each task"), "",
              "| task | metric | score | centered | baseline | examples | truncated |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in evaluation["tasks"]:
