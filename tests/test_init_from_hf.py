@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_mxfp4 import RELEASED, write_released
-from tests.test_multihost import env_with_devices, free_port, outputs_of
+from tests.test_multihost import free_port, outputs_of
+from tests.worker_env import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "hf_init_worker.py")
@@ -36,7 +37,7 @@ def test_two_processes_read_half_each_and_build_the_state_of_a_full_load(dirs):
     """Two processes x 4 simulated devices = one 8-device mesh fsdp=4, expert=2."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, "4", f"{dirs / 'four'}@fsdp=4,expert=2",
-                               f"{dirs / 'three'}@fsdp=4,expert=2", "--cluster", f"127.0.0.1:{port},2,{i}"], cwd=ROOT, env=env_with_devices(4),
+                               f"{dirs / 'three'}@fsdp=4,expert=2", "--cluster", f"127.0.0.1:{port},2,{i}"], cwd=ROOT, env=worker_env(4),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = outputs_of(procs)
     reports = [results(out) for out in outputs]
