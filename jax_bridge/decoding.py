@@ -15,7 +15,6 @@ batch axes and the kernels run as they do in training under that mesh.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import NamedTuple
 
@@ -33,7 +32,7 @@ from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token
 from jax_bridge.step import COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision
 from torch_model import kv_cache
-from torch_model.lora import is_adapted, swapping_parametrized_tensors
+from torch_model.lora import tracing_scope
 
 PROMPT_MULTIPLE = 32      # prompt lengths are padded up to a multiple of this
 LENGTH_MULTIPLE = 64      # and the total (prompt bucket + new tokens) to a multiple of this
@@ -110,7 +109,7 @@ class Decoder:
                  decode_kernels: str | dict | None = None, matmul_precision: str | None = None,
                  compute_dtype: str | None = None, compiler_options: dict | None = None,
                  platform: str | None = None, mesh=None):
-        self.cfg = model.cfg
+        self.model, self.cfg = model, model.cfg
         self.env = get_env()
         self.platform = check_platform(platform or host_platform(), "Decoder platform")
         ops = registry.OPS + registry.GENERATION_OPS
@@ -128,8 +127,7 @@ class Decoder:
         else:       # from the host straight into shards: no device ever holds a whole model
             sharding.check_model_fits(self.cfg, mesh)
             host = cast_params({n: p.detach().float().numpy() for n, p in model.named_parameters()}, compute)
-            self.params = sharding.place(host, {name: NamedSharding(mesh, sharding.param_spec(name, p.shape, mesh))
-                                                for name, p in host.items()})
+            self.params = sharding.place(host, sharding.state_shardings(host, mesh))
         # Tuples in model order, never sets: the traced program (hence the persistent cache key)
         # must not depend on the process's string hashing.
         self.linear_weights = tuple(f"{name}.weight" for name, module in model.named_modules()
@@ -138,9 +136,6 @@ class Decoder:
                                     if name.endswith(("experts.gate_up_proj", "experts.down_proj")))
         self._layouts: dict[Layout, dict] = {}
         self._forward = model_function(model, "forward_cached")
-        # A model holding peft's LoRA layers: traced twice (prefill, decode), its parameters kept.
-        self._tracing = ((lambda: swapping_parametrized_tensors(model)) if is_adapted(model)
-                         else contextlib.nullcontext)
         self._programs: dict[tuple, object] = {}
         self.compilations: list[Compilation] = []
 
@@ -178,7 +173,7 @@ class Decoder:
         if layout.split_experts:
             params.update({k: jnp.stack(params[k]) for k in self.expert_weights})
         with registry.routed(self.env, kernels, platform=self.platform, mesh=self.mesh), \
-                jax.default_matmul_precision(self.matmul_precision), self._tracing():
+                jax.default_matmul_precision(self.matmul_precision), tracing_scope(self.model):
             return self._forward(params, ids, positions, cache, start)
 
     def _empty_cache(self, batch: int, length: int) -> kv_cache.KVCache:
@@ -228,7 +223,7 @@ class Decoder:
         """Inputs: rows split over the batch axes, or replicated (None: no mesh, one device)."""
         if self.mesh is None:
             return None
-        return NamedSharding(self.mesh, PartitionSpec(sharding.batch_axes(self.mesh)) if split_rows else PartitionSpec())
+        return sharding.rows_sharding(self.mesh) if split_rows else NamedSharding(self.mesh, PartitionSpec())
 
     def place_inputs(self, ids, positions, active, values: SamplingValues, key):
         """The prefill program's inputs on the devices, as it was compiled for them."""

@@ -273,6 +273,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, batch_axes(mesh), None))
 
 
+def rows_sharding(mesh: Mesh) -> NamedSharding:
+    """Inference inputs whose first axis is rows (requests, prompts): rows split over the batch axes."""
+    return NamedSharding(mesh, P(batch_axes(mesh)))
+
+
 def constrain(x, mesh: Mesh | None, axes: Iterable):
     """A sharding constraint by logical names (GSPMD needs these where it cannot infer well)."""
     if mesh is None:

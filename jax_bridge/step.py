@@ -21,7 +21,7 @@ from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform
-from torch_model.lora import is_adapted, swapping_parametrized_tensors, unwrap
+from torch_model.lora import tracing_scope, unwrap
 from torch_model.model import keeps_float32
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 
@@ -121,7 +121,6 @@ class TrainStep:
         self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
         self.layout = self.layer_layout.tag     # how state.params are stored (train/checkpoint.py LAYOUTS)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
-        self.lora = is_adapted(model)
         self.layer_plan = plan_parameters([(n, p) for n, p in model.named_parameters() if p.requires_grad],
                                           adapters=opt_cfg.adapter_optimizer)
         self._check_frozen_stack()
@@ -226,11 +225,11 @@ class TrainStep:
     def routing(self):
         """While tracing: the model's hot ops run the chosen kernels (compiled for this step's
         platform, with their options) and its own matmuls run at the step's precision; a LoRA
-        model's expert parametrizations swap tensors (lora.swapping_parametrized_tensors)."""
+        model's expert parametrizations swap tensors (lora.tracing_scope)."""
         with registry.routed(self.env, self.kernels, platform=self.platform, options=self.cfg.kernel_options,
                              mesh=self.mesh), \
                 jax.default_matmul_precision(self.cfg.matmul_precision), \
-                (swapping_parametrized_tensors(self.model) if self.lora else contextlib.nullcontext()):
+                tracing_scope(self.model):
             yield
 
     def loss_and_metrics(self, params, inputs, labels, packed: tuple = ()):

@@ -206,6 +206,12 @@ def swapping_parametrized_tensors(model=None):
                     registry.update(before_trace)
 
 
+def tracing_scope(model):
+    """The scope to trace `model` in: `swapping_parametrized_tensors(model)` for a model holding
+    peft's layers (the train step, the scorer and the decoder trace through it), else none."""
+    return swapping_parametrized_tensors(model) if is_adapted(model) else contextlib.nullcontext()
+
+
 def merged_state_dict(wrapped, params: dict) -> dict:
     """The plain model's state_dict for `params` (the wrapped model's own names: base, adapters),
     the adapters merged into their base weights by peft. `wrapped` is left as it was: peft's

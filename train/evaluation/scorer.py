@@ -12,7 +12,6 @@ question's choices) compute it once instead: train.evaluation.shared_context.
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 from pathlib import Path
 from typing import Sequence
@@ -20,13 +19,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from torch_model.lora import ADAPTER_NAME, is_adapted, swapping_parametrized_tensors
+from torch_model.lora import ADAPTER_NAME, tracing_scope
 from train.errors import UserError
 from train.evaluation.requests import (GenerationRequest, GenerationResult, Loglikelihood, LoglikelihoodRequest,
                                        window)
 from train.evaluation.shared_context import (ContextPrograms, continuation_bucket, continuation_inputs,
                                              plan_batches, prefill_inputs)
-from train.evaluation.target_logprobs import Compilation, HiddenStates, positions_tile, target_scores
+from train.evaluation.target_logprobs import Compilation, HiddenStates, positions_tile, request_scores
 
 MIN_LENGTH = 16                  # shortest length bucket (positions per row)
 MIN_SCORED = 8                   # fewest scored positions per row a program takes
@@ -105,10 +104,7 @@ class CompiledScorer:
         self.compute_dtype = COMPUTE_DTYPES[self.step_cfg.compute_dtype]
         self.layout = LayerLayout.for_config(cfg, scan_layers)
         self.forward = layered_forward(HiddenStates(model), self.layout, mesh=mesh)
-        # A LoRA model (peft's layers in ours) traces inside peft's parametrization scope; a head
-        # trained whole by peft (modules_to_save) is read under its own name.
-        self.tracing = ((lambda: swapping_parametrized_tensors(model)) if is_adapted(model)
-                         else contextlib.nullcontext)
+        # A head trained whole by peft (modules_to_save) is read under its own name.
         trained_head = f"lm_head.modules_to_save.{ADAPTER_NAME}.weight"
         self.head_name = trained_head if trained_head in dict(model.named_parameters()) else "lm_head.weight"
         self.compilations: list[Compilation] = []
@@ -177,12 +173,11 @@ class CompiledScorer:
         tile = positions_tile(rows, width, self.cfg.vocab_size, self.shards)
         with registry.routed(self.env, self.kernels, platform=self.step_cfg.platform,
                              options=self.step_cfg.kernel_options, mesh=self.mesh), \
-                jax.default_matmul_precision(self.step_cfg.matmul_precision), self.tracing():
+                jax.default_matmul_precision(self.step_cfg.matmul_precision), tracing_scope(self.model):
             hidden = sharding.constrain(self.forward(params, inputs), self.mesh, ("batch", None, None))
             picked = jnp.take_along_axis(hidden, index[..., None], axis=1)            # [B, K, H]
-            logprobs, best = target_scores(picked, params[self.head_name], jnp.take_along_axis(targets, index, 1),
-                                           tile)
-        return jnp.where(scored, logprobs, 0.0).sum(1), jnp.all(best | ~scored, axis=1)
+            return request_scores(picked, params[self.head_name], jnp.take_along_axis(targets, index, 1), scored,
+                                  tile)
 
     def _batch_specs(self, rows: int, positions: int, scored: int):
         import jax
@@ -194,13 +189,11 @@ class CompiledScorer:
                 jax.ShapeDtypeStruct((rows, scored), jnp.bool_, sharding=shard))
 
     def _batch_sharding(self):
-        import jax
-
         from jax_bridge import sharding
 
         if self.mesh is None:
             return None
-        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(sharding.batch_axes(self.mesh), None))
+        return sharding.rows_sharding(self.mesh)
 
     def lower(self, rows: int, positions: int, scored: int | None = None, params=None):
         """The scoring program of one bucket as a `jax.stages.Lowered`; scored: positions scored

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from torch_model import kv_cache
-from train.evaluation.target_logprobs import HiddenStates, positions_tile, target_scores
+from torch_model.lora import tracing_scope
+from train.evaluation.target_logprobs import HiddenStates, positions_tile, request_scores
 
 MIN_CONTINUATION = 8     # fewest continuation positions per row a program takes (> 1: see Attention.forward_cached)
 
@@ -110,7 +111,7 @@ class ContextPrograms:
 
         s = self.scorer
         with registry.routed(s.env, self.kernels, platform=s.step_cfg.platform, options=s.step_cfg.kernel_options), \
-                jax.default_matmul_precision(s.step_cfg.matmul_precision), s.tracing():
+                jax.default_matmul_precision(s.step_cfg.matmul_precision), tracing_scope(s.model):
             return self.forward_cached(s.layout.unstack(params), *args)
 
     def _prefill_and_score(self, params, context_ids, context_positions, *rows, slots: int):
@@ -127,14 +128,12 @@ class ContextPrograms:
 
     def _score(self, params, cache, context_of_row, ids, positions, targets, scored, start):
         import jax
-        import jax.numpy as jnp
 
         s = self.scorer
         row_cache = jax.tree.map(lambda a: a[context_of_row], cache)       # each row reads its context
         hidden, _ = self._run(params, ids, positions, row_cache, start)
         tile = positions_tile(*ids.shape, s.cfg.vocab_size, 1)
-        logprobs, best = target_scores(hidden, params[s.head_name], targets, tile)
-        return jnp.where(scored, logprobs, 0.0).sum(1), jnp.all(best | ~scored, axis=1)
+        return request_scores(hidden, params[s.head_name], targets, scored, tile)
 
     def prefill_and_score(self, context_ids: np.ndarray, context_positions: np.ndarray, slots: int, *rows):
         """(the contexts' KV cache of `slots` slots, on device; summed log-probability [rows];

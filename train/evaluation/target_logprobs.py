@@ -59,3 +59,12 @@ def target_scores(hidden, head, targets, tile: int):
 
     logprobs, best = jax.lax.map(one, slices)
     return logprobs.swapaxes(0, 1).reshape(b, t), best.swapaxes(0, 1).reshape(b, t)
+
+
+def request_scores(hidden, head, targets, scored, tile: int):
+    """Per row: (summed log p(target) over the `scored` positions [B] float32, every scored
+    target is the argmax [B]); `target_scores` of the positions, padding left out."""
+    import jax.numpy as jnp
+
+    logprobs, best = target_scores(hidden, head, targets, tile)
+    return jnp.where(scored, logprobs, 0.0).sum(1), jnp.all(best | ~scored, axis=1)
