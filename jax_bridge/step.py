@@ -192,26 +192,28 @@ class TrainStep:
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and (with a mesh) shardings of the train state, computed without any
         weights: the model may live on the `meta` device (planning a preset that fits no host)."""
-        stack = lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
         trainable = {n: a for n, a in abstract_params(self.model).items() if n in self.layer_plan}
         flat = TrainState(trainable, abstract_optimizer_state(self.model, self.layer_plan))
-        state = self.layer_layout.map_state(lambda d: self.layer_layout.stack(d, stack=stack), flat)
-        if self.mesh is None:
-            return state
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                            self.state_shardings(state))
+        return self._on_mesh(self.layer_layout.map_state(self._stack_abstract, flat))
 
     def abstract_frozen(self) -> dict:
         """Shapes, dtypes (the compute dtype; routers float32) and shardings of the frozen
         parameters, without weights (see abstract_state)."""
-        stack = lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
         flat = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if keeps_float32(n) else self.compute_dtype)
                 for n, a in abstract_params(self.model).items() if n not in self.layer_plan}
-        frozen = self.layer_layout.stack(flat, stack=stack)
+        return self._on_mesh(self._stack_abstract(flat))
+
+    def _stack_abstract(self, flat: dict) -> dict:
+        """Abstract arrays stacked in this step's layer layout (shapes only)."""
+        return self.layer_layout.stack(flat, stack=lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape),
+                                                                                   xs[0].dtype))
+
+    def _on_mesh(self, tree):
+        """Abstract arrays with this step's shardings (as they are without a mesh)."""
         if self.mesh is None:
-            return frozen
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), frozen,
-                            self.state_shardings(frozen))
+            return tree
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+                            self.state_shardings(tree))
 
     def state_shardings(self, state):
         return None if self.mesh is None else sharding.state_shardings(state, self.mesh)

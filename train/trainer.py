@@ -426,13 +426,19 @@ class Trainer:
         self.last_eval = result
         return result
 
-    def _task_scores(self) -> dict:
-        """The --eval-tasks scores, computed on the primary process from the gathered host parameters
-        (every process takes part in the gathering)."""
+    def _host_parameters(self) -> dict:
+        """Every parameter, trainable and frozen, as float32 torch tensors on the host under per-layer
+        names (frozen ones may be held in the compute dtype). Every process takes part in gathering
+        arrays that span processes."""
         from jax_bridge import sharding
         from jax_bridge.lowering import params_to_torch
 
         params = params_to_torch(sharding.to_host(self.step.layer_params(self.step.full_params(self.state.params))))
+        return {n: t.float() for n, t in params.items()}
+
+    def _task_scores(self) -> dict:
+        """The --eval-tasks scores, computed on the primary process from the gathered host parameters."""
+        params = self._host_parameters()
         if not self.primary:
             return {}
         if self.peft_model is not None:        # a LoRA run: scored as base + adapters merged
@@ -488,8 +494,6 @@ class Trainer:
         return {"steps": self.done, "stopped": reason, "checkpoint": str(path)}
 
     def finish(self) -> dict:
-        from jax_bridge import sharding
-        from jax_bridge.lowering import params_to_torch
         from train.plots import plot_run
 
         path = self.save(wait=True)
@@ -499,10 +503,7 @@ class Trainer:
         summary = {"steps": self.done, "train_seconds": wall, "checkpoint": str(path),
                    "val_loss_end": self.last_eval.get("val_loss"), "val_bpb_end": self.last_eval.get("val_bpb"),
                    "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count}
-        # The parameters under per-layer names on the host, for the samples (every process takes
-        # part in gathering arrays that span processes).
-        params = params_to_torch(sharding.to_host(self.step.layer_params(self.step.full_params(self.state.params))))
-        params = {n: t.float() for n, t in params.items()}      # frozen ones may be in the compute dtype
+        params = self._host_parameters()        # for the samples
         if self.primary:
             self.metrics.close()
             self.metrics = None
