@@ -39,6 +39,7 @@ from train.checkpoint_integrity import (CheckpointDamaged, fault_while_saving, h
                                         write_manifest)
 from train.errors import UserError
 from train.jsonfile import read_json
+from train.lora_checkpoint import is_lora_meta
 from train.model_checks import check_tensors, config_from_dict, model_shapes  # noqa: F401 (also this module's API)
 
 FORMAT, VERSION = "torchlyra-checkpoint", 2
@@ -432,7 +433,7 @@ def _open_checked(path):
     meta, cfg = read_meta(step_dir)
     stored = stored_shapes(step_dir)
     where = f"checkpoint {step_dir}"
-    if isinstance(meta.get("lora"), dict):
+    if is_lora_meta(meta):
         raise UserError(f"{where} holds LoRA adapters of the base {meta['lora']['base']['path']}, not a whole model: "
                         f"load it with train.lora_checkpoint.load_lora_model")
     for key, (_, dtype) in stored.items():

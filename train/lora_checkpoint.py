@@ -19,6 +19,11 @@ CHECKPOINT_BASE, HF_BASE = "checkpoint", "huggingface"
 HF_HASHED_FILES = ("config.json", "model.safetensors.index.json")
 
 
+def is_lora_meta(meta: dict) -> bool:
+    """Whether checkpoint metadata is a LoRA checkpoint's (adapters and a base reference)."""
+    return isinstance(meta.get(LORA_META), dict)
+
+
 def base_reference(init_from: str | os.PathLike, init_meta: dict) -> dict:
     """The reference to the base a LoRA run starts from. Our checkpoint: its step directory and
     the sha256 of its integrity manifest (which holds every file's sha256, so it hashes the whole
@@ -84,7 +89,7 @@ def load_lora_model(checkpoint: str | os.PathLike):
 
     step_dir = find_checkpoint(checkpoint)
     meta, cfg = read_meta(step_dir)
-    if not isinstance(meta.get(LORA_META), dict):
+    if not is_lora_meta(meta):
         raise UserError(f"checkpoint {step_dir} holds no LoRA adapters (no '{LORA_META}' in its metadata)")
     model = GptOssForCausalLM(cfg)
     model.load_state_dict(load_base_state(meta))

@@ -13,12 +13,12 @@ def lora_meta(checkpoint: str | os.PathLike) -> dict | None:
     directory), None for any other checkpoint or a Hugging Face directory."""
     from parity.hf_model import is_hf_dir
     from train.checkpoint import find_checkpoint, read_meta
-    from train.lora_checkpoint import LORA_META
+    from train.lora_checkpoint import is_lora_meta
 
     if is_hf_dir(checkpoint):
         return None
     meta, _ = read_meta(find_checkpoint(checkpoint))
-    return meta if isinstance(meta.get(LORA_META), dict) else None
+    return meta if is_lora_meta(meta) else None
 
 
 def load_lora_for_inference(checkpoint, *, merge: bool = False):
@@ -74,6 +74,6 @@ def inference_tokenizer(checkpoint, meta: dict):
     """(tiktoken Encoding or None, one line saying which) of a checkpoint loaded by
     `load_inference_model`: a LoRA checkpoint's falls back to its base's."""
     from train.checkpoint import checkpoint_tokenizer
-    from train.lora_checkpoint import LORA_META
+    from train.lora_checkpoint import is_lora_meta
 
-    return (lora_tokenizer if LORA_META in meta else checkpoint_tokenizer)(checkpoint, meta)
+    return (lora_tokenizer if is_lora_meta(meta) else checkpoint_tokenizer)(checkpoint, meta)

@@ -257,7 +257,7 @@ class Trainer:
         cfg = self.cfg
         if meta:
             model_cfg = checkpoint.config_from_dict(meta["model"], f"checkpoint {meta['step_dir']} field 'model'")
-            if not isinstance(meta.get(lora_checkpoint.LORA_META), dict):
+            if not lora_checkpoint.is_lora_meta(meta):
                 return model_cfg, None
             self.base_reference = meta[lora_checkpoint.LORA_META]["base"]
             return model_cfg, lora_checkpoint.load_base_state(meta)     # the base, verified
