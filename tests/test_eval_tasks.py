@@ -243,7 +243,7 @@ def test_eval_tasks_end_to_end(tmp_path, capsys, checkpoints, tokenizer, model):
     eager greedy tokens' (cut at the stop string); the report card has one row per task and the
     model's step and tokens seen."""
     from parity.generation import eager_greedy
-    from train.evaluation.runner import cut_at_stop
+    from train.evaluation.greedy import cut_at_stop
 
     chat_ck, _ = checkpoints
     records = [{"context": e.context, "choices": list(e.choices), "gold": e.gold} for e in MC.examples]
@@ -272,7 +272,7 @@ def test_eval_tasks_end_to_end(tmp_path, capsys, checkpoints, tokenizer, model):
     bos = model.cfg.bos_token_id
     prompts = [[bos, *tokenizer.encode_ordinary(p)] for p in ("The capital of France is", "Two plus two")]
     eager, _ = eager_greedy(model, prompts, 6)
-    texts = [cut_at_stop(tokenizer.decode([t for t in ids if t != bos]), (".",)) for ids in eager]
+    texts = [cut_at_stop(tokenizer.decode([t for t in ids if t != bos]), (".",))[0] for ids in eager]
     assert [e["output"] for e in got["gen"]["per_example"]] == texts
     assert evaluation["model"]["step"] == 7 and evaluation["model"]["tokens_seen"] == 7 * 4 * 32
     text = card.read_text()

@@ -3,40 +3,36 @@ start; at each evaluation the host parameters are scored by the eager reference 
 on the first `limit` examples of each task, and the scores become fields of the "eval" record."""
 from __future__ import annotations
 
-from train.evaluation.suite import load_tasks, parse_spec
+from train.errors import UserError
+from train.evaluation.suite import HUMANEVAL, load_tasks, parse_spec, run_suite
+from train.evaluation.tasks import GENERATIVE
 
 
 class TaskEvaluator:
     def __init__(self, spec: str, tokenizer, model_cfg, limit: int):
         names = parse_spec(spec)
-        if "humaneval" in names:
-            from train.errors import UserError
-
+        if HUMANEVAL in names:
             raise UserError("--eval-tasks: humaneval runs generated programs; run it with `torchlyra eval`")
         self.names, self.tokenizer, self.model_cfg, self.limit = names, tokenizer, model_cfg, limit
         self.tasks = load_tasks(names)          # a fetch or a bad task file fails before training
         for task in self.tasks:
-            if task.settings.kind == "generative":
-                from train.errors import UserError
-
+            if task.settings.kind == GENERATIVE:
                 raise UserError(f"--eval-tasks: task {task.name} is generative; training evaluates "
                                 "log-likelihood tasks only (run it with `torchlyra eval`)")
 
     def __call__(self, host_params: dict) -> dict:
         """{"tasks": {name: score}, "tasks_centered": {name: centered}[, "core6": mean centered]}."""
         from torch_model.model import GptOssForCausalLM
-        from train.evaluation.core import CORE_TASKS
+        from train.evaluation.core import SUITE_NAME
         from train.evaluation.eager_scorer import EagerScorer
-        from train.evaluation.runner import run_task
 
         model = GptOssForCausalLM(self.model_cfg)
         model.load_state_dict({k: v.float() for k, v in host_params.items()})
-        scorer = EagerScorer(model.eval())
-        results = [run_task(t, scorer=scorer, generator=None, tokenizer=self.tokenizer,
-                            bos=self.model_cfg.bos_token_id, limit=self.limit, progress=False) for t in self.tasks]
+        evaluation = run_suite(self.names, self.tasks, scorer=EagerScorer(model.eval()), generator=None,
+                               tokenizer=self.tokenizer, bos=self.model_cfg.bos_token_id, limit=self.limit,
+                               progress=False)
+        results = evaluation["tasks"]
         record = {"tasks": {r["task"]: r["score"] for r in results},
                   "tasks_centered": {r["task"]: r["centered"] for r in results}}
-        core = [r["centered"] for r in results if r["task"] in CORE_TASKS]
-        if "core" in self.names:
-            record["core6"] = sum(core) / len(core)
+        record.update({"core6": s["score"] for s in evaluation["suites"] if s["name"] == SUITE_NAME})
         return record

@@ -8,15 +8,11 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from train.errors import UserError
+from train.evaluation.greedy import cut_at_stop
 from train.evaluation.prompts import PromptBuilder
 from train.evaluation.tasks import GENERATIVE, LANGUAGE_MODELING, MULTIPLE_CHOICE, Task, centered
 
 CHUNK = 256      # requests per scorer call: progress granularity, and room for the scorer's batching
-
-
-def cut_at_stop(text: str, stops) -> str:
-    cuts = [text.index(s) for s in stops if s in text]
-    return text[:min(cuts)] if cuts else text
 
 
 def limited(task: Task, limit: int | None) -> range:
@@ -71,7 +67,7 @@ def score_generative(task: Task, generator, builder: PromptBuilder, indices: ran
             bar.update(min(CHUNK, len(requests) - start))
     per_example = []
     for i, r in zip(indices, results):
-        text = cut_at_stop(r.text, task.settings.stop)
+        text = cut_at_stop(r.text, task.settings.stop)[0]
         per_example.append({"index": i, "output": text, "correct": text.strip() == task.examples[i].answer.strip()})
     n = max(len(per_example), 1)
     return {"accuracy": sum(e["correct"] for e in per_example) / n,
