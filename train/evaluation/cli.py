@@ -29,14 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_model(checkpoint: str, merge: bool = False):
     """(float32 torch model, tokenizer, model info) of a checkpoint (ours, a Hugging Face one, or
     LoRA adapters on their base)."""
-    from train.evaluation.scorer import checkpoint_info
-    from train.lora_inference import inference_tokenizer, load_inference_model
+    from train.evaluation.scorer import load_evaluated_model
 
-    model, meta = load_inference_model(checkpoint, merge=merge)
-    tokenizer, found = inference_tokenizer(checkpoint, meta)
+    model, tokenizer, found, info = load_evaluated_model(checkpoint, merge=merge)
     if tokenizer is None:
         raise UserError(f"checkpoint {checkpoint}: no tokenizer to build prompts with (tokenizer: {found})")
-    return model, tokenizer, checkpoint_info(meta)
+    return model, tokenizer, info
 
 
 def eager_generator(args, model, tokenizer):

@@ -339,16 +339,23 @@ def checkpoint_info(meta: dict) -> dict:
             "tokens_seen": tokens}
 
 
-def load_scorer(checkpoint_or_hf_dir, *, kernels: str | dict | None = "xla", mesh=None, batch_size: int = 16,
-                max_length: int | None = None, merge: bool = False, **scorer_options):
-    """(CompiledScorer, tokenizer or None, info) of a checkpoint (run, checkpoints or step
-    directory), a Hugging Face GptOss directory or a LoRA checkpoint (base + adapters unmerged,
-    or merged with `merge`), loaded as every inference command loads them; info:
-    `checkpoint_info`. Other keywords go to CompiledScorer."""
+def load_evaluated_model(checkpoint_or_hf_dir, *, merge: bool = False):
+    """(float32 model in eval mode, tokenizer or None, one line saying which tokenizer, info) of a
+    checkpoint (run, checkpoints or step directory), a Hugging Face GptOss directory or a LoRA
+    checkpoint (base + adapters unmerged, or merged with `merge`), loaded as every inference
+    command loads them; info: `checkpoint_info`."""
     from train.lora_inference import inference_tokenizer, load_inference_model
 
     model, meta = load_inference_model(checkpoint_or_hf_dir, merge=merge)
-    tokenizer, _ = inference_tokenizer(checkpoint_or_hf_dir, meta)
+    tokenizer, found = inference_tokenizer(checkpoint_or_hf_dir, meta)
+    return model, tokenizer, found, checkpoint_info(meta)
+
+
+def load_scorer(checkpoint_or_hf_dir, *, kernels: str | dict | None = "xla", mesh=None, batch_size: int = 16,
+                max_length: int | None = None, merge: bool = False, **scorer_options):
+    """(CompiledScorer, tokenizer or None, info) of a checkpoint (`load_evaluated_model`). Other
+    keywords go to CompiledScorer."""
+    model, tokenizer, _, info = load_evaluated_model(checkpoint_or_hf_dir, merge=merge)
     scorer = CompiledScorer(model, kernels=kernels, mesh=mesh, batch_size=batch_size, max_length=max_length,
                             tokenizer=tokenizer, **scorer_options)
-    return scorer, tokenizer, checkpoint_info(meta)
+    return scorer, tokenizer, info
