@@ -35,6 +35,12 @@ def lora_settings(peft_model) -> dict:
             "target_parameters": sorted(config.target_parameters or [])}
 
 
+def describe(settings: dict) -> str:
+    """'r=16, alpha=32 on q_proj, ...': lora_settings in one line."""
+    return (f"r={settings['r']}, alpha={settings['alpha']:g} on "
+            + ", ".join(settings["target_modules"] + settings["target_parameters"]))
+
+
 def export_adapter(peft_model, out_dir, *, base_model: str | None = None, overwrite: bool = False) -> dict:
     """Write peft's adapter files for a peft-wrapped model of ours into `out_dir`, atomically.
 
@@ -58,10 +64,8 @@ def export_adapter(peft_model, out_dir, *, base_model: str | None = None, overwr
         base_note = (f"`{base_model}`." if base_model else
                      "not recorded: load the base this adapter was trained on (`torchlyra export` of its "
                      "base checkpoint, or the released gpt-oss directory).")
-        spec = f"r={settings['r']}, alpha={settings['alpha']:g}, on " + ", ".join(
-            settings["target_modules"] + settings["target_parameters"])
         (tmp / "README.md").write_text(ADAPTER_README.format(
-            name=Path(out_dir).name, spec=spec, base=base_model or "BASE_DIR", base_note=base_note))
+            name=Path(out_dir).name, spec=describe(settings), base=base_model or "BASE_DIR", base_note=base_note))
     n_params = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)   # modules_to_save too
     return {"out": str(out_dir), "files": list(ADAPTER_FILES) + ["README.md"], "n_adapter_params": n_params,
             "base_model": base_model, **settings}
@@ -82,8 +86,7 @@ def export_merged(peft_model, cfg, out_dir, *, step: int = 0, enc=None, dtype: s
     """Base + adapter merged (consuming `peft_model`, see merged_params), written as hf_export
     writes a checkpoint (float32, bfloat16 or the released MXFP4 layout)."""
     settings = lora_settings(peft_model)
-    note = (f"\nLoRA merged: r={settings['r']}, alpha={settings['alpha']:g} on "
-            + ", ".join(settings["target_modules"] + settings["target_parameters"])
+    note = (f"\nLoRA merged: {describe(settings)}"
             + (" (MXFP4 rounds away the part of the adapter's change below each block's grid step)"
                if dtype == "mxfp4" else "") + ".\n")
     return hf_export.write_hf_dir(cfg, merged_params(peft_model), out_dir, step=step, enc=enc, dtype=dtype,

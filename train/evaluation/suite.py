@@ -50,10 +50,10 @@ def load_tasks(names: list[str]) -> list:
 
 def humaneval(generator, tokenizer, *, limit, progress) -> dict:
     """HumanEval pass@1: evalgen's runner, programs executed in its sandbox (humaneval.py)."""
-    from train.evaluation.humaneval import run_humaneval
+    from train.evaluation.humaneval import PROBLEMS, run_humaneval
 
     result = run_humaneval(generator, tokenizer, limit=limit, progress=progress)
-    return {"kind": "generative", "centered": result["score"], "of": 164, **result}
+    return {"kind": "generative", "centered": result["score"], "of": PROBLEMS, **result}
 
 
 def run_suite(names: list[str], tasks: list, *, scorer, generator, tokenizer, bos: int, limit: int | None = None,
