@@ -26,14 +26,10 @@ from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_s
 from parity.report import ERROR, Report, Row
 from parity.runs import capture_routing, forced_routing, kernel_options_for, to_numpy
 from torch_model.config import ModelConfig
-from torch_model.lora import LoraSpec, apply_lora, swapping_parametrized_tensors
+from torch_model.lora import LoraSpec, apply_lora, is_adapter_parameter, swapping_parametrized_tensors
 from torch_model.model import IGNORE_INDEX
 
 DTYPE = "float32"          # the LoRA rows compare float32 paths (the brief's bounds)
-
-
-def is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
 
 
 def base_of(peft_model):
@@ -52,7 +48,7 @@ def lora_parity_model(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, a
         for name, p in wrapped.named_parameters():
             if adapters is not None and p.requires_grad:
                 p.copy_(adapters[name])
-            elif adapters is None and is_adapter(name):
+            elif adapters is None and is_adapter_parameter(name):
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     return wrapped
 

@@ -173,8 +173,13 @@ def unwrap(model):
     return get_base() if callable(get_base) else model
 
 
+def is_adapter_parameter(name: str) -> bool:
+    """Whether `name` is a LoRA A or B matrix of peft's adapter (`...lora_A.default.weight`)."""
+    return _ADAPTER.fullmatch(name) is not None
+
+
 def is_adapted(model) -> bool:
-    return any(_ADAPTER.fullmatch(name) or f".modules_to_save.{ADAPTER_NAME}." in name
+    return any(is_adapter_parameter(name) or f".modules_to_save.{ADAPTER_NAME}." in name
                for name, _ in model.named_parameters())
 
 
