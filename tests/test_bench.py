@@ -128,13 +128,19 @@ def test_bench_records_a_failing_implementation(tmp_path):
             assert r["error"] is None and r["temp_bytes"] > 0
 
 
-def test_bench_generate_runs_every_path_side_by_side(tmp_path, capsys, monkeypatch):
+def use_micro_tiny(monkeypatch, **changes):
+    """The `tiny` preset shrunk to a 2-layer micro model (and `changes`) for the bench smoke runs."""
     from torch_model import config
+
+    micro = config.get_preset("tiny").replace(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                                             n_experts=4, expert_dim=16, sliding_window=8, **changes)
+    monkeypatch.setitem(config.PRESETS, "tiny", micro)
+
+
+def test_bench_generate_runs_every_path_side_by_side(tmp_path, capsys, monkeypatch):
     from train.cli import main
 
-    micro = config.get_preset("tiny").replace(vocab_size=256, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                                             head_dim=16, n_experts=4, expert_dim=16, sliding_window=8, max_seq_len=16)
-    monkeypatch.setitem(config.PRESETS, "tiny", micro)
+    use_micro_tiny(monkeypatch, vocab_size=256, max_seq_len=16)
     out = tmp_path / "generate.json"
     assert main(["bench", "generate", "--batches", "2", "--prompt-len", "5", "--new-tokens", "6", "--repeats", "1",
                  "--warmup", "0", "--hf-threads", "1", "--json", str(out)]) == 0
@@ -153,12 +159,9 @@ def test_bench_generate_runs_every_path_side_by_side(tmp_path, capsys, monkeypat
 def test_bench_eval_scores_a_few_shot_task_with_both_backends_alike(tmp_path, capsys, monkeypatch):
     """`bench eval` on a micro model: our lm-eval backend and lm-eval's `hf` backend answer the same
     1-shot multiple-choice requests with the same log-likelihoods and greedy flags, side by side."""
-    from torch_model import config
     from train.cli import main
 
-    micro = config.get_preset("tiny").replace(vocab_size=320, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                                             head_dim=16, n_experts=4, expert_dim=16, sliding_window=8, max_seq_len=256)
-    monkeypatch.setitem(config.PRESETS, "tiny", micro)
+    use_micro_tiny(monkeypatch, vocab_size=320, max_seq_len=256)
     out = tmp_path / "eval.json"
     assert main(["bench", "eval", "--examples", "3", "--choices", "3", "--shots", "1", "--batch-sizes", "2",
                  "--repeats", "1", "--hf-threads", "1", "--json", str(out)]) == 0
