@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch_model.lora import base_parameter_of, is_expert_adapter
 
 MUON, ADAMW = "muon", "adamw"
+ADAPTER_OPTIMIZERS = (MUON, ADAMW)      # what LoRA adapters of linear layers may take
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class OptimizerConfig:
     adapter_optimizer: str = MUON       # LoRA adapters of linear layers: muon | adamw (experts': adamw)
 
     def __post_init__(self):
-        if self.adapter_optimizer not in (MUON, ADAMW):
+        if self.adapter_optimizer not in ADAPTER_OPTIMIZERS:
             raise ValueError(f"OptimizerConfig.adapter_optimizer must be 'muon' or 'adamw', "
                              f"found {self.adapter_optimizer!r}")
         if self.ns_dtype not in ("float32", "bfloat16"):
@@ -77,9 +78,6 @@ _RULES: list[tuple[str, ParamPlan]] = [
     ("norm.weight", ParamPlan(ADAMW)),
     ("bias", ParamPlan(ADAMW)), ("sinks", ParamPlan(ADAMW)), ("router.weight", ParamPlan(ADAMW)),
 ]
-
-
-ADAPTER_OPTIMIZERS = (MUON, ADAMW)
 
 
 def plan_parameters(named_params, adapters: str = MUON) -> dict[str, ParamPlan]:

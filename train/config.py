@@ -83,6 +83,7 @@ class TrainConfig:
     def _check_lora(self) -> None:
         from torch_model.config import ConfigError
         from torch_model.lora import parse_lora_spec
+        from torch_model.optim import ADAPTER_OPTIMIZERS
 
         if not isinstance(self.lora, str):
             raise UserError(f"config: lora must be a string such as 'r=16,alpha=32,targets=all-linear', found {self.lora!r}")
@@ -97,8 +98,9 @@ class TrainConfig:
         if not isinstance(self.freeze, (list, tuple)) or not all(isinstance(p, str) and p for p in self.freeze):
             raise UserError(f"config: freeze must be a list of name patterns such as ['*.mlp.router.*'], "
                             f"found {self.freeze!r}")
-        if self.adapter_optimizer not in ("muon", "adamw"):
-            raise UserError(f"config: adapter_optimizer must be muon or adamw, found {self.adapter_optimizer!r}")
+        if self.adapter_optimizer not in ADAPTER_OPTIMIZERS:
+            raise UserError(f"config: adapter_optimizer must be {' or '.join(ADAPTER_OPTIMIZERS)}, "
+                            f"found {self.adapter_optimizer!r}")
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -8,6 +8,13 @@ import os
 from pathlib import Path
 
 
+def add_merge_argument(parser) -> None:
+    """`--merge`, as every inference command that takes a LoRA checkpoint offers it."""
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA checkpoint: merge the adapters into the weights first (default: base + adapters "
+                             "unmerged, as trained)")
+
+
 def lora_meta(checkpoint: str | os.PathLike) -> dict | None:
     """The metadata of a LoRA checkpoint named by `checkpoint` (run, checkpoints or step
     directory), None for any other checkpoint or a Hugging Face directory."""

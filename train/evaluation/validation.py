@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from train.errors import UserError
+from train.lora_inference import add_merge_argument
 
 
 def token_byte_lengths(tokenizer, vocab_size: int) -> np.ndarray:
@@ -123,9 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="prepared data directory (default: the one the run trained on)")
     parser.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
     parser.add_argument("--kernels", default="xla", help="kernel choice, as for `train --kernels`")
-    parser.add_argument("--merge", action="store_true",
-                        help="a LoRA checkpoint: merge the adapters into the weights first (default: base + adapters "
-                             "unmerged, as trained)")
+    add_merge_argument(parser)
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
 
 

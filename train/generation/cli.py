@@ -11,6 +11,7 @@ from train.generation import chat
 from train.generation.generator import Generation, Generator, load_for_generation
 from train.generation.sampling import SamplingConfig
 from train.generation.text_stream import TextStream
+from train.lora_inference import add_merge_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="harmony chat format (o200k_harmony models): each --prompt is a user message; "
                              "stops on <|return|> or <|call|>")
-    parser.add_argument("--merge", action="store_true",
-                        help="a LoRA checkpoint: merge the adapters into the weights first (default: base + adapters "
-                             "unmerged, as trained)")
+    add_merge_argument(parser)
     parser.add_argument("--system", default=None, help="with --chat: a system message before each user message")
     parser.add_argument("--messages", default=None,
                         help='with --chat: a JSON file holding one conversation, [{"role": ..., "content": ...}, ...]')
