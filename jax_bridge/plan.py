@@ -136,11 +136,13 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     cfg = get_preset(preset)
     seq_len = seq_len or cfg.max_seq_len
     cfg = cfg.replace(**{"max_seq_len": seq_len, **(model_overrides or {})})
+    spec = None
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg)
         if lora:
             from torch_model.lora import apply_lora, parse_lora_spec
-            model = apply_lora(model, parse_lora_spec(lora))
+            spec = parse_lora_spec(lora)
+            model = apply_lora(model, spec)
     step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, micro_batches=micro_batches,
                           matmul_precision=matmul_precision, platform="tpu", kernel_options=kernel_options,
                           scan_layers=scan_layers, remat=remat)
@@ -162,7 +164,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   packed=packed, lora=lora or "", trainable_params=sum(math.prod(a.shape) for a in
                                                                     jax.tree.leaves(state.params)),
                   frozen_bytes=per_chip_bytes(frozen),
-                  expert_delta_bytes=expert_delta_bytes(frozen, cfg.n_layers) if "experts" in (lora or "") else 0)
+                  expert_delta_bytes=expert_delta_bytes(frozen, cfg.n_layers) if spec and spec.target_parameters else 0)
     held = result.param_bytes + result.optimizer_bytes + result.grad_bytes + result.frozen_bytes
     if held > result.hbm_bytes:         # no need to compile: the state alone does not fit
         result.fits = False
