@@ -39,7 +39,6 @@ from train.checkpoint_integrity import (CheckpointDamaged, fault_while_saving, h
                                         write_manifest)
 from train.errors import UserError
 from train.jsonfile import read_json
-from train.lora_checkpoint import is_lora_meta
 from train.model_checks import check_tensors, config_from_dict, model_shapes  # noqa: F401 (also this module's API)
 
 FORMAT, VERSION = "torchlyra-checkpoint", 2
@@ -49,6 +48,12 @@ TRAIN_STATE, PARAMS_ONLY = "train_state", "params"
 # State groups holding parameters: trained ones, and a --freeze run's frozen ones (a LoRA run
 # stores no frozen group: its base is referenced, train/lora_checkpoint.py).
 PARAM_GROUPS = ("params", "frozen")
+LORA_META = "lora"      # meta key of a LoRA checkpoint: its spec and base reference (train/lora_checkpoint.py)
+
+
+def is_lora_meta(meta: dict) -> bool:
+    """Whether checkpoint metadata is a LoRA checkpoint's (adapters and a base reference)."""
+    return isinstance(meta.get(LORA_META), dict)
 
 
 def _orbax():

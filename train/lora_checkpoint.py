@@ -11,17 +11,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from train.checkpoint import LORA_META, is_lora_meta  # noqa: F401 (the checkpoint format's; this module's API too)
 from train.errors import UserError
 
-# meta["lora"] = {"spec": LoraSpec string, "base": {"path", "kind", "sha256", "hashed"}}
-LORA_META = "lora"
+# meta[LORA_META] = {"spec": LoraSpec string, "base": {"path", "kind", "sha256", "hashed"}}
 CHECKPOINT_BASE, HF_BASE = "checkpoint", "huggingface"
 HF_HASHED_FILES = ("config.json", "model.safetensors.index.json")
-
-
-def is_lora_meta(meta: dict) -> bool:
-    """Whether checkpoint metadata is a LoRA checkpoint's (adapters and a base reference)."""
-    return isinstance(meta.get(LORA_META), dict)
 
 
 def base_reference(init_from: str | os.PathLike, init_meta: dict) -> dict:
