@@ -5,7 +5,7 @@ Every host runs the same command. The cluster is described by flags (`--coordina
 TPU pod slice (its metadata) and SLURM (`SLURM_*` variables). A single process needs nothing.
 On CPU hosts (tests, one machine) the collectives go through gloo. The coordination service's
 heartbeat and shutdown timeouts are the run's `host_timeout_s`: a process silent that long is
-declared dead and the service ends every other process (see train/host_supervisor.py).
+declared dead and the service ends every other process (see train/cluster/host_supervisor.py).
 """
 from __future__ import annotations
 

@@ -384,7 +384,7 @@ class Roofline:
                 if abs(ours - total) > tolerance * max(abs(total), 1.0)]
 
     def set_model_flops(self, model_flops: float) -> None:
-        """The model's FLOPs per step on this device (train/flops.py) and the MFU ceilings they
+        """The model's FLOPs per step on this device (train/run/flops.py) and the MFU ceilings they
         give: model FLOPs / (roofline time x peak), for the whole step and without the optimizer."""
         self.model_flops = model_flops
         if self.seconds:
@@ -490,7 +490,7 @@ def format_roofline(r: Roofline) -> str:
                  f"{_si(r.generic_bytes, 'B')}; per-op sums {_si(r.once_flops, 'FLOP')}, {_si(r.once_bytes, 'B')}: "
                  + ("agree within 1%" if not mismatch else "DISAGREE: " + "; ".join(mismatch)))
     if r.model_flops:
-        lines.append(f"  model FLOPs (train/flops.py) {_si(r.model_flops, 'FLOP')} per device: MFU ceiling "
+        lines.append(f"  model FLOPs (train/run/flops.py) {_si(r.model_flops, 'FLOP')} per device: MFU ceiling "
                      f"{r.mfu_ceiling:.1%} for the step, {r.model_mfu_ceiling:.1%} for the model part alone "
                      f"(without the optimizer's {r.optimizer_seconds * 1e3:.2f} ms)")
     if r.top_memory_bound:

@@ -119,7 +119,7 @@ class TrainStep:
         if mesh is not None:
             sharding.check_model_fits(model.cfg, mesh)
         self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
-        self.layout = self.layer_layout.tag     # how state.params are stored (train/checkpoint.py LAYOUTS)
+        self.layout = self.layer_layout.tag     # how state.params are stored (formats/checkpoint.py LAYOUTS)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
         self.layer_plan = plan_parameters([(n, p) for n, p in model.named_parameters() if p.requires_grad],
                                           adapters=opt_cfg.adapter_optimizer)

@@ -1,1 +1,2 @@
-"""Parity with other implementations: transformers GptOss export/import and logit comparison."""
+"""Comparisons only: eager PyTorch against the lowered JAX run per kernel set, ours against
+transformers, LoRA against eager peft. Every file format they read or write lives in `formats`."""

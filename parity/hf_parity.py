@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from parity import hf_mapping
+from formats import hf_mapping
 from torch_model.config import ModelConfig
 
 

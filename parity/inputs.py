@@ -17,7 +17,7 @@ import torch
 
 from torch_model.config import ModelConfig
 from torch_model.model import IGNORE_INDEX, PAD_SEGMENT, GptOssForCausalLM
-from train.errors import UserError
+from formats.errors import UserError
 
 # The default parity inputs (see the module docstring).
 PARITY_SEQ_LEN = 80

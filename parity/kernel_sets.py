@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from jax_bridge import registry
 from pallas_kernels.platform import host_platform
 from parity.report import SKIP, Row
-from train.errors import UserError
+from formats.errors import UserError
 
 
 def kernel_label(choice: Mapping[str, str]) -> str:

@@ -14,8 +14,8 @@ from parity.report import Report
 from parity.suite import run_parity
 from torch_model.config import ConfigError, get_preset
 from torch_model.lora import parse_lora_spec
-from train.lora_inference import lora_meta
-from train.errors import UserError
+from formats.lora_inference import lora_meta
+from formats.errors import UserError
 
 
 def add_arguments(parser) -> None:
@@ -101,7 +101,7 @@ def run(args) -> int:
         return run_lora_checkpoint(args, say)
     if args.checkpoint:
         try:
-            from train.checkpoint import load_checkpoint
+            from formats.checkpoint import load_checkpoint
         except ImportError as e:
             raise UserError(f"--checkpoint: checkpoint loading is not available ({e})") from None
         state_dict, model_cfg, _ = load_checkpoint(args.checkpoint)
@@ -139,7 +139,7 @@ def _print_lora(report, source: str, args) -> int:
 
 def run_lora_checkpoint(args, say) -> int:
     """--checkpoint of a LoRA run: the LoRA rows on its base and its trained adapters."""
-    from train.lora_checkpoint import LORA_META, load_base_state, load_lora_model
+    from formats.lora_checkpoint import LORA_META, load_base_state, load_lora_model
 
     wrapped, model_cfg, meta = load_lora_model(args.checkpoint)
     adapters = {n: p.detach().clone() for n, p in wrapped.named_parameters() if p.requires_grad}

@@ -67,7 +67,7 @@ from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, rou
 from torch_model.config import ModelConfig
 from torch_model.model import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.optim import OptimizerConfig
-from train.errors import UserError
+from formats.errors import UserError
 
 
 _HF_METRICS = {"max_abs_err": "max_abs", "rel_err": "rel", "top1_agreement": "top1_exact"}

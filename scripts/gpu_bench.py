@@ -26,7 +26,7 @@ A row that fails records its error and the run goes on; the JSON is rewritten af
 Train step (--parts step): the lowered step (bf16 compute, float32 master weights, `auto` kernels) vs
 our eager model + Muon+AdamW on CUDA under bf16 autocast, torch.compile of it, and transformers' GptOss
 eager and compiled with AdamW: forward+backward and full step, interleaved rounds, tokens/s and MFU
-against the GPU's published dense bf16 peak (train/flops.py); its report goes under "step" in the JSON.
+against the GPU's published dense bf16 peak (train/run/flops.py); its report goes under "step" in the JSON.
 Exit status: 0 when every check passed and no row failed, else 1.
 """
 from __future__ import annotations

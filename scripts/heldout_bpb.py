@@ -6,14 +6,14 @@ models with different tokenizers compare. Used for the demo before/after in BENC
 """
 import sys, json, math
 import torch
-from train.checkpoint import load_checkpoint, tokenizer_dir
+from formats.checkpoint import load_checkpoint, tokenizer_dir
 from torch_model.model import GptOssForCausalLM
 
 def load_tok(d):
     try:
-        from train.data.tokenizer import load_tokenizer
+        from formats.tokenizer import load_tokenizer
     except ImportError:  # a checkout from before train/data/ (the "before" run)
-        from train.data.tokenizer import load_tokenizer
+        from formats.tokenizer import load_tokenizer
     return load_tokenizer(d)
 
 ckpt, plays = sys.argv[1], sys.argv[2:]

@@ -21,7 +21,7 @@ import json, sys
 from pathlib import Path
 import numpy as np, torch, safetensors.torch
 sys.path.insert(0, sys.argv[3])
-from parity import hf_mapping
+from formats import hf_mapping
 from torch_model.config import get_preset
 out, layers = Path(sys.argv[1]), int(sys.argv[2])
 cfg = get_preset("gpt-oss-20b").replace(n_layers=layers, layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1))
@@ -52,7 +52,7 @@ MEASURE = r"""
 import json, sys, threading, time
 sys.path.insert(0, sys.argv[3])
 import jax, orbax.checkpoint, transformers  # noqa: F401  (everything import_hf needs, loaded first)
-from parity import hf_import
+from formats import hf_import
 from orbax.checkpoint.experimental.v1 import partial  # noqa: F401
 
 def rss_anon():

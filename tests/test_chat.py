@@ -9,7 +9,7 @@ import json
 import pytest
 
 from train.generation import chat
-from train.errors import UserError
+from formats.errors import UserError
 
 harmony = pytest.importorskip("openai_harmony")
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -37,8 +37,8 @@ def reference(o200k_dir):
 
 @pytest.fixture(scope="module")
 def enc():
-    """The project's o200k_harmony tokenizer (train/data/tokenizer.py, offline)."""
-    from train.data.tokenizer import o200k_harmony
+    """The project's o200k_harmony tokenizer (formats/tokenizer.py, offline)."""
+    from formats.tokenizer import o200k_harmony
     return o200k_harmony()
 
 
@@ -94,7 +94,7 @@ def test_a_streamed_reply_shows_text_and_channels_not_special_tokens(enc, capsys
 def test_a_tokenizer_without_harmony_tokens_is_refused_by_name():
     import tiktoken
 
-    from train.data.tokenizer import BOS, PAT_STR, train_bpe
+    from formats.tokenizer import BOS, PAT_STR, train_bpe
 
     ranks = train_bpe(["a b c d"] * 10, 300)._mergeable_ranks  # bpe:N now reserves the harmony tokens: drop them
     small = tiktoken.Encoding("bpe-old", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens={BOS: len(ranks)})
@@ -118,7 +118,7 @@ def small_harmony_tokenizer():
     project's tokenizer files require): a chat model small enough for the CLI test."""
     import tiktoken
 
-    from train.data.tokenizer import BOS, train_bpe
+    from formats.tokenizer import BOS, train_bpe
 
     base = train_bpe(["Hello there, how are you? I am fine, thank you."] * 20, 300)
     names = [chat.START, chat.MESSAGE, chat.END, chat.CHANNEL, chat.RETURN, chat.CALL]
@@ -133,7 +133,7 @@ def test_generate_chat_from_the_command_line(tmp_path, capsys):
 
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import save_checkpoint
+    from formats.checkpoint import save_checkpoint
     from train.cli import main
 
     tok = small_harmony_tokenizer()

@@ -11,9 +11,10 @@ import json
 import numpy as np
 import pytest
 
-from train.data import conversations, packing, prepare, shards, tokenizer
+from train.data import conversations, packing, prepare, shards
+from formats import tokenizer
 from train.data.loader import PAD_SEGMENT, Batch, TokenLoader
-from train.errors import UserError
+from formats.errors import UserError
 
 START, MESSAGE, END, CHANNEL, RETURN = "<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>"
 WORDS = "to be or not that is the question whether tis nobler in the mind to suffer slings and arrows".split()

@@ -1,4 +1,4 @@
-"""train/checkpoint.py format level: parameters-only round trip (what `import` writes and every
+"""formats/checkpoint.py format level: parameters-only round trip (what `import` writes and every
 consumer reads), atomic publication, and load errors that name the problem."""
 import json
 
@@ -8,10 +8,10 @@ import torch
 
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from train import atomic, checkpoint
-from train.checkpoint import load_checkpoint, save_checkpoint
-from train.checkpoint_integrity import MANIFEST_FILE
-from train.errors import UserError
+from formats import atomic, checkpoint
+from formats.checkpoint import load_checkpoint, save_checkpoint
+from formats.checkpoint_integrity import MANIFEST_FILE
+from formats.errors import UserError
 
 CFG = get_preset("tiny").replace(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                                  n_experts=2, experts_per_token=1, expert_dim=16, sliding_window=4)
@@ -67,7 +67,7 @@ def test_bf16_state_is_stored_as_float32(tmp_path, state):
 
 
 def test_tokenizer_saved_inside_the_checkpoint(tmp_path, state):
-    from train.data.tokenizer import load_tokenizer, train_bpe
+    from formats.tokenizer import load_tokenizer, train_bpe
 
     enc = train_bpe(["hello world, hello there\n"] * 20, 300)
     ck = tmp_path / "ck"

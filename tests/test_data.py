@@ -13,11 +13,12 @@ import tarfile
 import numpy as np
 import pytest
 
-from train import pinned_download
-from train.data import corpus, inputs, packing, prepare, shards, tokenizer
+from train.data import pinned_download
+from train.data import corpus, inputs, packing, prepare, shards
+from formats import tokenizer
 from train.data.loader import TokenLoader
 from train.data.shards import DataIntegrityError
-from train.errors import UserError
+from formats.errors import UserError
 
 # ---------------------------------------------------------------- helpers and fixtures
 
@@ -213,7 +214,7 @@ def test_exported_o200k_tokenizer_encodes_like_tiktoken(tmp_path):
     """`torchlyra export` writes the o200k tokenizer so AutoTokenizer encodes identically."""
     from transformers import AutoTokenizer
 
-    from parity.hf_export import TOKENIZER_PROBES, write_tokenizer
+    from formats.hf_export import TOKENIZER_PROBES, write_tokenizer
     from torch_model.config import get_preset
 
     enc = tokenizer.o200k_harmony()

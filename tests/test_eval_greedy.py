@@ -10,8 +10,8 @@ from parity.generation import compare_greedy, eager_greedy
 from tests.helpers import PLAY_LINES
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from train.data.tokenizer import train_bpe
-from train.errors import UserError
+from formats.tokenizer import train_bpe
+from formats.errors import UserError
 from train.evaluation.greedy import GreedyGenerator, cut_at_stop
 from train.evaluation.requests import GenerationRequest
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation import humaneval
 from train.evaluation.requests import GenerationResult
 from train.evaluation.sandbox import namespace_available, run_program
@@ -115,7 +115,7 @@ class Answers:
 
 def test_pass_at_1_counts_the_completions_that_pass(problems):
     from tests.helpers import PLAY_LINES
-    from train.data.tokenizer import train_bpe
+    from formats.tokenizer import train_bpe
 
     completions = [problems[0]["canonical_solution"], "    return None\n", problems[2]["canonical_solution"]]
     report = humaneval.run_humaneval(Answers(completions), train_bpe(PLAY_LINES, 320), limit=3, progress=False)
@@ -132,7 +132,7 @@ def test_pass_at_1_of_a_small_model_end_to_end(problems):
     from tests.helpers import PLAY_LINES
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
-    from train.data.tokenizer import train_bpe
+    from formats.tokenizer import train_bpe
     from train.evaluation.greedy import GreedyGenerator
 
     tokenizer = train_bpe(PLAY_LINES * 10, 320)

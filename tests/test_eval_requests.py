@@ -5,7 +5,7 @@ import torch
 
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation.eager_scorer import EagerScorer
 from train.evaluation.requests import LoglikelihoodRequest, window
 

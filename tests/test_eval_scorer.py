@@ -15,7 +15,7 @@ import torch
 
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation.eager_scorer import EagerScorer
 from train.evaluation.requests import LoglikelihoodRequest
 from train.evaluation.scorer import CompiledScorer, checkpoint_info, length_bucket, load_scorer, rows_bucket
@@ -181,8 +181,8 @@ def test_bad_requests_are_one_line_errors(scorer):
 
 def test_equals_transformers_on_the_exported_model(tmp_path, model):
     from parity.generation import load_transformers
-    from parity.hf_export import export_checkpoint
-    from train.checkpoint import save_checkpoint
+    from formats.hf_export import export_checkpoint
+    from formats.checkpoint import save_checkpoint
     from train.evaluation.requests import window
 
     save_checkpoint(tmp_path / "ck", model.state_dict(), CFG, step=7)

@@ -9,10 +9,10 @@ import torch
 
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from train import pinned_download
+from train.data import pinned_download
 from train.cli import main
-from train.data.tokenizer import PAT_STR
-from train.errors import UserError
+from formats.tokenizer import PAT_STR
+from formats.errors import UserError
 from train.evaluation.eager_scorer import EagerScorer
 from train.evaluation.prompts import PromptBuilder
 from train.evaluation.requests import GenerationResult
@@ -28,7 +28,7 @@ TEXT = ["The capital of France is Paris.", "Two plus two is four.", "Red, green 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from train.data.tokenizer import train_bpe
+    from formats.tokenizer import train_bpe
 
     return train_bpe(TEXT, vocab_size=300)       # the harmony chat tokens and <|bos|> included
 
@@ -207,7 +207,7 @@ def test_malformed_task_file_names_the_line(tmp_path, lines, expected):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokenizer, model):
     """(checkpoint with the chat-capable BPE, checkpoint whose tokenizer has no chat tokens)."""
-    from train.checkpoint import save_checkpoint
+    from formats.checkpoint import save_checkpoint
 
     root = tmp_path_factory.mktemp("evaltasks")
     plain = tiktoken.Encoding(name="bytes", pat_str=PAT_STR,

@@ -17,7 +17,7 @@ import torch
 from parity.generation import compare_greedy, eager_greedy, load_transformers, transformers_greedy
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from train.errors import UserError
+from formats.errors import UserError
 from train.generation.generator import Generator, generate, load_model
 from train.generation.sampling import SamplingConfig
 
@@ -45,9 +45,9 @@ def trained(tmp_path_factory):
     """(checkpoint dir, exported HF dir, eager model) after 60 steps of training."""
     from jax_bridge.lowering import params_to_torch
     from jax_bridge.step import StepConfig, TrainStep
-    from parity.hf_export import export_checkpoint
+    from formats.hf_export import export_checkpoint
     from torch_model.optim import OptimizerConfig
-    from train.checkpoint import save_checkpoint
+    from formats.checkpoint import save_checkpoint
 
     root = tmp_path_factory.mktemp("generation")
     torch.manual_seed(0)

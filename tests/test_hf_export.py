@@ -8,14 +8,14 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from parity import hf_export, hf_import, hf_mapping
-from parity.hf_export import export_checkpoint
-from parity.hf_import import import_hf
+from formats import hf_export, hf_import, hf_mapping
+from formats.hf_export import export_checkpoint
+from formats.hf_import import import_hf
 from parity.hf_parity import compare_with_transformers
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from train.checkpoint import load_checkpoint, save_checkpoint
-from train.errors import UserError
+from formats.checkpoint import load_checkpoint, save_checkpoint
+from formats.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,7 +48,7 @@ def leftovers(path):
 
 @pytest.fixture(scope="module")
 def enc():
-    from train.data.tokenizer import train_bpe
+    from formats.tokenizer import train_bpe
     corpus = SAMPLES * 20 + [open(hf_export.__file__).read(), open(hf_mapping.__file__).read()]
     return train_bpe(corpus, 512)
 
@@ -144,7 +144,7 @@ def test_bf16_export(tmp_path):
 
 
 def test_tokenizer_export_matches_tiktoken(tiny_export, enc):
-    from train.data.tokenizer import load_tokenizer
+    from formats.tokenizer import load_tokenizer
     _, hf = tiny_export
     tok = transformers.AutoTokenizer.from_pretrained(hf)
     assert tok.bos_token == "<|bos|>" and tok.bos_token_id == 511
@@ -194,8 +194,8 @@ def test_export_import_restores_our_config_and_tokenizer(tmp_path, tiny_export, 
     loaded, cfg, meta = load_checkpoint(tmp_path / "ck")
     assert cfg == TINY                    # incl. fields transformers has no place for (max_seq_len ...)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
-    from train.checkpoint import tokenizer_dir
-    from train.data.tokenizer import load_tokenizer
+    from formats.checkpoint import tokenizer_dir
+    from formats.tokenizer import load_tokenizer
     assert load_tokenizer(tokenizer_dir(tmp_path / "ck", meta)).encode(SAMPLES[1]) == enc.encode(SAMPLES[1])
 
 
@@ -268,7 +268,7 @@ def raw_checkpoint(path, tensors, model_dict):
     """A checkpoint written straight through the Orbax writer, bypassing save_checkpoint's checks."""
     import jax.numpy as jnp
 
-    from train.checkpoint import CheckpointWriter
+    from formats.checkpoint import CheckpointWriter
 
     writer = CheckpointWriter(path, keep=1)
     writer.save(0, {"params": {k: jnp.asarray(v.numpy()) for k, v in tensors.items()}}, {"model": model_dict})

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import jax
 
-from train.config import TrainConfig
-from train.host_supervisor import StderrRelay, lost_process
-from train.trainer import fit_mesh
+from train.run.config import TrainConfig
+from train.cluster.host_supervisor import StderrRelay, lost_process
+from train.run.trainer import fit_mesh
 
 # What XLA's coordination service wrote when it ended a survivor (jaxlib 0.10.2, 127.0.0.1):
 # process 0, which ran the service, after process 1 died; process 1 after process 0 died.

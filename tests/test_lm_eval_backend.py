@@ -10,7 +10,7 @@ import torch
 from tests.helpers import PLAY_LINES
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from train.errors import UserError
+from formats.errors import UserError
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -49,9 +49,9 @@ def write_tasks(directory: Path) -> None:
 
 def export_random_model(root: Path, vocab_size: int) -> Path:
     """A Hugging Face dir of a random model with a BPE tokenizer whose BOS is the model's."""
-    from parity.hf_export import export_checkpoint
-    from train.checkpoint import save_checkpoint
-    from train.data.tokenizer import train_bpe
+    from formats.hf_export import export_checkpoint
+    from formats.checkpoint import save_checkpoint
+    from formats.tokenizer import train_bpe
 
     enc = train_bpe(PLAY_LINES * 30, 320)
     bos = enc._special_tokens["<|bos|>"]

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from helpers import prepare_play_corpus
-from train import checkpoint
+from formats import checkpoint
 from train.cli import main
-from train.config import TrainConfig
-from train.errors import UserError
-from train.lora_checkpoint import load_lora_model
-from train.loop import run_training
+from train.run.config import TrainConfig
+from formats.errors import UserError
+from formats.lora_checkpoint import load_lora_model
+from train.run.loop import run_training
 
 MICRO = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "n_experts": 4,
                    "expert_dim": 32, "sliding_window": 8, "vocab_size": 320},

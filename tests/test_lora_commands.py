@@ -10,9 +10,9 @@ import torch
 from torch_model.config import get_preset
 from torch_model.lora import apply_lora, parse_lora_spec, unwrap
 from torch_model.model import GptOssForCausalLM
-from train import checkpoint
+from formats import checkpoint
 from train.cli import main
-from train.lora_checkpoint import LORA_META, base_reference
+from formats.lora_checkpoint import LORA_META, base_reference
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -30,7 +30,7 @@ def lora_run(tmp_path_factory):
     adapters, written as a LoRA run writes them (adapters only, the base referenced)."""
     import jax.numpy as jnp
 
-    from train.data.tokenizer import train_bpe
+    from formats.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("lora_commands")
     enc = train_bpe([open(__file__).read()] * 4, CFG.vocab_size)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from parity.hf_export import write_hf_dir
-from parity.lora_export import export_adapter, export_merged
+from formats.hf_export import write_hf_dir
+from formats.lora_export import export_adapter, export_merged
 from torch_model.config import get_preset
 from torch_model.lora import apply_lora, parse_lora_spec
 from torch_model.model import GptOssForCausalLM
@@ -93,7 +93,7 @@ def test_transformers_and_peft_load_our_adapter_and_give_our_logits(exported):
 
 
 def test_adapter_export_refuses_an_existing_directory(exported):
-    from train.errors import UserError
+    from formats.errors import UserError
     root, _, wrapped, *_ = exported
     with pytest.raises(UserError, match="not empty"):
         export_adapter(wrapped, root / "adapter")

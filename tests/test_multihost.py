@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from train.checkpoint import find_checkpoint
-from train.checkpoint_integrity import SAVE_FAULT_ENV
+from formats.checkpoint import find_checkpoint
+from formats.checkpoint_integrity import SAVE_FAULT_ENV
 from train.cli import main
-from train.host_fault import EXIT_HOST_LOST
-from train.host_supervisor import STOP_GRACE_S, newest_complete_checkpoint
+from train.cluster.host_fault import EXIT_HOST_LOST
+from train.cluster.host_supervisor import STOP_GRACE_S, newest_complete_checkpoint
 
 from tests.worker_env import worker_env
 

@@ -8,14 +8,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from parity import mxfp4
-from parity.hf_export import export_checkpoint
-from parity.hf_import import import_hf
+from formats import mxfp4
+from formats.hf_export import export_checkpoint
+from formats.hf_import import import_hf
 from parity.hf_parity import compare_with_transformers
-from parity.hf_weights import HFWeights
+from formats.hf_weights import HFWeights
 from torch_model.config import get_preset
-from train.checkpoint import load_checkpoint
-from train.errors import UserError
+from formats.checkpoint import load_checkpoint
+from formats.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
@@ -38,7 +38,7 @@ def random_packed(gen, shape, low=118, high=124):
 def write_released(path, cfg=RELEASED, *, seed=0, shards=3):
     """A directory laid out as gpt-oss is published: MXFP4 expert blocks/scales, everything else
     bf16, several shards with an index, quantization_config in config.json."""
-    from parity import hf_mapping
+    from formats import hf_mapping
 
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -234,8 +234,8 @@ def harmony_tokenizer_json(enc):
 
 
 def test_o200k_harmony_is_recognised_and_a_different_one_named(tmp_path):
-    from parity.hf_tokenizer import recognize, vocabulary_difference
-    from train.data.tokenizer import o200k_harmony
+    from formats.hf_tokenizer import recognize, vocabulary_difference
+    from formats.tokenizer import o200k_harmony
 
     enc = o200k_harmony()
     found = harmony_tokenizer_json(enc)
@@ -295,7 +295,7 @@ def test_released_import_export_round_trip_and_transformers_loads_it(tmp_path, r
 
 def test_float32_export_reports_its_quantization_error(tmp_path):
     from tests.test_hf_export import random_state
-    from train.checkpoint import save_checkpoint
+    from formats.checkpoint import save_checkpoint
 
     state = random_state(RELEASED, seed=5)
     save_checkpoint(tmp_path / "ck", state, RELEASED)
@@ -330,11 +330,11 @@ def test_float32_export_reports_its_quantization_error(tmp_path):
 
 def test_exported_harmony_chat_template_renders_as_harmony(tmp_path):
     """A tokenizer with the harmony markers gets the chat template; transformers renders a
-    conversation with it exactly as the harmony format (train/chat.py) lays it out."""
+    conversation with it exactly as the harmony format (train/generation/chat.py) lays it out."""
     import tiktoken
 
-    from parity.hf_export import write_tokenizer
-    from train.data.tokenizer import train_bpe
+    from formats.hf_export import write_tokenizer
+    from formats.tokenizer import train_bpe
 
     small = train_bpe(["<|start|>user<|message|>Hello there, how are you?<|end|>"] * 10, 300)
     names = ["<|bos|>", "<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>"]

@@ -27,7 +27,7 @@ from parity.run import add_arguments, run
 from parity.suite import run_parity
 from torch_model import config
 from torch_model.model import IGNORE_INDEX, PAD_SEGMENT
-from train.errors import UserError
+from formats.errors import UserError
 
 BATCH, SEQ = 2, PARITY_SEQ_LEN
 SMALL = parity_config(config.get_preset("tiny").replace(n_layers=2))

@@ -10,13 +10,13 @@ import pytest
 import safetensors.torch
 import torch
 
-from parity.hf_import import import_hf
+from formats.hf_import import import_hf
 from tests.helpers import prepare_play_corpus
 from tests.test_mxfp4 import RELEASED, write_released
-from train.checkpoint import checkpoint_tokenizer, load_checkpoint
+from formats.checkpoint import checkpoint_tokenizer, load_checkpoint
 from train.cli import main
-from train.data.tokenizer import decodable_ids, load_tokenizer, o200k_base, save_tokenizer
-from train.errors import UserError
+from formats.tokenizer import decodable_ids, load_tokenizer, o200k_base, save_tokenizer
+from formats.errors import UserError
 from train.generation.generator import Generator, load_for_generation, load_model
 from train.generation.sampling import SamplingConfig
 
@@ -91,8 +91,8 @@ def test_generate_from_a_released_directory_equals_its_imported_checkpoint(dirs,
 
 
 def test_end_of_run_samples_never_choose_ids_beyond_the_tokenizer(dirs):
-    from train.config import TrainConfig
-    from train.trainer import sample_texts
+    from train.run.config import TrainConfig
+    from train.run.trainer import sample_texts
 
     _, ck, data = dirs
     # Greedy (the programs of the test above); the sampler's masking in every mode is tested in

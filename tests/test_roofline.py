@@ -94,8 +94,8 @@ def test_float32_matmuls_at_highest_precision_cost_six_passes():
 
 
 def test_chip_peaks_agree_with_the_mfu_table():
-    """One bf16 peak per chip: the roofline's table and train/flops.py's say the same."""
-    from train.flops import published_peak
+    """One bf16 peak per chip: the roofline's table and train/run/flops.py's say the same."""
+    from train.run.flops import published_peak
 
     kinds = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5p", "v6e": "TPU v6 lite"}
     for generation, (flops, _, _) in roofline.CHIPS.items():

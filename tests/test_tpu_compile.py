@@ -138,9 +138,9 @@ def test_plan_roofline_of_the_tiny_step(tiny_step_plan):
     """`plan --roofline`: the step's ops, split one by one out of the compiled program, sum to
     the program's totals within 1% (FLOPs and transcendentals: libtpu's, which hold our kernels'
     cost estimates; bytes: the generic analysis of the whole program); every kernel of ours is
-    counted and named; the model FLOPs of train/flops.py and the MFU ceilings are reported."""
+    counted and named; the model FLOPs of train/run/flops.py and the MFU ceilings are reported."""
     from torch_model.config import get_preset
-    from train.flops import flops_per_token
+    from train.run.flops import flops_per_token
 
     plan, printed = tiny_step_plan("pallas")
     r = plan["roofline"]

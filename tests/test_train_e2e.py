@@ -37,7 +37,7 @@ def test_short_training_run_lowers_validation_loss_and_writes_artifacts(run_dir)
 
 
 def test_generate_from_the_checkpoint(run_dir, capsys):
-    from train.checkpoint import find_checkpoint, read_meta
+    from formats.checkpoint import find_checkpoint, read_meta
 
     ckpt = run_dir / "run"                      # a run directory names its newest complete checkpoint
     meta, _ = read_meta(find_checkpoint(ckpt))

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from helpers import prepare_play_corpus
-from train import checkpoint
-from train.checkpoint_integrity import FAULT_ENV, MANIFEST_FILE
+from formats import checkpoint
+from formats.checkpoint_integrity import FAULT_ENV, MANIFEST_FILE
 from train.cli import main
-from train.config import TrainConfig
-from train.errors import UserError
-from train.loop import run_training
-from train.trainer import TrainingStopped
+from train.run.config import TrainConfig
+from formats.errors import UserError
+from train.run.loop import run_training
+from train.run.trainer import TrainingStopped
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 60
@@ -275,7 +275,7 @@ def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensors(root,
 # ---- stability and async saves (on one shared Trainer) ------------------------------------------
 @pytest.fixture(scope="module")
 def trainer(root):
-    from train.trainer import Trainer
+    from train.run.trainer import Trainer
 
     trainer = Trainer(config(root, root / "unit"), show_progress=False)
     yield trainer
@@ -366,7 +366,7 @@ def test_eval_command_reproduces_the_runs_validation_and_writes_json(reference, 
 
 def test_bits_per_byte_count_the_bytes_of_the_text():
     from train.evaluation.validation import token_byte_lengths
-    from train.data.tokenizer import train_bpe
+    from formats.tokenizer import train_bpe
 
     enc = train_bpe(["héllo wörld, hello there\n"] * 20, 300)
     lengths = token_byte_lengths(enc, 320)
@@ -379,7 +379,7 @@ def test_bits_per_byte_count_the_bytes_of_the_text():
 # ---- FLOPs -------------------------------------------------------------------------------------
 def test_flops_per_token_of_tiny_matches_a_hand_count():
     from torch_model.config import get_preset
-    from train import flops
+    from train.run import flops
 
     # tiny: V 4096, d 256, 4 layers (sliding 64, full, sliding, full), 4 heads / 2 kv of 64, 8 experts
     # top-2 of width 256; sequence 256.

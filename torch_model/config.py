@@ -1,7 +1,7 @@
 """Model configuration: one typed dataclass and the named presets.
 
 The fields mirror Hugging Face's `GptOssConfig` so every preset can be exported as-is; the
-mapping of names lives in `parity/hf_mapping.py`.
+mapping of names lives in `formats/hf_mapping.py`.
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ PRESETS: dict[str, ModelConfig] = {
                                router_aux_loss_coef=1e-2),
     # Lyra Small: seq 4096, d 2048, 16 layers, 16/4 heads of 128, window 128 on alternate layers,
     # o200k_harmony vocabulary; 16 experts top-2 of width 384 -> ~1.6B total / ~1.07B active.
-    # Documents are marked <|startoftext|> 199998 ... <|endoftext|> 199999 (train/data/tokenizer.py);
+    # Documents are marked <|startoftext|> 199998 ... <|endoftext|> 199999 (formats/tokenizer.py);
     # at train time the ids follow the data's manifest anyway.
     "lyra-small": ModelConfig(vocab_size=201088, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=4,
                               head_dim=128, sliding_window=128, n_experts=16, experts_per_token=2,

@@ -11,15 +11,15 @@ import sys
 # subcommand -> (module with add_arguments/run, help)
 COMMANDS = {
     "prepare": ("train.data.prepare", "tokenize text, JSONL or Parquet into ArrayRecord shards (default: Shakespeare)"),
-    "train": ("train.loop", "train a model on prepared data"),
+    "train": ("train.run.loop", "train a model on prepared data"),
     "eval": ("train.evaluation.cli", "tasks (CORE-6, HumanEval, task files) or validation loss and bits per byte of a checkpoint"),
-    "plot": ("train.plots", "plot a run's metrics (loss, learning rate, gradient norm, throughput, expert load)"),
+    "plot": ("train.run.plots", "plot a run's metrics (loss, learning rate, gradient norm, throughput, expert load)"),
     "generate": ("train.generation.cli", "sample from a checkpoint"),
-    "export": ("parity.export_cli", "write a checkpoint as Hugging Face files (LoRA: merged, or --adapter)"),
-    "import": ("parity.hf_import", "read a Hugging Face GptOss directory into a checkpoint"),
+    "export": ("formats.export_cli", "write a checkpoint as Hugging Face files (LoRA: merged, or --adapter)"),
+    "import": ("formats.hf_import", "read a Hugging Face GptOss directory into a checkpoint"),
     "parity": ("parity.run", "compare eager PyTorch with the lowered JAX run, per kernel set"),
     "bench": ("train.bench.cli", "benchmarks: kernel memory and speed, the train step against PyTorch peers"),
-    "plan": ("train.plan", "compile the train step for a TPU slice (no weights, no TPU) and check it fits"),
+    "plan": ("train.run.plan", "compile the train step for a TPU slice (no weights, no TPU) and check it fits"),
     "lm-eval": ("train.evaluation.lm_eval_cli", "lm-evaluation-harness with the torchlyra backend (lm-eval's arguments)"),
 }
 
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from jax_bridge.registry import KernelError
     from torch_model.config import ConfigError
-    from train.errors import UserError
+    from formats.errors import UserError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

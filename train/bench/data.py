@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.errors import UserError
+from formats.errors import UserError
 
 TRAIN_RATE = 2300.0  # tokens/s of `tiny` on this 2-core machine (BENCHMARKS.md, make demo)
 GOALS = {"prepare_vs_raw": 0.8, "loader_x_train": 20.0, "loader_tokens_per_s": 1e6}
@@ -87,7 +87,7 @@ def _raw(enc, texts: list[str], threads: int) -> tuple[float, float, int]:
 def bench_prepare(texts, work: Path, workers: int, repeats: int, log) -> list[dict]:
     """Raw and prepare runs alternate, so each pair meets the same load on a shared machine; the
     ratio is the median over pairs. CPU seconds (all threads and processes) are load-independent."""
-    from train.data import tokenizer
+    from formats import tokenizer
 
     src = work / "text.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))

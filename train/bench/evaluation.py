@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.errors import UserError
+from formats.errors import UserError
 
 GOAL = 3.0          # our examples/s vs the hf backend's
 WORDS = ("the king queen night light love death sword crown blood heart soul fair foul sweet sorrow honour "
@@ -103,11 +103,11 @@ def exported_model(args, workdir: Path, task_dir: Path) -> tuple[Path, str]:
     """(Hugging Face directory both backends load, description of the weights)."""
     import torch
 
-    from parity.hf_export import export_checkpoint
+    from formats.hf_export import export_checkpoint
     from torch_model.config import ConfigError, get_preset
     from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import save_checkpoint
-    from train.data.tokenizer import train_bpe
+    from formats.checkpoint import save_checkpoint
+    from formats.tokenizer import train_bpe
 
     if args.checkpoint:
         checkpoint, source = Path(args.checkpoint), f"checkpoint {args.checkpoint}"

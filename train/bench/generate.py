@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.errors import UserError
+from formats.errors import UserError
 
 GOAL = 3.0          # decode throughput vs transformers, at every batch size
 PATHS = ("ours", "ours-streaming", "hf", "no-cache")
@@ -248,10 +248,10 @@ def _load(args, workdir: Path):
     """(torch model, exported transformers directory, description of the weights)."""
     import torch
 
-    from parity.hf_export import export_checkpoint
+    from formats.hf_export import export_checkpoint
     from torch_model.config import ConfigError, get_preset
     from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import save_checkpoint
+    from formats.checkpoint import save_checkpoint
     from train.generation.generator import load_model
 
     if args.checkpoint:

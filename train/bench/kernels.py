@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 
 from train.bench.machine import machine_info
-from train.errors import UserError
+from formats.errors import UserError
 
 OPS = ("attention", "cross_entropy", "moe")
 SHAPE_SETS = ("tiny", "lyra-small", "gpt-oss-20b")

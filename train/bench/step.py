@@ -13,7 +13,7 @@ every contender's forward+backward and full step once, and the matmul peak. `eag
 processes, so a child peer's ratio to ours is paired through it, round by round:
     peer / ours = (peer / eager)[child] x (eager[parent] / ours)
 Times are medians over rounds; compile (first-call) times are reported apart. MFU uses the one
-FLOPs count (train/flops.py) against the matmul rate measured in the same rounds (on a GPU: its published
+FLOPs count (train/run/flops.py) against the matmul rate measured in the same rounds (on a GPU: its published
 peak, the measured rate kept beside it).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import time
 
 from train.bench.torch_peers import KINDS, TORCH_PEERS, bench_tokens
-from train.errors import UserError
+from formats.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD_PEERS = ("compiled", "hf", "hf_compiled")
@@ -175,7 +175,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     """Measure everything; returns the report (rows, ratios, goals) without printing it."""
     from jax_bridge.step import StepConfig
     from torch_model.optim import OptimizerConfig
-    from train import flops
+    from train.run import flops
     from train.bench.torch_peers import build_torch_contender, settled, time_round, warm_up
 
     opt_cfg = OptimizerConfig()
@@ -244,7 +244,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
         published = flops.published_peak(jax.devices()[0].device_kind, step_cfg.compute_dtype)
         if published is None:
             raise UserError(f"bench step --device gpu: no published peak for {jax.devices()[0].device_kind!r} "
-                            f"in train/flops.py GPU_PEAKS")
+                            f"in train/run/flops.py GPU_PEAKS")
         report = summarize(s, rounds, [published[0]], compile_info, load, child, step_cfg.compute_dtype,
                            peak_source=published[1])
         report["measured_matmul_peak_rounds"] = peaks
@@ -258,7 +258,7 @@ def _median(xs):
 def summarize(s: BenchSettings, rounds: list[dict], peaks: list[float], compile_info: dict, load: dict, child,
               compute_dtype: str = "float32", peak_source: str | None = None) -> dict:
     """Medians, paired ratios, MFU and goals from the per-round times."""
-    from train import flops
+    from train.run import flops
 
     peak = _median(peaks)
     tokens = s.batch_size * s.seq_len
@@ -321,7 +321,7 @@ def summarize(s: BenchSettings, rounds: list[dict], peaks: list[float], compile_
         tokens_per_step=tokens, flops_per_token=per_token, peak_flops=peak, peak_rounds=peaks,
         compute_dtype=compute_dtype, device=s.device,
         peak_source=peak_source or f"median over rounds of the best of 4 jitted {s.peak_n}^3 {compute_dtype} matmuls "
-                                   "(train/flops.py measure_matmul_peak), measured between the rounds",
+                                   "(train/run/flops.py measure_matmul_peak), measured between the rounds",
         kernels=s.kernels, kernel_options=s.kernel_options, compile_backend=s.compile_backend, load_average=load,
         torch_threads_child=getattr(child, "threads", None), step_over_parts_rounds=parts,
         rows=rows, goals=goals)

@@ -89,7 +89,7 @@ def build_torch_contender(name: str, cfg, tokens: np.ndarray, *, opt_cfg=None, d
         optimizer = MuonAdamW(model, opt_cfg)
         loss_fn = lambda: model(inputs, labels)["loss"]     # noqa: E731
     else:
-        from parity import hf_mapping
+        from formats import hf_mapping
         from transformers import GptOssForCausalLM as HFModel
 
         model = HFModel(hf_mapping.build_hf_config(cfg, attn_implementation="eager"))

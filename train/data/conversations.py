@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.generation import chat
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -99,7 +99,7 @@ def text_of(messages: list[dict]) -> str:
 def check_chat_tokenizer(enc, where: str) -> None:
     """Refuse, naming the tokenizer, one without harmony's chat tokens (o200k_base, a ranks file,
     or a bpe:N vocabulary made before bpe:N reserved them)."""
-    from train.data.tokenizer import HARMONY_CHAT_TOKENS
+    from formats.tokenizer import HARMONY_CHAT_TOKENS
 
     missing = [t for t in HARMONY_CHAT_TOKENS[:-1] if t not in enc._special_tokens]  # <|constrain|>: unused here
     if missing:

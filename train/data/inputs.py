@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from train.data import conversations, corpus
-from train.errors import UserError
+from formats.errors import UserError
 
 FORMATS = {"text": (".txt", ".text", ".md"), "jsonl": (".jsonl", ".jsonl.gz", ".ndjson"), "parquet": (".parquet",)}
 UNIT_BYTES = 4 << 20  # a work unit: enough text to amortize a task, little enough to bound memory

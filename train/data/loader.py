@@ -28,7 +28,7 @@ import numpy as np
 
 from train.data import packing
 from train.data.shards import Dataset, open_dataset
-from train.errors import UserError
+from formats.errors import UserError
 
 STATE_VERSION = 2
 PAD_SEGMENT = 0  # the segment id of padding; documents in a row are numbered 1, 2, ...

@@ -43,10 +43,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from train.atomic import sha256_file, write_atomic
-from train.data import conversations, inputs, packing, shards, tokenizer
-from train.errors import UserError
-from train.jsonfile import read_json
+from formats.atomic import sha256_file, write_atomic
+from train.data import conversations, inputs, packing, shards
+from formats import tokenizer
+from formats.errors import UserError
+from formats.jsonfile import read_json
 
 # Bump when reading, splitting or tokenization changes what a run produces (3: bpe:N reserves
 # harmony's chat tokens).

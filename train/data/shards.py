@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 from array_record.python import array_record_module as arm
 
-from train.atomic import publish, temp_name, write_atomic
-from train.errors import UserError
-from train.jsonfile import read_json
+from formats.atomic import publish, temp_name, write_atomic
+from formats.errors import UserError
+from formats.jsonfile import read_json
 
 FORMAT = "torchlyra-token-shards"
 FORMAT_VERSION = 3          # 3: the "streams" field and the optional weights stream

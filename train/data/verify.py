@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from train.atomic import sha256_file
-from train.data import shards, tokenizer
+from formats.atomic import sha256_file
+from train.data import shards
+from formats import tokenizer
 from train.data.shards import DataIntegrityError
 
 

@@ -10,9 +10,9 @@ import json
 import tarfile
 from pathlib import Path
 
-from train.atomic import write_atomic
-from train.errors import UserError
-from train.pinned_download import PinnedFile, cache_dir, fetch
+from formats.atomic import write_atomic
+from formats.errors import UserError
+from train.data.pinned_download import PinnedFile, cache_dir, fetch
 
 PACKAGE = "bigbench==1.0.0"
 ARCHIVE_NAME = "bigbench-1.0.0.tar.gz"

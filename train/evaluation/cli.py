@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation import validation
 
 
@@ -88,7 +88,7 @@ def run_tasks(args) -> dict:
         write_json(args.json_out, evaluation)
         print(f"  written to {args.json_out}")
     if args.report:
-        from train.atomic import write_atomic
+        from formats.atomic import write_atomic
 
         write_atomic(args.report, report_card(evaluation).encode())
         print(f"  report card written to {args.report}")

@@ -10,7 +10,7 @@ choice whose target score is 1.
 """
 from __future__ import annotations
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation import bigbench
 from train.evaluation.tasks import LANGUAGE_MODELING, MULTIPLE_CHOICE, Example, Task, TaskSettings
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation.requests import GenerationRequest, GenerationResult
 
 
@@ -32,7 +32,7 @@ class GreedyGenerator:
 
     def __init__(self, model, tokenizer, *, kernels: str | dict | None = "auto", mesh=None, batch_size: int = 8,
                  chunk_tokens: int = 16, max_length: int | None = None, compile_cache=None):
-        from train.data.tokenizer import special_ids
+        from formats.tokenizer import special_ids
         from train.generation.generator import Generator
 
         if batch_size < 1 or chunk_tokens < 1:

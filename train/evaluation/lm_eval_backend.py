@@ -14,7 +14,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation.requests import GenerationRequest, LoglikelihoodRequest
 
 NAME = "torchlyra"

@@ -3,7 +3,7 @@ start; at each evaluation the host parameters are scored by the eager reference 
 on the first `limit` examples of each task, and the scores become fields of the "eval" record."""
 from __future__ import annotations
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation.suite import HUMANEVAL, load_tasks, parse_spec, run_suite
 from train.evaluation.tasks import GENERATIVE
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from train.atomic import write_atomic
+from formats.atomic import write_atomic
 
 
 def write_json(path, evaluation: dict) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from train.errors import UserError
+from formats.errors import UserError
 
 
 @dataclass(frozen=True)

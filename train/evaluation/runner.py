@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation.greedy import cut_at_stop
 from train.evaluation.prompts import PromptBuilder
 from train.evaluation.tasks import GENERATIVE, LANGUAGE_MODELING, MULTIPLE_CHOICE, Task, centered

@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.errors import UserError
+from formats.errors import UserError
 
 ISOLATIONS = ("auto", "namespace", "guard", "namespace+guard")
 OUTPUT_LIMIT = 1 << 20          # bytes each of stdout / stderr may grow to (RLIMIT_FSIZE)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from torch_model.lora import ADAPTER_NAME, tracing_scope
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation.requests import (GenerationRequest, GenerationResult, Loglikelihood, LoglikelihoodRequest,
                                        window)
 from train.evaluation.shared_context import (ContextPrograms, continuation_bucket, continuation_inputs,
@@ -344,7 +344,7 @@ def load_evaluated_model(checkpoint_or_hf_dir, *, merge: bool = False):
     checkpoint (run, checkpoints or step directory), a Hugging Face GptOss directory or a LoRA
     checkpoint (base + adapters unmerged, or merged with `merge`), loaded as every inference
     command loads them; info: `checkpoint_info`."""
-    from train.lora_inference import inference_tokenizer, load_inference_model
+    from formats.lora_inference import inference_tokenizer, load_inference_model
 
     model, meta = load_inference_model(checkpoint_or_hf_dir, merge=merge)
     tokenizer, found = inference_tokenizer(checkpoint_or_hf_dir, meta)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.evaluation.core import CORE_TASKS, NOT_COMPARABLE, SUITE_NAME, core_tasks
 from train.evaluation.runner import run_task
 from train.evaluation.tasks import read_task_file

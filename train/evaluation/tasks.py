@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.errors import UserError
+from formats.errors import UserError
 
 MULTIPLE_CHOICE, LANGUAGE_MODELING, GENERATIVE = "multiple_choice", "language_modeling", "generative"
 KINDS = (MULTIPLE_CHOICE, LANGUAGE_MODELING, GENERATIVE)

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from train.errors import UserError
-from train.lora_inference import add_merge_argument
+from formats.errors import UserError
+from formats.lora_inference import add_merge_argument
 
 
 def token_byte_lengths(tokenizer, vocab_size: int) -> np.ndarray:
     """[vocab_size] int32: UTF-8 bytes of each token id; 0 for special tokens, unassigned and
     padding ids (the tokenizer's own table, cut or padded to the model's vocabulary)."""
-    from train.data.tokenizer import token_byte_lengths as tokenizer_byte_lengths
+    from formats.tokenizer import token_byte_lengths as tokenizer_byte_lengths
 
     table = tokenizer_byte_lengths(tokenizer)
     lengths = np.zeros(vocab_size, np.int32)
@@ -133,10 +133,10 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     from jax_bridge import registry
     from jax_bridge.lowering import params_to_jax
     from jax_bridge.step import StepConfig, TrainStep
-    from train.config import TrainConfig
+    from train.run.config import TrainConfig
     from train.data.loader import TokenLoader
-    from train.data.tokenizer import check_same_tokenizer, load_tokenizer
-    from train.lora_inference import inference_tokenizer, load_inference_model
+    from formats.tokenizer import check_same_tokenizer, load_tokenizer
+    from formats.lora_inference import inference_tokenizer, load_inference_model
 
     model, meta = load_inference_model(checkpoint, merge=merge)
     model_cfg = model.cfg

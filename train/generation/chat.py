@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.generation.text_stream import TextStream
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -81,7 +81,7 @@ def reply_text(enc, tokens: list[int]) -> tuple[str, str | None]:
 
 def read_messages(path: str | os.PathLike) -> list[Message]:
     """A conversation from a JSON file: a list of {"role", "content"[, "channel"]} objects."""
-    from train.jsonfile import read_json
+    from formats.jsonfile import read_json
 
     data = read_json(path)
     if not isinstance(data, list) or not data:

@@ -6,12 +6,12 @@ import argparse
 import dataclasses
 import sys
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.generation import chat
 from train.generation.generator import Generation, Generator, load_for_generation
 from train.generation.sampling import SamplingConfig
 from train.generation.text_stream import TextStream
-from train.lora_inference import add_merge_argument
+from formats.lora_inference import add_merge_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from train.errors import UserError
+from formats.errors import UserError
 from train.generation.sampling import SamplingConfig
 
 DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "torchlyra" / "jax-compile"
@@ -76,7 +76,7 @@ class Generator:
         from jax_bridge import registry
         from jax_bridge.decoding import Decoder, generation_kernels
         from pallas_kernels.platform import host_platform
-        from train.data.tokenizer import decodable_ids
+        from formats.tokenizer import decodable_ids
 
         self.allowed = (np.ones(model.cfg.vocab_size, bool) if tokenizer is None
                         else decodable_ids(tokenizer, model.cfg.vocab_size))
@@ -223,7 +223,7 @@ def generate(model_or_checkpoint, prompts: list[list[int]], sampling: SamplingCo
 def load_model(checkpoint: str | os.PathLike, *, merge: bool = False):
     """The float32 torch model of a checkpoint (through the one checkpoint loader: ours, or a
     Hugging Face directory; a LoRA checkpoint: base + adapters, merged if `merge`)."""
-    from train.lora_inference import load_inference_model
+    from formats.lora_inference import load_inference_model
 
     return load_inference_model(checkpoint, merge=merge)[0]
 
@@ -233,7 +233,7 @@ def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: boo
     Hugging Face directory (its tokenizer when recognised). A LoRA checkpoint gives its base with
     peft's LoRA layers (unmerged), or with `merge` the adapters merged into the weights. The
     tokenizer is None only when not required."""
-    from train.lora_inference import inference_tokenizer, load_inference_model
+    from formats.lora_inference import inference_tokenizer, load_inference_model
 
     model, meta = load_inference_model(checkpoint, merge=merge)
     tokenizer, found = inference_tokenizer(checkpoint, meta)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.errors import UserError
+from formats.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,14 @@
 slice's chips with the TPU compiler, without weights, and prints per-chip memory against the
 chip's HBM and the compile time (the work is `jax_bridge.plan.plan`); with --roofline, also how
 fast one chip could run the step at its published peaks (`jax_bridge.roofline`) and the MFU
-ceiling that gives against the model FLOPs of train/flops.py."""
+ceiling that gives against the model FLOPs of train/run/flops.py."""
 from __future__ import annotations
 
 import argparse
 import json
 
-from train.atomic import write_atomic
-from train.errors import UserError
+from formats.atomic import write_atomic
+from formats.errors import UserError
 
 
 def add_arguments(parser) -> None:
@@ -127,7 +127,7 @@ def roofline_report(result, cfg) -> str:
     """Sets the model FLOPs of one chip's share of the step on the plan's roofline and formats
     it, with Muon's Newton-Schulz per token."""
     from jax_bridge.roofline import format_roofline
-    from train.flops import flops_per_token
+    from train.run.flops import flops_per_token
 
     tokens = result.batch_size * result.seq_len * result.micro_batches // result.chips
     r = result.roofline

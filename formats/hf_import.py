@@ -1,7 +1,7 @@
 """`torchlyra import`: a transformers GptOss directory -> a torchlyra checkpoint to train further.
 
 Reads config.json and the safetensors weights (unquantized, or gpt-oss's released MXFP4 layout)
-tensor by tensor through parity/hf_weights.py, maps them through parity/hf_mapping.py and streams
+tensor by tensor through formats/hf_weights.py, maps them through formats/hf_mapping.py and streams
 them into a parameters-only checkpoint in the source precision (float32, or bfloat16 for bf16
 and MXFP4 sources), so host memory holds one tensor. The tokenizer comes along when recognised.
 """
@@ -16,12 +16,12 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from parity import hf_mapping
-from parity.hf_model import open_hf, stored_dtypes
-from parity.hf_tokenizer import recognize
-from parity.hf_weights import SOURCE_DTYPES, HFWeights, numpy_to_torch, torch_to_numpy
-from train import checkpoint
-from train.errors import UserError
+from formats import hf_mapping
+from formats.hf_model import open_hf, stored_dtypes
+from formats.hf_tokenizer import recognize
+from formats.hf_weights import SOURCE_DTYPES, HFWeights, numpy_to_torch, torch_to_numpy
+from formats import checkpoint
+from formats.errors import UserError
 
 STORED = {"F32": np.float32, "F16": np.float32, "BF16": ml_dtypes.bfloat16, "MXFP4": ml_dtypes.bfloat16}
 EXPERT_CHUNK_BYTES = 64 * 2**20     # dequantize MXFP4 experts this many float32 bytes at a time

@@ -50,12 +50,12 @@ def recognize(hf_dir: Path):
     """(tiktoken Encoding or None, one line saying which tokenizer was found)."""
     hf_dir = Path(hf_dir)
     if (hf_dir / "tiktoken" / "tokenizer.tiktoken").is_file():
-        from train.data.tokenizer import load_tokenizer
+        from formats.tokenizer import load_tokenizer
         return load_tokenizer(hf_dir / "tiktoken"), "tiktoken (from the export's tiktoken/)"
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         return None, "none (no tokenizer.json)"
-    from train.data.tokenizer import o200k_harmony
+    from formats.tokenizer import o200k_harmony
 
     try:
         found = json.loads(path.read_text())

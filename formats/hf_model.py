@@ -1,7 +1,7 @@
 """A transformers GptOss directory (gpt-oss as released, MXFP4 experts, or unquantized) opened as
 a model: its config and tensor headers checked against each other (`open_hf`), and, for the
 commands that hold the whole model on the host (generate, eval, parity), its per-layer float32
-state_dict read tensor by tensor through parity/hf_weights.py (MXFP4 dequantized on the host).
+state_dict read tensor by tensor through formats/hf_weights.py (MXFP4 dequantized on the host).
 """
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from parity import hf_mapping
-from parity.hf_weights import HFWeights, check_quantization, numpy_to_torch
+from formats import hf_mapping
+from formats.hf_weights import HFWeights, check_quantization, numpy_to_torch
 from torch_model.config import ModelConfig
-from train.errors import UserError
-from train.jsonfile import read_json
-from train.model_checks import check_tensors
+from formats.errors import UserError
+from formats.jsonfile import read_json
+from formats.model_checks import check_tensors
 
 
 def is_hf_dir(path) -> bool:

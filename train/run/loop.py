@@ -1,17 +1,17 @@
 """`torchlyra train`: the training loop around the one-jit step.
 
-The loop below is the whole schedule of a run; each line calls one job of `train/trainer.py`
+The loop below is the whole schedule of a run; each line calls one job of `train/run/trainer.py`
 (setup and resume, step, logging, evaluation, checkpoints, the end). Stopping signals live in
-`train/preemption.py`, the checkpoint format in `train/checkpoint.py`, metrics in
-`train/metrics.py`, evaluation in `train/evaluation/`. A multi-host run trains under a small
-parent process that reports a lost host in one line (`train/host_supervisor.py`).
+`train/cluster/preemption.py`, the checkpoint format in `formats/checkpoint.py`, metrics in
+`train/run/metrics.py`, evaluation in `train/evaluation/`. A multi-host run trains under a small
+parent process that reports a lost host in one line (`train/cluster/host_supervisor.py`).
 """
 from __future__ import annotations
 
 import argparse
 
-from train.config import TrainConfig, load_config_file
-from train.errors import UserError
+from train.run.config import TrainConfig, load_config_file
+from formats.errors import UserError
 
 
 def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progress: bool = True) -> dict:
@@ -22,7 +22,7 @@ def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progres
     if jax.process_count() == 1:
         return _train(cfg, explicit, show_progress)
     from jax_bridge.distributed import barrier
-    from train.host_fault import await_verdict
+    from train.cluster.host_fault import await_verdict
 
     try:
         summary = _train(cfg, explicit, show_progress)
@@ -38,8 +38,8 @@ def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progres
 
 
 def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict:
-    from train.preemption import StopSignals
-    from train.trainer import Trainer, resume_point
+    from train.cluster.preemption import StopSignals
+    from train.run.trainer import Trainer, resume_point
 
     from jax_bridge.distributed import say
 
@@ -115,12 +115,12 @@ def config_from_args(args) -> tuple[TrainConfig, dict]:
 def run(args) -> int:
     from jax_bridge import distributed
     from torch_model.config import PRESETS
-    from train import host_fault
+    from train.cluster import host_fault
 
     cfg, explicit = config_from_args(args)
     many = (args.num_processes or 1) > 1 or (args.num_processes is None and distributed.detected_cluster())
     if many and not host_fault.supervised():
-        from train.host_supervisor import supervise
+        from train.cluster.host_supervisor import supervise
 
         return supervise(args.argv, cfg.out)
     try:       # before anything touches a device

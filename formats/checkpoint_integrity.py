@@ -12,8 +12,8 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from train.errors import UserError
-from train.atomic import sha256_file, write_atomic
+from formats.errors import UserError
+from formats.atomic import sha256_file, write_atomic
 
 MANIFEST_FILE = "torchlyra_manifest.json"
 # Fault injection for tests, "N" or "N@K": SIGKILL this process once N files of the checkpoint it

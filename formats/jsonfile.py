@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from train.errors import UserError
+from formats.errors import UserError
 
 
 def read_json(path) -> object:

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.checkpoint import LORA_META, is_lora_meta  # noqa: F401 (the checkpoint format's; this module's API too)
-from train.errors import UserError
+from formats.checkpoint import LORA_META, is_lora_meta  # noqa: F401 (the checkpoint format's; this module's API too)
+from formats.errors import UserError
 
 # meta[LORA_META] = {"spec": LoraSpec string, "base": {"path", "kind", "sha256", "hashed"}}
 CHECKPOINT_BASE, HF_BASE = "checkpoint", "huggingface"
@@ -29,7 +29,7 @@ def base_reference(init_from: str | os.PathLike, init_meta: dict) -> dict:
         path = Path(init_meta["hf_dir"]).resolve()
         return {"path": str(path), "kind": HF_BASE, "sha256": _hf_fingerprint(path),
                 "hashed": "names and sizes of config.json, the safetensors index and *.safetensors"}
-    from train.checkpoint_integrity import MANIFEST_FILE
+    from formats.checkpoint_integrity import MANIFEST_FILE
 
     step_dir = Path(init_meta["step_dir"]).resolve()
     return {"path": str(step_dir), "kind": CHECKPOINT_BASE,
@@ -46,7 +46,7 @@ def _hf_fingerprint(hf_dir: Path) -> str:
 
 def check_base(reference: dict, where: str) -> Path:
     """The base directory of a LoRA checkpoint, verified against its recorded hash."""
-    from train.checkpoint_integrity import MANIFEST_FILE
+    from formats.checkpoint_integrity import MANIFEST_FILE
 
     path = Path(reference["path"])
     if not path.is_dir():
@@ -65,7 +65,7 @@ def check_base(reference: dict, where: str) -> Path:
 
 def load_base_state(meta: dict) -> dict[str, torch.Tensor]:
     """The frozen base's float32 state_dict (per-layer names) of a LoRA checkpoint, verified."""
-    from train.checkpoint import load_checkpoint
+    from formats.checkpoint import load_checkpoint
 
     reference = meta[LORA_META]["base"]
     path = check_base(reference, f"LoRA checkpoint {meta.get('step_dir')}")
@@ -79,7 +79,7 @@ def load_lora_model(checkpoint: str | os.PathLike):
     trained adapters loaded; float32, eval mode. meta as `load_checkpoint` gives it."""
     from torch_model.lora import apply_lora, parse_lora_spec, unwrap
     from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import (LAYOUTS, check_tensors, find_checkpoint, read_meta, restore_params_to_host,
+    from formats.checkpoint import (LAYOUTS, check_tensors, find_checkpoint, read_meta, restore_params_to_host,
                                   stored_shapes)
 
     step_dir = find_checkpoint(checkpoint)

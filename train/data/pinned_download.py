@@ -12,8 +12,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.atomic import publish, sha256_file
-from train.errors import UserError
+from formats.atomic import publish, sha256_file
+from formats.errors import UserError
 
 
 def cache_dir() -> Path:

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from train.errors import UserError
+from formats.errors import UserError
 
 
 def fsync_path(path) -> None:

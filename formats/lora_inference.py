@@ -1,5 +1,5 @@
 """The model `generate`, `eval` and `export` use for a LoRA checkpoint (adapters + a reference to
-the base, train/lora_checkpoint.py): base + adapters unmerged (peft's layers inside our model, as
+the base, formats/lora_checkpoint.py): base + adapters unmerged (peft's layers inside our model, as
 they trained), or merged by peft's `merge_and_unload` (`--merge`: plain weights, no LoRA path).
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ def add_merge_argument(parser) -> None:
 def lora_meta(checkpoint: str | os.PathLike) -> dict | None:
     """The metadata of a LoRA checkpoint named by `checkpoint` (run, checkpoints or step
     directory), None for any other checkpoint or a Hugging Face directory."""
-    from parity.hf_model import is_hf_dir
-    from train.checkpoint import find_checkpoint, read_meta
-    from train.lora_checkpoint import is_lora_meta
+    from formats.hf_model import is_hf_dir
+    from formats.checkpoint import find_checkpoint, read_meta
+    from formats.lora_checkpoint import is_lora_meta
 
     if is_hf_dir(checkpoint):
         return None
@@ -32,7 +32,7 @@ def load_lora_for_inference(checkpoint, *, merge: bool = False):
     """(model, meta): our GptOssForCausalLM holding peft's LoRA layers (unmerged), or with the
     adapters merged into its weights; float32, eval mode. meta as load_checkpoint gives it."""
     from torch_model.lora import unwrap
-    from train.lora_checkpoint import load_lora_model
+    from formats.lora_checkpoint import load_lora_model
 
     wrapped, _, meta = load_lora_model(checkpoint)
     model = wrapped.merge_and_unload(progressbar=False) if merge else unwrap(wrapped)
@@ -42,8 +42,8 @@ def load_lora_for_inference(checkpoint, *, merge: bool = False):
 def lora_tokenizer(checkpoint, meta: dict):
     """(tiktoken Encoding or None, one line saying which): the LoRA checkpoint's own tokenizer,
     else its base's (a LoRA run trains on the base's tokenizer)."""
-    from train.checkpoint import checkpoint_tokenizer, find_checkpoint, read_meta
-    from train.lora_checkpoint import HF_BASE, LORA_META
+    from formats.checkpoint import checkpoint_tokenizer, find_checkpoint, read_meta
+    from formats.lora_checkpoint import HF_BASE, LORA_META
 
     enc, found = checkpoint_tokenizer(checkpoint, meta)
     if enc is not None:
@@ -64,8 +64,8 @@ def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False):
     import torch
 
     from torch_model.model import GptOssForCausalLM
-    from train.checkpoint import load_checkpoint
-    from train.errors import UserError
+    from formats.checkpoint import load_checkpoint
+    from formats.errors import UserError
 
     if lora_meta(checkpoint) is not None:
         return load_lora_for_inference(checkpoint, merge=merge)
@@ -80,7 +80,7 @@ def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False):
 def inference_tokenizer(checkpoint, meta: dict):
     """(tiktoken Encoding or None, one line saying which) of a checkpoint loaded by
     `load_inference_model`: a LoRA checkpoint's falls back to its base's."""
-    from train.checkpoint import checkpoint_tokenizer
-    from train.lora_checkpoint import is_lora_meta
+    from formats.checkpoint import checkpoint_tokenizer
+    from formats.lora_checkpoint import is_lora_meta
 
     return (lora_tokenizer if is_lora_meta(meta) else checkpoint_tokenizer)(checkpoint, meta)

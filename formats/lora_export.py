@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from parity import hf_export
-from train.atomic import staged_dir
-from train.errors import UserError
+from formats import hf_export
+from formats.atomic import staged_dir
+from formats.errors import UserError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from train.errors import UserError
-from train.metrics import read_metrics
+from formats.errors import UserError
+from train.run.metrics import read_metrics
 
 
 def _series(records, kind: str, key: str):

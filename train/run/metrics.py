@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.atomic import write_atomic
+from formats.atomic import write_atomic
 
 
 def _clean(value):

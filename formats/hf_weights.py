@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from parity import mxfp4
-from train.errors import UserError
+from formats import mxfp4
+from formats.errors import UserError
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 BLOCKS, SCALES = "_blocks", "_scales"

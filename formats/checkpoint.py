@@ -8,13 +8,13 @@ complete (atomic finalize), the last K kept. Each step directory holds three Orb
               at a time by `params_writer`), saved and restored through shardings;
   meta/       JSON: format, version, step, contents, layout, model config, train config,
               kernels, tokenizer reference, loader state, counters;
-  tokenizer/  the tokenizer files (`train.data.tokenizer.save_tokenizer`);
-and, written after Orbax's rename, `torchlyra_manifest.json` (train/checkpoint_integrity.py):
+  tokenizer/  the tokenizer files (`formats.tokenizer.save_tokenizer`);
+and, written after Orbax's rename, `torchlyra_manifest.json` (formats/checkpoint_integrity.py):
 size and sha256 of every file. A step is complete only when its manifest verifies.
 
 `load_checkpoint(path)` serves generate / export / parity / eval: it accepts a run directory,
 a checkpoints directory (newest complete step) or one step directory (or a Hugging Face GptOss
-directory, read through parity/hf_model.py) and returns the per-layer torch state_dict (float32)
+directory, read through formats/hf_model.py) and returns the per-layer torch state_dict (float32)
 whatever `layout` the parameters are stored in (`LAYOUTS`); `checkpoint_tokenizer` its tokenizer;
 `iter_params(path)` gives the same tensors one stored tensor at a time (export streams them).
 """
@@ -34,21 +34,21 @@ import numpy as np
 import torch
 
 from torch_model.config import ModelConfig
-from train.atomic import staged_dir
-from train.checkpoint_integrity import (CheckpointDamaged, fault_while_saving, hooked_temporary_path, verify_manifest,
+from formats.atomic import staged_dir
+from formats.checkpoint_integrity import (CheckpointDamaged, fault_while_saving, hooked_temporary_path, verify_manifest,
                                         write_manifest)
-from train.errors import UserError
-from train.jsonfile import read_json
-from train.model_checks import check_tensors, config_from_dict, model_shapes  # noqa: F401 (also this module's API)
+from formats.errors import UserError
+from formats.jsonfile import read_json
+from formats.model_checks import check_tensors, config_from_dict, model_shapes  # noqa: F401 (also this module's API)
 
 FORMAT, VERSION = "torchlyra-checkpoint", 2
 STATE, META, TOKENIZER = "state", "meta", "tokenizer"
 DAMAGED_DIR = "damaged"                  # damaged steps are moved here (not a step name for Orbax)
 TRAIN_STATE, PARAMS_ONLY = "train_state", "params"
 # State groups holding parameters: trained ones, and a --freeze run's frozen ones (a LoRA run
-# stores no frozen group: its base is referenced, train/lora_checkpoint.py).
+# stores no frozen group: its base is referenced, formats/lora_checkpoint.py).
 PARAM_GROUPS = ("params", "frozen")
-LORA_META = "lora"      # meta key of a LoRA checkpoint: its spec and base reference (train/lora_checkpoint.py)
+LORA_META = "lora"      # meta key of a LoRA checkpoint: its spec and base reference (formats/lora_checkpoint.py)
 
 
 def is_lora_meta(meta: dict) -> bool:
@@ -109,13 +109,13 @@ def _tokenizer_item():
         def save(self, directory, args):
             import jax
 
-            from train.data.tokenizer import save_tokenizer
+            from formats.tokenizer import save_tokenizer
             if jax.process_index() == 0:        # one writer for the shared files, as Orbax's JSON item
                 Path(directory).mkdir(parents=True, exist_ok=True)
                 save_tokenizer(args.encoding, Path(directory))
 
         def restore(self, directory, args=None):
-            from train.data.tokenizer import load_tokenizer
+            from formats.tokenizer import load_tokenizer
             return load_tokenizer(Path(directory))
 
         def metadata(self, directory):
@@ -272,7 +272,7 @@ def params_writer(dir: str | os.PathLike, model_cfg: ModelConfig, *, step: int =
         (step_dir / META).mkdir()
         (step_dir / META / "metadata").write_text(json.dumps(meta))
         if tokenizer is not None:
-            from train.data.tokenizer import save_tokenizer
+            from formats.tokenizer import save_tokenizer
             save_tokenizer(tokenizer, step_dir / TOKENIZER)
         write_manifest(step_dir)
 
@@ -440,7 +440,7 @@ def _open_checked(path):
     where = f"checkpoint {step_dir}"
     if is_lora_meta(meta):
         raise UserError(f"{where} holds LoRA adapters of the base {meta['lora']['base']['path']}, not a whole model: "
-                        f"load it with train.lora_checkpoint.load_lora_model")
+                        f"load it with formats.lora_checkpoint.load_lora_model")
     for key, (_, dtype) in stored.items():
         if key[0] in PARAM_GROUPS and dtype not in STORED_DTYPES:
             raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
@@ -472,7 +472,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], M
     a Hugging Face GptOss directory (gpt-oss as released: MXFP4 dequantized on the host, or
     unquantized; step 0, meta "hf_dir" set). meta holds everything but "model", plus "step_dir"
     (where it was read from)."""
-    from parity.hf_model import is_hf_dir, load_hf
+    from formats.hf_model import is_hf_dir, load_hf
 
     if is_hf_dir(path):
         return load_hf(path)
@@ -495,13 +495,13 @@ def tokenizer_dir(checkpoint_dir: str | os.PathLike, meta: dict) -> Path | None:
 def checkpoint_tokenizer(checkpoint_dir: str | os.PathLike, meta: dict):
     """(tiktoken Encoding or None, one line saying which) of the checkpoint `meta` was read from:
     ours from its tokenizer item; a Hugging Face directory's when recognised (o200k_harmony, or a
-    torchlyra export's tiktoken/: parity/hf_tokenizer.py)."""
+    torchlyra export's tiktoken/: formats/hf_tokenizer.py)."""
     if meta.get("hf_dir"):
-        from parity.hf_tokenizer import recognize
+        from formats.hf_tokenizer import recognize
         return recognize(Path(meta["hf_dir"]))
     tok_dir = tokenizer_dir(checkpoint_dir, meta)
     if tok_dir is None:
         return None, "its metadata names no tokenizer (field tokenizer.dir)"
-    from train.data.tokenizer import load_tokenizer
+    from formats.tokenizer import load_tokenizer
     enc = load_tokenizer(tok_dir)
     return enc, f"{enc.name} (from {tok_dir})"

@@ -1,7 +1,7 @@
 """`--init-from HF_DIR`: a transformers GptOss directory (gpt-oss as released, MXFP4 experts, or
 unquantized) loaded straight into the sharded train state. Each process reads from the
 safetensors shards only the slices its own devices hold (`jax.make_array_from_callback` asks for
-exactly those; parity/hf_weights.py reads them with `get_slice` and dequantizes on the host), so
+exactly those; formats/hf_weights.py reads them with `get_slice` and dequantizes on the host), so
 no process ever holds a tensor it does not own, let alone the model. Optimizer state starts at
 zeros, made on the devices.
 """
@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parity.hf_model import is_hf_dir, open_hf  # noqa: F401 (is_hf_dir: the trainer asks here)
-from parity.hf_weights import HFWeights
-from train.errors import UserError
+from formats.hf_model import is_hf_dir, open_hf  # noqa: F401 (is_hf_dir: the trainer asks here)
+from formats.hf_weights import HFWeights
+from formats.errors import UserError
 
 
 def open_for_init(path):

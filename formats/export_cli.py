@@ -1,10 +1,10 @@
 """`torchlyra export`: a checkpoint -> Hugging Face files. A whole-model checkpoint goes through
-parity/hf_export.py; a LoRA checkpoint is written merged (default: base + adapters, any --dtype)
-or, with --adapter, as peft's own adapter files (parity/lora_export.py)."""
+formats/hf_export.py; a LoRA checkpoint is written merged (default: base + adapters, any --dtype)
+or, with --adapter, as peft's own adapter files (formats/lora_export.py)."""
 from __future__ import annotations
 
-from parity import hf_export, lora_export
-from train.errors import UserError
+from formats import hf_export, lora_export
+from formats.errors import UserError
 
 
 def add_arguments(parser) -> None:
@@ -19,7 +19,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from train.lora_inference import lora_meta
+    from formats.lora_inference import lora_meta
 
     meta = lora_meta(args.checkpoint)
     if meta is None:
@@ -33,7 +33,7 @@ def run(args) -> int:
 
 
 def run_adapter(args, meta) -> int:
-    from train.lora_checkpoint import HF_BASE, LORA_META, load_lora_model
+    from formats.lora_checkpoint import HF_BASE, LORA_META, load_lora_model
 
     base = meta[LORA_META]["base"]
     base_model = args.base_model or (base["path"] if base["kind"] == HF_BASE else None)
@@ -51,8 +51,8 @@ def run_adapter(args, meta) -> int:
 
 
 def run_merged(args) -> int:
-    from train.lora_checkpoint import load_lora_model
-    from train.lora_inference import lora_tokenizer
+    from formats.lora_checkpoint import load_lora_model
+    from formats.lora_inference import lora_tokenizer
 
     wrapped, cfg, meta = load_lora_model(args.checkpoint)
     enc, _ = lora_tokenizer(args.checkpoint, meta)

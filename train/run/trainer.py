@@ -1,6 +1,6 @@
 """What a training run does around the one-jit step, one method per job: setup (new run,
 `--init-from`, `--resume`), one optimizer step, logging, evaluation, checkpoints, stopping and
-finishing (plots, samples, summary). `train/loop.py` strings them together.
+finishing (plots, samples, summary). `train/run/loop.py` strings them together.
 """
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import torch
 from tqdm import tqdm
 
 from jax_bridge.distributed import say
-from parity.hf_weights import HFWeights
-from train import checkpoint, flops, init_from_hf, lora_checkpoint
-from train.config import TrainConfig, resumed_config
-from train.errors import UserError
-from train.metrics import MetricsWriter, StepTimer, expert_load
+from formats.hf_weights import HFWeights
+from formats import checkpoint, init_from_hf, lora_checkpoint
+from train.run import flops
+from train.run.config import TrainConfig, resumed_config
+from formats.errors import UserError
+from train.run.metrics import MetricsWriter, StepTimer, expert_load
 
 DEFAULT_PROMPTS = ["ROMEO:", "First Citizen:\nWe are"]
 
@@ -126,7 +127,7 @@ class Trainer:
         from torch_model.optim import OptimizerConfig
         from train.evaluation.validation import Evaluator, token_byte_lengths
         from train.data.loader import TokenLoader
-        from train.data.tokenizer import load_tokenizer
+        from formats.tokenizer import load_tokenizer
 
         self.out, self.primary, self.cfg = Path(cfg.out), jax.process_index() == 0, cfg
         if meta:
@@ -137,7 +138,7 @@ class Trainer:
         except registry.KernelError as e:
             raise UserError(str(e)) from None
         self.tokenizer = load_tokenizer(cfg.data)  # the data's: its special ids become the model's
-        self.base_reference = None                 # a LoRA run's base (train/lora_checkpoint.py)
+        self.base_reference = None                 # a LoRA run's base (formats/lora_checkpoint.py)
         self.model_cfg, init_state = self._model_config(meta, explicit or {})
         if self.tokenizer.n_vocab > self.model_cfg.vocab_size:
             raise UserError(f"data vocabulary ({self.tokenizer.n_vocab}) is larger than the model's vocab_size "
@@ -242,7 +243,7 @@ class Trainer:
 
     def _saved_state(self) -> dict:
         """What a checkpoint holds: the train state, and a --freeze run's frozen parameters
-        (a LoRA run's frozen base is only referenced: train/lora_checkpoint.py)."""
+        (a LoRA run's frozen base is only referenced: formats/lora_checkpoint.py)."""
         state = self.state._asdict()
         if self.step.frozen and not self.cfg.lora:
             state["frozen"] = self.step.frozen
@@ -252,7 +253,7 @@ class Trainer:
         """(ModelConfig, initial parameters or None): a resumed run's from its checkpoint, an
         --init-from run's from that checkpoint (an explicit preset/model must have its shapes),
         a new run's from the preset and overrides."""
-        from train.data.tokenizer import bos_id, check_same_tokenizer, end_id, load_tokenizer
+        from formats.tokenizer import bos_id, check_same_tokenizer, end_id, load_tokenizer
 
         cfg = self.cfg
         if meta:
@@ -289,8 +290,8 @@ class Trainer:
     def _hf_model_config(self, wanted, explicit: dict, bos: int, eos: int):
         """(ModelConfig, HFWeights) of --init-from a Hugging Face directory: nothing read yet;
         the train state is made from it slice by slice once the mesh exists."""
-        from parity.hf_tokenizer import recognize
-        from train.data.tokenizer import check_same_tokenizer
+        from formats.hf_tokenizer import recognize
+        from formats.tokenizer import check_same_tokenizer
 
         cfg = self.cfg
         init_cfg, weights = init_from_hf.open_for_init(cfg.init_from)
@@ -342,7 +343,7 @@ class Trainer:
                                   f"with --resume") from None
 
     def train_step(self, batch: np.ndarray):
-        from train.schedule import lr_scale
+        from train.run.schedule import lr_scale
 
         cfg = self.cfg
         self.scale = lr_scale(self.done, total=cfg.steps, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
@@ -494,7 +495,7 @@ class Trainer:
         return {"steps": self.done, "stopped": reason, "checkpoint": str(path)}
 
     def finish(self) -> dict:
-        from train.plots import plot_run
+        from train.run.plots import plot_run
 
         path = self.save(wait=True)
         self._write_finished_checkpoints()
@@ -519,7 +520,7 @@ class Trainer:
         return summary
 
     def _first_eval(self) -> float | None:
-        from train.metrics import read_metrics
+        from train.run.metrics import read_metrics
 
         evals = [r for r in read_metrics(self.out / "metrics.jsonl") if r.get("kind") == "eval"]
         return evals[0]["val_loss"] if evals else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from train.errors import UserError
+from formats.errors import UserError
 
 BLOCK = 32                      # values per block (one scale each)
 SCALE_BIAS = 127

@@ -18,10 +18,10 @@ import safetensors.torch
 import torch
 from tqdm import tqdm
 
-from parity import hf_mapping, mxfp4
-from train import checkpoint
-from train.atomic import staged_dir
-from train.errors import UserError
+from formats import hf_mapping, mxfp4
+from formats import checkpoint
+from formats.atomic import staged_dir
+from formats.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "mxfp4": None}
 DEFAULT_SHARD_BYTES = 2 * 1000**3
@@ -29,7 +29,7 @@ INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 # As gpt-oss is released: only the expert weights are MXFP4.
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-# gpt-oss's harmony chat format, as train/chat.py renders it: <|start|>{role}[<|channel|>{channel}]
+# gpt-oss's harmony chat format, as train/generation/chat.py renders it: <|start|>{role}[<|channel|>{channel}]
 # <|message|>{content}<|end|> per message, then <|start|>assistant for the reply.
 HARMONY_CHAT_TEMPLATE = (
     "{%- for message in messages -%}<|start|>{{ message['role'] }}"
@@ -119,7 +119,7 @@ def write_tokenizer(enc, out: Path, cfg) -> str:
     """Our tiktoken BPE as transformers files (checked against tiktoken on probe text before they
     are kept) and, always, the original tiktoken files under out/tiktoken. Returns a status line."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
-    from train.data.tokenizer import save_tokenizer, special_tokens_by_id
+    from formats.tokenizer import save_tokenizer, special_tokens_by_id
 
     if enc.n_vocab > cfg.vocab_size:
         raise UserError(f"tokenizer: {enc.n_vocab} ids do not fit ModelConfig.vocab_size {cfg.vocab_size}")
@@ -164,7 +164,7 @@ tokenizer = AutoTokenizer.from_pretrained("{name}")   # if tokenizer.json is pre
 - Weights: {weights}.
 - Tokenizer: {tokenizer}.
   The original tiktoken BPE (when the checkpoint named one) is in `tiktoken/`: rebuild it with
-  `train.data.tokenizer.load_tokenizer("tiktoken")`, or with `tiktoken.Encoding` from the ranks file,
+  `formats.tokenizer.load_tokenizer("tiktoken")`, or with `tiktoken.Encoding` from the ranks file,
   pattern and special tokens listed in `tiktoken/tokenizer.json`.
 - Exactness: transformers' eager attention in float32 matches torchlyra's eager model (test suite:
   relative error of the logits <= 1e-5).{dense_note}
@@ -181,7 +181,7 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
     tok_dir = checkpoint.tokenizer_dir(checkpoint_dir, meta)
     enc = None
     if tok_dir is not None:
-        from train.data.tokenizer import load_tokenizer
+        from formats.tokenizer import load_tokenizer
         enc = load_tokenizer(tok_dir)
     return write_hf_dir(cfg, params, out_dir, step=meta.get("step", 0), enc=enc, dtype=dtype,
                         shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress)

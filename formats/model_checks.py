@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from torch_model.config import ConfigError, ModelConfig
-from train.errors import UserError
+from formats.errors import UserError
 
 
 def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

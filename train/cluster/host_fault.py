@@ -1,4 +1,4 @@
-"""The training process's side of a lost host (under train/host_supervisor.py): tell the parent who
+"""The training process's side of a lost host (under train/cluster/host_supervisor.py): tell the parent who
 the processes are and when a collective failed, then wait for JAX's coordination service to end
 this process (it does once a dead peer misses heartbeats for host_timeout_s). Imports nothing heavy."""
 from __future__ import annotations

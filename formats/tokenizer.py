@@ -31,8 +31,8 @@ from typing import Iterable
 
 import tiktoken
 
-from train.atomic import sha256_file, write_atomic
-from train.errors import UserError
+from formats.atomic import sha256_file, write_atomic
+from formats.errors import UserError
 
 RANKS_FILE, META_FILE = "tokenizer.tiktoken", "tokenizer.json"
 

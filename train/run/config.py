@@ -5,8 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.errors import UserError
-from train.jsonfile import read_json
+from formats.errors import UserError
+from formats.jsonfile import read_json
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from train.checkpoint_integrity import MANIFEST_FILE
-from train.host_fault import EXIT_HOST_LOST, SUPERVISOR_FD_ENV
+from formats.checkpoint_integrity import MANIFEST_FILE
+from train.cluster.host_fault import EXIT_HOST_LOST, SUPERVISOR_FD_ENV
 
 # A survivor stops within host_timeout_s + STOP_GRACE_S of a peer's death (the service's
 # heartbeat check, the abort, this parent's line).
@@ -76,7 +76,7 @@ class StderrRelay:
 
 
 class Events:
-    """The JSON lines the child reports (train/host_fault.py): its process table, a failed step."""
+    """The JSON lines the child reports (train/cluster/host_fault.py): its process table, a failed step."""
 
     def __init__(self, fd: int):
         self.fd, self.seen = fd, {}

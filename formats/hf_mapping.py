@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from parity.hf_weights import check_quantization
-from parity.mxfp4 import BLOCK as MXFP4_BLOCK
+from formats.hf_weights import check_quantization
+from formats.mxfp4 import BLOCK as MXFP4_BLOCK
 from torch_model.config import ModelConfig
-from train.model_checks import config_from_dict, model_shapes
-from train.errors import UserError
+from formats.model_checks import config_from_dict, model_shapes
+from formats.errors import UserError
 
 # ModelConfig fields exported under config.json "torchlyra" so an import restores them
 # (transformers keeps unknown config keys as attributes): training settings, which a foreign

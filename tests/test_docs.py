@@ -1,0 +1,284 @@
+"""The documentation names only real things: every `torchlyra` command line in README.md, docs/*.md
+and BENCHMARKS.md parses with the CLI's own parser (lm-eval's for `torchlyra lm-eval`), every
+repository path and module they name exists, every link lands on a file and heading that exist,
+and every page under docs/ is linked from the README. Parsing only: no command runs.
+
+What counts as a command line:
+- in a code block (no language, or bash/sh/shell/console; a ```text block is program output): a
+  line whose command, after a leading `$ ` prompt and `NAME=value` assignments, is `torchlyra`,
+  `.venv/bin/torchlyra` or `python -m train.cli`; lines ending in a backslash are joined and a
+  `# comment` is dropped;
+- in inline code: a span that starts with one of those (it may wrap onto the next line); `&&`
+  separates two commands. A span of the bare command (`torchlyra generate`, `torchlyra bench step`)
+  names it rather than runs it: it is parsed with `--help` added, which must exit 0.
+Placeholders (HF_DIR, CK, ...) are the unquoted ALL-CAPS words of a command; each is replaced by its
+sample value from PLACEHOLDERS, and one that is not there fails the test. Optional brackets
+(`[--steps N]`), `...` and `<value>` are not commands: the docs write real ones instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
+
+# The one table of placeholders the docs may write in a command, each with a sample value.
+PLACEHOLDERS = {
+    "HF_DIR": "gpt-oss-20b/",       # a Hugging Face GptOss directory
+    "CK": "runs/tiny",              # one of our checkpoints (run, checkpoints/ or step directory)
+    "DIR": "runs/tiny",             # a checkpoint or data directory
+    "DATA": "data/shakespeare",     # prepared data
+    "CHATDATA": "data/chats",       # prepared conversations
+    "N": "300",                     # a count (a step, layers)
+    "P": "tiny",                    # a preset
+    "T": "4096",                    # a sequence length
+    "B": "8",                       # a global batch size
+    "OUT": "plan.json",             # an output file
+    "$RANK": "0",                   # the process id a cluster scheduler hands each host
+}
+PROGRAMS = ("torchlyra", ".venv/bin/torchlyra", "python -m train.cli")
+SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
+# The repository's top-level folders and files: a path in the docs that starts with one is checked
+# (others, such as runs/tiny or data/chats, are what commands write).
+PACKAGES = ("torch_model", "pallas_kernels", "jax_bridge", "formats", "train", "parity")
+FOLDERS = (*PACKAGES, "scripts", "tests", "docs", ".ci")
+FILES = ("Makefile", "pyproject.toml", "BENCHMARKS.md", "README.md")
+FILE_SUFFIXES = {"json", "jsonl", "md", "png", "txt", "py"}     # `parity.json` is a file, not a module
+
+
+def page_name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@dataclass(frozen=True)
+class Command:
+    page: str
+    line: int
+    text: str        # as written: continuations joined, the comment dropped
+
+    def where(self) -> str:
+        return f"{self.page}:{self.line}: {self.text}"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One code block: its language and (first line number, text) of each line inside."""
+    language: str
+    lines: list[tuple[int, str]]
+
+
+def split_page(path: Path) -> tuple[list[Block], str]:
+    """(code blocks, the page's prose with every code-block line blanked so line numbers hold)."""
+    blocks, prose, current = [], [], None
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        fence = re.match(r"\s*```(\w*)", line)
+        if fence and current is None:
+            current = Block(fence.group(1), [])
+            prose.append("")
+        elif fence:
+            blocks.append(current)
+            current = None
+            prose.append("")
+        elif current is not None:
+            current.lines.append((number, line))
+            prose.append("")
+        else:
+            prose.append(line)
+    assert current is None, f"{path.name}: a code block is never closed"
+    return blocks, "\n".join(prose)
+
+
+def inline_spans(prose: str) -> list[tuple[int, str]]:
+    """(line number, text) of each `inline code` span; a span may wrap onto the next line."""
+    return [(prose.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()))
+            for m in re.finditer(r"`([^`]+)`", prose)]
+
+
+def drop_comment(text: str) -> str:
+    """The text before an unquoted `#` that starts a word."""
+    out = re.sub(r"""'[^']*'|"[^"]*"|(?:(?<=\s)|^)#.*""", lambda m: "" if m.group(0).startswith("#") else m.group(0), text)
+    return out.strip()
+
+
+def program_of(text: str) -> str | None:
+    """The command without its `$ ` prompt and leading NAME=value assignments when it runs the CLI."""
+    text = re.sub(r"^\$\s+", "", text.strip())
+    text = re.sub(r"^(?:[A-Za-z_]\w*=\S*\s+)*", "", text)
+    return text if any(text == p or text.startswith(p + " ") for p in PROGRAMS) else None
+
+
+def block_commands(page: str, block: Block) -> list[Command]:
+    if block.language not in SHELL_FENCES:
+        return []
+    commands, pending, start = [], "", 0
+    for number, line in block.lines:
+        if not pending:
+            start = number
+        text = drop_comment(line)
+        if text.endswith("\\"):
+            pending += text[:-1] + " "
+            continue
+        line_text, pending = pending + text, ""
+        for part in line_text.split(" && "):      # also a command inside `gcloud ... --command "..."`
+            if command := program_of(part.strip().strip("\"'")):
+                commands.append(Command(page, start, " ".join(command.split())))
+    return commands
+
+
+def doc_commands() -> list[Command]:
+    commands = []
+    for path in PAGES:
+        blocks, prose = split_page(path)
+        for block in blocks:
+            commands += block_commands(page_name(path), block)
+        for number, span in inline_spans(prose):
+            for part in span.split(" && "):
+                if command := program_of(part):
+                    commands.append(Command(page_name(path), number, command))
+    return commands
+
+
+def argv_of(command: Command) -> list[str]:
+    """The arguments after the program, placeholders replaced by their sample values."""
+    unknown = []
+
+    def fill(m: re.Match) -> str:
+        word = m.group(0)
+        if word[0] in "'\"":
+            return word
+        if word not in PLACEHOLDERS:
+            unknown.append(word)
+            return word
+        return PLACEHOLDERS[word]
+
+    text = re.sub(r"""'[^']*'|"[^"]*"|(?<![\w$])\$?[A-Z][A-Z0-9_]*(?!\w)""", fill, command.text)
+    if unknown:
+        raise ValueError(f"placeholder(s) {', '.join(unknown)} not in tests/test_docs.py's PLACEHOLDERS")
+    program = next(p for p in PROGRAMS if text == p or text.startswith(p + " "))
+    argv = shlex.split(text[len(program):])
+    bad = [a for a in argv if a in ("...", "[", "]", "|", "<", ">") or a.startswith(("[", "<"))]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not an argument: write a real command")
+    return argv
+
+
+def parse(argv: list[str], monkeypatch) -> str | None:
+    """None when `torchlyra ARGV` parses, else argparse's message. A bare command gets `--help`."""
+    from train.cli import build_parser
+    from train.evaluation.lm_eval_cli import lm_eval_argv
+
+    bare = len(argv) == 1 or (argv[:1] == ["bench"] and len(argv) == 2)
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            args = build_parser().parse_args([*argv, "--help"] if bare and argv[0] != "lm-eval" else argv)
+            if args.command == "lm-eval":
+                from lm_eval._cli import HarnessCLI    # what lm_eval.__main__.cli_evaluate parses with
+
+                monkeypatch.setattr(sys, "argv", lm_eval_argv(list(args.lm_eval_args)))
+                HarnessCLI().parse_args()
+    except SystemExit as e:
+        if e.code == 0 and bare:
+            return None
+        return stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue().strip() else f"exit {e.code}"
+    return None
+
+
+def test_every_documented_command_parses(monkeypatch):
+    commands = doc_commands()
+    failures, per_page = [], {page_name(p): 0 for p in PAGES}
+    for command in commands:
+        per_page[command.page] = per_page.get(command.page, 0) + 1
+        try:
+            message = parse(argv_of(command), monkeypatch)
+        except ValueError as e:
+            message = str(e)
+        if message:
+            failures.append(f"{command.where()}\n    {message}")
+    print(f"{len(commands)} command lines found, {len(commands) - len(failures)} parsed, none skipped: "
+          + ", ".join(f"{page} {n}" for page, n in per_page.items()))
+    assert not failures, f"{len(failures)} of {len(commands)} documented commands do not parse:\n" + "\n".join(failures)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    blocks, prose = split_page(path)
+    return {slug(line.lstrip("#")) for line in prose.splitlines() if line.startswith("#")}
+
+
+def named_paths(path: Path) -> list[tuple[int, str]]:
+    """(line, path or module) of every repository path or dotted module the page names in code or
+    in a link target (relative to the repository root; links are resolved from the page)."""
+    blocks, prose = split_page(path)
+    texts = inline_spans(prose) + [(n, line) for block in blocks for n, line in block.lines]
+    folders, files = "|".join(re.escape(f) for f in FOLDERS), "|".join(re.escape(f) for f in FILES)
+    packages = "|".join(PACKAGES)
+    found = []
+    for number, text in texts:
+        for m in re.finditer(rf"(?<![\w./$-])(?:(?:{folders})/[\w.*/-]*|(?:{files}))(?![\w-])", text):
+            found.append((number, m.group(0).rstrip(".:,")))
+        for m in re.finditer(rf"(?<![\w./$-])(?:{packages})(?:\.\w+)+", text):
+            if m.group(0).rsplit(".", 1)[1] not in FILE_SUFFIXES:
+                found.append((number, m.group(0)))
+    return found
+
+
+def module_exists(dotted: str) -> bool:
+    """`pkg.module.attr`: the packages along the way exist and a module ends the walk (the rest are
+    names inside it)."""
+    here = ROOT
+    for part in dotted.split("."):
+        if (here / part / "__init__.py").exists():
+            here = here / part
+        else:
+            return (here / f"{part}.py").exists()
+    return True
+
+
+def test_every_repository_path_the_docs_name_exists():
+    missing, checked = [], 0
+    for path in PAGES:
+        page = page_name(path)
+        for number, name in named_paths(path):
+            checked += 1
+            if "/" in name or name in FILES:
+                ok = bool(list(ROOT.glob(name))) if "*" in name else (ROOT / name).exists()
+            else:
+                ok = module_exists(name)
+            if not ok:
+                missing.append(f"{page}:{number}: {name}")
+        text = split_page(path)[1]
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target = m.group(1)
+            if re.match(r"\w+:", target):          # https:, mailto:
+                continue
+            checked += 1
+            number = text.count("\n", 0, m.start()) + 1
+            file, _, anchor = target.partition("#")
+            resolved = (path.parent / file).resolve() if file else path
+            if not resolved.exists():
+                missing.append(f"{page}:{number}: link {target}: no such file")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                missing.append(f"{page}:{number}: link {target}: no heading #{anchor} in {resolved.name}")
+    print(f"{checked} paths, modules and links checked")
+    assert not missing, "the docs name paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    linked = {Path(m.group(1).partition("#")[0]) for m in re.finditer(r"\]\((docs/[^)\s]+)\)", readme)}
+    pages = {p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md")}
+    assert pages, "docs/ holds no page"
+    assert not pages - linked, f"docs pages the README does not link: {sorted(map(str, pages - linked))}"
