@@ -10,10 +10,13 @@ What counts as a command line:
   `# comment` is dropped;
 - in inline code: a span that starts with one of those (it may wrap onto the next line); `&&`
   separates two commands. A span of the bare command (`torchlyra generate`, `torchlyra bench step`)
-  names it rather than runs it: it is parsed with `--help` added, which must exit 0.
+  names it rather than runs it: it is parsed with `--help` added, which must exit 0. The program's
+  name alone (`torchlyra`) is no command.
 Placeholders (HF_DIR, CK, ...) are the unquoted ALL-CAPS words of a command; each is replaced by its
 sample value from PLACEHOLDERS, and one that is not there fails the test. Optional brackets
-(`[--steps N]`), `...` and `<value>` are not commands: the docs write real ones instead.
+(`[--steps N]`), `...`, `<value>` and `a|b` are not commands: the docs write real ones instead.
+Paths: a path in code or a link target whose first part is one of the repository's top-level
+folders or files (FOLDERS, FILES) must exist; so must a dotted module (`formats.tokenizer.load`).
 """
 from __future__ import annotations
 
@@ -25,7 +28,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
@@ -42,6 +44,7 @@ PLACEHOLDERS = {
     "T": "4096",                    # a sequence length
     "B": "8",                       # a global batch size
     "OUT": "plan.json",             # an output file
+    "PLAYS": "plays/",              # input text files
     "$RANK": "0",                   # the process id a cluster scheduler hands each host
 }
 PROGRAMS = ("torchlyra", ".venv/bin/torchlyra", "python -m train.cli")
@@ -50,7 +53,7 @@ SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
 # (others, such as runs/tiny or data/chats, are what commands write).
 PACKAGES = ("torch_model", "pallas_kernels", "jax_bridge", "formats", "train", "parity")
 FOLDERS = (*PACKAGES, "scripts", "tests", "docs", ".ci")
-FILES = ("Makefile", "pyproject.toml", "BENCHMARKS.md", "README.md")
+FILES = ("Makefile", "pyproject.toml", "requirements.lock", "BENCHMARKS.md", "README.md")
 FILE_SUFFIXES = {"json", "jsonl", "md", "png", "txt", "py"}     # `parity.json` is a file, not a module
 
 
@@ -102,17 +105,21 @@ def inline_spans(prose: str) -> list[tuple[int, str]]:
             for m in re.finditer(r"`([^`]+)`", prose)]
 
 
+QUOTED = r"'[^']*'|\"[^\"]*\""     # a quoted string, kept as it is
+
+
 def drop_comment(text: str) -> str:
     """The text before an unquoted `#` that starts a word."""
-    out = re.sub(r"""'[^']*'|"[^"]*"|(?:(?<=\s)|^)#.*""", lambda m: "" if m.group(0).startswith("#") else m.group(0), text)
-    return out.strip()
+    kept = re.sub(rf"{QUOTED}|(?:(?<=\s)|^)#.*", lambda m: "" if m.group(0).startswith("#") else m.group(0), text)
+    return kept.strip()
 
 
 def program_of(text: str) -> str | None:
-    """The command without its `$ ` prompt and leading NAME=value assignments when it runs the CLI."""
+    """The command without its `$ ` prompt and leading NAME=value assignments when it runs a
+    subcommand of the CLI (the program's name alone, `torchlyra`, is no command)."""
     text = re.sub(r"^\$\s+", "", text.strip())
     text = re.sub(r"^(?:[A-Za-z_]\w*=\S*\s+)*", "", text)
-    return text if any(text == p or text.startswith(p + " ") for p in PROGRAMS) else None
+    return text if any(text.startswith(p + " ") for p in PROGRAMS) else None
 
 
 def block_commands(page: str, block: Block) -> list[Command]:
@@ -128,7 +135,8 @@ def block_commands(page: str, block: Block) -> list[Command]:
             continue
         line_text, pending = pending + text, ""
         for part in line_text.split(" && "):      # also a command inside `gcloud ... --command "..."`
-            if command := program_of(part.strip().strip("\"'")):
+            part = part.strip()
+            if command := program_of(part.strip('"') if part.count('"') % 2 else part):
                 commands.append(Command(page, start, " ".join(command.split())))
     return commands
 
@@ -147,65 +155,76 @@ def doc_commands() -> list[Command]:
 
 
 def argv_of(command: Command) -> list[str]:
-    """The arguments after the program, placeholders replaced by their sample values."""
-    unknown = []
+    """The arguments after the program, placeholders replaced by their sample values; outside
+    quotes, a word in ALL CAPS must be a placeholder and `...`, `[`, `]`, `<`, `>`, `|` may not be."""
+    unknown, syntax = [], []
 
     def fill(m: re.Match) -> str:
         word = m.group(0)
         if word[0] in "'\"":
             return word
-        if word not in PLACEHOLDERS:
+        if word in ("...", "[", "]", "<", ">", "|"):
+            syntax.append(word)
+        elif word not in PLACEHOLDERS:
             unknown.append(word)
-            return word
-        return PLACEHOLDERS[word]
+        return PLACEHOLDERS.get(word, word)
 
-    text = re.sub(r"""'[^']*'|"[^"]*"|(?<![\w$])\$?[A-Z][A-Z0-9_]*(?!\w)""", fill, command.text)
+    text = re.sub(rf"{QUOTED}|(?<![\w$])\$?[A-Z][A-Z0-9_]*(?!\w)|\.\.\.|[][<>|]", fill, command.text)
     if unknown:
         raise ValueError(f"placeholder(s) {', '.join(unknown)} not in tests/test_docs.py's PLACEHOLDERS")
-    program = next(p for p in PROGRAMS if text == p or text.startswith(p + " "))
-    argv = shlex.split(text[len(program):])
-    bad = [a for a in argv if a in ("...", "[", "]", "|", "<", ">") or a.startswith(("[", "<"))]
-    if bad:
-        raise ValueError(f"{bad[0]!r} is not an argument: write a real command")
-    return argv
+    if syntax:
+        raise ValueError(f"{syntax[0]!r} is not an argument: write a real command")
+    program = next(p for p in PROGRAMS if text.startswith(p + " "))
+    return shlex.split(text[len(program):])
+
+
+def is_bare(argv: list[str]) -> bool:
+    """`torchlyra generate`, `torchlyra bench step`: a command named, not run (lm-eval's own parser
+    takes no arguments as they are)."""
+    return argv != ["lm-eval"] and (len(argv) == 1 or (argv[0] == "bench" and len(argv) == 2))
 
 
 def parse(argv: list[str], monkeypatch) -> str | None:
-    """None when `torchlyra ARGV` parses, else argparse's message. A bare command gets `--help`."""
+    """None when `torchlyra ARGV` parses, else the parser's message. A bare command gets `--help`,
+    which must exit 0."""
     from train.cli import build_parser
     from train.evaluation.lm_eval_cli import lm_eval_argv
 
-    bare = len(argv) == 1 or (argv[:1] == ["bench"] and len(argv) == 2)
-    stderr = io.StringIO()
+    bare, stderr = is_bare(argv), io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            args = build_parser().parse_args([*argv, "--help"] if bare and argv[0] != "lm-eval" else argv)
+            args = build_parser().parse_args([*argv, "--help"] if bare else argv)
             if args.command == "lm-eval":
-                from lm_eval._cli import HarnessCLI    # what lm_eval.__main__.cli_evaluate parses with
+                from lm_eval._cli import HarnessCLI    # what lm_eval.__main__.cli_evaluate parses with (0.4.13)
 
                 monkeypatch.setattr(sys, "argv", lm_eval_argv(list(args.lm_eval_args)))
                 HarnessCLI().parse_args()
     except SystemExit as e:
         if e.code == 0 and bare:
             return None
-        return stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue().strip() else f"exit {e.code}"
+        lines = stderr.getvalue().strip().splitlines()
+        return lines[-1] if lines else f"exit {e.code}"
     return None
 
 
 def test_every_documented_command_parses(monkeypatch):
     commands = doc_commands()
-    failures, per_page = [], {page_name(p): 0 for p in PAGES}
+    failures, bare, per_page = [], 0, {page_name(p): 0 for p in PAGES}
     for command in commands:
-        per_page[command.page] = per_page.get(command.page, 0) + 1
+        per_page[command.page] += 1
         try:
-            message = parse(argv_of(command), monkeypatch)
+            argv = argv_of(command)
+            bare += is_bare(argv)
+            message = parse(argv, monkeypatch)
         except ValueError as e:
             message = str(e)
         if message:
             failures.append(f"{command.where()}\n    {message}")
-    print(f"{len(commands)} command lines found, {len(commands) - len(failures)} parsed, none skipped: "
-          + ", ".join(f"{page} {n}" for page, n in per_page.items()))
-    assert not failures, f"{len(failures)} of {len(commands)} documented commands do not parse:\n" + "\n".join(failures)
+    print(f"\n{len(commands)} command lines found ({bare} of them a bare command name, parsed with --help), "
+          f"{len(commands) - len(failures)} parsed, none skipped: " + ", ".join(f"{p} {n}" for p, n in per_page.items()))
+    assert commands, "no command line found in the docs"
+    assert not failures, (f"{len(failures)} of {len(commands)} documented commands do not parse:\n"
+                          + "\n".join(failures))
 
 
 def slug(heading: str) -> str:
@@ -214,7 +233,7 @@ def slug(heading: str) -> str:
 
 
 def anchors(path: Path) -> set[str]:
-    blocks, prose = split_page(path)
+    prose = split_page(path)[1]
     return {slug(line.lstrip("#")) for line in prose.splitlines() if line.startswith("#")}
 
 
@@ -272,7 +291,7 @@ def test_every_repository_path_the_docs_name_exists():
                 missing.append(f"{page}:{number}: link {target}: no such file")
             elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
                 missing.append(f"{page}:{number}: link {target}: no heading #{anchor} in {resolved.name}")
-    print(f"{checked} paths, modules and links checked")
+    print(f"\n{checked} paths, modules and links checked")
     assert not missing, "the docs name paths that do not exist:\n" + "\n".join(missing)
 
 
