@@ -904,16 +904,21 @@ SPLASH_BLOCKS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "bloc
                  "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
 
 
-# Not cached: the kernel object holds mask arrays, and one built inside a trace would leak that
-# trace's values into the next (UnexpectedTracerError on the second jit).
-def _splash_kernel(num_q_heads: int, padded_len: int, window: int, blocks: dict, interpret: bool):
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(num_q_heads: int, padded_len: int, window: int, blocks: tuple, interpret: bool):
+    """Splash's kernel object for one static mask. Its mask arrays are made concrete
+    (`ensure_compile_time_eval`): made by `jnp.array` inside a trace they would be that trace's
+    tracers, and a kernel built in one trace and called in another (the scan body of scanned
+    layers, then the scan's backward) leaks them (UnexpectedTracerError). Concrete, the object is
+    the same in every trace, so it is built once per mask and tile choice."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
     shape = (padded_len, padded_len)
     # LocalMask's window_size=(left, right): keys q-left .. q+right, so left = W - 1.
     mask = sm.LocalMask(shape, window_size=(window - 1, 0), offset=0) if window else sm.CausalMask(shape)
-    return sk.make_splash_mha_single_device(sm.MultiHeadMask([mask] * num_q_heads),
-                                            block_sizes=sk.BlockSizes(**blocks), interpret=interpret)
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mha_single_device(sm.MultiHeadMask([mask] * num_q_heads),
+                                                block_sizes=sk.BlockSizes(**dict(blocks)), interpret=interpret)
 
 
 def splash_block_sizes(seq_len: int, head_dim: int, **blocks) -> dict:
@@ -953,7 +958,7 @@ def attention_splash(q, k, v, sinks, *, sliding_window: int, scale: float, platf
     sizes = splash_block_sizes(t, q.shape[3], **blocks)
     tp = _round_up(t, math.lcm(*sizes.values()))
     window = 0 if sliding_window >= t else int(sliding_window)
-    kernel = _splash_kernel(q.shape[1], tp, window, sizes, mode.shipped_interpret())
+    kernel = _splash_kernel(q.shape[1], tp, window, tuple(sorted(sizes.items())), mode.shipped_interpret())
     qs = _pad_seq((q.astype(jnp.float32) * scale).astype(q.dtype), tp)
     kp, vp = _pad_seq(k, tp), _pad_seq(v, tp)
     if segment_ids is None:

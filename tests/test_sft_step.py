@@ -119,11 +119,9 @@ def test_packed_row_equals_conversations_alone_eager():
 
 
 @functools.lru_cache(maxsize=None)
-def step_for(kernels):
-    # Splash under the layer scan leaks a tracer (its mask arrays are made inside the scan's trace;
-    # the same without segment ids: a known, separate bug), so the shipped set runs the layer loop.
+def step_for(kernels, scan_layers=True):
     return TrainStep(tiny_model(), step_cfg=StepConfig(kernels=kernels, compute_dtype="float32",
-                                                      scan_layers="splash" not in kernels))
+                                                      scan_layers=scan_layers))
 
 
 @pytest.mark.parametrize("kernels", list(KERNEL_SETS))
@@ -141,6 +139,25 @@ def test_packed_row_equals_conversations_alone_lowered(kernels):
 
     logits, grads = jax.jit(logits_and_grads)(state_params, row)
     check_packed(np.asarray(logits), {k: np.asarray(v) for k, v in step.layer_params(grads).items()})
+
+
+@pytest.mark.parametrize("segments", [True, False], ids=["segment ids", "no segment ids"])
+def test_splash_under_scanned_layers_equals_the_layer_loop(segments):
+    """Splash built inside the scan body's trace once leaked its mask arrays into the scan's
+    backward (UnexpectedTracerError); scanned, it gives the layer loop's loss and gradients."""
+    row = packed_row(conversations())
+    batch = row if segments else row["tokens"]       # bare tokens: no segment ids reach attention
+    results = []
+    for scan in (True, False):
+        step = step_for(KERNEL_SETS["splash"], scan)
+        params = step.layer_layout.stack(params_to_jax(tiny_model()))
+        (loss, _), grads = jax.jit(step._grads)(params, step.place_batch(batch, 0))
+        results.append((float(loss), {k: np.asarray(v) for k, v in step.layer_params(grads).items()}))
+    (scanned_loss, scanned), (loop_loss, loop) = results
+    assert abs(scanned_loss - loop_loss) <= 1e-6 * abs(loop_loss)
+    assert scanned.keys() == loop.keys()
+    for name in loop:
+        assert rel_err(scanned[name], loop[name]) <= 1e-5, (name, rel_err(scanned[name], loop[name]))
 
 
 def test_labels_at_weight_zero_reach_no_gradient():
