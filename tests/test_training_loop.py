@@ -5,6 +5,7 @@ metrics, evaluation and plots.
 One micro model (1 layer, d_model 32, sequences of 32), ONE uninterrupted reference run and one
 Trainer for the step-level tests are shared; so is the XLA compilation cache (runs compile from it).
 """
+import argparse
 import json
 import os
 import shutil
@@ -398,3 +399,35 @@ def test_flops_per_token_of_tiny_matches_a_hand_count():
     assert flops.published_peak("TPU v6 lite", "bfloat16") == (918e12, "published bfloat16 peak of TPU v6 lite")
     assert flops.published_peak("NVIDIA H100 80GB HBM3", "float32")[0] == 67e12
     assert flops.published_peak("Some CPU", "float32") is None
+
+
+# ---- Muon's Newton-Schulz dtype: a run setting ------------------------------------------------
+def test_ns_dtype_is_a_run_setting_from_flag_or_file_kept_in_the_checkpoint_and_checked_on_resume(
+        root, reference, tmp_path, capsys):
+    from formats.checkpoint import find_checkpoint, read_meta
+    from train.run.config import TrainConfig
+    from train.run.loop import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert TrainConfig().ns_dtype == "float32"
+    cfg, explicit = config_from_args(parser.parse_args(["--ns-dtype", "bfloat16"]))
+    assert cfg.ns_dtype == "bfloat16" and explicit["ns_dtype"] == "bfloat16"
+    (tmp_path / "run.json").write_text(json.dumps({"ns_dtype": "bfloat16"}))
+    assert config_from_args(parser.parse_args(["--config", str(tmp_path / "run.json")]))[0].ns_dtype == "bfloat16"
+    with pytest.raises(UserError, match="ns_dtype must be float32 or bfloat16, found 'float16'"):
+        TrainConfig(ns_dtype="float16")
+    from train.run.trainer import Trainer
+
+    trainer = Trainer(config(root, tmp_path / "bf16", ns_dtype="bfloat16"), None, None, show_progress=False)
+    try:
+        assert trainer.step.opt_cfg.ns_dtype == "bfloat16"     # what the compiled update runs in
+    finally:
+        trainer.close()
+    # the reference run trained with the default: its checkpoint says so, and a resume may not change it
+    meta, _ = read_meta(find_checkpoint(reference[0]))
+    assert meta["train_config"]["ns_dtype"] == "float32"
+    run = tmp_path / "run"
+    shutil.copytree(reference[0], run)
+    assert "ns_dtype is 'bfloat16' here but 'float32'" in _error(
+        capsys, ["train", "--out", str(run), "--resume", "--steps", "61", "--ns-dtype", "bfloat16"])

@@ -25,6 +25,7 @@ from torch_model.lora import base_parameter_of, is_expert_adapter
 
 MUON, ADAMW = "muon", "adamw"
 ADAPTER_OPTIMIZERS = (MUON, ADAMW)      # what LoRA adapters of linear layers may take
+NS_DTYPES = ("float32", "bfloat16")     # Newton-Schulz dtypes: bfloat16 is faster on TPU
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class OptimizerConfig:
         if self.adapter_optimizer not in ADAPTER_OPTIMIZERS:
             raise ValueError(f"OptimizerConfig.adapter_optimizer must be 'muon' or 'adamw', "
                              f"found {self.adapter_optimizer!r}")
-        if self.ns_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"OptimizerConfig.ns_dtype must be 'float32' or 'bfloat16', found {self.ns_dtype!r}")
+        if self.ns_dtype not in NS_DTYPES:
+            raise ValueError(f"OptimizerConfig.ns_dtype must be {' or '.join(NS_DTYPES)}, found {self.ns_dtype!r}")
         for name in ("lr", "adam_lr", "eps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"OptimizerConfig.{name} must be > 0, found {getattr(self, name)}")

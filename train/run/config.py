@@ -52,6 +52,7 @@ class TrainConfig:
     lora: str = ""                 # peft LoRA on the --init-from model, e.g. "r=16,alpha=32,dropout=0,targets=all-linear+experts"
     freeze: list = field(default_factory=list)   # shell-style patterns of parameter names left untrained
     adapter_optimizer: str = "muon"   # LoRA adapters of linear layers: muon | adamw (expert adapters: adamw)
+    ns_dtype: str = "float32"      # Muon's Newton-Schulz iteration: float32 | bfloat16 (faster on TPU)
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "micro_batches", "eval_every", "eval_tasks_limit", "log_every", "checkpoint_every",
@@ -77,6 +78,10 @@ class TrainConfig:
         if not isinstance(self.truncate, bool):
             raise UserError(f"config: truncate must be true or false, found {self.truncate!r}")
         self._check_lora()
+        from torch_model.optim import NS_DTYPES
+
+        if self.ns_dtype not in NS_DTYPES:
+            raise UserError(f"config: ns_dtype must be {' or '.join(NS_DTYPES)}, found {self.ns_dtype!r}")
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"config: compute_dtype must be auto, float32 or bfloat16, found {self.compute_dtype!r}")
 

@@ -13,6 +13,8 @@ from formats.errors import UserError
 
 
 def add_arguments(parser) -> None:
+    from torch_model.optim import NS_DTYPES
+
     parser.add_argument("--preset", default="lyra-small", help="model preset (default: lyra-small)")
     parser.add_argument("--topology", default="v5e:2x2",
                         help="TPU slice, e.g. v5e:2x2, v6e:2x2, v4:2x2x1, v5p:2x2x1, v5e:4x4 (default: v5e:2x2)")
@@ -37,7 +39,7 @@ def add_arguments(parser) -> None:
                         help="plan on this generation's slices (v5e, v6e, v5p, v4), smallest first, with every chip "
                              "on fsdp and one sequence per chip, until one fits: the smallest slice that trains the "
                              "preset (full fine-tune, Muon + AdamW)")
-    parser.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"],
+    parser.add_argument("--ns-dtype", default="float32", choices=NS_DTYPES,
                         help="dtype of Muon's Newton-Schulz iteration (default: float32, the optimizer's default)")
     parser.add_argument("--roofline", action="store_true",
                         help="also break the compiled step down by op category: FLOPs, HBM bytes and roofline "

@@ -158,7 +158,7 @@ class Trainer:
             self.model.load_state_dict(init_state)
         self.peft_model = self._adapt(self.model)
         opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay,
-                                  adapter_optimizer=cfg.adapter_optimizer)
+                                  adapter_optimizer=cfg.adapter_optimizer, ns_dtype=cfg.ns_dtype)
         self.mesh = build_mesh(cfg)
         try:
             self.step = TrainStep(self.model, opt_cfg, StepConfig(
