@@ -25,7 +25,7 @@ import torch
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_bridge import registry, sharding
+from jax_bridge import compile_cache, registry, sharding
 from jax_bridge.env import get_env
 from jax_bridge.lowering import model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
@@ -78,19 +78,6 @@ class Compilation(NamedTuple):
     bucket: tuple
     seconds: float          # tracing + lowering + compiling (or loading from the persistent cache)
     from_cache: bool        # the persistent compilation cache held the executable
-
-
-_CACHE_EVENTS = {"hits": 0, "misses": 0}
-
-
-def _count_cache_events(event: str, **_):
-    if event == "/jax/compilation_cache/cache_hits":
-        _CACHE_EVENTS["hits"] += 1
-    elif event == "/jax/compilation_cache/cache_misses":
-        _CACHE_EVENTS["misses"] += 1
-
-
-jax.monitoring.register_event_listener(_count_cache_events)
 
 
 def empty_cache(env, cfg, rows: int, slots: int, dtype) -> kv_cache.KVCache:
@@ -255,9 +242,10 @@ class Decoder:
     def _compiled(self, program: str, bucket: tuple, build):
         key = (program, bucket)
         if key not in self._programs:
-            started, before = time.perf_counter(), dict(_CACHE_EVENTS)
+            started, before = time.perf_counter(), compile_cache.events()
             self._programs[key] = build()
-            from_cache = _CACHE_EVENTS["hits"] > before["hits"] and _CACHE_EVENTS["misses"] == before["misses"]
+            now = compile_cache.events()
+            from_cache = now["hits"] > before["hits"] and now["misses"] == before["misses"]
             self.compilations.append(Compilation(program, bucket, time.perf_counter() - started, from_cache))
         return self._programs[key]
 

@@ -2,6 +2,7 @@
 generative tasks against a direct computation with the eager model, centered accuracy, truncation,
 the real CORE-6 files (BIG-bench archive fetched once), bad input, and `eval --tasks` end to end."""
 import json
+from pathlib import Path
 
 import pytest
 import tiktoken
@@ -279,6 +280,37 @@ def test_eval_tasks_end_to_end(tmp_path, capsys, checkpoints, tokenizer, model):
     assert "step 7, tokens seen 896" in text and "every example of each task" in text
     rows = [line for line in text.splitlines() if line.startswith(("| mc ", "| lm ", "| gen "))]
     assert len(rows) == 3 and f"{100 * got['mc']['score']:.1f}%" in rows[0] and "33.3%" in rows[0]
+
+
+def test_a_second_eval_process_loads_every_scoring_program_from_the_persistent_cache(tmp_path, checkpoints):
+    """`eval --tasks` puts its programs in the compilation cache (as generate does): a second process
+    compiles nothing and scores the same."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    chat_ck, _ = checkpoints
+    records = [{"context": e.context, "choices": list(e.choices), "gold": e.gold} for e in MC.examples]
+    mc = write_lines(tmp_path / "mc.jsonl", {"task": {"num_fewshot": 1}}, *records)
+    # Its own cache directory only (not the suite's shared one, where the first run could already hit).
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "TORCHLYRA_COMPILE_CACHE")}
+    root = Path(__file__).resolve().parent.parent
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"eval{i}.json"
+        proc = subprocess.run([sys.executable, "-m", "train.cli", "eval", "--checkpoint", str(chat_ck), "--tasks", str(mc),
+                               "--json", str(out), "--no-progress", "--batch-size", "4",
+                               "--compile-cache", str(tmp_path / "cache")],
+                              cwd=root, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = re.search(r"compilation cache (\S+): (\d+) programs loaded, (\d+) compiled", proc.stdout)
+        assert found and found.group(1) == str(tmp_path / "cache"), proc.stdout[-2000:]
+        runs.append((int(found.group(2)), int(found.group(3)), json.loads(out.read_text())["tasks"][0]["per_example"]))
+    (loaded0, compiled0, first), (loaded1, compiled1, second) = runs
+    assert loaded0 == 0 and compiled0 > 0
+    assert compiled1 == 0 and loaded1 == compiled0
+    assert second == first
 
 
 # ---- CORE-6 from the BIG-bench archive -----------------------------------------------------------

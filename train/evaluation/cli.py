@@ -7,6 +7,8 @@ import argparse
 import datetime
 
 from formats.errors import UserError
+from jax_bridge import compile_cache
+from jax_bridge.compile_cache import HELP as COMPILE_CACHE_HELP
 from train.evaluation import validation
 
 
@@ -24,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scorer", choices=("compiled", "eager"), default=None,
                         help="compiled (default): the jitted scoring program; eager: the float32 PyTorch reference (slow)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.add_argument("--compile-cache", default=None, help=COMPILE_CACHE_HELP)
 
 
 def load_model(checkpoint: str, merge: bool = False):
@@ -100,6 +103,11 @@ def run(args) -> int:
         for flag in ("limit", "report", "max_length", "batch_size", "mesh", "scorer"):
             if getattr(args, flag) not in (None, ""):
                 raise UserError(f"--{flag.replace('_', '-')} needs --tasks (without it, eval measures validation loss)")
-        return validation.run(args)
-    run_tasks(args)
-    return 0
+    cache, before = compile_cache.enable(args.compile_cache), compile_cache.events()
+    if args.tasks:
+        run_tasks(args)
+        code = 0
+    else:
+        code = validation.run(args)
+    print(f"  {compile_cache.describe(cache, before)}")
+    return code

@@ -5,7 +5,8 @@ BOS policy, as lm-eval's `hf` backend by default: text is encoded with no BOS; a
 becomes the model's BOS (`bos_token_id`: lm-eval's prefix token), or, when the continuation
 already starts with it, its first token. `add_bos_token=True` prepends BOS to every encoding.
 Model arguments: checkpoint (run, step or Hugging Face dir; required), kernels (default xla),
-mesh (axes joined by ':', e.g. fsdp=4:tensor=2), max_length, add_bos_token, prefix_token_id.
+mesh (axes joined by ':', e.g. fsdp=4:tensor=2), max_length, add_bos_token, prefix_token_id,
+compile_cache (a directory or off; default as for generate: jax_bridge/compile_cache.py).
 """
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ class TorchlyraLM(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, kernels: str = "xla", mesh: str | None = None,
                  max_length: int | None = None, add_bos_token: bool = False, prefix_token_id: int | None = None,
-                 batch_size: int | str | None = 16, max_gen_toks: int = 256, **ignored):
+                 batch_size: int | str | None = 16, max_gen_toks: int = 256, compile_cache: str | None = None,
+                 **ignored):
+        from jax_bridge import compile_cache as compile_cache_module
         from train.evaluation.scorer import load_scorer
 
         super().__init__()
+        compile_cache_module.enable(compile_cache)
         if not checkpoint:
             raise UserError("lm-eval --model torchlyra: give --model_args checkpoint=DIR (a run, step or Hugging Face "
                             "directory)")

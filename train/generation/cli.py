@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from formats.errors import UserError
+from jax_bridge.compile_cache import HELP as COMPILE_CACHE_HELP
 from train.generation import chat
 from train.generation.generator import Generation, Generator, load_for_generation
 from train.generation.sampling import SamplingConfig
@@ -36,9 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print each result at the end instead of streaming a single prompt")
     parser.add_argument("--stream-every", type=int, default=8, help="tokens per streamed chunk (default 8)")
-    parser.add_argument("--compile-cache", default=None,
-                        help="persistent compilation cache directory, or 'off' (default: "
-                             "$TORCHLYRA_COMPILE_CACHE or ~/.cache/torchlyra/jax-compile)")
+    parser.add_argument("--compile-cache", default=None, help=COMPILE_CACHE_HELP)
     parser.add_argument("--timings", action="store_true", help="print compile, prefill and decode times")
     parser.add_argument("--chat", action="store_true",
                         help="harmony chat format (o200k_harmony models): each --prompt is a user message; "

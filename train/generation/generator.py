@@ -14,13 +14,10 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from formats.errors import UserError
 from train.generation.sampling import SamplingConfig
-
-DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "torchlyra" / "jax-compile"
 
 
 @dataclass
@@ -44,23 +41,6 @@ class Generation:
         return self.rows * self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
-def enable_compile_cache(directory: str | os.PathLike | None = None) -> Path | None:
-    """Turn on JAX's persistent compilation cache (unless the process already set a directory):
-    `directory`, else $TORCHLYRA_COMPILE_CACHE, else ~/.cache/torchlyra/jax-compile; 'off'
-    leaves it off. Every program is cached, however fast it compiled."""
-    import jax
-
-    choice = directory or os.environ.get("TORCHLYRA_COMPILE_CACHE") or DEFAULT_COMPILE_CACHE
-    if str(choice) == "off":
-        return None
-    if jax.config.jax_compilation_cache_dir:
-        return Path(jax.config.jax_compilation_cache_dir)
-    Path(choice).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(choice))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return Path(choice)
-
-
 class Generator:
     """A model ready to generate: its parameters on device and its compiled programs, kept
     across calls. `kernels` applies to prefill and decoding, `decode_kernels` (default: the same)
@@ -73,6 +53,7 @@ class Generator:
                  compile_cache: str | os.PathLike | None = None, tokenizer=None, mesh=None):
         import numpy as np
 
+        from jax_bridge import compile_cache as compile_cache_module
         from jax_bridge import registry
         from jax_bridge.decoding import Decoder, generation_kernels
         from pallas_kernels.platform import host_platform
@@ -81,7 +62,7 @@ class Generator:
         self.allowed = (np.ones(model.cfg.vocab_size, bool) if tokenizer is None
                         else decodable_ids(tokenizer, model.cfg.vocab_size))
 
-        enable_compile_cache(compile_cache)
+        compile_cache_module.enable(compile_cache)
         try:
             platform = host_platform()
             if decode_kernels is not None:
