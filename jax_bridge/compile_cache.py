@@ -9,7 +9,8 @@ from pathlib import Path
 import jax
 
 DEFAULT_DIR = Path.home() / ".cache" / "torchlyra" / "jax-compile"
-HELP = "persistent compilation cache directory, or 'off' (default: $TORCHLYRA_COMPILE_CACHE or ~/.cache/torchlyra/jax-compile)"
+HELP = ("persistent compilation cache directory, or 'off' "
+        "(default: $TORCHLYRA_COMPILE_CACHE or ~/.cache/torchlyra/jax-compile)")
 
 _EVENTS = {"hits": 0, "misses": 0}
 

@@ -1,8 +1,7 @@
 """Muon's Newton-Schulz in float32 against bfloat16, side by side in one run:
 
 1. parity: the lowered step against eager PyTorch (the `xla` kernel set, float32 compute) with the
-   same Newton-Schulz dtype on both sides: the worst parameter after one step, and how far the
-   bfloat16 update moves from the float32 one;
+   same Newton-Schulz dtype on both sides: the verdict and the worst parameter after one step;
 2. a short CPU training run of each (`torchlyra train`, same data, seed and steps): the losses.
 
     PYTHONPATH=$PWD python scripts/ns_dtype_compare.py --data data/shakespeare --steps 60 --out runs/ns
@@ -10,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +17,6 @@ DTYPES = ("float32", "bfloat16")
 
 
 def parity_rows() -> dict:
-    import numpy as np
-
     from parity.inputs import parity_config
     from parity.runs import FAST_COMPILE
     from parity.suite import run_parity
@@ -40,13 +36,15 @@ def parity_rows() -> dict:
 
 
 def training_losses(data: str, steps: int, out: Path) -> dict:
+    from train.run.metrics import read_metrics
+
     losses = {}
     for dtype in DTYPES:
         run = out / f"ns-{dtype}"
         cmd = [sys.executable, "-m", "train.cli", "train", "--preset", "tiny", "--data", data, "--out", str(run),
                "--steps", str(steps), "--ns-dtype", dtype, "--eval-every", str(steps), "--samples", "0"]
         subprocess.run(cmd, check=True)
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(run / "metrics.jsonl")
         losses[dtype] = {"train": [r["loss"] for r in records if r["kind"] == "train"],
                          "val": [r["val_loss"] for r in records if r["kind"] == "eval"],
                          "step_time_s": [r["step_time_s"] for r in records if r["kind"] == "train"][-1]}

@@ -68,14 +68,22 @@ def floor(module: str) -> int:
     return PACKAGES.index(module.split(".")[0])
 
 
+def every_import(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """The project modules a module imports, by statement or by name."""
+    return [t for t, _ in imports_of(name, path, modules)] + named_modules(path, modules)
+
+
+def may_reach_up(name: str) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in MAY_REACH_UP)
+
+
 def upward_imports() -> list[str]:
     """'a -> b' for every import, by statement or by name, of a package above a's own."""
     modules = project_modules()
     found = []
     for name, path in modules.items():
-        targets = [t for t, _ in imports_of(name, path, modules)] + named_modules(path, modules)
-        for target in sorted(set(targets)):
-            if floor(target) > floor(name) and not any(name == m or name.startswith(m + ".") for m in MAY_REACH_UP):
+        for target in sorted(set(every_import(name, path, modules))):
+            if floor(target) > floor(name) and not may_reach_up(name):
                 found.append(f"{name} -> {target}")
     return found
 
@@ -124,9 +132,8 @@ def test_no_module_imports_a_package_above_its_own():
 def test_nothing_below_parity_imports_parity_but_the_command_table_and_the_benchmarks():
     modules = project_modules()
     reaching = sorted({name for name, path in modules.items() if floor(name) < floor("parity")
-                       for target in [t for t, _ in imports_of(name, path, modules)] + named_modules(path, modules)
-                       if target.split(".")[0] == "parity"})
-    assert all(any(n == m or n.startswith(m + ".") for m in MAY_REACH_UP) for n in reaching), reaching
+                       for target in every_import(name, path, modules) if target.split(".")[0] == "parity"})
+    assert all(may_reach_up(n) for n in reaching), reaching
     # the one by-name arrow the command table keeps, seen by the counter (it must not go blind)
     assert "train.cli" in reaching
 
