@@ -2,10 +2,14 @@
 
 `build` writes conversations (OpenAI chat shape) for SFT and held-out items never trained on;
 `score` asks a checkpoint each held-out question in the harmony chat format (greedy) and prints
-its accuracy (exact title). Used for BENCHMARKS.md's "SFT: a measured effect" (issue 21):
+its accuracy (exact title); `pairs` turns the built items into preference pairs (TRL's
+prompt / chosen / rejected: chosen the right title, rejected another of the six) for DPO, the
+training items' pairs apart from the held-out items' pairs. Used for BENCHMARKS.md's "SFT: a
+measured effect" (issue 21) and "DPO: a measured effect" (issue 33):
 
     python scripts/play_task.py build --out data/play-task-src
     python scripts/play_task.py score --checkpoint runs/tiny --items data/play-task-src/heldout.jsonl
+    python scripts/play_task.py pairs --src data/play-task-src --out data/play-pairs-src
 """
 from __future__ import annotations
 
@@ -60,6 +64,24 @@ def build(out: Path, heldout_per_play: int, train_per_play: int, seed: int) -> N
           f"{out / 'val' / 'heldout.jsonl'} ({len(PLAYS)} plays: chance {1 / len(PLAYS):.1%})")
 
 
+def pair(conv: dict, rng: random.Random) -> dict:
+    """A conversation's preference pair: its title chosen, another play's title rejected."""
+    question, title = conv["messages"][0]["content"], conv["messages"][1]["content"]
+    other = rng.choice(sorted(t for t in PLAYS.values() if t != title))
+    return {"prompt": [{"role": "user", "content": question}], "chosen": [{"role": "assistant", "content": title}],
+            "rejected": [{"role": "assistant", "content": other}]}
+
+
+def pairs(src: Path, out: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    (out / "val").mkdir(parents=True, exist_ok=True)
+    for source, target in ((src / "train.jsonl", out / "train.jsonl"),
+                           (src / "val" / "heldout.jsonl", out / "val" / "heldout_pairs.jsonl")):
+        convs = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+        target.write_text("".join(json.dumps(pair(c, rng)) + "\n" for c in convs))
+        print(f"{len(convs)} pairs in {target} (from {source})")
+
+
 def score(checkpoint: str, items: Path, batch: int) -> float:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from train.generation import chat
@@ -93,6 +115,10 @@ def main() -> None:
     b.add_argument("--heldout-per-play", type=int, default=40)
     b.add_argument("--train-per-play", type=int, default=400)
     b.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("pairs", help="preference pairs (chosen: the right play) of the built items")
+    p.add_argument("--src", type=Path, required=True, help="the directory `build` wrote")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("score", help="accuracy of a checkpoint on held-out items")
     s.add_argument("--checkpoint", required=True)
     s.add_argument("--items", type=Path, required=True)
@@ -100,6 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "build":
         build(args.out, args.heldout_per_play, args.train_per_play, args.seed)
+    elif args.command == "pairs":
+        pairs(args.src, args.out, args.seed)
     else:
         score(args.checkpoint, args.items, args.batch)
 

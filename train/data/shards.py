@@ -95,7 +95,7 @@ class ShardWriter:
         if weights is not None:
             weights = np.asarray(weights).astype(STREAMS["weights"], copy=False)
             self._write(weights)
-            self.trained += int(weights.sum())
+            self.trained += int(np.count_nonzero(weights & 1))   # preference codes: bit 0 (preferences.py)
         self.lengths.append(len(ids))
         self.tokens += len(ids)
 
