@@ -109,6 +109,9 @@ def test_first_step_loss_is_log2_for_sigmoid_and_quarter_over_beta_squared_for_i
     assert adapters_b and any(float(np.abs(np.asarray(grads[n])).max()) > 0 for n in adapters_b)
     assert all(float(np.abs(v).max()) == 0 for n, v in reference_params({n: np.ones(3) for n in state.params}).items()
                if n in adapters_b)
+    saved = {"model.embed_tokens.modules_to_save.default.weight": np.ones(2),
+             "model.embed_tokens.original_module.weight": np.zeros(2)}        # peft's modules_to_save
+    assert (reference_params(saved)["model.embed_tokens.modules_to_save.default.weight"] == 0).all()
     _, step, state = lora_step(IPO)
     out = jax.device_get(step.evaluate(state.params, ROWS))        # sums over the batch's pairs
     assert abs(float(out["dpo_loss"]) / 3 - 1 / (4 * IPO.beta ** 2)) <= 1e-6, float(out["dpo_loss"]) / 3

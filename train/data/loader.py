@@ -98,9 +98,9 @@ class RowReader:
             pos = 0
             for k, (doc, _, count) in enumerate(plan.segments(r)):
                 wanted.append((doc, 0, int(self.ds.lengths[doc])))
-                places.append((i, pos, count, k))
+                places.append((i, pos, count, k, doc))
                 pos += count
-        for (i, at, count, k), ids, codes in zip(places, self.ds.read_segments(wanted),
+        for (i, at, count, k, doc), ids, codes in zip(places, self.ds.read_segments(wanted),
                                                  self.ds.read_segments(wanted, "weights")):
             if k >= pair_docs.shape[1]:
                 raise UserError(f"{self.ds.data_dir}: a row of {self.row_len} tokens holds more than "
@@ -372,7 +372,8 @@ class TokenLoader:
         if not self.chat or self.truncate:
             return ""
         too_long = int((self.packed_lengths > self.seq_len + 1).sum())
-        return (f" ({too_long} of its {len(self.ds)} conversations are longer than a row and dropped: "
+        what = "preference pairs" if self.pairs else "conversations"
+        return (f" ({too_long} of its {len(self.ds)} {what} are longer than a row and dropped: "
                 "raise seq_len or truncate them)") if too_long else ""
 
     # ---- state -------------------------------------------------------------------------------
