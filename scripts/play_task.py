@@ -10,6 +10,10 @@ measured effect" (issue 21) and "DPO: a measured effect" (issue 33):
     python scripts/play_task.py build --out data/play-task-src
     python scripts/play_task.py score --checkpoint runs/tiny --items data/play-task-src/heldout.jsonl
     python scripts/play_task.py pairs --src data/play-task-src --out data/play-pairs-src
+    python scripts/play_task.py prefer --checkpoint runs/tiny-sft --pairs data/play-pairs-src/val/heldout_pairs.jsonl
+
+`prefer` is the held-out preference accuracy of a model by itself: the share of pairs whose
+chosen answer has the higher log-probability (summed over the answer's tokens, eager torch).
 """
 from __future__ import annotations
 
@@ -82,6 +86,34 @@ def pairs(src: Path, out: Path, seed: int) -> None:
         print(f"{len(convs)} pairs in {target} (from {source})")
 
 
+def prefer(checkpoint: str, pairs_path: Path) -> float:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+
+    from train.data import preferences
+    from train.generation.generator import load_for_generation
+
+    model, tokenizer = load_for_generation(checkpoint)        # eval mode; a LoRA checkpoint: base + adapters
+    records = [json.loads(line) for line in pairs_path.read_text().splitlines() if line.strip()]
+    wins, margins = 0, []
+    with torch.no_grad():
+        for record in records:
+            prompt, chosen, rejected = preferences.parse_pair(record)
+            logps = []
+            for answer in (chosen, rejected):
+                ids, weights = preferences.render_side(tokenizer, prompt, answer)
+                ids = torch.tensor(ids[None].astype("int64"))
+                logits = model(ids[:, :-1]).float()
+                token_logps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[0, :, 0]
+                logps.append(float((token_logps * torch.tensor(weights[1:], dtype=torch.float32)).sum()))
+            wins += logps[0] > logps[1]
+            margins.append(logps[0] - logps[1])
+    accuracy = wins / len(records)
+    print(f"{checkpoint}: prefers the chosen answer in {wins}/{len(records)} = {accuracy:.1%} of held-out pairs; "
+          f"mean log-probability margin {sum(margins) / len(margins):.3f} nats")
+    return accuracy
+
+
 def score(checkpoint: str, items: Path, batch: int) -> float:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from train.generation import chat
@@ -119,6 +151,9 @@ def main() -> None:
     p.add_argument("--src", type=Path, required=True, help="the directory `build` wrote")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
+    f = sub.add_parser("prefer", help="held-out preference accuracy: chosen more likely than rejected")
+    f.add_argument("--checkpoint", required=True)
+    f.add_argument("--pairs", type=Path, required=True)
     s = sub.add_parser("score", help="accuracy of a checkpoint on held-out items")
     s.add_argument("--checkpoint", required=True)
     s.add_argument("--items", type=Path, required=True)
@@ -128,6 +163,8 @@ def main() -> None:
         build(args.out, args.heldout_per_play, args.train_per_play, args.seed)
     elif args.command == "pairs":
         pairs(args.src, args.out, args.seed)
+    elif args.command == "prefer":
+        prefer(args.checkpoint, args.pairs)
     else:
         score(args.checkpoint, args.items, args.batch)
 

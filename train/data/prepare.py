@@ -107,7 +107,7 @@ def _check_args(args) -> None:
             raise UserError("--preferences needs --input (JSONL or Parquet files of preference records)")
         args.chat = True           # the chat path's rendering, weights stream and packing, with pairs
     if (args.strict or args.messages_field != "messages") and not args.chat:
-        raise UserError("--strict and --messages-field apply to --chat or --preferences data; add one")
+        raise UserError("--strict and --messages-field apply to --chat data (--strict also to --preferences); add --chat")
     if args.chat and args.text_field != "text":
         raise UserError("--text-field names the text of plain documents; with --chat use --messages-field")
     if args.chat and not args.input:
