@@ -101,6 +101,10 @@ class TrainStep:
     tokens divided by the trained tokens of the WHOLE step (every micro-batch, every process),
     so accumulation equals one big batch exactly.
 
+    DPO (`StepConfig.preference`): packed rows of preference pairs; the loss is TRL's per pair
+    (jax_bridge/preference.py), the mean over the pairs of the whole step; a full fine-tuning
+    step's batches also carry "reference" [B, seq_len // 2, 2] (`answer_logps` computes it).
+
     `model` may be a peft model (its wrapped torch model is traced: state names are that
     model's, `model.layers.0.self_attn.q_proj.lora_A.default.weight`) or hold frozen parameters.
     Only parameters with `requires_grad` are in the TrainState; the frozen ones are `self.frozen`

@@ -13,7 +13,9 @@ measured effect" (issue 21) and "DPO: a measured effect" (issue 33):
     python scripts/play_task.py prefer --checkpoint runs/tiny-sft --pairs data/play-pairs-src/val/heldout_pairs.jsonl
 
 `prefer` is the held-out preference accuracy of a model by itself: the share of pairs whose
-chosen answer has the higher log-probability (summed over the answer's tokens, eager torch).
+chosen answer has the higher log-probability (summed over the answer's tokens, eager torch);
+with --reference also TRL's reward accuracy, the share whose log-ratio to the reference is
+higher for the chosen answer.
 """
 from __future__ import annotations
 
@@ -86,16 +88,15 @@ def pairs(src: Path, out: Path, seed: int) -> None:
         print(f"{len(convs)} pairs in {target} (from {source})")
 
 
-def prefer(checkpoint: str, pairs_path: Path) -> float:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+def answer_logps(checkpoint: str, records: list[dict]) -> list[tuple[float, float]]:
+    """(chosen, rejected) log-probabilities of each pair: the answer tokens' sum, eager torch."""
     import torch
 
     from train.data import preferences
     from train.generation.generator import load_for_generation
 
     model, tokenizer = load_for_generation(checkpoint)        # eval mode; a LoRA checkpoint: base + adapters
-    records = [json.loads(line) for line in pairs_path.read_text().splitlines() if line.strip()]
-    wins, margins = 0, []
+    out = []
     with torch.no_grad():
         for record in records:
             prompt, chosen, rejected = preferences.parse_pair(record)
@@ -103,15 +104,28 @@ def prefer(checkpoint: str, pairs_path: Path) -> float:
             for answer in (chosen, rejected):
                 ids, weights = preferences.render_side(tokenizer, prompt, answer)
                 ids = torch.tensor(ids[None].astype("int64"))
-                logits = model(ids[:, :-1]).float()
-                token_logps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[0, :, 0]
+                token_logps = torch.log_softmax(model(ids[:, :-1]).float(), -1).gather(-1, ids[:, 1:, None])[0, :, 0]
                 logps.append(float((token_logps * torch.tensor(weights[1:], dtype=torch.float32)).sum()))
-            wins += logps[0] > logps[1]
-            margins.append(logps[0] - logps[1])
-    accuracy = wins / len(records)
-    print(f"{checkpoint}: prefers the chosen answer in {wins}/{len(records)} = {accuracy:.1%} of held-out pairs; "
-          f"mean log-probability margin {sum(margins) / len(margins):.3f} nats")
-    return accuracy
+            out.append((logps[0], logps[1]))
+    return out
+
+
+def prefer(checkpoint: str, pairs_path: Path, reference: str | None, beta: float) -> float:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    records = [json.loads(line) for line in pairs_path.read_text().splitlines() if line.strip()]
+    policy = answer_logps(checkpoint, records)
+    wins = sum(c > r for c, r in policy)
+    margin = sum(c - r for c, r in policy) / len(policy)
+    line = (f"{checkpoint}: prefers the chosen answer in {wins}/{len(records)} = {wins / len(records):.1%} of held-out "
+            f"pairs; mean log-probability margin {margin:.3f} nats")
+    if reference:
+        ref = answer_logps(reference, records)
+        rewards = [beta * ((c - rc) - (r - rr)) for (c, r), (rc, rr) in zip(policy, ref)]
+        won = sum(m > 0 for m in rewards)
+        line += (f"; against {reference} (beta {beta:g}): reward accuracy {won}/{len(records)} = "
+                 f"{won / len(records):.1%}, mean reward margin {sum(rewards) / len(rewards):.3f}")
+    print(line)
+    return wins / len(records)
 
 
 def score(checkpoint: str, items: Path, batch: int) -> float:
@@ -154,6 +168,8 @@ def main() -> None:
     f = sub.add_parser("prefer", help="held-out preference accuracy: chosen more likely than rejected")
     f.add_argument("--checkpoint", required=True)
     f.add_argument("--pairs", type=Path, required=True)
+    f.add_argument("--reference", help="also TRL's reward accuracy against this checkpoint (DPO's reference)")
+    f.add_argument("--beta", type=float, default=0.1)
     s = sub.add_parser("score", help="accuracy of a checkpoint on held-out items")
     s.add_argument("--checkpoint", required=True)
     s.add_argument("--items", type=Path, required=True)
@@ -164,7 +180,7 @@ def main() -> None:
     elif args.command == "pairs":
         pairs(args.src, args.out, args.seed)
     elif args.command == "prefer":
-        prefer(args.checkpoint, args.pairs)
+        prefer(args.checkpoint, args.pairs, args.reference, args.beta)
     else:
         score(args.checkpoint, args.items, args.batch)
 

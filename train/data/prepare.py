@@ -5,6 +5,7 @@
         --tokens-per-shard 300000000 --workers 32
     torchlyra prepare --verify data/web                 # check a whole dataset against its manifest
     torchlyra prepare --chat --input chats.jsonl --tokenizer o200k_harmony --out data/chats
+    torchlyra prepare --preferences --input pairs.jsonl --tokenizer o200k_harmony --out data/pairs
 
 Worker processes read and tokenize work units (inputs.py); the main process merges their results
 in unit order (so the output depends only on the inputs and settings, never on worker timing),

@@ -193,7 +193,7 @@ class Trainer:
         if self.preference is not None:
             from train.evaluation.preference import PreferenceEvaluator
 
-            self.evaluator = PreferenceEvaluator(self.step, [self._packed([b], "val")
+            self.evaluator = PreferenceEvaluator(self.step, [self._packed(b, "val")
                                                              for b in val_data.iter_eval_batches(cfg.eval_batches)])
         else:
             self.evaluator = Evaluator(self.step, list(val_data.iter_eval_batches(cfg.eval_batches)),
@@ -265,16 +265,16 @@ class Trainer:
                 f"{source['path']} computed in {time.perf_counter() - start:.1f} s, stored in {cfg.data}/{reference.ARRAYS}")
         self.reference_source = {"path": source["path"], "sha256": source["sha256"]}
 
-    def _packed(self, batches: list, split: str) -> dict:
-        """Loader Batches (micro-batches) -> the step's packed dict; a full fine-tuning DPO run's
-        carries each pair's stored reference log-probabilities."""
+    def _packed(self, batches, split: str) -> dict:
+        """A step's micro-batches (a list of loader Batches) or one evaluation Batch -> the step's
+        packed dict; a full fine-tuning DPO run's carries each pair's stored reference values."""
         from jax_bridge.step import packed_batch
         from train.run.reference import with_reference
 
-        packed = packed_batch(batches if len(batches) > 1 or split == "train" else batches[0])
+        packed = packed_batch(batches)
         if self.reference is None:
             return packed
-        pair_docs = np.stack([b.pair_docs for b in batches]) if split == "train" else batches[0].pair_docs
+        pair_docs = batches.pair_docs if hasattr(batches, "pair_docs") else np.stack([b.pair_docs for b in batches])
         return with_reference(packed, pair_docs, self.reference[split])
 
     def _adapt(self, model):
