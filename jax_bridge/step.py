@@ -146,7 +146,7 @@ class TrainStep:
             self.objective = preference.PreferenceObjective(
                 step_cfg.preference, self._answer_forward(remat=step_cfg.remat, mesh=mesh),
                 "adapters" if preference.has_adapters(names) else "batch")
-        self._jitted_answers = jax.jit(lambda p, t, f: self.objective.answer_sums({**p, **f}, t)[0])
+            self._jitted_answers = jax.jit(lambda p, t, f: self.objective.answer_sums({**p, **f}, t)[0])
         self._jitted = jax.jit(self._step, donate_argnums=(0,))
         self._jitted_eval = jax.jit(self._eval)
         self._jitted_grads = jax.jit(self._grads)
@@ -277,19 +277,20 @@ class TrainStep:
 
     def _grads(self, params, tokens, denominator=None, router_loss_scale: float = 1.0, frozen=None):
         """Gradients of the trainable `params` only; `frozen` enters the forward as inputs."""
-        if isinstance(tokens, dict):
-            inputs, labels, packed = packed_inputs(tokens, denominator, router_loss_scale)
-        elif self.objective is not None:
-            raise ValueError("train step: a DPO step takes packed preference batches (a dict), found a token array")
-        else:
-            inputs, labels, packed = tokens[:, :-1], tokens[:, 1:], ()
         frozen = frozen or {}
         if self.objective is not None:
+            if not isinstance(tokens, dict):
+                raise ValueError("train step: a DPO step takes packed preference batches (a dict), found a token array")
+
             def loss_of_pairs(trainable):
                 return self.objective.loss({**trainable, **frozen}, tokens, denominator, router_loss_scale)
 
             (loss, out), grads = jax.value_and_grad(loss_of_pairs, has_aux=True)(params)
             return (loss, out), self._constrain(grads)
+        if isinstance(tokens, dict):
+            inputs, labels, packed = packed_inputs(tokens, denominator, router_loss_scale)
+        else:
+            inputs, labels, packed = tokens[:, :-1], tokens[:, 1:], ()
 
         def loss_of_trainable(trainable, *args):
             return self.loss_and_metrics({**trainable, **frozen}, *args)
