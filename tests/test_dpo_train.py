@@ -135,6 +135,11 @@ def test_full_dpo_stores_the_reference_beside_the_data_and_refuses_a_stale_one(d
     records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in records if r["kind"] == "train")
     assert abs(first["dpo_loss"] - 1 / (4 * 0.1 ** 2)) <= 1e-3      # stored vs recomputed reference: float noise
+    # Resumed, the run reads the same file (the checkpoint names its reference) and goes on.
+    assert main(["train", "--out", str(tmp_path / "full"), "--resume", "--steps", "2"]) == 0
+    assert "read from" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"][-1] == 2
     meta["checkpoint"]["sha256"] = "0" * 64
     (root / "data" / META).write_text(json.dumps(meta))
     try:
