@@ -112,8 +112,8 @@ class LayerLayout:
         return tree
 
 
-def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=None):
-    """fn(params, *args) -> model(*args), like `lowering.model_function`, with the decoder stack
+def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=None, method: str = "forward"):
+    """fn(params, *args) -> model.<method>(*args), like `lowering.model_function`, with the decoder stack
     run here: a `lax.scan` over the stacked parameters (or a loop over per-layer ones), each
     layer under the remat policy, the hidden state kept split over the batch between layers."""
     if remat not in REMAT_POLICIES:
@@ -125,7 +125,7 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
     if remat != "none":
         layer_fns = [jax.checkpoint(f, policy=REMAT_POLICIES[remat], prevent_cse=not layout.stacked)
                      for f in layer_fns]
-    whole = model_function(model)
+    whole = model_function(model, method)
     activation = ("batch", None, None)
 
     def run(layer_params, h, cos, sin, *segments):        # segments: () or (segment_ids,)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jax_bridge import registry, sharded_ops, sharding
+from jax_bridge import preference, registry, sharded_ops, sharding
 from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
@@ -24,6 +24,7 @@ from pallas_kernels.platform import check_platform, host_platform
 from torch_model.lora import tracing_scope, unwrap
 from torch_model.model import keeps_float32
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
+from torch_model.preference import PreferenceConfig
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MATMUL_PRECISIONS = ("default", "high", "highest")
@@ -52,6 +53,7 @@ class StepConfig:
     kernel_options: str | dict | None = None  # per implementation, e.g. "attention.pallas.block_q=256"
     scan_layers: bool = False                # decoder layers as one lax.scan over stacked parameters
     remat: str = "none"                      # per layer: none | full | save-matmuls
+    preference: PreferenceConfig | None = None   # DPO on packed pairs (jax_bridge/preference.py)
 
     def __post_init__(self):
         # Resolved once, here, outside any tracing; frozen, so through object.__setattr__.
@@ -99,6 +101,10 @@ class TrainStep:
     tokens divided by the trained tokens of the WHOLE step (every micro-batch, every process),
     so accumulation equals one big batch exactly.
 
+    DPO (`StepConfig.preference`): packed rows of preference pairs; the loss is TRL's per pair
+    (jax_bridge/preference.py), the mean over the pairs of the whole step; a full fine-tuning
+    step's batches also carry "reference" [B, seq_len // 2, 2] (`answer_logps` computes it).
+
     `model` may be a peft model (its wrapped torch model is traced: state names are that
     model's, `model.layers.0.self_attn.q_proj.lora_A.default.weight`) or hold frozen parameters.
     Only parameters with `requires_grad` are in the TrainState; the frozen ones are `self.frozen`
@@ -132,6 +138,15 @@ class TrainStep:
         self.compute_dtype = COMPUTE_DTYPES[step_cfg.compute_dtype]
         self.frozen: dict = {}
         self.trace_count = 0
+        self.objective = None
+        if step_cfg.preference is not None:
+            # The reference: a LoRA model's own parameters with the adapters off; otherwise
+            # log-probabilities precomputed once, given with each batch.
+            names = [n for n, _ in model.named_parameters()]
+            self.objective = preference.PreferenceObjective(
+                step_cfg.preference, self._answer_forward(remat=step_cfg.remat, mesh=mesh),
+                "adapters" if preference.has_adapters(names) else "batch")
+            self._jitted_answers = jax.jit(lambda p, t, f: self.objective.answer_sums({**p, **f}, t)[0])
         self._jitted = jax.jit(self._step, donate_argnums=(0,))
         self._jitted_eval = jax.jit(self._eval)
         self._jitted_grads = jax.jit(self._grads)
@@ -241,16 +256,41 @@ class TrainStep:
             out = self.forward(cast_params(params, self.compute_dtype), inputs, labels, *packed)
         return out["loss"], out
 
+    def _answer_forward(self, remat: str, mesh):
+        """The model's `answer_logps` as fn(params, *args), traced as `loss_and_metrics` traces
+        the forward (compute dtype, kernels, precision)."""
+        forward = layered_forward(self.model, self.layer_layout, remat=remat, mesh=mesh, method="answer_logps")
+
+        def fn(params, *args):
+            with self.routing():
+                return forward(cast_params(params, self.compute_dtype), *args)
+
+        return fn
+
+    @property
+    def reference_in_batch(self) -> bool:
+        """A DPO step whose batches carry the reference log-probabilities (full fine-tuning)."""
+        return self.objective is not None and self.objective.reference == "batch"
+
     def _constrain(self, tree):
         return tree if self.mesh is None else jax.lax.with_sharding_constraint(tree, self.state_shardings(tree))
 
     def _grads(self, params, tokens, denominator=None, router_loss_scale: float = 1.0, frozen=None):
         """Gradients of the trainable `params` only; `frozen` enters the forward as inputs."""
+        frozen = frozen or {}
+        if self.objective is not None:
+            if not isinstance(tokens, dict):
+                raise ValueError("train step: a DPO step takes packed preference batches (a dict), found a token array")
+
+            def loss_of_pairs(trainable):
+                return self.objective.loss({**trainable, **frozen}, tokens, denominator, router_loss_scale)
+
+            (loss, out), grads = jax.value_and_grad(loss_of_pairs, has_aux=True)(params)
+            return (loss, out), self._constrain(grads)
         if isinstance(tokens, dict):
             inputs, labels, packed = packed_inputs(tokens, denominator, router_loss_scale)
         else:
             inputs, labels, packed = tokens[:, :-1], tokens[:, 1:], ()
-        frozen = frozen or {}
 
         def loss_of_trainable(trainable, *args):
             return self.loss_and_metrics({**trainable, **frozen}, *args)
@@ -266,6 +306,8 @@ class TrainStep:
         # Packed rows: every micro-batch's loss is its sum over trained tokens divided by the
         # step's trained tokens, so the micro-batch gradients add up to the big batch's.
         denominator = packed_denominator(tokens) if packed else None
+        if self.objective is not None:      # DPO: the mean is over the step's pairs
+            denominator = preference.step_pairs(tokens)
 
         def accumulate(grad_sum, micro_tokens):
             (_, out), grads = self._grads(state.params, micro_tokens, denominator, 1.0 / micro, frozen)
@@ -275,7 +317,9 @@ class TrainStep:
         grads = grad_sum if packed else jax.tree.map(lambda g: g / micro, grad_sum)
         params, opt_state, stats = self._update(state.params, grads, state.opt_state, lr_scale)
         metrics = jax.tree.map(lambda m: m.mean(0), micro_metrics)
-        if packed:
+        if self.objective is not None:
+            metrics.update({k: micro_metrics[k].sum(0) for k in preference.SUMMED})
+        elif packed:
             metrics.update(packed_step_metrics(micro_metrics, tokens))
         # A non-finite loss or gradient norm skips the update here, with no host round trip:
         # parameters and optimizer state (its step count too) stay as they were, while the
@@ -295,6 +339,9 @@ class TrainStep:
 
     def _eval(self, params, tokens, frozen=None):
         params = {**params, **(frozen or {})}
+        if self.objective is not None:     # sums over the batch's pairs (denominator 1)
+            _, out = self.objective.loss(params, tokens, jnp.float32(1.0))
+            return out
         if isinstance(tokens, dict):
             _, out = self.loss_and_metrics(params, *packed_inputs(tokens, None, 1.0))
         else:
@@ -306,11 +353,14 @@ class TrainStep:
         """This process's rows (int32; a packed batch: a dict of such arrays, the weights float32)
         -> the global batch, split over the mesh's data axes."""
         if isinstance(tokens, dict):
-            unknown = set(tokens) ^ set(PACKED_FIELDS)
+            fields = (*PACKED_FIELDS, preference.REFERENCE_FIELD) if self.reference_in_batch else PACKED_FIELDS
+            unknown = set(tokens) ^ set(fields)
             if unknown:
-                raise ValueError(f"train step: a packed batch has the fields {PACKED_FIELDS}, found {sorted(tokens)}")
-            placed = {k: self.place_batch(v, batch_dim) for k, v in tokens.items()}
+                raise ValueError(f"train step: a packed batch has the fields {fields}, found {sorted(tokens)}")
+            placed = {k: self.place_batch(v, batch_dim) for k, v in tokens.items() if k != preference.REFERENCE_FIELD}
             placed["weights"] = placed["weights"].astype(jnp.float32)    # 0/1: exact as int32
+            if preference.REFERENCE_FIELD in tokens:
+                placed[preference.REFERENCE_FIELD] = self._place_float(tokens[preference.REFERENCE_FIELD], batch_dim)
             return placed
         tokens = np.asarray(tokens, dtype=np.int32) if not isinstance(tokens, jax.Array) else tokens
         if self.mesh is None:
@@ -324,6 +374,25 @@ class TrainStep:
         spec[batch_dim] = sharding.batch_axes(self.mesh)
         target = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
         return jax.make_array_from_process_local_data(target, np.asarray(tokens, dtype=np.int32))
+
+    def _place_float(self, values, batch_dim: int):
+        """float32 per-row values (the DPO reference log-probabilities), split as the batch is."""
+        values = np.asarray(values, np.float32)
+        if self.mesh is None:
+            return jnp.asarray(values)
+        spec = [None] * values.ndim
+        spec[batch_dim] = sharding.batch_axes(self.mesh)
+        target = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.make_array_from_process_local_data(target, values)
+
+    def answer_logps(self, params, tokens):
+        """Per-pair log-probability sums [B, S // 2, 2] of one packed preference batch [B, S + 1]
+        (params: the trainable ones): the reference a full fine-tuning DPO run stores."""
+        if self.objective is None:
+            raise ValueError("train step: answer_logps needs a DPO step (StepConfig.preference)")
+        placed = {k: self.place_batch(tokens[k], 0) for k in PACKED_FIELDS}     # no reference needed here
+        placed["weights"] = placed["weights"].astype(jnp.float32)
+        return self._jitted_answers(params, placed, self.frozen)
 
     def __call__(self, state: TrainState, tokens, lr_scale=1.0):
         first = tokens["tokens"] if isinstance(tokens, dict) else tokens

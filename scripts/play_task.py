@@ -2,10 +2,20 @@
 
 `build` writes conversations (OpenAI chat shape) for SFT and held-out items never trained on;
 `score` asks a checkpoint each held-out question in the harmony chat format (greedy) and prints
-its accuracy (exact title). Used for BENCHMARKS.md's "SFT: a measured effect" (issue 21):
+its accuracy (exact title); `pairs` turns the built items into preference pairs (TRL's
+prompt / chosen / rejected: chosen the right title, rejected another of the six) for DPO, the
+training items' pairs apart from the held-out items' pairs. Used for BENCHMARKS.md's "SFT: a
+measured effect" (issue 21) and "DPO: a measured effect" (issue 33):
 
     python scripts/play_task.py build --out data/play-task-src
     python scripts/play_task.py score --checkpoint runs/tiny --items data/play-task-src/heldout.jsonl
+    python scripts/play_task.py pairs --src data/play-task-src --out data/play-pairs-src
+    python scripts/play_task.py prefer --checkpoint runs/tiny-sft --pairs data/play-pairs-src/val/heldout_pairs.jsonl
+
+`prefer` is the held-out preference accuracy of a model by itself: the share of pairs whose
+chosen answer has the higher log-probability (summed over the answer's tokens, eager torch);
+with --reference also TRL's reward accuracy, the share whose log-ratio to the reference is
+higher for the chosen answer.
 """
 from __future__ import annotations
 
@@ -60,6 +70,64 @@ def build(out: Path, heldout_per_play: int, train_per_play: int, seed: int) -> N
           f"{out / 'val' / 'heldout.jsonl'} ({len(PLAYS)} plays: chance {1 / len(PLAYS):.1%})")
 
 
+def pair(conv: dict, rng: random.Random) -> dict:
+    """A conversation's preference pair: its title chosen, another play's title rejected."""
+    question, title = conv["messages"][0]["content"], conv["messages"][1]["content"]
+    other = rng.choice(sorted(t for t in PLAYS.values() if t != title))
+    return {"prompt": [{"role": "user", "content": question}], "chosen": [{"role": "assistant", "content": title}],
+            "rejected": [{"role": "assistant", "content": other}]}
+
+
+def pairs(src: Path, out: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    (out / "val").mkdir(parents=True, exist_ok=True)
+    for source, target in ((src / "train.jsonl", out / "train.jsonl"),
+                           (src / "val" / "heldout.jsonl", out / "val" / "heldout_pairs.jsonl")):
+        convs = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+        target.write_text("".join(json.dumps(pair(c, rng)) + "\n" for c in convs))
+        print(f"{len(convs)} pairs in {target} (from {source})")
+
+
+def answer_logps(checkpoint: str, records: list[dict]) -> list[tuple[float, float]]:
+    """(chosen, rejected) log-probabilities of each pair: the answer tokens' sum, eager torch."""
+    import torch
+
+    from train.data import preferences
+    from train.generation.generator import load_for_generation
+
+    model, tokenizer = load_for_generation(checkpoint)        # eval mode; a LoRA checkpoint: base + adapters
+    out = []
+    with torch.no_grad():
+        for record in records:
+            prompt, chosen, rejected = preferences.parse_pair(record)
+            logps = []
+            for answer in (chosen, rejected):
+                ids, weights = preferences.render_side(tokenizer, prompt, answer)
+                ids = torch.tensor(ids[None].astype("int64"))
+                token_logps = torch.log_softmax(model(ids[:, :-1]).float(), -1).gather(-1, ids[:, 1:, None])[0, :, 0]
+                logps.append(float((token_logps * torch.tensor(weights[1:], dtype=torch.float32)).sum()))
+            out.append((logps[0], logps[1]))
+    return out
+
+
+def prefer(checkpoint: str, pairs_path: Path, reference: str | None, beta: float) -> float:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    records = [json.loads(line) for line in pairs_path.read_text().splitlines() if line.strip()]
+    policy = answer_logps(checkpoint, records)
+    wins = sum(c > r for c, r in policy)
+    margin = sum(c - r for c, r in policy) / len(policy)
+    line = (f"{checkpoint}: prefers the chosen answer in {wins}/{len(records)} = {wins / len(records):.1%} of held-out "
+            f"pairs; mean log-probability margin {margin:.3f} nats")
+    if reference:
+        ref = answer_logps(reference, records)
+        rewards = [beta * ((c - rc) - (r - rr)) for (c, r), (rc, rr) in zip(policy, ref)]
+        won = sum(m > 0 for m in rewards)
+        line += (f"; against {reference} (beta {beta:g}): reward accuracy {won}/{len(records)} = "
+                 f"{won / len(records):.1%}, mean reward margin {sum(rewards) / len(rewards):.3f}")
+    print(line)
+    return wins / len(records)
+
+
 def score(checkpoint: str, items: Path, batch: int) -> float:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from train.generation import chat
@@ -93,6 +161,15 @@ def main() -> None:
     b.add_argument("--heldout-per-play", type=int, default=40)
     b.add_argument("--train-per-play", type=int, default=400)
     b.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("pairs", help="preference pairs (chosen: the right play) of the built items")
+    p.add_argument("--src", type=Path, required=True, help="the directory `build` wrote")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    f = sub.add_parser("prefer", help="held-out preference accuracy: chosen more likely than rejected")
+    f.add_argument("--checkpoint", required=True)
+    f.add_argument("--pairs", type=Path, required=True)
+    f.add_argument("--reference", help="also TRL's reward accuracy against this checkpoint (DPO's reference)")
+    f.add_argument("--beta", type=float, default=0.1)
     s = sub.add_parser("score", help="accuracy of a checkpoint on held-out items")
     s.add_argument("--checkpoint", required=True)
     s.add_argument("--items", type=Path, required=True)
@@ -100,6 +177,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "build":
         build(args.out, args.heldout_per_play, args.train_per_play, args.seed)
+    elif args.command == "pairs":
+        pairs(args.src, args.out, args.seed)
+    elif args.command == "prefer":
+        prefer(args.checkpoint, args.pairs, args.reference, args.beta)
     else:
         score(args.checkpoint, args.items, args.batch)
 

@@ -11,6 +11,9 @@ error naming the file and the line.
 Chat data (`prepare --chat`): a document is one conversation, the `messages` list of a JSONL line
 or Parquet row (conversations.parse_record). A malformed record is skipped, counted and named
 (file and line, or row), unless `strict`: then it is an error.
+
+Preference data (`prepare --preferences`): a document is one pair, a record with `prompt`,
+`chosen` and `rejected` (preferences.parse_pair), malformed records handled as for chat.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from train.data import conversations, corpus
+from train.data import conversations, corpus, preferences
 from formats.errors import UserError
 
 FORMATS = {"text": (".txt", ".text", ".md"), "jsonl": (".jsonl", ".jsonl.gz", ".ndjson"), "parquet": (".parquet",)}
@@ -164,7 +167,7 @@ def _parquet_row_groups(path: str, text_field: str) -> list[int]:
     return [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
 
 
-def check_sources(sources: list[Source], text_field: str, chat: bool = False) -> None:
+def check_sources(sources: list[Source], text_field: str, chat: bool = False, pairs: bool = False) -> None:
     """What can be checked before any work: every Parquet file opens and has the text column;
     chat data comes as JSONL or Parquet."""
     for s in sources:
@@ -172,7 +175,8 @@ def check_sources(sources: list[Source], text_field: str, chat: bool = False) ->
             raise UserError(f"{s.name}: --chat reads conversations from JSONL (.jsonl, .jsonl.gz) or Parquet, "
                             f"found a text file")
         if s.format == "parquet":
-            _parquet_row_groups(s.path, text_field)
+            for name in preferences.FIELDS if pairs else (text_field,):
+                _parquet_row_groups(s.path, name)
 
 
 def _gz_units(source: Source, index) -> Iterator[Unit]:
@@ -269,6 +273,22 @@ class Documents:
         self.val.append(val)
         self.nbytes.append(len(text.encode("utf-8", "surrogatepass")))
         self.conversations.append(messages)
+        self.stats.documents += 1
+        self.stats.bytes += self.nbytes[-1]
+
+    def add_pair(self, doc_id: str, record, val: bool, where: Callable[[], str], strict: bool) -> None:
+        """Check one preference record; keep its (prompt, chosen, rejected), or skip and name it."""
+        try:
+            pair = preferences.parse_pair(record)
+        except conversations.MalformedRecord as e:
+            self.skip_malformed(where(), str(e), strict)
+            return
+        text = preferences.text_of(pair)
+        self.ids.append(doc_id)
+        self.texts.append(text)
+        self.val.append(val)
+        self.nbytes.append(len(text.encode("utf-8", "surrogatepass")))
+        self.conversations.append(pair)
         self.stats.documents += 1
         self.stats.bytes += self.nbytes[-1]
 
@@ -384,7 +404,7 @@ def _read_parquet(unit: Unit, text_field: str, docs: Documents) -> None:
         docs.add(f"{source.name}:{first_row + row}", value or "", source.val, replaced)
 
 
-def _read_jsonl_chat(unit: Unit, messages_field: str, strict: bool, docs: Documents) -> None:
+def _read_jsonl_chat(unit: Unit, messages_field: str, strict: bool, docs: Documents, pairs: bool = False) -> None:
     source = unit.sources[0]
     try:
         for line, offset, line_number in _jsonl_lines(unit):
@@ -396,7 +416,10 @@ def _read_jsonl_chat(unit: Unit, messages_field: str, strict: bool, docs: Docume
             except ValueError as e:
                 docs.skip_malformed(where(), f"not valid JSON ({e})", strict)
                 continue
-            docs.add_conversation(f"{source.name}:{offset}", record, source.val, where, messages_field, strict)
+            if pairs:
+                docs.add_pair(f"{source.name}:{offset}", record, source.val, where, strict)
+            else:
+                docs.add_conversation(f"{source.name}:{offset}", record, source.val, where, messages_field, strict)
     except OSError as e:
         raise UserError(f"{source.name}: cannot read ({type(e).__name__}: {e})") from None
 
@@ -408,14 +431,26 @@ def _read_parquet_chat(unit: Unit, messages_field: str, strict: bool, docs: Docu
                               lambda row=row: f"{source.name}: row {first_row + row}", messages_field, strict)
 
 
-def read_unit(unit: Unit, text_field: str, chat: bool = False, strict: bool = False) -> Documents:
+def _read_parquet_pairs(unit: Unit, strict: bool, docs: Documents) -> None:
+    columns = [_parquet_row_group(unit, name) for name in preferences.FIELDS]
+    source, first_row = columns[0][:2]
+    for row, values in enumerate(zip(*(c[2] for c in columns))):
+        docs.add_pair(f"{source.name}:{first_row + row}", dict(zip(preferences.FIELDS, values)), source.val,
+                      lambda row=row: f"{source.name}: row {first_row + row}", strict)
+
+
+def read_unit(unit: Unit, text_field: str, chat: bool = False, strict: bool = False,
+              pairs: bool = False) -> Documents:
     """The documents of one unit; with `chat`, its conversations (text_field is then the
-    messages field)."""
+    messages field); with `pairs` too, its preference pairs."""
     docs = Documents()
     first = unit.sources[0]
+    if chat and pairs and first.format == "parquet":
+        _read_parquet_pairs(unit, strict, docs)
+        return docs
     if chat:
         if first.format == "jsonl":
-            _read_jsonl_chat(unit, text_field, strict, docs)
+            _read_jsonl_chat(unit, text_field, strict, docs, pairs)
         elif first.format == "parquet":
             _read_parquet_chat(unit, text_field, strict, docs)
         else:

@@ -9,7 +9,9 @@ number of processes continues the same data. A background thread prepares the ne
 
 Chat data (and plain text with `document_masking`) comes as a Batch: tokens, loss weights,
 segment ids and positions, each [rows, seq_len + 1]; plain text without masking stays a bare
-token array, as before.
+token array, as before. Preference data (prepare --preferences) packs whole pairs: pair k of a
+row is segments 2k + 1 (prompt + chosen) and 2k + 2 (prompt + rejected), and the Batch also names
+each slot's pair (its document index) for the stored reference log-probabilities.
 
 Errors from damaged shards surface from next_batch() as shards.DataIntegrityError (a UserError
 naming the shard) when the damaged batch is due, never earlier, so the trainer can checkpoint
@@ -46,6 +48,7 @@ class Batch:
     weights: np.ndarray      # float32, 0 or 1
     segment_ids: np.ndarray  # int32
     positions: np.ndarray    # int32
+    pair_docs: np.ndarray | None = None   # preferences: [rows, seq_len // 2] int32, -1 for no pair
 
     @property
     def trained_tokens(self) -> int:
@@ -79,6 +82,45 @@ class RowReader:
             out[i, at:at + real] = ids
             if extra:
                 out[i, at + real] = self.eos
+
+    def pair_batch(self, rows: list, pad_id: int) -> Batch:
+        """A Batch of rows of whole preference pairs: each pair's two sides as two segments; a pair
+        cut to fit a row (truncate) keeps the start of each side, at most half the room for the
+        rejected one when both are longer."""
+        from train.data.preferences import side_of, trained
+
+        shape = (len(rows), self.row_len)
+        tokens, weights = np.full(shape, pad_id, np.int32), np.zeros(shape, np.float32)
+        segments, positions = np.full(shape, PAD_SEGMENT, np.int32), np.zeros(shape, np.int32)
+        pair_docs = np.full((len(rows), (self.row_len - 1) // 2), -1, np.int32)
+        wanted, places = [], []
+        for i, (plan, r) in enumerate(rows):
+            pos = 0
+            for k, (doc, _, count) in enumerate(plan.segments(r)):
+                wanted.append((doc, 0, int(self.ds.lengths[doc])))
+                places.append((i, pos, count, k, doc))
+                pos += count
+        for (i, at, count, k, doc), ids, codes in zip(places, self.ds.read_segments(wanted),
+                                                 self.ds.read_segments(wanted, "weights")):
+            if k >= pair_docs.shape[1]:
+                raise UserError(f"{self.ds.data_dir}: a row of {self.row_len} tokens holds more than "
+                                f"{pair_docs.shape[1]} pairs (pairs of under 2 tokens a side?)")
+            n_c = int((side_of(codes) == 0).sum())
+            n_r = len(ids) - n_c
+            keep_c, keep_r = n_c, n_r
+            if n_c + n_r > count:       # truncated to one row
+                keep_r = min(n_r, count // 2)
+                keep_c = min(n_c, count - keep_r)
+                keep_r = min(n_r, count - keep_c)
+            for side, (lo, n) in enumerate(((0, keep_c), (n_c, keep_r))):
+                tokens[i, at:at + n] = ids[lo:lo + n]
+                weights[i, at:at + n] = trained(codes[lo:lo + n])
+                weights[i, at] = 0          # a segment's first token: never predicted across segments
+                segments[i, at:at + n] = 2 * k + 1 + side
+                positions[i, at:at + n] = np.arange(n)
+                at += n
+            pair_docs[i, k] = doc
+        return Batch(tokens, weights, segments, positions, pair_docs)
 
     def batch(self, rows: list, document_masking: bool, pad_id: int) -> Batch:
         """A Batch of rows (plan, row index): text rows as fill() makes them, one segment per
@@ -154,6 +196,7 @@ class TokenLoader:
         self.local_batch = global_batch // process_count
         self.block_tokens, self.buffer_pieces, self.prefetch = block_tokens, buffer_pieces, max(1, prefetch)
         self.chat = self.ds.weighted  # conversations with loss weights: packed whole
+        self.pairs = self.ds.manifest.get("kind") == "preferences"   # whole preference pairs
         self.truncate = truncate
         self.document_masking = self.chat if document_masking is None else bool(document_masking)
         self.yields_batch = self.chat or self.document_masking
@@ -198,6 +241,8 @@ class TokenLoader:
 
     def _assemble(self, rows: list):
         """The rows' tokens as a new [len(rows), seq_len + 1] int32 array, or a Batch."""
+        if self.pairs:
+            return self.rows.pair_batch(rows, self.pad_id)
         if self.yields_batch:
             return self.rows.batch(rows, self.document_masking, self.pad_id)
         batch = np.empty((len(rows), self.seq_len + 1), np.int32)  # fresh: never a reused buffer
@@ -300,16 +345,21 @@ class TokenLoader:
             yield self.next_batch()
 
     # ---- evaluation --------------------------------------------------------------------------
-    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[Union[np.ndarray, Batch]]:
+    def iter_eval_batches(self, max_batches: int | None = None, pad_last: bool = False) -> Iterator[Union[np.ndarray, Batch]]:
         """Validation batches: one pass over the split in stored order (no shuffle), packed as in
         training, the same at every call and whatever the number of processes; up to max_batches
-        global batches (a trailing partial one is dropped). Independent of the training stream."""
+        global batches (a trailing partial one is dropped, or with pad_last (one process, Batch
+        data) padded with empty rows: every document seen). Independent of the training stream."""
         plan = self._plan(np.arange(len(self.ds)), None)
         rows = ((plan.block(b), r) for b in range(plan.num_blocks) for r in range(len(plan.block(b))))
         lo = self.process_index * self.local_batch
         made = 0
         while max_batches is None or made < max_batches:
             step = [row for _, row in zip(range(self.global_batch), rows)]
+            if step and len(step) < self.global_batch and pad_last and self.process_count == 1 and self.yields_batch:
+                made += 1
+                yield _padded(self._assemble(step), self.global_batch, self.pad_id)
+                break
             if len(step) < self.global_batch:
                 break
             made += 1
@@ -322,7 +372,8 @@ class TokenLoader:
         if not self.chat or self.truncate:
             return ""
         too_long = int((self.packed_lengths > self.seq_len + 1).sum())
-        return (f" ({too_long} of its {len(self.ds)} conversations are longer than a row and dropped: "
+        what = "preference pairs" if self.pairs else "conversations"
+        return (f" ({too_long} of its {len(self.ds)} {what} are longer than a row and dropped: "
                 "raise seq_len or truncate them)") if too_long else ""
 
     # ---- state -------------------------------------------------------------------------------
@@ -351,3 +402,12 @@ class TokenLoader:
     def close(self) -> None:
         self._halt()
         self.ds.close()
+
+
+def _padded(batch: Batch, rows: int, pad_id: int) -> Batch:
+    """The batch with empty rows (padding: segment PAD_SEGMENT, weight 0, no pair) up to `rows`."""
+    extra = rows - len(batch.tokens)
+    pad = lambda a, value: np.concatenate([a, np.full((extra, *a.shape[1:]), value, a.dtype)])  # noqa: E731
+    return Batch(pad(batch.tokens, pad_id), pad(batch.weights, 0),
+                 pad(batch.segment_ids, PAD_SEGMENT), pad(batch.positions, 0),
+                 None if batch.pair_docs is None else pad(batch.pair_docs, -1))

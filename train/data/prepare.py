@@ -5,6 +5,7 @@
         --tokens-per-shard 300000000 --workers 32
     torchlyra prepare --verify data/web                 # check a whole dataset against its manifest
     torchlyra prepare --chat --input chats.jsonl --tokenizer o200k_harmony --out data/chats
+    torchlyra prepare --preferences --input pairs.jsonl --tokenizer o200k_harmony --out data/pairs
 
 Worker processes read and tokenize work units (inputs.py); the main process merges their results
 in unit order (so the output depends only on the inputs and settings, never on worker timing),
@@ -18,7 +19,8 @@ temporary name and renamed only when complete, and manifest.json is written last
 
 With --chat, each record's `messages` are rendered in harmony with a loss weight per token
 (conversations.py), stored as a second stream of the same shards; malformed records are skipped,
-named and counted (--strict: the first one is an error).
+named and counted (--strict: the first one is an error). With --preferences, each record is a
+preference pair (TRL's prompt / chosen / rejected), one document per pair (preferences.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 from tqdm import tqdm
 
 from formats.atomic import sha256_file, write_atomic
-from train.data import conversations, inputs, packing, shards
+from train.data import conversations, inputs, packing, preferences, shards
 from formats import tokenizer
 from formats.errors import UserError
 from formats.jsonfile import read_json
@@ -74,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
     parser.add_argument("--chat", action="store_true",
                         help="conversations (OpenAI chat records) rendered in harmony, with per-token loss weights")
+    parser.add_argument("--preferences", action="store_true",
+                        help="preference pairs (TRL's prompt / chosen / rejected records) for DPO, rendered in "
+                             "harmony, both answers of a pair in one document")
     parser.add_argument("--messages-field", default="messages",
                         help="with --chat: JSONL field / Parquet column holding the messages list")
     parser.add_argument("--strict", action="store_true",
@@ -94,8 +99,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args) -> None:
+    if args.preferences:
+        if args.chat:
+            raise UserError("--chat and --preferences are two kinds of data; pass one")
+        if args.messages_field != "messages" or args.text_field != "text":
+            raise UserError("--preferences reads the fields prompt, chosen and rejected; drop --messages-field / --text-field")
+        if not args.input:
+            raise UserError("--preferences needs --input (JSONL or Parquet files of preference records)")
+        args.chat = True           # the chat path's rendering, weights stream and packing, with pairs
     if (args.strict or args.messages_field != "messages") and not args.chat:
-        raise UserError("--strict and --messages-field apply to --chat data; add --chat")
+        raise UserError("--strict and --messages-field apply to --chat data (--strict also to --preferences); add --chat")
     if args.chat and args.text_field != "text":
         raise UserError("--text-field names the text of plain documents; with --chat use --messages-field")
     if args.chat and not args.input:
@@ -128,14 +141,14 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_dir: str, text_field: str, seed: int, fraction: float, dtype: str,
-                 chat: bool = False, strict: bool = False, in_process: bool = False) -> None:
+                 chat: bool = False, strict: bool = False, pairs: bool = False, in_process: bool = False) -> None:
     if not in_process:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    init = (tokenizer_dir, text_field, seed, fraction, dtype, chat, strict)
+    init = (tokenizer_dir, text_field, seed, fraction, dtype, chat, strict, pairs)
     if _WORKER.get("init") != init:  # not inherited by fork
         enc = tokenizer.load_tokenizer(tokenizer_dir)
         _WORKER.update(enc=enc, text_field=text_field, seed=seed, fraction=fraction, dtype=shards.DTYPES[dtype],
-                       chat=chat, strict=strict, init=init,
+                       chat=chat, strict=strict, pairs=pairs, init=init,
                        byte_lengths=tokenizer.token_byte_lengths(enc) if chat else None)
 
 
@@ -143,14 +156,16 @@ def tokenize_unit(unit: inputs.Unit) -> dict:
     """Read and tokenize one unit: flat token ids, per-document lengths, bytes and split; for chat
     also the flat loss weights (bytes: of the trained ordinary tokens) and the malformed records."""
     w = _WORKER
-    docs = inputs.read_unit(unit, w["text_field"], w["chat"], w["strict"])
+    docs = inputs.read_unit(unit, w["text_field"], w["chat"], w["strict"], w["pairs"])
     enc = w["enc"]
     weights = None
     if w["chat"]:
-        rendered = [conversations.render_weighted(enc, m) for m in docs.conversations]
+        render = (lambda pair: preferences.render_pair(enc, *pair)) if w["pairs"] else \
+            (lambda m: conversations.render_weighted(enc, m))
+        rendered = [render(m) for m in docs.conversations]
         ids = [r[0] for r in rendered]
         weights = np.concatenate([r[1] for r in rendered]) if rendered else np.zeros(0, np.uint8)
-        docs.nbytes = [int(w["byte_lengths"][i[wt.astype(bool)]].sum()) for i, wt in rendered]
+        docs.nbytes = [int(w["byte_lengths"][i[(wt & 1).astype(bool)]].sum()) for i, wt in rendered]
     else:
         ids = [enc.encode_to_numpy(text, disallowed_special=()) for text in docs.texts]  # = encode_ordinary
     lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
@@ -216,7 +231,8 @@ def _settings(args, sources: list[inputs.Source]) -> dict:
     elif spec["kind"] == "dir":
         spec["sha256"] = tokenizer.read_description(spec["path"])["tiktoken_sha256"]
     return {"prepare_version": PREPARE_VERSION, "inputs": inputs.fingerprint(sources), "format": args.format,
-            "text_field": args.text_field, "chat": args.chat, "messages_field": args.messages_field,
+            "text_field": args.text_field, "chat": args.chat, "preferences": args.preferences,
+            "messages_field": args.messages_field,
             "strict": args.strict, "tokenizer": spec, "bpe_train_bytes": args.bpe_train_bytes,
             "val_fraction": args.val_fraction, "seed": args.seed, "tokens_per_shard": args.tokens_per_shard,
             "record_tokens": shards.RECORD_TOKENS, "writer_options": shards.WRITER_OPTIONS,
@@ -279,9 +295,9 @@ def _resumable(out: Path, settings: dict) -> dict | None:
 def _training_texts(units, args, limit: int):
     """Training-split texts in source order, up to `limit` UTF-8 bytes (for bpe:N)."""
     seen = 0
-    field = args.messages_field if args.chat else args.text_field
+    field = _field(args)
     for unit in units:
-        docs = inputs.read_unit(unit, field, args.chat)
+        docs = inputs.read_unit(unit, field, args.chat, pairs=args.preferences)
         for doc_id, text, val, n in zip(docs.ids, docs.texts, docs.val, docs.nbytes):
             if not is_val(doc_id, val, args.seed, args.val_fraction):
                 yield text
@@ -299,6 +315,11 @@ def _make_tokenizer(out: Path, units, args) -> dict:
     if args.chat:
         conversations.check_chat_tokenizer(enc, f"--tokenizer {args.tokenizer}")
     return tokenizer.save_tokenizer(enc, out)
+
+
+def _field(args) -> str:
+    """The field that names each record's text: a pair's units are cut by its prompt column."""
+    return preferences.FIELDS[0] if args.preferences else args.messages_field if args.chat else args.text_field
 
 
 # ---- the ordered merge ---------------------------------------------------------------------------
@@ -417,8 +438,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{out}: already prepared from the same inputs and settings; nothing to do (--force rebuilds)")
         return 0
     _check_not_foreign(out, args.force)
-    field = args.messages_field if args.chat else args.text_field
-    inputs.check_sources(sources, field, args.chat)
+    field = _field(args)
+    inputs.check_sources(sources, field, args.chat, args.preferences)
     progress = None if args.force else _resumable(out, settings)
     out.mkdir(parents=True, exist_ok=True)
     (out / shards.MANIFEST).unlink(missing_ok=True)  # the new one is written last
@@ -441,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
                for s in SPLITS}
     units = inputs.iter_units(sources, field)
     done_bytes = sum(u.nbytes for u in itertools.islice(units, progress["restart_unit"]))  # finished before
-    init = (str(out), field, args.seed, args.val_fraction, dtype, args.chat, args.strict)
+    init = (str(out), field, args.seed, args.val_fraction, dtype, args.chat, args.strict, args.preferences)
     results = Tokenized(units, args.workers, init)  # before the progress bar starts its thread
     bar = tqdm(total=sum(s.size for s in sources), initial=done_bytes, unit="B", unit_scale=True,
                desc="prepare", file=sys.stderr, dynamic_ncols=True)
@@ -460,8 +481,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _finish(out, args, sources, settings, desc, dtype, writers, stats, malformed, seconds) -> int:
     splits = {s: w.summary() for s, w in writers.items()}
+    what = "preference pairs" if args.preferences else "conversations"
     if splits["train"]["docs"] == 0 and args.chat:
-        raise UserError(f"no training conversations: {stats.documents} kept, {stats.malformed} malformed record(s) "
+        raise UserError(f"no training {what}: {stats.documents} kept, {stats.malformed} malformed record(s) "
                         "skipped" + (f" (the first: {malformed[0]})" if malformed else ""))
     if splits["train"]["docs"] == 0:
         raise UserError(f"no training documents: all {stats.documents} documents went to validation "
@@ -473,13 +495,13 @@ def _finish(out, args, sources, settings, desc, dtype, writers, stats, malformed
                 "vocab_size": desc["vocab_size"], "model_vocab_size": desc["model_vocab_size"],
                 "bos_id": desc["bos_id"], "eos_id": desc["eos_id"], "dtype": dtype,
                 "record_tokens": shards.RECORD_TOKENS, "block_bytes": shards.BLOCK_BYTES,
-                "settings": settings, "stats": asdict(stats), "kind": "chat" if args.chat else "text",
+                "settings": settings, "stats": asdict(stats), "kind": "preferences" if args.preferences else "chat" if args.chat else "text",
                 "streams": ["tokens", "weights"] if args.chat else ["tokens"],
                 "sources": [{"name": s.name, "format": s.format, "bytes": s.size, "split": "val" if s.val else None}
                             for s in sources],
                 "splits": splits}
     if args.chat:
-        manifest["conversations"] = {s: v["docs"] for s, v in splits.items()}
+        manifest["pairs" if args.preferences else "conversations"] = {s: v["docs"] for s, v in splits.items()}
         manifest["trained_tokens"] = {s: v["trained_tokens"] for s, v in splits.items()}
         manifest["skipped"] = {"malformed": stats.malformed, "records": malformed[:MALFORMED_NAMED]}
         manifest["packing"] = packing_table(out, manifest)
@@ -492,10 +514,11 @@ def _finish(out, args, sources, settings, desc, dtype, writers, stats, malformed
           f"eos {desc['eos_id']}), {dtype}; {seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
     if args.chat:
         trained = sum(v["trained_tokens"] for v in splits.values())
-        print(f"chat: {stats.documents:,} conversation(s), {tokens:,} tokens of which {trained:,} trained "
+        print(f"{'preferences' if args.preferences else 'chat'}: {stats.documents:,} "
+              f"{'pair' if args.preferences else 'conversation'}(s), {tokens:,} tokens of which {trained:,} trained "
               f"({trained / max(tokens, 1):.1%}); skipped {stats.malformed:,} malformed record(s)"
               + "".join(f"\n  {name}" for name in malformed))
-        print("packing (seq_len: real tokens / row tokens, conversations too long for a row): " + ", ".join(
+        print(f"packing (seq_len: real tokens / row tokens, {what} too long for a row): " + ", ".join(
             f"{k}: {v['efficiency']:.1%}, {v['too_long']}" for k, v in manifest["packing"].items()))
     if stats.empty or stats.replaced:
         print(f"input: skipped {stats.empty:,} empty document(s); replaced {stats.replaced:,} invalid UTF-8 "

@@ -6,7 +6,8 @@ RECORD_TOKENS token ids each (little-endian uint16 or int32, no BOS/EOS: the pac
 then one last record: the documents' lengths (int64). So a reader touches only the records of
 the tokens it wants. Chat data (format version 3, manifest field "streams": ["tokens", "weights"])
 stores a second per-token stream: after each document's token records come as many records of
-its loss weights (uint8, 0 or 1). Version-2 data (tokens only) still reads. Shards are written
+its loss weights (uint8, 0 or 1; preference pairs store a side code there, bit 0 the weight:
+train/data/preferences.py). Version-2 data (tokens only) still reads. Shards are written
 under a temporary name and renamed when complete; the manifest lists each shard's token count,
 size, sha256 and the sha256 of every BLOCK_BYTES block (for a sampled check at start). Damage
 found while reading raises DataIntegrityError, a UserError naming the shard, never a raw Riegeli
@@ -95,7 +96,7 @@ class ShardWriter:
         if weights is not None:
             weights = np.asarray(weights).astype(STREAMS["weights"], copy=False)
             self._write(weights)
-            self.trained += int(weights.sum())
+            self.trained += int(np.count_nonzero(weights & 1))   # preference codes: bit 0 (preferences.py)
         self.lengths.append(len(ids))
         self.tokens += len(ids)
 

@@ -53,6 +53,7 @@ class TrainConfig:
     freeze: list = field(default_factory=list)   # shell-style patterns of parameter names left untrained
     adapter_optimizer: str = "muon"   # LoRA adapters of linear layers: muon | adamw (expert adapters: adamw)
     ns_dtype: str = "float32"      # Muon's Newton-Schulz iteration: float32 | bfloat16 (faster on TPU)
+    dpo: str = ""                  # DPO on preference pairs, e.g. "beta=0.1,loss=sigmoid,label_smoothing=0"
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "micro_batches", "eval_every", "eval_tasks_limit", "log_every", "checkpoint_every",
@@ -78,6 +79,7 @@ class TrainConfig:
         if not isinstance(self.truncate, bool):
             raise UserError(f"config: truncate must be true or false, found {self.truncate!r}")
         self._check_lora()
+        self._check_dpo()
         from torch_model.optim import NS_DTYPES
 
         if self.ns_dtype not in NS_DTYPES:
@@ -106,6 +108,21 @@ class TrainConfig:
         if self.adapter_optimizer not in ADAPTER_OPTIMIZERS:
             raise UserError(f"config: adapter_optimizer must be {' or '.join(ADAPTER_OPTIMIZERS)}, "
                             f"found {self.adapter_optimizer!r}")
+
+    def _check_dpo(self) -> None:
+        from torch_model.config import ConfigError
+        from torch_model.preference import parse_preference_spec
+
+        if not isinstance(self.dpo, str):
+            raise UserError(f"config: dpo must be a string such as 'beta=0.1,loss=sigmoid', found {self.dpo!r}")
+        if self.dpo:
+            try:
+                parse_preference_spec(self.dpo)
+            except ConfigError as e:
+                raise UserError(str(e)) from None
+            if not self.init_from:
+                raise UserError("config: dpo needs init_from (--init-from), the model whose answers it prefers "
+                                "and the reference it is held to (a checkpoint or a Hugging Face directory)")
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -74,7 +74,7 @@ _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": in
           "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "eval_tasks": str, "eval_tasks_limit": int, "samples": int,
           "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
           "max_consecutive_skips": int, "host_timeout_s": int, "mesh": str, "remat": str, "lora": str,
-          "adapter_optimizer": str, "ns_dtype": str}
+          "adapter_optimizer": str, "ns_dtype": str, "dpo": str}
 _SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",
              "tensorboard": "also write TensorBoard event files to OUT/tensorboard",
              "truncate": "chat data: cut a conversation longer than a row to one row (default: drop it)"}
@@ -139,9 +139,10 @@ def run(args) -> int:
     if "train_seconds" not in summary or not distributed.is_main_process():   # stopped, finished, or not process 0
         return 0
     start = summary.get("val_loss_start")
+    bpb = summary["val_bpb_end"]
     print(f"\ntrained to step {summary['steps']} in {summary['train_seconds']:.0f} s; validation loss "
-          + (f"{start:.3f} -> " if start is not None else "") + f"{summary['val_loss_end']:.3f} "
-          f"({summary['val_bpb_end']:.3f} bits/byte)")
+          + (f"{start:.3f} -> " if start is not None else "") + f"{summary['val_loss_end']:.3f}"
+          + (f" ({bpb:.3f} bits/byte)" if bpb is not None else " (DPO loss per held-out pair)"))
     for s in summary["samples"]:
         print(f"\n--- sample ---\n{s['text']}")
     print(f"\nmetrics:    {summary['metrics']}\nplots:      {', '.join(summary['plots'])}\n"

@@ -44,8 +44,9 @@ def _save(plt, fig, ax, path: Path, legend: bool = True) -> Path:
 
 
 def plot_loss(records, path: Path) -> Path:
-    plt, fig, ax = _figure("loss", "cross-entropy (nats/token)")
-    ax.plot(*_series(records, "train", "ce"), label="train", lw=1)
+    dpo = any(r.get("kind") == "train" and "dpo_loss" in r for r in records)
+    plt, fig, ax = _figure("loss", "DPO loss (per pair)" if dpo else "cross-entropy (nats/token)")
+    ax.plot(*_series(records, "train", "dpo_loss" if dpo else "ce"), label="train", lw=1)
     steps, val = _series(records, "eval", "val_loss")
     ax.plot(steps, val, "o-", label="validation", lw=1.5)
     bpb_steps, bpb = _series(records, "eval", "val_bpb")
@@ -131,6 +132,26 @@ def plot_expert_load(records, path: Path) -> Path | None:
     return path
 
 
+def plot_preferences(records, path: Path) -> Path | None:
+    """A DPO run's rewards (beta x log-ratio to the reference) and reward accuracy, train and held-out."""
+    if not any(r.get("kind") == "train" and "rewards/margins" in r for r in records):
+        return None
+    plt, fig, ax = _figure("preference rewards", "reward (beta x log-ratio)")
+    for key, color in (("rewards/chosen", "tab:green"), ("rewards/rejected", "tab:red"), ("rewards/margins", "tab:blue")):
+        ax.plot(*_series(records, "train", key), color=color, label=key, lw=1)
+        steps, val = _series(records, "eval", "val_" + key)
+        if val:
+            ax.plot(steps, val, "o--", color=color, label="held-out " + key.split("/")[1], lw=1)
+    right = ax.twinx()
+    right.plot(*_series(records, "train", "rewards/accuracies"), color="tab:gray", lw=1, label="accuracy")
+    steps, val = _series(records, "eval", "val_rewards/accuracies")
+    right.plot(steps, val, "s-", color="black", lw=1, label="held-out accuracy")
+    right.set_ylabel("reward accuracy")
+    right.set_ylim(0, 1.05)
+    right.legend(loc="lower right")
+    return _save(plt, fig, ax, path)
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write every plot of the run into RUN_DIR/plots; returns the files written."""
     run_dir = Path(run_dir)
@@ -144,7 +165,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out.mkdir(exist_ok=True)
     written = [plot_loss(records, out / "loss.png"), plot_lr(records, out / "lr.png"),
                plot_grad_norm(records, out / "grad_norm.png"), plot_throughput(records, out / "throughput.png"),
-               plot_expert_load(records, out / "expert_load.png")]
+               plot_expert_load(records, out / "expert_load.png"), plot_preferences(records, out / "preferences.png")]
     return [p for p in written if p is not None]
 
 

@@ -149,6 +149,7 @@ class Trainer:
                            truncate=cfg.truncate, accepts_batch=True)
         self.train_data = TokenLoader(cfg.data, "train", **loader_args)
         val_data = TokenLoader(cfg.data, "val", **loader_args)
+        self.preference = self._preference_config()
 
         torch.manual_seed(cfg.seed)
         from_hf = isinstance(init_state, HFWeights)
@@ -163,7 +164,8 @@ class Trainer:
         try:
             self.step = TrainStep(self.model, opt_cfg, StepConfig(
                 kernels=cfg.kernels, compute_dtype=cfg.compute_dtype, micro_batches=cfg.micro_batches,
-                kernel_options=cfg.kernel_options, scan_layers=cfg.scan_layers, remat=cfg.remat), mesh=self.mesh)
+                kernel_options=cfg.kernel_options, scan_layers=cfg.scan_layers, remat=cfg.remat,
+                preference=self.preference), mesh=self.mesh)
             if self.train_data.yields_batch:      # packed rows: attention must take segment ids
                 registry.check_segments(self.step.kernels)
         except (registry.KernelError, ValueError) as e:
@@ -185,8 +187,17 @@ class Trainer:
             self.state = TrainState(**restored)
             self.train_data.load_state_dict(meta["loader"])
             self.done, self.counters = meta["step"], dict(meta.get("counters", self.counters))
-        self.evaluator = Evaluator(self.step, list(val_data.iter_eval_batches(cfg.eval_batches)),
-                                   token_byte_lengths(self.tokenizer, self.model_cfg.vocab_size))
+        self.reference_source, self.reference = None, None     # DPO, full fine-tuning: stored log-probabilities
+        if self.step.reference_in_batch:
+            self._load_reference(meta, val_data)
+        if self.preference is not None:
+            from train.evaluation.preference import PreferenceEvaluator
+
+            self.evaluator = PreferenceEvaluator(self.step, [self._packed(b, "val")
+                                                             for b in val_data.iter_eval_batches(cfg.eval_batches)])
+        else:
+            self.evaluator = Evaluator(self.step, list(val_data.iter_eval_batches(cfg.eval_batches)),
+                                       token_byte_lengths(self.tokenizer, self.model_cfg.vocab_size))
         self.task_evaluator = None
         if cfg.eval_tasks:
             from train.evaluation.periodic import TaskEvaluator
@@ -217,6 +228,55 @@ class Trainer:
         self._write({"kind": "packing", "step": self.done, **summary})
 
     # ---- setup ------------------------------------------------------------------------------
+    def _preference_config(self):
+        """--dpo's settings (None without it); DPO and preference data come together or not at all."""
+        from torch_model.preference import parse_preference_spec
+
+        cfg, pairs = self.cfg, self.train_data.pairs
+        if pairs and not cfg.dpo:
+            raise UserError(f"{cfg.data} holds preference pairs (prepare --preferences): train on them with "
+                            f"--dpo beta=0.1 --init-from CHECKPOINT")
+        if cfg.dpo and not pairs:
+            raise UserError(f"--dpo trains on preference pairs (torchlyra prepare --preferences), but {cfg.data} holds "
+                            f"{'conversations' if self.train_data.chat else 'text'}")
+        return parse_preference_spec(cfg.dpo) if cfg.dpo else None
+
+    def _load_reference(self, meta: dict | None, val_data) -> None:
+        """Full fine-tuning DPO: the reference log-probabilities of every pair, read from beside
+        the data, or (a new run, none stored) computed now from the initial parameters."""
+        from train.run import reference
+
+        cfg = self.cfg
+        source = (meta or {}).get("dpo_reference") or self.base_reference or \
+            lora_checkpoint.base_reference(cfg.init_from, {"hf_dir": cfg.init_from})
+        settings = reference.reference_settings(self.step.cfg.compute_dtype, cfg.truncate, cfg.seq_len)
+        loaders = {"train": self.train_data, "val": val_data}
+        if reference.check_reference(cfg.data, source, settings):
+            self.reference = reference.load_reference(cfg.data, loaders)
+            say(f"DPO reference: log-probabilities of {source['path']} read from {cfg.data}/{reference.META}")
+        elif meta:
+            raise UserError(f"{cfg.data}: the reference log-probabilities of this run ({reference.META}, from "
+                            f"{source['path']}) are gone; they cannot be recomputed once training has begun")
+        else:
+            start = time.perf_counter()
+            self.reference = reference.compute_reference(self.step, self.state.params, cfg.data, loaders, source,
+                                                         settings)
+            say(f"DPO reference: log-probabilities of {sum(len(t) for t in self.reference.values()):,} pairs from "
+                f"{source['path']} computed in {time.perf_counter() - start:.1f} s, stored in {cfg.data}/{reference.ARRAYS}")
+        self.reference_source = {"path": source["path"], "sha256": source["sha256"]}
+
+    def _packed(self, batches, split: str) -> dict:
+        """A step's micro-batches (a list of loader Batches) or one evaluation Batch -> the step's
+        packed dict; a full fine-tuning DPO run's carries each pair's stored reference values."""
+        from jax_bridge.step import packed_batch
+        from train.run.reference import with_reference
+
+        packed = packed_batch(batches)
+        if self.reference is None:
+            return packed
+        pair_docs = batches.pair_docs if hasattr(batches, "pair_docs") else np.stack([b.pair_docs for b in batches])
+        return with_reference(packed, pair_docs, self.reference[split])
+
     def _adapt(self, model):
         """--freeze and --lora applied to the torch model (its names: `torchlyra train --freeze`
         patterns match them); returns the peft model, or None without LoRA."""
@@ -336,6 +396,8 @@ class Trainer:
         try:
             batches = [self.train_data.next_batch() for _ in range(self.cfg.micro_batches)]
             self._loader_state = None
+            if self.preference is not None:
+                return self._packed(batches, "train")
             return packed_batch(batches) if self.train_data.yields_batch else np.stack(batches)
         except UserError as e:
             path = self.save(wait=True)
@@ -419,7 +481,11 @@ class Trainer:
             if self.task_evaluator is not None:
                 result.update(self._task_scores())
         self._write({"kind": "eval", "step": self.done, **result})
-        if self.done and self.primary:
+        if self.done and self.primary and self.preference is not None:
+            self.bar.write(f"step {self.done}: held-out pairs {result['val_pairs']}: DPO loss {result['val_loss']:.4f}, "
+                           f"reward accuracy {result['val_rewards/accuracies']:.1%}, margin "
+                           f"{result['val_rewards/margins']:.4f}")
+        elif self.done and self.primary:
             tasks = "".join(f", {name} {score:.1%}" for name, score in result.get("tasks", {}).items())
             core = f", CORE-6 (BIG-bench JSON) {100 * result['core6']:.2f}" if "core6" in result else ""
             self.bar.write(f"step {self.done}: validation loss {result['val_loss']:.4f}, "
@@ -464,6 +530,8 @@ class Trainer:
                 "layout": self.step.layout, "loader": loader, "counters": dict(self.counters),
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "devices": jax.device_count(), "processes": jax.process_count()}
+        if self.reference_source is not None:
+            meta["dpo_reference"] = self.reference_source
         if self.cfg.lora:
             from torch_model.lora import parse_lora_spec
 
