@@ -150,3 +150,27 @@ def test_micro_batches_give_the_big_batch_mean_over_pairs():
              for i in range(2)]
     for name in big:
         assert rel_err(np.asarray(parts[0][name] + parts[1][name]), np.asarray(big[name])) <= 1e-5, name
+
+
+def test_dpo_steps_on_a_data_and_an_fsdp_mesh_equal_one_device():
+    """Three steps on 2 simulated devices (tests/dpo_mesh_worker.py) give the one-device losses and
+    parameters: full fine-tuning with the pairs split over `data` (the reference in the batch,
+    split as the rows are) and LoRA with the parameters split over `fsdp` (the adapters-off
+    reference)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from worker_env import worker_env
+
+    worker = Path(__file__).with_name("dpo_mesh_worker.py")
+    proc = subprocess.run([sys.executable, str(worker)], env=worker_env(), capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    runs = json.loads(lines[-1][len("RESULT "):])
+    assert set(runs) == {"full@data=2", "lora@fsdp=2"}
+    for name, r in runs.items():
+        assert len(r["losses"]) == 3 and r["losses"][0] != r["losses"][-1], (name, r["losses"])
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["reference"])) < 1e-5, (name, r)
+        assert r["param_rel_err"] < 1e-4, (name, r["param_rel_err"])
