@@ -43,7 +43,8 @@ LONGEST_FIRST = ("test_parity.py", "test_tpu_compile.py", "test_multihost.py", "
                  "test_training_loop.py", "test_scale_out.py", "test_bench.py", "test_generation.py",
                  "test_eval_tasks.py", "test_plan_cli.py", "test_parity_selftest.py", "test_eval_scorer.py",
                  "test_sft_step.py", "test_lm_eval_backend.py", "test_data.py", "test_kernels_in_model.py",
-                 "test_hf_export.py", "test_layer_stack.py", "test_train_e2e.py", "test_generation_mesh.py")
+                 "test_hf_export.py", "test_dpo_step.py", "test_layer_stack.py", "test_train_e2e.py", "test_generation_mesh.py",
+                 "test_dpo_train.py")
 
 
 def pytest_collection_modifyitems(config, items):
