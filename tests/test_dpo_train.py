@@ -86,6 +86,44 @@ def test_bad_preference_input_is_refused_in_one_line(dpo_data, tmp_path, capsys)
     assert "holds preference pairs (prepare --preferences): train on them with --dpo" in capsys.readouterr().err
 
 
+
+def test_a_pair_longer_than_a_row_is_dropped_and_counted_or_cut_to_the_start_of_each_side(dpo_data):
+    """Rows as long as the shortest pair: without truncate the longer pairs are dropped and counted
+    (the packing line at train start); with it each side keeps its start (prompt first), in one
+    row as segments 2k+1 and 2k+2 (a side cut before its answer leaves that pair out of the loss)."""
+    from train.data.loader import TokenLoader
+
+    data = dpo_data / "data"
+    with shards.open_dataset(data, "train") as ds:
+        lengths = np.asarray(ds.lengths)
+    seq_len = int(lengths.min()) - 1                 # the shortest pairs fill a row of seq_len + 1
+    too_long = int((lengths > seq_len + 1).sum())
+    assert 0 < too_long < len(lengths)
+    kwargs = dict(global_batch=4, seq_len=seq_len, seed=1, accepts_batch=True)
+    loader = TokenLoader(data, "train", **kwargs)
+    summary = loader.packing_summary()
+    assert (summary["dropped"], summary["truncated"]) == (too_long, 0)
+    cut = TokenLoader(data, "train", truncate=True, **kwargs)
+    assert (cut.packing_summary()["dropped"], cut.packing_summary()["truncated"]) == (0, too_long)
+    batch, both_trained = cut.next_batch(), 0
+    with shards.open_dataset(data, "train") as ds:
+        for row in range(len(batch.tokens)):
+            for k, doc in enumerate(batch.pair_docs[row]):
+                if doc < 0:
+                    continue
+                ids, codes = ds.doc(int(doc)), ds.read_segments([(int(doc), 0, int(ds.lengths[doc]))], "weights")[0]
+                trained_sides = 0
+                for side in (0, 1):
+                    here = batch.segment_ids[row] == 2 * k + 1 + side
+                    full, kept = ids[preferences.side_of(codes) == side], batch.tokens[row][here]
+                    assert 0 < len(kept) <= len(full) and (kept == full[:len(kept)]).all()   # that side's start
+                    trained_sides += batch.weights[row][here].sum() > 0
+                both_trained += trained_sides == 2
+    assert both_trained > 0
+    cut.close()
+    loader.close()
+
+
 def dpo_run(root, out, *extra):
     (root / "run.json").write_text(json.dumps({"eval_batches": 1, "samples": 0}))
     return main(["train", "--config", str(root / "run.json"), "--init-from", str(root / "base"), "--data",
