@@ -8,10 +8,10 @@ STAMP := $(VENV)/.installed-stamp
 
 install: $(STAMP)
 
-# torch first, alone, with pip: 2.13.0 is a CPU wheel on disk (pip's find-links); letting an installer
-# resolve torch freely pulls a multi-GB CUDA build. Then the pinned set with uv, which downloads and
-# byte-compiles in parallel (50 s where pip took 77 s on 2 cores; the installed torch satisfies the
-# lock's pin), then this package (editable, for the CLI).
+# torch first, with pip (and uv, which has no dependencies): 2.13.0 is a CPU wheel on disk (pip's
+# find-links); letting an installer resolve torch freely pulls a multi-GB CUDA build. Then the pinned
+# set with uv, which downloads and byte-compiles in parallel (50 s where pip took 77 s on 2 cores; the
+# installed torch satisfies the lock's pin), then this package (editable, for the CLI).
 UV_VERSION := 0.13.9
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,10 +31,9 @@ demo: $(STAMP)
 	@echo "plots:       runs/tiny/plots/*.png (again: torchlyra plot runs/tiny)"
 	@echo "checkpoints: runs/tiny/checkpoints (continue: torchlyra train --out runs/tiny --resume --steps N)"
 
-# Two workers, whole files each (module fixtures are built once), the longest files first (tests/conftest.py);
-# the wall time is printed last.
+# Two workers, whole files each (module fixtures are built once); the wall time is printed last.
 test: $(STAMP)
-	@start=$$(date +%s); $(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests; \
+	@start=$$(date +%s); $(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests; \
 	rc=$$?; echo "make test: the suite took $$(( $$(date +%s) - start )) s wall"; exit $$rc
 
 clean-runs:

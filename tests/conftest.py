@@ -33,20 +33,3 @@ def cache_dir(tmp_path_factory):
         if not os.environ.get("TORCHLYRA_CACHE"):
             mp.setenv("TORCHLYRA_CACHE", str(tmp_path_factory.mktemp("cache")))
         yield os.environ["TORCHLYRA_CACHE"]
-
-
-# The files that take longest, longest first (seconds summed from `--durations=0`, this machine).
-# `make test` passes `--no-loadscope-reorder`, so xdist hands whole files to its two workers in this
-# order (its own order is by test count): the long files start first and the workers end together
-# instead of one finishing a long file alone. The rest follow in collection order.
-LONGEST_FIRST = ("test_parity.py", "test_tpu_compile.py", "test_multihost.py", "test_lowering.py",
-                 "test_training_loop.py", "test_scale_out.py", "test_bench.py", "test_generation.py",
-                 "test_eval_tasks.py", "test_plan_cli.py", "test_parity_selftest.py", "test_eval_scorer.py",
-                 "test_sft_step.py", "test_lm_eval_backend.py", "test_data.py", "test_kernels_in_model.py",
-                 "test_hf_export.py", "test_dpo_step.py", "test_layer_stack.py", "test_train_e2e.py", "test_generation_mesh.py",
-                 "test_dpo_train.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: a file's tests keep their order
