@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from torch_model.lora import ADAPTER_NAME, base_parameter_of, is_adapter_parameter
-from torch_model.preference import METRICS, PreferenceConfig
+from torch_model.preference import METRICS, PreferenceConfig, pair_view
 
 REFERENCE_FIELD = "reference"
 _SAVED = f".modules_to_save.{ADAPTER_NAME}."
@@ -31,12 +31,6 @@ def segment_counts(tokens: dict):
     w, seg = tokens["weights"][:, 1:], tokens["segment_ids"][:, 1:]
     rows = jnp.arange(w.shape[0])[:, None]
     return jnp.zeros((w.shape[0], w.shape[1] + 1), jnp.float32).at[rows, seg].add(w)
-
-
-def pair_view(per_segment):
-    """[..., S + 1] per segment -> (chosen, rejected) [..., S // 2] (as torch_model.preference)."""
-    s = per_segment.shape[-1] - 1
-    return per_segment[..., 1:1 + 2 * (s // 2):2], per_segment[..., 2:2 + 2 * (s // 2):2]
 
 
 def valid_pairs(tokens: dict):

@@ -299,7 +299,7 @@ class GptOssForCausalLM(nn.Module):
                      router_loss_scale: float = 1.0):
         """Preference optimization (torch_model/preference.py): the log-probabilities of the
         weighted label tokens summed per segment, through the fused cross-entropy (no [tokens,
-        vocab] logits). Returns {"sums", "counts"} [B, T + 1], indexed by the label's segment id
+        vocab] logits). Returns {"sums"} [B, T + 1], indexed by the label's segment id
         (label_segments [B, T]; 0 = padding), and "aux": the router losses as in the training
         loss (0 for a dense model), times router_loss_scale."""
         hidden, stats = self.model(input_ids, positions=positions, segment_ids=segment_ids)
@@ -311,9 +311,8 @@ class GptOssForCausalLM(nn.Module):
         seg = label_segments.long()
         logp = -(nll.float().view(b, t) * w)
         sums = torch.zeros(b, t + 1, dtype=logp.dtype, device=logp.device).scatter_add(1, seg, logp)
-        counts = torch.zeros(b, t + 1, dtype=w.dtype, device=w.device).scatter_add(1, seg, w)
         aux = self._total({"ce": torch.zeros((), dtype=logp.dtype, device=logp.device)}, stats, router_loss_scale)
-        return {"sums": sums, "counts": counts, "aux": aux["loss"]}
+        return {"sums": sums, "aux": aux["loss"]}
 
     def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
         """Generation step: run T new tokens through the model with a KV cache (see

@@ -90,10 +90,11 @@ def answer_logps_eager(model, tokens, segment_ids, positions, weights):
 
 
 def pair_view(per_segment):
-    """[B, S + 1] per-segment values -> (chosen, rejected) [B, S // 2]: pair k of a row is
-    segments 2k + 1 (chosen) and 2k + 2 (rejected), as the loader numbers them."""
-    s = per_segment.shape[1] - 1
-    return per_segment[:, 1:1 + 2 * (s // 2):2], per_segment[:, 2:2 + 2 * (s // 2):2]
+    """[..., S + 1] per-segment values -> (chosen, rejected) [..., S // 2]: pair k of a row is
+    segments 2k + 1 (chosen) and 2k + 2 (rejected), as the loader numbers them. Plain slicing:
+    torch tensors and JAX arrays alike (jax_bridge/preference.py uses it too)."""
+    s = per_segment.shape[-1] - 1
+    return per_segment[..., 1:1 + 2 * (s // 2):2], per_segment[..., 2:2 + 2 * (s // 2):2]
 
 
 def dpo_loss_eager(model, cfg: PreferenceConfig, batch: dict, reference=None, denominator=None):

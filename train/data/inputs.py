@@ -267,14 +267,7 @@ class Documents:
         except conversations.MalformedRecord as e:
             self.skip_malformed(where(), str(e), strict)
             return
-        text = conversations.text_of(messages)
-        self.ids.append(doc_id)
-        self.texts.append(text)
-        self.val.append(val)
-        self.nbytes.append(len(text.encode("utf-8", "surrogatepass")))
-        self.conversations.append(messages)
-        self.stats.documents += 1
-        self.stats.bytes += self.nbytes[-1]
+        self._keep_record(doc_id, conversations.text_of(messages), val, messages)
 
     def add_pair(self, doc_id: str, record, val: bool, where: Callable[[], str], strict: bool) -> None:
         """Check one preference record; keep its (prompt, chosen, rejected), or skip and name it."""
@@ -283,12 +276,15 @@ class Documents:
         except conversations.MalformedRecord as e:
             self.skip_malformed(where(), str(e), strict)
             return
-        text = preferences.text_of(pair)
+        self._keep_record(doc_id, preferences.text_of(pair), val, pair)
+
+    def _keep_record(self, doc_id: str, text: str, val: bool, record) -> None:
+        """Keep one checked chat or preference record (its text counts toward the statistics)."""
         self.ids.append(doc_id)
         self.texts.append(text)
         self.val.append(val)
         self.nbytes.append(len(text.encode("utf-8", "surrogatepass")))
-        self.conversations.append(pair)
+        self.conversations.append(record)
         self.stats.documents += 1
         self.stats.bytes += self.nbytes[-1]
 
