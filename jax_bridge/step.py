@@ -359,27 +359,22 @@ class TrainStep:
                 raise ValueError(f"train step: a packed batch has the fields {fields}, found {sorted(tokens)}")
             placed = {k: self.place_batch(v, batch_dim) for k, v in tokens.items() if k != preference.REFERENCE_FIELD}
             placed["weights"] = placed["weights"].astype(jnp.float32)    # 0/1: exact as int32
-            if preference.REFERENCE_FIELD in tokens:
-                placed[preference.REFERENCE_FIELD] = self._place_float(tokens[preference.REFERENCE_FIELD], batch_dim)
+            if preference.REFERENCE_FIELD in tokens:     # float32 per-pair values, split as the rows are
+                placed[preference.REFERENCE_FIELD] = self._place_rows(tokens[preference.REFERENCE_FIELD], batch_dim,
+                                                                      np.float32)
             return placed
-        tokens = np.asarray(tokens, dtype=np.int32) if not isinstance(tokens, jax.Array) else tokens
+        return self._place_rows(tokens, batch_dim, np.int32)
+
+    def _place_rows(self, values, batch_dim: int, dtype):
+        """One array of this process's rows -> the global array in `dtype`, split over the mesh's data axes."""
         if self.mesh is None:
-            return jnp.asarray(tokens, dtype=jnp.int32)
+            return jnp.asarray(values, dtype=dtype)
+        values = np.asarray(values, dtype=dtype)
         shards = sharding.batch_shards(self.mesh)
-        rows = tokens.shape[batch_dim] * jax.process_count()
+        rows = values.shape[batch_dim] * jax.process_count()
         if rows % shards:
             raise ValueError(f"train step: the global batch ({rows} rows) must be a multiple of the "
                              f"{shards} batch shards of the mesh ({sharding.describe(self.mesh)})")
-        spec = [None] * tokens.ndim
-        spec[batch_dim] = sharding.batch_axes(self.mesh)
-        target = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
-        return jax.make_array_from_process_local_data(target, np.asarray(tokens, dtype=np.int32))
-
-    def _place_float(self, values, batch_dim: int):
-        """float32 per-row values (the DPO reference log-probabilities), split as the batch is."""
-        values = np.asarray(values, np.float32)
-        if self.mesh is None:
-            return jnp.asarray(values)
         spec = [None] * values.ndim
         spec[batch_dim] = sharding.batch_axes(self.mesh)
         target = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
