@@ -136,7 +136,8 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
     model_cfg: the model, used as given (`parity_config` makes the parity run's model from a
     preset); state_dict: its weights (None: random init seeded with `seed`). kernel_sets: None
     (every registered implementation, see `default_kernel_sets`) or strings / dicts as
-    `parse_kernel_sets` takes. dtypes: compute dtypes of the lowered run. kernel_options: tile
+    `parse_kernel_sets` takes, or {dtype: such sets} to run other sets per dtype (then `dtypes`
+    is its keys). dtypes: compute dtypes of the lowered run. kernel_options: tile
     sizes etc. (registry syntax). Inputs: `parity_inputs` (random ids, `ignore_fraction` of the
     labels ignored; packed rows unless `segments` is False; unsegmented with full_step, no ignored
     labels: the bare token layout has none). inputs: a `ParityBatch` to use instead (e.g.
@@ -145,10 +146,17 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
     progress: callable(str) or None.
     """
     dtypes = (dtypes,) if isinstance(dtypes, str) else tuple(dtypes)
+    if isinstance(kernel_sets, Mapping) and kernel_sets and set(kernel_sets) <= set(tolerances.TOLERANCES):
+        by_dtype = {dtype: parse_kernel_sets(specs) for dtype, specs in kernel_sets.items()}   # sets per dtype
+        dtypes = tuple(by_dtype)
+    else:
+        by_dtype = None
     if full_step and not segments:
         ignore_fraction = 0.0
     _check_request(dtypes, batch, seq_len, ignore_fraction, kernel_options)
-    if kernel_sets is None:
+    if by_dtype is not None:
+        sets, rows = list({kernel_label(c): c for per in by_dtype.values() for c in per}.values()), []
+    elif kernel_sets is None:
         sets, rows = default_kernel_sets()
     else:
         sets, rows = parse_kernel_sets(kernel_sets), []
@@ -182,6 +190,8 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
     for choice in sets:
         label = kernel_label(choice)
         for dtype in dtypes:
+            if by_dtype is not None and choice not in by_dtype[dtype]:
+                continue
             say(f"lowered {label} | {dtype} ...")
             try:
                 probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options, compiler_options)
