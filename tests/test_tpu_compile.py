@@ -42,12 +42,17 @@ def forward_and_backward(fn, case, **kernel_kwargs):
 
 # v5e at tiny shapes is compiled by the train-step tests below: their programs hold the forward
 # and backward of every kernel of the `pallas` and `shipped` sets at the tiny preset's dims.
-# Our kernels compile at every shape set on both generations; the jax-shipped ones (splash,
-# megablox: our code only wraps them) at Lyra Small's shapes, where their wrappers' block choices
-# are exercised (their gpt-oss-20b compiles took 70 s of the suite and test no code of ours).
+# Our kernels choose no tile by generation; what differs is Mosaic's lowering per generation and
+# the compiler's default scoped VMEM limit (attention keeps it), v5e's the smaller (16 MiB against
+# 32). So the real shapes compile on v5e (Lyra Small and gpt-oss-20b: the VMEM verdict that binds)
+# and v6e compiles tiny and Lyra Small;
+# v6e at gpt-oss-20b's shapes is in BENCHMARKS.md (`torchlyra bench kernels --platform tpu`). The
+# jax-shipped kernels (splash, megablox: our code only wraps them) compile at Lyra Small's shapes
+# on v5e, where their wrappers' block choices are exercised.
 SHIPPED = {"splash", "megablox"}
 CASES = [(t, s, op, impl) for t in GENERATIONS for s in SHAPES for op, impl in PALLAS
-         if (t, s) != ("v5e:2x2", "tiny") and (impl not in SHIPPED or s == "lyra-small")]
+         if (t, s) not in {("v5e:2x2", "tiny"), ("v6e:2x2", "gpt-oss-20b")}
+         and (impl not in SHIPPED or (t, s) == ("v5e:2x2", "lyra-small"))]
 
 
 @pytest.mark.parametrize("topology,shape,op,impl", CASES, ids=[f"{t}-{s}-{o}-{i}" for t, s, o, i in CASES])
