@@ -20,8 +20,7 @@ from torch_model.model import GptOssForCausalLM
 
 LENGTHS = (9, 14, 11)          # three conversations, then padding: a row of 41 = seq_len + 1
 ROW = 41
-KERNEL_SETS = {"xla": "xla", "pallas": "attention=pallas,cross_entropy=pallas,moe=pallas",
-               "splash": "attention=splash"}    # segments touch attention; CE/MoE sets see weights only
+KERNEL_SETS = {"xla": "xla", "splash": "attention=splash"}    # segments touch attention; CE/MoE see weights only
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,9 +123,10 @@ def step_for(kernels, scan_layers=True):
                                                       scan_layers=scan_layers))
 
 
-@pytest.mark.parametrize("kernels", list(KERNEL_SETS))
-def test_packed_row_equals_conversations_alone_lowered(kernels):
-    step = step_for(KERNEL_SETS[kernels])
+# The lowered step at xla; each other kernel's packed rows equal eager torch's in the parity suite
+# (packed rows, every kernel set), and eager's equal the conversations alone (above).
+def test_packed_row_equals_conversations_alone_lowered():
+    step = step_for(KERNEL_SETS["xla"])
     params = params_to_jax(tiny_model())
     state_params = step.layer_layout.stack(params)
     row = step.place_batch(packed_row(conversations()), 0)
