@@ -68,7 +68,7 @@ class PolicyGradientObjective:
         router losses)."""
         out = self.token_forward(params, tokens["tokens"][:, :-1], tokens["tokens"][:, 1:],
                                  tokens["positions"][:, :-1], tokens["segment_ids"][:, :-1],
-                                 tokens["weights"][:, 1:], router_loss_scale)
+                                 tokens["weights"][:, 1:], router_loss_scale, self.cfg.temperature)
         return out["logps"], out["aux"]
 
     def step_denominator(self, tokens: dict) -> dict:

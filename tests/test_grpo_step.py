@@ -78,7 +78,8 @@ def with_logps(model, cfg, rs, seed=3):
     out = []
     for i, r in enumerate(rs):
         with torch.no_grad():
-            true = sequence_logps_eager(model, torch.tensor(r.prompt), torch.tensor(r.completion)).numpy()
+            true = sequence_logps_eager(model, torch.tensor(r.prompt), torch.tensor(r.completion),
+                                        cfg.temperature).numpy()
         offset = 0.6 if i % 2 else -0.6
         old = true + offset + rng.normal(0, 0.3, true.shape) if cfg.needs_logp_old else None
         ref = true + rng.normal(0, 0.5, true.shape) if cfg.beta else None
@@ -93,8 +94,8 @@ CASES = {
                                            max_new_tokens=MAX_NEW),
     "grpo-sequence-mu2-beta-masktrunc": PolicyGradientConfig(loss="grpo", ratio="sequence", iterations=2, beta=0.04,
                                                              mask_truncated=True, max_new_tokens=MAX_NEW),
-    "dr_grpo-token-mu2-beta": PolicyGradientConfig(loss="dr_grpo", ratio="token", iterations=2, beta=0.1,
-                                                   max_new_tokens=MAX_NEW),
+    "dr_grpo-token-mu2-beta-T0.7": PolicyGradientConfig(loss="dr_grpo", ratio="token", iterations=2, beta=0.1,
+                                                        max_new_tokens=MAX_NEW, temperature=0.7),
     "grpo-token-mu1": PolicyGradientConfig(loss="grpo", ratio="token", max_new_tokens=MAX_NEW),
 }
 
@@ -186,7 +187,7 @@ def test_loss_normalisers_differ_as_trl_defines_them():
     from jax_bridge.policy_gradient import PolicyGradientObjective
     import jax.numpy as jnp
 
-    def constant(params, inputs, labels, positions, segs, weights, scale):
+    def constant(params, inputs, labels, positions, segs, weights, scale, temperature):
         return {"logps": jnp.zeros(labels.shape), "aux": jnp.float32(0.0)}
 
     row = pack_rollouts([Rollout([1, 2], [3, 4], -1.0), Rollout([5], [6, 7, 8, 9], -1.0)], 1, 12)

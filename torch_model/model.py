@@ -295,12 +295,16 @@ class GptOssForCausalLM(nn.Module):
             return self.loss(hidden, labels, stats)
         return self.weighted_loss(hidden, labels, stats, loss_weights, loss_denominator, router_loss_scale)
 
-    def token_logps(self, input_ids, labels, positions, segment_ids, weights, router_loss_scale: float = 1.0):
+    def token_logps(self, input_ids, labels, positions, segment_ids, weights, router_loss_scale: float = 1.0,
+                    temperature: float = 1.0):
         """Reinforcement learning (torch_model/policy_gradient.py): each weighted label token's
-        log-probability, the fused cross-entropy's per-token value negated (no [tokens, vocab]
-        logits), 0 where the weight is 0. Returns {"logps"} [B, T] float32 and "aux": the router
-        losses as in the training loss (0 for a dense model), times router_loss_scale."""
+        log-probability under softmax(z / temperature), the fused cross-entropy's per-token value
+        negated (no [tokens, vocab] logits: z / T = (h / T) W, so the hidden state is scaled), 0
+        where the weight is 0. Returns {"logps"} [B, T] float32 and "aux": the router losses as in
+        the training loss (0 for a dense model), times router_loss_scale."""
         hidden, stats = self.model(input_ids, positions=positions, segment_ids=segment_ids)
+        if temperature != 1.0:
+            hidden = hidden / temperature
         b, t = labels.shape
         trained = weights > 0
         flat_labels = torch.where(trained, labels, torch.full_like(labels, IGNORE_INDEX)).reshape(-1)

@@ -45,6 +45,7 @@ class PolicyGradientConfig:
     scale_rewards: str = "group"
     mask_truncated: bool = False     # TRL's mask_truncated_completions
     max_new_tokens: int = 256        # TRL's max_completion_length (dr_grpo's normaliser)
+    temperature: float = 1.0         # the policy's log-probabilities are under softmax(z / T), as TRL's
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -63,6 +64,8 @@ class PolicyGradientConfig:
             raise ConfigError(f"rl --beta must be >= 0, found {self.beta:g}")
         if self.iterations < 1:
             raise ConfigError(f"rl --iterations must be >= 1, found {self.iterations}")
+        if not self.temperature > 0:
+            raise ConfigError(f"rl --temperature must be > 0, found {self.temperature:g}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"rl --max-new-tokens must be >= 1, found {self.max_new_tokens}")
 
@@ -93,12 +96,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return advantages, zero_std
 
 
-def sequence_logps_eager(model, prompt: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities [len(completion)] of one completion after its prompt, run alone (no
-    packing) through the model's full logits and log_softmax (not the fused cross-entropy)."""
+def sequence_logps_eager(model, prompt: torch.Tensor, completion: torch.Tensor, temperature: float = 1.0):
+    """Log-probabilities [len(completion)] under softmax(z / temperature) of one completion after
+    its prompt, run alone (no packing) through the model's full logits and log_softmax (not the
+    fused cross-entropy)."""
     ids = torch.cat([prompt, completion]).long()[None]
     hidden, _ = model.model(ids[:, :-1])
-    logp = torch.log_softmax(model.lm_head(hidden).float(), -1)[0]
+    logp = torch.log_softmax(model.lm_head(hidden).float() / temperature, -1)[0]
     return logp[len(prompt) - 1:].gather(-1, completion.long()[:, None])[:, 0]
 
 
@@ -118,7 +122,7 @@ def grpo_loss_eager(model, cfg: PolicyGradientConfig, prompts, completions, adva
     no reference). Dense or with zero router loss coefficients (each sequence runs alone here)."""
     n = len(completions)
     longest = max(len(c) for c in completions)
-    logps = [sequence_logps_eager(model, p, c) for p, c in zip(prompts, completions)]
+    logps = [sequence_logps_eager(model, p, c, cfg.temperature) for p, c in zip(prompts, completions)]
     mask = pad_completions([torch.ones(len(c)) for c in completions], longest)
     if cfg.mask_truncated:
         mask = mask * (~torch.as_tensor(truncated, dtype=torch.bool)).float()[:, None]
