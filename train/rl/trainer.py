@@ -206,9 +206,9 @@ class RLTrainer:
         flat = [pair for group in groups for pair in group]
         samples, scored = [s for s, _ in flat], [r for _, r in flat]
         totals = torch.tensor([r.total for r in scored])
-        advantages, zero = group_advantages(totals, g, cfg.scale_rewards)
+        advantages, _ = group_advantages(totals, g, cfg.scale_rewards)
         rollout_s = time.perf_counter() - started
-        batch = self._pack(samples, advantages)
+        batch, rollouts = self._pack(samples, advantages)
         lengths = np.array([len(s.tokens) for s in samples])
         all_none = sum(r.all_none for r in scored)
         if all_none:
@@ -226,23 +226,21 @@ class RLTrainer:
         for i, r in enumerate(self.rewards):
             values = [s.values[i] for s in scored if s.values[i] is not None]
             metrics[f"reward/{r.name}"] = float(np.mean(values)) if values else None
-        batch, diff = self._log_probabilities(batch, samples)
+        batch, diff = self._log_probabilities(batch, samples, rollouts)
         metrics.update(diff)
         return batch, metrics
 
-    def _pack(self, samples, advantages) -> dict:
-        from jax_bridge.policy_gradient import per_token_fields
+    def _pack(self, samples, advantages) -> tuple[dict, list]:
+        from jax_bridge.policy_gradient import ADVANTAGES
         from train.rl.batch import Rollout, pack_rollouts, rows_for
 
         cfg = self.cfg
         rollouts = [Rollout(s.prompt.tokens, s.tokens, float(a), s.truncated) for s, a in zip(samples, advantages)]
         rows = rows_for(len(rollouts), cfg.seq_len, cfg.max_prompt_tokens, cfg.max_new_tokens)
-        fields = tuple(f for f in per_token_fields(self.objective) if f == "advantages")
-        batch = pack_rollouts(rollouts, rows, cfg.seq_len, fields, cfg.mask_truncated)
-        self._rollouts = rollouts
-        return batch
+        # logp_old and ref_logps are added by _log_probabilities, from the step's own forward
+        return pack_rollouts(rollouts, rows, cfg.seq_len, (ADVANTAGES,), cfg.mask_truncated), rollouts
 
-    def _log_probabilities(self, batch: dict, samples) -> tuple[dict, dict]:
+    def _log_probabilities(self, batch: dict, samples, rollouts) -> tuple[dict, dict]:
         """logp_old (the policy now; the sampler-vs-trainer metric) and the reference's, per token."""
         from jax_bridge.policy_gradient import LOGP_OLD, REF_LOGPS
         from jax_bridge.preference import reference_params
@@ -256,7 +254,7 @@ class RLTrainer:
         if self.objective.beta:
             ref = reference_params(full) if self.peft_model is not None else self.frozen_reference
             batch[REF_LOGPS] = pad(np.asarray(self.step.token_logps(ref, batch)))
-        per_rollout = unpack_tokens(trainer, self._rollouts, self.cfg.seq_len)
+        per_rollout = unpack_tokens(trainer, rollouts, self.cfg.seq_len)
         diffs = np.concatenate([np.abs(np.asarray(s.logps) - t) for s, t in zip(samples, per_rollout)])
         return batch, {"logp_diff/sampler_vs_trainer_mean": float(diffs.mean()),
                        "logp_diff/sampler_vs_trainer_max": float(diffs.max())}
