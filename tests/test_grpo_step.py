@@ -207,3 +207,24 @@ def test_settings_refuse_by_name():
             PolicyGradientConfig(**kwargs)
     assert PolicyGradientConfig(epsilon=0.2).epsilon_high == 0.2
     assert per_token_fields(PolicyGradientConfig(iterations=2, beta=0.1)) == ("advantages", LOGP_OLD, REF_LOGPS)
+
+
+def test_micro_batches_give_the_whole_batch_gradient():
+    """The two packed rows as two micro-batches, each normalised by the whole step's denominator
+    (grpo: completions; the KL and clip metrics: completion tokens): their gradients add up to the
+    one-batch ones."""
+    from jax_bridge.policy_gradient import PolicyGradientObjective
+
+    for name in ("grpo-sequence-mu2-beta-masktrunc",):
+        cfg = CASES[name]
+        model, step = full_step(cfg)
+        batch = pack_rollouts(with_logps(model, cfg, rollouts()), ROWS, SEQ, per_token_fields(cfg), cfg.mask_truncated)
+        params = step.layer_layout.stack({n: p.detach().numpy() for n, p in model.named_parameters()})
+        (_, _), whole = step.grads(params, batch)
+        placed = step.place_batch({k: v[:, None] for k, v in batch.items()}, 1)        # [2 micro, 1 row, S + 1]
+        assert isinstance(step.objective, PolicyGradientObjective)
+        denominator = step.objective.step_denominator(placed)
+        grads_of = jax.jit(lambda p, t, d: step._grads(p, t, d, 0.5)[1])
+        parts = [grads_of(params, jax.tree.map(lambda x, i=i: x[i], placed), denominator) for i in range(2)]
+        for n in whole:
+            assert rel_err(np.asarray(parts[0][n] + parts[1][n]), np.asarray(whole[n])) <= 1e-5, (name, n)

@@ -41,7 +41,7 @@ def rl(root, out, *extra):
                  "--reward", "exact:answer", "--reward", f"python:{root / 'length.py'}:short", "--reward-weights", "1,0.5",
                  "--out", str(out), "--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "5",
                  "--max-prompt-tokens", "32", "--lora", "r=2,alpha=4,targets=all-linear", "--beta", "0.04",
-                 "--iterations", "2", "--lr", "0.02", "--adam-lr", "0.01", "--kernels", "xla",
+                 "--iterations", "2", "--micro-batches", "2", "--lr", "0.02", "--adam-lr", "0.01", "--kernels", "xla",
                  "--eval-prompts", str(root / "prompts.jsonl"), "--eval-every", "2", "--checkpoint-every", "1", *extra])
 
 

@@ -14,7 +14,7 @@ from train.rl.config import RLConfig, load_config_file, resumed_config
 _FLAGS = {"init_from": str, "prompts": str, "out": str, "steps": int, "prompts_per_step": int, "group_size": int,
           "temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "max_prompt_tokens": int,
           "loss": str, "ratio": str, "epsilon": float, "epsilon_high": float, "beta": float, "iterations": int,
-          "scale_rewards": str, "lr": float, "adam_lr": float, "adapter_optimizer": str, "lora": str,
+          "scale_rewards": str, "lr": float, "adam_lr": float, "adapter_optimizer": str, "micro_batches": int, "lora": str,
           "compute_dtype": str, "kernels": str, "mesh": str, "seed": int, "log_every": int, "eval_prompts": str,
           "eval_every": int, "checkpoint_every": int, "keep_checkpoints": int, "isolation": str}
 _SWITCHES = {"mask_truncated": "completions that reach --max-new-tokens without a stop train no token",

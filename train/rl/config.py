@@ -37,6 +37,7 @@ class RLConfig:
     lr: float = 0.002              # Muon (matrices; LoRA adapters with --adapter-optimizer muon)
     adam_lr: float = 0.0004        # AdamW (the rest)
     adapter_optimizer: str = "muon"
+    micro_batches: int = 1         # the update's rows split into this many micro-batches (lax.scan in the step)
     lora: str = ""
     compute_dtype: str = "auto"
     kernels: str = "auto"
@@ -59,13 +60,16 @@ class RLConfig:
         if not self.reward:
             raise UserError("rl: give at least one --reward (exact:FIELD, regex:PATTERN, humaneval, python:FILE.py:NAME)")
         for name in ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_tokens", "log_every", "eval_every",
-                     "checkpoint_every", "keep_checkpoints", "iterations"):
+                     "checkpoint_every", "keep_checkpoints", "iterations", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"rl: {name} must be a positive integer, found {value!r}")
         if not isinstance(self.group_size, int) or self.group_size < 2:
             raise UserError(f"rl: group_size must be an integer >= 2 (advantages compare a group's completions), "
                             f"found {self.group_size!r}")
+        if (self.prompts_per_step * self.group_size) % self.micro_batches:
+            raise UserError(f"rl: micro_batches {self.micro_batches} must divide the {self.prompts_per_step} x "
+                            f"{self.group_size} completions of a step")
         if not self.temperature > 0:
             raise UserError(f"rl: temperature must be > 0 (sampling), found {self.temperature!r}")
         if not 0 < self.top_p <= 1 or self.top_k < 0:

@@ -109,7 +109,8 @@ class RLTrainer:
             self.step = TrainStep(self.model, OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr,
                                                               adapter_optimizer=cfg.adapter_optimizer),
                                   StepConfig(kernels=cfg.kernels, compute_dtype=cfg.compute_dtype,
-                                             policy_gradient=self.objective), mesh=self.mesh)
+                                             micro_batches=cfg.micro_batches, policy_gradient=self.objective),
+                                  mesh=self.mesh)
             registry.check_segments(self.step.kernels)
             self.generator = Generator(unwrap(self.peft_model) if self.peft_model is not None else self.model,
                                        kernels=cfg.kernels, tokenizer=self.tokenizer, mesh=self.mesh)
@@ -264,7 +265,8 @@ class RLTrainer:
         import jax
 
         started = time.perf_counter()
-        stacked = {k: v[None] for k, v in batch.items()}
+        micro = self.cfg.micro_batches       # rows = completions (one per row): micro divides them
+        stacked = {k: v.reshape(micro, v.shape[0] // micro, *v.shape[1:]) for k, v in batch.items()}
         per_iteration = []
         for _ in range(self.cfg.iterations):
             self.state, m = self.step(self.state, stacked, 1.0)
