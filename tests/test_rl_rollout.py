@@ -54,8 +54,8 @@ def test_sampled_logprobs_and_entropy_are_the_models_at_that_temperature(generat
 
 def test_sampler_matches_trainer_and_new_params_need_no_recompile(generator):
     """The step's fused cross-entropy log-probabilities of the sampled tokens equal the sampler's
-    (temperature 1, no top-k/top-p: like with like); after set_params the same programs decode the
-    new policy."""
+    (no top-k/top-p: like with like; temperature 1, then 0.7 on both sides); after set_params the
+    same programs decode the new policy."""
     model, gen = generator
     step = TrainStep(model, step_cfg=StepConfig(kernels="xla", compute_dtype="float32",
                                                 policy_gradient=PolicyGradientConfig(max_new_tokens=NEW)))
@@ -71,6 +71,14 @@ def test_sampler_matches_trainer_and_new_params_need_no_recompile(generator):
         rng = np.random.default_rng(round_)
         params = {n: v + rng.normal(0, 0.05, v.shape).astype(np.float32) for n, v in params.items()}
         gen.set_params(params)
+    # At another temperature both sides take softmax(z / T): the step scales its hidden state.
+    hot = TrainStep(model, step_cfg=StepConfig(kernels="xla", compute_dtype="float32", policy_gradient=
+                                               PolicyGradientConfig(max_new_tokens=NEW, temperature=0.7)))
+    out = gen.generate(PROMPTS, sampling(0.7, seed=5))
+    rs = [Rollout(p, t) for p, t in zip(PROMPTS, out.tokens)]
+    trainer = unpack_tokens(np.asarray(hot.token_logps(hot.layer_layout.stack(params), pack_rollouts(rs, 2, 24))),
+                            rs, 24)
+    diffs.append(max(float(np.abs(np.array(s) - t).max()) for s, t in zip(out.logprobs, trainer)))
     assert max(diffs) <= BOUND, diffs
     assert compiled[1] == compiled[0] >= 2, compiled            # prefill + decode, compiled once
     print("sampler-vs-trainer max |logp difference|:", diffs)
