@@ -318,9 +318,7 @@ class TrainStep:
         # Packed rows: every micro-batch's loss is its sum over trained tokens divided by the
         # step's trained tokens, so the micro-batch gradients add up to the big batch's.
         denominator = packed_denominator(tokens) if packed else None
-        if isinstance(self.objective, preference.PreferenceObjective):      # DPO: the mean is over the step's pairs
-            denominator = preference.step_pairs(tokens)
-        elif self.objective is not None:        # GRPO: the loss type's normaliser over the whole step
+        if self.objective is not None:      # DPO: the step's pairs; GRPO: the loss type's normaliser
             denominator = self.objective.step_denominator(tokens)
 
         def accumulate(grad_sum, micro_tokens):
@@ -332,8 +330,7 @@ class TrainStep:
         params, opt_state, stats = self._update(state.params, grads, state.opt_state, lr_scale)
         metrics = jax.tree.map(lambda m: m.mean(0), micro_metrics)
         if self.objective is not None:
-            summed = preference.SUMMED if isinstance(self.objective, preference.PreferenceObjective) else self.objective.summed
-            metrics.update({k: micro_metrics[k].sum(0) for k in summed if k in micro_metrics})
+            metrics.update({k: micro_metrics[k].sum(0) for k in self.objective.summed if k in micro_metrics})
         elif packed:
             metrics.update(packed_step_metrics(micro_metrics, tokens))
         # A non-finite loss or gradient norm skips the update here, with no host round trip:
