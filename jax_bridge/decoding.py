@@ -15,6 +15,7 @@ batch axes and the kernels run as they do in training under that mesh.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import NamedTuple
 
@@ -296,6 +297,11 @@ class Decoder:
             return fn.lower(*args).compile(self.compiler_options)
         return self._compiled("prefill", (batch, prompt, length, mode, n_stop), build)
 
+    def decode_collectives(self) -> dict:
+        """{bucket: loop_collectives(program)} of each compiled decode program."""
+        return {bucket: loop_collectives(program) for (kind, bucket), program in self._programs.items()
+                if kind == "decode"}
+
     def decode_program(self, batch: int, length: int, mode: SamplingMode, n_stop: int, state_spec):
         def build():
             fn = jax.jit(lambda *a: self._decode(*a, mode=mode), donate_argnums=(1,))
@@ -304,6 +310,37 @@ class Decoder:
             values = _values_spec(n_stop, self.cfg.vocab_size, whole)
             return fn.lower(params, state_spec, _spec((), jnp.int32, whole), values).compile(self.compiler_options)
         return self._compiled("decode", (batch, length, mode, n_stop), build)
+
+
+_COLLECTIVES = ("all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "all-to-all", "reduce-scatter",
+                "collective-permute", "collective-permute-start")
+
+
+def loop_collectives(compiled) -> dict:
+    """What a compiled decode program moves between devices, from its HLO, in bytes per device:
+    `gathered_per_call`, the all-gathers outside its while loop (once per call: XLA hoists the
+    parameters' gathers out of the loop when it can, and each device then holds them whole while
+    decoding); `gathered_per_token`, those inside the loop (every generated token);
+    `other_per_token`, the loop's other collectives (all-to-all, all-reduce, ...). All 0 without a mesh."""
+    from jax_bridge import hlo_text
+
+    comps, _ = hlo_text.parse_module(compiled.as_text())
+    bodies = [name for lines in (c[1] for c in comps.values()) for line in lines
+              for name in re.findall(r"body=%([\w.\-]+)", line)]
+    inside = set(hlo_text.closure(bodies, comps))
+    out = {"gathered_per_call": 0.0, "gathered_per_token": 0.0, "other_per_token": 0.0}
+    for name, (_, lines) in comps.items():
+        for line in lines:
+            ins = hlo_text.parse_instruction(line)
+            if ins is None or ins.opcode not in _COLLECTIVES:
+                continue
+            size = hlo_text.array_bytes(hlo_text.leaves(ins.shape)[-1])
+            gather = ins.opcode.startswith("all-gather")
+            key = ("gathered_per_token" if gather else "other_per_token") if name in inside else \
+                ("gathered_per_call" if gather else None)
+            if key:
+                out[key] += size
+    return {k: int(v) for k, v in out.items()}
 
 
 def _spec(shape, dtype, placement=None):

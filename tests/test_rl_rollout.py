@@ -99,3 +99,13 @@ def test_lora_policy_decodes_unmerged():
     for prompt, tokens, lps in zip(PROMPTS, out.tokens, out.logprobs):
         want, _ = eager_logps(wrapped, prompt, tokens, 1.0)
         assert np.abs(np.array(lps) - want).max() <= BOUND
+
+
+def test_decode_collectives_are_read_from_the_compiled_loop(generator):
+    """Without a mesh the decode loop moves nothing between devices (under fsdp the rl command
+    reports the all-gathers per rollout and per token from the same reading)."""
+    _, gen = generator
+    gen.generate(PROMPTS, sampling(1.0))
+    moved = gen.decoder.decode_collectives()
+    assert moved and all(m == {"gathered_per_call": 0, "gathered_per_token": 0, "other_per_token": 0}
+                         for m in moved.values())

@@ -145,6 +145,7 @@ class RLTrainer:
         self.metrics = self._open_metrics(meta)
         self.start_time = time.perf_counter()
         self.all_none_total = 0
+        self._collectives_reported = False
 
     def _open_metrics(self, meta):
         from train.run.metrics import MetricsWriter
@@ -229,6 +230,14 @@ class RLTrainer:
             metrics[f"reward/{r.name}"] = float(np.mean(values)) if values else None
         batch, diff = self._log_probabilities(batch, samples, rollouts)
         metrics.update(diff)
+        if self.mesh is not None and not self._collectives_reported:
+            moved = max(self.generator.decoder.decode_collectives().values(), key=lambda c: c["gathered_per_call"])
+            metrics.update({f"decode/{k}_bytes": v for k, v in moved.items()})
+            say(f"rl: the decode loop under mesh {self.cfg.mesh or 'fsdp'}, per device: all-gathers "
+                f"{moved['gathered_per_call'] / 2 ** 20:.2f} MiB once per rollout (outside the loop), "
+                f"{moved['gathered_per_token'] / 1024:.2f} KiB per generated token, other collectives "
+                f"{moved['other_per_token'] / 1024:.2f} KiB per token")
+            self._collectives_reported = True
         return batch, metrics
 
     def _pack(self, samples, advantages) -> tuple[dict, list]:
