@@ -63,6 +63,7 @@ class RLTrainer:
     def __init__(self, cfg: RLConfig, resume_dir: Path | None = None, meta: dict | None = None):
         from jax_bridge import registry
         from jax_bridge.step import StepConfig, TrainState, TrainStep
+        from torch_model.config import ConfigError
         from torch_model.lora import apply_lora, parse_lora_spec, unwrap
         from torch_model.model import GptOssForCausalLM
         from torch_model.optim import OptimizerConfig
@@ -76,6 +77,10 @@ class RLTrainer:
         self.rewards = parse_rewards(cfg.reward, cfg.reward_weights, isolation=cfg.isolation)
         state, model_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from)
         self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
+        if meta and lora_checkpoint.is_lora_meta(meta) and \
+                meta[lora_checkpoint.LORA_META]["base"]["sha256"] != self.base_reference["sha256"]:
+            raise UserError(f"--resume: the base {cfg.init_from} changed since {resume_dir} was written (its hash "
+                            "differs); a LoRA run resumes on the base it started from")
         if lora_checkpoint.is_lora_meta(init_meta):
             raise UserError(f"--init-from {cfg.init_from}: a LoRA checkpoint; start from its base, or export it merged")
         self.tokenizer, line = checkpoint.checkpoint_tokenizer(cfg.init_from, init_meta)
@@ -101,7 +106,7 @@ class RLTrainer:
         self.model.load_state_dict(state)
         try:
             self.peft_model = apply_lora(self.model, parse_lora_spec(cfg.lora)) if cfg.lora else None
-        except Exception as e:
+        except (ConfigError, ValueError) as e:
             raise UserError(f"--lora {cfg.lora}: {e}") from None
         self.mesh = build_mesh(cfg)
         try:
