@@ -15,6 +15,7 @@ batch axes and the kernels run as they do in training under that mesh.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import NamedTuple
 
@@ -29,7 +30,7 @@ from jax_bridge import compile_cache, registry, sharding
 from jax_bridge.env import get_env
 from jax_bridge.lowering import model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
-from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token
+from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token, token_logprob
 from jax_bridge.step import COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision
 from torch_model import kv_cache
 from torch_model.lora import tracing_scope
@@ -71,6 +72,9 @@ class DecodeState(NamedTuple):
     seen: jax.Array         # [B, V] bool for the repetition penalty ([B, 1] when off)
     key: jax.Array          # PRNG key
     prompt_len: jax.Array   # int32: P, the sequence index of the first generated token
+    logps: jax.Array        # [B, L] float32: each generated token's log-probability under softmax(z / T)
+                            # over the whole vocabulary ([B, 1] unless SamplingMode.logprobs)
+    entropy: jax.Array      # [B, L] float32: that distribution's entropy at each generated token
 
 
 class Compilation(NamedTuple):
@@ -126,6 +130,26 @@ class Decoder:
         self._programs: dict[tuple, object] = {}
         self.compilations: list[Compilation] = []
 
+    def set_params(self, params: dict) -> None:
+        """New values for every parameter (JAX or numpy arrays keyed by the model's parameter
+        names, any float dtype: cast here to the compute dtype), e.g. the policy's after each RL
+        update. The compiled programs take the parameters as arguments: same shapes, no recompile.
+        A LoRA model's adapters stay apart from the base (unmerged), as the step holds them."""
+        if set(params) != set(self.params):
+            missing, extra = sorted(set(self.params) - set(params)), sorted(set(params) - set(self.params))
+            raise ValueError(f"Decoder.set_params: expected the model's {len(self.params)} parameters; "
+                             f"missing {missing[:3]}, unknown {extra[:3]}")
+        for name, value in params.items():
+            if tuple(value.shape) != tuple(self.params[name].shape):
+                raise ValueError(f"Decoder.set_params: {name} has shape {tuple(value.shape)}, expected "
+                                 f"{tuple(self.params[name].shape)}")
+        compute = COMPUTE_DTYPES[self.compute_dtype]
+        cast = cast_params({n: jnp.asarray(v) for n, v in params.items()}, compute)
+        if self.mesh is not None:
+            cast = sharding.place(cast, sharding.state_shardings(cast, self.mesh))
+        self.params = cast
+        self._layouts = {}
+
     # ---- parameter layouts ----------------------------------------------------------------------
     def layout(self, program: str, rows: int) -> "Layout":
         """How a program takes the parameters (`rows`: token rows per forward call).
@@ -180,8 +204,13 @@ class Decoder:
         tokens = jnp.full((batch, length), -1, jnp.int32).at[:, :prompt].set(prompt_tokens)
         tokens = tokens.at[:, prompt].set(jnp.where(active, token, -1))
         done = ~active | is_stop(token, values.stop_ids)
+        width = length if mode.logprobs else 1
+        logps, entropy = jnp.zeros((batch, width), jnp.float32), jnp.zeros((batch, width), jnp.float32)
+        if mode.logprobs:
+            lp, ent = token_logprob(logits, token, values.temperature)
+            logps, entropy = logps.at[:, prompt].set(lp), entropy.at[:, prompt].set(ent)
         return DecodeState(tokens, cache, token, positions[:, -1] + 1, jnp.int32(1), done, seen, key,
-                           jnp.int32(prompt))
+                           jnp.int32(prompt), logps, entropy)
 
     def _decode(self, params, state: DecodeState, limit, values, *, mode: SamplingMode):
         def running(s):
@@ -196,7 +225,14 @@ class Decoder:
             out = jnp.where(s.done, -1, token)
             tokens = jax.lax.dynamic_update_slice(s.tokens, out[:, None], (jnp.int32(0), start + 1))
             done = s.done | is_stop(token, values.stop_ids)
-            return DecodeState(tokens, cache, token, s.positions + 1, s.step + 1, done, seen, key, s.prompt_len)
+            logps, entropy = s.logps, s.entropy
+            if mode.logprobs:
+                lp, ent = token_logprob(logits, token, values.temperature)
+                at = (jnp.int32(0), start + 1)
+                logps = jax.lax.dynamic_update_slice(logps, lp[:, None], at)
+                entropy = jax.lax.dynamic_update_slice(entropy, ent[:, None], at)
+            return DecodeState(tokens, cache, token, s.positions + 1, s.step + 1, done, seen, key, s.prompt_len,
+                               logps, entropy)
 
         return jax.lax.while_loop(running, step, state)
 
@@ -261,6 +297,11 @@ class Decoder:
             return fn.lower(*args).compile(self.compiler_options)
         return self._compiled("prefill", (batch, prompt, length, mode, n_stop), build)
 
+    def decode_collectives(self) -> dict:
+        """{bucket: loop_collectives(program)} of each compiled decode program."""
+        return {bucket: loop_collectives(program) for (kind, bucket), program in self._programs.items()
+                if kind == "decode"}
+
     def decode_program(self, batch: int, length: int, mode: SamplingMode, n_stop: int, state_spec):
         def build():
             fn = jax.jit(lambda *a: self._decode(*a, mode=mode), donate_argnums=(1,))
@@ -269,6 +310,37 @@ class Decoder:
             values = _values_spec(n_stop, self.cfg.vocab_size, whole)
             return fn.lower(params, state_spec, _spec((), jnp.int32, whole), values).compile(self.compiler_options)
         return self._compiled("decode", (batch, length, mode, n_stop), build)
+
+
+_COLLECTIVES = ("all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "all-to-all", "reduce-scatter",
+                "collective-permute", "collective-permute-start")
+
+
+def loop_collectives(compiled) -> dict:
+    """What a compiled decode program moves between devices, from its HLO, in bytes per device:
+    `gathered_per_call`, the all-gathers outside its while loop (once per call: XLA hoists the
+    parameters' gathers out of the loop when it can, and each device then holds them whole while
+    decoding); `gathered_per_token`, those inside the loop (every generated token);
+    `other_per_token`, the loop's other collectives (all-to-all, all-reduce, ...). All 0 without a mesh."""
+    from jax_bridge import hlo_text
+
+    comps, _ = hlo_text.parse_module(compiled.as_text())
+    bodies = [name for lines in (c[1] for c in comps.values()) for line in lines
+              for name in re.findall(r"body=%([\w.\-]+)", line)]
+    inside = set(hlo_text.closure(bodies, comps))
+    out = {"gathered_per_call": 0.0, "gathered_per_token": 0.0, "other_per_token": 0.0}
+    for name, (_, lines) in comps.items():
+        for line in lines:
+            ins = hlo_text.parse_instruction(line)
+            if ins is None or ins.opcode not in _COLLECTIVES:
+                continue
+            size = hlo_text.array_bytes(hlo_text.leaves(ins.shape)[-1])
+            gather = ins.opcode.startswith("all-gather")
+            key = ("gathered_per_token" if gather else "other_per_token") if name in inside else \
+                ("gathered_per_call" if gather else None)
+            if key:
+                out[key] += size
+    return {k: int(v) for k, v in out.items()}
 
 
 def _spec(shape, dtype, placement=None):

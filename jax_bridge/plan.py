@@ -67,6 +67,7 @@ class Plan:
     error: str | None = None
     roofline: object | None = None   # jax_bridge.roofline.Roofline, when asked for
     packed: bool = False             # the SFT step: packed rows with segment ids and loss weights
+    rl: str = ""                     # the GRPO update step (PolicyGradientConfig as text), "" otherwise
     # LoRA (--lora): only the adapters train; the frozen base is an argument in the compute dtype.
     lora: str = ""                   # the spec, "" for a full fine-tune
     trainable_params: int = 0        # parameters with gradients and optimizer state
@@ -97,7 +98,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
          kernels: str | dict | None = "auto", kernel_options: str | dict | None = None,
          compute_dtype: str | None = None, matmul_precision: str | None = None,
          model_overrides: dict | None = None, optimizer=None, roofline: bool = False, packed: bool = False,
-         lora: str | None = None) -> Plan:
+         lora: str | None = None, rl=None) -> Plan:
     """Compile `preset`'s train step for TPU `topology` and report one chip's memory.
     mesh: None = one chip, replicated state; a --mesh spec ("" = every chip on fsdp) = the sharded
     step over every chip. model_overrides: ModelConfig fields (e.g. {"n_layers": 2}); seq_len
@@ -106,7 +107,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     compiled step down by op category (jax_bridge/roofline.py; one chip's share of the work).
     packed: the SFT step (packed conversations: tokens, loss weights, segment ids and positions;
     segment-masked attention). lora: a --lora spec: the LoRA step (peft's adapters trained, the
-    base frozen in the compute dtype and passed to the step undonated)."""
+    base frozen in the compute dtype and passed to the step undonated). rl: a PolicyGradientConfig:
+    the GRPO update step (packed rollouts with its per-token float32 fields; implies packed)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -145,7 +147,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
             model = apply_lora(model, spec)
     step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, micro_batches=micro_batches,
                           matmul_precision=matmul_precision, platform="tpu", kernel_options=kernel_options,
-                          scan_layers=scan_layers, remat=remat)
+                          scan_layers=scan_layers, remat=remat, policy_gradient=rl)
+    packed = packed or rl is not None
     optimizer = optimizer or OptimizerConfig()
     step = TrainStep(model, optimizer, step_cfg, mesh=device_mesh)
     if packed:
@@ -161,7 +164,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype,
                   param_bytes=per_chip_bytes(state.params),
                   optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params),
-                  packed=packed, lora=lora or "", trainable_params=sum(math.prod(a.shape) for a in
+                  packed=packed, rl="" if rl is None else _describe_rl(rl), lora=lora or "", trainable_params=sum(math.prod(a.shape) for a in
                                                                     jax.tree.leaves(state.params)),
                   frozen_bytes=per_chip_bytes(frozen),
                   expert_delta_bytes=expert_delta_bytes(frozen, cfg.n_layers) if spec and spec.target_parameters else 0)
@@ -173,14 +176,16 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
         return result
     start = time.perf_counter()
     if device_mesh is None:
-        tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32), packed)
+        tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32), packed,
+                             step.float_fields)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32)
         lowered = tpu_compile.lower_for(step._step, (state, tokens, lr_scale, frozen), device, donate_argnums=(0,))
     else:
         # The trainer's inputs: sharded state, the global batch split over the batch axes; the
         # outputs take the shardings the step constrains them to.
         tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, batch_size, seq_len + 1), jnp.int32,
-                                                  sharding=sharding.batch_sharding(device_mesh)), packed)
+                                                  sharding=sharding.batch_sharding(device_mesh)), packed,
+                             step.float_fields)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(device_mesh, P()))
         lowered = jax.jit(step._step, donate_argnums=(0,)).lower(state, tokens, lr_scale, frozen)
     result.lower_s = round(time.perf_counter() - start, 2)
@@ -282,8 +287,14 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int) -> dict
     return tiles
 
 
-def _batch_spec(tokens, packed: bool):
-    """The step's batch argument: the token array, or a packed batch's four arrays of its shape."""
+def _describe_rl(cfg) -> str:
+    return (f"loss={cfg.loss},ratio={cfg.ratio},beta={cfg.beta:g},iterations={cfg.iterations},"
+            f"epsilon={cfg.epsilon:g},epsilon_high={cfg.epsilon_high:g}")
+
+
+def _batch_spec(tokens, packed: bool, float_fields: tuple = ()):
+    """The step's batch argument: the token array, or a packed batch's four arrays of its shape
+    (plus GRPO's per-token float32 fields)."""
     import jax
     import jax.numpy as jnp
 
@@ -291,9 +302,9 @@ def _batch_spec(tokens, packed: bool):
 
     if not packed:
         return tokens
-    dtype = {"weights": jnp.float32}
+    dtype = {"weights": jnp.float32, **{k: jnp.float32 for k in float_fields}}
     return {k: jax.ShapeDtypeStruct(tokens.shape, dtype.get(k, jnp.int32), sharding=tokens.sharding)
-            for k in PACKED_FIELDS}
+            for k in (*PACKED_FIELDS, *float_fields)}
 
 
 def gib(n: int | None) -> str:
@@ -312,7 +323,8 @@ def format_plan(p: Plan) -> str:
     lines = [f"plan: {p.preset} ({p.n_layers} layers, {p.params / 1e9:.2f}B parameters) on {p.topology}: "
              f"{p.chips} x {p.device_kind}, mesh {p.mesh if p.mesh != ONE_CHIP else 'none (one chip)'}",
              f"  step: seq {p.seq_len}, global batch {p.batch_size} = {placement}, {p.micro_batches} "
-             f"micro-batch(es){' of packed rows (SFT: segment ids, loss weights)' if p.packed else ''}; "
+             f"micro-batch(es){' of packed rows (SFT: segment ids, loss weights)' if p.packed and not p.rl else ''}"
+             f"{f' of packed rollouts (GRPO update: {p.rl}; per-token advantages and log-probabilities)' if p.rl else ''}; "
              f"layers {'scanned' if p.scan_layers else 'looped'}, remat {p.remat}; "
              f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}, Newton-Schulz {p.ns_dtype}; "
              f"kernels {kernels}",

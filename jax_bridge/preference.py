@@ -68,9 +68,12 @@ class PreferenceObjective:
     adapters off) or "batch" (precomputed, in tokens["reference"])."""
 
     def __init__(self, cfg: PreferenceConfig, answer_forward, reference: str):
+        # The step's interface to an objective (GRPO's has the same): what its micro-batch metrics
+        # sum, and the whole step's denominator.
         if reference not in ("adapters", "batch"):
             raise ValueError(f"preference reference must be 'adapters' or 'batch', found {reference!r}")
         self.cfg, self.answer_forward, self.reference = cfg, answer_forward, reference
+        self.summed, self.step_denominator = SUMMED, step_pairs
 
     def answer_sums(self, params, tokens: dict, router_loss_scale: float = 1.0):
         """(per-pair log-probability sums [B, S // 2, 2] (chosen, rejected), router losses)."""

@@ -21,6 +21,7 @@ class SamplingMode(NamedTuple):
     top_k: int            # 0: no top-k
     top_p: bool
     penalty: bool
+    logprobs: bool = False    # also each chosen token's log-probability and the entropy (token_logprob)
 
 
 class SamplingValues(NamedTuple):
@@ -67,6 +68,17 @@ def next_token(logits, seen, key, mode: SamplingMode, values: SamplingValues):
         candidates = jnp.where(top_p_keep(candidates, values.top_p), candidates, -jnp.inf)
     choice = jax.random.categorical(draw, candidates, axis=-1)
     return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32), key
+
+
+def token_logprob(logits, tokens, temperature):
+    """(log-probability of each row's token [B], entropy [B]) under softmax(logits / temperature)
+    over the WHOLE vocabulary: the model's distribution at that temperature, before the tokenizer
+    mask, the repetition penalty, top-k and top-p (the policy whose log-probabilities the RL
+    objective uses; the train step's cross-entropy sees the same vocabulary)."""
+    z = logits.astype(jnp.float32) / temperature
+    logp = jax.nn.log_softmax(z, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return chosen, -(jnp.exp(logp) * logp).sum(-1)
 
 
 def first_argmax(logits):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jax_bridge import preference, registry, sharded_ops, sharding
+from jax_bridge import policy_gradient, preference, registry, sharded_ops, sharding
 from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
@@ -24,6 +24,7 @@ from pallas_kernels.platform import check_platform, host_platform
 from torch_model.lora import tracing_scope, unwrap
 from torch_model.model import keeps_float32
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
+from torch_model.policy_gradient import PolicyGradientConfig
 from torch_model.preference import PreferenceConfig
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -54,6 +55,7 @@ class StepConfig:
     scan_layers: bool = False                # decoder layers as one lax.scan over stacked parameters
     remat: str = "none"                      # per layer: none | full | save-matmuls
     preference: PreferenceConfig | None = None   # DPO on packed pairs (jax_bridge/preference.py)
+    policy_gradient: PolicyGradientConfig | None = None   # GRPO on packed rollouts (jax_bridge/policy_gradient.py)
 
     def __post_init__(self):
         # Resolved once, here, outside any tracing; frozen, so through object.__setattr__.
@@ -68,6 +70,8 @@ class StepConfig:
                              f"found {self.matmul_precision!r}")
         if self.micro_batches < 1:
             raise ValueError(f"StepConfig.micro_batches must be >= 1, found {self.micro_batches}")
+        if self.preference is not None and self.policy_gradient is not None:
+            raise ValueError("StepConfig: preference (DPO) and policy_gradient (GRPO) are two objectives; give one")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"StepConfig.remat must be one of {', '.join(REMAT_POLICIES)}, found {self.remat!r}")
         object.__setattr__(self, "platform", platform)
@@ -104,6 +108,10 @@ class TrainStep:
     DPO (`StepConfig.preference`): packed rows of preference pairs; the loss is TRL's per pair
     (jax_bridge/preference.py), the mean over the pairs of the whole step; a full fine-tuning
     step's batches also carry "reference" [B, seq_len // 2, 2] (`answer_logps` computes it).
+
+    GRPO (`StepConfig.policy_gradient`): packed rows of rollouts (prompt + completion per
+    segment) with per-token float32 advantages (and logp_old, ref_logps when the settings need
+    them; jax_bridge/policy_gradient.py); `token_logps` computes those log-probabilities.
 
     `model` may be a peft model (its wrapped torch model is traced: state names are that
     model's, `model.layers.0.self_attn.q_proj.lora_A.default.weight`) or hold frozen parameters.
@@ -147,6 +155,10 @@ class TrainStep:
                 step_cfg.preference, self._answer_forward(remat=step_cfg.remat, mesh=mesh),
                 "adapters" if preference.has_adapters(names) else "batch")
             self._jitted_answers = jax.jit(lambda p, t, f: self.objective.answer_sums({**p, **f}, t)[0])
+        if step_cfg.policy_gradient is not None:
+            self.objective = policy_gradient.PolicyGradientObjective(
+                step_cfg.policy_gradient, self._answer_forward(remat=step_cfg.remat, mesh=mesh, method="token_logps"))
+            self._jitted_token_logps = jax.jit(lambda p, t: self.objective.token_logps(p, t)[0])
         self._jitted = jax.jit(self._step, donate_argnums=(0,))
         self._jitted_eval = jax.jit(self._eval)
         self._jitted_grads = jax.jit(self._grads)
@@ -256,10 +268,10 @@ class TrainStep:
             out = self.forward(cast_params(params, self.compute_dtype), inputs, labels, *packed)
         return out["loss"], out
 
-    def _answer_forward(self, remat: str, mesh):
-        """The model's `answer_logps` as fn(params, *args), traced as `loss_and_metrics` traces
-        the forward (compute dtype, kernels, precision)."""
-        forward = layered_forward(self.model, self.layer_layout, remat=remat, mesh=mesh, method="answer_logps")
+    def _answer_forward(self, remat: str, mesh, method: str = "answer_logps"):
+        """The model's `answer_logps` (or `token_logps`) as fn(params, *args), traced as
+        `loss_and_metrics` traces the forward (compute dtype, kernels, precision)."""
+        forward = layered_forward(self.model, self.layer_layout, remat=remat, mesh=mesh, method=method)
 
         def fn(params, *args):
             with self.routing():
@@ -270,7 +282,7 @@ class TrainStep:
     @property
     def reference_in_batch(self) -> bool:
         """A DPO step whose batches carry the reference log-probabilities (full fine-tuning)."""
-        return self.objective is not None and self.objective.reference == "batch"
+        return isinstance(self.objective, preference.PreferenceObjective) and self.objective.reference == "batch"
 
     def _constrain(self, tree):
         return tree if self.mesh is None else jax.lax.with_sharding_constraint(tree, self.state_shardings(tree))
@@ -280,7 +292,7 @@ class TrainStep:
         frozen = frozen or {}
         if self.objective is not None:
             if not isinstance(tokens, dict):
-                raise ValueError("train step: a DPO step takes packed preference batches (a dict), found a token array")
+                raise ValueError("train step: a DPO or GRPO step takes packed batches (a dict), found a token array")
 
             def loss_of_pairs(trainable):
                 return self.objective.loss({**trainable, **frozen}, tokens, denominator, router_loss_scale)
@@ -306,8 +318,8 @@ class TrainStep:
         # Packed rows: every micro-batch's loss is its sum over trained tokens divided by the
         # step's trained tokens, so the micro-batch gradients add up to the big batch's.
         denominator = packed_denominator(tokens) if packed else None
-        if self.objective is not None:      # DPO: the mean is over the step's pairs
-            denominator = preference.step_pairs(tokens)
+        if self.objective is not None:      # DPO: the step's pairs; GRPO: the loss type's normaliser
+            denominator = self.objective.step_denominator(tokens)
 
         def accumulate(grad_sum, micro_tokens):
             (_, out), grads = self._grads(state.params, micro_tokens, denominator, 1.0 / micro, frozen)
@@ -318,7 +330,7 @@ class TrainStep:
         params, opt_state, stats = self._update(state.params, grads, state.opt_state, lr_scale)
         metrics = jax.tree.map(lambda m: m.mean(0), micro_metrics)
         if self.objective is not None:
-            metrics.update({k: micro_metrics[k].sum(0) for k in preference.SUMMED})
+            metrics.update({k: micro_metrics[k].sum(0) for k in self.objective.summed if k in micro_metrics})
         elif packed:
             metrics.update(packed_step_metrics(micro_metrics, tokens))
         # A non-finite loss or gradient norm skips the update here, with no host round trip:
@@ -339,8 +351,11 @@ class TrainStep:
 
     def _eval(self, params, tokens, frozen=None):
         params = {**params, **(frozen or {})}
-        if self.objective is not None:     # sums over the batch's pairs (denominator 1)
+        if isinstance(self.objective, preference.PreferenceObjective):     # sums over the batch's pairs (denominator 1)
             _, out = self.objective.loss(params, tokens, jnp.float32(1.0))
+            return out
+        if self.objective is not None:      # GRPO: this batch's own normalisers
+            _, out = self.objective.loss(params, tokens)
             return out
         if isinstance(tokens, dict):
             _, out = self.loss_and_metrics(params, *packed_inputs(tokens, None, 1.0))
@@ -353,15 +368,15 @@ class TrainStep:
         """This process's rows (int32; a packed batch: a dict of such arrays, the weights float32)
         -> the global batch, split over the mesh's data axes."""
         if isinstance(tokens, dict):
-            fields = (*PACKED_FIELDS, preference.REFERENCE_FIELD) if self.reference_in_batch else PACKED_FIELDS
+            extra = self.float_fields
+            fields = (*PACKED_FIELDS, *extra)
             unknown = set(tokens) ^ set(fields)
             if unknown:
                 raise ValueError(f"train step: a packed batch has the fields {fields}, found {sorted(tokens)}")
-            placed = {k: self.place_batch(v, batch_dim) for k, v in tokens.items() if k != preference.REFERENCE_FIELD}
+            placed = {k: self.place_batch(v, batch_dim) for k, v in tokens.items() if k not in extra}
             placed["weights"] = placed["weights"].astype(jnp.float32)    # 0/1: exact as int32
-            if preference.REFERENCE_FIELD in tokens:     # float32 per-pair values, split as the rows are
-                placed[preference.REFERENCE_FIELD] = self._place_rows(tokens[preference.REFERENCE_FIELD], batch_dim,
-                                                                      np.float32)
+            for k in extra:      # float32 per-pair or per-token values, split as the rows are
+                placed[k] = self._place_rows(tokens[k], batch_dim, np.float32)
             return placed
         return self._place_rows(tokens, batch_dim, np.int32)
 
@@ -380,10 +395,29 @@ class TrainStep:
         target = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
         return jax.make_array_from_process_local_data(target, values)
 
+    @property
+    def float_fields(self) -> tuple[str, ...]:
+        """The float32 fields a packed batch carries besides PACKED_FIELDS: DPO's stored
+        reference (full fine-tuning), GRPO's per-token advantages and log-probabilities."""
+        if isinstance(self.objective, policy_gradient.PolicyGradientObjective):
+            return self.objective.fields
+        return (preference.REFERENCE_FIELD,) if self.reference_in_batch else ()
+
+    def token_logps(self, params, tokens):
+        """Per-token log-probabilities [B, S] of the labels tokens[:, 1:] of one packed rollout
+        batch [B, S + 1] (0 off the completions). params: ALL the forward's parameters (trainable
+        and frozen; a reference's), so one compiled program serves the policy (logp_old), the
+        LoRA reference (adapters off) and a frozen full copy alike."""
+        if not isinstance(self.objective, policy_gradient.PolicyGradientObjective):
+            raise ValueError("train step: token_logps needs a GRPO step (StepConfig.policy_gradient)")
+        placed = {k: self.place_batch(tokens[k], 0) for k in PACKED_FIELDS}
+        placed["weights"] = placed["weights"].astype(jnp.float32)
+        return self._jitted_token_logps(params, placed)
+
     def answer_logps(self, params, tokens):
         """Per-pair log-probability sums [B, S // 2, 2] of one packed preference batch [B, S + 1]
         (params: the trainable ones): the reference a full fine-tuning DPO run stores."""
-        if self.objective is None:
+        if not isinstance(self.objective, preference.PreferenceObjective):
             raise ValueError("train step: answer_logps needs a DPO step (StepConfig.preference)")
         placed = {k: self.place_batch(tokens[k], 0) for k in PACKED_FIELDS}     # no reference needed here
         placed["weights"] = placed["weights"].astype(jnp.float32)

@@ -49,25 +49,38 @@ def conversation(line: str, title: str) -> dict:
     return {"messages": [{"role": "user", "content": QUESTION + line}, {"role": "assistant", "content": title}]}
 
 
-def build(out: Path, heldout_per_play: int, train_per_play: int, seed: int) -> None:
+def prompt_record(conv: dict) -> dict:
+    """A conversation as an `rl` prompt record: the user's question, the title as field "answer"."""
+    return {"messages": conv["messages"][:1], "answer": conv["messages"][1]["content"]}
+
+
+def build(out: Path, heldout_per_play: int, train_per_play: int, seed: int, rl_per_play: int = 0) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from train.data.corpus import extract_plays
 
     paths = dict(extract_plays())
     rng = random.Random(seed)
-    train, heldout = [], []
+    train, heldout, rl = [], [], []
     for name, title in PLAYS.items():
         lines = play_lines(paths[name])
         rng.shuffle(lines)
         heldout += [conversation(line, title) for line in lines[:heldout_per_play]]
-        train += [conversation(line, title) for line in lines[heldout_per_play:heldout_per_play + train_per_play]]
+        rl += [conversation(line, title) for line in lines[heldout_per_play:heldout_per_play + rl_per_play]]
+        start = heldout_per_play + rl_per_play
+        train += [conversation(line, title) for line in lines[start:start + train_per_play]]
     rng.shuffle(train)
+    rng.shuffle(rl)
     out.mkdir(parents=True, exist_ok=True)
     (out / "val").mkdir(exist_ok=True)
     for path, items in ((out / "train.jsonl", train), (out / "val" / "heldout.jsonl", heldout)):
         path.write_text("".join(json.dumps(c) + "\n" for c in items))
     print(f"{len(train)} training conversations in {out / 'train.jsonl'}, {len(heldout)} held-out in "
           f"{out / 'val' / 'heldout.jsonl'} ({len(PLAYS)} plays: chance {1 / len(PLAYS):.1%})")
+    if rl_per_play:       # the `rl` split: prompts with their answer, disjoint from both
+        (out / "rl_prompts.jsonl").write_text("".join(json.dumps(prompt_record(c)) + "\n" for c in rl))
+        (out / "val" / "heldout_prompts.jsonl").write_text("".join(json.dumps(prompt_record(c)) + "\n" for c in heldout))
+        print(f"{len(rl)} rl prompts in {out / 'rl_prompts.jsonl'}; the held-out items as rl prompts in "
+              f"{out / 'val' / 'heldout_prompts.jsonl'}")
 
 
 def pair(conv: dict, rng: random.Random) -> dict:
@@ -161,6 +174,7 @@ def main() -> None:
     b.add_argument("--heldout-per-play", type=int, default=40)
     b.add_argument("--train-per-play", type=int, default=400)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--rl-per-play", type=int, default=0, help="also an `rl` prompt split of this many lines per play")
     p = sub.add_parser("pairs", help="preference pairs (chosen: the right play) of the built items")
     p.add_argument("--src", type=Path, required=True, help="the directory `build` wrote")
     p.add_argument("--out", type=Path, required=True)
@@ -176,7 +190,7 @@ def main() -> None:
     s.add_argument("--batch", type=int, default=48)
     args = parser.parse_args()
     if args.command == "build":
-        build(args.out, args.heldout_per_play, args.train_per_play, args.seed)
+        build(args.out, args.heldout_per_play, args.train_per_play, args.seed, args.rl_per_play)
     elif args.command == "pairs":
         pairs(args.src, args.out, args.seed)
     elif args.command == "prefer":

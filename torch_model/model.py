@@ -295,24 +295,36 @@ class GptOssForCausalLM(nn.Module):
             return self.loss(hidden, labels, stats)
         return self.weighted_loss(hidden, labels, stats, loss_weights, loss_denominator, router_loss_scale)
 
+    def token_logps(self, input_ids, labels, positions, segment_ids, weights, router_loss_scale: float = 1.0,
+                    temperature: float = 1.0):
+        """Reinforcement learning (torch_model/policy_gradient.py): each weighted label token's
+        log-probability under softmax(z / temperature), the fused cross-entropy's per-token value
+        negated (no [tokens, vocab] logits: z / T = (h / T) W, so the hidden state is scaled), 0
+        where the weight is 0. Returns {"logps"} [B, T] float32 and "aux": the router losses as in
+        the training loss (0 for a dense model), times router_loss_scale."""
+        hidden, stats = self.model(input_ids, positions=positions, segment_ids=segment_ids)
+        if temperature != 1.0:
+            hidden = hidden / temperature
+        b, t = labels.shape
+        trained = weights > 0
+        flat_labels = torch.where(trained, labels, torch.full_like(labels, IGNORE_INDEX)).reshape(-1)
+        nll, _ = ops.OPS["cross_entropy"](hidden.reshape(-1, self.cfg.d_model), self.lm_head.weight.to(hidden.dtype),
+                                          flat_labels, IGNORE_INDEX)
+        logp = torch.where(trained, -nll.float().view(b, t), torch.zeros((), dtype=torch.float32, device=nll.device))
+        aux = self._total({"ce": torch.zeros((), dtype=logp.dtype, device=logp.device)}, stats, router_loss_scale)
+        return {"logps": logp, "aux": aux["loss"]}
+
     def answer_logps(self, input_ids, labels, positions, segment_ids, weights, label_segments,
                      router_loss_scale: float = 1.0):
         """Preference optimization (torch_model/preference.py): the log-probabilities of the
-        weighted label tokens summed per segment, through the fused cross-entropy (no [tokens,
-        vocab] logits). Returns {"sums"} [B, T + 1], indexed by the label's segment id
-        (label_segments [B, T]; 0 = padding), and "aux": the router losses as in the training
-        loss (0 for a dense model), times router_loss_scale."""
-        hidden, stats = self.model(input_ids, positions=positions, segment_ids=segment_ids)
+        weighted label tokens (`token_logps`) summed per segment. Returns {"sums"} [B, T + 1],
+        indexed by the label's segment id (label_segments [B, T]; 0 = padding), and "aux": the
+        router losses as in the training loss, times router_loss_scale."""
+        out = self.token_logps(input_ids, labels, positions, segment_ids, weights, router_loss_scale)
         b, t = labels.shape
-        w = weights.float()
-        flat_labels = torch.where(w > 0, labels, torch.full_like(labels, IGNORE_INDEX)).reshape(-1)
-        nll, _ = ops.OPS["cross_entropy"](hidden.reshape(-1, self.cfg.d_model), self.lm_head.weight.to(hidden.dtype),
-                                          flat_labels, IGNORE_INDEX)
-        seg = label_segments.long()
-        logp = -(nll.float().view(b, t) * w)
-        sums = torch.zeros(b, t + 1, dtype=logp.dtype, device=logp.device).scatter_add(1, seg, logp)
-        aux = self._total({"ce": torch.zeros((), dtype=logp.dtype, device=logp.device)}, stats, router_loss_scale)
-        return {"sums": sums, "aux": aux["loss"]}
+        logp = out["logps"] * weights.float()
+        sums = torch.zeros(b, t + 1, dtype=logp.dtype, device=logp.device).scatter_add(1, label_segments.long(), logp)
+        return {"sums": sums, "aux": out["aux"]}
 
     def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
         """Generation step: run T new tokens through the model with a KV cache (see

@@ -15,6 +15,7 @@ COMMANDS = {
     "eval": ("train.evaluation.cli", "tasks (CORE-6, HumanEval, task files) or validation loss and bits per byte of a checkpoint"),
     "plot": ("train.run.plots", "plot a run's metrics (loss, learning rate, gradient norm, throughput, expert load)"),
     "generate": ("train.generation.cli", "sample from a checkpoint"),
+    "rl": ("train.rl.cli", "reinforcement learning on verifiable rewards (GRPO, DAPO, Dr. GRPO, GSPO) from a checkpoint"),
     "export": ("formats.export_cli", "write a checkpoint as Hugging Face files (LoRA: merged, or --adapter)"),
     "import": ("formats.hf_import", "read a Hugging Face GptOss directory into a checkpoint"),
     "parity": ("parity.run", "compare eager PyTorch with the lowered JAX run, per kernel set"),

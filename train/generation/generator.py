@@ -33,6 +33,9 @@ class Generation:
     decode_seconds: float = 0.0
     decode_steps: int = 0                 # loop iterations after the first token
     rows: int = 0                         # real prompts (batch padding excluded)
+    logprobs: list[list[float]] | None = None    # with SamplingConfig.logprobs: per new token, its
+                                                 # log-probability under softmax(z / T), whole vocabulary
+    entropies: list[list[float]] | None = None   # and that distribution's entropy
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -142,10 +145,19 @@ class Generator:
 
         new = _new_tokens(tokens, rows, prompt_len, 0, steps)
         stop = set(sampling.stop_tokens)
+        logprobs = entropies = None
+        if sampling.logprobs:
+            logprobs = _new_values(np.asarray(state.logps), tokens, rows, prompt_len, steps)
+            entropies = _new_values(np.asarray(state.entropy), tokens, rows, prompt_len, steps)
         return Generation(tokens=new, stopped=[bool(t) and t[-1] in stop for t in new],
                           bucket=(batch, prompt_len, length), compile_seconds=sum(c.seconds for c in compiled),
                           compilations=compiled, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
-                          decode_steps=steps - 1, rows=rows)
+                          decode_steps=steps - 1, rows=rows, logprobs=logprobs, entropies=entropies)
+
+    def set_params(self, params: dict) -> None:
+        """The policy's current parameters (all of them, by the model's names), as arrays: the
+        compiled programs are reused (jax_bridge.decoding.Decoder.set_params)."""
+        self.decoder.set_params(params)
 
 
 def _check_request(cfg, prompts: list[list[int]], sampling: SamplingConfig, stream_every: int | None) -> None:
@@ -179,6 +191,12 @@ def _new_tokens(tokens, rows: int, prompt_len: int, start: int, stop: int) -> li
     """Generated tokens start..stop-1 of each real row (-1 marks steps after the row stopped)."""
     block = tokens[:rows, prompt_len + start:prompt_len + stop]
     return [[int(t) for t in row if t >= 0] for row in block]
+
+
+def _new_values(values, tokens, rows: int, prompt_len: int, stop: int) -> list[list[float]]:
+    """Per real row, the values [B, L] at its generated tokens (as _new_tokens picks them)."""
+    block, kept = values[:rows, prompt_len:prompt_len + stop], tokens[:rows, prompt_len:prompt_len + stop]
+    return [[float(v) for v, t in zip(vrow, trow) if t >= 0] for vrow, trow in zip(block, kept)]
 
 
 def generate(model_or_checkpoint, prompts: list[list[int]], sampling: SamplingConfig | None = None, *,

@@ -18,6 +18,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     seed: int = 0
     stop_tokens: tuple[int, ...] = ()
+    logprobs: bool = False      # also return each token's log-probability and entropy (Generation.logprobs)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
@@ -34,4 +35,5 @@ class SamplingConfig:
         from jax_bridge.sampling import SamplingMode
         greedy = self.temperature == 0
         return SamplingMode(greedy=greedy, top_k=0 if greedy else min(self.top_k, vocab_size),
-                            top_p=not greedy and self.top_p < 1, penalty=self.repetition_penalty != 1)
+                            top_p=not greedy and self.top_p < 1, penalty=self.repetition_penalty != 1,
+                            logprobs=self.logprobs)

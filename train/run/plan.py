@@ -49,6 +49,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lora", metavar="SPEC", default=None,
                         help="plan the LoRA step (as train --lora, e.g. r=16,alpha=32,targets=all-linear+experts): "
                              "adapters trained, the base frozen in the compute dtype")
+    parser.add_argument("--rl", action="store_true",
+                        help="the GRPO update step of `torchlyra rl` (packed rollouts, per-token advantages; with "
+                             "--rl-beta / --rl-iterations its reference and logp_old fields); the rollout's decode "
+                             "step is not planned yet")
+    parser.add_argument("--rl-beta", type=float, default=0.0, help="--rl: the KL coefficient (default 0)")
+    parser.add_argument("--rl-iterations", type=int, default=1, help="--rl: updates per rollout batch (default 1)")
+    parser.add_argument("--rl-loss", default="dapo", help="--rl: dapo | grpo | dr_grpo (default dapo)")
     parser.add_argument("--json", metavar="OUT", help="also write the plan as JSON to OUT")
 
 
@@ -67,14 +74,21 @@ def run(args) -> int:
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, found {value}")
     overrides = {"n_layers": args.layers} if args.layers else {}
+    rl = None
+    if args.rl:
+        from torch_model.policy_gradient import PolicyGradientConfig
+
+        rl = PolicyGradientConfig(loss=args.rl_loss, beta=args.rl_beta, iterations=args.rl_iterations)
     if args.find_slice:
+        if rl is not None:
+            raise UserError("--find-slice plans the train step; give --topology with --rl")
         return find_slice(args, overrides)
     try:
         result = plan(args.preset, args.topology, mesh=None if args.mesh.strip() == ONE_CHIP else args.mesh,
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
                       scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
-                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora)
+                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora, rl=rl)
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:

@@ -1,5 +1,7 @@
 """`torchlyra plot RUN_DIR`: PNG plots of a run's metrics.jsonl (also written when training ends).
 
+An `rl` run: rewards.png (rollout and held-out reward), rl_terms.png (clip fractions, KL,
+entropy, completion lengths, zero-std groups), grad_norm.png. A `train` run:
 plots/loss.png (train and validation loss), lr.png (learning rate per group), grad_norm.png
 (before and after clipping), throughput.png (tokens/s and MFU), expert_load.png (per MoE layer,
 a heat map of each expert's load over the logged steps).
@@ -152,6 +154,46 @@ def plot_preferences(records, path: Path) -> Path | None:
     return _save(plt, fig, ax, path)
 
 
+def plot_rewards(records, path: Path) -> Path:
+    """An `rl` run's reward curve: the rollouts' mean reward (and std band), the held-out reward."""
+    plt, fig, ax = _figure("reward", "mean reward")
+    steps, mean = _series(records, "train", "reward")
+    _, std = _series(records, "train", "reward_std")
+    ax.plot(steps, mean, lw=1, label="rollouts")
+    if std:
+        ax.fill_between(steps, np.asarray(mean) - np.asarray(std), np.asarray(mean) + np.asarray(std), alpha=0.2)
+    ax.plot(*_series(records, "eval", "eval_reward"), "o-", lw=1.5, label="held-out (greedy)")
+    return _save(plt, fig, ax, path)
+
+
+def plot_rl_terms(records, path: Path) -> Path:
+    """An `rl` run's objective terms: clip fractions, KL, entropy, completion length, zero-std groups."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6), dpi=120, sharex=True, layout="constrained")
+    panels = ((axes[0, 0], "clip fractions", ("clip_ratio/low", "clip_ratio/high")),
+              (axes[0, 1], "KL (k3) and entropy", ("kl", "entropy")),
+              (axes[1, 0], "completion length", ("completion_length", "completion_length_max")),
+              (axes[1, 1], "groups with equal rewards / truncated", ("frac_reward_zero_std", "truncated_share")))
+    for ax, title, keys in panels:
+        for key in keys:
+            steps, values = _series(records, "train", key)
+            if values:
+                ax.plot(steps, values, lw=1, label=key)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write every plot of the run into RUN_DIR/plots; returns the files written."""
     run_dir = Path(run_dir)
@@ -163,10 +205,18 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         raise UserError(f"{metrics}: holds no training step yet")
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
+    if any(r.get("kind") == "train" and "reward" in r for r in records):       # an `rl` run
+        return [plot_rewards(records, out / "rewards.png"), plot_rl_terms(records, out / "rl_terms.png"),
+                plot_grad_norm(records, out / "grad_norm.png")]
     written = [plot_loss(records, out / "loss.png"), plot_lr(records, out / "lr.png"),
                plot_grad_norm(records, out / "grad_norm.png"), plot_throughput(records, out / "throughput.png"),
                plot_expert_load(records, out / "expert_load.png"), plot_preferences(records, out / "preferences.png")]
     return [p for p in written if p is not None]
+
+
+def plot_rl(run_dir: str | Path) -> list[Path]:
+    """The plots of an `rl` run (plot_run recognises one by its reward records)."""
+    return plot_run(run_dir)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,102 @@
+"""`torchlyra rl` end to end (issue 32) on a tiny chat model: LoRA with beta > 0 and mu = 2,
+metrics (rewards, clip fractions, KL, entropy, sampler-vs-trainer difference), plots, checkpoints,
+exact resume (2 steps = 1 step + resume 1 step, parameters equal), the adapter exported for peft;
+a bad prompt file and an unknown reward exit 2 with one line."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from formats import checkpoint, tokenizer
+from torch_model.config import get_preset
+from torch_model.model import GptOssForCausalLM
+from train.cli import main
+
+WORDS = "the king queen sword crown night day fair foul love hate war peace ghost witch storm sea".split()
+MODEL = dict(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, n_experts=2, expert_dim=32,
+             sliding_window=8)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    enc = tokenizer.train_bpe([" ".join(WORDS)] * 30, 300)
+    cfg = get_preset("tiny").replace(vocab_size=-(-enc.n_vocab // 128) * 128, bos_token_id=tokenizer.bos_id(enc),
+                                     eos_token_id=tokenizer.end_id(enc), max_seq_len=64, **MODEL)
+    torch.manual_seed(0)
+    checkpoint.save_checkpoint(root / "base", GptOssForCausalLM(cfg).state_dict(), cfg, tokenizer=enc)
+    rng = np.random.default_rng(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS, 3))}],
+                                "answer": str(rng.choice(WORDS))}) + "\n")
+    (root / "length.py").write_text("def short(prompt, completion, record):\n"
+                                    "    return None if not completion else 1.0 / (1 + len(completion))\n")
+    return root
+
+
+def rl(root, out, *extra):
+    return main(["rl", "--init-from", str(root / "base"), "--prompts", str(root / "prompts.jsonl"),
+                 "--reward", "exact:answer", "--reward", f"python:{root / 'length.py'}:short", "--reward-weights", "1,0.5",
+                 "--out", str(out), "--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "5",
+                 "--max-prompt-tokens", "32", "--lora", "r=2,alpha=4,targets=all-linear", "--beta", "0.04",
+                 "--iterations", "2", "--micro-batches", "2", "--lr", "0.02", "--adam-lr", "0.01", "--kernels", "xla",
+                 "--eval-prompts", str(root / "prompts.jsonl"), "--eval-every", "2", "--checkpoint-every", "1", *extra])
+
+
+def adapters(run):
+    from formats.checkpoint import find_checkpoint, restore_params_to_host, stored_shapes
+
+    step_dir = find_checkpoint(run / "checkpoints")
+    stored = {k: v for k, v in stored_shapes(step_dir).items() if k[0] == "params"}
+    return restore_params_to_host(step_dir, stored)
+
+
+def test_rl_run_logs_resumes_exactly_and_exports_the_adapter(base, tmp_path):
+    from train.generation.generator import load_for_generation
+
+    assert rl(base, tmp_path / "a", "--steps", "2") == 0
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for key in ("reward", "reward_std", "reward/exact:answer", "frac_reward_zero_std", "completion_length",
+                "completion_length_min", "completion_length_max", "truncated_share", "kl", "clip_ratio/low",
+                "clip_ratio/high", "entropy", "logp_diff/sampler_vs_trainer_max", "rollout_s", "update_s"):
+        assert key in train[-1], key
+    assert 0 <= train[0]["kl"] < 1e-2       # k3 >= 0; mean of mu = 2 updates, the first at policy = reference
+    assert train[0]["logp_diff/sampler_vs_trainer_max"] <= 2e-5
+    assert train[0]["completions"] == 6 and train[0]["entropy"] > 0
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]
+    assert (tmp_path / "a" / "plots" / "rewards.png").is_file()
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["decoder_compilations"] == 4        # sampled and greedy: prefill + decode each, once
+
+    assert rl(base, tmp_path / "b", "--steps", "1") == 0
+    assert main(["rl", "--out", str(tmp_path / "b"), "--resume", "--steps", "2"]) == 0
+    a, b = adapters(tmp_path / "a"), adapters(tmp_path / "b")
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert any(np.abs(v).max() > 0 for k, v in a.items() if "lora_B" in k)
+
+    assert main(["export", "--checkpoint", str(base / "base"), "--out", str(tmp_path / "hf_base")]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "a"), "--adapter", "--out", str(tmp_path / "adapter"),
+                 "--base-model", str(tmp_path / "hf_base")]) == 0
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    model, _ = load_for_generation(tmp_path / "a")      # the run's checkpoint loads for generation
+    assert any("lora_B" in n for n, _ in model.named_parameters())
+
+
+def test_bad_input_is_one_line_exit_2(base, tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt"}\n')
+    for extra, words in ((["--prompts", str(tmp_path / "bad.jsonl")], "bad.jsonl:1: expected a field 'messages'"),
+                         (["--reward", "bleu"], "unknown reward 'bleu'"),
+                         (["--reward", f"python:{tmp_path / 'none.py'}:f"], "no file")):
+        args = ["rl", "--init-from", str(base / "base"), "--prompts", str(base / "prompts.jsonl"),
+                "--reward", "exact:answer", "--out", str(tmp_path / "x"), "--max-new-tokens", "4",
+                "--max-prompt-tokens", "20", *extra]
+        if extra[0] == "--reward":
+            args = [a for i, a in enumerate(args) if not (a == "--reward" and args[i + 1] == "exact:answer")
+                    and not (i and args[i - 1] == "--reward" and a == "exact:answer")]
+        assert main(args) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and words in err[0], err
