@@ -100,3 +100,15 @@ def test_bad_input_is_one_line_exit_2(base, tmp_path, capsys):
         assert main(args) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and words in err[0], err
+
+
+def test_rl_config_file_takes_rl_fields_and_names_an_unknown_one(tmp_path):
+    from formats.errors import UserError
+    from train.rl.config import load_config_file
+
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"group_size": 4, "beta": 0.04}))
+    bad.write_text(json.dumps({"group_size": 4, "warmup_steps": 2}))     # a train field, not an rl one
+    assert load_config_file(str(good)) == {"group_size": 4, "beta": 0.04}
+    with pytest.raises(UserError, match=r"bad.json: unknown field\(s\) warmup_steps"):
+        load_config_file(str(bad))

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from formats.errors import UserError
-from formats.jsonfile import read_json
 
 
 @dataclass(frozen=True)
@@ -117,14 +115,7 @@ def resumed_config(saved: dict, explicit: dict, where: str) -> RLConfig:
 
 
 def load_config_file(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file {path} does not exist")
-    data = read_json(p)
-    if not isinstance(data, dict):
-        raise UserError(f"config file {path}: expected a JSON object, found {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(RLConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise UserError(f"config file {path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return data
+    """A JSON object with RLConfig fields (`train`'s reader, its errors)."""
+    from train.run.config import load_config_file as read_config
+
+    return read_config(path, RLConfig)

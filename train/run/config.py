@@ -151,15 +151,16 @@ def resumed_config(saved: dict, explicit: dict, where: str) -> TrainConfig:
     return TrainConfig(**{**base, **explicit, "resume": True})
 
 
-def load_config_file(path: str) -> dict:
-    """A JSON object with TrainConfig fields (and optional "model": {ModelConfig overrides})."""
+def load_config_file(path: str, config_type: type = None) -> dict:
+    """A JSON object with the fields of `config_type` (default TrainConfig, with an optional
+    "model": {ModelConfig overrides}; `rl` passes RLConfig)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file {path} does not exist")
     data = read_json(p)
     if not isinstance(data, dict):
         raise UserError(f"config file {path}: expected a JSON object, found {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known = {f.name for f in dataclasses.fields(config_type or TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"config file {path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
