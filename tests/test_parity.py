@@ -341,22 +341,23 @@ def matrix():
                       seq_len=SEQ, compiler_options=FAST_COMPILE)
 
 
+def assert_rows_pass(report, kernels, dtype):
+    rows = report.select(kernels=kernels, dtype=dtype)
+    assert rows, f"no {dtype} rows for {kernels}"
+    failing = [r for r in rows if r.failed]
+    assert not failing, "\n" + "\n".join(f"{r.dtype} {r.line()}" for r in failing)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", OTHER_SETS)
 def test_every_registered_kernel_set_matches_eager_in_float32(matrix, kernels):
-    rows = matrix.select(kernels=kernels, dtype="float32")
-    assert rows, f"no float32 rows for {kernels}"
-    failing = [r for r in rows if r.failed]
-    assert not failing, "\n" + "\n".join(f"{r.dtype} {r.line()}" for r in failing)
+    assert_rows_pass(matrix, kernels, "float32")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", COVERING_SETS)
 def test_covering_kernel_sets_match_eager_in_bfloat16(matrix, kernels):
-    rows = matrix.select(kernels=kernels, dtype="bfloat16")
-    assert rows, f"no bfloat16 rows for {kernels}"
-    failing = [r for r in rows if r.failed]
-    assert not failing, "\n" + "\n".join(f"{r.dtype} {r.line()}" for r in failing)
+    assert_rows_pass(matrix, kernels, "bfloat16")
 
 
 @pytest.mark.slow
