@@ -47,6 +47,15 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def buckets(rows: int, longest_prompt: int, new_tokens: int, batch_shards: int = 1) -> tuple[int, int, int]:
+    """(batch, prompt length, total length) of the programs that serve `rows` prompts of at most
+    `longest_prompt` tokens continued by `new_tokens`: rows up to a power of two (and a multiple
+    of the devices the batch is split over), the prompt and the total up to their multiples."""
+    prompt_len = round_up(longest_prompt, PROMPT_MULTIPLE)
+    return (round_up(batch_bucket(rows), batch_shards), prompt_len,
+            round_up(prompt_len + new_tokens, LENGTH_MULTIPLE))
+
+
 def generation_kernels(kernels: str | dict | None, platform: str) -> dict[str, str]:
     """Kernels for generation: `kernels` over the ops the cached forward uses, except that on CPU
     an MoE left at `auto` gets the `decode` implementation, built for generation's row counts
@@ -55,6 +64,11 @@ def generation_kernels(kernels: str | dict | None, platform: str) -> dict[str, s
     if platform == "cpu" and choice["moe"] == "auto":
         choice["moe"] = "decode"
     return choice
+
+
+def stop_slots(n_stop_ids: int) -> int:
+    """Length of the stop-id argument for `n_stop_ids` stops (padded with -1: fewer programs)."""
+    return round_up(max(1, n_stop_ids), 4)
 
 
 class Layout(NamedTuple):
@@ -94,12 +108,15 @@ def empty_cache(env, cfg, rows: int, slots: int, dtype) -> kv_cache.KVCache:
 
 class Decoder:
     """Compiled prefill and decode programs for one model (parameters as JAX arrays, sharded over
-    `mesh` when given). compute_dtype / matmul_precision None: the train step's defaults."""
+    `mesh` when given). compute_dtype / matmul_precision None: the train step's defaults.
+    `params`: the parameters to use instead of the model's (in the compute dtype, placed): e.g.
+    ShapeDtypeStructs for a model on the `meta` device, to compile without weights (see
+    `abstract_params`)."""
 
     def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla",
                  decode_kernels: str | dict | None = None, matmul_precision: str | None = None,
                  compute_dtype: str | None = None, compiler_options: dict | None = None,
-                 platform: str | None = None, mesh=None):
+                 platform: str | None = None, mesh=None, params: dict | None = None):
         self.model, self.cfg = model, model.cfg
         self.env = get_env()
         self.platform = check_platform(platform or host_platform(), "Decoder platform")
@@ -113,10 +130,13 @@ class Decoder:
         self.compiler_options = dict(compiler_options or {})
         self.mesh = mesh
         compute = COMPUTE_DTYPES[self.compute_dtype]
-        if mesh is None:
+        if mesh is not None:
+            sharding.check_model_fits(self.cfg, mesh)
+        if params is not None:
+            self.params = dict(params)
+        elif mesh is None:
             self.params = cast_params(params_to_jax(model), compute)
         else:       # from the host straight into shards: no device ever holds a whole model
-            sharding.check_model_fits(self.cfg, mesh)
             host = cast_params({n: p.detach().float().numpy() for n, p in model.named_parameters()}, compute)
             self.params = sharding.place(host, sharding.state_shardings(host, mesh))
         # Tuples in model order, never sets: the traced program (hence the persistent cache key)
@@ -143,10 +163,15 @@ class Decoder:
             if tuple(value.shape) != tuple(self.params[name].shape):
                 raise ValueError(f"Decoder.set_params: {name} has shape {tuple(value.shape)}, expected "
                                  f"{tuple(self.params[name].shape)}")
-        compute = COMPUTE_DTYPES[self.compute_dtype]
-        cast = cast_params({n: jnp.asarray(v) for n, v in params.items()}, compute)
-        if self.mesh is not None:
-            cast = sharding.place(cast, sharding.state_shardings(cast, self.mesh))
+        cast = cast_params(dict(params), COMPUTE_DTYPES[self.compute_dtype])
+        if self.mesh is None:
+            cast = {n: jnp.asarray(v) for n, v in cast.items()}
+        else:   # device arrays stay on the devices (already in this sharding: the same buffers, no
+                # copy; a frozen base in the compute dtype is then shared with the train step),
+                # host arrays are split from the host
+            shardings = sharding.state_shardings(cast, self.mesh)
+            cast = {n: jax.device_put(v, shardings[n]) if isinstance(v, jax.Array)
+                    else sharding.place(v, shardings[n]) for n, v in cast.items()}
         self.params = cast
         self._layouts = {}
 
@@ -157,7 +182,9 @@ class Decoder:
         transposed: Linear weights come as [in, out] and are transposed back inside the program,
           which XLA folds into the matmul: XLA:CPU multiplies a few rows by an [in, out] matrix
           ~1.5x faster than by an [out, in] one (lm head at batch 8: 192 vs 298 us); one row is
-          fastest as a matrix-vector product on the original layout.
+          fastest as a matrix-vector product on the original layout. CPU only: measured there,
+          and the transposed copies are a second copy of every Linear weight in device memory
+          (accelerator compilers choose their layouts themselves).
         split_experts: each expert's weight matrices come as separate arrays, stacked inside the
           program; the `decode` MoE then reads an expert through a static slice of the stack,
           which XLA resolves to that expert's own buffer (no copy), where a dynamic slice of one
@@ -165,7 +192,7 @@ class Decoder:
         """
         # Under a mesh an expert's slice of an expert-split array is no array of its own: not split.
         split = program == "decode" and self.decode_kernels.get("moe") == "decode" and self.mesh is None
-        return Layout(transposed=rows > 1, split_experts=split)
+        return Layout(transposed=rows > 1 and self.platform == "cpu", split_experts=split)
 
     def params_for(self, layout: "Layout") -> dict:
         if layout not in self._layouts:
@@ -321,7 +348,9 @@ def loop_collectives(compiled) -> dict:
     `gathered_per_call`, the all-gathers outside its while loop (once per call: XLA hoists the
     parameters' gathers out of the loop when it can, and each device then holds them whole while
     decoding); `gathered_per_token`, those inside the loop (every generated token);
-    `other_per_token`, the loop's other collectives (all-to-all, all-reduce, ...). All 0 without a mesh."""
+    `other_per_token`, the loop's other collectives (all-to-all, all-reduce, ...). All 0 without a mesh.
+    One collective is counted once: the TPU compiler splits one into several instructions (its
+    asynchronous start, continuation and end fusions) that share a `channel_id`."""
     from jax_bridge import hlo_text
 
     comps, _ = hlo_text.parse_module(compiled.as_text())
@@ -329,11 +358,17 @@ def loop_collectives(compiled) -> dict:
               for name in re.findall(r"body=%([\w.\-]+)", line)]
     inside = set(hlo_text.closure(bodies, comps))
     out = {"gathered_per_call": 0.0, "gathered_per_token": 0.0, "other_per_token": 0.0}
+    channels = set()
     for name, (_, lines) in comps.items():
         for line in lines:
             ins = hlo_text.parse_instruction(line)
             if ins is None or ins.opcode not in _COLLECTIVES:
                 continue
+            channel = re.search(r"channel_id=(\d+)", ins.attrs)
+            if channel:
+                if channel.group(1) in channels:
+                    continue
+                channels.add(channel.group(1))
             size = hlo_text.array_bytes(hlo_text.leaves(ins.shape)[-1])
             gather = ins.opcode.startswith("all-gather")
             key = ("gathered_per_token" if gather else "other_per_token") if name in inside else \

@@ -57,8 +57,23 @@ def main(seed: int, meshes: list[str]) -> dict:
         generator, mesh_tokens = greedy(model, prompts, sharding.make_mesh(spec))
         mesh_logits = last_logits(generator, prompts)
         out["meshes"][spec] = {"tokens": mesh_tokens, "logits_max_abs_diff": float(np.abs(mesh_logits - eager).max()),
-                               "logits_max_abs": float(np.abs(eager).max())}
+                               "logits_max_abs": float(np.abs(eager).max()), **new_params(generator, prompts, spec, seed, mesh_tokens)}
     return out
+
+
+def new_params(generator, prompts, spec, seed, before) -> dict:
+    """set_params with another model's parameters as arrays already on the mesh (as an RL update
+    hands them over): taken without a host round trip (the same device buffers), and decoded as a
+    decoder built from that model decodes."""
+    torch.manual_seed(seed + 1)
+    other = GptOssForCausalLM(get_preset("tiny").replace(**CONFIG)).eval()
+    fresh, expected = greedy(other, prompts, sharding.make_mesh(spec))
+    generator.decoder.set_params(fresh.decoder.params)
+    buffers = lambda a: [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]  # noqa: E731
+    same = all(buffers(generator.decoder.params[n]) == buffers(a) for n, a in fresh.decoder.params.items())
+    tokens = generator.generate(prompts, SamplingConfig(max_new_tokens=NEW, temperature=0)).tokens
+    return {"set_params_same_buffers": same, "set_params_tokens_equal": tokens == expected,
+            "set_params_tokens_changed": tokens != before}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Generation sharded over a device mesh (jax_bridge/decoding.py with `mesh`): on 8 simulated CPU
 devices in one subprocess (tests/generation_mesh_worker.py), greedy tokens equal the single-device
 ones and the sharded prefill's logits equal eager PyTorch's to float rounding, on fresh random
-prompts of odd lengths; a
-mesh that does not fit the devices is one line at the CLI."""
+prompts of odd lengths; new parameters already on the mesh are taken without a copy; a mesh that
+does not fit the devices is one line at the CLI."""
 import json
 import os
 import subprocess
@@ -29,6 +29,10 @@ def test_sharded_generation_equals_one_device():
     assert all(r["ok"] for r in report), (seed, report)
     assert all(len(t) == 12 for t in out["one_device"])
     assert sharded["logits_max_abs_diff"] <= 1e-5 * max(1.0, sharded["logits_max_abs"]), (seed, sharded)
+    # New parameters already on the mesh (an RL update's) are used in place, and decoded as a
+    # decoder of that model decodes (another model: other tokens).
+    assert sharded["set_params_same_buffers"] and sharded["set_params_tokens_equal"], (seed, sharded)
+    assert sharded["set_params_tokens_changed"], seed
 
 
 def test_a_mesh_that_does_not_fit_is_one_line(capsys):

@@ -97,7 +97,7 @@ class Generator:
         import jax
         import numpy as np
 
-        from jax_bridge.decoding import batch_bucket, round_up, sampling_values, PROMPT_MULTIPLE, LENGTH_MULTIPLE
+        from jax_bridge.decoding import buckets, sampling_values, stop_slots
         from torch_model.kv_cache import left_pad
 
         cfg, decoder = self.cfg, self.decoder
@@ -105,10 +105,9 @@ class Generator:
         _check_request(cfg, prompts, sampling, stream_every)
         longest, n_new = max(len(p) for p in prompts), sampling.max_new_tokens
         rows = len(prompts)
-        batch, prompt_len = round_up(batch_bucket(rows), decoder.batch_shards), round_up(longest, PROMPT_MULTIPLE)
-        length = round_up(prompt_len + n_new, LENGTH_MULTIPLE)
+        batch, prompt_len, length = buckets(rows, longest, n_new, decoder.batch_shards)
         mode = sampling.mode(cfg.vocab_size)
-        n_stop = round_up(max(1, len(sampling.stop_tokens)), 4)
+        n_stop = stop_slots(len(sampling.stop_tokens))
         before = len(decoder.compilations)
         prefill = decoder.prefill_program(batch, prompt_len, length, mode, n_stop)
         decode = decoder.decode_program(batch, length, mode, n_stop, prefill.out_info)
