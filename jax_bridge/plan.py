@@ -20,6 +20,7 @@ import dataclasses
 import math
 import re
 import time
+from typing import NamedTuple
 
 from jax_bridge import tpu_compile
 
@@ -74,9 +75,60 @@ class Plan:
     frozen_bytes: int = 0            # per chip: the frozen base's shards (compute dtype, routers float32)
     expert_delta_bytes: int = 0      # per chip: one layer's W + scaling * B A of its expert stacks, which
                                      # peft's expert LoRA forms in every forward (inside temporaries)
+    rollout: dict | None = None      # with rl and a RolloutShape: RolloutPlan as a dict
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+class RolloutShape(NamedTuple):
+    """What one RL rollout decodes: `completions` rows together (prompts per step x group size),
+    prompts of at most `prompt_tokens`, at most `new_tokens` each, sampled at temperature T with
+    `top_k` / `top_p` (the sampled tokens' log-probabilities and entropies kept, as `rl` asks)."""
+    completions: int
+    prompt_tokens: int
+    new_tokens: int
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclasses.dataclass
+class ProgramMemory:
+    """One compiled program's per-chip bytes, by the TPU compiler (or its refusal)."""
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    total_bytes: int = 0             # arguments + outputs - aliased + temporaries
+    compile_s: float = 0.0
+    error: str | None = None         # the compiler's out-of-memory refusal
+
+
+@dataclasses.dataclass
+class RolloutPlan:
+    """The rollout's prefill and decode-loop programs (jax_bridge.decoding.Decoder, as `rl` runs
+    them) beside the update step, per chip. The decoder's parameters are the policy's in the
+    compute dtype: the buffers the train state already holds where the dtype is the same (a
+    LoRA base, float32 routers), its own copies otherwise (`own_bytes`: every cast trainable)."""
+    completions: int
+    prompt_tokens: int
+    new_tokens: int
+    batch: int                       # rows per program (bucketed; global under a mesh)
+    prompt_len: int                  # the prompt bucket
+    length: int                      # prompt bucket + new tokens, bucketed: the KV cache's positions
+    kernels: dict
+    param_bytes: int                 # the decoder's parameters
+    own_bytes: int                   # of which its own copies (the rest shared with the train state)
+    reference_bytes: int             # the KL reference's copy (full fine-tuning with beta > 0), else 0
+    cache_bytes: int                 # the KV cache (bf16 keys and values, sliding layers a ring)
+    prefill: ProgramMemory
+    decode: ProgramMemory
+    gathered_per_call: int = 0       # decode loop: all-gathers outside the loop, once per call
+    gathered_per_token: int = 0      # inside it: every generated token
+    other_per_token: int = 0         # its other collectives per token
+    update_peak_bytes: int = 0       # the update step's total + the decoder's own copies + the reference
+    rollout_peak_bytes: int = 0      # the train state held + the larger program's total - shared buffers
+    fits: bool = False               # update and rollout both fit one chip's HBM
 
 
 def per_chip_bytes(tree) -> int:
@@ -98,7 +150,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
          kernels: str | dict | None = "auto", kernel_options: str | dict | None = None,
          compute_dtype: str | None = None, matmul_precision: str | None = None,
          model_overrides: dict | None = None, optimizer=None, roofline: bool = False, packed: bool = False,
-         lora: str | None = None, rl=None) -> Plan:
+         lora: str | None = None, rl=None, rollout: RolloutShape | None = None) -> Plan:
     """Compile `preset`'s train step for TPU `topology` and report one chip's memory.
     mesh: None = one chip, replicated state; a --mesh spec ("" = every chip on fsdp) = the sharded
     step over every chip. model_overrides: ModelConfig fields (e.g. {"n_layers": 2}); seq_len
@@ -108,7 +160,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     packed: the SFT step (packed conversations: tokens, loss weights, segment ids and positions;
     segment-masked attention). lora: a --lora spec: the LoRA step (peft's adapters trained, the
     base frozen in the compute dtype and passed to the step undonated). rl: a PolicyGradientConfig:
-    the GRPO update step (packed rollouts with its per-token float32 fields; implies packed)."""
+    the GRPO update step (packed rollouts with its per-token float32 fields; implies packed);
+    with `rollout` also the rollout's prefill and decode programs (`plan_rollout`)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -139,12 +192,16 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     seq_len = seq_len or cfg.max_seq_len
     cfg = cfg.replace(**{"max_seq_len": seq_len, **(model_overrides or {})})
     spec = None
+    if rollout is not None:      # the KV cache and the rotary tables span prompt + completion
+        cfg = cfg.replace(max_seq_len=max(seq_len, rollout.prompt_tokens + rollout.new_tokens))
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg)
         if lora:
-            from torch_model.lora import apply_lora, parse_lora_spec
+            from torch_model.lora import apply_lora, parse_lora_spec, unwrap
             spec = parse_lora_spec(lora)
             model = apply_lora(model, spec)
+            if rl is not None:   # as `rl` builds it: the step on the model peft changed in place
+                model = unwrap(model)
     step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, micro_batches=micro_batches,
                           matmul_precision=matmul_precision, platform="tpu", kernel_options=kernel_options,
                           scan_layers=scan_layers, remat=remat, policy_gradient=rl)
@@ -215,7 +272,93 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
             batch_size * seq_len * micro_batches // chips
         tiles = kernel_tiles(step.kernels, step_cfg.kernel_options, cfg, seq_len, tokens_per_chip)
         result.roofline = roofline_mod.roofline(compiled, result.generation, tiles=tiles)
+    if rollout is not None:
+        if rl is None:
+            raise ValueError("a rollout is planned with the RL update step (rl=...)")
+        result.rollout = dataclasses.asdict(plan_rollout(result, model, step, rollout, devices, device_mesh, rl.beta))
     return result
+
+
+def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device_mesh, beta: float) -> RolloutPlan:
+    """Compile the rollout's prefill and decode programs for the slice beside the update step
+    `update` (already planned, its state's bytes known): the programs `torchlyra rl` runs
+    (jax_bridge.decoding.Decoder with the policy's parameters in the compute dtype, the rollout
+    batch split over the mesh's batch axes; without a mesh each chip decodes its share of the
+    completions with the whole model)."""
+    import jax
+    import numpy as np
+
+    from jax_bridge import decoding, sharding
+    from jax_bridge.lowering import abstract_params
+    from jax_bridge.sampling import SamplingMode
+    from torch_model.kv_cache import cache_slots
+    from torch_model.model import keeps_float32
+
+    if device_mesh is None:
+        if shape.completions % len(devices):
+            raise ValueError(f"rollout: {shape.completions} completions must be a multiple of the {len(devices)} chips "
+                             "(each chip decodes its share)")
+        mesh, rows = sharding.make_mesh(None, devices[:1]), shape.completions // len(devices)
+    else:
+        mesh, rows = device_mesh, shape.completions
+    batch, prompt_len, length = decoding.buckets(rows, shape.prompt_tokens, shape.new_tokens,
+                                                 sharding.batch_shards(mesh))
+    flat = abstract_params(model)
+    placed = sharding.state_shardings(flat, mesh)
+    params = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if keeps_float32(n) else step.compute_dtype, sharding=placed[n])
+              for n, a in flat.items()}
+    decoder = decoding.Decoder(model, kernels=decoding.generation_kernels(step.cfg.kernels, "tpu"), platform="tpu",
+                               compute_dtype=step.cfg.compute_dtype, matmul_precision=step.cfg.matmul_precision,
+                               mesh=mesh, params=params)
+    # The decoder's own buffers: the casts of the trainable parameters (a frozen base is already
+    # in the compute dtype, a float32 router stays float32: the train state's buffers).
+    masters = step.abstract_state().params
+    own = {n: a for n, a in params.items() if n in masters and masters[n].dtype != a.dtype}
+    if set(params) != set(masters) | set(step.frozen_names):
+        raise ValueError("rollout: the decoder's parameter names are not the update step's")
+    # Full fine-tuning's KL reference: the starting parameters, copied in the compute dtype.
+    reference = per_chip_bytes(params) if beta and not step.frozen_names else 0
+    cfg = model.cfg
+    slots = sum(cache_slots(cfg, layer, length) for layer in range(cfg.n_layers))
+    kv_bytes = 2 * batch * cfg.n_kv_heads * cfg.head_dim * slots * np.dtype(step.compute_dtype).itemsize
+    out = RolloutPlan(completions=shape.completions, prompt_tokens=shape.prompt_tokens, new_tokens=shape.new_tokens,
+                      batch=batch, prompt_len=prompt_len, length=length, kernels=dict(decoder.decode_kernels),
+                      param_bytes=per_chip_bytes(params), own_bytes=per_chip_bytes(own), reference_bytes=reference,
+                      cache_bytes=kv_bytes // sharding.batch_shards(mesh), prefill=ProgramMemory(),
+                      decode=ProgramMemory())
+    mode = SamplingMode(greedy=False, top_k=shape.top_k, top_p=shape.top_p < 1, penalty=False, logprobs=True)
+    n_stop = decoding.stop_slots(3)          # harmony's <|return|>, <|end|>, <|call|> (or EOS)
+    out.prefill, prefill = _compiled_memory(lambda: decoder.prefill_program(batch, prompt_len, length, mode, n_stop))
+    if prefill is None:
+        return out
+    out.decode, decode = _compiled_memory(lambda: decoder.decode_program(batch, length, mode, n_stop,
+                                                                         prefill.out_info))
+    if decode is None:
+        return out
+    out.__dict__.update(decoding.loop_collectives(decode))
+    shared = out.param_bytes - out.own_bytes
+    held = update.param_bytes + update.optimizer_bytes + update.frozen_bytes + reference
+    out.update_peak_bytes = (update.total_bytes or 0) + out.own_bytes + reference
+    out.rollout_peak_bytes = held + max(out.prefill.total_bytes, out.decode.total_bytes) - shared
+    out.fits = bool(update.fits) and max(out.update_peak_bytes, out.rollout_peak_bytes) <= update.hbm_bytes
+    return out
+
+
+def _compiled_memory(build):
+    """(ProgramMemory, the compiled program) of `build()`; an out-of-memory refusal is a result
+    (the program None), anything else is raised."""
+    start = time.perf_counter()
+    try:
+        compiled = build()
+    except Exception as e:  # noqa: BLE001
+        if not _OOM.search(str(e)):
+            raise
+        return ProgramMemory(compile_s=round(time.perf_counter() - start, 2),
+                             error=str(e).strip().splitlines()[0][:400]), None
+    mem = compiled.memory_analysis()
+    args, outs = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
+    alias, temp = int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes)
+    return ProgramMemory(args, outs, alias, temp, args + outs - alias + temp, round(time.perf_counter() - start, 2)), compiled
 
 
 def expert_delta_bytes(frozen: dict, n_layers: int) -> int:
@@ -344,4 +487,34 @@ def format_plan(p: Plan) -> str:
         lines = lines[:4 if p.lora else 3] + [f"  {p.error}; DOES NOT FIT"]
     elif p.error:
         lines.append(f"  compiler: {p.error}")
+    if p.rollout is not None:
+        lines.extend(format_rollout(p.rollout, p.hbm_bytes))
     return "\n".join(lines)
+
+
+def format_rollout(r: dict, hbm_bytes: int) -> list[str]:
+    def program(name, m):
+        if m["error"]:
+            return f"    {name}: {m['error']}; DOES NOT FIT"
+        return (f"    {name}: arguments {gib(m['argument_bytes'])}, outputs {gib(m['output_bytes'])} "
+                f"({gib(m['alias_bytes'])} donated), temporaries {gib(m['temp_bytes'])}, total "
+                f"{gib(m['total_bytes'])}; compiled in {m['compile_s']} s")
+
+    kernels = ", ".join(f"{op}={name}" for op, name in r["kernels"].items())
+    lines = [f"  rollout: {r['completions']} completions (prompts <= {r['prompt_tokens']} tokens, <= {r['new_tokens']} "
+             f"new, sampled with log-probabilities and entropies): programs of {r['batch']} rows, prompt bucket "
+             f"{r['prompt_len']}, KV cache {r['length']} positions; kernels {kernels}",
+             f"    per chip: decoder parameters {gib(r['param_bytes'])} ({gib(r['own_bytes'])} its own copies, the "
+             f"rest the train state's buffers), KV cache {gib(r['cache_bytes'])}"
+             + (f", KL reference copy {gib(r['reference_bytes'])}" if r["reference_bytes"] else ""),
+             program("prefill", r["prefill"]), program("decode loop", r["decode"])]
+    if r["prefill"]["error"] or r["decode"]["error"]:
+        return lines
+    lines += [f"    decode loop moves per chip: {gib(r['gathered_per_token'])} all-gathered per token, "
+              f"{gib(r['gathered_per_call'])} per call (hoisted out of the loop), {gib(r['other_per_token'])} "
+              "other collectives per token",
+              f"    peak per chip: update {gib(r['update_peak_bytes'])} (its total + the decoder's own copies"
+              f"{' + the reference' if r['reference_bytes'] else ''}), rollout {gib(r['rollout_peak_bytes'])} "
+              f"(the train state + the larger program): update and rollout "
+              + (f"fit {gib(hbm_bytes)}" if r["fits"] else f"DO NOT FIT {gib(hbm_bytes)}")]
+    return lines

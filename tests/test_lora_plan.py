@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from torch_model.config import get_preset
+from torch_model.kv_cache import cache_slots
 from torch_model.lora import apply_lora, parse_lora_spec
 from torch_model.model import GptOssForCausalLM
 from train.cli import main
@@ -47,19 +48,37 @@ def test_plan_lora_on_one_v5e_chip_holds_the_adapters_state_and_the_bf16_base(lo
     assert plan["fits"] is True
 
 
-def test_plan_rl_compiles_the_grpo_update_step_for_tpu(lora_plan, tmp_path, capsys):
-    """`plan --rl`: the GRPO update step (LoRA, beta > 0 and mu = 2: advantages, logp_old and the
-    reference's log-probabilities per token) compiled for a v5e chip without weights."""
+def test_plan_rl_compiles_the_update_step_and_the_rollout_decoder_for_tpu(tmp_path, capsys):
+    """`plan --rl`: what `rl` compiles, for four v5e chips on fsdp, without weights: the GRPO update
+    step (LoRA, beta > 0 and mu = 2: advantages, logp_old and the reference's log-probabilities
+    per token) and the rollout's prefill and decode loop beside it, sharing the frozen base."""
     out = tmp_path / "plan.json"
-    rc = main([*PLAN, "--rl", "--rl-beta", "0.04", "--rl-iterations", "2", "--json", str(out)])
+    plan_args = [a if a != "none" else "fsdp=4" for a in PLAN]
+    rc = main([*plan_args, "--rl", "--rl-beta", "0.04", "--rl-iterations", "2", "--rollout-completions", "8",
+               "--rollout-prompt-tokens", "40", "--rollout-new-tokens", "16", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "packed rollouts (GRPO update: loss=dapo" in printed and ": fits" in printed
+    assert "packed rollouts (GRPO update: loss=dapo" in printed and "layers looped" in printed
+    assert "update and rollout fit" in printed
     plan = json.loads(out.read_text())
     assert plan["rl"].startswith("loss=dapo,ratio=token,beta=0.04,iterations=2") and plan["packed"]
-    # The same state as the LoRA train step's; a bigger batch argument (the train step takes one
-    # token array, the GRPO step 4 packed fields and 3 float32 per-token fields: advantages,
-    # logp_old, ref_logps; the compiler's argument bytes are not their plain sum, so only the order).
-    _, train = lora_plan
-    assert plan["param_bytes"] == train["param_bytes"] and plan["optimizer_bytes"] == train["optimizer_bytes"]
-    assert plan["frozen_bytes"] == train["frozen_bytes"] and plan["argument_bytes"] > train["argument_bytes"]
+    assert plan["fits"] and not plan["scan_layers"]
+    r = plan["rollout"]
+    # 8 completions on the 4 batch shards; prompts 40 -> a 64 bucket, 64 + 16 -> 128 cache positions
+    assert (r["completions"], r["batch"], r["prompt_len"], r["length"]) == (8, 8, 64, 128)
+    # The decoder takes the policy in bf16: the frozen base is the train step's own buffers (the
+    # same shards), the adapters its own bf16 copies of the float32 masters; no KL copy with LoRA.
+    assert r["param_bytes"] - r["own_bytes"] == plan["frozen_bytes"]
+    assert r["own_bytes"] == plan["param_bytes"] // 2 and r["reference_bytes"] == 0
+    cfg = get_preset("tiny").replace(n_layers=2)
+    slots = sum(cache_slots(cfg, layer, 128) for layer in range(2))
+    assert r["cache_bytes"] == 2 * 8 * cfg.n_kv_heads * cfg.head_dim * slots * 2 // 4
+    for program in ("prefill", "decode"):
+        assert r[program]["error"] is None and r[program]["argument_bytes"] >= r["param_bytes"]
+    assert r["decode"]["alias_bytes"] >= r["cache_bytes"]          # the loop's state is donated
+    # Under fsdp every token's forward gathers the sharded weights: most of the whole bf16 model
+    # (4 chips' shards), counted once per collective, and nothing hoisted out of the loop here.
+    whole = 4 * r["param_bytes"]
+    assert 0.5 * whole < r["gathered_per_token"] <= whole and r["gathered_per_call"] == 0
+    assert r["rollout_peak_bytes"] > plan["param_bytes"] + plan["optimizer_bytes"] + plan["frozen_bytes"]
+    assert r["update_peak_bytes"] == plan["total_bytes"] + r["own_bytes"] and r["fits"]

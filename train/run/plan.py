@@ -50,9 +50,16 @@ def add_arguments(parser) -> None:
                         help="plan the LoRA step (as train --lora, e.g. r=16,alpha=32,targets=all-linear+experts): "
                              "adapters trained, the base frozen in the compute dtype")
     parser.add_argument("--rl", action="store_true",
-                        help="the GRPO update step of `torchlyra rl` (packed rollouts, per-token advantages; with "
-                             "--rl-beta / --rl-iterations its reference and logp_old fields); the rollout's decode "
-                             "step is not planned yet")
+                        help="what `torchlyra rl` compiles: its GRPO update step (packed rollouts, per-token "
+                             "advantages; with --rl-beta / --rl-iterations its reference and logp_old fields; layers "
+                             "looped, as rl runs them) and the rollout's prefill and decode-loop programs, with "
+                             "whether both fit beside the train state")
+    parser.add_argument("--rollout-completions", type=int, default=None,
+                        help="--rl: completions decoded together, prompts per step x group size (default: --batch-size)")
+    parser.add_argument("--rollout-prompt-tokens", type=int, default=512,
+                        help="--rl: the longest prompt (default 512, rl's --max-prompt-tokens)")
+    parser.add_argument("--rollout-new-tokens", type=int, default=256,
+                        help="--rl: new tokens per completion (default 256, rl's --max-new-tokens)")
     parser.add_argument("--rl-beta", type=float, default=0.0, help="--rl: the KL coefficient (default 0)")
     parser.add_argument("--rl-iterations", type=int, default=1, help="--rl: updates per rollout batch (default 1)")
     parser.add_argument("--rl-loss", default="dapo", help="--rl: dapo | grpo | dr_grpo (default dapo)")
@@ -69,16 +76,25 @@ def run(args) -> int:
         get_preset(args.preset)
     except ConfigError as e:
         raise UserError(str(e)) from None
-    for name in ("seq_len", "batch_size", "micro_batches", "layers"):
+    for name in ("seq_len", "batch_size", "micro_batches", "layers", "rollout_completions", "rollout_prompt_tokens",
+                 "rollout_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, found {value}")
     overrides = {"n_layers": args.layers} if args.layers else {}
-    rl = None
+    rl = rollout = None
+    scan_layers = args.scan_layers
     if args.rl:
+        from jax_bridge.plan import RolloutShape
         from torch_model.policy_gradient import PolicyGradientConfig
 
-        rl = PolicyGradientConfig(loss=args.rl_loss, beta=args.rl_beta, iterations=args.rl_iterations)
+        try:
+            rl = PolicyGradientConfig(loss=args.rl_loss, beta=args.rl_beta, iterations=args.rl_iterations)
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+        rollout = RolloutShape(args.rollout_completions or args.batch_size, args.rollout_prompt_tokens,
+                               args.rollout_new_tokens)
+        scan_layers = False         # rl's update step loops over the layers
     if args.find_slice:
         if rl is not None:
             raise UserError("--find-slice plans the train step; give --topology with --rl")
@@ -86,9 +102,10 @@ def run(args) -> int:
     try:
         result = plan(args.preset, args.topology, mesh=None if args.mesh.strip() == ONE_CHIP else args.mesh,
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
-                      scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
+                      scan_layers=scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
-                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora, rl=rl)
+                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora, rl=rl,
+                      rollout=rollout)
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
