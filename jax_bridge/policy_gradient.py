@@ -63,6 +63,15 @@ class PolicyGradientObjective:
         self.cfg, self.token_forward = cfg, token_forward
         self.fields = per_token_fields(cfg)
 
+    @property
+    def batch_fields(self) -> tuple[str, ...]:
+        """The float32 fields a packed batch carries besides the token fields (per token)."""
+        return self.fields
+
+    def evaluate(self, params, tokens: dict) -> dict:
+        """This batch's metrics, with its own normalisers."""
+        return self.loss(params, tokens)[1]
+
     def token_logps(self, params, tokens: dict, router_loss_scale: float = 1.0):
         """(per-token log-probabilities [B, S] of the labels tokens[:, 1:] (0 off the completions),
         router losses)."""

@@ -75,6 +75,15 @@ class PreferenceObjective:
         self.cfg, self.answer_forward, self.reference = cfg, answer_forward, reference
         self.summed, self.step_denominator = SUMMED, step_pairs
 
+    @property
+    def batch_fields(self) -> tuple[str, ...]:
+        """The float32 fields a packed batch carries besides the token fields: the stored reference."""
+        return (REFERENCE_FIELD,) if self.reference == "batch" else ()
+
+    def evaluate(self, params, tokens: dict) -> dict:
+        """Metrics summed over the batch's pairs (denominator 1): the caller averages over batches."""
+        return self.loss(params, tokens, jnp.float32(1.0))[1]
+
     def answer_sums(self, params, tokens: dict, router_loss_scale: float = 1.0):
         """(per-pair log-probability sums [B, S // 2, 2] (chosen, rejected), router losses)."""
         out = self.answer_forward(params, tokens["tokens"][:, :-1], tokens["tokens"][:, 1:],

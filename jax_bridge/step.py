@@ -282,7 +282,7 @@ class TrainStep:
     @property
     def reference_in_batch(self) -> bool:
         """A DPO step whose batches carry the reference log-probabilities (full fine-tuning)."""
-        return isinstance(self.objective, preference.PreferenceObjective) and self.objective.reference == "batch"
+        return preference.REFERENCE_FIELD in self.float_fields
 
     def _constrain(self, tree):
         return tree if self.mesh is None else jax.lax.with_sharding_constraint(tree, self.state_shardings(tree))
@@ -351,12 +351,8 @@ class TrainStep:
 
     def _eval(self, params, tokens, frozen=None):
         params = {**params, **(frozen or {})}
-        if isinstance(self.objective, preference.PreferenceObjective):     # sums over the batch's pairs (denominator 1)
-            _, out = self.objective.loss(params, tokens, jnp.float32(1.0))
-            return out
-        if self.objective is not None:      # GRPO: this batch's own normalisers
-            _, out = self.objective.loss(params, tokens)
-            return out
+        if self.objective is not None:
+            return self.objective.evaluate(params, tokens)
         if isinstance(tokens, dict):
             _, out = self.loss_and_metrics(params, *packed_inputs(tokens, None, 1.0))
         else:
@@ -364,11 +360,12 @@ class TrainStep:
         return _scalar_metrics(out)
 
     # ---- public API ---------------------------------------------------------------------------
-    def place_batch(self, tokens, batch_dim: int):
+    def place_batch(self, tokens, batch_dim: int, float_fields: tuple[str, ...] | None = None):
         """This process's rows (int32; a packed batch: a dict of such arrays, the weights float32)
-        -> the global batch, split over the mesh's data axes."""
+        -> the global batch, split over the mesh's data axes. float_fields: the float32 fields a
+        packed batch carries besides PACKED_FIELDS (default: the objective's)."""
         if isinstance(tokens, dict):
-            extra = self.float_fields
+            extra = self.float_fields if float_fields is None else float_fields
             fields = (*PACKED_FIELDS, *extra)
             unknown = set(tokens) ^ set(fields)
             if unknown:
@@ -399,29 +396,27 @@ class TrainStep:
     def float_fields(self) -> tuple[str, ...]:
         """The float32 fields a packed batch carries besides PACKED_FIELDS: DPO's stored
         reference (full fine-tuning), GRPO's per-token advantages and log-probabilities."""
-        if isinstance(self.objective, policy_gradient.PolicyGradientObjective):
-            return self.objective.fields
-        return (preference.REFERENCE_FIELD,) if self.reference_in_batch else ()
+        return () if self.objective is None else self.objective.batch_fields
 
     def token_logps(self, params, tokens):
         """Per-token log-probabilities [B, S] of the labels tokens[:, 1:] of one packed rollout
         batch [B, S + 1] (0 off the completions). params: ALL the forward's parameters (trainable
         and frozen; a reference's), so one compiled program serves the policy (logp_old), the
         LoRA reference (adapters off) and a frozen full copy alike."""
-        if not isinstance(self.objective, policy_gradient.PolicyGradientObjective):
+        if not hasattr(self.objective, "token_logps"):
             raise ValueError("train step: token_logps needs a GRPO step (StepConfig.policy_gradient)")
-        placed = {k: self.place_batch(tokens[k], 0) for k in PACKED_FIELDS}
-        placed["weights"] = placed["weights"].astype(jnp.float32)
-        return self._jitted_token_logps(params, placed)
+        return self._jitted_token_logps(params, self._place_tokens(tokens))
 
     def answer_logps(self, params, tokens):
         """Per-pair log-probability sums [B, S // 2, 2] of one packed preference batch [B, S + 1]
         (params: the trainable ones): the reference a full fine-tuning DPO run stores."""
-        if not isinstance(self.objective, preference.PreferenceObjective):
+        if not hasattr(self.objective, "answer_sums"):
             raise ValueError("train step: answer_logps needs a DPO step (StepConfig.preference)")
-        placed = {k: self.place_batch(tokens[k], 0) for k in PACKED_FIELDS}     # no reference needed here
-        placed["weights"] = placed["weights"].astype(jnp.float32)
-        return self._jitted_answers(params, placed, self.frozen)
+        return self._jitted_answers(params, self._place_tokens(tokens), self.frozen)
+
+    def _place_tokens(self, tokens: dict) -> dict:
+        """A packed batch's token fields alone, placed (the objective's float fields not needed)."""
+        return self.place_batch({k: tokens[k] for k in PACKED_FIELDS}, 0, float_fields=())
 
     def __call__(self, state: TrainState, tokens, lr_scale=1.0):
         first = tokens["tokens"] if isinstance(tokens, dict) else tokens
