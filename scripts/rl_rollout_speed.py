@@ -47,7 +47,8 @@ def main() -> None:
         samples, g = sample_groups(gen, prompts, args.group_size, sampling.__class__(**{**sampling.__dict__, "seed": seed}), enc)
         seconds = time.perf_counter() - started
         rows[label] = {"seconds": seconds, "tokens": sum(len(s.tokens) for s in samples),
-                       "compile_s": g.compile_seconds}
+                       "compile_s": g.compile_seconds, "prefill_s": g.prefill_seconds, "decode_s": g.decode_seconds,
+                       "bucket": list(g.bucket)}
     stops = list(stop_ids(enc, True))
     with tempfile.TemporaryDirectory() as tmp:
         export_checkpoint(args.checkpoint, Path(tmp) / "hf")
@@ -74,7 +75,11 @@ def main() -> None:
     print("| path | seconds | completion tokens | tokens/s |\n|---|---|---|---|")
     for k, v in table.items():
         print(f"| {k} | {v['seconds']:.2f} | {v['tokens']} | {v['tokens_per_s']:.0f} |")
-    print(f"ours / transformers: {table['ours']['vs_hf']:.1f}x (ours compiled once first: {rows['untimed']['compile_s']:.1f} s)")
+    ours = table["ours"]
+    print(f"ours / transformers: {ours['vs_hf']:.1f}x (ours compiled once first: {rows['untimed']['compile_s']:.1f} s); "
+          f"ours: prefill {ours['prefill_s']:.2f} s, decode loop {ours['decode_s']:.2f} s, the rest (tokenizing, "
+          f"rewards' text) {ours['seconds'] - ours['prefill_s'] - ours['decode_s']:.2f} s; bucket (rows, prompt, "
+          f"length) {tuple(ours['bucket'])}, transformers prefills {width} positions")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": table,
                                                "compile_s": rows["untimed"]["compile_s"]}, indent=2))
