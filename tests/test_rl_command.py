@@ -53,11 +53,19 @@ def adapters(run):
     return restore_params_to_host(step_dir, stored)
 
 
-def test_rl_run_logs_resumes_exactly_and_exports_the_adapter(base, tmp_path):
+@pytest.fixture(scope="module")
+def two_steps(base, tmp_path_factory):
+    """A 2-step run on one device."""
+    out = tmp_path_factory.mktemp("rl-run") / "a"
+    assert rl(base, out, "--steps", "2") == 0
+    return out
+
+
+def test_rl_run_logs_resumes_exactly_and_exports_the_adapter(base, two_steps, tmp_path):
     from train.generation.generator import load_for_generation
 
-    assert rl(base, tmp_path / "a", "--steps", "2") == 0
-    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    run = two_steps
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
     for key in ("reward", "reward_std", "reward/exact:answer", "frac_reward_zero_std", "completion_length",
@@ -68,21 +76,21 @@ def test_rl_run_logs_resumes_exactly_and_exports_the_adapter(base, tmp_path):
     assert train[0]["logp_diff/sampler_vs_trainer_max"] <= 2e-5
     assert train[0]["completions"] == 6 and train[0]["entropy"] > 0
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]
-    assert (tmp_path / "a" / "plots" / "rewards.png").is_file()
-    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert (run / "plots" / "rewards.png").is_file()
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["decoder_compilations"] == 4        # sampled and greedy: prefill + decode each, once
 
     assert rl(base, tmp_path / "b", "--steps", "1") == 0
     assert main(["rl", "--out", str(tmp_path / "b"), "--resume", "--steps", "2"]) == 0
-    a, b = adapters(tmp_path / "a"), adapters(tmp_path / "b")
+    a, b = adapters(run), adapters(tmp_path / "b")
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
     assert any(np.abs(v).max() > 0 for k, v in a.items() if "lora_B" in k)
 
     assert main(["export", "--checkpoint", str(base / "base"), "--out", str(tmp_path / "hf_base")]) == 0
-    assert main(["export", "--checkpoint", str(tmp_path / "a"), "--adapter", "--out", str(tmp_path / "adapter"),
+    assert main(["export", "--checkpoint", str(run), "--adapter", "--out", str(tmp_path / "adapter"),
                  "--base-model", str(tmp_path / "hf_base")]) == 0
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
-    model, _ = load_for_generation(tmp_path / "a")      # the run's checkpoint loads for generation
+    model, _ = load_for_generation(run)      # the run's checkpoint loads for generation
     assert any("lora_B" in n for n, _ in model.named_parameters())
 
 
@@ -112,3 +120,31 @@ def test_rl_config_file_takes_rl_fields_and_names_an_unknown_one(tmp_path):
     assert load_config_file(str(good)) == {"group_size": 4, "beta": 0.04}
     with pytest.raises(UserError, match=r"bad.json: unknown field\(s\) warmup_steps"):
         load_config_file(str(bad))
+
+
+def test_rl_on_a_mesh_equals_one_device(base, two_steps, tmp_path):
+    """The same LoRA run (beta > 0: the reference is the base with the adapters off; mu = 2) on
+    fsdp=2 over 2 simulated devices, in a subprocess: rollouts sampled on the mesh, the update
+    sharded, the greedy held-out evaluation on the mesh; its adapters equal one device's after 2
+    steps."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
+    script = ("import sys; from tests.test_rl_command import rl; from pathlib import Path; "
+              "sys.exit(rl(Path(sys.argv[1]), Path(sys.argv[2]), '--steps', '2', '--mesh', 'fsdp=2'))")
+    proc = subprocess.run([sys.executable, "-c", script, str(base), str(tmp_path / "mesh")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the decode loop under mesh fsdp=2" in proc.stdout
+    one, mesh = adapters(two_steps), adapters(tmp_path / "mesh")
+    assert set(one) == set(mesh)
+    worst = max(float(np.abs(mesh[k] - v).max() / max(np.abs(v).max(), 1e-12)) for k, v in one.items())
+    assert worst < 1e-5, worst
+    rewards = [[json.loads(line)["reward"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["kind"] == "train"] for run in (two_steps, tmp_path / "mesh")]
+    assert rewards[0] == rewards[1]          # the same completions were sampled

@@ -65,9 +65,6 @@ class RLConfig:
         if not isinstance(self.group_size, int) or self.group_size < 2:
             raise UserError(f"rl: group_size must be an integer >= 2 (advantages compare a group's completions), "
                             f"found {self.group_size!r}")
-        if (self.prompts_per_step * self.group_size) % self.micro_batches:
-            raise UserError(f"rl: micro_batches {self.micro_batches} must divide the {self.prompts_per_step} x "
-                            f"{self.group_size} completions of a step")
         if not self.temperature > 0:
             raise UserError(f"rl: temperature must be > 0 (sampling), found {self.temperature!r}")
         if not 0 < self.top_p <= 1 or self.top_k < 0:

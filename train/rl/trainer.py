@@ -246,12 +246,17 @@ class RLTrainer:
         return batch, metrics
 
     def _pack(self, samples, advantages) -> tuple[dict, list]:
+        from jax_bridge import sharding
+        from jax_bridge.decoding import round_up
         from jax_bridge.policy_gradient import ADVANTAGES
         from train.rl.batch import Rollout, pack_rollouts, rows_for
 
         cfg = self.cfg
         rollouts = [Rollout(s.prompt.tokens, s.tokens, float(a), s.truncated) for s, a in zip(samples, advantages)]
-        rows = rows_for(len(rollouts), cfg.seq_len, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        # Whole micro-batches with whole rows per batch shard: padding rows (no segment, weight 0)
+        # add nothing to the loss or its normalisers.
+        multiple = cfg.micro_batches * (1 if self.mesh is None else sharding.batch_shards(self.mesh))
+        rows = round_up(rows_for(len(rollouts), cfg.seq_len, cfg.max_prompt_tokens, cfg.max_new_tokens), multiple)
         # logp_old and ref_logps are added by _log_probabilities, from the step's own forward
         return pack_rollouts(rollouts, rows, cfg.seq_len, (ADVANTAGES,), cfg.mask_truncated), rollouts
 
@@ -279,7 +284,7 @@ class RLTrainer:
         import jax
 
         started = time.perf_counter()
-        micro = self.cfg.micro_batches       # rows = completions (one per row): micro divides them
+        micro = self.cfg.micro_batches       # the rows were padded to a multiple of it (_pack)
         stacked = {k: v.reshape(micro, v.shape[0] // micro, *v.shape[1:]) for k, v in batch.items()}
         per_iteration = []
         for _ in range(self.cfg.iterations):
