@@ -217,11 +217,16 @@ class Decoder:
     def _empty_cache(self, batch: int, length: int) -> kv_cache.KVCache:
         return empty_cache(self.env, self.cfg, batch, length, COMPUTE_DTYPES[self.compute_dtype])
 
-    def _prefill(self, params, ids, positions, active, values, key, *, length: int, mode: SamplingMode):
-        batch, prompt = ids.shape
-        cache = self._empty_cache(batch, length)
+    def _prefill(self, params, ids, positions, active, values, key, *, length: int, mode: SamplingMode,
+                 repeat: int = 1):
+        rows, prompt = ids.shape
+        cache = self._empty_cache(rows, length)
         logits, cache = self._forward_cached(params, ids, positions, cache, jnp.int32(0), self.kernels,
-                                             self.layout("prefill", batch * prompt))
+                                             self.layout("prefill", rows * prompt))
+        if repeat > 1:      # each prompt's `repeat` samples share its prefill: rows copied, prompt-major
+            logits, cache, ids, positions, active = jax.tree.map(
+                lambda x: jnp.repeat(x, repeat, axis=0), (logits, cache, ids, positions, active))
+        batch = rows * repeat
         prompt_tokens = jnp.where(positions >= 0, ids, -1)
         seen = mark_seen(jnp.zeros((batch, self.cfg.vocab_size if mode.penalty else 1), bool),
                          prompt_tokens if mode.penalty else jnp.full_like(ids, -1))
@@ -312,9 +317,12 @@ class Decoder:
             self.compilations.append(Compilation(program, bucket, time.perf_counter() - started, from_cache))
         return self._programs[key]
 
-    def prefill_program(self, batch: int, prompt: int, length: int, mode: SamplingMode, n_stop: int):
+    def prefill_program(self, batch: int, prompt: int, length: int, mode: SamplingMode, n_stop: int,
+                        repeat: int = 1):
+        """The prefill of `batch` prompt rows; with `repeat` G, each continued G times: the
+        program's state has batch x G rows (prompt i's at i*G .. i*G + G - 1)."""
         def build():
-            fn = jax.jit(lambda *a: self._prefill(*a, length=length, mode=mode))
+            fn = jax.jit(lambda *a: self._prefill(*a, length=length, mode=mode, repeat=repeat))
             params = self.params_for(self.layout("prefill", batch * prompt))
             rows, whole = self._sharding(True), self._sharding(False)
             key = jax.random.key_data(jax.random.key(0))
@@ -322,7 +330,7 @@ class Decoder:
                     _spec((batch,), jnp.bool_, rows), _values_spec(n_stop, self.cfg.vocab_size, whole),
                     _spec(key.shape, key.dtype, whole))
             return fn.lower(*args).compile(self.compiler_options)
-        return self._compiled("prefill", (batch, prompt, length, mode, n_stop), build)
+        return self._compiled("prefill", (batch, prompt, length, mode, n_stop, repeat), build)
 
     def decode_collectives(self) -> dict:
         """{bucket: loop_collectives(program)} of each compiled decode program."""

@@ -82,12 +82,14 @@ class Plan:
 
 
 class RolloutShape(NamedTuple):
-    """What one RL rollout decodes: `completions` rows together (prompts per step x group size),
-    prompts of at most `prompt_tokens`, at most `new_tokens` each, sampled at temperature T with
-    `top_k` / `top_p` (the sampled tokens' log-probabilities and entropies kept, as `rl` asks)."""
+    """What one RL rollout decodes: `completions` rows together (prompts per step x group size
+    G: each prompt prefilled once, its cache copied G times), prompts of at most `prompt_tokens`,
+    at most `new_tokens` each, sampled at temperature T with `top_k` / `top_p` (the sampled
+    tokens' log-probabilities and entropies kept, as `rl` asks)."""
     completions: int
     prompt_tokens: int
     new_tokens: int
+    group_size: int = 8
     top_k: int = 0
     top_p: float = 1.0
 
@@ -113,7 +115,9 @@ class RolloutPlan:
     completions: int
     prompt_tokens: int
     new_tokens: int
-    batch: int                       # rows per program (bucketed; global under a mesh)
+    group_size: int
+    prompt_rows: int                 # rows the prefill computes (bucketed; global under a mesh)
+    batch: int                       # rows decoded: prompt_rows x group_size
     prompt_len: int                  # the prompt bucket
     length: int                      # prompt bucket + new tokens, bucketed: the KV cache's positions
     kernels: dict
@@ -294,15 +298,20 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     from torch_model.kv_cache import cache_slots
     from torch_model.model import keeps_float32
 
+    group = shape.group_size
+    if shape.completions % group:
+        raise ValueError(f"rollout: {shape.completions} completions must be a multiple of the group size {group}")
+    prompts = shape.completions // group
     if device_mesh is None:
-        if shape.completions % len(devices):
-            raise ValueError(f"rollout: {shape.completions} completions must be a multiple of the {len(devices)} chips "
+        if prompts % len(devices):
+            raise ValueError(f"rollout: {prompts} prompts must be a multiple of the {len(devices)} chips "
                              "(each chip decodes its share)")
-        mesh, rows = sharding.make_mesh(None, devices[:1]), shape.completions // len(devices)
+        mesh, prompts = sharding.make_mesh(None, devices[:1]), prompts // len(devices)
     else:
-        mesh, rows = device_mesh, shape.completions
-    batch, prompt_len, length = decoding.buckets(rows, shape.prompt_tokens, shape.new_tokens,
-                                                 sharding.batch_shards(mesh))
+        mesh = device_mesh
+    prompt_rows, prompt_len, length = decoding.buckets(prompts, shape.prompt_tokens, shape.new_tokens,
+                                                       sharding.batch_shards(mesh))
+    batch = prompt_rows * group
     flat = abstract_params(model)
     placed = sharding.state_shardings(flat, mesh)
     params = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if keeps_float32(n) else step.compute_dtype, sharding=placed[n])
@@ -322,13 +331,14 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     slots = sum(cache_slots(cfg, layer, length) for layer in range(cfg.n_layers))
     kv_bytes = 2 * batch * cfg.n_kv_heads * cfg.head_dim * slots * np.dtype(step.compute_dtype).itemsize
     out = RolloutPlan(completions=shape.completions, prompt_tokens=shape.prompt_tokens, new_tokens=shape.new_tokens,
-                      batch=batch, prompt_len=prompt_len, length=length, kernels=dict(decoder.decode_kernels),
+                      group_size=group, prompt_rows=prompt_rows, batch=batch, prompt_len=prompt_len, length=length, kernels=dict(decoder.decode_kernels),
                       param_bytes=per_chip_bytes(params), own_bytes=per_chip_bytes(own), reference_bytes=reference,
                       cache_bytes=kv_bytes // sharding.batch_shards(mesh), prefill=ProgramMemory(),
                       decode=ProgramMemory())
     mode = SamplingMode(greedy=False, top_k=shape.top_k, top_p=shape.top_p < 1, penalty=False, logprobs=True)
     n_stop = decoding.stop_slots(3)          # harmony's <|return|>, <|end|>, <|call|> (or EOS)
-    out.prefill, prefill = _compiled_memory(lambda: decoder.prefill_program(batch, prompt_len, length, mode, n_stop))
+    out.prefill, prefill = _compiled_memory(lambda: decoder.prefill_program(prompt_rows, prompt_len, length, mode,
+                                                                            n_stop, repeat=group))
     if prefill is None:
         return out
     out.decode, decode = _compiled_memory(lambda: decoder.decode_program(batch, length, mode, n_stop,
@@ -501,9 +511,10 @@ def format_rollout(r: dict, hbm_bytes: int) -> list[str]:
                 f"{gib(m['total_bytes'])}; compiled in {m['compile_s']} s")
 
     kernels = ", ".join(f"{op}={name}" for op, name in r["kernels"].items())
-    lines = [f"  rollout: {r['completions']} completions (prompts <= {r['prompt_tokens']} tokens, <= {r['new_tokens']} "
-             f"new, sampled with log-probabilities and entropies): programs of {r['batch']} rows, prompt bucket "
-             f"{r['prompt_len']}, KV cache {r['length']} positions; kernels {kernels}",
+    lines = [f"  rollout: {r['completions']} completions, G {r['group_size']} per prompt (prompts <= {r['prompt_tokens']} "
+             f"tokens, <= {r['new_tokens']} new, sampled with log-probabilities and entropies): prefill of "
+             f"{r['prompt_rows']} prompt rows (bucket {r['prompt_len']}) copied G times, decode loop of {r['batch']} rows, "
+             f"KV cache {r['length']} positions; kernels {kernels}",
              f"    per chip: decoder parameters {gib(r['param_bytes'])} ({gib(r['own_bytes'])} its own copies, the "
              f"rest the train state's buffers), KV cache {gib(r['cache_bytes'])}"
              + (f", KL reference copy {gib(r['reference_bytes'])}" if r["reference_bytes"] else ""),

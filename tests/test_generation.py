@@ -105,10 +105,28 @@ def test_one_compilation_per_bucket_whatever_the_lengths(generator):
     assert first.bucket == again.bucket == bucket
     greedy = GREEDY.mode(VOCAB)
     compiled = [c.program for c in generator.decoder.compilations
-                if (c.program, c.bucket[:-1]) in {("prefill", (*bucket, greedy)), ("decode", (4, 64, greedy))}]
+                if (c.program, c.bucket[:4]) in {("prefill", (*bucket, greedy)), ("decode", (4, 64, greedy, 4))}]
     assert sorted(compiled) == ["decode", "prefill"], generator.decoder.compilations
     assert again.compile_seconds == 0 and again.compilations == []
     assert len(again.tokens[0]) == 32 and first.decode_steps == 9
+
+
+def test_samples_per_prompt_share_one_prefill_and_equal_the_prompts_repeated(trained, generator):
+    """G samples per prompt (RL's groups): the prefill runs once per prompt (its rows bucketed from
+    the prompt count) and its cache is copied G times; greedy, that equals the prompts repeated."""
+    prompts = prompts_around_the_window()[:3]
+    repeated = [p for p in prompts for _ in range(2)]
+    _, margins = eager_greedy(trained[2], repeated, NEW)
+    want = generator.generate(repeated, GREEDY)
+    before = len(generator.decoder.compilations)
+    got = generator.generate(prompts, GREEDY, samples_per_prompt=2)
+    assert_greedy_equal(got.tokens, want.tokens, margins)
+    assert got.bucket == want.bucket == (8, 32, 64) and got.rows == 6
+    assert [(c.program, c.bucket[0], c.bucket[-1]) for c in generator.decoder.compilations[before:]] == \
+        [("prefill", 4, 2)]             # 4 prompt rows, copied twice; the decode loop of 8 rows is reused
+    sampled = generator.generate(prompts, SamplingConfig(max_new_tokens=16, temperature=1.0, seed=3),
+                                 samples_per_prompt=2).tokens
+    assert len(sampled) == 6 and any(sampled[2 * i] != sampled[2 * i + 1] for i in range(3))
 
 
 def test_streaming_delivers_every_token_once_in_order(generator):

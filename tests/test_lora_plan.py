@@ -55,7 +55,8 @@ def test_plan_rl_compiles_the_update_step_and_the_rollout_decoder_for_tpu(tmp_pa
     out = tmp_path / "plan.json"
     plan_args = [a if a != "none" else "fsdp=4" for a in PLAN]
     rc = main([*plan_args, "--rl", "--rl-beta", "0.04", "--rl-iterations", "2", "--rollout-completions", "8",
-               "--rollout-prompt-tokens", "40", "--rollout-new-tokens", "16", "--json", str(out)])
+               "--rollout-group-size", "2", "--rollout-prompt-tokens", "40", "--rollout-new-tokens", "16",
+               "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "packed rollouts (GRPO update: loss=dapo" in printed and "layers looped" in printed
@@ -64,8 +65,9 @@ def test_plan_rl_compiles_the_update_step_and_the_rollout_decoder_for_tpu(tmp_pa
     assert plan["rl"].startswith("loss=dapo,ratio=token,beta=0.04,iterations=2") and plan["packed"]
     assert plan["fits"] and not plan["scan_layers"]
     r = plan["rollout"]
-    # 8 completions on the 4 batch shards; prompts 40 -> a 64 bucket, 64 + 16 -> 128 cache positions
-    assert (r["completions"], r["batch"], r["prompt_len"], r["length"]) == (8, 8, 64, 128)
+    # 4 prompts x G 2 on the 4 batch shards: 4 prompt rows prefilled, 8 rows decoded; prompts 40 ->
+    # a 64 bucket, 64 + 16 -> 128 cache positions
+    assert (r["completions"], r["prompt_rows"], r["batch"], r["prompt_len"], r["length"]) == (8, 4, 8, 64, 128)
     # The decoder takes the policy in bf16: the frozen base is the train step's own buffers (the
     # same shards), the adapters its own bf16 copies of the float32 masters; no KL copy with LoRA.
     assert r["param_bytes"] - r["own_bytes"] == plan["frozen_bytes"]

@@ -89,11 +89,13 @@ class Generator:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig = SamplingConfig(), *,
                  on_tokens: Callable[[list[list[int]]], None] | None = None,
-                 stream_every: int | None = None) -> Generation:
-        """Continue each prompt (a list of token ids). `on_tokens(new)` receives, per prompt, the
-        tokens produced since its previous call: after the first token and then every
-        `stream_every` decode steps (default: once, at the end). It may return the indices of
-        rows to end there (a stop string seen in their text): they produce nothing more."""
+                 stream_every: int | None = None, samples_per_prompt: int = 1) -> Generation:
+        """Continue each prompt (a list of token ids); with `samples_per_prompt` G, G times each
+        (rows prompt-major: prompt i's samples are rows i*G .. i*G + G - 1), its prefill computed
+        once and its KV cache copied G times. `on_tokens(new)` receives, per row, the tokens
+        produced since its previous call: after the first token and then every `stream_every`
+        decode steps (default: once, at the end). It may return the indices of rows to end there
+        (a stop string seen in their text): they produce nothing more."""
         import jax
         import numpy as np
 
@@ -104,23 +106,27 @@ class Generator:
         prompts = [list(p) for p in prompts]
         _check_request(cfg, prompts, sampling, stream_every)
         longest, n_new = max(len(p) for p in prompts), sampling.max_new_tokens
-        rows = len(prompts)
-        batch, prompt_len, length = buckets(rows, longest, n_new, decoder.batch_shards)
+        if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
+            raise ValueError(f"generate: samples_per_prompt must be a positive integer, found {samples_per_prompt!r}")
+        group = samples_per_prompt
+        rows = len(prompts) * group
+        prompt_rows, prompt_len, length = buckets(len(prompts), longest, n_new, decoder.batch_shards)
+        batch = prompt_rows * group
         mode = sampling.mode(cfg.vocab_size)
         n_stop = stop_slots(len(sampling.stop_tokens))
         before = len(decoder.compilations)
-        prefill = decoder.prefill_program(batch, prompt_len, length, mode, n_stop)
+        prefill = decoder.prefill_program(prompt_rows, prompt_len, length, mode, n_stop, repeat=group)
         decode = decoder.decode_program(batch, length, mode, n_stop, prefill.out_info)
         compiled = decoder.compilations[before:]
 
         started = time.perf_counter()                  # time to first token: from here, compilation done
-        ids, positions = left_pad(prompts + [[]] * (batch - rows), prompt_len)
-        active = np.arange(batch) < rows
+        ids, positions = left_pad(prompts + [[]] * (prompt_rows - len(prompts)), prompt_len)
+        active = np.arange(prompt_rows) < len(prompts)
         values = sampling_values(sampling.temperature or 1.0, sampling.top_p, sampling.repetition_penalty,
                                  sampling.stop_tokens, n_stop, self.allowed)
         args = decoder.place_inputs(ids.numpy().astype(np.int32), positions.numpy().astype(np.int32), active, values,
                                     jax.random.PRNGKey(sampling.seed))
-        state = prefill(decoder.params_for(decoder.layout("prefill", batch * prompt_len)), *args)
+        state = prefill(decoder.params_for(decoder.layout("prefill", prompt_rows * prompt_len)), *args)
         tokens = np.asarray(state.tokens)
         prefill_seconds = time.perf_counter() - started
         emitted = 1

@@ -47,8 +47,7 @@ def sample_groups(generator, prompts: list[Prompt], group_size: int, sampling: S
     chat = prompts[0].chat
     stops = stop_ids(enc, chat)
     sampling = dataclasses.replace(sampling, stop_tokens=stops, logprobs=True)
-    requests = [p.tokens for p in prompts for _ in range(group_size)]
-    gen = generator.generate(requests, sampling)
+    gen = generator.generate([p.tokens for p in prompts], sampling, samples_per_prompt=group_size)
     samples = []
     for i, (tokens, stopped) in enumerate(zip(gen.tokens, gen.stopped)):
         prompt = prompts[i // group_size]

@@ -56,6 +56,9 @@ def add_arguments(parser) -> None:
                              "whether both fit beside the train state")
     parser.add_argument("--rollout-completions", type=int, default=None,
                         help="--rl: completions decoded together, prompts per step x group size (default: --batch-size)")
+    parser.add_argument("--rollout-group-size", type=int, default=8,
+                        help="--rl: completions per prompt, G (default 8, rl's --group-size); each prompt is "
+                             "prefilled once")
     parser.add_argument("--rollout-prompt-tokens", type=int, default=512,
                         help="--rl: the longest prompt (default 512, rl's --max-prompt-tokens)")
     parser.add_argument("--rollout-new-tokens", type=int, default=256,
@@ -76,8 +79,8 @@ def run(args) -> int:
         get_preset(args.preset)
     except ConfigError as e:
         raise UserError(str(e)) from None
-    for name in ("seq_len", "batch_size", "micro_batches", "layers", "rollout_completions", "rollout_prompt_tokens",
-                 "rollout_new_tokens"):
+    for name in ("seq_len", "batch_size", "micro_batches", "layers", "rollout_completions", "rollout_group_size",
+                 "rollout_prompt_tokens", "rollout_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, found {value}")
@@ -93,7 +96,7 @@ def run(args) -> int:
         except ConfigError as e:
             raise UserError(str(e)) from None
         rollout = RolloutShape(args.rollout_completions or args.batch_size, args.rollout_prompt_tokens,
-                               args.rollout_new_tokens)
+                               args.rollout_new_tokens, args.rollout_group_size)
         scan_layers = False         # rl's update step loops over the layers
     if args.find_slice:
         if rl is not None:
