@@ -72,7 +72,7 @@ def train_losses(run_dir) -> dict[int, float]:
 def reference(root):
     """The uninterrupted run every resumed run must reproduce, bit for bit."""
     out = root / "reference"
-    summary = run_training(config(root, out, tensorboard=True), show_progress=False)
+    summary = run_training(config(root, out, tensorboard=True, profile_steps="20:22"), show_progress=False)
     losses = train_losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1)) and summary["steps"] == STEPS
     return out, losses
@@ -133,6 +133,17 @@ def test_reference_run_writes_checkpoints_metrics_plots_and_tensorboard(referenc
     assert {p.name for p in (out / "plots").iterdir()} >= {"loss.png", "lr.png", "grad_norm.png", "throughput.png",
                                                            "expert_load.png"}
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
+    # --profile-steps 20:22: one jax.profiler trace (the resumed runs below reproduce this run's
+    # losses without it: tracing changes nothing)
+    [traced] = [r for r in records if r["kind"] == "profile"]
+    assert traced["step"] == 22 and traced["steps"] == [20, 22] and traced["files"]
+    assert all((out / "profile" / f).stat().st_size > 0 for f in traced["files"])
+
+
+@pytest.mark.parametrize("spec", ["3", "5:2", "0:4", "50:70"])
+def test_profile_steps_out_of_range_are_one_line_errors(root, spec):
+    with pytest.raises(UserError, match="profile_steps"):
+        config(root, root / "never", profile_steps=spec)
 
 
 def test_resume_after_a_data_error_is_bit_exact(root, reference, monkeypatch):

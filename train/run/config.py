@@ -54,6 +54,7 @@ class TrainConfig:
     adapter_optimizer: str = "muon"   # LoRA adapters of linear layers: muon | adamw (expert adapters: adamw)
     ns_dtype: str = "float32"      # Muon's Newton-Schulz iteration: float32 | bfloat16 (faster on TPU)
     dpo: str = ""                  # DPO on preference pairs, e.g. "beta=0.1,loss=sigmoid,label_smoothing=0"
+    profile_steps: str = ""        # "A:B": a jax.profiler trace of steps A..B into OUT/profile (train/run/profiling.py)
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "micro_batches", "eval_every", "eval_tasks_limit", "log_every", "checkpoint_every",
@@ -124,6 +125,10 @@ class TrainConfig:
                 raise UserError("config: dpo needs init_from (--init-from), the model whose answers it prefers "
                                 "and the reference it is held to (a checkpoint or a Hugging Face directory)")
 
+        from train.run.profiling import parse_profile_steps
+
+        parse_profile_steps(self.profile_steps, self.steps)
+
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
 
@@ -135,7 +140,7 @@ class TrainConfig:
 # run would not continue the same training (model, data, batch, sequence, optimizer, schedule).
 CHANGEABLE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "eval_tasks", "eval_tasks_limit", "checkpoint_every", "keep_checkpoints",
                         "tensorboard", "max_consecutive_skips", "host_timeout_s", "samples", "sample_tokens", "temperature", "top_k",
-                        "kernels", "kernel_options", "mesh", "remat", "out", "resume", "init_from")
+                        "kernels", "kernel_options", "mesh", "remat", "profile_steps", "out", "resume", "init_from")
 
 
 def resumed_config(saved: dict, explicit: dict, where: str) -> TrainConfig:

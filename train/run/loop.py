@@ -39,6 +39,7 @@ def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progres
 
 def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict:
     from train.cluster.preemption import StopSignals
+    from train.run.profiling import StepProfiler
     from train.run.trainer import Trainer, resume_point
 
     from jax_bridge.distributed import say
@@ -49,12 +50,19 @@ def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict
               f"(pass a larger --steps to extend it)")
         return {"steps": meta["step"], "already_finished": True, "checkpoint": str(resume_dir)}
     trainer = Trainer(cfg, resume_dir, meta, explicit=explicit, show_progress=show_progress)
+    profiler = StepProfiler(cfg.profile_steps, trainer.out / "profile", cfg.steps)
     try:
         with StopSignals() as stop:
             if trainer.done == 0:
                 trainer.evaluate()
             while trainer.done < cfg.steps:
+                profiler.before(trainer.done + 1)
                 metrics = trainer.train_step(trainer.next_batch())
+                traced = profiler.after(trainer.done, metrics)
+                if traced is not None:
+                    trainer.write_record(traced)
+                    say(f"profile: steps {traced['steps'][0]}-{traced['steps'][1]} traced into {traced['directory']} "
+                        f"(tensorboard --logdir {traced['directory']})")
                 if trainer.is_log_step():
                     trainer.log(metrics)
                 if trainer.done % cfg.eval_every == 0 or trainer.done == cfg.steps:
@@ -65,6 +73,7 @@ def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict
                     return trainer.stop(stop.reason)
             return trainer.finish()
     finally:
+        profiler.close()
         trainer.close()
 
 
@@ -74,7 +83,7 @@ _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": in
           "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "eval_tasks": str, "eval_tasks_limit": int, "samples": int,
           "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
           "max_consecutive_skips": int, "host_timeout_s": int, "mesh": str, "remat": str, "lora": str,
-          "adapter_optimizer": str, "ns_dtype": str, "dpo": str}
+          "adapter_optimizer": str, "ns_dtype": str, "dpo": str, "profile_steps": str}
 _SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",
              "tensorboard": "also write TensorBoard event files to OUT/tensorboard",
              "truncate": "chat data: cut a conversation longer than a row to one row (default: drop it)"}

@@ -225,7 +225,7 @@ class Trainer:
                     f"({'truncated' if self.cfg.truncate else 'dropped'})") if summary["too_long"] else ""
         say(f"packing: {what} into {summary['rows']:,} rows of {self.cfg.seq_len + 1} tokens per epoch, "
             f"efficiency {summary['efficiency']:.1%} (real tokens / row tokens){too_long}")
-        self._write({"kind": "packing", "step": self.done, **summary})
+        self.write_record({"kind": "packing", "step": self.done, **summary})
 
     # ---- setup ------------------------------------------------------------------------------
     def _preference_config(self):
@@ -467,7 +467,7 @@ class Trainer:
         if "expert_fraction" in values:
             record["expert_load"] = expert_load(values["expert_fraction"])
         self._skipped_since_log = 0
-        self._write(record)
+        self.write_record(record)
         self._write_finished_checkpoints()
         self.bar.set_postfix(loss=f"{float(values['loss']):.3f}", tok_s=f"{tok_s or 0:,.0f}")
         self._stop_if_diverged()
@@ -480,7 +480,7 @@ class Trainer:
             result = self.evaluator(self.step.full_params(self.state.params))
             if self.task_evaluator is not None:
                 result.update(self._task_scores())
-        self._write({"kind": "eval", "step": self.done, **result})
+        self.write_record({"kind": "eval", "step": self.done, **result})
         if self.done and self.primary and self.preference is not None:
             self.bar.write(f"step {self.done}: held-out pairs {result['val_pairs']}: DPO loss {result['val_loss']:.4f}, "
                            f"reward accuracy {result['val_rewards/accuracies']:.1%}, margin "
@@ -546,17 +546,18 @@ class Trainer:
     def _write_finished_checkpoints(self) -> None:
         for record in [r for r in self.checkpoints.records if r.total_s is not None]:
             self.checkpoints.records.remove(record)
-            self._write({"kind": "checkpoint", "step": record.step, "blocking_s": record.blocking_s,
+            self.write_record({"kind": "checkpoint", "step": record.step, "blocking_s": record.blocking_s,
                          "write_s": record.total_s, "bytes": record.bytes})
 
-    def _write(self, record: dict) -> None:
+    def write_record(self, record: dict) -> None:
+        """One record into metrics.jsonl (process 0)."""
         if self.metrics is not None:
             self.metrics.write(record)
 
     # ---- the end ------------------------------------------------------------------------------
     def stop(self, reason: str) -> dict:
         path = self.save(wait=True)
-        self._write({"kind": "stop", "step": self.done, "reason": reason})
+        self.write_record({"kind": "stop", "step": self.done, "reason": reason})
         self.bar.close()
         say(f"\n{reason}: stopped after step {self.done} of {self.cfg.steps}; checkpoint in {path}\n"
               f"continue with: torchlyra train --out {self.out} --resume")
