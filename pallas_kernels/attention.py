@@ -61,6 +61,7 @@ def attention_over_positions(qg, k, v, sinks, q_positions, k_positions, *, slidi
 # ==================================================================================================
 import dataclasses
 import functools
+from typing import NamedTuple
 import math
 
 import numpy as np
@@ -68,6 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.cost import cost_estimate
 from pallas_kernels.platform import (KernelMode, check_platform, dot_precision, kernel_mode, precision_name,
                                      with_matmul_precision)
 
@@ -182,33 +184,26 @@ def _live_tiles(cfg: _Cfg) -> int:
     return sum(hi - lo + 1 for lo, hi in (_kv_range(i, cfg) for i in range(cfg.nq)))
 
 
-def _cost_estimates(cfg: _Cfg, batch: int, q_heads: int, kv_heads: int, head_dim: int,
-                             itemsize: int) -> dict:
-    """pl.CostEstimate of the TPU forward, dq and dkv kernels (keys "fwd", "dq", "dkv"), from the
-    shapes, the block plan and the statically skipped tiles. Per live tile of bq x bkv: forward 2
-    matmuls (QK^T, PV), dq 3 (QK^T, dO V^T, dS K), dkv 4 (K Q^T, P^T dO, V dO^T, dS^T Q), each
-    2 bq bkv d FLOPs; one exp per score (+ the forward's per-row rescale and final log). Bytes:
-    what the block specs move between HBM and VMEM: the streamed operand's block once per live
-    tile (a skipped step re-uses the previous block: no DMA), the resident ones once per row of
-    blocks, row statistics in float32. With segment ids (cfg.segmented) the tiles skipped at run
-    time by the per-row bounds count as computed (worst case: the estimate is static)."""
-    bq, bkv, tp, d = cfg.block_q, cfg.block_kv, cfg.padded_len, head_dim
+class _Work(NamedTuple):
+    flops: int
+    transcendentals: int
+
+
+def _work(cfg: _Cfg, batch: int, q_heads: int, head_dim: int) -> dict:
+    """FLOPs and exps of the TPU forward, dq and dkv kernels (keys "fwd", "dq", "dkv"), from the
+    shapes, the block plan and the statically skipped tiles (their bytes are counted from the
+    block specs: pallas_kernels/cost.py). Per live tile of bq x bkv: forward 2 matmuls (QK^T, PV),
+    dq 3 (QK^T, dO V^T, dS K), dkv 4 (K Q^T, P^T dO, V dO^T, dS^T Q), each 2 bq bkv d FLOPs; one
+    exp per score (+ the forward's per-row rescale and final log). With segment ids
+    (cfg.segmented) the tiles skipped at run time by the per-row bounds count as computed (worst
+    case: the estimate is static)."""
+    bq, bkv, tp = cfg.block_q, cfg.block_kv, cfg.padded_len
     heads = batch * q_heads
     tiles = heads * _live_tiles(cfg)
-    per_tile = 2 * bq * bkv * d
-    q_bytes = heads * tp * d * itemsize          # q, o, dO, dq: one [B, Hq, Tp, D] array each
-    kv_bytes = batch * kv_heads * tp * d * itemsize
-    row_bytes = heads * tp * 4                   # lse or delta, float32
-    estimate = lambda flops, exps, nbytes: pl.CostEstimate(flops=int(flops), transcendentals=int(exps),
-                                                           bytes_accessed=int(nbytes))
-    return {
-        "fwd": estimate(2 * per_tile * tiles, tiles * (bq * bkv + bq) + heads * tp,
-                        2 * q_bytes + tiles * 2 * bkv * d * itemsize + row_bytes + q_heads * 4),
-        "dq": estimate(3 * per_tile * tiles, tiles * bq * bkv,
-                       3 * q_bytes + tiles * 2 * bkv * d * itemsize + 2 * row_bytes),
-        "dkv": estimate(4 * per_tile * tiles, tiles * bq * bkv,
-                        4 * kv_bytes + tiles * 2 * bq * (d * itemsize + 4)),
-    }
+    per_tile = 2 * bq * bkv * head_dim
+    return {"fwd": _Work(2 * per_tile * tiles, tiles * (bq * bkv + bq) + heads * tp),
+            "dq": _Work(3 * per_tile * tiles, tiles * bq * bkv),
+            "dkv": _Work(4 * per_tile * tiles, tiles * bq * bkv)}
 
 
 def attention_grid(seq_len: int, *, sliding_window: int, block_q: int, block_kv: int) -> dict:
@@ -465,15 +460,21 @@ def _tpu_call_kwargs(cfg: _Cfg):
 
 def _costs(cfg: _Cfg, q, k) -> dict:
     b, hq, _, d = q.shape
-    return _cost_estimates(cfg, b, hq, k.shape[1], d, q.dtype.itemsize)
+    return _work(cfg, b, hq, d)
 
 
 def _tpu_call(kernel, cfg: _Cfg, segs, seg_specs, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name,
-              cost_estimate=None):
+              inputs, cost):
     """pallas_call of a TPU attention kernel. With segments (segs = kv_lo, q_hi, ids as a column
     [B, Tp, 1] and as a row [B, 1, Tp]) the block bounds are scalar-prefetch arguments, which
-    every index_map receives after the grid indices, and the tile's ids two more inputs."""
-    common = dict(out_shape=out_shape, name=name, cost_estimate=cost_estimate, **_tpu_call_kwargs(cfg))
+    every index_map receives after the grid indices, and the tile's ids two more inputs.
+    `inputs`: the arrays the call takes (their shapes), `cost`: the kernel's FLOP estimate, whose
+    bytes are counted from the block plan (pallas_kernels/cost.py; with segments, the static
+    block ranges: the worst case, as the FLOPs)."""
+    seg_inputs = () if segs is None else segs[2:]
+    estimate = cost_estimate(grid, [*in_specs, *(seg_specs if segs is not None else ())], [*inputs, *seg_inputs],
+                             out_specs, out_shape, flops=cost.flops, transcendentals=cost.transcendentals)
+    common = dict(out_shape=out_shape, name=name, cost_estimate=estimate, **_tpu_call_kwargs(cfg))
     if segs is None:
         return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                               scratch_shapes=scratch_shapes, **common)
@@ -521,7 +522,7 @@ def _tpu_forward(cfg: _Cfg, q, k, v, sinks, segs=None):
                    jax.ShapeDtypeStruct((b, hq, 1, tp), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
                         pltpu.VMEM((bq, d), jnp.float32)],
-        name="attention_fwd", cost_estimate=_costs(cfg, q, k)["fwd"],
+        name="attention_fwd", inputs=(sinks, q, k, v), cost=_costs(cfg, q, k)["fwd"],
     )(sinks.astype(jnp.float32), q, k, v)
     return out, lse   # lse: [B, H, 1, Tp], the row layout the backward kernels read
 
@@ -556,7 +557,7 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
         out_specs=pl.BlockSpec((None, None, bq, d), q_map),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
-        name="attention_dq", cost_estimate=_costs(cfg, q, k)["dq"],
+        name="attention_dq", inputs=(q, k, v, do, lse4, delta4), cost=_costs(cfg, q, k)["dq"],
     )(q, k, v, do, lse4, delta4)
 
     q_steps = _q_steps(cfg)
@@ -589,7 +590,7 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
         out_specs=[pl.BlockSpec((None, None, bkv, d), k_map), pl.BlockSpec((None, None, bkv, d), k_map)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
-        name="attention_dkv", cost_estimate=_costs(cfg, q, k)["dkv"],
+        name="attention_dkv", inputs=(q, k, v, do, lse4, delta4), cost=_costs(cfg, q, k)["dkv"],
     )(q, k, v, do, lse4, delta4)
     return dq, dk, dv
 

@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.cost import cost_estimate
 from pallas_kernels.platform import KernelMode, check_platform, dot_precision, kernel_mode
 
 
@@ -267,20 +268,17 @@ def _tpu_forward(hidden, weight, lab_row, *, ignore_index, tiles: _Tiles, mode: 
     row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
     kernel = functools.partial(_tpu_fwd_kernel, v=v, bv=bv, cv=_chunks(bv, tiles.compute)[0],
                                ignore_index=ignore_index, cdt=cdt, precision=dot_precision(cdt))
+    grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
+    in_specs = [row, pl.BlockSpec((bn, h), lambda i, j: (i, 0)), pl.BlockSpec((bv, h), lambda i, j: (j, 0))]
+    out_specs, out_shape = [row, row], [jax.ShapeDtypeStruct((1, n), jnp.float32)] * 2
     nll, lse = pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
-        in_specs=[row,
-                  pl.BlockSpec((bn, h), lambda i, j: (i, 0)),
-                  pl.BlockSpec((bv, h), lambda i, j: (j, 0))],
-        out_specs=[row, row],
-        out_shape=[jax.ShapeDtypeStruct((1, n), jnp.float32)] * 2,
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((1, bn), jnp.float32)] * 3,
         compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, jnp.dtype(cdt).itemsize,
                                              tiles.compute, tiles.vmem_limit),
-        name="cross_entropy_fwd", cost_estimate=pl.CostEstimate(
-            flops=2 * n * v * h, transcendentals=n * v,
-            bytes_accessed=hidden.nbytes + pl.cdiv(n, bn) * weight.nbytes + 12 * n),
+        name="cross_entropy_fwd",
+        cost_estimate=cost_estimate(grid, in_specs, (lab_row, hidden, weight), out_specs, out_shape,
+                                    flops=2 * n * v * h, transcendentals=n * v),
         interpret=mode.pallas_interpret(),
     )(lab_row, hidden, weight)
     return nll, lse
@@ -298,36 +296,34 @@ def _tpu_backward(hidden, weight, lab_row, lse_row, ca_row, cb_row, *, tiles: _T
 
     # dh: token tiles in parallel, vocab tiles accumulated in VMEM.
     row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
+    grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
+    in_specs = [row] * 4 + [pl.BlockSpec((bn, h), lambda i, j: (i, 0)), pl.BlockSpec((bv, h), lambda i, j: (j, 0))]
+    out_spec, out_shape = pl.BlockSpec((bn, h), lambda i, j: (i, 0)), jax.ShapeDtypeStruct((n, h), hidden.dtype)
     dh = pl.pallas_call(
         functools.partial(_tpu_dh_kernel, v=v, bv=bv, cn=_chunks(bn, tiles.compute)[0], cdt=cdt, precision=prec),
-        grid=(pl.cdiv(n, bn), pl.cdiv(v, bv)),
-        in_specs=[row] * 4 + [pl.BlockSpec((bn, h), lambda i, j: (i, 0)),
-                              pl.BlockSpec((bv, h), lambda i, j: (j, 0))],
-        out_specs=pl.BlockSpec((bn, h), lambda i, j: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((n, h), hidden.dtype),
+        grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bn, h), jnp.float32), pltpu.VMEM((bn, 128), jnp.float32)],
         compiler_params=params,
-        name="cross_entropy_dh", cost_estimate=pl.CostEstimate(
-            flops=4 * n * v * h, transcendentals=n * v,
-            bytes_accessed=2 * hidden.nbytes + pl.cdiv(n, bn) * weight.nbytes + 16 * n),
+        name="cross_entropy_dh",
+        cost_estimate=cost_estimate(grid, in_specs, (*vectors, hidden, weight), out_spec, out_shape,
+                                    flops=4 * n * v * h, transcendentals=n * v),
         interpret=mode.pallas_interpret(),
     )(*vectors, hidden, weight)
 
     # dW: vocab tiles in parallel, token tiles accumulated in VMEM.
     row_t = pl.BlockSpec((1, bn), lambda jv, i: (0, i))
+    grid = (pl.cdiv(v, bv), pl.cdiv(n, bn))
+    in_specs = [row_t] * 4 + [pl.BlockSpec((bn, h), lambda jv, i: (i, 0)), pl.BlockSpec((bv, h), lambda jv, i: (jv, 0))]
+    out_spec, out_shape = pl.BlockSpec((bv, h), lambda jv, i: (jv, 0)), jax.ShapeDtypeStruct((v, h), weight.dtype)
     dw = pl.pallas_call(
         functools.partial(_tpu_dw_kernel, n=n, bn=bn, bv=bv, cv=_chunks(bv, tiles.compute)[0], cdt=cdt,
                           precision=prec),
-        grid=(pl.cdiv(v, bv), pl.cdiv(n, bn)),
-        in_specs=[row_t] * 4 + [pl.BlockSpec((bn, h), lambda jv, i: (i, 0)),
-                                pl.BlockSpec((bv, h), lambda jv, i: (jv, 0))],
-        out_specs=pl.BlockSpec((bv, h), lambda jv, i: (jv, 0)),
-        out_shape=jax.ShapeDtypeStruct((v, h), weight.dtype),
+        grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bv, h), jnp.float32)],
         compiler_params=params,
-        name="cross_entropy_dw", cost_estimate=pl.CostEstimate(
-            flops=4 * n * v * h, transcendentals=n * v,
-            bytes_accessed=2 * weight.nbytes + pl.cdiv(v, bv) * (hidden.nbytes + 16 * n)),
+        name="cross_entropy_dw",
+        cost_estimate=cost_estimate(grid, in_specs, (*vectors, hidden, weight), out_spec, out_shape,
+                                    flops=4 * n * v * h, transcendentals=n * v),
         interpret=mode.pallas_interpret(),
     )(*vectors, hidden, weight)
     return dh, dw

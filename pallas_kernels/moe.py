@@ -22,9 +22,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.cost import cost_estimate
 from pallas_kernels.platform import KernelMode, dot_precision, kernel_mode, precision_name, with_matmul_precision
 
 
@@ -127,6 +129,16 @@ def group_metadata(group_sizes, num_tiles: int, tm: int, *, visit_empty: bool = 
     tile = jnp.sum(jnp.where(mine, first[None, :] - (cum - counts)[None, :], 0), axis=1) + w
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
     return GroupMetadata(offsets, gid, tile.astype(jnp.int32), num_active[None].astype(jnp.int32))
+
+
+def balanced_metadata(m: int, num_groups: int, tm: int, *, visit_empty: bool = False) -> GroupMetadata:
+    """The metadata of an evenly routed batch (m // E rows per expert, the remainder to the
+    first ones): the layout the fused kernels' static cost estimates assume (routing is data)."""
+    sizes = np.full(num_groups, m // num_groups, np.int32)
+    sizes[:m % num_groups] += 1
+    with jax.ensure_compile_time_eval():
+        return GroupMetadata(*(np.asarray(a) for a in group_metadata(jnp.asarray(sizes), -(-m // tm), tm,
+                                                                          visit_empty=visit_empty)))
 
 
 def round_up(a: int, b: int) -> int:
@@ -360,23 +372,25 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
         def _store():
             _store_rows(y_ref, acc_ref[...] + b2_ref[...].astype(_F32), offsets, gids, tiles, w, tm)
 
+    grid = (num_items, nj)
+    in_specs = [pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0)),
+                pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
+                pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
+                pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], j, 0)),
+                pl.BlockSpec((None, 1, hdim), lambda w, j, o, g, t, a: (g[w], 0, 0))]
+    out_spec, out_shape = pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0)), \
+        jax.ShapeDtypeStruct((m, hdim), dtype)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, hdim), dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(num_items, nj),
-            in_specs=[pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0)),
-                      pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
-                      pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
-                      pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], j, 0)),
-                      pl.BlockSpec((None, 1, hdim), lambda w, j, o, g, t, a: (g[w], 0, 0))],
-            out_specs=pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0)),
-            scratch_shapes=[pltpu.VMEM((tm, hdim), _F32)]),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, grid=grid, in_specs=in_specs,
+                                               out_specs=out_spec, scratch_shapes=[pltpu.VMEM((tm, hdim), _F32)]),
         compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
-        name="moe_fused_fwd", cost_estimate=pl.CostEstimate(flops=num_items * tm * hdim * w2.shape[1] * 6,
-                                      transcendentals=num_items * tm * w2.shape[1] * 2,
-                                      bytes_accessed=2 * xp.nbytes + w1.nbytes + w2.nbytes),
+        name="moe_fused_fwd",
+        cost_estimate=cost_estimate(grid, in_specs, (xp, w1, b1, w2, b2), out_spec, out_shape,
+                                    flops=num_items * tm * hdim * w2.shape[1] * 6,
+                                    transcendentals=num_items * tm * w2.shape[1] * 2,
+                                    prefetch=balanced_metadata(m, w1.shape[0], tm)),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, xp, w1, b1, w2, b2)
 
@@ -412,22 +426,23 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
             _store_rows(dx_ref, acc_ref[...], offsets, gids, tiles, w, tm)
 
     row = pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0))
+    grid = (num_items, nj)
+    in_specs = [row, row,
+                pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
+                pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
+                pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], j, 0))]
+    out_shape = jax.ShapeDtypeStruct((m, hdim), dtype)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, hdim), dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(num_items, nj),
-            in_specs=[row, row,
-                      pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
-                      pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
-                      pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], j, 0))],
-            out_specs=row,
-            scratch_shapes=[pltpu.VMEM((tm, hdim), _F32)]),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, grid=grid, in_specs=in_specs, out_specs=row,
+                                               scratch_shapes=[pltpu.VMEM((tm, hdim), _F32)]),
         compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
-        name="moe_fused_dx", cost_estimate=pl.CostEstimate(flops=num_items * tm * hdim * w2.shape[1] * 10,
-                                      transcendentals=num_items * tm * w2.shape[1] * 2,
-                                      bytes_accessed=3 * xp.nbytes + w1.nbytes + w2.nbytes),
+        name="moe_fused_dx",
+        cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), row, out_shape,
+                                    flops=num_items * tm * hdim * w2.shape[1] * 10,
+                                    transcendentals=num_items * tm * w2.shape[1] * 2,
+                                    prefetch=balanced_metadata(m, w1.shape[0], tm)),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, xp, dy, w1, b1, w2)
 
@@ -490,24 +505,23 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
     w1_spec = pl.BlockSpec((None, hdim, 2 * ti), lambda j, w, o, g, t, a: (g[w], 0, j))
     b1_spec = pl.BlockSpec((None, 1, 2 * ti), lambda j, w, o, g, t, a: (g[w], 0, j))
     w2_spec = pl.BlockSpec((None, ti, hdim), lambda j, w, o, g, t, a: (g[w], j, 0))
+    grid, in_specs = (nj, num_items), [row, row, w1_spec, b1_spec, w2_spec]
+    out_specs = [w1_spec, b1_spec, w2_spec, pl.BlockSpec((None, None, 1, hdim), lambda j, w, o, g, t, a: (j, g[w], 0, 0))]
+    out_shape = (jax.ShapeDtypeStruct(w1.shape, w1.dtype), jax.ShapeDtypeStruct(b1.shape, bias1_dtype),
+                 jax.ShapeDtypeStruct(w2.shape, w2.dtype), jax.ShapeDtypeStruct((nj, num_groups, 1, hdim), bias2_dtype))
     dw1, db1, dw2, db2 = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct(w1.shape, w1.dtype),
-                   jax.ShapeDtypeStruct(b1.shape, bias1_dtype),
-                   jax.ShapeDtypeStruct(w2.shape, w2.dtype),
-                   jax.ShapeDtypeStruct((nj, num_groups, 1, hdim), bias2_dtype)),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(nj, num_items),
-            in_specs=[row, row, w1_spec, b1_spec, w2_spec],
-            out_specs=[w1_spec, b1_spec, w2_spec,
-                       pl.BlockSpec((None, None, 1, hdim), lambda j, w, o, g, t, a: (j, g[w], 0, 0))],
+            num_scalar_prefetch=4, grid=grid, in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((hdim, 2 * ti), _F32), pltpu.VMEM((1, 2 * ti), _F32),
                             pltpu.VMEM((ti, hdim), _F32), pltpu.VMEM((1, hdim), _F32)]),
         compiler_params=_fused_params(cfg, ("parallel", "arbitrary")),
-        name="moe_fused_dw", cost_estimate=pl.CostEstimate(flops=num_items * tm * hdim * w2.shape[1] * 12,
-                                      transcendentals=num_items * tm * w2.shape[1] * 2,
-                                      bytes_accessed=2 * nj * xp.nbytes + 2 * (w1.nbytes + w2.nbytes)),
+        name="moe_fused_dw",
+        cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), out_specs, out_shape,
+                                    flops=num_items * tm * hdim * w2.shape[1] * 12,
+                                    transcendentals=num_items * tm * w2.shape[1] * 2,
+                                    prefetch=balanced_metadata(m, num_groups, tm, visit_empty=True)),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta_all, xp, dy, w1, b1, w2)
     return dw1, db1, dw2, db2[0]

@@ -57,3 +57,22 @@ def openai_harmony_encoding(o200k_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIKTOKEN_ENCODINGS_BASE", str(o200k_dir))
         return harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def pallas_calls(fn, *args) -> list[dict]:
+    """The params of every pallas_call in fn's jaxpr (nested jaxprs included), in trace order."""
+    calls = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                calls.append(eqn.params)
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+    import jax
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return calls

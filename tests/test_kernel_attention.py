@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from helpers import rel_err
+from helpers import pallas_calls, rel_err
 from pallas_kernels.attention import (attention_grid, attention_pallas, attention_reference,
                                       attention_splash, default_block_sizes)
 
@@ -120,26 +120,9 @@ def test_splash_matches_reference():
         attention_splash(*args[:4], sliding_window=window, scale=1.0, platform="gpu")
 
 
-def _pallas_calls(fn, *args) -> list[dict]:
-    """The params of every pallas_call in fn's jaxpr (nested jaxprs included), in trace order."""
-    calls = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                calls.append(eqn.params)
-            for p in eqn.params.values():
-                for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return calls
-
-
 def _pallas_grids(fn, *args):
     """Grids of every pallas_call in fn's backward+forward jaxpr, in trace order."""
-    return [tuple(params["grid_mapping"].grid) for params in _pallas_calls(fn, *args)]
+    return [tuple(params["grid_mapping"].grid) for params in pallas_calls(fn, *args)]
 
 
 def test_sliding_window_grid_is_linear_in_window():
@@ -170,33 +153,51 @@ def test_sliding_window_grid_is_linear_in_window():
 def _pallas_costs(fn, *args):
     """{kernel name: (flops, transcendentals, bytes_accessed)} of every pallas_call in fn's jaxpr."""
     costs = {}
-    for params in _pallas_calls(fn, *args):
+    for params in pallas_calls(fn, *args):
         est = params["cost_estimate"]
         costs[params["name"]] = None if est is None else (est.flops, est.transcendentals, est.bytes_accessed)
     return costs
 
 
+def _fetches(blocks) -> int:
+    """DMAs of a block stream in grid order: the first block, then every change (the pipeline
+    re-uses an unchanged block)."""
+    return sum(1 for n, blk in enumerate(blocks) if n == 0 or blk != blocks[n - 1])
+
+
 def hand_count(b, hq, hkv, t, d, window, bq, bkv, itemsize):
     """The three TPU kernels' costs counted from scratch: the padded sequence's visibility mask
     decides which (q block, kv block) tiles hold any visible pair; each such tile costs 2 matmuls
-    forward (QK^T, PV), 3 for dq (QK^T, dO V^T, dS K), 4 for dkv (K Q^T, P^T dO, V dO^T, dS^T Q)."""
+    forward (QK^T, PV), 3 for dq (QK^T, dO V^T, dS K), 4 for dkv (K Q^T, P^T dO, V dO^T, dS^T Q).
+    Bytes: the streamed K/V (or Q/dO) blocks are walked in grid order, each step's block the next
+    live one of its row, held at the row's last (a skipped step); a block equal to the previous
+    step's is not copied again, also across rows (a window's first kv block of q block i + 1 can
+    be q block i's last)."""
     tp = -(-t // max(bq, bkv)) * max(bq, bkv)
+    nq, nk, group = tp // bq, tp // bkv, hq // hkv
     qpos, kpos = np.arange(tp)[:, None], np.arange(tp)[None, :]
     visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
-    tiles = sum(visible[i:i + bq, j:j + bkv].any() for i in range(0, tp, bq) for j in range(0, tp, bkv))
-    tiles *= b * hq
+    live = [[visible[i * bq:(i + 1) * bq, j * bkv:(j + 1) * bkv].any() for j in range(nk)] for i in range(nq)]
+    tiles = b * hq * sum(map(sum, live))
+    kv_of = [[j for j in range(nk) if live[i][j]] for i in range(nq)]
+    q_of = [[i for i in range(nq) if live[i][j]] for j in range(nk)]
+    kv_steps, q_steps = max(map(len, kv_of)), max(map(len, q_of))
+    kv_fetches = _fetches([(bi, h // group, min(kv_of[i][0] + j, kv_of[i][-1]))          # forward, dq
+                           for bi in range(b) for h in range(hq) for i in range(nq) for j in range(kv_steps)])
+    q_fetches = _fetches([(bi, h * group + s // q_steps, min(q_of[j][0] + s % q_steps, q_of[j][-1]))  # dkv
+                          for bi in range(b) for h in range(hkv) for j in range(nk) for s in range(group * q_steps)])
     mm = 2 * bq * bkv * d
     head_rows, kv_rows = b * hq * tp, b * hkv * tp
     return {
-        # forward: q read, o written, a k and a v block per tile, lse written (f32), sinks
+        # forward: q read, o written, K and V blocks as streamed, lse written (f32), sinks
         "attention_fwd": (2 * mm * tiles, tiles * bq * bkv + tiles * bq + head_rows,
-                          2 * head_rows * d * itemsize + tiles * 2 * bkv * d * itemsize + 4 * head_rows + 4 * hq),
-        # dq: q and dO read, dq written, k and v blocks per tile, lse and delta read
+                          2 * head_rows * d * itemsize + kv_fetches * 2 * bkv * d * itemsize + 4 * head_rows + 4 * hq),
+        # dq: q and dO read, dq written, K and V blocks as streamed, lse and delta read
         "attention_dq": (3 * mm * tiles, tiles * bq * bkv,
-                         3 * head_rows * d * itemsize + tiles * 2 * bkv * d * itemsize + 8 * head_rows),
-        # dkv: k, v read and dk, dv written once; per tile a q and a dO block, lse and delta rows
+                         3 * head_rows * d * itemsize + kv_fetches * 2 * bkv * d * itemsize + 8 * head_rows),
+        # dkv: k, v read and dk, dv written once; Q and dO blocks with their lse and delta rows as streamed
         "attention_dkv": (4 * mm * tiles, tiles * bq * bkv,
-                          4 * kv_rows * d * itemsize + tiles * 2 * bq * (d * itemsize + 4)),
+                          4 * kv_rows * d * itemsize + q_fetches * 2 * bq * (d * itemsize + 4)),
     }
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from helpers import rel_err as rel
+from helpers import pallas_calls, rel_err as rel
 from pallas_kernels.cross_entropy import (default_block_sizes, linear_cross_entropy_pallas,
                                           linear_cross_entropy_reference)
 
@@ -218,3 +218,27 @@ def test_compiled_temporary_memory_at_lyra_small():
     ref = linear_cross_entropy_reference
     assert temp(pallas) <= 1e-3 * temp(ref)
     assert temp(vg(pallas)) <= 1e-3 * temp(vg(ref))
+
+
+def _ce_hand_count(n, h, v, bn, bv, itemsize=2):
+    """The three TPU kernels' bytes counted by hand from their block plans: token vectors are
+    int32/float32 rows, a block index unchanged from the previous grid step is not copied again
+    (the weight once when it is one vocab tile; the token tiles once in dW when they are one)."""
+    nq, nv = -(-n // bn), -(-v // bv)
+    tokens, weight = n * h * itemsize, v * h * itemsize
+    streamed_w = weight if nv == 1 else nq * weight
+    return {"cross_entropy_fwd": 4 * n + tokens + streamed_w + 8 * n,          # labels, h, W; nll, lse
+            "cross_entropy_dh": 16 * n + tokens + streamed_w + tokens,         # 4 vectors, h, W; dh
+            "cross_entropy_dw": (16 * n + tokens) * (1 if nq == 1 else nv) + weight + weight}   # ...; dW
+
+
+@pytest.mark.parametrize("shape", [(1000, 64, 700, 256, 256), (384, 64, 256, 128, 256), (128, 64, 512, 128, 128)],
+                         ids=["ragged-tiles", "one-vocab-tile", "one-token-tile"])
+def test_tpu_kernel_cost_estimates_count_what_the_block_plan_moves(shape):
+    n, h, v, bn, bv = shape
+    grad = jax.grad(lambda hid, w, lab: jnp.sum(linear_cross_entropy_pallas(hid, w, lab, block_n=bn, block_v=bv,
+                                                                              platform="tpu")[0]), argnums=(0, 1))
+    costs = {p["name"]: p["cost_estimate"] for p in pallas_calls(grad, *_specs(n, h, v))}
+    assert {k: c.bytes_accessed for k, c in costs.items()} == _ce_hand_count(n, h, v, bn, bv)
+    assert costs["cross_entropy_fwd"].flops == 2 * n * v * h and costs["cross_entropy_dw"].flops == 4 * n * v * h
+

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import rel_err
+from helpers import pallas_calls, rel_err
 from pallas_kernels.memory import opaque_pallas_calls, temp_bytes, vjp_program
 from pallas_kernels.moe import (
     expert_of_rows,
@@ -292,3 +292,28 @@ def test_fused_tiling_fits_tpu_rules_and_vmem_budget():
         assert tm % 16 == 0 and ip % ti == 0 and (ti == ip or ti % 64 == 0) and ip >= i
         assert (ip == i) or ip % 128 == 0
         assert _fused_vmem_bytes(tm, h, ti, jnp.dtype(dt).itemsize) <= _FUSED_VMEM_BUDGET
+
+
+@pytest.mark.parametrize("block_i", [128, 256], ids=["two-i-tiles", "one-i-tile"])
+def test_fused_cost_estimates_count_the_expert_weights_each_row_tile_streams(block_i):
+    """The fused kernels' bytes, counted by hand for an evenly routed batch (the estimates'
+    assumption: 256 rows, 4 experts of 64 = 2 row tiles of 32 each; 8 tiles + 3 spare work items,
+    which repeat the last active one). With two I tiles every work item streams its expert's
+    gate_up and down blocks (the weights are re-read per row tile, and again by each spare item);
+    with one I tile a block is copied only when the expert changes."""
+    m, h, i, e, tm = 256, 128, 256, 4, 32
+    specs = moe_specs(m, h, i, e)
+    fn = lambda x, gs, wu, bu, wd, bd: moe_experts_pallas(x, gs, wu, bu, wd, bd, platform="tpu", block_m=tm,  # noqa: E731
+                                                          block_i=block_i).astype(jnp.float32).sum()
+    calls = {p["name"]: p["cost_estimate"].bytes_accessed
+             for p in pallas_calls(jax.grad(fn, argnums=(0, 2, 3, 4, 5)), *specs)}
+    nj, items, tiles = i // block_i, m // tm + e - 1, m // tm
+    rows = m * h * 2                                              # x, dy, y, dx: bf16
+    w1, b1, w2, b2 = e * h * 2 * i * 2, e * 2 * i * 2, e * i * h * 2, e * h * 2
+    streamed = (items if nj > 1 else e) * (w1 + b1 + w2) // e     # per work item, or per expert
+    prefetch = 4 * ((e + 1) + 2 * items + 1)                      # offsets, expert and tile ids, active
+    assert tiles == 8 and calls["moe_fused_fwd"] == rows + streamed + b2 + rows + prefetch
+    assert calls["moe_fused_dx"] == 2 * rows + streamed + rows + prefetch
+    # dW: for each I tile the row tiles are walked again; each expert's blocks in once, out once
+    assert calls["moe_fused_dw"] == nj * 2 * rows + 2 * (w1 + b1 + w2) + nj * e * h * 2 + prefetch
+
