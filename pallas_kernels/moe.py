@@ -346,6 +346,13 @@ def _fused_params(cfg: _FusedConfig, semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=cfg.vmem_limit)
 
 
+def _live_tile(w, j, num_active, nj: int):
+    """The I tile an index map gives work item w at step j: j while w does work; for the spare
+    items past the last active one (they compute nothing), the last tile, which the last active
+    item left in VMEM: no expert weights are streamed for them."""
+    return jnp.where(w < num_active[0], j, nj - 1)
+
+
 def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
     """y [M, H]; w1 [E, H, 2I] interleaved, b1 [E, 1, 2I], w2 [E, I, H], b2 [E, 1, H]."""
     m, hdim = xp.shape
@@ -374,9 +381,9 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
 
     grid = (num_items, nj)
     in_specs = [pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0)),
-                pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
-                pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
-                pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], j, 0)),
+                pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, _live_tile(w, j, a, nj))),
+                pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, _live_tile(w, j, a, nj))),
+                pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], _live_tile(w, j, a, nj), 0)),
                 pl.BlockSpec((None, 1, hdim), lambda w, j, o, g, t, a: (g[w], 0, 0))]
     out_spec, out_shape = pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0)), \
         jax.ShapeDtypeStruct((m, hdim), dtype)
@@ -428,9 +435,9 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
     row = pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0))
     grid = (num_items, nj)
     in_specs = [row, row,
-                pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
-                pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, j)),
-                pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], j, 0))]
+                pl.BlockSpec((None, hdim, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, _live_tile(w, j, a, nj))),
+                pl.BlockSpec((None, 1, 2 * ti), lambda w, j, o, g, t, a: (g[w], 0, _live_tile(w, j, a, nj))),
+                pl.BlockSpec((None, ti, hdim), lambda w, j, o, g, t, a: (g[w], _live_tile(w, j, a, nj), 0))]
     out_shape = jax.ShapeDtypeStruct((m, hdim), dtype)
     return pl.pallas_call(
         kernel,

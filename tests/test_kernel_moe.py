@@ -298,9 +298,9 @@ def test_fused_tiling_fits_tpu_rules_and_vmem_budget():
 def test_fused_cost_estimates_count_the_expert_weights_each_row_tile_streams(block_i):
     """The fused kernels' bytes, counted by hand for an evenly routed batch (the estimates'
     assumption: 256 rows, 4 experts of 64 = 2 row tiles of 32 each; 8 tiles + 3 spare work items,
-    which repeat the last active one). With two I tiles every work item streams its expert's
-    gate_up and down blocks (the weights are re-read per row tile, and again by each spare item);
-    with one I tile a block is copied only when the expert changes."""
+    which repeat the last active one). With two I tiles every active work item streams its
+    expert's gate_up and down blocks (the weights are re-read per row tile; the spare items keep
+    the last block: nothing); with one I tile a block is copied only when the expert changes."""
     m, h, i, e, tm = 256, 128, 256, 4, 32
     specs = moe_specs(m, h, i, e)
     fn = lambda x, gs, wu, bu, wd, bd: moe_experts_pallas(x, gs, wu, bu, wd, bd, platform="tpu", block_m=tm,  # noqa: E731
@@ -310,7 +310,7 @@ def test_fused_cost_estimates_count_the_expert_weights_each_row_tile_streams(blo
     nj, items, tiles = i // block_i, m // tm + e - 1, m // tm
     rows = m * h * 2                                              # x, dy, y, dx: bf16
     w1, b1, w2, b2 = e * h * 2 * i * 2, e * 2 * i * 2, e * i * h * 2, e * h * 2
-    streamed = (items if nj > 1 else e) * (w1 + b1 + w2) // e     # per work item, or per expert
+    streamed = (tiles if nj > 1 else e) * (w1 + b1 + w2) // e     # per active work item, or per expert
     prefetch = 4 * ((e + 1) + 2 * items + 1)                      # offsets, expert and tile ids, active
     assert tiles == 8 and calls["moe_fused_fwd"] == rows + streamed + b2 + rows + prefetch
     assert calls["moe_fused_dx"] == 2 * rows + streamed + rows + prefetch
