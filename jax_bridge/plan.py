@@ -518,8 +518,11 @@ def format_rollout(r: dict, hbm_bytes: int) -> list[str]:
              f"    per chip: decoder parameters {gib(r['param_bytes'])} ({gib(r['own_bytes'])} its own copies, the "
              f"rest the train state's buffers), KV cache {gib(r['cache_bytes'])}"
              + (f", KL reference copy {gib(r['reference_bytes'])}" if r["reference_bytes"] else ""),
-             program("prefill", r["prefill"]), program("decode loop", r["decode"])]
-    if r["prefill"]["error"] or r["decode"]["error"]:
+             program("prefill", r["prefill"])]
+    if r["prefill"]["error"]:
+        return lines + ["    decode loop: not compiled (the prefill does not fit)"]
+    lines.append(program("decode loop", r["decode"]))
+    if r["decode"]["error"]:
         return lines
     lines += [f"    decode loop moves per chip: {gib(r['gathered_per_token'])} all-gathered per token, "
               f"{gib(r['gathered_per_call'])} per call (hoisted out of the loop), {gib(r['other_per_token'])} "
