@@ -15,6 +15,7 @@ batch axes and the kernels run as they do in training under that mesh.
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from typing import NamedTuple
@@ -47,12 +48,14 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def buckets(rows: int, longest_prompt: int, new_tokens: int, batch_shards: int = 1) -> tuple[int, int, int]:
-    """(batch, prompt length, total length) of the programs that serve `rows` prompts of at most
-    `longest_prompt` tokens continued by `new_tokens`: rows up to a power of two (and a multiple
-    of the devices the batch is split over), the prompt and the total up to their multiples."""
+def buckets(rows: int, longest_prompt: int, new_tokens: int, batch_shards: int = 1,
+            group: int = 1) -> tuple[int, int, int]:
+    """(prompt rows, prompt length, total length) of the programs that serve `rows` prompts of at
+    most `longest_prompt` tokens, each continued `group` times by `new_tokens`: rows up to a
+    power of two, then until the decoded rows (prompt rows x group) split evenly over the devices
+    the batch is split over; the prompt and the total up to their multiples."""
     prompt_len = round_up(longest_prompt, PROMPT_MULTIPLE)
-    return (round_up(batch_bucket(rows), batch_shards), prompt_len,
+    return (round_up(batch_bucket(rows), batch_shards // math.gcd(group, batch_shards)), prompt_len,
             round_up(prompt_len + new_tokens, LENGTH_MULTIPLE))
 
 
@@ -226,6 +229,10 @@ class Decoder:
         if repeat > 1:      # each prompt's `repeat` samples share its prefill: rows copied, prompt-major
             logits, cache, ids, positions, active = jax.tree.map(
                 lambda x: jnp.repeat(x, repeat, axis=0), (logits, cache, ids, positions, active))
+            if not self._split_prompts(rows):    # prefilled on every device: the copies split from here
+                logits, cache, ids, positions, active = jax.tree.map(
+                    lambda x: jax.lax.with_sharding_constraint(x, self._sharding(True)),
+                    (logits, cache, ids, positions, active))
         batch = rows * repeat
         prompt_tokens = jnp.where(positions >= 0, ids, -1)
         seen = mark_seen(jnp.zeros((batch, self.cfg.vocab_size if mode.penalty else 1), bool),
@@ -280,9 +287,14 @@ class Decoder:
             return None
         return sharding.rows_sharding(self.mesh) if split_rows else NamedSharding(self.mesh, PartitionSpec())
 
+    def _split_prompts(self, prompt_rows: int) -> bool:
+        """Whether the prefill's prompt rows are split over the batch axes: when they divide
+        evenly; fewer prompts than that (each continued G times) are prefilled on every device."""
+        return prompt_rows % self.batch_shards == 0
+
     def place_inputs(self, ids, positions, active, values: SamplingValues, key):
         """The prefill program's inputs on the devices, as it was compiled for them."""
-        rows, whole = self._sharding(True), self._sharding(False)
+        rows, whole = self._sharding(self._split_prompts(ids.shape[0])), self._sharding(False)
         put = (lambda x, s: jnp.asarray(x)) if self.mesh is None else jax.device_put
         return (put(ids, rows), put(positions, rows), put(active, rows), jax.tree.map(lambda v: put(v, whole), values),
                 put(key, whole))
@@ -324,7 +336,7 @@ class Decoder:
         def build():
             fn = jax.jit(lambda *a: self._prefill(*a, length=length, mode=mode, repeat=repeat))
             params = self.params_for(self.layout("prefill", batch * prompt))
-            rows, whole = self._sharding(True), self._sharding(False)
+            rows, whole = self._sharding(self._split_prompts(batch)), self._sharding(False)
             key = jax.random.key_data(jax.random.key(0))
             args = (params, _spec((batch, prompt), jnp.int32, rows), _spec((batch, prompt), jnp.int32, rows),
                     _spec((batch,), jnp.bool_, rows), _values_spec(n_stop, self.cfg.vocab_size, whole),

@@ -310,7 +310,7 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     else:
         mesh = device_mesh
     prompt_rows, prompt_len, length = decoding.buckets(prompts, shape.prompt_tokens, shape.new_tokens,
-                                                       sharding.batch_shards(mesh))
+                                                       sharding.batch_shards(mesh), group)
     batch = prompt_rows * group
     flat = abstract_params(model)
     placed = sharding.state_shardings(flat, mesh)

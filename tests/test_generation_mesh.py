@@ -29,6 +29,11 @@ def test_sharded_generation_equals_one_device():
     assert all(r["ok"] for r in report), (seed, report)
     assert all(len(t) == 12 for t in out["one_device"])
     assert sharded["logits_max_abs_diff"] <= 1e-5 * max(1.0, sharded["logits_max_abs"]), (seed, sharded)
+    # One prompt continued once per batch shard (4): its prefill on every device, its copies split
+    shards = len(sharded["grouped_tokens"])
+    assert shards == 4 and sharded["grouped_bucket"][0] == 4, sharded["grouped_bucket"]
+    report = compare_greedy(sharded["grouped_tokens"], [out["one_device"][1]] * shards, [out["margins"][1]] * shards)
+    assert all(r["ok"] for r in report), (seed, report)
     # New parameters already on the mesh (an RL update's) are used in place, and decoded as a
     # decoder of that model decodes (another model: other tokens).
     assert sharded["set_params_same_buffers"] and sharded["set_params_tokens_equal"], (seed, sharded)

@@ -110,7 +110,7 @@ class Generator:
             raise ValueError(f"generate: samples_per_prompt must be a positive integer, found {samples_per_prompt!r}")
         group = samples_per_prompt
         rows = len(prompts) * group
-        prompt_rows, prompt_len, length = buckets(len(prompts), longest, n_new, decoder.batch_shards)
+        prompt_rows, prompt_len, length = buckets(len(prompts), longest, n_new, decoder.batch_shards, group)
         batch = prompt_rows * group
         mode = sampling.mode(cfg.vocab_size)
         n_stop = stop_slots(len(sampling.stop_tokens))
