@@ -37,7 +37,7 @@ def run_adapter(args, meta) -> int:
 
     base = meta[LORA_META]["base"]
     base_model = args.base_model or (base["path"] if base["kind"] == HF_BASE else None)
-    wrapped, _, meta = load_lora_model(args.checkpoint)
+    wrapped, _, meta = load_lora_model(args.checkpoint, base=False)     # the adapters only: the base is not read
     summary = lora_export.export_adapter(wrapped, args.out, base_model=base_model, overwrite=args.overwrite)
     print(f"exported the LoRA adapters of step {meta.get('step', 0)} ({summary['n_adapter_params']:,} parameters, "
           f"r={summary['r']}, alpha={summary['alpha']:g}) to {summary['out']}: adapter_config.json, "

@@ -73,10 +73,12 @@ def load_base_state(meta: dict) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_lora_model(checkpoint: str | os.PathLike):
+def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True):
     """(peft_model, model_cfg, meta) of a LoRA checkpoint (run, checkpoints or step directory):
     the base loaded from its reference (verified), wrapped by peft with the saved spec, the
-    trained adapters loaded; float32, eval mode. meta as `load_checkpoint` gives it."""
+    trained adapters loaded; float32, eval mode. meta as `load_checkpoint` gives it.
+    base=False: the adapters alone (peft's trainable tensors, modules_to_save included), the base
+    left on the `meta` device, never read: enough to write peft's adapter files, not to run."""
     from torch_model.lora import apply_lora, parse_lora_spec, unwrap
     from torch_model.model import GptOssForCausalLM
     from formats.checkpoint import (LAYOUTS, check_tensors, find_checkpoint, read_meta, restore_params_to_host,
@@ -86,9 +88,14 @@ def load_lora_model(checkpoint: str | os.PathLike):
     meta, cfg = read_meta(step_dir)
     if not is_lora_meta(meta):
         raise UserError(f"checkpoint {step_dir} holds no LoRA adapters (no '{LORA_META}' in its metadata)")
-    model = GptOssForCausalLM(cfg)
-    model.load_state_dict(load_base_state(meta))
-    wrapped = apply_lora(model, parse_lora_spec(meta[LORA_META]["spec"]))
+    spec = parse_lora_spec(meta[LORA_META]["spec"])
+    if base:
+        model = GptOssForCausalLM(cfg)
+        model.load_state_dict(load_base_state(meta))
+        wrapped = apply_lora(model, spec)
+    else:
+        with torch.device("meta"):
+            wrapped = apply_lora(GptOssForCausalLM(cfg), spec)
     stored = {k: v for k, v in stored_shapes(step_dir).items() if k[0] == "params"}
     adapters = LAYOUTS[meta["layout"]](restore_params_to_host(step_dir, stored), cfg)
     inner = unwrap(wrapped)
@@ -97,6 +104,11 @@ def load_lora_model(checkpoint: str | os.PathLike):
                   f"checkpoint {step_dir} (adapters of {meta[LORA_META]['spec']})")
     with torch.no_grad():
         for name, value in adapters.items():
-            params[name].copy_(torch.from_numpy(np.asarray(value, dtype=np.float32)))
+            tensor = torch.from_numpy(np.asarray(value, dtype=np.float32))
+            if base:
+                params[name].copy_(tensor)
+            else:       # a meta tensor holds no data: the module gets a new parameter
+                owner, _, attr = name.rpartition(".")
+                setattr(inner.get_submodule(owner), attr, torch.nn.Parameter(tensor))
     wrapped.eval()
     return wrapped, cfg, {k: v for k, v in meta.items() if k != "model"}

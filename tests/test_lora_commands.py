@@ -74,6 +74,26 @@ def test_export_adapter_and_merged_of_a_lora_checkpoint_load_in_transformers(lor
         merged = transformers.AutoModelForCausalLM.from_pretrained(root / "merged", **load)(input_ids=ids).logits
     for theirs in (adapted, merged.double()):
         assert float((theirs - ours).norm() / ours.norm()) <= 1e-5
+
+
+def test_export_adapter_reads_the_adapters_only(lora_run, tmp_path):
+    """`export --adapter` never reads the base (the meta device holds it): with the base checkpoint
+    moved away it writes, tensor for tensor, what peft writes from the whole adapted model."""
+    from safetensors.numpy import load_file
+
+    from formats.lora_export import export_adapter
+
+    root, wrapped, _ = lora_run
+    export_adapter(wrapped, tmp_path / "with")
+    (root / "base").rename(root / "base-moved")
+    try:
+        assert main(["export", "--checkpoint", str(root / "lora"), "--adapter", "--out", str(tmp_path / "without")]) == 0
+    finally:
+        (root / "base-moved").rename(root / "base")
+    with_base, without = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("with", "without"))
+    assert set(with_base) == set(without) and len(without) > 0
+    assert all(np.array_equal(with_base[k], without[k]) for k in without)
+    assert (tmp_path / "with" / "adapter_config.json").read_text() == (tmp_path / "without" / "adapter_config.json").read_text()
     assert (root / "merged" / "tokenizer.json").is_file()
 
 
