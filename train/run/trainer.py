@@ -573,18 +573,21 @@ class Trainer:
         summary = {"steps": self.done, "train_seconds": wall, "checkpoint": str(path),
                    "val_loss_end": self.last_eval.get("val_loss"), "val_bpb_end": self.last_eval.get("val_bpb"),
                    "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count}
-        params = self._host_parameters()        # for the samples
+        # The samples need the whole model on the host; without samples nothing is gathered.
+        params = self._host_parameters() if self.cfg.samples > 0 else None
         if self.primary:
             self.metrics.close()
             self.metrics = None
             summary["plots"] = [str(p) for p in plot_run(self.out)]
             summary["metrics"] = str(self.out / "metrics.jsonl")
             summary["val_loss_start"] = self._first_eval()
-            self.model.load_state_dict(params, assign=True)     # assign: the model may be on `meta`
-            # Samples from the adapted model merged into plain weights (generate's own LoRA path
-            # is issue 22's second part); the run is over, so the model may be changed.
-            sampled = self.peft_model.merge_and_unload() if self.peft_model is not None else self.model
-            summary["samples"] = sample_texts(sampled, self.tokenizer, self.cfg)
+            summary["samples"] = []
+            if params is not None:
+                self.model.load_state_dict(params, assign=True)     # assign: the model may be on `meta`
+                # Samples from the adapted model merged into plain weights (generate's own LoRA
+                # path is issue 22's second part); the run is over, so the model may be changed.
+                sampled = self.peft_model.merge_and_unload() if self.peft_model is not None else self.model
+                summary["samples"] = sample_texts(sampled, self.tokenizer, self.cfg)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
