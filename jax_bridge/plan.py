@@ -100,9 +100,10 @@ class ProgramMemory:
     argument_bytes: int = 0
     output_bytes: int = 0
     alias_bytes: int = 0
-    temp_bytes: int = 0
+    temp_bytes: int = 0              # refused: the temporaries the compiler asked for
     total_bytes: int = 0             # arguments + outputs - aliased + temporaries
-    compile_s: float = 0.0
+    compile_s: float = 0.0           # wall clock
+    compile_cpu_s: float = 0.0       # this process's CPU time while compiling (the host is shared)
     error: str | None = None         # the compiler's out-of-memory refusal
 
 
@@ -250,24 +251,13 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(device_mesh, P()))
         lowered = jax.jit(step._step, donate_argnums=(0,)).lower(state, tokens, lr_scale, frozen)
     result.lower_s = round(time.perf_counter() - start, 2)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    try:
-        compiled = lowered.compile()
-    except Exception as e:  # noqa: BLE001 - an out-of-memory refusal is a result, anything else is raised
-        found = _OOM.search(str(e))
-        if not found:
-            raise
-        result.compile_s = round(time.perf_counter() - start, 2)
-        result.compile_cpu_s = round(time.process_time() - cpu_start, 2)
-        result.temp_bytes = int(float(found.group(1)) * _UNITS[found.group(2)])
-        result.fits, result.error = False, str(e).strip().splitlines()[0][:400]
+    memory, compiled = _compiled_memory(lowered.compile)
+    result.compile_s, result.compile_cpu_s, result.temp_bytes = memory.compile_s, memory.compile_cpu_s, memory.temp_bytes
+    if compiled is None:
+        result.fits, result.error = False, memory.error
         return result
-    result.compile_s = round(time.perf_counter() - start, 2)
-    result.compile_cpu_s = round(time.process_time() - cpu_start, 2)
-    mem = compiled.memory_analysis()
-    result.argument_bytes, result.output_bytes = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
-    result.alias_bytes, result.temp_bytes = int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes)
-    result.total_bytes = result.argument_bytes + result.output_bytes - result.alias_bytes + result.temp_bytes
+    result.argument_bytes, result.output_bytes = memory.argument_bytes, memory.output_bytes
+    result.alias_bytes, result.total_bytes = memory.alias_bytes, memory.total_bytes
     result.fits = result.total_bytes <= result.hbm_bytes
     if roofline:
         from jax_bridge import roofline as roofline_mod
@@ -355,20 +345,25 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
 
 
 def _compiled_memory(build):
-    """(ProgramMemory, the compiled program) of `build()`; an out-of-memory refusal is a result
-    (the program None), anything else is raised."""
-    start = time.perf_counter()
+    """(ProgramMemory, the compiled program) of `build()`, which compiles one program (timed);
+    an out-of-memory refusal is a result (the program None), anything else is raised."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     try:
         compiled = build()
-    except Exception as e:  # noqa: BLE001
-        if not _OOM.search(str(e)):
+    except Exception as e:  # noqa: BLE001 - an out-of-memory refusal is a result, anything else is raised
+        found = _OOM.search(str(e))
+        if not found:
             raise
-        return ProgramMemory(compile_s=round(time.perf_counter() - start, 2),
-                             error=str(e).strip().splitlines()[0][:400]), None
-    mem = compiled.memory_analysis()
-    args, outs = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
-    alias, temp = int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes)
-    return ProgramMemory(args, outs, alias, temp, args + outs - alias + temp, round(time.perf_counter() - start, 2)), compiled
+        compiled, memory = None, ProgramMemory(temp_bytes=int(float(found.group(1)) * _UNITS[found.group(2)]),
+                                               error=str(e).strip().splitlines()[0][:400])
+    else:
+        mem = compiled.memory_analysis()
+        args, outs = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
+        alias, temp = int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes)
+        memory = ProgramMemory(args, outs, alias, temp, args + outs - alias + temp)
+    memory.compile_s = round(time.perf_counter() - start, 2)
+    memory.compile_cpu_s = round(time.process_time() - cpu_start, 2)
+    return memory, compiled
 
 
 def expert_delta_bytes(frozen: dict, n_layers: int) -> int:

@@ -29,9 +29,15 @@ def main() -> None:
                       ((e, h), jnp.bfloat16)])
         loss = lambda x, gs, wu, bu, wd, bd: moe.moe_experts_pallas(  # noqa: E731
             x, gs, wu, bu, wd, bd, platform="tpu").astype(jnp.float32).sum()
-        calls = {p["name"]: p["cost_estimate"] for p in pallas_calls(jax.grad(loss, argnums=(0, 2, 3, 4, 5)), *specs)}
-        tm, ti, ip = moe._resolve_fused_tiling(None, None, "tpu", m, h, i, jnp.bfloat16)
-        xp, w1, w2, nj = m * h * 2, e * h * 2 * i * 2, e * i * h * 2, ip // ti
+        params = pallas_calls(jax.grad(loss, argnums=(0, 2, 3, 4, 5)), *specs)
+        calls = {p["name"]: p["cost_estimate"] for p in params}
+        # The tiles the kernels were built with: the forward's grid (items, I tiles) and its x and
+        # gate_up blocks ([tm, H], [., H, 2 ti]).
+        forward = next(p["grid_mapping"] for p in params if p["name"] == "moe_fused_fwd")
+        nj = forward.grid[1]
+        tm = forward.block_mappings[0].block_shape[0].block_size
+        ti = forward.block_mappings[1].block_shape[2].block_size // 2
+        xp, w1, w2 = m * h * 2, e * h * 2 * i * 2, e * i * h * 2
         before = {"moe_fused_fwd": 2 * xp + w1 + w2, "moe_fused_dx": 3 * xp + w1 + w2,
                   "moe_fused_dw": 2 * nj * xp + 2 * (w1 + w2)}
         print(f"{name}: tm={tm} ti={ti} ({nj} I tiles)")
