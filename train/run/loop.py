@@ -61,8 +61,6 @@ def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict
                 traced = profiler.after(trainer.done, metrics)
                 if traced is not None:
                     trainer.write_record(traced)
-                    say(f"profile: steps {traced['steps'][0]}-{traced['steps'][1]} traced into {traced['directory']} "
-                        f"(tensorboard --logdir {traced['directory']})")
                 if trainer.is_log_step():
                     trainer.log(metrics)
                 if trainer.done % cfg.eval_every == 0 or trainer.done == cfg.steps:

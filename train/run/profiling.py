@@ -48,8 +48,12 @@ class StepProfiler:
 
         if not self.active or step < self.range[1]:
             return None
+        from jax_bridge.distributed import say
+
         jax.block_until_ready(metrics)
         self.close()
+        say(f"profile: steps {self.range[0]}-{self.range[1]} traced into {self.directory} "
+            f"(tensorboard --logdir {self.directory})")
         files = sorted(str(p.relative_to(self.directory)) for p in self.directory.rglob("*.xplane.pb"))
         return {"kind": "profile", "step": step, "steps": list(self.range), "directory": str(self.directory),
                 "files": files}
