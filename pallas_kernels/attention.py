@@ -61,8 +61,8 @@ def attention_over_positions(qg, k, v, sinks, q_positions, k_positions, *, slidi
 # ==================================================================================================
 import dataclasses
 import functools
-from typing import NamedTuple
 import math
+from typing import NamedTuple
 
 import numpy as np
 from jax import lax
@@ -458,7 +458,7 @@ def _tpu_call_kwargs(cfg: _Cfg):
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=cfg.vmem_limit))
 
 
-def _costs(cfg: _Cfg, q, k) -> dict:
+def _costs(cfg: _Cfg, q) -> dict:
     b, hq, _, d = q.shape
     return _work(cfg, b, hq, d)
 
@@ -522,7 +522,7 @@ def _tpu_forward(cfg: _Cfg, q, k, v, sinks, segs=None):
                    jax.ShapeDtypeStruct((b, hq, 1, tp), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
                         pltpu.VMEM((bq, d), jnp.float32)],
-        name="attention_fwd", inputs=(sinks, q, k, v), cost=_costs(cfg, q, k)["fwd"],
+        name="attention_fwd", inputs=(sinks, q, k, v), cost=_costs(cfg, q)["fwd"],
     )(sinks.astype(jnp.float32), q, k, v)
     return out, lse   # lse: [B, H, 1, Tp], the row layout the backward kernels read
 
@@ -557,7 +557,7 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
         out_specs=pl.BlockSpec((None, None, bq, d), q_map),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
-        name="attention_dq", inputs=(q, k, v, do, lse4, delta4), cost=_costs(cfg, q, k)["dq"],
+        name="attention_dq", inputs=(q, k, v, do, lse4, delta4), cost=_costs(cfg, q)["dq"],
     )(q, k, v, do, lse4, delta4)
 
     q_steps = _q_steps(cfg)
@@ -590,7 +590,7 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
         out_specs=[pl.BlockSpec((None, None, bkv, d), k_map), pl.BlockSpec((None, None, bkv, d), k_map)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
-        name="attention_dkv", inputs=(q, k, v, do, lse4, delta4), cost=_costs(cfg, q, k)["dkv"],
+        name="attention_dkv", inputs=(q, k, v, do, lse4, delta4), cost=_costs(cfg, q)["dkv"],
     )(q, k, v, do, lse4, delta4)
     return dq, dk, dv
 
