@@ -121,7 +121,7 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
     env = get_env()
     backbone = model.model
     templates = list(backbone.layers)[: layout.period] if layout.stacked else list(backbone.layers)
-    layer_fns = [model_function(layer) for layer in templates]
+    layer_fns = [model_function(layer, call=backbone.call_layer) for layer in templates]
     if remat != "none":
         layer_fns = [jax.checkpoint(f, policy=REMAT_POLICIES[remat], prevent_cse=not layout.stacked)
                      for f in layer_fns]

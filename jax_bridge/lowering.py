@@ -33,14 +33,21 @@ def params_to_torch(params: dict[str, jax.Array]) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_function(model: torch.nn.Module, method: str = "forward"):
-    """fn(params, *args) -> model.<method>(*args) with `params` substituted, as a JAX function."""
+def model_function(model: torch.nn.Module, method: str = "forward", call=None):
+    """fn(params, *args) -> model.<method>(*args) with `params` substituted, as a JAX function;
+    with `call`, fn(params, *args) -> call(model, *args). The module's buffers (a rotary
+    embedding's `inv_freq`) enter as constants, so nothing of the eager module is read in the trace."""
     env = get_env()
-    module = model if method == "forward" else _MethodAsForward(model, method)
-    prefix = "" if method == "forward" else "inner."
+    wrapped = method != "forward" or call is not None
+    module = _CallAsForward(model, call or (lambda m, *a: getattr(m, method)(*a))) if wrapped else model
+    prefix = "inner." if wrapped else ""
+    buffers = None
 
     def fn(params, *args):
-        torch_params, torch_args = env.j2t_iso(({prefix + k: v for k, v in params.items()}, args))
+        nonlocal buffers
+        if buffers is None:
+            buffers = {prefix + n: env.t2j_copy(b.detach()) for n, b in model.named_buffers()}
+        torch_params, torch_args = env.j2t_iso(({**buffers, **{prefix + k: v for k, v in params.items()}}, args))
         with env:
             out = torch.func.functional_call(module, torch_params, torch_args)
         return env.t2j_iso(out)
@@ -48,15 +55,16 @@ def model_function(model: torch.nn.Module, method: str = "forward"):
     return fn
 
 
-class _MethodAsForward(torch.nn.Module):
-    """Calls another method of the wrapped model as `forward`, for `functional_call`."""
+class _CallAsForward(torch.nn.Module):
+    """Calls call(inner, *args) as `forward` (another method, or a layer through its backbone),
+    for `functional_call`."""
 
-    def __init__(self, inner: torch.nn.Module, method: str):
+    def __init__(self, inner: torch.nn.Module, call):
         super().__init__()
-        self.inner, self.method = inner, method
+        self.inner, self._call = inner, call
 
     def forward(self, *args):
-        return getattr(self.inner, self.method)(*args)
+        return self._call(self.inner, *args)
 
 
 def optimizer_function(plan, cfg: OptimizerConfig, orthogonalize=None):

@@ -286,7 +286,7 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     from jax_bridge.lowering import abstract_params
     from jax_bridge.sampling import SamplingMode
     from torch_model.kv_cache import cache_slots
-    from torch_model.model import keeps_float32
+    from torch_model.causal_lm import keeps_float32
 
     group = shape.group_size
     if shape.completions % group:

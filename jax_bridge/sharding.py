@@ -42,6 +42,8 @@ PARAM_AXES: list[tuple[str, tuple]] = [
     (r".*mlp\.gate_up_proj_bias", ("mlp",)),
     (r".*mlp\.down_proj", ("mlp", "embed")),
     (r".*mlp\.down_proj_bias", (None,)),
+    (r".*mlp\.(gate|up)_proj\.weight", ("mlp", "embed")),     # transformers' gated MLP (nn.Linear [out, in])
+    (r".*mlp\.down_proj\.weight", ("embed", "mlp")),
     (r".*norm\.weight", (None,)),
 ]
 

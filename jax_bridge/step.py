@@ -22,7 +22,7 @@ from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform
 from torch_model.lora import tracing_scope, unwrap
-from torch_model.model import keeps_float32
+from torch_model.causal_lm import keeps_float32
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 from torch_model.policy_gradient import PolicyGradientConfig
 from torch_model.preference import PreferenceConfig
@@ -87,7 +87,7 @@ class TrainState(NamedTuple):
 
 def cast_params(params: dict, dtype) -> dict:
     """Floating parameters in the compute dtype, except those the model keeps in float32
-    (torch_model.model.keeps_float32: the router)."""
+    (torch_model.causal_lm.keeps_float32: the router)."""
     return {name: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) and not keeps_float32(name) else p
             for name, p in params.items()}
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from pallas_kernels import attention as attn
 from pallas_kernels.platform import kernel_mode
-from torch_model.model import IGNORE_INDEX
+from torch_model.causal_lm import IGNORE_INDEX
 
 
 def attention_tiles(seq_len: int, window: int, block_q: int, block_kv: int, splash: bool = False) -> dict[str, int]:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.config import ModelConfig
-from torch_model.model import IGNORE_INDEX, PAD_SEGMENT, GptOssForCausalLM
+from torch_model.model import GptOssForCausalLM
 from formats.errors import UserError
 
 # The default parity inputs (see the module docstring).

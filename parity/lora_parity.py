@@ -25,9 +25,9 @@ from parity.inputs import PARITY_LOSS, PARITY_SEQ_LEN, PARITY_TILES, ParityBatch
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
 from parity.report import ERROR, Report, Row
 from parity.runs import capture_routing, forced_routing, kernel_options_for, to_numpy
+from torch_model.causal_lm import IGNORE_INDEX
 from torch_model.config import ModelConfig
 from torch_model.lora import LoraSpec, apply_lora, is_adapter_parameter, swapping_parametrized_tensors
-from torch_model.model import IGNORE_INDEX
 
 DTYPE = "float32"          # the LoRA rows compare float32 paths (the brief's bounds)
 

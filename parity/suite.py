@@ -64,8 +64,8 @@ from parity.inputs import (PARITY_IGNORE_FRACTION, PARITY_LOSS, PARITY_SEQ_LEN, 
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
 from parity.report import ERROR, Report, Row
 from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
+from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.config import ModelConfig
-from torch_model.model import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.optim import OptimizerConfig
 from formats.errors import UserError
 

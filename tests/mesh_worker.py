@@ -27,6 +27,8 @@ STEPS = 5
 CONFIG = dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=8, experts_per_token=2,
               expert_dim=32, vocab_size=512, sliding_window=8, router_aux_loss_coef=0.01, router_z_loss_coef=1e-3)
 KERNELS = {"xla": "xla", "pallas": "attention=pallas,cross_entropy=pallas,moe=pallas"}
+# A run named `<family>:<kernels>@<mesh>` trains that transformers family (tests/transformers_configs.py)
+# instead, against its own one-device reference.
 
 
 def train(model, tokens, kernels: str, mesh, scan: bool = True, remat: str = "none"):
@@ -41,16 +43,33 @@ def train(model, tokens, kernels: str, mesh, scan: bool = True, remat: str = "no
     return step, state, losses
 
 
+def reference(family: str | None):
+    """(model, tokens, one-device losses, parameters) of our reduced `tiny` (family None) or of a
+    transformers family."""
+    torch.manual_seed(0)
+    if family is None:
+        model = GptOssForCausalLM(get_preset("tiny").replace(**CONFIG))
+    else:
+        from tests.transformers_configs import CONFIGS
+        from torch_model import transformers_lm
+
+        model = transformers_lm.build(CONFIGS[family]())
+    tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (STEPS, 1, 8, 17)).astype(np.int32)
+    _, ref_state, ref_losses = train(model, tokens, "xla", None, scan=False)
+    return model, tokens, ref_losses, {n: np.asarray(v, np.float64) for n, v in ref_state.params.items()}
+
+
 def main(runs: list[str]) -> dict:
     assert len(jax.devices()) == 8
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(get_preset("tiny").replace(**CONFIG))
-    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (STEPS, 1, 8, 17)).astype(np.int32)
-    _, ref_state, ref_losses = train(model, tokens, "xla", None, scan=False)
-    ref_params = {n: np.asarray(v, np.float64) for n, v in ref_state.params.items()}
-    out = {"reference": ref_losses, "meshes": {}}
+    references = {}
+    out = {"meshes": {}, "references": {}}
     for run in runs:
-        kernels, spec, *remat = run.split("@")
+        family, _, run_spec = run.rpartition(":")
+        kernels, spec, *remat = run_spec.split("@")
+        if family not in references:
+            references[family] = reference(family or None)
+        model, tokens, ref_losses, ref_params = references[family]
+        out["references"][family] = ref_losses
         mesh = sharding.make_mesh(spec)
         step, state, losses = train(model, tokens, KERNELS[kernels], mesh, remat=remat[0] if remat else "none")
         errors = {n: float(np.linalg.norm(np.asarray(v, np.float64) - ref_params[n]) / np.linalg.norm(ref_params[n]))

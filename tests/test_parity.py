@@ -26,7 +26,7 @@ from parity.kernel_sets import covering_kernel_sets, default_kernel_sets, kernel
 from parity.run import add_arguments, run
 from parity.suite import run_parity
 from torch_model import config
-from torch_model.model import IGNORE_INDEX, PAD_SEGMENT
+from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from formats.errors import UserError
 
 BATCH, SEQ = 2, PARITY_SEQ_LEN

@@ -11,23 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_model import kv_cache, ops
+from torch_model.causal_lm import PAD_SEGMENT, CausalLMHead
 from torch_model.config import ModelConfig
 from torch_model.rope import apply_rope, rope_cos_sin
-
-IGNORE_INDEX = -100
-PAD_SEGMENT = 0     # the segment id of padding in packed rows (train/data/loader.py uses the same)
-# Parameters that stay float32 when the model computes in bf16 (jax_bridge.step.cast_params; the
-# eager float32 model is unchanged): the router, so that its logits, top-k and softmax run in
-# float32 as careful MoE stacks do (Megatron-Core's moe_router_dtype=fp32): in bf16 a near-tie
-# between two experts flips a token's choice, and a trained router's logits differ by less than
-# bf16 resolves.
-FLOAT32_PARAMETERS = (".mlp.router.",)
-
-
-def keeps_float32(name: str) -> bool:
-    """Does the parameter `name` (per-layer or stacked) stay float32 under bf16 compute?"""
-    return any(fragment in name for fragment in FLOAT32_PARAMETERS)
-
 
 class RMSNorm(nn.Module):
     """Normalizes in float32 and returns the input dtype (as GptOssRMSNorm)."""
@@ -97,7 +83,7 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(cfg.n_experts))
 
     def forward(self, x):
-        # float32 whatever the compute dtype (FLOAT32_PARAMETERS); the caller casts the weights back.
+        # float32 whatever the compute dtype (causal_lm.FLOAT32_PARAMETERS); the caller casts the weights back.
         logits = F.linear(x.float(), self.weight.float(), self.bias.float())     # [N, E]
         top_logits, experts = torch.topk(logits, self.top_k, dim=-1)
         weights = torch.softmax(top_logits, dim=-1)               # softmax over the k chosen
@@ -235,10 +221,16 @@ class Backbone(nn.Module):
         """The decoder stack, one layer after another; returns (x, per-layer router stats).
         (The JAX bridge may run this same stack as one scan over stacked layer weights.)"""
         stats = []
+        segments = () if segment_ids is None else (segment_ids,)
         for layer in self.layers:
-            x, layer_stats = layer(x, cos, sin, segment_ids)
+            x, layer_stats = self.call_layer(layer, x, cos, sin, *segments)
             stats.append(layer_stats)
         return x, stats
+
+    @staticmethod
+    def call_layer(layer, x, cos, sin, *segments):
+        """One decoder layer: (x, router stats). The bridge calls it on each layer's parameters."""
+        return layer(x, cos, sin, *segments)
 
     def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
         """Hidden states of T new tokens [B, T] at per-row `positions` [B, T] (EMPTY for padding),
@@ -259,7 +251,7 @@ class Backbone(nn.Module):
         return self.norm(x), kv_cache.KVCache(tuple(keys), tuple(values), full, sliding)
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(CausalLMHead, nn.Module):
     """The language model. `forward(ids)` returns logits; `forward(ids, labels)` returns the
     training loss and its parts without ever forming [tokens, vocab] logits."""
 
@@ -284,101 +276,9 @@ class GptOssForCausalLM(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, input_ids, labels=None, positions=None, segment_ids=None, loss_weights=None,
-                loss_denominator=None, router_loss_scale: float = 1.0):
-        """Packed rows (SFT, document masking) pass per-row `positions` and `segment_ids` [B, T]
-        and `loss_weights` [B, T] (see `loss`)."""
-        hidden, stats = self.model(input_ids, positions=positions, segment_ids=segment_ids)
-        if labels is None:
-            return self.lm_head(hidden)
-        if loss_weights is None:
-            return self.loss(hidden, labels, stats)
-        return self.weighted_loss(hidden, labels, stats, loss_weights, loss_denominator, router_loss_scale)
-
-    def token_logps(self, input_ids, labels, positions, segment_ids, weights, router_loss_scale: float = 1.0,
-                    temperature: float = 1.0):
-        """Reinforcement learning (torch_model/policy_gradient.py): each weighted label token's
-        log-probability under softmax(z / temperature), the fused cross-entropy's per-token value
-        negated (no [tokens, vocab] logits: z / T = (h / T) W, so the hidden state is scaled), 0
-        where the weight is 0. Returns {"logps"} [B, T] float32 and "aux": the router losses as in
-        the training loss (0 for a dense model), times router_loss_scale."""
-        hidden, stats = self.model(input_ids, positions=positions, segment_ids=segment_ids)
-        if temperature != 1.0:
-            hidden = hidden / temperature
-        b, t = labels.shape
-        trained = weights > 0
-        flat_labels = torch.where(trained, labels, torch.full_like(labels, IGNORE_INDEX)).reshape(-1)
-        nll, _ = ops.OPS["cross_entropy"](hidden.reshape(-1, self.cfg.d_model), self.lm_head.weight.to(hidden.dtype),
-                                          flat_labels, IGNORE_INDEX)
-        logp = torch.where(trained, -nll.float().view(b, t), torch.zeros((), dtype=torch.float32, device=nll.device))
-        aux = self._total({"ce": torch.zeros((), dtype=logp.dtype, device=logp.device)}, stats, router_loss_scale)
-        return {"logps": logp, "aux": aux["loss"]}
-
-    def answer_logps(self, input_ids, labels, positions, segment_ids, weights, label_segments,
-                     router_loss_scale: float = 1.0):
-        """Preference optimization (torch_model/preference.py): the log-probabilities of the
-        weighted label tokens (`token_logps`) summed per segment. Returns {"sums"} [B, T + 1],
-        indexed by the label's segment id (label_segments [B, T]; 0 = padding), and "aux": the
-        router losses as in the training loss, times router_loss_scale."""
-        out = self.token_logps(input_ids, labels, positions, segment_ids, weights, router_loss_scale)
-        b, t = labels.shape
-        logp = out["logps"] * weights.float()
-        sums = torch.zeros(b, t + 1, dtype=logp.dtype, device=logp.device).scatter_add(1, label_segments.long(), logp)
-        return {"sums": sums, "aux": out["aux"]}
-
     def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
         """Generation step: run T new tokens through the model with a KV cache (see
         `Backbone.forward_cached`) and return (logits of the last position [B, V], cache). Only
         that position's logits are formed: with left padding it is every row's newest token."""
         hidden, cache = self.model.forward_cached(input_ids, positions, cache, start)
         return self.lm_head(hidden[:, -1]), cache
-
-    def loss(self, hidden, labels, stats):
-        cfg = self.cfg
-        flat_labels = labels.reshape(-1)
-        nll, lse = ops.OPS["cross_entropy"](hidden.reshape(-1, cfg.d_model), self.lm_head.weight.to(hidden.dtype),
-                                            flat_labels, IGNORE_INDEX)
-        n_valid = (flat_labels != IGNORE_INDEX).sum().clamp(min=1).float()
-        ce = nll.sum() / n_valid
-        out = {"ce": ce}
-        if cfg.lm_z_loss_coef:
-            out["lm_z"] = lse.pow(2).sum() / n_valid
-        return self._total(out, stats, 1.0)
-
-    def weighted_loss(self, hidden, labels, stats, weights, denominator=None, router_loss_scale: float = 1.0):
-        """Cross-entropy sum(w * nll) / denominator over the tokens (w: loss weights [B, T], 0 on
-        what is not trained; denominator default sum(w)). A step that splits one batch into
-        micro-batches passes the whole batch's sum(w) as the denominator and sums the micro-batch
-        losses, so it equals the big batch exactly; router losses (batch statistics of each
-        micro-batch) are scaled by router_loss_scale (1 / micro-batches: their mean)."""
-        cfg = self.cfg
-        w = weights.reshape(-1).float()
-        flat_labels = torch.where(w > 0, labels.reshape(-1), torch.full_like(labels.reshape(-1), IGNORE_INDEX))
-        nll, lse = ops.OPS["cross_entropy"](hidden.reshape(-1, cfg.d_model), self.lm_head.weight.to(hidden.dtype),
-                                            flat_labels, IGNORE_INDEX)
-        denom = w.sum().clamp(min=1) if denominator is None else denominator
-        out = {"ce": (nll * w).sum() / denom}
-        if cfg.lm_z_loss_coef:
-            out["lm_z"] = (lse.pow(2) * w).sum() / denom
-        return self._total(out, stats, router_loss_scale)
-
-    def _total(self, out: dict, stats, router_loss_scale: float) -> dict:
-        """The loss from its parts: ce, lm_z (when on) and the router's balance and z losses
-        (mean over MoE layers, times router_loss_scale)."""
-        cfg = self.cfg
-        loss = out["ce"]
-        if "lm_z" in out:
-            loss = loss + cfg.lm_z_loss_coef * out["lm_z"]
-        if cfg.is_moe:
-            balances = torch.stack([s["balance"] for s in stats])      # [MoE layers]
-            router_zs = torch.stack([s["z"] for s in stats])
-            balance, router_z = balances.mean(), router_zs.mean()
-            out.update(router_balance=balance, router_z=router_z, router_balance_per_layer=balances.detach(),
-                       router_z_per_layer=router_zs.detach(),
-                       expert_fraction=torch.stack([s["fraction"] for s in stats]))
-            if cfg.router_aux_loss_coef:
-                loss = loss + (cfg.router_aux_loss_coef * router_loss_scale) * balance
-            if cfg.router_z_loss_coef:
-                loss = loss + (cfg.router_z_loss_coef * router_loss_scale) * router_z
-        out["loss"] = loss
-        return out

@@ -75,6 +75,7 @@ _RULES: list[tuple[str, ParamPlan]] = [
     ("self_attn.v_proj.weight", _LINEAR), ("self_attn.o_proj.weight", _LINEAR),
     ("mlp.experts.gate_up_proj", _X_AT_W), ("mlp.experts.down_proj", _X_AT_W),
     ("mlp.gate_up_proj", _X_AT_W), ("mlp.down_proj", _X_AT_W),
+    ("mlp.gate_proj.weight", _LINEAR), ("mlp.up_proj.weight", _LINEAR), ("mlp.down_proj.weight", _LINEAR),
     ("embed_tokens.weight", ParamPlan(ADAMW)), ("lm_head.weight", ParamPlan(ADAMW)),
     ("norm.weight", ParamPlan(ADAMW)),
     ("bias", ParamPlan(ADAMW)), ("sinks", ParamPlan(ADAMW)), ("router.weight", ParamPlan(ADAMW)),

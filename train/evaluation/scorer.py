@@ -148,7 +148,7 @@ class CompiledScorer:
         import jax
 
         from jax_bridge.lowering import abstract_params
-        from torch_model.model import keeps_float32
+        from torch_model.causal_lm import keeps_float32
 
         flat = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if keeps_float32(n) else self.compute_dtype)
                 for n, a in abstract_params(model).items()}

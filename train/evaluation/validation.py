@@ -39,7 +39,7 @@ class Evaluator:
         import jax
         import jax.numpy as jnp
 
-        from torch_model.model import IGNORE_INDEX
+        from torch_model.causal_lm import IGNORE_INDEX
 
         if not batches:
             raise UserError("evaluation: the validation split gave no batch")
