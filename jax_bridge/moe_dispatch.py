@@ -25,7 +25,7 @@ from jax_bridge.sharded_ops import CHECK_VMA
 
 
 def mix_experts(grouped: Callable, x, experts, weights, gate_up, gate_up_bias, down, down_bias, *,
-                first_expert=None, alpha: float, limit: float):
+                first_expert=None, alpha: float, limit: float, up_shift: float):
     """out[n] = sum_j weights[n, j] * expert_{experts[n, j]}(x[n]); x [R, H], experts and weights [R, k].
 
     first_expert None: every expert is held here. Otherwise the weights hold experts
@@ -47,7 +47,8 @@ def mix_experts(grouped: Callable, x, experts, weights, gate_up, gate_up_bias, d
         # leave there (forward output, or input gradient in the backward pass) leaks in.
         live = (jnp.arange(order.shape[0]) < group_sizes.sum())[:, None]
         sorted_rows = jnp.where(live, sorted_rows, 0)
-    out = grouped(sorted_rows, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit)
+    out = grouped(sorted_rows, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit,
+                  up_shift=up_shift)
     if live is not None:
         out = jnp.where(live, out, 0)
     out = out[inverse].reshape(rows, k, -1)
@@ -62,7 +63,8 @@ def routed_experts(grouped: Callable, *, mesh=None):
     return functools.partial(_per_device, grouped, mesh)
 
 
-def _per_device(grouped, mesh, x, experts, weights, gate_up, gate_up_bias, down, down_bias, *, alpha, limit):
+def _per_device(grouped, mesh, x, experts, weights, gate_up, gate_up_bias, down, down_bias, *, alpha, limit,
+                up_shift):
     from jax_bridge import sharding
 
     # The expert weights as the rules split them, gathered over their `embed` dimension (FSDP).
@@ -85,7 +87,7 @@ def _per_device(grouped, mesh, x, experts, weights, gate_up, gate_up_bias, down,
         if tensor:          # every tensor shard adds a partial down projection; the bias once
             down_bias = jnp.where(jax.lax.axis_index(tensor) == 0, down_bias, jnp.zeros_like(down_bias))
         y = mix_experts(grouped, x, experts, weights, gate_up, gate_up_bias, down, down_bias,
-                        first_expert=first, alpha=alpha, limit=limit)
+                        first_expert=first, alpha=alpha, limit=limit, up_shift=up_shift)
         if tensor:
             y = jax.lax.psum(y, tensor)
         if expert:

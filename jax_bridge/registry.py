@@ -46,7 +46,7 @@ GENERATION_OPS = ("cached_attention",)           # used only by the KV-cache for
 AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("loop", "xla")}
 # The op's contract arguments: never kernel options.
 _CONTRACT = {"attention": ("sliding_window", "scale", "segment_ids"), "cross_entropy": ("ignore_index",),
-             "moe": ("alpha", "limit"), "cached_attention": ("sliding_window", "scale")}
+             "moe": ("alpha", "limit", "up_shift"), "cached_attention": ("sliding_window", "scale")}
 
 
 class KernelError(ValueError):
@@ -314,8 +314,9 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None)
         attn = sharded_ops.attention(attn, mesh, impl["attention"].spmd)
         ce = sharded_ops.cross_entropy(ce, mesh, impl["cross_entropy"].spmd)
 
-    def grouped(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha, limit):
-        return moe(x, group_sizes.astype("int32"), gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit)
+    def grouped(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha, limit, up_shift):
+        return moe(x, group_sizes.astype("int32"), gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit,
+                   up_shift=up_shift)
 
     routed_experts = moe_dispatch.routed_experts(grouped, mesh=mesh)
 
@@ -329,9 +330,9 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None)
     def cross_entropy(hidden, weight, labels, ignore_index):
         return ce(hidden, weight, labels, ignore_index=int(ignore_index))
 
-    def moe_experts(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit):
+    def moe_experts(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift=1.0):
         return routed_experts(x, experts.astype("int32"), weights, gate_up, gate_up_bias, down, down_bias,
-                              alpha=float(alpha), limit=float(limit))
+                              alpha=float(alpha), limit=float(limit), up_shift=float(up_shift))
 
     def cached_attention(q, k, v, sinks, q_positions, k_positions, sliding_window, scale):
         return fns["cached_attention"](q, k, v, sinks, q_positions.astype("int32"), k_positions.astype("int32"),

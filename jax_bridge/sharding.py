@@ -34,6 +34,7 @@ PARAM_AXES: list[tuple[str, tuple]] = [
     (r".*self_attn\.sinks", ("heads",)),
     (r".*mlp\.router\.weight", (None, "embed")),
     (r".*mlp\.router\.bias", (None,)),
+    (r".*mlp\.gate\.weight", (None, "embed")),         # transformers' MoE routers
     (r".*mlp\.experts\.gate_up_proj", ("exp", "embed_moe", "mlp")),
     (r".*mlp\.experts\.gate_up_proj_bias", ("exp", "mlp")),
     (r".*mlp\.experts\.down_proj", ("exp", "mlp", "embed_moe")),

@@ -30,28 +30,30 @@ from pallas_kernels.cost import cost_estimate
 from pallas_kernels.platform import KernelMode, dot_precision, kernel_mode, precision_name, with_matmul_precision
 
 
-def clamped_swiglu(gate_up, *, alpha: float, limit: float):
-    """GPT-OSS's activation of the interleaved [..., 2I] pre-activation -> [..., I]."""
-    return _clamped_swiglu(gate_up, float(alpha), float(limit))
+def clamped_swiglu(gate_up, *, alpha: float, limit: float, up_shift: float = 1.0):
+    """The experts' activation of the interleaved [..., 2I] pre-activation -> [..., I]:
+    (clip(up, +-limit) + up_shift) * g * sigmoid(alpha * g), g = min(gate, limit). GPT-OSS:
+    alpha 1.702, limit 7, up_shift 1; SwiGLU (silu(gate) * up): alpha 1, limit inf, up_shift 0."""
+    return _clamped_swiglu(gate_up, float(alpha), float(limit), float(up_shift))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _clamped_swiglu(gate_up, alpha: float, limit: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _clamped_swiglu(gate_up, alpha: float, limit: float, up_shift: float):
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
-    return (up + 1.0) * (gate * jax.nn.sigmoid(alpha * gate))
+    return (up + up_shift) * (gate * jax.nn.sigmoid(alpha * gate))
 
 
-def _clamped_swiglu_fwd(gate_up, alpha, limit):
-    return _clamped_swiglu(gate_up, alpha, limit), gate_up
+def _clamped_swiglu_fwd(gate_up, alpha, limit, up_shift):
+    return _clamped_swiglu(gate_up, alpha, limit, up_shift), gate_up
 
 
-def _clamped_swiglu_bwd(alpha, limit, gate_up, dh):
-    return (clamped_swiglu_grad(gate_up, dh, alpha=alpha, limit=limit),)
+def _clamped_swiglu_bwd(alpha, limit, up_shift, gate_up, dh):
+    return (clamped_swiglu_grad(gate_up, dh, alpha=alpha, limit=limit, up_shift=up_shift),)
 
 
-def clamped_swiglu_grad(gate_up, dh, *, alpha: float, limit: float):
+def clamped_swiglu_grad(gate_up, dh, *, alpha: float, limit: float, up_shift: float = 1.0):
     """d(clamped_swiglu)/d(gate_up) times dh: [..., 2I] interleaved, in gate_up's dtype."""
     # Written out because autodiff's transpose of the stride-2 slices (a padded scatter into the
     # interleaved layout) took the TPU compiler ~140 s for one [4096, 512] MoE layer; the two
@@ -62,7 +64,7 @@ def clamped_swiglu_grad(gate_up, dh, *, alpha: float, limit: float):
     up = jnp.clip(u_raw, -limit, limit)
     sig = jax.nn.sigmoid(alpha * gate)
     dh = dh.astype(sig.dtype)
-    dgate = jnp.where(g_raw < limit, dh * (up + 1.0) * (sig + alpha * gate * sig * (1.0 - sig)), 0.0)
+    dgate = jnp.where(g_raw < limit, dh * (up + up_shift) * (sig + alpha * gate * sig * (1.0 - sig)), 0.0)
     dup = jnp.where((u_raw > -limit) & (u_raw < limit), dh * gate * sig, 0.0)
     return jnp.stack([dgate, dup], axis=-1).reshape(gate_up.shape).astype(gate_up.dtype)
 
@@ -76,7 +78,7 @@ def expert_of_rows(group_sizes, num_rows: int):
 
 
 def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                          limit: float = 7.0):
+                          limit: float = 7.0, up_shift: float = 1.0):
     """Plain JAX/XLA: two `jax.lax.ragged_dot` grouped GEMMs around the activation; the `xla`
     implementation. (Tests also check it against a per-row loop and the eager torch op.)"""
     group_sizes = group_sizes.astype(jnp.int32)
@@ -85,7 +87,8 @@ def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias
     prec = dot_precision(x.dtype)   # explicit: on TPU ragged_dot is a Mosaic kernel (no HIGHEST for bf16)
     h = jax.lax.ragged_dot(x, gate_up, group_sizes, precision=prec,
                            preferred_element_type=jnp.float32)
-    h = clamped_swiglu(h + gate_up_bias[expert].astype(jnp.float32), alpha=alpha, limit=limit).astype(x.dtype)
+    h = clamped_swiglu(h + gate_up_bias[expert].astype(jnp.float32), alpha=alpha, limit=limit,
+                       up_shift=up_shift).astype(x.dtype)
     y = jax.lax.ragged_dot(h, down, group_sizes, precision=prec,
                            preferred_element_type=jnp.float32)
     return (y + down_bias[expert].astype(jnp.float32)).astype(x.dtype)
@@ -166,7 +169,7 @@ def _fit(dim: int, want: int, align: int) -> int:
 # Plain-JAX grouped GEMM (CPU training path; no Pallas)
 # =============================================================================================
 def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                    limit: float = 7.0, block_m: int | None = None):
+                    limit: float = 7.0, up_shift: float = 1.0, block_m: int | None = None):
     """Megablox's schedule as batched XLA ops: gather each work item's row tile and expert
     weights, one batched matmul per projection, mask rows outside the item's expert, and add the
     (at most E - 1 extra) partial tiles back with a sorted segment_sum. Costs ~(1 + E*t/M) x the
@@ -194,7 +197,7 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
 
     gu = jnp.einsum("wth,whn->wtn", xt, gate_up[meta.group_ids], precision=prec, preferred_element_type=acc)
     gu = gu + gate_up_bias.astype(acc)[meta.group_ids][:, None, :]   # cast first: bias grads sum in f32
-    h = clamped_swiglu(gu, alpha=alpha, limit=limit).astype(x.dtype)
+    h = clamped_swiglu(gu, alpha=alpha, limit=limit, up_shift=up_shift).astype(x.dtype)
     y = jnp.einsum("wti,wih->wth", h, down[meta.group_ids], precision=prec, preferred_element_type=acc)
     y = y + down_bias.astype(acc)[meta.group_ids][:, None, :]
     y = jnp.where(live[..., None], y, 0.0)   # select, not multiply: no 0 * inf leaking through
@@ -276,7 +279,7 @@ def _pair_partner(v):
     return jnp.where(from_a, a, b)
 
 
-def _swiglu_pairs(pre, *, alpha: float, limit: float, dh2=None):
+def _swiglu_pairs(pre, *, alpha: float, limit: float, up_shift: float, dh2=None):
     """Clamped SwiGLU on an interleaved [rows, 2n] float32 block, evaluated at every lane (both
     lanes of a pair hold the pair's h). With dh2 (d loss / d h, at both lanes of each pair) also
     returns d loss / d pre, interleaved: d/dgate at even lanes, d/dup at odd lanes."""
@@ -288,11 +291,11 @@ def _swiglu_pairs(pre, *, alpha: float, limit: float, dh2=None):
     up = jnp.clip(u_raw, -limit, limit)
     sig = jax.nn.sigmoid(alpha * gate)
     glu = gate * sig
-    h2 = (up + 1.0) * glu
+    h2 = (up + up_shift) * glu
     if dh2 is None:
         return h2, None
     dglu = sig + alpha * gate * sig * (1.0 - sig)
-    dgate = jnp.where(g_raw < limit, dh2 * (up + 1.0) * dglu, 0.0)
+    dgate = jnp.where(g_raw < limit, dh2 * (up + up_shift) * dglu, 0.0)
     dup = jnp.where((u_raw > -limit) & (u_raw < limit), dh2 * glu, 0.0)
     return h2, jnp.where(even, dgate, dup)
 
@@ -338,6 +341,7 @@ class _FusedConfig(NamedTuple):
     ti: int
     alpha: float
     limit: float
+    up_shift: float
     mode: KernelMode
     vmem_limit: int | None
 
@@ -371,7 +375,7 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
         @pl.when(active)
         def _accumulate():
             pre = jnp.dot(x_ref[...], w1_ref[...], precision=prec, preferred_element_type=_F32)
-            h2, _ = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit)
+            h2, _ = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit, up_shift=cfg.up_shift)
             acc_ref[...] += jnp.dot(_compact_pairs(h2, dtype), w2_ref[...], precision=prec,
                                     preferred_element_type=_F32)
 
@@ -423,7 +427,7 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
             w1_blk = w1_ref[...]
             pre = jnp.dot(x_ref[...], w1_blk, precision=prec, preferred_element_type=_F32)
             dh = jax.lax.dot_general(dy_ref[...], w2_ref[...], _NT, precision=prec, preferred_element_type=_F32)
-            _, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit,
+            _, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit, up_shift=cfg.up_shift,
                                     dh2=_spread_pairs(dh, dtype))
             acc_ref[...] += jax.lax.dot_general(dpre.astype(dtype), w1_blk, _NT, precision=prec,
                                                 preferred_element_type=_F32)
@@ -490,7 +494,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
             x_d, dy_d = xm.astype(dtype), dym.astype(dtype)
             pre = jnp.dot(x_d, w1_ref[...], precision=prec, preferred_element_type=_F32)
             dh = jax.lax.dot_general(dy_d, w2_ref[...], _NT, precision=prec, preferred_element_type=_F32)
-            h2, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit,
+            h2, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit, up_shift=cfg.up_shift,
                                      dh2=_spread_pairs(dh, dtype))
             h = _compact_pairs(h2, dtype)
             # Transposes in float32 then cast back, as megablox does (32-bit transposes lower on
@@ -614,7 +618,7 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
 
 
 def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                       limit: float = 7.0, platform: str, block_m: int | None = None,
+                       limit: float = 7.0, up_shift: float = 1.0, platform: str, block_m: int | None = None,
                        block_i: int | None = None, vmem_limit_bytes: int | None = None,
                        interpret: str | None = None):
     """Fused Pallas expert MLP: per (row tile, expert) work item, up projection, clamped SwiGLU
@@ -643,7 +647,7 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     if platform == "tpu" and vmem is None:
         est = _fused_vmem_bytes(tm, hdim, ti, jnp.dtype(x.dtype).itemsize)
         vmem = int(min(_FUSED_VMEM_CAP, max(32 * 2**20, round_up(est * 5 // 4, 2**20))))
-    cfg = _FusedConfig(tm, ti, float(alpha), float(limit), mode, vmem)
+    cfg = _FusedConfig(tm, ti, float(alpha), float(limit), float(up_shift), mode, vmem)
     dtype = x.dtype
     w1, b1 = gate_up.astype(dtype), gate_up_bias.reshape(num_groups, 1, two_i)
     w2, b2 = down.astype(dtype), down_bias.reshape(num_groups, 1, hdim)
@@ -666,7 +670,7 @@ DEFAULT_MEGABLOX_TILES = {"tpu": (256, 512), "cpu": (128, 512)}   # (block_m, bl
 
 
 def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                         limit: float = 7.0, platform: str, block_m: int | None = None,
+                         limit: float = 7.0, up_shift: float = 1.0, platform: str, block_m: int | None = None,
                          block_k: int | None = None, interpret: str | None = None):
     """Two `jax.experimental.pallas.ops.tpu.megablox.gmm` calls (custom_vjp: gmm + tgmm
     backward) with bias gathers and clamped_swiglu in plain JAX between them. A baseline and
@@ -720,6 +724,6 @@ def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias,
     # Sorted gathers: their transposes (the bias gradients) are sorted segment sums.
     per_row = lambda b: jnp.take(b.astype(_F32), expert, axis=0, indices_are_sorted=True)
     gu = jnp.where(valid, gmm(xp, gate_up) + per_row(gate_up_bias), 0.0)
-    h = clamped_swiglu(gu, alpha=alpha, limit=limit).astype(x.dtype)
+    h = clamped_swiglu(gu, alpha=alpha, limit=limit, up_shift=up_shift).astype(x.dtype)
     y = gmm(h, down) + per_row(down_bias)
     return y[:m, :hdim].astype(x.dtype)

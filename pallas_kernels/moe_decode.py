@@ -27,21 +27,21 @@ from pallas_kernels.platform import dot_precision
 ROWS_ALONE = 32
 
 
-def _mlp(x, w_up, b_up, w_down, b_down, alpha, limit):
+def _mlp(x, w_up, b_up, w_down, b_down, alpha, limit, up_shift):
     """One expert on x [..., H] (clamped SwiGLU between the two projections)."""
     precision = dot_precision(x.dtype)
     h = jnp.dot(x, w_up, precision=precision, preferred_element_type=jnp.float32)
-    h = clamped_swiglu(h + b_up.astype(jnp.float32), alpha=alpha, limit=limit).astype(x.dtype)
+    h = clamped_swiglu(h + b_up.astype(jnp.float32), alpha=alpha, limit=limit, up_shift=up_shift).astype(x.dtype)
     y = jnp.dot(h, w_down, precision=precision, preferred_element_type=jnp.float32)
     return (y + b_down.astype(jnp.float32)).astype(x.dtype)
 
 
-def _rows_alone(x, expert, gate_up, gate_up_bias, down, down_bias, alpha, limit):
+def _rows_alone(x, expert, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift):
     """Row r through expert[r]: a loop over rows around a switch whose branch e uses static
     slices of expert e (a loop, not an unrolled list, keeps the program small to compile)."""
     experts = gate_up.shape[0]
     weights = [t for e in range(experts) for t in (gate_up[e], gate_up_bias[e], down[e], down_bias[e])]
-    branches = [lambda row, *w, e=e: _mlp(row, *w[4 * e:4 * e + 4], alpha, limit) for e in range(experts)]
+    branches = [lambda row, *w, e=e: _mlp(row, *w[4 * e:4 * e + 4], alpha, limit, up_shift) for e in range(experts)]
 
     def one_row(r, out):
         row = jax.lax.dynamic_index_in_dim(x, r, 0, keepdims=False)
@@ -50,7 +50,7 @@ def _rows_alone(x, expert, gate_up, gate_up_bias, down, down_bias, alpha, limit)
     return jax.lax.fori_loop(0, x.shape[0], one_row, jnp.zeros_like(x))
 
 
-def _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, chunk: int):
+def _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift, chunk: int):
     """Items of (expert, up to `chunk` of its rows) in a loop; the expert sliced once per item."""
     rows, experts = x.shape[0], sizes.shape[0]
     starts = jnp.cumsum(sizes) - sizes
@@ -65,7 +65,7 @@ def _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, 
         e = jnp.max(jnp.where(owns, jnp.arange(experts, dtype=jnp.int32), 0))
         rank = (item - first_item[e]) * chunk                     # first row of this chunk in the group
         w = [jax.lax.dynamic_index_in_dim(t, e, 0, keepdims=False) for t in (gate_up, gate_up_bias, down, down_bias)]
-        y = _mlp(jax.lax.dynamic_slice_in_dim(padded, starts[e] + rank, chunk, 0), *w, alpha, limit)
+        y = _mlp(jax.lax.dynamic_slice_in_dim(padded, starts[e] + rank, chunk, 0), *w, alpha, limit, up_shift)
         target = jnp.where(rank + offsets < sizes[e], starts[e] + rank + offsets, rows)   # rows = dropped
         return out.at[target].set(y, mode="drop")
 
@@ -73,7 +73,7 @@ def _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, 
 
 
 def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                       limit: float = 7.0, chunk: int | None = None, platform: str = "cpu"):
+                       limit: float = 7.0, up_shift: float = 1.0, chunk: int | None = None, platform: str = "cpu"):
     """x: [M, H] sorted by expert; group_sizes: [E]; weights as the reference. `chunk`: rows per
     work item when M > ROWS_ALONE (default: twice the mean rows per expert, at least 2).
     `platform` is accepted for the registry's uniform signature (plain JAX needs none)."""
@@ -83,6 +83,6 @@ def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     if rows == 0:
         return x
     if rows <= ROWS_ALONE:
-        return _rows_alone(x, expert_of_rows(sizes, rows), gate_up, gate_up_bias, down, down_bias, alpha, limit)
-    return _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit,
+        return _rows_alone(x, expert_of_rows(sizes, rows), gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift)
+    return _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift,
                        chunk or max(2, -(-2 * rows // experts)))

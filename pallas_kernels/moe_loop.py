@@ -42,7 +42,7 @@ def default_tiles(m: int, num_groups: int) -> tuple[int, int]:
 
 
 def moe_experts_loop(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                     limit: float = 7.0, block_m: int | None = None, block_m_tail: int | None = None):
+                     limit: float = 7.0, up_shift: float = 1.0, block_m: int | None = None, block_m_tail: int | None = None):
     """y [M, H]: each sorted row through its own expert's clamped-SwiGLU MLP. `block_m`: rows per
     whole tile, `block_m_tail`: rows per tile of a group's remainder (defaults: `default_tiles`)."""
     m = x.shape[0]
@@ -52,7 +52,7 @@ def moe_experts_loop(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, 
     tm = min(block_m or tm, round_up(m, 8))
     ts = min(block_m_tail or ts, tm)
     return _looped(x, group_sizes.astype(jnp.int32), gate_up, gate_up_bias, down, down_bias,
-                   float(alpha), float(limit), int(tm), int(ts))
+                   float(alpha), float(limit), float(up_shift), int(tm), int(ts))
 
 
 class _Schedule:
@@ -107,7 +107,7 @@ def _pad_rows(a, rows):
     return jnp.pad(a, ((0, rows), (0, 0)))
 
 
-def _forward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, tm, ts):
+def _forward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift, tm, ts):
     m = x.shape[0]
     two_i = gate_up.shape[2]
     sched = _Schedule(group_sizes, tm, ts)
@@ -121,7 +121,7 @@ def _forward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limi
         def visit(row0, rows, mine, carry):
             y, pre = carry
             gu = jnp.dot(_tile(xp, row0, rows), w1, precision=prec, preferred_element_type=_F32) + b1
-            h = clamped_swiglu(gu, alpha=alpha, limit=limit).astype(x.dtype)
+            h = clamped_swiglu(gu, alpha=alpha, limit=limit, up_shift=up_shift).astype(x.dtype)
             out = jnp.dot(h, w2, precision=prec, preferred_element_type=_F32) + b2
             return _put(y, out, row0, mine), _put(pre, gu, row0, mine)
 
@@ -132,7 +132,7 @@ def _forward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limi
     return y[:m], pre
 
 
-def _backward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, pre, dy, alpha, limit, tm, ts):
+def _backward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, pre, dy, alpha, limit, up_shift, tm, ts):
     m, hdim = x.shape
     two_i = gate_up.shape[2]
     sched = _Schedule(group_sizes, tm, ts)
@@ -149,9 +149,10 @@ def _backward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, pre, dy, a
             dx, g1, gb1, g2, gb2 = acc
             dyt = _masked(_tile(dyp, row0, rows), mine)
             gu = _tile(pre, row0, rows)
-            h = _masked(clamped_swiglu(gu, alpha=alpha, limit=limit), mine).astype(x.dtype)
+            h = _masked(clamped_swiglu(gu, alpha=alpha, limit=limit, up_shift=up_shift), mine).astype(x.dtype)
             dh = lax.dot_general(dyt, w2, a_bt, precision=prec, preferred_element_type=_F32)
-            dgu = _masked(clamped_swiglu_grad(gu, dh, alpha=alpha, limit=limit), mine).astype(x.dtype)
+            dgu = _masked(clamped_swiglu_grad(gu, dh, alpha=alpha, limit=limit, up_shift=up_shift),
+                          mine).astype(x.dtype)
             dxt = lax.dot_general(dgu, w1, a_bt, precision=prec, preferred_element_type=_F32)
             g1 += lax.dot_general(_tile(xp, row0, rows), dgu, at_b, precision=prec, preferred_element_type=_F32)
             g2 += lax.dot_general(h, dyt, at_b, precision=prec, preferred_element_type=_F32)
@@ -170,18 +171,18 @@ def _backward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, pre, dy, a
             dw2.astype(down.dtype), db2.astype(down_bias.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _looped(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, tm, ts):
-    return _forward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, tm, ts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _looped(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift, tm, ts):
+    return _forward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift, tm, ts)[0]
 
 
-def _looped_fwd(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, tm, ts):
-    y, pre = _forward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, tm, ts)
+def _looped_fwd(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift, tm, ts):
+    y, pre = _forward(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift, tm, ts)
     return y, (x, group_sizes, gate_up, gate_up_bias, down, down_bias, pre)
 
 
-def _looped_bwd(alpha, limit, tm, ts, residuals, dy):
-    return _backward(*residuals, dy, alpha, limit, tm, ts)
+def _looped_bwd(alpha, limit, up_shift, tm, ts, residuals, dy):
+    return _backward(*residuals, dy, alpha, limit, up_shift, tm, ts)
 
 
 _looped.defvjp(_looped_fwd, _looped_bwd)

@@ -149,14 +149,14 @@ def linear_cross_entropy_planted(hidden, weight, labels, *, ignore_index: int = 
 
 
 def moe_experts_planted(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                        limit: float = 7.0):
+                        limit: float = 7.0, up_shift: float = 1.0):
     """moe_experts_reference with: one expert's output x0.9; two experts' weights swapped (rows
     routed to one run the other, so the routing is wrong while the router is right)."""
     a, b = SWAPPED
     perm = jnp.arange(gate_up.shape[0]).at[a].set(b).at[b].set(a)
     swap = _is(EXPERTS_SWAPPED)
     weights = [jnp.where(swap, w[perm], w) for w in (gate_up, gate_up_bias, down, down_bias)]
-    out = moe_experts_reference(x, group_sizes, *weights, alpha=alpha, limit=limit)
+    out = moe_experts_reference(x, group_sizes, *weights, alpha=alpha, limit=limit, up_shift=up_shift)
     ends = jnp.cumsum(group_sizes)
     row = jnp.arange(x.shape[0])
     in_expert = (row >= ends[SCALED_EXPERT] - group_sizes[SCALED_EXPERT]) & (row < ends[SCALED_EXPERT])

@@ -71,16 +71,20 @@ def value_and_grads(fn, args, dy):
     return y, grads
 
 
-def naive_moe(x, group_sizes, gate_up, gate_up_bias, down, down_bias):
-    """Row by row in float64 numpy: the definition."""
+def naive_moe(x, group_sizes, gate_up, gate_up_bias, down, down_bias, swiglu: bool = False):
+    """Row by row in float64 numpy: the definition (swiglu: silu(gate) * up, transformers' MoE
+    families, instead of GPT-OSS's clamped activation)."""
     x, gate_up, gate_up_bias, down, down_bias = (np.asarray(a, np.float64) for a in
                                                  (x, gate_up, gate_up_bias, down, down_bias))
     expert = np.repeat(np.arange(len(group_sizes)), np.asarray(group_sizes))
     out = np.zeros_like(x)
     for r, e in enumerate(expert):
         gu = x[r] @ gate_up[e] + gate_up_bias[e]
-        gate, up = np.minimum(gu[::2], LIMIT), np.clip(gu[1::2], -LIMIT, LIMIT)
-        h = (up + 1.0) * gate / (1.0 + np.exp(-ALPHA * gate))
+        if swiglu:
+            h = gu[1::2] * gu[::2] / (1.0 + np.exp(-gu[::2]))
+        else:
+            gate, up = np.minimum(gu[::2], LIMIT), np.clip(gu[1::2], -LIMIT, LIMIT)
+            h = (up + 1.0) * gate / (1.0 + np.exp(-ALPHA * gate))
         out[r] = h @ down[e] + down_bias[e]
     return out
 
@@ -194,6 +198,22 @@ def test_matches_reference(impl, case_id):
     for name, g, g0, a in zip(names, grads, g_ref, (args[0],) + args[2:]):
         assert g.shape == a.shape and g.dtype == a.dtype, name
         assert rel_err(g, g0) <= bwd_tol, (name, rel_err(g, g0))
+
+
+# SwiGLU through the op's constants (torch_model/transformers_lm.py SWIGLU): no clamp, no shift.
+SWIGLU = dict(alpha=1.0, limit=float("inf"), up_shift=0.0)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_swiglu_constants_match_the_definition_forward_and_backward(impl):
+    args, dy = make_inputs(5, 37, 32, 16, 3, "random")
+    assert rel_err(jax.jit(functools.partial(moe_experts_reference, **SWIGLU))(*args),
+                   naive_moe(*args, swiglu=True)) <= 1e-5
+    y_ref, g_ref = value_and_grads(functools.partial(moe_experts_reference, **SWIGLU), args, dy)
+    y, grads = value_and_grads(functools.partial(IMPLS[impl]((8, 16, 8)), **SWIGLU), args, dy)
+    assert rel_err(y, y_ref) <= 1e-5
+    for name, g, g0 in zip(("x", "gate_up", "gate_up_bias", "down", "down_bias"), grads, g_ref):
+        assert rel_err(g, g0) <= 1e-4, (name, rel_err(g, g0))
 
 
 @pytest.mark.parametrize("fn", [moe_experts_pallas, moe_experts_megablox])

@@ -20,7 +20,8 @@ def models(family: str):
     """(ours, transformers' eager model) with the same weights."""
     torch.manual_seed(0)
     ours = transformers_lm.build(CONFIGS[family]())
-    reference = AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="eager")
+    reference = AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="eager",
+                                                 experts_implementation="eager")
     missing, unexpected = reference.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and all(n == "lm_head.weight" for n in missing), (missing, unexpected)
     return ours, reference
@@ -34,6 +35,9 @@ def test_shapes_and_names_are_transformers():
     assert qwen.cfg.head_dim == 24 and qwen.cfg.n_kv_heads == 2
     assert qwen.cfg.layer_types == ("full_attention", "sliding_attention", "sliding_attention")
     assert llama.cfg.layer_types == ("full_attention", "full_attention")
+    moe, _ = models("qwen3_moe")
+    assert moe.cfg.layer_types == ("full_attention+experts", "full_attention", "full_attention+experts")
+    assert (moe.cfg.n_experts, moe.cfg.experts_per_token, moe.cfg.router_aux_loss_coef) == (4, 2, 0.01)
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -50,13 +54,16 @@ def test_eager_logits_equal_transformers_eager_attention(family):
 
 
 def eager_losses(reference, tokens) -> list[float]:
-    """transformers' eager model trained by the eager optimizer: the ground truth."""
+    """transformers' eager model trained by the eager optimizer: the ground truth (the router
+    loss added as transformers' *ForCausalLM adds it)."""
     optimizer = MuonAdamW(reference, OptimizerConfig())
     losses = []
     for batch in torch.from_numpy(tokens.astype(np.int64))[:, 0]:
         reference.zero_grad()
-        logits = reference(batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        out = reference(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss + reference.config.router_aux_loss_coef * out.aux_loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -65,7 +72,8 @@ def eager_losses(reference, tokens) -> list[float]:
 
 # Both layer layouts and both kernel sets, each family once (the suite's time is counted).
 @pytest.mark.parametrize("family,kernels,scan", [
-    ("llama", "attention=pallas,cross_entropy=pallas", True), ("qwen3", "xla", False)])
+    ("llama", "attention=pallas,cross_entropy=pallas", True), ("qwen3", "xla", False),
+    ("qwen3_moe", "attention=pallas,cross_entropy=pallas,moe=pallas", True)])
 def test_lowered_losses_equal_eager_transformers(family, kernels, scan):
     ours, reference = models(family)
     # One batch, every step: the losses must fall as the model learns it.
@@ -80,6 +88,38 @@ def test_lowered_losses_equal_eager_transformers(family, kernels, scan):
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert losses[-1] < losses[0]
+    if ours.cfg.is_moe:
+        assert metrics["router_balance"] > 0 and np.asarray(metrics["expert_fraction"]).shape == (2, 4)
+
+
+def test_transformers_gpt_oss_is_our_decoder():
+    """transformers' own GptOssForCausalLM (interleaved, transposed experts with biases, sinks,
+    sliding layers) through this path gives our decoder's logits and gradients on the same weights."""
+    from formats.hf_mapping import build_hf_config, to_hf_state
+    from torch_model.config import get_preset
+    from torch_model.model import GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = get_preset("tiny").replace(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
+                                     experts_per_token=2, expert_dim=32, vocab_size=VOCAB, sliding_window=4)
+    ours = GptOssForCausalLM(cfg)
+    ours.reset_parameters(0)
+    with torch.no_grad():           # biases and sinks away from their zero init, so they count
+        for name, p in ours.named_parameters():
+            if "bias" in name or "sinks" in name:
+                p.normal_(0, 0.1)
+    theirs = transformers_lm.build(build_hf_config(cfg))
+    theirs.load_state_dict(to_hf_state(ours.state_dict(), cfg), strict=True)
+    assert theirs.cfg.layer_types == ("sliding_attention+experts", "full_attention+experts")
+    ids = torch.randint(0, VOCAB, (2, 11))     # longer than the window of 4
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids)).abs().max() < 1e-5
+    # Cross-entropy only: the router losses are each family's own (transformers' gpt-oss adds none here).
+    ours(ids[:, :-1], ids[:, 1:])["ce"].backward()
+    theirs(ids[:, :-1], ids[:, 1:])["ce"].backward()
+    grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        assert (p.grad - grads[name].grad).abs().max() <= 1e-4 * p.grad.abs().max().clamp(min=1e-6), name
 
 
 def test_refusals_name_what_cannot_run():

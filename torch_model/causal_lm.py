@@ -146,16 +146,21 @@ class CausalLMHead:
         if "lm_z" in out:
             loss = loss + cfg.lm_z_loss_coef * out["lm_z"]
         if cfg.is_moe:
-            moe_stats = [s for s in stats if s is not None]      # dense layers mixed in have none
-            balances = torch.stack([s["balance"] for s in moe_stats])      # [MoE layers]
-            router_zs = torch.stack([s["z"] for s in moe_stats])
-            balance, router_z = balances.mean(), router_zs.mean()
-            out.update(router_balance=balance, router_z=router_z, router_balance_per_layer=balances.detach(),
-                       router_z_per_layer=router_zs.detach(),
-                       expert_fraction=torch.stack([s["fraction"] for s in moe_stats]))
+            terms = self.router_terms([s for s in stats if s is not None])    # dense layers mixed in have none
+            out.update(terms)
             if cfg.router_aux_loss_coef:
-                loss = loss + (cfg.router_aux_loss_coef * router_loss_scale) * balance
+                loss = loss + (cfg.router_aux_loss_coef * router_loss_scale) * terms["router_balance"]
             if cfg.router_z_loss_coef:
-                loss = loss + (cfg.router_z_loss_coef * router_loss_scale) * router_z
+                loss = loss + (cfg.router_z_loss_coef * router_loss_scale) * terms["router_z"]
         out["loss"] = loss
         return out
+
+    def router_terms(self, moe_stats: list) -> dict:
+        """The router's losses and metrics from the MoE layers' stats: router_balance and
+        router_z (the losses the coefficients multiply), their per-layer values and the experts'
+        token fractions [MoE layers, E]. Here: the mean over layers of each layer's own terms."""
+        balances = torch.stack([s["balance"] for s in moe_stats])      # [MoE layers]
+        router_zs = torch.stack([s["z"] for s in moe_stats])
+        return dict(router_balance=balances.mean(), router_z=router_zs.mean(),
+                    router_balance_per_layer=balances.detach(), router_z_per_layer=router_zs.detach(),
+                    expert_fraction=torch.stack([s["fraction"] for s in moe_stats]))

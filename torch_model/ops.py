@@ -89,15 +89,18 @@ def linear_cross_entropy_reference(hidden, weight, labels, ignore_index: int):
     return torch.where(valid, lse - target, zero), torch.where(valid, lse, zero)
 
 
-def clamped_swiglu(gate_up, alpha: float, limit: float):
-    """GPT-OSS activation: gate/up interleaved in the last dim, both clamped."""
+def clamped_swiglu(gate_up, alpha: float, limit: float, up_shift: float = 1.0):
+    """The experts' activation, gate/up interleaved in the last dim, both clamped:
+    (clip(up, +-limit) + up_shift) * g * sigmoid(alpha * g), g = min(gate, limit). GPT-OSS:
+    alpha 1.702, limit 7, up_shift 1; SwiGLU (silu(gate) * up): alpha 1, limit inf, up_shift 0."""
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+    return (up + up_shift) * (gate * torch.sigmoid(alpha * gate))
 
 
-def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha: float, limit: float):
+def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha: float, limit: float,
+                          up_shift: float = 1.0):
     """Grouped expert MLP: rows of x are sorted by expert, group_sizes[e] rows go to expert e.
 
     x: [M, H]; group_sizes: [E] (sum == M); gate_up: [E, H, 2I]; gate_up_bias: [E, 2I];
@@ -108,7 +111,7 @@ def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias
     for e, n in enumerate(group_sizes.tolist()):
         if n:
             rows = x[start:start + n]
-            h = clamped_swiglu(rows @ gate_up[e] + gate_up_bias[e], alpha, limit)
+            h = clamped_swiglu(rows @ gate_up[e] + gate_up_bias[e], alpha, limit, up_shift)
             outputs.append(h @ down[e] + down_bias[e])
         start += n
     if start != x.shape[0]:
@@ -116,7 +119,8 @@ def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias
     return torch.cat(outputs) if outputs else x.new_zeros(x.shape)
 
 
-def routed_experts_reference(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha: float, limit: float):
+def routed_experts_reference(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha: float, limit: float,
+                             up_shift: float = 1.0):
     """Dropless top-k expert MLP of token rows: out[n] = sum_j weights[n, j] * expert_{experts[n, j]}(x[n]).
 
     x: [N, H]; experts: [N, k] chosen expert ids; weights: [N, k] mixing weights. The k copies
@@ -129,7 +133,7 @@ def routed_experts_reference(x, experts, weights, gate_up, gate_up_bias, down, d
     order = torch.argsort(chosen, stable=True)                   # rows grouped by expert
     group_sizes = torch.bincount(chosen, minlength=gate_up.shape[0])
     out_sorted = moe_experts_reference(x[order // k], group_sizes, gate_up, gate_up_bias, down, down_bias,
-                                       alpha, limit)
+                                       alpha, limit, up_shift)
     out = out_sorted[torch.argsort(order)].view(n, k, -1)        # back to token order
     return (out * weights.unsqueeze(-1)).sum(1)
 
@@ -206,12 +210,13 @@ _register_recompute_backward(linear_cross_entropy, linear_cross_entropy_referenc
 @torch.library.custom_op(f"{NAMESPACE}::routed_experts", mutates_args=())
 def routed_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
-                   limit: float) -> torch.Tensor:
-    return routed_experts_reference(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit)
+                   limit: float, up_shift: float = 1.0) -> torch.Tensor:
+    return routed_experts_reference(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit,
+                                    up_shift)
 
 
 @routed_experts.register_fake
-def _(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit):
+def _(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift=1.0):
     return torch.empty_like(x)
 
 

@@ -79,6 +79,7 @@ _RULES: list[tuple[str, ParamPlan]] = [
     ("embed_tokens.weight", ParamPlan(ADAMW)), ("lm_head.weight", ParamPlan(ADAMW)),
     ("norm.weight", ParamPlan(ADAMW)),
     ("bias", ParamPlan(ADAMW)), ("sinks", ParamPlan(ADAMW)), ("router.weight", ParamPlan(ADAMW)),
+    ("mlp.gate.weight", ParamPlan(ADAMW)),        # transformers' MoE routers (Qwen3-MoE, Mixtral, ...)
 ]
 
 

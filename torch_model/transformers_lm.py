@@ -16,14 +16,15 @@ import torch
 import torch.nn as nn
 
 from torch_model import ops
-from torch_model.causal_lm import CausalLMHead, DecoderShape
+from torch_model.causal_lm import PAD_SEGMENT, CausalLMHead, DecoderShape
 
 ATTENTION = "torchlyra"
 # A sink logit that adds exactly nothing: exp(NO_SINK - max) underflows to 0 in float32 and bf16,
 # without the inf - inf of a -inf sink.
 NO_SINK = -1e30
 # Keywords transformers' layers hand the attention function that change nothing here: positions
-# enter through the rotary embedding, there is no cache in training.
+# enter through the rotary embedding, there is no cache in training; `output_*` flags ask for
+# recordings (router logits), not for another attention.
 _IGNORED_ATTENTION_KWARGS = ("position_ids", "use_cache", "cache_position")
 _routed_calls: list | None = None       # while `check_routing` runs: the modules that called the routed attention
 
@@ -47,7 +48,8 @@ def routed_attention(module, query, key, value, attention_mask, dropout: float =
                                f"config's attention_dropout to 0)")
     if softcap:
         raise UnsupportedModel(f"{where}: attention logit softcap {softcap} (no kernel expresses it)")
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _IGNORED_ATTENTION_KWARGS)
+    unknown = sorted(k for k, v in kwargs.items()
+                     if v is not None and k not in _IGNORED_ATTENTION_KWARGS and not k.startswith("output_"))
     if unknown:
         raise UnsupportedModel(f"{where}: attention feature(s) {', '.join(unknown)} (no kernel expresses them)")
     sinks = s_aux if s_aux is not None else query.new_full((query.shape[1],), NO_SINK)
@@ -57,11 +59,65 @@ def routed_attention(module, query, key, value, attention_mask, dropout: float =
     return out.transpose(1, 2), None
 
 
+# The experts' activations the `moe` op expresses: (alpha, limit, up_shift) of
+# (clip(up, +-limit) + up_shift) * g * sigmoid(alpha * g), g = min(gate, limit) (torch_model/ops.py).
+SWIGLU = (1.0, float("inf"), 0.0)                 # silu(gate) * up
+
+
+def expert_activation(module) -> tuple[float, float, float]:
+    """The (alpha, limit, up_shift) of the family's own gate (`module._apply_gate`), found by
+    behaviour: each candidate is evaluated against the module's function on probe values
+    (beyond the clamps, both signs). A gate no candidate reproduces is refused by name."""
+    width = module.gate_up_proj.shape[-1] if module.is_transposed else module.gate_up_proj.shape[-2]
+    probe = torch.linspace(-12.0, 12.0, 4 * width, dtype=torch.float32).reshape(4, width)
+    probe = probe[:, torch.randperm(width, generator=torch.Generator().manual_seed(0))]
+    theirs = module._apply_gate(probe)
+    interleaved = probe if not module.is_concatenated else _interleave(probe)
+    candidates = [SWIGLU]
+    if hasattr(module, "alpha") and hasattr(module, "limit"):
+        candidates.insert(0, (float(module.alpha), float(module.limit), 1.0))
+    for candidate in candidates:
+        if torch.allclose(ops.clamped_swiglu(interleaved, *candidate), theirs, rtol=1e-6, atol=1e-6):
+            return candidate
+    raise UnsupportedModel(f"{type(module).__name__}: its gate (`_apply_gate`) is none of the activations the moe "
+                           f"kernels compute (SwiGLU, GPT-OSS's clamped SwiGLU)")
+
+
+def _interleave(gate_up):
+    """[..., gate | up] (concatenated halves) -> [..., g0, u0, g1, u1, ...] (the op's layout)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
+def routed_experts(module, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts-function signature -> the `moe` op: the family's stacked weights in
+    the op's layout (x @ W, gate and up interleaved, biases), its activation's constants.
+    hidden_states [N, H], top_k_index / top_k_weights [N, k]; returns [N, H]."""
+    if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
+        raise UnsupportedModel(f"{type(module).__name__}: experts without a gate or with a post-expert norm "
+                               f"(no moe kernel computes them)")
+    activation = getattr(module, "torchlyra_activation", None)
+    if activation is None:
+        raise UnsupportedModel(f"{type(module).__name__}: experts not prepared by transformers_lm.build")
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if not module.is_transposed:                     # [E, 2I, H] / [E, H, I] -> x @ W layouts
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate_up_bias = module.gate_up_proj_bias if module.has_bias else gate_up.new_zeros(gate_up.shape[0], gate_up.shape[2])
+    down_bias = module.down_proj_bias if module.has_bias else down.new_zeros(down.shape[0], down.shape[2])
+    if module.is_concatenated:
+        gate_up, gate_up_bias = _interleave(gate_up), _interleave(gate_up_bias)
+    return ops.OPS["moe"](hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), gate_up, gate_up_bias,
+                          down, down_bias, *activation)
+
+
 def register_interfaces() -> None:
-    """Register the routed attention under ATTENTION in transformers' interface (idempotent)."""
+    """Register the routed attention and experts under ATTENTION in transformers' interfaces
+    (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
 
     AttentionInterface.register(ATTENTION, routed_attention)
+    ExpertsInterface.register(ATTENTION, routed_experts)
 
 
 def build(config, dtype=torch.float32) -> "TransformersCausalLM":
@@ -75,7 +131,8 @@ def build(config, dtype=torch.float32) -> "TransformersCausalLM":
         raise UnsupportedModel(f"config {', '.join(f'{k}={config.to_dict()[k]}' for k in dropouts)}: no kernel applies "
                                f"dropout; set it to 0 to train this model here")
     try:
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=dtype)
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, experts_implementation=ATTENTION,
+                                              dtype=dtype)
     except (ValueError, KeyError, TypeError) as e:
         raise UnsupportedModel(f"transformers cannot build a causal LM from this config "
                                f"(model_type {getattr(config, 'model_type', None)!r}): {e}") from e
@@ -88,8 +145,11 @@ class TransformersBackbone(nn.Module):
     as the family's forward calls it), final norm. The modules are the transformers model's,
     so parameter names stay `model.embed_tokens.weight`, `model.layers.<i>.*`, `model.norm.weight`."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, router=None):
+        """router: transformers' OutputRecorder of the family's router logits (its
+        `_can_record_outputs["router_logits"]`), or None for a dense model."""
         super().__init__()
+        self._router = router
         missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
         if missing:
             raise UnsupportedModel(f"{type(inner).__name__}: no {', '.join(missing)}; the decoder skeleton "
@@ -114,13 +174,23 @@ class TransformersBackbone(nn.Module):
             stats.append(layer_stats)
         return x, stats
 
-    @staticmethod
-    def call_layer(layer, x, cos, sin, *segments):
+    def call_layer(self, layer, x, cos, sin, *segments):
         """One transformers decoder layer, called as its family's forward calls it (no mask: the
-        routed attention reads segment ids). Dense layers have no router stats (None)."""
+        routed attention reads segment ids). Stats: the router's logits [N, E] (recorded as
+        transformers records them) and the real-token mask, or None for a dense layer."""
         extra = {"segment_ids": segments[0]} if segments else {}
-        out = layer(x, attention_mask=None, position_embeddings=(cos, sin), use_cache=False, **extra)
-        return (out[0] if isinstance(out, tuple) else out), None
+        logits = []
+        hooks = [m.register_forward_hook(lambda _, __, out: logits.append(out[self._router.index] if isinstance(
+            out, tuple) else out)) for m in layer.modules() if self._router and isinstance(m, self._router.target_class)]
+        try:
+            out = layer(x, attention_mask=None, position_embeddings=(cos, sin), use_cache=False, **extra)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        out = out[0] if isinstance(out, tuple) else out
+        if not logits:
+            return out, None
+        return out, {"logits": logits[0], "real": (segments[0] != PAD_SEGMENT) if segments else None}
 
 
 class TransformersCausalLM(CausalLMHead, nn.Module):
@@ -130,14 +200,74 @@ class TransformersCausalLM(CausalLMHead, nn.Module):
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.config = hf_model.config
-        self.model = TransformersBackbone(hf_model.get_decoder())
+        router = getattr(hf_model, "_can_record_outputs", None) or {}
+        self.model = TransformersBackbone(hf_model.get_decoder(), router.get("router_logits"))
         self.lm_head = hf_model.get_output_embeddings()
         self.cfg = decoder_shape(self.config, self.model.layers)
+        for module in self.modules():          # the experts' activation, found once, outside any trace
+            if hasattr(module, "gate_up_proj") and hasattr(module, "is_transposed"):
+                module.torchlyra_activation = expert_activation(module)
+        check_balance_loss(hf_model, self.cfg)
         check_routing(hf_model, self)
 
     @property
     def tied(self) -> bool:
         return self.lm_head.weight is self.model.embed_tokens.weight
+
+    def router_terms(self, moe_stats: list) -> dict:
+        """transformers' router loss for these families: the Switch load-balancing loss over the
+        MoE layers' logits pooled (`load_balancing_loss_func`, padding left out), no z-loss."""
+        logits = [s["logits"] for s in moe_stats]
+        balance = switch_balance_loss(logits, self.cfg.n_experts, self.cfg.experts_per_token, moe_stats[0]["real"])
+        fractions = torch.stack([_fraction(x, self.cfg.n_experts, self.cfg.experts_per_token) for x in logits])
+        zero = torch.zeros((), dtype=balance.dtype, device=balance.device)
+        return dict(router_balance=balance, router_z=zero, expert_fraction=fractions)
+
+
+def switch_balance_loss(logits: list, n_experts: int, top_k: int, real=None):
+    """transformers' `load_balancing_loss_func` (Mixtral, Qwen-MoE, OLMoE): E * sum_e f_e * P_e with
+    f_e the share of top-k assignments and P_e the mean router probability, over the tokens of
+    every MoE layer together; real [B, T] (False on padding) weights the tokens. Written with
+    one-hot sums, which trace under the bridge where `histc` does not."""
+    counts = torch.zeros(n_experts, dtype=torch.float32, device=logits[0].device)
+    probs_sum = torch.zeros_like(counts)
+    rows = torch.zeros((), dtype=torch.float32, device=logits[0].device)
+    w = None if real is None else real.reshape(-1).float()
+    for layer_logits in logits:
+        probs = torch.softmax(layer_logits.float(), dim=-1)
+        chosen = torch.nn.functional.one_hot(torch.topk(probs, top_k, dim=-1).indices, n_experts).sum(1).float()
+        if w is None:
+            counts, probs_sum, rows = counts + chosen.sum(0), probs_sum + probs.sum(0), rows + probs.shape[0]
+        else:
+            counts = counts + (chosen * w[:, None]).sum(0)
+            probs_sum, rows = probs_sum + (probs * w[:, None]).sum(0), rows + w.sum()
+    return (counts / rows * (probs_sum / rows)).sum() * n_experts
+
+
+def _fraction(logits, n_experts: int, top_k: int):
+    """Each expert's share of one layer's top-k assignments (the expert-load metric and plot)."""
+    chosen = torch.nn.functional.one_hot(torch.topk(logits.float(), top_k, dim=-1).indices, n_experts).float()
+    return chosen.sum((0, 1)) / chosen.sum()
+
+
+def check_balance_loss(hf_model, shape: DecoderShape) -> None:
+    """The family's own load-balancing function, held to `switch_balance_loss` on random logits
+    when the config trains with it (output_router_logits and a coefficient); a family whose loss
+    is another is refused by name rather than trained with the wrong one."""
+    if not shape.is_moe or not shape.router_aux_loss_coef:
+        return
+    import sys
+
+    theirs = getattr(sys.modules[type(hf_model).__module__], "load_balancing_loss_func", None)
+    gen = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(12, shape.n_experts, generator=gen) for _ in range(2))
+    mask = torch.tensor([[1] * 5 + [0], [1] * 6], dtype=torch.long)
+    ours = [switch_balance_loss(list(logits), shape.n_experts, shape.experts_per_token, real)
+            for real in (None, mask.bool())]
+    if theirs is None or not all(torch.allclose(o, theirs(logits, shape.n_experts, shape.experts_per_token, m))
+                                 for o, m in zip(ours, (None, mask))):
+        raise UnsupportedModel(f"{type(hf_model).__name__}: its router loss is not the Switch load-balancing loss "
+                               f"this path computes; train it with output_router_logits=False")
 
 
 def decoder_shape(config, layers) -> DecoderShape:
@@ -149,14 +279,22 @@ def decoder_shape(config, layers) -> DecoderShape:
     for layer in layers:
         window = getattr(getattr(layer, "self_attn", None), "sliding_window", None) or 0
         structure = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
-        key = (window, structure)
-        names.setdefault(key, f"{'sliding' if window else 'full'}_attention"
-                              f"{'' if not any(k[0] == window for k in names) else f'.{len(names)}'}")
-        kinds.append(names[key])
+        base = f"{'sliding' if window else 'full'}_attention" + (
+            "+experts" if any(hasattr(m, "gate_up_proj") for m in layer.modules()) else "")
+        if (window, structure) not in names:      # another structure under the same name gets a number
+            taken = sum(name.split(".")[0] == base for name in names.values())
+            names[(window, structure)] = base if not taken else f"{base}.{taken}"
+        kinds.append(names[(window, structure)])
+    experts = [m for layer in layers for m in layer.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_transposed")]
+    # transformers adds the router loss only when the config asks for the router logits.
+    aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(config, "output_router_logits", False) else 0.0
     return DecoderShape(
         vocab_size=config.vocab_size, d_model=config.hidden_size, n_layers=len(layers), n_heads=heads,
         n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, layer_types=tuple(kinds))
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, layer_types=tuple(kinds),
+        n_experts=experts[0].gate_up_proj.shape[0] if experts else 0,
+        experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
+        router_aux_loss_coef=aux if experts else 0.0)
 
 
 def check_routing(hf_model: nn.Module, model: TransformersCausalLM, tokens: int = 8) -> None:
