@@ -166,7 +166,7 @@ def logical_spec(mesh: Mesh, axes: Iterable, shape: Iterable[int] | None = None)
     return P(*out)
 
 
-def param_axes(name: str, ndim: int) -> tuple:
+def param_axes(name: str, ndim: int, linear_stacks: frozenset[str] = frozenset()) -> tuple:
     """Logical dimension names of a parameter; a stacked one gets a leading `layers`. peft's
     names map to the base model's (torch_model.lora.base_parameter_of); a LoRA adapter takes its
     base weight's axes: A [r, in] shares `in`'s, B [out, r] `out`'s. Expert adapters ([r*E, in],
@@ -174,6 +174,8 @@ def param_axes(name: str, ndim: int) -> tuple:
     follows the experts'."""
     base, role = base_parameter_of(name)
     axes = _rule_axes(base, name)
+    if len(axes) == 3 and any(base.endswith(s) for s in linear_stacks):   # [E, out, in]: the rule names [E, in, out]
+        axes = (axes[0], axes[2], axes[1])
     if role is not None:
         if len(axes) == 3:                   # experts, x @ W[e]: [E, in, out]
             in_axis, out_axis = axes[1], axes[2]
@@ -196,8 +198,8 @@ def _rule_axes(base: str, name: str) -> tuple:
     raise ValueError(f"sharding: no rule for parameter {name!r} (add one to PARAM_AXES)")
 
 
-def param_spec(name: str, shape, mesh: Mesh) -> P:
-    return logical_spec(mesh, param_axes(name, len(shape)), shape)
+def param_spec(name: str, shape, mesh: Mesh, linear_stacks: frozenset[str] = frozenset()) -> P:
+    return logical_spec(mesh, param_axes(name, len(shape), linear_stacks), shape)
 
 
 def _leaf_name(path) -> str | None:
@@ -206,13 +208,14 @@ def _leaf_name(path) -> str | None:
     return next((k for k in reversed(keys) if isinstance(k, str) and "." in k), None)
 
 
-def state_shardings(state, mesh: Mesh):
+def state_shardings(state, mesh: Mesh, linear_stacks: frozenset[str] = frozenset()):
     """NamedSharding of every leaf of a train state (params, and optimizer state mirroring them
-    by name; anything not named after a parameter, like the step count, is replicated)."""
+    by name; anything not named after a parameter, like the step count, is replicated).
+    linear_stacks: the model's expert stacks stored [E, out, in] (causal_lm.linear_expert_stacks)."""
 
     def spec(path, leaf):
         name = _leaf_name(path)
-        return NamedSharding(mesh, param_spec(name, leaf.shape, mesh) if name else P())
+        return NamedSharding(mesh, param_spec(name, leaf.shape, mesh, linear_stacks) if name else P())
 
     return jax.tree_util.tree_map_with_path(spec, state)
 

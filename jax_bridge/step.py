@@ -22,7 +22,7 @@ from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform
 from torch_model.lora import tracing_scope, unwrap
-from torch_model.causal_lm import keeps_float32
+from torch_model.causal_lm import keeps_float32, linear_expert_stacks
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 from torch_model.policy_gradient import PolicyGradientConfig
 from torch_model.preference import PreferenceConfig
@@ -135,8 +135,9 @@ class TrainStep:
         self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
         self.layout = self.layer_layout.tag     # how state.params are stored (formats/checkpoint.py LAYOUTS)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
+        self.linear_stacks = linear_expert_stacks(model)   # expert stacks stored [E, out, in]
         self.layer_plan = plan_parameters([(n, p) for n, p in model.named_parameters() if p.requires_grad],
-                                          adapters=opt_cfg.adapter_optimizer)
+                                          adapters=opt_cfg.adapter_optimizer, linear_stacks=self.linear_stacks)
         self._check_frozen_stack()
         # Every layer stacked into one array has the same rule: take the first one's.
         self.plan = self.layer_layout.stack(self.layer_plan, stack=lambda rules: rules[0])
@@ -201,7 +202,7 @@ class TrainStep:
     def place_frozen(self, host: dict) -> dict:
         """Frozen host arrays onto the devices (sharded by the rules), kept as `self.frozen`."""
         self.frozen = (jax.device_put(host) if self.mesh is None
-                       else sharding.place(host, sharding.state_shardings(host, self.mesh)))
+                       else sharding.place(host, self.state_shardings(host)))
         return self.frozen
 
     def init_state(self) -> TrainState:
@@ -210,7 +211,7 @@ class TrainStep:
         self.place_frozen(self.host_frozen())
         if self.mesh is None:
             return jax.device_put(state)
-        return sharding.place(state, sharding.state_shardings(state, self.mesh))
+        return sharding.place(state, self.state_shardings(state))
 
     def full_params(self, params: dict) -> dict:
         """The trainable parameters with the frozen ones: what the model's forward takes."""
@@ -243,7 +244,7 @@ class TrainStep:
                             self.state_shardings(tree))
 
     def state_shardings(self, state):
-        return None if self.mesh is None else sharding.state_shardings(state, self.mesh)
+        return None if self.mesh is None else sharding.state_shardings(state, self.mesh, self.linear_stacks)
 
     def layer_params(self, params: dict) -> dict:
         """Parameters under the torch model's own per-layer names (unstacked if stacked)."""

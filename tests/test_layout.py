@@ -170,3 +170,36 @@ def test_every_module_imports_in_a_fresh_interpreter_deepest_first():
     result = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
+
+
+# transformers' decoder families (a sample of its model types): the product's code runs them through
+# the model boundary (torch_model/causal_lm.py) and must decide nothing by family.
+FAMILIES = ("llama", "qwen", "mixtral", "mistral", "gemma", "olmo", "deepseek", "phi", "granite", "glm", "falcon")
+
+
+def family_names_in_code(path: Path) -> list[str]:
+    """Identifiers and string literals (not docstrings or comments) of a module naming a family."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    words = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words.append(node.value)
+        elif isinstance(node, ast.Name):
+            words.append(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.append(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.arg)):
+            words.append(getattr(node, "name", None) or node.arg)
+    return sorted({w for w in words if any(f in w.lower() for f in FAMILIES)})
+
+
+def test_no_module_decides_anything_by_a_transformers_family(tmp_path):
+    named = {name: found for name, path in project_modules().items() if (found := family_names_in_code(path))}
+    assert not named, f"modules naming a transformers family in their code: {named}"
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""Llama is fine in a docstring."""\n# and in a comment: Qwen3\n'
+                       'def f(cfg):\n    return cfg.model_type == "qwen3_moe"\n')
+    assert family_names_in_code(planted) == ["qwen3_moe"]

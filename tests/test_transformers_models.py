@@ -157,3 +157,23 @@ def test_a_layer_whose_attention_is_not_routed_is_refused(monkeypatch):
     hf.model.layers[1].self_attn.config._attn_implementation = "eager"
     with pytest.raises(transformers_lm.UnsupportedModel, match="layer 1 "):
         transformers_lm.TransformersCausalLM(hf)
+
+
+def test_expert_stacks_stored_as_linear_weights_are_read_so_by_muon_and_the_sharding_rules():
+    """Qwen3-MoE stores each expert as nn.Linear weights ([E, out, in]); ours and gpt-oss's are
+    [E, in, out]. Same names, so the layout comes from the experts module (is_transposed)."""
+    from formats.hf_mapping import build_hf_config
+    from jax_bridge.sharding import param_axes
+    from torch_model.causal_lm import linear_expert_stacks
+    from torch_model.config import get_preset
+    from torch_model.optim import MUON, ParamPlan, plan_parameters
+
+    moe, reference = models("qwen3_moe")
+    stacks = linear_expert_stacks(moe)
+    assert stacks == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} == linear_expert_stacks(reference)
+    plan = plan_parameters(list(moe.named_parameters()), linear_stacks=stacks)
+    assert plan["model.layers.0.mlp.experts.gate_up_proj"] == ParamPlan(MUON, in_axis=-1, out_axis=-2)
+    assert param_axes("model.layers.stack0.mlp.experts.down_proj", 4, stacks) == ("layers", "exp", "embed_moe", "mlp")
+    assert param_axes("model.layers.0.mlp.experts.down_proj", 3) == ("exp", "mlp", "embed_moe")   # [E, in, out]
+    gpt_oss = transformers_lm.build(build_hf_config(get_preset("tiny").replace(n_layers=2, vocab_size=VOCAB)))
+    assert linear_expert_stacks(gpt_oss) == frozenset()

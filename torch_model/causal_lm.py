@@ -42,6 +42,19 @@ def keeps_float32(name: str) -> bool:
     return any(fragment in name for fragment in FLOAT32_PARAMETERS)
 
 
+def linear_expert_stacks(model) -> frozenset[str]:
+    """The expert stacks a model stores as one nn.Linear weight per expert, [E, out, in]
+    (transformers' `is_transposed=False`: Qwen3-MoE, Mixtral), as names relative to their layer
+    (`mlp.experts.gate_up_proj`); ours and gpt-oss's are [E, in, out]. The optimizer (Muon's
+    fan-in and fan-out) and the sharding rules read a stack's axes from this."""
+    found = set()
+    for prefix, module in model.named_modules():
+        if getattr(module, "is_transposed", True) is False:
+            rest = prefix.split(".", 3)[-1] if prefix.startswith("model.layers.") else prefix
+            found |= {f"{rest}.{name}" for name, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    return frozenset(found)
+
+
 @dataclass(frozen=True)
 class DecoderShape:
     """The fields of a model's `cfg` that the bridge reads (see the module docstring)."""

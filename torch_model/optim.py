@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from torch_model.causal_lm import linear_expert_stacks
 from torch_model.lora import base_parameter_of, is_expert_adapter
 
 MUON, ADAMW = "muon", "adamw"
@@ -83,8 +84,11 @@ _RULES: list[tuple[str, ParamPlan]] = [
 ]
 
 
-def plan_parameters(named_params, adapters: str = MUON) -> dict[str, ParamPlan]:
+def plan_parameters(named_params, adapters: str = MUON, linear_stacks: frozenset[str] = frozenset()
+                    ) -> dict[str, ParamPlan]:
     """Assign each parameter to Muon or AdamW by name; raise if any is unmatched or ambiguous.
+    linear_stacks: expert stacks stored [E, out, in] (causal_lm.linear_expert_stacks), whose
+    matrices Muon reads as nn.Linear weights.
     peft's names map to the base model's (torch_model.lora.base_parameter_of). LoRA adapters of
     linear layers (A [r, in], B [out, r]) take `adapters`; expert adapters, stored by peft as one
     [r*E, in] / [out, r*E] matrix, always take AdamW: orthogonalizing the stack whole would mix
@@ -104,7 +108,7 @@ def plan_parameters(named_params, adapters: str = MUON) -> dict[str, ParamPlan]:
                              f"parameter-group rules (expected exactly 1)")
         if hits[0].kind == MUON and p.dim() < 2:
             raise ValueError(f"optimizer: Muon parameter {name!r} must be a matrix, found shape {tuple(p.shape)}")
-        plan[name] = hits[0]
+        plan[name] = _LINEAR if hits[0] is _X_AT_W and any(base.endswith(s) for s in linear_stacks) else hits[0]
     return plan
 
 
@@ -227,7 +231,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig = OptimizerConfig()):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # frozen: no state
-        self.plan = plan_parameters(named, cfg.adapter_optimizer)
+        self.plan = plan_parameters(named, cfg.adapter_optimizer, linear_expert_stacks(model))
         self.cfg = cfg
         self.names = {id(p): n for n, p in named}
         groups = [{"params": [p for n, p in named if self.plan[n].kind == kind], "kind": kind}
