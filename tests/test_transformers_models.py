@@ -177,3 +177,23 @@ def test_expert_stacks_stored_as_linear_weights_are_read_so_by_muon_and_the_shar
     assert param_axes("model.layers.0.mlp.experts.down_proj", 3) == ("exp", "mlp", "embed_moe")   # [E, in, out]
     gpt_oss = transformers_lm.build(build_hf_config(get_preset("tiny").replace(n_layers=2, vocab_size=VOCAB)))
     assert linear_expert_stacks(gpt_oss) == frozenset()
+
+
+def test_a_qwen3_moe_step_with_pallas_kernels_compiles_for_v5e():
+    """The real TPU compiler (deviceless v5e) takes the whole bf16 train step of a tiny Qwen3-MoE
+    with our Mosaic kernels, the fused MoE kernel with SwiGLU's constants among them."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_bridge import tpu_compile
+
+    model = transformers_lm.build(CONFIGS["qwen3_moe"]())
+    step = TrainStep(model, step_cfg=StepConfig(kernels="attention=pallas,cross_entropy=pallas,moe=pallas",
+                                                platform="tpu", scan_layers=True))
+    assert step.cfg.compute_dtype == "bfloat16"
+    specs = (step.abstract_state(), jax.ShapeDtypeStruct((1, 2, 129), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32),
+             step.abstract_frozen())
+    _, stats = tpu_compile.compile_for(step._step, specs, tpu_compile.device_of("v5e:2x2"), donate_argnums=(0,))
+    assert {k.name for k in stats.kernels} == {f"{op}_{part}" for op, parts in (
+        ("attention", ("fwd", "dq", "dkv")), ("cross_entropy", ("fwd", "dh", "dw")), ("moe_fused", ("fwd", "dx", "dw")))
+        for part in parts}
