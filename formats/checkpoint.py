@@ -441,6 +441,9 @@ def _open_checked(path):
     if is_lora_meta(meta):
         raise UserError(f"{where} holds LoRA adapters of the base {meta['lora']['base']['path']}, not a whole model: "
                         f"load it with formats.lora_checkpoint.load_lora_model")
+    if not isinstance(cfg, ModelConfig):
+        raise UserError(f"{where} holds a transformers {cfg.model_type} model: `train --resume` continues it; "
+                        f"eval, generate, export and parity of transformers models are not built yet")
     for key, (_, dtype) in stored.items():
         if key[0] in PARAM_GROUPS and dtype not in STORED_DTYPES:
             raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")

@@ -1,22 +1,35 @@
-"""The tensors a ModelConfig implies (names and shapes, from the model built on `meta`), the check
-that a set of tensors matches them, and a ModelConfig read from JSON: shared by the checkpoint
-loader and the Hugging Face mapping, kept apart so neither imports the other."""
+"""The tensors a model record implies (names and shapes, from the model built on `meta`), the check
+that a set of tensors matches them, a record read from JSON and the model built from it: shared by
+the checkpoint loader and the Hugging Face mapping, kept apart so neither imports the other. A
+record is our ModelConfig or a transformers model's TransformersSpec (torch_model/transformers_lm.py)."""
 from __future__ import annotations
 
 import torch
 
 from torch_model.config import ConfigError, ModelConfig
+from torch_model.transformers_lm import TransformersSpec, UnsupportedModel
 from formats.errors import UserError
 
 
-def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in our model's state_dict, taken from the model itself
-    (built on the meta device: no memory, so it works for any preset)."""
+def build_model(cfg):
+    """The torch model a record names, with fresh weights: our decoder for a ModelConfig, the
+    transformers model for a TransformersSpec."""
+    if isinstance(cfg, TransformersSpec):
+        try:
+            return cfg.build()
+        except UnsupportedModel as e:
+            raise UserError(str(e)) from None
     from torch_model.model import GptOssForCausalLM
 
+    return GptOssForCausalLM(cfg)
+
+
+def model_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the model's state_dict, taken from the model itself
+    (built on the meta device: no memory, so it works for any preset)."""
     with torch.device("meta"):
-        model = GptOssForCausalLM(cfg)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        model = build_model(cfg)
+    return {name: tuple(t.shape) for name, t in model.named_parameters()}      # a tied head once
 
 
 def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str) -> None:
@@ -37,8 +50,14 @@ def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
         raise UserError(f"{where}: tensor {listed}{more}")
 
 
-def config_from_dict(d, where: str) -> ModelConfig:
-    """ModelConfig from a JSON object, with errors as UserError naming the field."""
+def config_from_dict(d, where: str):
+    """ModelConfig from a JSON object, with errors as UserError naming the field; a
+    transformers model's record ({"transformers": config}) gives its TransformersSpec."""
+    if TransformersSpec.is_spec_dict(d):
+        try:
+            return TransformersSpec.from_dict(d, where)
+        except UnsupportedModel as e:
+            raise UserError(str(e)) from None
     if not isinstance(d, dict):
         raise UserError(f"{where}: expected an object of ModelConfig fields, found {type(d).__name__}")
     try:

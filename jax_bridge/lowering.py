@@ -41,12 +41,12 @@ def model_function(model: torch.nn.Module, method: str = "forward", call=None):
     wrapped = method != "forward" or call is not None
     module = _CallAsForward(model, call or (lambda m, *a: getattr(m, method)(*a))) if wrapped else model
     prefix = "inner." if wrapped else ""
-    buffers = None
 
     def fn(params, *args):
-        nonlocal buffers
-        if buffers is None:
-            buffers = {prefix + n: env.t2j_copy(b.detach()) for n, b in model.named_buffers()}
+        # Converted in each trace (a constant of that program; one kept across traces would leak
+        # its tracer); a `meta` model's buffers (planning without weights) enter as zeros.
+        buffers = {prefix + n: jnp.zeros(b.shape, _abstract(b).dtype) if b.is_meta else env.t2j_copy(b.detach())
+                   for n, b in model.named_buffers()}
         torch_params, torch_args = env.j2t_iso(({**buffers, **{prefix + k: v for k, v in params.items()}}, args))
         with env:
             out = torch.func.functional_call(module, torch_params, torch_args)

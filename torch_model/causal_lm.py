@@ -65,6 +65,7 @@ class DecoderShape:
     n_kv_heads: int
     head_dim: int
     layer_types: tuple[str, ...]
+    windows: tuple[int, ...] = ()          # each layer's sliding window (0: full attention)
     n_experts: int = 0
     experts_per_token: int = 0
     router_aux_loss_coef: float = 0.0
@@ -74,6 +75,9 @@ class DecoderShape:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    def window_of_layer(self, i: int) -> int:
+        return self.windows[i] if self.windows else 0
 
 
 class CausalLMHead:

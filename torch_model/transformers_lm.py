@@ -69,8 +69,8 @@ def expert_activation(module) -> tuple[float, float, float]:
     behaviour: each candidate is evaluated against the module's function on probe values
     (beyond the clamps, both signs). A gate no candidate reproduces is refused by name."""
     width = module.gate_up_proj.shape[-1] if module.is_transposed else module.gate_up_proj.shape[-2]
-    probe = torch.linspace(-12.0, 12.0, 4 * width, dtype=torch.float32).reshape(4, width)
-    probe = probe[:, torch.randperm(width, generator=torch.Generator().manual_seed(0))]
+    probe = torch.linspace(-12.0, 12.0, 4 * width, dtype=torch.float32, device="cpu").reshape(4, width)
+    probe = probe[:, torch.randperm(width, generator=torch.Generator().manual_seed(0), device="cpu")]
     theirs = module._apply_gate(probe)
     interleaved = probe if not module.is_concatenated else _interleave(probe)
     candidates = [SWIGLU]
@@ -260,8 +260,8 @@ def check_balance_loss(hf_model, shape: DecoderShape) -> None:
 
     theirs = getattr(sys.modules[type(hf_model).__module__], "load_balancing_loss_func", None)
     gen = torch.Generator().manual_seed(0)
-    logits = tuple(torch.randn(12, shape.n_experts, generator=gen) for _ in range(2))
-    mask = torch.tensor([[1] * 5 + [0], [1] * 6], dtype=torch.long)
+    logits = tuple(torch.randn(12, shape.n_experts, generator=gen, device="cpu") for _ in range(2))
+    mask = torch.tensor([[1] * 5 + [0], [1] * 6], dtype=torch.long, device="cpu")
     ours = [switch_balance_loss(list(logits), shape.n_experts, shape.experts_per_token, real)
             for real in (None, mask.bool())]
     if theirs is None or not all(torch.allclose(o, theirs(logits, shape.n_experts, shape.experts_per_token, m))
@@ -275,7 +275,7 @@ def decoder_shape(config, layers) -> DecoderShape:
     (their parameters' names and shapes, and their attention window), so that any two layers the
     bridge stacks into one scan have the same structure."""
     heads = config.num_attention_heads
-    kinds, names = [], {}
+    kinds, names, windows = [], {}, []
     for layer in layers:
         window = getattr(getattr(layer, "self_attn", None), "sliding_window", None) or 0
         structure = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
@@ -285,6 +285,7 @@ def decoder_shape(config, layers) -> DecoderShape:
             taken = sum(name.split(".")[0] == base for name in names.values())
             names[(window, structure)] = base if not taken else f"{base}.{taken}"
         kinds.append(names[(window, structure)])
+        windows.append(int(window))
     experts = [m for layer in layers for m in layer.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_transposed")]
     # transformers adds the router loss only when the config asks for the router logits.
     aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(config, "output_router_logits", False) else 0.0
@@ -292,6 +293,7 @@ def decoder_shape(config, layers) -> DecoderShape:
         vocab_size=config.vocab_size, d_model=config.hidden_size, n_layers=len(layers), n_heads=heads,
         n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, layer_types=tuple(kinds),
+        windows=tuple(windows),
         n_experts=experts[0].gate_up_proj.shape[0] if experts else 0,
         experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
         router_aux_loss_coef=aux if experts else 0.0)
@@ -323,3 +325,128 @@ def check_routing(hf_model: nn.Module, model: TransformersCausalLM, tokens: int 
         raise UnsupportedModel(f"{type(hf_model).__name__}: its forward does more than embed -> rotary -> layers -> "
                                f"norm -> linear head (logits differ by {(ours - theirs).abs().max().item():.3g}); "
                                f"this path would not compute the family's model")
+
+
+class TransformersSpec:
+    """A transformers model as a run records and rebuilds it (the counterpart of our
+    `ModelConfig` in checkpoints and metrics): its config as a JSON object with `model_type`,
+    the special token ids taken from the run's tokenizer. `to_dict()` is {"transformers": config}."""
+
+    KEY = "transformers"
+
+    def __init__(self, config: dict, where: str = "model config"):
+        if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+            raise UnsupportedModel(f"{where}: a transformers config is a JSON object with a 'model_type' "
+                                   f"(as a model's config.json has), found {str(config)[:80]!r}")
+        self.config, self.where = dict(config), where
+        self._shape = None
+
+    @classmethod
+    def from_file(cls, path) -> "TransformersSpec":
+        import json
+
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except OSError as e:
+            raise UnsupportedModel(f"--model-config {path}: cannot read it ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise UnsupportedModel(f"--model-config {path}: not JSON ({e})") from None
+        spec = cls(config, f"--model-config {path}")
+        spec.hf_config()             # transformers must accept it before anything else runs
+        return spec
+
+    @classmethod
+    def is_spec_dict(cls, d) -> bool:
+        return isinstance(d, dict) and set(d) == {cls.KEY}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "TransformersSpec":
+        return cls(d[cls.KEY], where)
+
+    def to_dict(self) -> dict:
+        return {self.KEY: dict(self.config)}
+
+    def replace(self, **changes) -> "TransformersSpec":
+        """bos_token_id / eos_token_id (into the config, so an export names the tokenizer's) and
+        max_seq_len (checked against the config's positions)."""
+        seq = changes.pop("max_seq_len", None)
+        limit = self.config.get("max_position_embeddings")
+        if seq is not None and limit and seq > limit:
+            raise UnsupportedModel(f"{self.where}: rows of {seq} tokens exceed the config's max_position_embeddings "
+                                   f"({limit})")
+        return TransformersSpec({**self.config, **changes}, self.where)
+
+    def hf_config(self):
+        from transformers import AutoConfig
+
+        rest = {k: v for k, v in self.config.items() if k != "model_type"}
+        try:
+            return AutoConfig.for_model(self.config["model_type"], **rest)
+        except (ValueError, KeyError, TypeError) as e:
+            raise UnsupportedModel(f"{self.where}: transformers cannot build a config of model_type "
+                                   f"{self.config['model_type']!r}: {e}") from None
+
+    def build(self) -> TransformersCausalLM:
+        return build(self.hf_config())
+
+    @property
+    def shape(self) -> DecoderShape:
+        """The model's DecoderShape, read from the model built on the meta device (no weights)."""
+        if self._shape is None:
+            with torch.device("meta"):
+                self._shape = _meta_model(self.hf_config()).cfg
+        return self._shape
+
+    def __getattr__(self, name):
+        # What the bridge and the run's bookkeeping read of a ModelConfig: the DecoderShape fields.
+        if name.startswith("_") or name in ("config", "where"):
+            raise AttributeError(name)
+        return getattr(self.shape, name)
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def bos_token_id(self):
+        return self.config.get("bos_token_id")
+
+    @property
+    def eos_token_id(self):
+        return self.config.get("eos_token_id")
+
+    def param_counts(self) -> dict[str, int]:
+        """Total and active (per token: k of the E experts of each MoE layer) parameter counts."""
+        with torch.device("meta"):
+            model = _meta_model(self.hf_config())
+        total = sum(p.numel() for p in model.parameters())
+        experts = sum(p.numel() for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_transposed")
+                      for p in m.parameters(recurse=False))
+        shape = model.cfg
+        active = total - (experts - experts * shape.experts_per_token // shape.n_experts if shape.is_moe else 0)
+        return {"total": total, "active": active}
+
+    def active_matmul_params(self) -> int:
+        """Matmul weights one token passes through (train/run/flops.py): every matrix but the
+        embedding lookup, the head once (tied or not), k of the E experts."""
+        with torch.device("meta"):
+            model = _meta_model(self.hf_config())
+        shape, count, seen = model.cfg, 0, set()
+        for module in model.modules():
+            is_experts = hasattr(module, "gate_up_proj") and hasattr(module, "is_transposed")
+            for p in module.parameters(recurse=False):
+                if p.dim() < 2 or module is model.model.embed_tokens or id(p) in seen:
+                    continue        # a tied head's weight counts once, as the head
+                seen.add(id(p))
+                count += p.numel() * shape.experts_per_token // shape.n_experts if is_experts and p.dim() == 3 else p.numel()
+        return count
+
+
+def _meta_model(config) -> TransformersCausalLM:
+    """The model's structure on the meta device: no weights, nothing checked by running it."""
+    from transformers import AutoModelForCausalLM
+
+    register_interfaces()
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, experts_implementation=ATTENTION)
+    return TransformersCausalLM(hf)

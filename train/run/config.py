@@ -47,6 +47,7 @@ class TrainConfig:
     temperature: float = 0.8
     top_k: int = 40
     model: dict = field(default_factory=dict)      # ModelConfig overrides
+    model_config: str | None = None   # a transformers config.json: that model instead of a preset (torch_model/transformers_lm.py)
     document_masking: bool | None = None   # segment ids per document; None: on for chat data, off for text
     truncate: bool = False         # chat: a conversation longer than a row is cut to one row (default: dropped)
     lora: str = ""                 # peft LoRA on the --init-from model, e.g. "r=16,alpha=32,dropout=0,targets=all-linear+experts"
@@ -81,12 +82,27 @@ class TrainConfig:
             raise UserError(f"config: truncate must be true or false, found {self.truncate!r}")
         self._check_lora()
         self._check_dpo()
+        self._check_model_config()
         from torch_model.optim import NS_DTYPES
 
         if self.ns_dtype not in NS_DTYPES:
             raise UserError(f"config: ns_dtype must be {' or '.join(NS_DTYPES)}, found {self.ns_dtype!r}")
         if self.compute_dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"config: compute_dtype must be auto, float32 or bfloat16, found {self.compute_dtype!r}")
+
+    def _check_model_config(self) -> None:
+        """What a transformers model's run can do today: train, evaluate its loss, checkpoint and
+        resume. The rest is refused by name rather than run on another model."""
+        if not self.model_config:
+            return
+        if self.model:
+            raise UserError("config: model overrides shape a preset; with model_config edit the transformers config")
+        for name, value, why in (("samples", self.samples > 0, "pass --samples 0"),
+                                 ("eval_tasks", bool(self.eval_tasks), "task scoring"),
+                                 ("lora", bool(self.lora), "LoRA"), ("init_from", bool(self.init_from), "--init-from")):
+            if value:
+                raise UserError(f"config: {name} with model_config: generation, task scoring, LoRA and --init-from "
+                                f"of transformers models are not built yet ({why})")
 
     def _check_lora(self) -> None:
         from torch_model.config import ConfigError

@@ -42,6 +42,8 @@ def active_matmul_params(cfg: ModelConfig) -> int:
     """Weights of the matmuls one token goes through: q, k, v, o, the router, its top-k experts'
     (or the dense MLP's) up and down projections, the LM head. Embedding lookups, biases, norms and
     sinks are not matmuls."""
+    if hasattr(cfg, "active_matmul_params"):       # a transformers model counts its own (torch_model/transformers_lm.py)
+        return cfg.active_matmul_params()
     d, hd = cfg.d_model, cfg.head_dim
     attention = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2      # q, o; k, v
     if cfg.is_moe:

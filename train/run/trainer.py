@@ -31,8 +31,17 @@ class TrainingStopped(UserError):
 
 
 def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int, eos: int):
+    """The run's model record: the preset with its overrides, or the transformers config of
+    --model-config (torch_model/transformers_lm.py), with the tokenizer's special ids."""
     from torch_model.config import ConfigError, get_preset
+    from torch_model.transformers_lm import TransformersSpec, UnsupportedModel
 
+    if cfg.model_config:
+        try:
+            return TransformersSpec.from_file(cfg.model_config).replace(bos_token_id=bos, eos_token_id=eos,
+                                                                        max_seq_len=cfg.seq_len)
+        except UnsupportedModel as e:
+            raise UserError(str(e)) from None
     try:
         model_cfg = get_preset(cfg.preset).replace(**cfg.model)
     except ConfigError as e:
@@ -45,6 +54,8 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
     None) for a new run. A damaged newest checkpoint is reported, moved aside, and skipped."""
     import jax
 
+    if cfg.model_config and "preset" in explicit:
+        raise UserError("--preset and --model-config name two models: give one")
     build_model_config(cfg, vocab_size=0, bos=0, eos=0)   # a bad preset/model override fails first
     out = Path(cfg.out)
     root = out / "checkpoints"
@@ -123,7 +134,7 @@ class Trainer:
 
         from jax_bridge import registry
         from jax_bridge.step import StepConfig, TrainState, TrainStep
-        from torch_model.model import GptOssForCausalLM
+        from formats.model_checks import build_model
         from torch_model.optim import OptimizerConfig
         from train.evaluation.validation import Evaluator, token_byte_lengths
         from train.data.loader import TokenLoader
@@ -154,7 +165,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         from_hf = isinstance(init_state, HFWeights)
         with torch.device("meta") if from_hf else contextlib.nullcontext():   # from HF: no weights on the host
-            self.model = GptOssForCausalLM(self.model_cfg)
+            self.model = build_model(self.model_cfg)
         if init_state is not None and not from_hf:
             self.model.load_state_dict(init_state)
         self.peft_model = self._adapt(self.model)
@@ -301,6 +312,13 @@ class Trainer:
             f"{counts[False]:,} frozen ({len(self.step.frozen_names)} tensors, held in "
             f"{self.step.cfg.compute_dtype}, no optimizer state)")
 
+    @property
+    def model_name(self) -> str:
+        """How the run names its model: the preset, or the transformers model_type and its config file."""
+        if self.cfg.model_config:
+            return f"{self.model_cfg.model_type} ({self.cfg.model_config})"
+        return self.cfg.preset
+
     def _saved_state(self) -> dict:
         """What a checkpoint holds: the train state, and a --freeze run's frozen parameters
         (a LoRA run's frozen base is only referenced: formats/lora_checkpoint.py)."""
@@ -374,13 +392,13 @@ class Trainer:
                                tensorboard_dir=self.out / "tensorboard" if self.cfg.tensorboard else None)
         counts = self.model_cfg.param_counts()
         from jax_bridge import distributed, registry, sharding
-        print(f"model {self.cfg.preset}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M "
+        print(f"model {self.model_name}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M "
               f"active); kernels: {registry.describe(self.step.kernels, self.step.platform)}; compute "
               f"{self.step.cfg.compute_dtype}, matmul precision {self.step.cfg.matmul_precision}")
         print(f"devices: {distributed.describe()}; mesh: {sharding.describe(self.mesh) if self.mesh else 'none'}; "
               f"layers {'scanned' if self.cfg.scan_layers else 'looped'}, remat {self.cfg.remat}")
         writer.write({"kind": "resume" if meta else "run", "step": self.done, "from": str(resume_dir) if meta else None,
-                      "preset": self.cfg.preset, "kernels": self.step.kernels, "params": counts["total"],
+                      "preset": self.cfg.preset, "model_config": self.cfg.model_config, "kernels": self.step.kernels, "params": counts["total"],
                       "active_params": counts["active"], "config": self.cfg.to_dict(), "model": self.model_cfg.to_dict(),
                       "flops_per_token": flops.flops_per_token(self.model_cfg, self.cfg.seq_len),
                       "peak_flops": self.peak, "peak_source": self.peak_source})

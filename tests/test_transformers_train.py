@@ -1,0 +1,78 @@
+"""`train --model-config`: a transformers model trained through the command line on the bundled
+kind of corpus, checkpointed and resumed exactly; what is not built yet is refused by name."""
+import json
+
+import pytest
+
+from helpers import prepare_play_corpus
+from train.cli import main
+
+# Qwen3-MoE: a dense layer between MoE ones, its router loss; the prepared corpus has 320 ids.
+CONFIG = {"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+          "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [1],
+          "output_router_logits": True, "router_aux_loss_coef": 0.01, "max_position_embeddings": 128}
+ARGS = ["--batch-size", "4", "--seq-len", "64", "--samples", "0", "--eval-every", "6", "--eval-batches", "2",
+        "--log-every", "1", "--checkpoint-every", "6", "--lr", "0.02", "--adam-lr", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_train")
+    prepare_play_corpus(root)
+    (root / "qwen3_moe.json").write_text(json.dumps(CONFIG))
+    return root
+
+
+@pytest.fixture(scope="module")
+def whole(root):
+    """An uninterrupted 12-step run."""
+    assert train(root, "whole", 12) == 0
+    return root / "whole"
+
+
+def train(root, out: str, steps: int, *extra) -> int:
+    return main(["train", "--model-config", str(root / "qwen3_moe.json"), "--data", str(root / "data"),
+                 "--out", str(root / out), "--steps", str(steps), *ARGS, *extra])
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"}
+
+
+def test_a_transformers_model_trains_checkpoints_and_resumes_exactly(root, whole):
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["val_loss_end"] < summary["val_loss_start"]
+    record = json.loads((whole / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["model"] == {"transformers": {**CONFIG, "bos_token_id": record["model"]["transformers"]["bos_token_id"],
+                                                "eos_token_id": record["model"]["transformers"]["eos_token_id"]}}
+    assert record["flops_per_token"] > 0 and record["active_params"] < record["params"]
+    train_records = [r for r in map(json.loads, (whole / "metrics.jsonl").read_text().splitlines())
+                     if r["kind"] == "train"]
+    assert train_records[-1]["expert_load_max"] > 0
+    # Stopped at step 6, resumed to 12: the losses of the uninterrupted run.
+    assert train(root, "halves", 6) == 0
+    assert train(root, "halves", 12, "--resume") == 0
+    uninterrupted, halves = losses(whole), losses(root / "halves")
+    assert sorted(halves) == sorted(uninterrupted) == list(range(1, 13))
+    assert all(abs(halves[s] - uninterrupted[s]) <= 1e-6 * abs(uninterrupted[s]) for s in uninterrupted), \
+        (halves, uninterrupted)
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, whole, capsys):
+    data = ["--data", str(root / "data"), "--out", str(root / "refused")]
+    config = ["--model-config", str(root / "qwen3_moe.json")]
+    assert "two models" in one_line_error(capsys, ["train", *config, "--preset", "tiny", "--samples", "0", *data])
+    assert "samples" in one_line_error(capsys, ["train", *config, *data])
+    (root / "bad.json").write_text(json.dumps({"model_type": "no_such_family", "vocab_size": 320}))
+    assert "no_such_family" in one_line_error(capsys, ["train", "--model-config", str(root / "bad.json"),
+                                                       "--samples", "0", *data])
+    assert "transformers qwen3_moe model" in one_line_error(capsys, ["eval", "--checkpoint", str(whole)])
