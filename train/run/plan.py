@@ -16,6 +16,8 @@ def add_arguments(parser) -> None:
     from torch_model.optim import NS_DTYPES
 
     parser.add_argument("--preset", default="lyra-small", help="model preset (default: lyra-small)")
+    parser.add_argument("--model-config", metavar="CONFIG.json", default=None,
+                        help="plan this transformers model (a config.json) instead of a preset; needs --seq-len")
     parser.add_argument("--topology", default="v5e:2x2",
                         help="TPU slice, e.g. v5e:2x2, v6e:2x2, v4:2x2x1, v5p:2x2x1, v5e:4x4 (default: v5e:2x2)")
     parser.add_argument("--mesh", default="",
@@ -75,10 +77,9 @@ def run(args) -> int:
     from torch_model.config import ConfigError, get_preset
     from torch_model.optim import OptimizerConfig
 
-    try:
-        get_preset(args.preset)
-    except ConfigError as e:
-        raise UserError(str(e)) from None
+    model = _model_record(args)
+    if model is not None:
+        args.preset = model.model_type            # how the report names it
     for name in ("seq_len", "batch_size", "micro_batches", "layers", "rollout_completions", "rollout_group_size",
                  "rollout_prompt_tokens", "rollout_new_tokens"):
         value = getattr(args, name)
@@ -101,14 +102,14 @@ def run(args) -> int:
     if args.find_slice:
         if rl is not None:
             raise UserError("--find-slice plans the train step; give --topology with --rl")
-        return find_slice(args, overrides)
+        return find_slice(args, overrides, model)
     try:
         result = plan(args.preset, args.topology, mesh=None if args.mesh.strip() == ONE_CHIP else args.mesh,
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
                       scan_layers=scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
                       optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora, rl=rl,
-                      rollout=rollout)
+                      rollout=rollout, model=model)
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
@@ -117,14 +118,36 @@ def run(args) -> int:
         raise UserError(str(e).splitlines()[0]) from None
     print(format_plan(result))
     if result.roofline is not None:
-        print(roofline_report(result, get_preset(args.preset).replace(**overrides)))
+        print(roofline_report(result, model.replace(max_seq_len=args.seq_len) if model is not None
+                              else get_preset(args.preset).replace(**overrides)))
     if args.json:
         write_atomic(args.json, (json.dumps(result.to_dict(), indent=1) + "\n").encode())
         print(f"wrote {args.json}")
     return 0
 
 
-def find_slice(args, overrides: dict) -> int:
+def _model_record(args):
+    """The transformers model of --model-config (None: the --preset, checked here)."""
+    from torch_model.config import ConfigError, get_preset
+    from torch_model.transformers_lm import TransformersSpec, UnsupportedModel
+
+    if args.model_config is None:
+        try:
+            get_preset(args.preset)
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+        return None
+    if not args.seq_len:
+        raise UserError("--model-config: give --seq-len (a transformers config has no training length)")
+    if args.rl or args.layers:
+        raise UserError("--model-config: --rl and --layers are not built for transformers models yet")
+    try:
+        return TransformersSpec.from_file(args.model_config)
+    except UnsupportedModel as e:
+        raise UserError(str(e)) from None
+
+
+def find_slice(args, overrides: dict, model=None) -> int:
     """--find-slice: the smallest slice of a generation whose chips hold the whole train step."""
     from jax_bridge import tpu_compile
     from jax_bridge.plan import format_plan, smallest_slice
@@ -136,7 +159,7 @@ def find_slice(args, overrides: dict) -> int:
                                scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels,
                                kernel_options=args.kernel_options, compute_dtype=args.compute_dtype,
                                model_overrides=overrides, optimizer=OptimizerConfig(ns_dtype=args.ns_dtype),
-                               packed=args.packed, lora=args.lora,
+                               packed=args.packed, lora=args.lora, model=model,
                                **({"mesh": args.mesh} if args.mesh.strip() else {}),
                                report=lambda p: print(format_plan(p) if p.device_kind else
                                                       f"plan: {p.topology}: {p.error}", flush=True))
