@@ -2,13 +2,15 @@
 
 The model is transformers' own modeling code, built from its config (`model_type` picks the
 class), with its attention routed to the `torchlyra::attention` op through transformers'
-`AttentionInterface`: eagerly that op is the reference, under the bridge the kernel the op
+`AttentionInterface` and its experts to the `torchlyra::routed_experts` op through
+`ExpertsInterface`: eagerly those ops are the references, under the bridge the kernels the op
 registry chose. Nothing here names a family; what is not routed or cannot be expressed is
 refused by name (`UnsupportedModel`), never computed another way.
 
 Parameters keep transformers' names. The backbone runs the decoder skeleton that transformers'
 decoders share (embed -> rotary -> layers -> norm) so that the bridge can scan the layers;
-`check_skeleton` holds that skeleton to the family's own forward on a small copy of the config.
+`check_routing` holds that skeleton, with the head, to the family's own forward on the model's
+own weights. `TransformersSpec` is such a model's record in checkpoints, as `ModelConfig` is ours.
 """
 from __future__ import annotations
 
@@ -62,6 +64,11 @@ def routed_attention(module, query, key, value, attention_mask, dropout: float =
 # The experts' activations the `moe` op expresses: (alpha, limit, up_shift) of
 # (clip(up, +-limit) + up_shift) * g * sigmoid(alpha * g), g = min(gate, limit) (torch_model/ops.py).
 SWIGLU = (1.0, float("inf"), 0.0)                 # silu(gate) * up
+
+
+def is_experts(module) -> bool:
+    """A transformers experts module (`@use_experts_implementation`: stacked weights, layout flags)."""
+    return hasattr(module, "gate_up_proj") and hasattr(module, "is_transposed")
 
 
 def expert_activation(module) -> tuple[float, float, float]:
@@ -205,7 +212,7 @@ class TransformersCausalLM(CausalLMHead, nn.Module):
         self.lm_head = hf_model.get_output_embeddings()
         self.cfg = decoder_shape(self.config, self.model.layers)
         for module in self.modules():          # the experts' activation, found once, outside any trace
-            if hasattr(module, "gate_up_proj") and hasattr(module, "is_transposed"):
+            if is_experts(module):
                 module.torchlyra_activation = expert_activation(module)
         check_balance_loss(hf_model, self.cfg)
         check_routing(hf_model, self)
@@ -280,13 +287,13 @@ def decoder_shape(config, layers) -> DecoderShape:
         window = getattr(getattr(layer, "self_attn", None), "sliding_window", None) or 0
         structure = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
         base = f"{'sliding' if window else 'full'}_attention" + (
-            "+experts" if any(hasattr(m, "gate_up_proj") for m in layer.modules()) else "")
+            "+experts" if any(is_experts(m) for m in layer.modules()) else "")
         if (window, structure) not in names:      # another structure under the same name gets a number
             taken = sum(name.split(".")[0] == base for name in names.values())
             names[(window, structure)] = base if not taken else f"{base}.{taken}"
         kinds.append(names[(window, structure)])
         windows.append(int(window))
-    experts = [m for layer in layers for m in layer.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_transposed")]
+    experts = [m for layer in layers for m in layer.modules() if is_experts(m)]
     # transformers adds the router loss only when the config asks for the router logits.
     aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(config, "output_router_logits", False) else 0.0
     return DecoderShape(
@@ -421,8 +428,7 @@ class TransformersSpec:
         with torch.device("meta"):
             model = _meta_model(self.hf_config())
         total = sum(p.numel() for p in model.parameters())
-        experts = sum(p.numel() for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_transposed")
-                      for p in m.parameters(recurse=False))
+        experts = sum(p.numel() for m in model.modules() if is_experts(m) for p in m.parameters(recurse=False))
         shape = model.cfg
         active = total - (experts - experts * shape.experts_per_token // shape.n_experts if shape.is_moe else 0)
         return {"total": total, "active": active}
@@ -434,12 +440,12 @@ class TransformersSpec:
             model = _meta_model(self.hf_config())
         shape, count, seen = model.cfg, 0, set()
         for module in model.modules():
-            is_experts = hasattr(module, "gate_up_proj") and hasattr(module, "is_transposed")
+            stack = is_experts(module)
             for p in module.parameters(recurse=False):
                 if p.dim() < 2 or module is model.model.embed_tokens or id(p) in seen:
                     continue        # a tied head's weight counts once, as the head
                 seen.add(id(p))
-                count += p.numel() * shape.experts_per_token // shape.n_experts if is_experts and p.dim() == 3 else p.numel()
+                count += p.numel() * shape.experts_per_token // shape.n_experts if stack and p.dim() == 3 else p.numel()
         return count
 
 
