@@ -197,3 +197,28 @@ def test_a_qwen3_moe_step_with_pallas_kernels_compiles_for_v5e():
     assert {k.name for k in stats.kernels} == {f"{op}_{part}" for op, parts in (
         ("attention", ("fwd", "dq", "dkv")), ("cross_entropy", ("fwd", "dh", "dw")), ("moe_fused", ("fwd", "dx", "dw")))
         for part in parts}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_packed_rows_equal_each_document_alone_in_eager_transformers(family):
+    """Two documents and padding in one row (segment ids, positions restarting, padding as
+    segment 0): the lowered cross-entropy is eager transformers' on each document alone. Qwen3's
+    window (5) is shorter than the documents, so the window must hold inside a segment too."""
+    ours, reference = models(family)
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, VOCAB, n) for n in (8, 6)]
+    pad = 3
+    row = np.concatenate([*docs, np.zeros(pad, np.int64)])
+    segments = np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)] + [np.zeros(pad, np.int64)])
+    positions = np.concatenate([np.arange(len(d)) for d in docs] + [np.zeros(pad, np.int64)])
+    weights = np.concatenate([[0], (segments[1:] == segments[:-1]) & (segments[1:] > 0)]).astype(np.float32)
+    batch = {"tokens": row[None], "segment_ids": segments[None], "positions": positions[None], "weights": weights[None]}
+    step = TrainStep(ours, OptimizerConfig(), StepConfig(kernels="xla", compute_dtype="float32",
+                                                         matmul_precision="highest", scan_layers=True))
+    got = float(step.evaluate(step.init_state().params, {k: v.astype(np.int32) if k != "weights" else v
+                                                          for k, v in batch.items()})["ce"])
+    with torch.no_grad():
+        nll = sum(torch.nn.functional.cross_entropy(reference(torch.from_numpy(d[None, :-1])).logits[0],
+                                                    torch.from_numpy(d[1:]), reduction="sum") for d in docs)
+    expected = float(nll) / sum(len(d) - 1 for d in docs)
+    assert abs(got - expected) <= 1e-5 * expected, (got, expected)
