@@ -1,5 +1,5 @@
 """Scale-out on 8 simulated CPU devices (one subprocess): a reduced `tiny` (and transformers'
-Qwen3 and Qwen3-MoE) trained 5 steps with scanned layers on several meshes gives the losses and parameters of
+Qwen3-MoE) trained 5 steps with scanned layers on several meshes gives the losses and parameters of
 the plain layer loop on one device, the state stays split by the rules (bytes actually held per device), the Pallas
 kernels run per device under shard_map, and Muon's update does not gather whole stacks."""
 import json
@@ -14,8 +14,7 @@ from tests.worker_env import worker_env
 ROOT = Path(__file__).resolve().parents[1]
 # kernels@mesh[@remat]
 RUNS = ["xla@data=8", "xla@data=2,fsdp=4@full", "xla@fsdp=2,tensor=2,expert=2@save-matmuls",
-        "pallas@fsdp=2,tensor=2,expert=2", "qwen3:pallas@data=2,fsdp=2,tensor=2",   # family:...: a transformers model
-        "qwen3_moe:xla@data=2,fsdp=2,expert=2"]
+        "pallas@fsdp=2,tensor=2,expert=2", "qwen3_moe:pallas@fsdp=2,tensor=2,expert=2"]   # family:...: a transformers model
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,7 @@ def test_mesh_parameters_after_five_steps_match_one_device(results, run):
 
 # Norms, biases and sinks stay whole (7% of this small model's bytes), hence the slack.
 @pytest.mark.parametrize("run,at_most", [(RUNS[0], 1.0), (RUNS[1], 1 / 4 + 0.02), (RUNS[2], 1 / 8 + 0.02),
-                                         (RUNS[4], 1 / 4 + 0.02)])
+                                         (RUNS[4], 1 / 8 + 0.03)])
 def test_bytes_held_per_device_shrink_as_the_rules_predict(results, run, at_most):
     r = results["meshes"][run]
     assert r["specs_match_rules"], f"{run}: after 5 steps some state left the sharding the rules give"
