@@ -155,8 +155,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
          kernels: str | dict | None = "auto", kernel_options: str | dict | None = None,
          compute_dtype: str | None = None, matmul_precision: str | None = None,
          model_overrides: dict | None = None, optimizer=None, roofline: bool = False, packed: bool = False,
-         lora: str | None = None, rl=None, rollout: RolloutShape | None = None, model=None) -> Plan:
-    """Compile `preset`'s train step for TPU `topology` and report one chip's memory; `model`: a
+         lora: str | None = None, rl=None, rollout: RolloutShape | None = None, model_record=None) -> Plan:
+    """Compile `preset`'s train step for TPU `topology` and report one chip's memory; `model_record`: a
     transformers model's record (torch_model.transformers_lm.TransformersSpec) planned instead
     (then `preset` only names it in the report; seq_len is required).
     mesh: None = one chip, replicated state; a --mesh spec ("" = every chip on fsdp) = the sharded
@@ -195,11 +195,11 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
             raise ValueError(f"batch_size {batch_size} must be a multiple of the {shards} batch shards of mesh "
                              f"{sharding.describe(device_mesh)} (the batch is split over data x fsdp x expert)")
         rows = batch_size // shards
-    if model is not None:
+    if model_record is not None:
         if not seq_len or model_overrides or rollout is not None:
             raise ValueError("plan of a transformers model: give seq_len; layer overrides and the rollout are "
                              "not built for these models")
-        cfg = model.replace(max_seq_len=seq_len)
+        cfg = model_record.replace(max_seq_len=seq_len)
     else:
         cfg = get_preset(preset)
         seq_len = seq_len or cfg.max_seq_len
@@ -208,7 +208,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     if rollout is not None:      # the KV cache and the rotary tables span prompt + completion
         cfg = cfg.replace(max_seq_len=max(seq_len, rollout.prompt_tokens + rollout.new_tokens))
     with torch.device("meta"):
-        model = GptOssForCausalLM(cfg) if model is None else cfg.build()
+        model = GptOssForCausalLM(cfg) if model_record is None else cfg.build()
         if lora:
             from torch_model.lora import apply_lora, parse_lora_spec, unwrap
             spec = parse_lora_spec(lora)

@@ -109,7 +109,7 @@ def run(args) -> int:
                       scan_layers=scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
                       optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora, rl=rl,
-                      rollout=rollout, model=model)
+                      rollout=rollout, model_record=model)
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
@@ -159,7 +159,7 @@ def find_slice(args, overrides: dict, model=None) -> int:
                                scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels,
                                kernel_options=args.kernel_options, compute_dtype=args.compute_dtype,
                                model_overrides=overrides, optimizer=OptimizerConfig(ns_dtype=args.ns_dtype),
-                               packed=args.packed, lora=args.lora, model=model,
+                               packed=args.packed, lora=args.lora, model_record=model,
                                **({"mesh": args.mesh} if args.mesh.strip() else {}),
                                report=lambda p: print(format_plan(p) if p.device_kind else
                                                       f"plan: {p.topology}: {p.error}", flush=True))
