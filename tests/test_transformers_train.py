@@ -75,4 +75,8 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
     (root / "bad.json").write_text(json.dumps({"model_type": "no_such_family", "vocab_size": 320}))
     assert "no_such_family" in one_line_error(capsys, ["train", "--model-config", str(root / "bad.json"),
                                                        "--samples", "0", *data])
+    (root / "bloom.json").write_text(json.dumps({"model_type": "bloom", "vocab_size": 320, "hidden_size": 32,
+                                                 "n_layer": 1, "n_head": 2}))
+    assert "skeleton" in one_line_error(capsys, ["train", "--model-config", str(root / "bloom.json"), "--samples", "0",
+                                                 *data])
     assert "transformers qwen3_moe model" in one_line_error(capsys, ["eval", "--checkpoint", str(whole)])

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from torch_model import ops
 from torch_model.causal_lm import PAD_SEGMENT, CausalLMHead, DecoderShape
+from torch_model.config import ConfigError
 
 ATTENTION = "torchlyra"
 # A sink logit that adds exactly nothing: exp(NO_SINK - max) underflows to 0 in float32 and bf16,
@@ -31,8 +32,9 @@ _IGNORED_ATTENTION_KWARGS = ("position_ids", "use_cache", "cache_position")
 _routed_calls: list | None = None       # while `check_routing` runs: the modules that called the routed attention
 
 
-class UnsupportedModel(ValueError):
-    """A model or feature this path cannot run as asked (the message names what and why)."""
+class UnsupportedModel(ConfigError):
+    """A model or feature this path cannot run as asked (the message names what and why); a
+    ConfigError, so the command line reports it in one line."""
 
 
 def routed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -360,7 +362,7 @@ class TransformersSpec:
         except json.JSONDecodeError as e:
             raise UnsupportedModel(f"--model-config {path}: not JSON ({e})") from None
         spec = cls(config, f"--model-config {path}")
-        spec.hf_config()             # transformers must accept it before anything else runs
+        _ = spec.shape               # transformers must build it, and this path take it, before anything else
         return spec
 
     @classmethod
