@@ -76,3 +76,13 @@ def pallas_calls(fn, *args) -> list[dict]:
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return calls
+
+
+def one_line_error(capsys, argv) -> str:
+    """A command that must fail with exit 2 and one line naming the problem (no traceback)."""
+    from train.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err

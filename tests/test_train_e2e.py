@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from helpers import prepare_play_corpus
+from helpers import one_line_error, prepare_play_corpus
 from train.cli import main
 
 @pytest.fixture(scope="module")
@@ -54,33 +54,26 @@ def test_generate_from_the_checkpoint(run_dir, capsys):
     assert "compile:" in batch.err and "tokens/s" in batch.err
 
 
-def _error(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_bad_input_is_one_line_naming_the_problem(run_dir, tmp_path, capsys):
     data = str(run_dir / "data")
-    assert "unknown preset 'huge'" in _error(capsys, ["train", "--preset", "huge", "--data", data])
-    assert "steps must be a positive integer" in _error(capsys, ["train", "--steps", "0", "--data", data])
+    assert "unknown preset 'huge'" in one_line_error(capsys, ["train", "--preset", "huge", "--data", data])
+    assert "steps must be a positive integer" in one_line_error(capsys, ["train", "--steps", "0", "--data", data])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"model": {"n_heads": 3}}))
-    assert "n_heads" in _error(capsys, ["train", "--config", str(bad), "--data", data, "--out", str(tmp_path / "o")])
+    assert "n_heads" in one_line_error(capsys, ["train", "--config", str(bad), "--data", data, "--out", str(tmp_path / "o")])
     bad.write_text(json.dumps({"stepz": 3}))
-    assert "stepz" in _error(capsys, ["train", "--config", str(bad), "--data", data, "--out", str(tmp_path / "o")])
+    assert "stepz" in one_line_error(capsys, ["train", "--config", str(bad), "--data", data, "--out", str(tmp_path / "o")])
     (tmp_path / "empty").mkdir()
-    assert "empty" in _error(capsys, ["train", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
+    assert "empty" in one_line_error(capsys, ["train", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("hello")
-    assert "foreign" in _error(capsys, ["train", "--data", str(foreign), "--out", str(tmp_path / "o")])
-    assert "missing" in _error(capsys, ["generate", "--checkpoint", str(tmp_path / "missing")])
+    assert "foreign" in one_line_error(capsys, ["train", "--data", str(foreign), "--out", str(tmp_path / "o")])
+    assert "missing" in one_line_error(capsys, ["generate", "--checkpoint", str(tmp_path / "missing")])
     ckpt = str(run_dir / "run")
     # (bpe:N models carry harmony's chat tokens, so --chat works on them: tests/test_chat.py checks the refusal.)
-    assert "need --chat" in _error(capsys, ["generate", "--checkpoint", ckpt, "--system", "x", "--prompt", "hi"])
-    assert "top_p" in _error(capsys, ["generate", "--checkpoint", ckpt, "--top-p", "1.5"])
-    assert "nowhere" in _error(capsys, ["prepare", "--input", str(tmp_path / "nowhere"), "--out", str(tmp_path / "d")])
-    assert "attention=nope" in _error(capsys, ["train", "--kernels", "attention=nope", "--data", data,
+    assert "need --chat" in one_line_error(capsys, ["generate", "--checkpoint", ckpt, "--system", "x", "--prompt", "hi"])
+    assert "top_p" in one_line_error(capsys, ["generate", "--checkpoint", ckpt, "--top-p", "1.5"])
+    assert "nowhere" in one_line_error(capsys, ["prepare", "--input", str(tmp_path / "nowhere"), "--out", str(tmp_path / "d")])
+    assert "attention=nope" in one_line_error(capsys, ["train", "--kernels", "attention=nope", "--data", data,
                                                "--out", str(tmp_path / "o")])

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import prepare_play_corpus
+from helpers import one_line_error, prepare_play_corpus
 from formats import checkpoint
 from formats.checkpoint_integrity import FAULT_ENV, MANIFEST_FILE
 from train.cli import main
@@ -216,18 +216,11 @@ def test_resume_of_a_finished_run_says_so_and_a_larger_steps_extends_it(root, re
     shutil.copytree(reference[0], run)
     assert main(["train", "--out", str(run), "--resume"]) == 0
     assert "already reached step 60" in capsys.readouterr().out
-    assert "batch_size is 3 here but 4" in _error(capsys, ["train", "--out", str(run), "--resume", "--batch-size", "3"])
-    assert "already holds a run" in _error(capsys, ["train", "--config", str(root / "micro.json"), "--out", str(run)])
+    assert "batch_size is 3 here but 4" in one_line_error(capsys, ["train", "--out", str(run), "--resume", "--batch-size", "3"])
+    assert "already holds a run" in one_line_error(capsys, ["train", "--config", str(root / "micro.json"), "--out", str(run)])
     run_training(config(root, run, resume=True, steps=64), explicit={"resume": True, "steps": 64}, show_progress=False)
     losses = train_losses(run)
     assert sorted(losses) == list(range(1, 65)) and all(losses[s] == reference[1][s] for s in range(1, 61))
-
-
-def _error(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
 
 
 # ---- damaged and mismatched checkpoints -------------------------------------------------------
@@ -281,7 +274,7 @@ def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensors(root,
     wider = json.loads((root / "micro.json").read_text())
     wider["model"]["d_model"] = 48
     (root / "wider.json").write_text(json.dumps(wider))
-    err = _error(capsys, ["train", "--config", str(root / "wider.json"), "--out", str(root / "other"),
+    err = one_line_error(capsys, ["train", "--config", str(root / "wider.json"), "--out", str(root / "other"),
                           "--init-from", str(step_dir)])
     assert "tensor model.embed_tokens.weight has shape [320, 32], expected [320, 48]" in err
 

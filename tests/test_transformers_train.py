@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import prepare_play_corpus
+from helpers import one_line_error, prepare_play_corpus
 from train.cli import main
 
 # Qwen3-MoE: a dense layer between MoE ones, its router loss; the prepared corpus has 320 ids.
@@ -58,13 +58,6 @@ def test_a_transformers_model_trains_checkpoints_and_resumes_exactly(root, whole
     assert sorted(halves) == sorted(uninterrupted) == list(range(1, 13))
     assert all(abs(halves[s] - uninterrupted[s]) <= 1e-6 * abs(uninterrupted[s]) for s in uninterrupted), \
         (halves, uninterrupted)
-
-
-def one_line_error(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
 
 
 def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, whole, capsys):
