@@ -279,10 +279,12 @@ def _pair_partner(v):
     return jnp.where(from_a, a, b)
 
 
-def _swiglu_pairs(pre, *, alpha: float, limit: float, up_shift: float, dh2=None):
-    """Clamped SwiGLU on an interleaved [rows, 2n] float32 block, evaluated at every lane (both
-    lanes of a pair hold the pair's h). With dh2 (d loss / d h, at both lanes of each pair) also
-    returns d loss / d pre, interleaved: d/dgate at even lanes, d/dup at odd lanes."""
+def _swiglu_pairs(pre, cfg: _FusedConfig, dh2=None):
+    """Clamped SwiGLU (cfg's alpha, limit, up_shift) on an interleaved [rows, 2n] float32 block,
+    evaluated at every lane (both lanes of a pair hold the pair's h). With dh2 (d loss / d h, at
+    both lanes of each pair) also returns d loss / d pre, interleaved: d/dgate at even lanes,
+    d/dup at odd lanes."""
+    alpha, limit, up_shift = cfg.alpha, cfg.limit, cfg.up_shift
     partner = _pair_partner(pre)
     even = jnp.bitwise_and(jax.lax.broadcasted_iota(jnp.int32, pre.shape, 1), 1) == 0
     g_raw = jnp.where(even, pre, partner)
@@ -375,7 +377,7 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
         @pl.when(active)
         def _accumulate():
             pre = jnp.dot(x_ref[...], w1_ref[...], precision=prec, preferred_element_type=_F32)
-            h2, _ = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit, up_shift=cfg.up_shift)
+            h2, _ = _swiglu_pairs(pre + b1_ref[...].astype(_F32), cfg)
             acc_ref[...] += jnp.dot(_compact_pairs(h2, dtype), w2_ref[...], precision=prec,
                                     preferred_element_type=_F32)
 
@@ -427,7 +429,7 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
             w1_blk = w1_ref[...]
             pre = jnp.dot(x_ref[...], w1_blk, precision=prec, preferred_element_type=_F32)
             dh = jax.lax.dot_general(dy_ref[...], w2_ref[...], _NT, precision=prec, preferred_element_type=_F32)
-            _, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit, up_shift=cfg.up_shift,
+            _, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), cfg,
                                     dh2=_spread_pairs(dh, dtype))
             acc_ref[...] += jax.lax.dot_general(dpre.astype(dtype), w1_blk, _NT, precision=prec,
                                                 preferred_element_type=_F32)
@@ -494,7 +496,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
             x_d, dy_d = xm.astype(dtype), dym.astype(dtype)
             pre = jnp.dot(x_d, w1_ref[...], precision=prec, preferred_element_type=_F32)
             dh = jax.lax.dot_general(dy_d, w2_ref[...], _NT, precision=prec, preferred_element_type=_F32)
-            h2, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), alpha=cfg.alpha, limit=cfg.limit, up_shift=cfg.up_shift,
+            h2, dpre = _swiglu_pairs(pre + b1_ref[...].astype(_F32), cfg,
                                      dh2=_spread_pairs(dh, dtype))
             h = _compact_pairs(h2, dtype)
             # Transposes in float32 then cast back, as megablox does (32-bit transposes lower on

@@ -83,6 +83,7 @@ def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     if rows == 0:
         return x
     if rows <= ROWS_ALONE:
-        return _rows_alone(x, expert_of_rows(sizes, rows), gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift)
+        return _rows_alone(x, expert_of_rows(sizes, rows), gate_up, gate_up_bias, down, down_bias, alpha, limit,
+                           up_shift)
     return _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift,
                        chunk or max(2, -(-2 * rows // experts)))

@@ -42,7 +42,8 @@ def default_tiles(m: int, num_groups: int) -> tuple[int, int]:
 
 
 def moe_experts_loop(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                     limit: float = 7.0, up_shift: float = 1.0, block_m: int | None = None, block_m_tail: int | None = None):
+                     limit: float = 7.0, up_shift: float = 1.0, block_m: int | None = None,
+                     block_m_tail: int | None = None):
     """y [M, H]: each sorted row through its own expert's clamped-SwiGLU MLP. `block_m`: rows per
     whole tile, `block_m_tail`: rows per tile of a group's remainder (defaults: `default_tiles`)."""
     m = x.shape[0]
