@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from torch_model.config import ConfigError, ModelConfig
-from torch_model.transformers_lm import TransformersSpec, UnsupportedModel
+from torch_model.transformers_lm import TransformersSpec
 from formats.errors import UserError
 
 
@@ -15,10 +15,7 @@ def build_model(cfg):
     """The torch model a record names, with fresh weights: our decoder for a ModelConfig, the
     transformers model for a TransformersSpec."""
     if isinstance(cfg, TransformersSpec):
-        try:
-            return cfg.build()
-        except UnsupportedModel as e:
-            raise UserError(str(e)) from None
+        return cfg.build()
     from torch_model.model import GptOssForCausalLM
 
     return GptOssForCausalLM(cfg)
@@ -54,10 +51,7 @@ def config_from_dict(d, where: str):
     """ModelConfig from a JSON object, with errors as UserError naming the field; a
     transformers model's record ({"transformers": config}) gives its TransformersSpec."""
     if TransformersSpec.is_spec_dict(d):
-        try:
-            return TransformersSpec.from_dict(d, where)
-        except UnsupportedModel as e:
-            raise UserError(str(e)) from None
+        return TransformersSpec.from_dict(d, where)
     if not isinstance(d, dict):
         raise UserError(f"{where}: expected an object of ModelConfig fields, found {type(d).__name__}")
     try:

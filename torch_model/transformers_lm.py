@@ -76,7 +76,11 @@ def is_experts(module) -> bool:
 def expert_activation(module) -> tuple[float, float, float]:
     """The (alpha, limit, up_shift) of the family's own gate (`module._apply_gate`), found by
     behaviour: each candidate is evaluated against the module's function on probe values
-    (beyond the clamps, both signs). A gate no candidate reproduces is refused by name."""
+    (beyond the clamps, both signs). Experts without a gate or with a post-expert norm, or whose
+    gate no candidate reproduces, are refused by name."""
+    if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
+        raise UnsupportedModel(f"{type(module).__name__}: experts without a gate or with a post-expert norm "
+                               f"(no moe kernel computes them)")
     width = module.gate_up_proj.shape[-1] if module.is_transposed else module.gate_up_proj.shape[-2]
     probe = torch.linspace(-12.0, 12.0, 4 * width, dtype=torch.float32, device="cpu").reshape(4, width)
     probe = probe[:, torch.randperm(width, generator=torch.Generator().manual_seed(0), device="cpu")]
@@ -102,9 +106,6 @@ def routed_experts(module, hidden_states, top_k_index, top_k_weights):
     """transformers' experts-function signature -> the `moe` op: the family's stacked weights in
     the op's layout (x @ W, gate and up interleaved, biases), its activation's constants.
     hidden_states [N, H], top_k_index / top_k_weights [N, k]; returns [N, H]."""
-    if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
-        raise UnsupportedModel(f"{type(module).__name__}: experts without a gate or with a post-expert norm "
-                               f"(no moe kernel computes them)")
     activation = getattr(module, "torchlyra_activation", None)
     if activation is None:
         raise UnsupportedModel(f"{type(module).__name__}: experts not prepared by transformers_lm.build")
@@ -348,7 +349,7 @@ class TransformersSpec:
             raise UnsupportedModel(f"{where}: a transformers config is a JSON object with a 'model_type' "
                                    f"(as a model's config.json has), found {str(config)[:80]!r}")
         self.config, self.where = dict(config), where
-        self._shape = None
+        self._structure = None
 
     @classmethod
     def from_file(cls, path) -> "TransformersSpec":
@@ -362,7 +363,7 @@ class TransformersSpec:
         except json.JSONDecodeError as e:
             raise UnsupportedModel(f"--model-config {path}: not JSON ({e})") from None
         spec = cls(config, f"--model-config {path}")
-        _ = spec.shape               # transformers must build it, and this path take it, before anything else
+        spec.structure()             # transformers must build it, and this path take it, before anything else
         return spec
 
     @classmethod
@@ -384,7 +385,10 @@ class TransformersSpec:
         if seq is not None and limit and seq > limit:
             raise UnsupportedModel(f"{self.where}: rows of {seq} tokens exceed the config's max_position_embeddings "
                                    f"({limit})")
-        return TransformersSpec({**self.config, **changes}, self.where)
+        spec = TransformersSpec({**self.config, **changes}, self.where)
+        if set(changes) <= {"bos_token_id", "eos_token_id"}:   # the same parameters: keep the structure
+            spec._structure = self._structure
+        return spec
 
     def hf_config(self):
         from transformers import AutoConfig
@@ -399,13 +403,17 @@ class TransformersSpec:
     def build(self) -> TransformersCausalLM:
         return build(self.hf_config())
 
+    def structure(self) -> TransformersCausalLM:
+        """The model built once on the meta device (no weights): what its shape, parameter counts
+        and FLOPs are read from."""
+        if self._structure is None:
+            with torch.device("meta"):
+                self._structure = self.build()
+        return self._structure
+
     @property
     def shape(self) -> DecoderShape:
-        """The model's DecoderShape, read from the model built on the meta device (no weights)."""
-        if self._shape is None:
-            with torch.device("meta"):
-                self._shape = _meta_model(self.hf_config()).cfg
-        return self._shape
+        return self.structure().cfg
 
     def __getattr__(self, name):
         # What the bridge and the run's bookkeeping read of a ModelConfig: the DecoderShape fields.
@@ -427,8 +435,7 @@ class TransformersSpec:
 
     def param_counts(self) -> dict[str, int]:
         """Total and active (per token: k of the E experts of each MoE layer) parameter counts."""
-        with torch.device("meta"):
-            model = _meta_model(self.hf_config())
+        model = self.structure()
         total = sum(p.numel() for p in model.parameters())
         experts = sum(p.numel() for m in model.modules() if is_experts(m) for p in m.parameters(recurse=False))
         shape = model.cfg
@@ -438,8 +445,7 @@ class TransformersSpec:
     def active_matmul_params(self) -> int:
         """Matmul weights one token passes through (train/run/flops.py): every matrix but the
         embedding lookup, the head once (tied or not), k of the E experts."""
-        with torch.device("meta"):
-            model = _meta_model(self.hf_config())
+        model = self.structure()
         shape, count, seen = model.cfg, 0, set()
         for module in model.modules():
             stack = is_experts(module)
@@ -450,11 +456,3 @@ class TransformersSpec:
                 count += p.numel() * shape.experts_per_token // shape.n_experts if stack and p.dim() == 3 else p.numel()
         return count
 
-
-def _meta_model(config) -> TransformersCausalLM:
-    """The model's structure on the meta device: no weights, nothing checked by running it."""
-    from transformers import AutoModelForCausalLM
-
-    register_interfaces()
-    hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, experts_implementation=ATTENTION)
-    return TransformersCausalLM(hf)

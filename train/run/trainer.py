@@ -34,14 +34,11 @@ def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int, eos: int):
     """The run's model record: the preset with its overrides, or the transformers config of
     --model-config (torch_model/transformers_lm.py), with the tokenizer's special ids."""
     from torch_model.config import ConfigError, get_preset
-    from torch_model.transformers_lm import TransformersSpec, UnsupportedModel
+    from torch_model.transformers_lm import TransformersSpec
 
-    if cfg.model_config:
-        try:
-            return TransformersSpec.from_file(cfg.model_config).replace(bos_token_id=bos, eos_token_id=eos,
-                                                                        max_seq_len=cfg.seq_len)
-        except UnsupportedModel as e:
-            raise UserError(str(e)) from None
+    if cfg.model_config:      # its refusals are ConfigErrors, one line at the command line
+        return TransformersSpec.from_file(cfg.model_config).replace(bos_token_id=bos, eos_token_id=eos,
+                                                                    max_seq_len=cfg.seq_len)
     try:
         model_cfg = get_preset(cfg.preset).replace(**cfg.model)
     except ConfigError as e:
