@@ -435,5 +435,5 @@ def test_ns_dtype_is_a_run_setting_from_flag_or_file_kept_in_the_checkpoint_and_
     assert meta["train_config"]["ns_dtype"] == "float32"
     run = tmp_path / "run"
     shutil.copytree(reference[0], run)
-    assert "ns_dtype is 'bfloat16' here but 'float32'" in _error(
+    assert "ns_dtype is 'bfloat16' here but 'float32'" in one_line_error(
         capsys, ["train", "--out", str(run), "--resume", "--steps", "61", "--ns-dtype", "bfloat16"])
