@@ -431,9 +431,10 @@ def restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray
     return {n: v for g in groups for n, v in restored[g].items()}
 
 
-def _open_checked(path):
-    """(step_dir, meta, ModelConfig, stored shapes and dtypes, "checkpoint DIR") of the newest
-    complete checkpoint named by `path`, every stored parameter's dtype checked."""
+def _open_checked(path, transformers_ok: bool = False):
+    """(step_dir, meta, model record, stored shapes and dtypes, "checkpoint DIR") of the newest
+    complete checkpoint named by `path`, every stored parameter's dtype checked. The record is a
+    ModelConfig, or with `transformers_ok` (export) also a transformers model's TransformersSpec."""
     step_dir = find_checkpoint(path)
     meta, cfg = read_meta(step_dir)
     stored = stored_shapes(step_dir)
@@ -441,9 +442,10 @@ def _open_checked(path):
     if is_lora_meta(meta):
         raise UserError(f"{where} holds LoRA adapters of the base {meta['lora']['base']['path']}, not a whole model: "
                         f"load it with formats.lora_checkpoint.load_lora_model")
-    if not isinstance(cfg, ModelConfig):
-        raise UserError(f"{where} holds a transformers {cfg.model_type} model: `train --resume` continues it; "
-                        f"eval, generate, export and parity of transformers models are not built yet")
+    if not isinstance(cfg, ModelConfig) and not transformers_ok:
+        raise UserError(f"{where} holds a transformers {cfg.model_type} model: `train --resume` continues it and "
+                        f"`export` writes it for transformers; eval, generate and parity of transformers models "
+                        f"are not built yet")
     for key, (_, dtype) in stored.items():
         if key[0] in PARAM_GROUPS and dtype not in STORED_DTYPES:
             raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
@@ -451,10 +453,11 @@ def _open_checked(path):
 
 
 def iter_params(path: str | os.PathLike):
-    """(ModelConfig, meta, iterator of (per-layer torch name, float32 numpy array)) of the newest
+    """(model record, meta, iterator of (per-layer torch name, float32 numpy array)) of the newest
     complete checkpoint named by `path`, restoring one stored tensor at a time: host memory holds
-    one stored tensor (for the stacked layout, one parameter of all layers), never the model."""
-    step_dir, meta, cfg, stored, where = _open_checked(path)
+    one stored tensor (for the stacked layout, one parameter of all layers), never the model. The
+    record is a ModelConfig or, for a `train --model-config` run, a TransformersSpec."""
+    step_dir, meta, cfg, stored, where = _open_checked(path, transformers_ok=True)
     names = {k: v for k, v in stored.items() if k[0] in PARAM_GROUPS}
     # Names and shapes checked before any data is read: zero-stride placeholders hold no memory.
     placeholders = {k[1]: np.broadcast_to(np.float32(0), shape) for k, (shape, _) in names.items()}

@@ -178,13 +178,20 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
     (with "quantization_error": relative error per MXFP4 tensor)."""
     check_export_options(dtype, shard_size_bytes)
     cfg, meta, params = checkpoint.iter_params(checkpoint_dir)
+    if not isinstance(cfg, checkpoint.ModelConfig):
+        raise UserError(f"checkpoint {checkpoint_dir} holds a transformers {cfg.model_type} model: "
+                        f"formats.transformers_export writes it")
+    return write_hf_dir(cfg, params, out_dir, step=meta.get("step", 0), enc=checkpoint_encoding(checkpoint_dir, meta),
+                        dtype=dtype, shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress)
+
+
+def checkpoint_encoding(checkpoint_dir, meta):
+    """The tiktoken Encoding the checkpoint's metadata names, or None."""
     tok_dir = checkpoint.tokenizer_dir(checkpoint_dir, meta)
-    enc = None
-    if tok_dir is not None:
-        from formats.tokenizer import load_tokenizer
-        enc = load_tokenizer(tok_dir)
-    return write_hf_dir(cfg, params, out_dir, step=meta.get("step", 0), enc=enc, dtype=dtype,
-                        shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress)
+    if tok_dir is None:
+        return None
+    from formats.tokenizer import load_tokenizer
+    return load_tokenizer(tok_dir)
 
 
 def check_export_options(dtype: str, shard_size_bytes: int) -> None:
@@ -259,9 +266,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
 
 
-def run(args) -> int:
-    summary = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, shard_size_bytes=parse_size(args.shard_size),
-                                overwrite=args.overwrite, progress=True)
+def run(args, export=None) -> int:
+    """Export and print what was written; `export` (default: export_checkpoint) is the writer of
+    the checkpoint's kind (formats/export_cli.py chooses it)."""
+    summary = (export or export_checkpoint)(args.checkpoint, args.out, dtype=args.dtype,
+                                            shard_size_bytes=parse_size(args.shard_size),
+                                            overwrite=args.overwrite, progress=True)
     files = summary["files"]
     weights = files[0] if len(files) == 1 else f"{len(files) - 1} shards + {INDEX_FILE}"
     print(f"exported step {summary['step']} ({summary['n_params']:,} parameters, {summary['dtype']}) to "

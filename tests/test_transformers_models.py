@@ -6,8 +6,10 @@ import copy
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config, LlamaConfig
 
+from formats.errors import UserError
 from jax_bridge.step import StepConfig, TrainStep
 from torch_model import transformers_lm
 from torch_model.optim import MuonAdamW, OptimizerConfig
@@ -222,3 +224,39 @@ def test_packed_rows_equal_each_document_alone_in_eager_transformers(family):
                                                     torch.from_numpy(d[1:]), reduction="sum") for d in docs)
     expected = float(nll) / sum(len(d) - 1 for d in docs)
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_an_export_is_transformers_own_layout_and_loads_with_our_logits(family, tmp_path):
+    """What `torchlyra export` writes for a transformers model (formats/transformers_export.py):
+    the tensors save_pretrained writes (Qwen3-MoE's experts one per expert), which from_pretrained
+    loads with our logits, in float32 and bfloat16; a tied head stays tied."""
+    from formats.transformers_export import write_transformers_dir
+
+    ours, reference = models(family)
+    spec = transformers_lm.TransformersSpec(CONFIGS[family]().to_dict())
+    params = [(n, p.detach().numpy()) for n, p in ours.named_parameters()]
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        expected = ours(ids)
+    reference.save_pretrained(tmp_path / "saved")
+    for dtype, bound in (("float32", 1e-5), ("bfloat16", 2e-2)):
+        out = tmp_path / dtype
+        summary = write_transformers_dir(spec, iter(params), out, n_tensors=len(params), dtype=dtype,
+                                         shard_size_bytes=1 << 30)
+        assert summary["files"] == ["model.safetensors"]
+        with safe_open(out / "model.safetensors", "pt") as ours_file, \
+                safe_open(tmp_path / "saved" / "model.safetensors", "pt") as saved_file:
+            assert sorted(ours_file.keys()) == sorted(saved_file.keys())
+            assert all(ours_file.get_slice(k).get_shape() == saved_file.get_slice(k).get_shape()
+                       for k in ours_file.keys())
+        loaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", experts_implementation="eager")
+        assert loaded.dtype == getattr(torch, dtype)
+        assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == ours.tied
+        with torch.no_grad():
+            got = loaded(ids).logits.float()
+        rel = ((got - expected).norm() / expected.norm()).item()
+        assert rel <= bound, (dtype, rel)
+    with pytest.raises(UserError, match="mxfp4"):
+        write_transformers_dir(spec, iter(params), tmp_path / "q", n_tensors=len(params), dtype="mxfp4",
+                               shard_size_bytes=1 << 30)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import one_line_error, prepare_play_corpus
+from helpers import PLAY_LINES, one_line_error, prepare_play_corpus
 from train.cli import main
 
 # Qwen3-MoE: a dense layer between MoE ones, its router loss; the prepared corpus has 320 ids.
@@ -73,3 +73,32 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
     assert "skeleton" in one_line_error(capsys, ["train", "--model-config", str(root / "bloom.json"), "--samples", "0",
                                                  *data])
     assert "transformers qwen3_moe model" in one_line_error(capsys, ["eval", "--checkpoint", str(whole)])
+    assert "mxfp4" in one_line_error(capsys, ["export", "--checkpoint", str(whole), "--out", str(root / "q"),
+                                              "--dtype", "mxfp4"])
+    assert not (root / "q").exists()
+
+
+def test_export_writes_what_transformers_loads_with_the_runs_logits_and_tokenizer(root, whole):
+    """`torchlyra export` of the run: transformers' own directory (config, per-expert tensors,
+    tokenizer), loaded by from_pretrained / AutoTokenizer with the checkpoint's logits and ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from formats import checkpoint
+    from formats.tokenizer import load_tokenizer
+
+    out = root / "exported"
+    assert main(["export", "--checkpoint", str(whole), "--out", str(out)]) == 0
+    spec, meta, params = checkpoint.iter_params(whole)
+    ours = spec.build()
+    ours.load_state_dict(dict((n, torch.from_numpy(v)) for n, v in params))
+    loaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", experts_implementation="eager")
+    assert type(loaded).__name__ == "Qwen3MoeForCausalLM" and loaded.config.bos_token_id == spec.config["bos_token_id"]
+    text = PLAY_LINES[0]
+    enc = load_tokenizer(checkpoint.tokenizer_dir(whole, meta))
+    ids = enc.encode(text)
+    assert AutoTokenizer.from_pretrained(out).encode(text, add_special_tokens=False) == ids
+    ids = torch.tensor([ids[:40]])
+    with torch.no_grad():
+        expected, got = ours(ids), loaded(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
