@@ -434,7 +434,8 @@ def restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray
 def _open_checked(path, transformers_ok: bool = False):
     """(step_dir, meta, model record, stored shapes and dtypes, "checkpoint DIR") of the newest
     complete checkpoint named by `path`, every stored parameter's dtype checked. The record is a
-    ModelConfig, or with `transformers_ok` (export) also a transformers model's TransformersSpec."""
+    ModelConfig, or with `transformers_ok` also a transformers model's TransformersSpec (the
+    callers that take one: export, validation loss)."""
     step_dir = find_checkpoint(path)
     meta, cfg = read_meta(step_dir)
     stored = stored_shapes(step_dir)
@@ -443,9 +444,9 @@ def _open_checked(path, transformers_ok: bool = False):
         raise UserError(f"{where} holds LoRA adapters of the base {meta['lora']['base']['path']}, not a whole model: "
                         f"load it with formats.lora_checkpoint.load_lora_model")
     if not isinstance(cfg, ModelConfig) and not transformers_ok:
-        raise UserError(f"{where} holds a transformers {cfg.model_type} model: `train --resume` continues it and "
-                        f"`export` writes it for transformers; eval, generate and parity of transformers models "
-                        f"are not built yet")
+        raise UserError(f"{where} holds a transformers {cfg.model_type} model: `train --resume` continues it, "
+                        f"`export` writes it for transformers and `eval` (without --tasks) measures its loss; "
+                        f"generate, eval --tasks and parity of transformers models are not built yet")
     for key, (_, dtype) in stored.items():
         if key[0] in PARAM_GROUPS and dtype not in STORED_DTYPES:
             raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")
@@ -472,17 +473,19 @@ def iter_params(path: str | os.PathLike):
     return cfg, {k: v for k, v in meta.items() if k != "model"}, tensors()
 
 
-def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
-    """(state_dict with per-layer torch names, ModelConfig, meta) of the newest complete
+def load_checkpoint(path: str | os.PathLike, *, transformers_ok: bool = False) -> tuple[dict[str, torch.Tensor],
+                                                                                         ModelConfig, dict]:
+    """(state_dict with per-layer torch names, model record, meta) of the newest complete
     checkpoint named by `path` (run directory, checkpoints directory or step directory), or of
     a Hugging Face GptOss directory (gpt-oss as released: MXFP4 dequantized on the host, or
     unquantized; step 0, meta "hf_dir" set). meta holds everything but "model", plus "step_dir"
-    (where it was read from)."""
+    (where it was read from). The record is a ModelConfig, or with `transformers_ok` also a
+    TransformersSpec."""
     from formats.hf_model import is_hf_dir, load_hf
 
     if is_hf_dir(path):
         return load_hf(path)
-    step_dir, meta, cfg, stored, where = _open_checked(path)
+    step_dir, meta, cfg, stored, where = _open_checked(path, transformers_ok)
     params = LAYOUTS[meta["layout"]](restore_params_to_host(step_dir, stored), cfg)
     check_tensors({k: tuple(v.shape) for k, v in params.items()}, model_shapes(cfg), where)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in params.items()}

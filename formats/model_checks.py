@@ -21,6 +21,17 @@ def build_model(cfg):
     return GptOssForCausalLM(cfg)
 
 
+def load_weights(model, state: dict) -> None:
+    """Load `state` (the model's named_parameters names, as checkpoints store them: a tied weight
+    once) into `model`, strictly: a tied head's other name is filled with the weight it shares."""
+    owner = {id(p): n for n, p in model.named_parameters()}
+    full = dict(state)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in full and owner.get(id(tensor)) in state:
+            full[name] = state[owner[id(tensor)]]
+    model.load_state_dict(full)
+
+
 def model_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in the model's state_dict, taken from the model itself
     (built on the meta device: no memory, so it works for any preset)."""

@@ -231,6 +231,7 @@ def test_an_export_is_transformers_own_layout_and_loads_with_our_logits(family, 
     """What `torchlyra export` writes for a transformers model (formats/transformers_export.py):
     the tensors save_pretrained writes (Qwen3-MoE's experts one per expert), which from_pretrained
     loads with our logits, in float32 and bfloat16; a tied head stays tied."""
+    from formats.model_checks import load_weights
     from formats.transformers_export import write_transformers_dir
 
     ours, reference = models(family)
@@ -257,6 +258,10 @@ def test_an_export_is_transformers_own_layout_and_loads_with_our_logits(family, 
             got = loaded(ids).logits.float()
         rel = ((got - expected).norm() / expected.norm()).item()
         assert rel <= bound, (dtype, rel)
+    again = transformers_lm.build(CONFIGS[family]())             # what the inference commands load
+    load_weights(again, {n: torch.from_numpy(v) for n, v in params})
+    with torch.no_grad():
+        assert torch.equal(again(ids), expected)
     with pytest.raises(UserError, match="mxfp4"):
         write_transformers_dir(spec, iter(params), tmp_path / "q", n_tensors=len(params), dtype="mxfp4",
                                shard_size_bytes=1 << 30)

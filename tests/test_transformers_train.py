@@ -72,10 +72,21 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
                                                  "n_layer": 1, "n_head": 2}))
     assert "skeleton" in one_line_error(capsys, ["train", "--model-config", str(root / "bloom.json"), "--samples", "0",
                                                  *data])
-    assert "transformers qwen3_moe model" in one_line_error(capsys, ["eval", "--checkpoint", str(whole)])
+    assert "transformers qwen3_moe model" in one_line_error(capsys, ["eval", "--checkpoint", str(whole), "--tasks",
+                                                                     "core", "--limit", "1"])
+    assert "transformers qwen3_moe model" in one_line_error(capsys, ["generate", "--checkpoint", str(whole)])
     assert "mxfp4" in one_line_error(capsys, ["export", "--checkpoint", str(whole), "--out", str(root / "q"),
                                               "--dtype", "mxfp4"])
     assert not (root / "q").exists()
+
+
+def test_eval_reproduces_the_runs_validation_loss_and_bits_per_byte(whole, tmp_path):
+    assert main(["eval", "--checkpoint", str(whole), "--json", str(tmp_path / "eval.json")]) == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    last = [r for r in map(json.loads, (whole / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"][-1]
+    assert result["step"] == last["step"] == 12
+    assert result["val_loss"] == pytest.approx(last["val_loss"], rel=1e-6)
+    assert result["val_bpb"] == pytest.approx(last["val_bpb"], rel=1e-6)
 
 
 def test_export_writes_what_transformers_loads_with_the_runs_logits_and_tokenizer(root, whole):
@@ -85,13 +96,14 @@ def test_export_writes_what_transformers_loads_with_the_runs_logits_and_tokenize
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from formats import checkpoint
+    from formats.model_checks import load_weights
     from formats.tokenizer import load_tokenizer
 
     out = root / "exported"
     assert main(["export", "--checkpoint", str(whole), "--out", str(out)]) == 0
     spec, meta, params = checkpoint.iter_params(whole)
     ours = spec.build()
-    ours.load_state_dict(dict((n, torch.from_numpy(v)) for n, v in params))
+    load_weights(ours, {n: torch.from_numpy(v) for n, v in params})
     loaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", experts_implementation="eager")
     assert type(loaded).__name__ == "Qwen3MoeForCausalLM" and loaded.config.bos_token_id == spec.config["bos_token_id"]
     text = PLAY_LINES[0]
