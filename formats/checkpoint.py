@@ -431,6 +431,14 @@ def restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray
     return {n: v for g in groups for n, v in restored[g].items()}
 
 
+def refuse_transformers_model(record, where: str) -> None:
+    """One line for the commands not built for a `train --model-config` run's model yet."""
+    if not isinstance(record, ModelConfig):
+        raise UserError(f"{where} holds a transformers {record.model_type} model: `train --resume` continues it, "
+                        f"`export` writes it for transformers and `eval` (without --tasks) measures its loss; "
+                        f"generate, eval --tasks and parity of transformers models are not built yet")
+
+
 def _open_checked(path, transformers_ok: bool = False):
     """(step_dir, meta, model record, stored shapes and dtypes, "checkpoint DIR") of the newest
     complete checkpoint named by `path`, every stored parameter's dtype checked. The record is a
@@ -443,10 +451,8 @@ def _open_checked(path, transformers_ok: bool = False):
     if is_lora_meta(meta):
         raise UserError(f"{where} holds LoRA adapters of the base {meta['lora']['base']['path']}, not a whole model: "
                         f"load it with formats.lora_checkpoint.load_lora_model")
-    if not isinstance(cfg, ModelConfig) and not transformers_ok:
-        raise UserError(f"{where} holds a transformers {cfg.model_type} model: `train --resume` continues it, "
-                        f"`export` writes it for transformers and `eval` (without --tasks) measures its loss; "
-                        f"generate, eval --tasks and parity of transformers models are not built yet")
+    if not transformers_ok:
+        refuse_transformers_model(cfg, where)
     for key, (_, dtype) in stored.items():
         if key[0] in PARAM_GROUPS and dtype not in STORED_DTYPES:
             raise UserError(f"{where}: tensor {key[-1]} has dtype {dtype}, expected one of {', '.join(STORED_DTYPES)}")

@@ -69,7 +69,7 @@ def load_base_state(meta: dict) -> dict[str, torch.Tensor]:
 
     reference = meta[LORA_META]["base"]
     path = check_base(reference, f"LoRA checkpoint {meta.get('step_dir')}")
-    state, _, _ = load_checkpoint(path)
+    state, _, _ = load_checkpoint(path, transformers_ok=True)     # ours or a `train --model-config` run's
     return state
 
 
@@ -80,7 +80,7 @@ def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True):
     base=False: the adapters alone (peft's trainable tensors, modules_to_save included), the base
     left on the `meta` device, never read: enough to write peft's adapter files, not to run."""
     from torch_model.lora import apply_lora, parse_lora_spec, unwrap
-    from torch_model.model import GptOssForCausalLM
+    from formats.model_checks import build_model, load_weights
     from formats.checkpoint import (LAYOUTS, check_tensors, find_checkpoint, read_meta, restore_params_to_host,
                                   stored_shapes)
 
@@ -90,12 +90,12 @@ def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True):
         raise UserError(f"checkpoint {step_dir} holds no LoRA adapters (no '{LORA_META}' in its metadata)")
     spec = parse_lora_spec(meta[LORA_META]["spec"])
     if base:
-        model = GptOssForCausalLM(cfg)
-        model.load_state_dict(load_base_state(meta))
+        model = build_model(cfg)
+        load_weights(model, load_base_state(meta))
         wrapped = apply_lora(model, spec)
     else:
         with torch.device("meta"):
-            wrapped = apply_lora(GptOssForCausalLM(cfg), spec)
+            wrapped = apply_lora(build_model(cfg), spec)
     stored = {k: v for k, v in stored_shapes(step_dir).items() if k[0] == "params"}
     adapters = LAYOUTS[meta["layout"]](restore_params_to_host(step_dir, stored), cfg)
     inner = unwrap(wrapped)

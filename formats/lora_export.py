@@ -10,12 +10,14 @@ from pathlib import Path
 from formats import hf_export
 from formats.atomic import staged_dir
 from formats.errors import UserError
+from formats.model_checks import model_shapes
+from torch_model.config import ModelConfig
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 ADAPTER_README = """# {name}
 
-A torchlyra LoRA adapter ({spec}) in peft's own format, for transformers' `GptOssForCausalLM`.
+A torchlyra LoRA adapter ({spec}) in peft's own format, for its base model in transformers.
 
 ```python
 from peft import PeftModel
@@ -45,8 +47,9 @@ def export_adapter(peft_model, out_dir, *, base_model: str | None = None, overwr
     """Write peft's adapter files for a peft-wrapped model of ours into `out_dir`, atomically.
 
     peft's own `save_pretrained` writes the tensors and config (our module and parameter names
-    are transformers' GptOss names, and Experts are `is_transposed` like transformers', so the
-    files are already the ones peft makes on transformers' model). Fixed up for transformers:
+    are transformers' GptOss names, and Experts are `is_transposed` like transformers'; a
+    transformers model trained here is transformers' own modules: so the files are already the
+    ones peft makes on transformers' model). Fixed up for transformers:
     `auto_mapping` (it names our torch class, which a transformers user does not have) is
     dropped, `task_type` is CAUSAL_LM, and `base_model_name_or_path` is `base_model` (a hub id
     or a directory transformers loads: a released gpt-oss or our export of the base)."""
@@ -84,11 +87,20 @@ def export_merged(peft_model, cfg, out_dir, *, step: int = 0, enc=None, dtype: s
                   shard_size_bytes: int = hf_export.DEFAULT_SHARD_BYTES, overwrite: bool = False,
                   progress: bool = False) -> dict:
     """Base + adapter merged (consuming `peft_model`, see merged_params), written as hf_export
-    writes a checkpoint (float32, bfloat16 or the released MXFP4 layout)."""
+    writes a checkpoint (float32, bfloat16 or the released MXFP4 layout; a transformers model as
+    formats/transformers_export.py writes one)."""
     settings = lora_settings(peft_model)
     note = (f"\nLoRA merged: {describe(settings)}"
             + (" (MXFP4 rounds away the part of the adapter's change below each block's grid step)"
                if dtype == "mxfp4" else "") + ".\n")
+    if not isinstance(cfg, ModelConfig):          # a transformers model: its family's own layout
+        from formats.transformers_export import write_transformers_dir
+
+        names = model_shapes(cfg)                 # a tied head once, as checkpoints hold it
+        return write_transformers_dir(cfg, ((n, v) for n, v in merged_params(peft_model) if n in names), out_dir,
+                                      n_tensors=len(names), step=step, enc=enc, dtype=dtype,
+                                      shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress,
+                                      note=note)
     return hf_export.write_hf_dir(cfg, merged_params(peft_model), out_dir, step=step, enc=enc, dtype=dtype,
                                   shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress,
                                   note=note)

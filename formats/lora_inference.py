@@ -64,11 +64,15 @@ def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False, 
     `transformers_ok` (validation loss) also a `train --model-config` run's transformers model."""
     import torch
 
-    from formats.checkpoint import load_checkpoint
+    from formats.checkpoint import config_from_dict, load_checkpoint, refuse_transformers_model
     from formats.errors import UserError
     from formats.model_checks import build_model, load_weights
 
-    if lora_meta(checkpoint) is not None:
+    meta = lora_meta(checkpoint)
+    if meta is not None:
+        if not transformers_ok:
+            refuse_transformers_model(config_from_dict(meta["model"], f"checkpoint {checkpoint} field 'model'"),
+                                      f"LoRA checkpoint {checkpoint}")
         return load_lora_for_inference(checkpoint, merge=merge)
     if merge:
         raise UserError(f"--merge: checkpoint {checkpoint} holds no LoRA adapters (nothing to merge)")

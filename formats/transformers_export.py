@@ -75,10 +75,10 @@ def saved_tensors(hf_model, name: str, value: torch.Tensor) -> dict[str, torch.T
 
 def write_transformers_dir(spec, params, out_dir, *, n_tensors: int, step: int = 0, enc=None,
                            dtype: str = "float32", shard_size_bytes: int, overwrite: bool = False,
-                           progress: bool = False) -> dict:
+                           progress: bool = False, note: str = "") -> dict:
     """Write `out_dir` from `params`, an iterable of (in-memory transformers name, float32 numpy
-    array) covering the model (a tied head's weight is the embedding's and is not among them).
-    Returns the summary `hf_export.export_checkpoint` returns."""
+    array) covering the model (a tied head's weight is the embedding's and is not among them);
+    `note` is appended to the README. Returns the summary `hf_export.export_checkpoint` returns."""
     from transformers import GenerationConfig
 
     check_export_options(dtype, shard_size_bytes)
@@ -105,7 +105,7 @@ def write_transformers_dir(spec, params, out_dir, *, n_tensors: int, step: int =
         (tmp / "README.md").write_text(README.format(
             name=Path(out_dir).name, step=step, architecture=hf_cfg.architectures[0], dtype=dtype, n_params=n_params,
             weights=f"`{files[0]}`" if len(files) == 1 else f"{len(files) - 1} shards `model-*-of-*.safetensors`, "
-                                                           f"listed in `{INDEX_FILE}`", tokenizer=tokenizer))
+                                                           f"listed in `{INDEX_FILE}`", tokenizer=tokenizer) + note)
     return {"out": str(out_dir), "step": step, "dtype": dtype, "files": files,
             "n_tensors": len(writer.weight_map) or n_tensors, "n_params": n_params,
             "tokenizer": tokenizer, "quantization_error": {}}

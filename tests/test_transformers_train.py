@@ -65,6 +65,10 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
     config = ["--model-config", str(root / "qwen3_moe.json")]
     assert "two models" in one_line_error(capsys, ["train", *config, "--preset", "tiny", "--samples", "0", *data])
     assert "samples" in one_line_error(capsys, ["train", *config, *data])
+    assert "samples" in one_line_error(capsys, ["train", "--init-from", str(whole), "--lora", "r=4", "--seq-len", "64",
+                                                *data])
+    assert "drop model_config" in one_line_error(capsys, ["train", *config, "--init-from", str(whole), "--samples", "0",
+                                                          *data])
     (root / "bad.json").write_text(json.dumps({"model_type": "no_such_family", "vocab_size": 320}))
     assert "no_such_family" in one_line_error(capsys, ["train", "--model-config", str(root / "bad.json"),
                                                        "--samples", "0", *data])
@@ -89,7 +93,14 @@ def test_eval_reproduces_the_runs_validation_loss_and_bits_per_byte(whole, tmp_p
     assert result["val_bpb"] == pytest.approx(last["val_bpb"], rel=1e-6)
 
 
-def test_export_writes_what_transformers_loads_with_the_runs_logits_and_tokenizer(root, whole):
+@pytest.fixture(scope="module")
+def exported(root, whole):
+    out = root / "exported"
+    assert main(["export", "--checkpoint", str(whole), "--out", str(out)]) == 0
+    return out
+
+
+def test_export_writes_what_transformers_loads_with_the_runs_logits_and_tokenizer(root, whole, exported):
     """`torchlyra export` of the run: transformers' own directory (config, per-expert tensors,
     tokenizer), loaded by from_pretrained / AutoTokenizer with the checkpoint's logits and ids."""
     import torch
@@ -99,8 +110,7 @@ def test_export_writes_what_transformers_loads_with_the_runs_logits_and_tokenize
     from formats.model_checks import load_weights
     from formats.tokenizer import load_tokenizer
 
-    out = root / "exported"
-    assert main(["export", "--checkpoint", str(whole), "--out", str(out)]) == 0
+    out = exported
     spec, meta, params = checkpoint.iter_params(whole)
     ours = spec.build()
     load_weights(ours, {n: torch.from_numpy(v) for n, v in params})
@@ -114,3 +124,46 @@ def test_export_writes_what_transformers_loads_with_the_runs_logits_and_tokenize
     with torch.no_grad():
         expected, got = ours(ids), loaded(ids).logits
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
+
+
+def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, exported, capsys):
+    """`train --init-from RUN --lora` on the transformers run (attention and expert adapters
+    through peft): it starts from the base's loss and resumes; its adapter, exported for peft,
+    loads onto transformers' model of the exported base with our logits, and the merged export
+    loads in transformers with them too."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from formats.lora_checkpoint import load_lora_model
+
+    lora = ["--init-from", str(whole), "--lora", "r=4,alpha=8,targets=all-linear+experts", "--data",
+            str(root / "data"), "--out", str(root / "lora"), *ARGS]
+    assert main(["train", *lora, "--steps", "6"]) == 0
+    evals = [r for r in map(json.loads, (root / "lora" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"]
+    base_end = [r for r in map(json.loads, (whole / "metrics.jsonl").read_text().splitlines())
+                if r["kind"] == "eval"][-1]["val_loss"]
+    assert evals[0]["step"] == 0 and evals[0]["val_loss"] == pytest.approx(base_end, rel=1e-5)   # B = 0 at start
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert main(["train", *lora, "--steps", "8", "--resume"]) == 0
+    assert sorted(losses(root / "lora"))[-1] == 8
+    assert main(["export", "--checkpoint", str(root / "lora"), "--adapter", "--base-model", str(exported),
+                 "--out", str(root / "adapter")]) == 0
+    assert main(["export", "--checkpoint", str(root / "lora"), "--out", str(root / "merged")]) == 0
+    assert main(["eval", "--checkpoint", str(root / "lora")]) == 0
+    wrapped, _, _ = load_lora_model(root / "lora")
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 24))
+    base = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager", experts_implementation="eager")
+    with torch.no_grad():
+        plain = base(ids).logits
+    peft_model = PeftModel.from_pretrained(base, root / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(root / "merged", attn_implementation="eager",
+                                                  experts_implementation="eager")
+    with torch.no_grad():
+        ours, theirs, folded = wrapped(ids), peft_model(ids).logits, merged(ids).logits
+    assert (ours - plain).abs().max() > 1e-3                     # the adapters changed the model
+    capsys.readouterr()                                             # the runs' progress bars
+    assert "transformers qwen3_moe model" in one_line_error(capsys, ["generate", "--checkpoint", str(root / "lora")])
+    for got in (theirs, folded):
+        assert ((got - ours).norm() / ours.norm()).item() <= 1e-5

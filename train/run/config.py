@@ -91,17 +91,24 @@ class TrainConfig:
             raise UserError(f"config: compute_dtype must be auto, float32 or bfloat16, found {self.compute_dtype!r}")
 
     def _check_model_config(self) -> None:
-        """What a transformers model's run can do today: train, evaluate its loss, checkpoint and
-        resume. The rest is refused by name rather than run on another model."""
+        """A transformers model comes from model_config or, for --init-from and LoRA, from the
+        checkpoint it starts from (never both); what its runs cannot do yet is refused by name."""
         if not self.model_config:
             return
         if self.model:
             raise UserError("config: model overrides shape a preset; with model_config edit the transformers config")
+        if self.init_from:
+            raise UserError(f"config: init_from with model_config: the run takes its model from the checkpoint "
+                            f"{self.init_from}; drop model_config (--model-config)")
+        self.check_transformers_run("model_config")
+
+    def check_transformers_run(self, where: str) -> None:
+        """Refuse what a run of a transformers model (from `where`) cannot do yet, by name rather
+        than run on another model: generation of samples and task scoring."""
         for name, value, why in (("samples", self.samples > 0, "pass --samples 0"),
-                                 ("eval_tasks", bool(self.eval_tasks), "task scoring"),
-                                 ("lora", bool(self.lora), "LoRA"), ("init_from", bool(self.init_from), "--init-from")):
+                                 ("eval_tasks", bool(self.eval_tasks), "task scoring")):
             if value:
-                raise UserError(f"config: {name} with model_config: generation, task scoring, LoRA and --init-from "
+                raise UserError(f"config: {name} with a transformers model ({where}): generation and task scoring "
                                 f"of transformers models are not built yet ({why})")
 
     def _check_lora(self) -> None:

@@ -20,6 +20,7 @@ from formats import checkpoint, init_from_hf, lora_checkpoint
 from train.run import flops
 from train.run.config import TrainConfig, resumed_config
 from formats.errors import UserError
+from torch_model.config import ModelConfig
 from train.run.metrics import MetricsWriter, StepTimer, expert_load
 
 DEFAULT_PROMPTS = ["ROMEO:", "First Citizen:\nWe are"]
@@ -131,7 +132,7 @@ class Trainer:
 
         from jax_bridge import registry
         from jax_bridge.step import StepConfig, TrainState, TrainStep
-        from formats.model_checks import build_model
+        from formats.model_checks import build_model, load_weights
         from torch_model.optim import OptimizerConfig
         from train.evaluation.validation import Evaluator, token_byte_lengths
         from train.data.loader import TokenLoader
@@ -148,6 +149,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.data)  # the data's: its special ids become the model's
         self.base_reference = None                 # a LoRA run's base (formats/lora_checkpoint.py)
         self.model_cfg, init_state = self._model_config(meta, explicit or {})
+        if not isinstance(self.model_cfg, ModelConfig) and not cfg.model_config:    # from a checkpoint
+            cfg.check_transformers_run(f"from {cfg.init_from or resume_dir}")
         if self.tokenizer.n_vocab > self.model_cfg.vocab_size:
             raise UserError(f"data vocabulary ({self.tokenizer.n_vocab}) is larger than the model's vocab_size "
                             f"({self.model_cfg.vocab_size}); set model.vocab_size >= {self.tokenizer.n_vocab}")
@@ -164,7 +167,7 @@ class Trainer:
         with torch.device("meta") if from_hf else contextlib.nullcontext():   # from HF: no weights on the host
             self.model = build_model(self.model_cfg)
         if init_state is not None and not from_hf:
-            self.model.load_state_dict(init_state)
+            load_weights(self.model, init_state)
         self.peft_model = self._adapt(self.model)
         opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay,
                                   adapter_optimizer=cfg.adapter_optimizer, ns_dtype=cfg.ns_dtype)
@@ -349,7 +352,7 @@ class Trainer:
             state, _, init_meta = checkpoint.load_checkpoint(cfg.init_from)
             self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
             return model_cfg, state
-        state, init_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from)
+        state, init_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from, transformers_ok=True)
         self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
         model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
         if {"preset", "model"} & set(explicit):
