@@ -167,3 +167,15 @@ def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, 
     assert "transformers qwen3_moe model" in one_line_error(capsys, ["generate", "--checkpoint", str(root / "lora")])
     for got in (theirs, folded):
         assert ((got - ours).norm() / ours.norm()).item() <= 1e-5
+
+
+def test_freeze_on_the_run_leaves_the_frozen_parameters_as_the_base_holds_them(root, whole):
+    from formats import checkpoint
+
+    assert main(["train", "--init-from", str(whole), "--freeze", "model.embed_tokens.*", "--data", str(root / "data"),
+                 "--out", str(root / "frozen"), *ARGS, "--steps", "2", "--checkpoint-every", "2"]) == 0
+    base = dict(checkpoint.iter_params(whole)[2])
+    after = dict(checkpoint.iter_params(root / "frozen")[2])
+    assert sorted(after) == sorted(base)
+    assert (after["model.embed_tokens.weight"] == base["model.embed_tokens.weight"]).all()
+    assert not (after["model.norm.weight"] == base["model.norm.weight"]).all()
