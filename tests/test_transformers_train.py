@@ -76,8 +76,9 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
                                                  "n_layer": 1, "n_head": 2}))
     assert "skeleton" in one_line_error(capsys, ["train", "--model-config", str(root / "bloom.json"), "--samples", "0",
                                                  *data])
+    (root / "lm.jsonl").write_text(json.dumps({"context": "ROMEO:", "continuation": " But soft"}) + "\n")
     assert "transformers qwen3_moe model" in one_line_error(capsys, ["eval", "--checkpoint", str(whole), "--tasks",
-                                                                     "core", "--limit", "1"])
+                                                                     str(root / "lm.jsonl")])
     assert "transformers qwen3_moe model" in one_line_error(capsys, ["generate", "--checkpoint", str(whole)])
     assert "mxfp4" in one_line_error(capsys, ["export", "--checkpoint", str(whole), "--out", str(root / "q"),
                                               "--dtype", "mxfp4"])
