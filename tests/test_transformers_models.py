@@ -265,3 +265,36 @@ def test_an_export_is_transformers_own_layout_and_loads_with_our_logits(family, 
     with pytest.raises(UserError, match="mxfp4"):
         write_transformers_dir(spec, iter(params), tmp_path / "q", n_tensors=len(params), dtype="mxfp4",
                                shard_size_bytes=1 << 30)
+
+
+def test_bf16_compute_keeps_the_router_of_a_transformers_moe_in_float32():
+    """The parameters kept float32 under bf16 compute are exactly those of the modules whose
+    logits transformers records as router logits (the family's own declaration), and a bf16 step's
+    program promotes only the routers' matmuls to float32 (forward, dW, dX: 3 per MoE layer)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from jax_bridge.step import cast_params
+    from torch_model import causal_lm
+
+    ours, _ = models("qwen3_moe")
+    router = ours.model._router.target_class
+    expected = {f"{prefix}.{name}" for prefix, module in ours.named_modules() if isinstance(module, router)
+                for name, _ in module.named_parameters()}
+    params = {n: jnp.zeros(p.shape, jnp.float32) for n, p in ours.named_parameters()}
+    kept = {n for n, p in cast_params(params, jnp.bfloat16).items() if p.dtype == jnp.float32}
+    assert kept == expected and len(expected) == 2
+    step = TrainStep(ours, OptimizerConfig(), StepConfig(kernels="xla", compute_dtype="bfloat16"))
+    batch = np.random.default_rng(1).integers(0, VOCAB, (2, SEQ + 1)).astype(np.int32)
+
+    def float32_dots(fragments):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(causal_lm, "FLOAT32_PARAMETERS", fragments)
+            cast = cast_params(dict(step.init_state().params), jnp.bfloat16)
+            grad = jax.grad(lambda p, b: step.loss_and_metrics(p, b[:, :-1], b[:, 1:])[0])
+            text = jax.jit(grad).lower(cast, batch).as_text()
+        return len(re.findall(r"dot_general.*-> tensor<[0-9x]*xf32>", text))
+
+    assert float32_dots(causal_lm.FLOAT32_PARAMETERS) - float32_dots(()) == 3 * len(expected)

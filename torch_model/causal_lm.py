@@ -33,8 +33,11 @@ PAD_SEGMENT = 0     # the segment id of padding in packed rows (train/data/loade
 # eager float32 model is unchanged): the router, so that its logits, top-k and softmax run in
 # float32 as careful MoE stacks do (Megatron-Core's moe_router_dtype=fp32): in bf16 a near-tie
 # between two experts flips a token's choice, and a trained router's logits differ by less than
-# bf16 resolves.
-FLOAT32_PARAMETERS = (".mlp.router.",)
+# bf16 resolves. Ours and gpt-oss name it `mlp.router`; transformers' other MoE families (Qwen-MoE,
+# OLMoE, ...) name it `mlp.gate` (a dense MLP's `gate_proj` does not match). With the weight in
+# float32, JAX promotes only the router's matmuls (forward, dW, dX) to float32: the expert combine
+# and the residual stream stay bf16 (tests/test_transformers_models.py).
+FLOAT32_PARAMETERS = (".mlp.router.", ".mlp.gate.")
 
 
 def keeps_float32(name: str) -> bool:
