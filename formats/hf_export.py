@@ -150,16 +150,19 @@ def write_tokenizer(enc, out: Path, cfg) -> str:
     return "transformers: tokenizer.json + tokenizer_config.json (AutoTokenizer), tiktoken files in tiktoken/"
 
 
+# How every exported directory's README.md says to load it (here and formats/transformers_export.py).
+LOADING = """```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}")   # if tokenizer.json is present
+```"""
+
 README = """# {name}
 
 A torchlyra checkpoint (step {step}) exported as a Hugging Face transformers `GptOssForCausalLM`
 ({dtype}, {n_params:,} parameters{moe}).
 
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("{name}")
-tokenizer = AutoTokenizer.from_pretrained("{name}")   # if tokenizer.json is present
-```
+{loading}
 
 - Weights: {weights}.
 - Tokenizer: {tokenizer}.
@@ -183,6 +186,13 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
                         f"formats.transformers_export writes it")
     return write_hf_dir(cfg, params, out_dir, step=meta.get("step", 0), enc=checkpoint_encoding(checkpoint_dir, meta),
                         dtype=dtype, shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress)
+
+
+def weights_line(files: list[str]) -> str:
+    """The README's description of the weight files ShardWriter.close named."""
+    if len(files) == 1:
+        return f"`{files[0]}`"
+    return f"{len(files) - 1} shards `model-*-of-*.safetensors`, listed in `{INDEX_FILE}`"
 
 
 def checkpoint_encoding(checkpoint_dir, meta):
@@ -240,8 +250,7 @@ def write_hf_dir(cfg, params, out_dir, *, step: int = 0, enc=None, dtype: str = 
         (tmp / "README.md").write_text(README.format(
             name=Path(out_dir).name, step=step, dtype=dtype, n_params=n_params,
             moe=f", {cfg.n_experts} experts top-{cfg.experts_per_token}" if cfg.is_moe else ", dense MLP",
-            weights=f"`{files[0]}`" if len(files) == 1 else f"{len(files) - 1} shards `model-*-of-*.safetensors`, "
-                                                           f"listed in `{INDEX_FILE}`", tokenizer=tokenizer,
+            loading=LOADING.format(name=Path(out_dir).name), weights=weights_line(files), tokenizer=tokenizer,
             dense_note=" The dense MLP is stored as a one-expert MoE with a zero router (exactly equal)."
             if not cfg.is_moe else "") + (MXFP4_NOTE if quantized else "") + note)
     return {"out": str(out_dir), "step": step, "dtype": dtype, "files": files,

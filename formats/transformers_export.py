@@ -19,7 +19,8 @@ from tqdm import tqdm
 from formats import checkpoint
 from formats.atomic import staged_dir
 from formats.errors import UserError
-from formats.hf_export import DTYPES, INDEX_FILE, ShardWriter, checkpoint_encoding, check_export_options, write_tokenizer
+from formats.hf_export import (DTYPES, LOADING, ShardWriter, check_export_options, checkpoint_encoding, weights_line,
+                               write_tokenizer)
 
 README = """# {name}
 
@@ -27,11 +28,7 @@ A torchlyra checkpoint (step {step}) of a transformers `{architecture}` trained 
 `torchlyra train --model-config`, exported in transformers' own layout ({dtype}, {n_params:,}
 parameters).
 
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("{name}")
-tokenizer = AutoTokenizer.from_pretrained("{name}")   # if tokenizer.json is present
-```
+{loading}
 
 - Weights: {weights}.
 - Tokenizer: {tokenizer}.
@@ -104,8 +101,7 @@ def write_transformers_dir(spec, params, out_dir, *, n_tensors: int, step: int =
                      else "none: the checkpoint's metadata names no tokenizer")
         (tmp / "README.md").write_text(README.format(
             name=Path(out_dir).name, step=step, architecture=hf_cfg.architectures[0], dtype=dtype, n_params=n_params,
-            weights=f"`{files[0]}`" if len(files) == 1 else f"{len(files) - 1} shards `model-*-of-*.safetensors`, "
-                                                           f"listed in `{INDEX_FILE}`", tokenizer=tokenizer) + note)
+            loading=LOADING.format(name=Path(out_dir).name), weights=weights_line(files), tokenizer=tokenizer) + note)
     return {"out": str(out_dir), "step": step, "dtype": dtype, "files": files,
             "n_tensors": len(writer.weight_map) or n_tensors, "n_params": n_params,
             "tokenizer": tokenizer, "quantization_error": {}}
