@@ -181,8 +181,8 @@ class CheckpointWriter:
             items[TOKENIZER] = _tokenizer_item()[0](tokenizer)
         start = time.perf_counter()
         self._started[step] = start
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         fault_while_saving(step)
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         record = SaveRecord(step, time.perf_counter() - start)
         self.records.append(record)
         return record

@@ -20,8 +20,9 @@ MANIFEST_FILE = "torchlyra_manifest.json"
 # is saving (the K-th save of the process, default the first) are on disk, checked as each item is
 # finalized, before and after the step's rename, and after the manifest.
 FAULT_ENV = "TORCHLYRA_FAULT_KILL_AFTER_CHECKPOINT_FILES"
-# Fault injection for tests, "STEP": SIGKILL this process as soon as its save of step STEP has
-# started (its shards still being written in the background): a host lost in mid-save.
+# Fault injection for tests, "STEP": SIGKILL this process as its save of step STEP starts, while its
+# peers save that step: a host lost in mid-save. Killed before it writes a shard, never after (its
+# background writer could finish a tiny step before the kill: the step would then be complete).
 SAVE_FAULT_ENV = "TORCHLYRA_FAULT_KILL_WHILE_SAVING_STEP"
 
 
@@ -93,7 +94,7 @@ def _fault_point(step_dir: Path) -> None:
 
 
 def fault_while_saving(step: int) -> None:
-    """The SAVE_FAULT_ENV injection point: called once a save of `step` has started."""
+    """The SAVE_FAULT_ENV injection point: called as a save of `step` starts."""
     if os.environ.get(SAVE_FAULT_ENV) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -119,7 +119,7 @@ HOST_TIMEOUT_S = 6      # the fault test's host_timeout_s: a survivor stops with
 @pytest.fixture(scope="module")
 def host_lost(runs):
     """The two-process run, its newest checkpoint (step 5) damaged, resumed by two processes that
-    checkpoint every 2 steps; process 1 is SIGKILLed once its save of step 4 has started.
+    checkpoint every 2 steps; process 1 is SIGKILLed as its save of step 4 starts.
     Returns (run directory, [(exit code, output, exit time)] per process)."""
     root, _ = runs
     out = root / "host_lost"
