@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 from tqdm import tqdm
 
-from formats import hf_mapping, mxfp4
+from formats import hf_mapping, mxfp4, tokenizer_json
 from formats import checkpoint
 from formats.atomic import staged_dir
 from formats.errors import UserError
@@ -37,8 +37,7 @@ HARMONY_CHAT_TEMPLATE = (
     "<|message|>{{ message['content'] }}<|end|>{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
 # Text the exported tokenizer must encode exactly as tiktoken does before it is written.
-TOKENIZER_PROBES = ["Hello, world! It's 2024: naïve café, ünïcode ЖЖ 日本語 😀.\n\n  indented\tline\r\n",
-                    "x = [1, 22, 333, 4444];  // code   with    runs of spaces\n", "<|bos|>once upon a time"]
+TOKENIZER_PROBES = [*tokenizer_json.PROBES, "<|bos|>once upon a time"]   # a special token in text too
 
 
 def parse_size(text: str) -> int:
@@ -129,6 +128,9 @@ def write_tokenizer(enc, out: Path, cfg) -> str:
     # Hand the ranks over in memory: no temp .tiktoken file, no tiktoken path cache involved.
     converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks
     tok = converter.converted()
+    if getattr(enc, "normalization", None):     # a converted Hugging Face tokenizer's (formats/tokenizer_json.py)
+        from tokenizers import normalizers
+        tok.normalizer = getattr(normalizers, enc.normalization)()
     specials_ok = all(tok.token_to_id(s) == enc._special_tokens[s] for s in specials if s in enc._special_tokens)
     same = specials_ok and all(
         tok.encode(text, add_special_tokens=False).ids == enc.encode(text, allowed_special="all")

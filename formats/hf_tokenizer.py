@@ -8,12 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-def byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte (tokenizer.json writes tokens in it)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    return {c: b for b, c in bytes_to_unicode().items()}
+from formats.tokenizer_json import byte_level_alphabet
 
 
 def vocabulary_difference(tokenizer_json: dict, enc) -> str | None:
@@ -22,7 +17,7 @@ def vocabulary_difference(tokenizer_json: dict, enc) -> str | None:
     model = tokenizer_json.get("model") or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         return f"model type {model.get('type')!r}, expected a byte-level 'BPE'"
-    decode = byte_decoder()
+    decode = byte_level_alphabet()
     ranks = enc._mergeable_ranks    # tiktoken keeps no public accessor for the ranks
     vocab = model["vocab"]
     if len(vocab) != len(ranks):

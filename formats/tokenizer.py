@@ -33,6 +33,7 @@ import tiktoken
 
 from formats.atomic import sha256_file, write_atomic
 from formats.errors import UserError
+from formats.tokenizer_json import HFEncoding, byte_level_alphabet, load_hf_tokenizer
 
 RANKS_FILE, META_FILE = "tokenizer.tiktoken", "tokenizer.json"
 
@@ -70,7 +71,8 @@ MIN_BPE_VOCAB = 256 + len(HARMONY_CHAT_TOKENS) + 1  # every byte, the chat token
 # GPT-4's split pattern (cl100k_base): contractions, words, up to 3 digits, punctuation, spaces.
 PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
            r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-SPEC_HELP = "o200k_harmony | o200k_base | bpe:VOCAB_SIZE | PATH.tiktoken | DIR (with tokenizer.json)"
+SPEC_HELP = ("o200k_harmony | o200k_base | bpe:VOCAB_SIZE | PATH.tiktoken | DIR (a torchlyra data or checkpoint "
+             "directory) | hf:DIR (a Hugging Face tokenizer.json + tokenizer_config.json)")
 
 
 def _parse_ranks(data: bytes, where) -> dict[bytes, int]:
@@ -133,8 +135,12 @@ NAMED = {"o200k_harmony": o200k_harmony, "o200k_base": o200k_base}
 
 # ---- which tokenizer ----------------------------------------------------------------------------
 def parse_spec(spec: str) -> dict:
-    """--tokenizer text -> {"kind": "named"|"bpe"|"file"|"dir", ...}; no file is read yet."""
+    """--tokenizer text -> {"kind": "named"|"bpe"|"file"|"dir"|"hf", ...}; no file is read yet."""
     spec = str(spec).strip()
+    if spec.startswith("hf:"):
+        if not Path(spec[3:]).is_dir():
+            raise UserError(f"--tokenizer {spec}: no such directory")
+        return {"kind": "hf", "path": spec[3:]}
     if spec in NAMED:
         return {"kind": "named", "name": spec}
     if spec.startswith("bpe:"):
@@ -172,19 +178,6 @@ def from_tiktoken_file(path) -> tiktoken.Encoding:
                              special_tokens={BOS: max(ranks.values()) + 1})
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """The printable character that HF's ByteLevel stands in for each byte (GPT-2's table)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
-
-
 def train_bpe(texts: Iterable[str], vocab_size: int = 4096) -> tiktoken.Encoding:
     """Train a byte-level BPE with vocab_size ids in all (256 bytes + merges + the harmony chat
     tokens + <|bos|>, the last id), with HF
@@ -206,7 +199,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096) -> tiktoken.Encoding
     tok.train_from_iterator(texts, trainer)
     merges = json.loads(tok.to_str())["model"]["merges"]
 
-    to_byte = _byte_level_alphabet()
+    to_byte = byte_level_alphabet()
     ranks = {bytes([b]): b for b in range(256)}
     for merge in merges:
         left, right = merge.split(" ") if isinstance(merge, str) else merge
@@ -227,6 +220,8 @@ def build_tokenizer(spec: dict, training_texts: Iterable[str] | None = None) -> 
         return train_bpe(training_texts or [], spec["vocab_size"])
     if spec["kind"] == "file":
         return from_tiktoken_file(spec["path"])
+    if spec["kind"] == "hf":
+        return load_hf_tokenizer(spec["path"])
     return load_tokenizer(spec["path"])
 
 
@@ -235,6 +230,10 @@ def special_ids(enc: tiktoken.Encoding) -> dict:
     """bos: starts every document (rows align on it); eos: ends every document (None when the
     bos doubles as the end); stop: ids generation stops on; model_vocab_size: the padded size."""
     specials = enc._special_tokens
+    if isinstance(enc, HFEncoding):   # its own markers; a lone eos separates documents (Qwen)
+        start, end = specials[enc.document_start], specials[enc.document_end]
+        return {"bos": start, "eos": None if start == end else end, "stop": [end],
+                "model_vocab_size": -(-enc.n_vocab // 128) * 128}
     if STARTOFTEXT in specials and ENDOFTEXT in specials:
         stop = [specials[ENDOFTEXT]] + ([specials[RETURN]] if RETURN in specials else [])
         return {"bos": specials[STARTOFTEXT], "eos": specials[ENDOFTEXT], "stop": stop,
@@ -306,7 +305,7 @@ def describe(enc: tiktoken.Encoding, ranks_sha256: str) -> dict:
     return {"name": enc.name, "pat_str": enc._pat_str, "special_tokens": enc._special_tokens,
             "vocab_size": enc.n_vocab, "model_vocab_size": ids["model_vocab_size"], "bos_id": ids["bos"],
             "eos_id": ids["eos"], "stop_ids": ids["stop"], "tiktoken_file": RANKS_FILE,
-            "tiktoken_sha256": ranks_sha256}
+            "tiktoken_sha256": ranks_sha256, **(enc.extras() if isinstance(enc, HFEncoding) else {})}
 
 
 def save_tokenizer(enc: tiktoken.Encoding, out_dir: str | os.PathLike) -> dict:
@@ -326,6 +325,9 @@ def read_description(data_dir: str | os.PathLike) -> dict:
         raise UserError(f"{data_dir}: expected {META_FILE}, found none (run `torchlyra prepare`)")
     try:
         meta = json.loads(meta_path.read_text())
+        if isinstance(meta, dict) and "model" in meta and "added_tokens" in meta:
+            raise UserError(f"{meta_path}: is a Hugging Face tokenizer.json, not a torchlyra tokenizer description: "
+                            f"pass --tokenizer hf:{data_dir}")
         for key in ("tiktoken_file", "tiktoken_sha256", "vocab_size", "pat_str", "special_tokens"):
             meta[key]  # noqa: B018 (presence check)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
@@ -355,6 +357,10 @@ def load_tokenizer(data_dir: str | os.PathLike) -> tiktoken.Encoding:
     if len(ranks) + len(specials) != int(meta["vocab_size"]):
         raise UserError(f"{meta_path}: field 'vocab_size' is {meta['vocab_size']}, but {ranks_path.name} holds "
                         f"{len(ranks)} ranks and {len(specials)} special tokens")
+    if "document_end" in meta:      # a converted Hugging Face tokenizer (formats/tokenizer_json.py)
+        return HFEncoding(name=meta["name"], pat_str=meta["pat_str"], mergeable_ranks=ranks, special_tokens=specials,
+                          normalization=meta.get("normalization"), document_start=meta["document_start"],
+                          document_end=meta["document_end"])
     return tiktoken.Encoding(name=meta.get("name", "bpe"), pat_str=meta["pat_str"], mergeable_ranks=ranks,
                              special_tokens=specials)
 
@@ -364,6 +370,7 @@ def check_same_tokenizer(model: tiktoken.Encoding, data: tiktoken.Encoding, mode
     pattern and document markers count as the same tokenizer (o200k_base data suits an
     o200k_harmony model: ordinary text and the markers get the same ids)."""
     checks = {"ranks": lambda e: e._mergeable_ranks, "split pattern": lambda e: e._pat_str,
+              "Unicode normalization": lambda e: getattr(e, "normalization", None),
               "document start id": bos_id, "document end id": end_id}
     for what, get in checks.items():
         if get(model) != get(data):

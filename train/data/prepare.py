@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from formats.atomic import sha256_file, write_atomic
 from train.data import conversations, inputs, packing, preferences, shards
-from formats import tokenizer
+from formats import tokenizer, tokenizer_json
 from formats.errors import UserError
 from formats.jsonfile import read_json
 
@@ -230,6 +230,8 @@ def _settings(args, sources: list[inputs.Source]) -> dict:
         spec["sha256"] = sha256_file(spec["path"])
     elif spec["kind"] == "dir":
         spec["sha256"] = tokenizer.read_description(spec["path"])["tiktoken_sha256"]
+    elif spec["kind"] == "hf":
+        spec["sha256"] = tokenizer_json.fingerprint(spec["path"])
     return {"prepare_version": PREPARE_VERSION, "inputs": inputs.fingerprint(sources), "format": args.format,
             "text_field": args.text_field, "chat": args.chat, "preferences": args.preferences,
             "messages_field": args.messages_field,
