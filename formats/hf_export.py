@@ -145,6 +145,10 @@ def write_tokenizer(enc, out: Path, cfg) -> str:
         if token_id in by_id:
             tok_cfg[role] = by_id[token_id]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    if getattr(enc, "chat_template", None):      # a Hugging Face tokenizer's own template, passed on
+        (out / "chat_template.jinja").write_text(enc.chat_template)
+        return ("transformers: tokenizer.json + tokenizer_config.json (AutoTokenizer) + its chat_template.jinja, "
+                "tiktoken files in tiktoken/")
     if {"<|start|>", "<|message|>", "<|end|>"} <= set(enc._special_tokens):
         (out / "chat_template.jinja").write_text(HARMONY_CHAT_TEMPLATE)
         return ("transformers: tokenizer.json + tokenizer_config.json (AutoTokenizer) + harmony chat_template.jinja, "

@@ -360,7 +360,7 @@ def load_tokenizer(data_dir: str | os.PathLike) -> tiktoken.Encoding:
     if "document_end" in meta:      # a converted Hugging Face tokenizer (formats/tokenizer_json.py)
         return HFEncoding(name=meta["name"], pat_str=meta["pat_str"], mergeable_ranks=ranks, special_tokens=specials,
                           normalization=meta.get("normalization"), document_start=meta["document_start"],
-                          document_end=meta["document_end"])
+                          document_end=meta["document_end"], chat_template=meta.get("chat_template"))
     return tiktoken.Encoding(name=meta.get("name", "bpe"), pat_str=meta["pat_str"], mergeable_ranks=ranks,
                              special_tokens=specials)
 

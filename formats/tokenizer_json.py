@@ -41,7 +41,7 @@ class HFEncoding(tiktoken.Encoding):
     encoding and carries its document markers (special token names)."""
 
     def __init__(self, *, name, pat_str, mergeable_ranks, special_tokens, normalization: str | None,
-                 document_start: str, document_end: str):
+                 document_start: str, document_end: str, chat_template: str | None = None):
         super().__init__(name=name, pat_str=pat_str, mergeable_ranks=mergeable_ranks, special_tokens=special_tokens)
         if normalization not in (None, *NORMALIZATIONS):
             raise ValueError(f"normalization {normalization!r}, expected None or one of {NORMALIZATIONS}")
@@ -49,6 +49,7 @@ class HFEncoding(tiktoken.Encoding):
             if marker not in special_tokens:
                 raise ValueError(f"document marker {marker!r} is not a special token")
         self.normalization, self.document_start, self.document_end = normalization, document_start, document_end
+        self.chat_template = chat_template      # the Jinja template SFT renders conversations with
 
     def normalize(self, text: str) -> str:
         return unicodedata.normalize(self.normalization, text) if self.normalization else text
@@ -65,7 +66,7 @@ class HFEncoding(tiktoken.Encoding):
 
     def extras(self) -> dict:
         return {"normalization": self.normalization, "document_start": self.document_start,
-                "document_end": self.document_end}
+                "document_end": self.document_end, "chat_template": self.chat_template}
 
     def __getstate__(self):
         return {**super().__getstate__(), **self.extras()}
@@ -110,7 +111,7 @@ def _read_json(path: Path) -> dict:
 def fingerprint(hf_dir) -> str:
     """sha256 over the two files the conversion reads (what decides the prepared data)."""
     digest = hashlib.sha256()
-    for name in (TOKENIZER_JSON, TOKENIZER_CONFIG):
+    for name in (TOKENIZER_JSON, TOKENIZER_CONFIG, "chat_template.jinja"):
         path = Path(hf_dir) / name
         digest.update(path.read_bytes() if path.is_file() else b"")
     return digest.hexdigest()
@@ -181,7 +182,8 @@ def load_hf_tokenizer(hf_dir) -> HFEncoding:
     if eos is None:
         raise UserError(f"{hf_dir / TOKENIZER_CONFIG}: field 'eos_token' is missing: nothing marks a document's end")
     enc = HFEncoding(name=f"hf:{hf_dir.name}", pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials,
-                     normalization=normalization, document_start=bos or eos, document_end=eos)
+                     normalization=normalization, document_start=bos or eos, document_end=eos,
+                     chat_template=_chat_template(hf_dir, config))
     reference = Tokenizer.from_file(str(path))
     reference.encode_special_tokens = True     # special-token text is plain text in documents, as ours
     for text in PROBES:
@@ -191,6 +193,18 @@ def load_hf_tokenizer(hf_dir) -> HFEncoding:
             raise UserError(f"{where}: converted to tiktoken it tokenizes {text[:40]!r}... differently from the "
                             f"tokenizers library (token {at}: {got[at:at + 3]} instead of {want[at:at + 3]})")
     return enc
+
+
+def _chat_template(hf_dir: Path, config: dict) -> str | None:
+    """The directory's chat template: chat_template.jinja (transformers >= 4.50 writes it there)
+    or tokenizer_config.json's `chat_template` (one string; named templates are not taken)."""
+    if (hf_dir / "chat_template.jinja").is_file():
+        return (hf_dir / "chat_template.jinja").read_text()
+    template = config.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{hf_dir / TOKENIZER_CONFIG}: field 'chat_template' holds several named templates; "
+                        "expected one template string")
+    return template
 
 
 def _check_merge_order(merges: list, vocab: dict, where: str) -> None:

@@ -7,6 +7,7 @@ import json
 import pickle
 import unicodedata
 
+import numpy as np
 import pytest
 import tiktoken
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -97,7 +98,8 @@ def test_prepare_with_an_hf_tokenizer_stores_its_ids_and_keeps_it_with_the_data(
     assert stored == sorted(reference_ids(qwen_dir, d) for d in docs)
     again = tokenizer.load_tokenizer(out)           # the data's copy: a converted tokenizer as before
     assert isinstance(again, tokenizer_json.HFEncoding) and again.extras() == {
-        "normalization": "NFC", "document_start": "<|endoftext|>", "document_end": "<|endoftext|>"}
+        "normalization": "NFC", "document_start": "<|endoftext|>", "document_end": "<|endoftext|>",
+        "chat_template": CHATML}
     assert again.encode_ordinary(UNNORMALIZED) == reference_ids(qwen_dir, UNNORMALIZED)
     revived = pickle.loads(pickle.dumps(again))     # what a spawned prepare worker receives
     assert revived.extras() == again.extras() and revived.encode_ordinary(UNNORMALIZED) == again.encode_ordinary(UNNORMALIZED)
@@ -111,7 +113,7 @@ def test_prepare_with_an_hf_tokenizer_stores_its_ids_and_keeps_it_with_the_data(
         tokenizer.build_tokenizer(tokenizer.parse_spec(str(qwen_dir)))
 
 
-def test_the_export_writes_the_normalizer_so_auto_tokenizer_encodes_alike(tmp_path, qwen_dir):
+def test_the_export_writes_the_normalizer_and_template_so_auto_tokenizer_encodes_alike(tmp_path, qwen_dir):
     from transformers import AutoTokenizer
 
     from formats.hf_export import write_tokenizer
@@ -124,6 +126,8 @@ def test_the_export_writes_the_normalizer_so_auto_tokenizer_encodes_alike(tmp_pa
     auto = AutoTokenizer.from_pretrained(str(tmp_path))
     for text in TEXTS + [UNNORMALIZED]:
         assert auto.encode(text, add_special_tokens=False) == enc.encode(text, allowed_special="all"), text
+    assert auto.apply_chat_template(CHATS[0], tokenize=False) == AutoTokenizer.from_pretrained(str(qwen_dir)).apply_chat_template(
+        CHATS[0], tokenize=False)
 
 
 def _edit(hf_dir, out, edit_json=None, config=None):
@@ -164,3 +168,93 @@ def test_an_hf_spec_names_a_missing_directory_or_file(tmp_path):
         tokenizer.parse_spec(f"hf:{tmp_path / 'nowhere'}")
     with pytest.raises(UserError, match="no tokenizer.json"):
         tokenizer.build_tokenizer(tokenizer.parse_spec(f"hf:{tmp_path}"))
+
+
+# ---- SFT with the tokenizer's own chat template ------------------------------------------------
+CHATS = [[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Who wrote Hamlet?"},
+          {"role": "assistant", "content": "Shakespeare."}, {"role": "user", "content": "When?"},
+          {"role": "assistant", "content": "Around 1600, in London.\nIt was printed in 1603."}],
+         [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi! Café time? 1234"}]]
+# Llama-3-style, with transformers' {% generation %} marks: they say which characters are trained.
+MARKED = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|eot_id|>{% endgeneration %}"
+          "{% else %}{{ m['content'] }}<|eot_id|>{% endif %}{% endfor %}")
+
+
+def messages(chat):
+    return [{**m, "thinking": None} for m in chat]
+
+
+def test_a_conversation_renders_as_apply_chat_template_with_weight_on_the_assistants_text_only(qwen_dir):
+    from transformers import AutoTokenizer
+
+    from train.data import conversations
+
+    enc = tokenizer.build_tokenizer(tokenizer.parse_spec(f"hf:{qwen_dir}"))
+    auto = AutoTokenizer.from_pretrained(str(qwen_dir))
+    for chat in CHATS:
+        ids, weights = conversations.render_weighted(enc, messages(chat))
+        assert enc.decode(ids.tolist()) == auto.apply_chat_template(chat, tokenize=False)
+        assert ids.tolist() == auto.apply_chat_template(chat, tokenize=True, return_dict=False)
+        trained = enc.decode(ids[weights == 1].tolist())
+        assert trained == "".join(m["content"] + "<|im_end|>\n" for m in chat if m["role"] == "assistant")
+        assert np.count_nonzero(np.diff(weights.astype(int)) == 1) == sum(m["role"] == "assistant" for m in chat)
+
+
+def test_generation_marks_decide_the_trained_text_and_the_templates_bos_is_left_to_the_packer(tmp_path):
+    from train.data import conversations
+
+    hf_dir = hf_tokenizer_dir(tmp_path / "llama", "llama")
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    data = json.loads((hf_dir / "tokenizer.json").read_text())
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": MARKED}))
+    data["added_tokens"] += [{"id": 702 + k, "content": t, "special": True, "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False}
+                             for k, t in enumerate(["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])]
+    (hf_dir / "tokenizer.json").write_text(json.dumps(data))
+    enc = tokenizer.build_tokenizer(tokenizer.parse_spec(f"hf:{hf_dir}"))
+    ids, weights = conversations.render_weighted(enc, messages(CHATS[0]))
+    assert ids[0] != tokenizer.bos_id(enc), "the packer puts the document start before every conversation"
+    assert enc.decode(ids[weights == 1].tolist()) == "Shakespeare.<|eot_id|>Around 1600, in London.\nIt was printed in 1603.<|eot_id|>"
+    assert enc.decode(ids.tolist()).startswith("<|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>")
+
+
+def test_a_template_that_rewrites_earlier_turns_or_thinking_or_no_template_is_refused(tmp_path, qwen_dir):
+    from train.data import conversations
+
+    rewrites = _edit(qwen_dir, tmp_path / "rewrites", config={"chat_template": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if loop.last %}{{ m['content'] }}{% else %}..."
+        "{% endif %}<|im_end|>\n{% endfor %}")})
+    enc = tokenizer.build_tokenizer(tokenizer.parse_spec(f"hf:{rewrites}"))
+    with pytest.raises(UserError, match="renders the turns before assistant message 2 differently"):
+        conversations.render_weighted(enc, messages(CHATS[0]))
+    qwen = tokenizer.build_tokenizer(tokenizer.parse_spec(f"hf:{qwen_dir}"))
+    thinking = [*messages(CHATS[1])[:1], {"role": "assistant", "content": "Hi", "thinking": "greet"}]
+    with pytest.raises(UserError, match="an assistant message has 'thinking'"):
+        conversations.render_weighted(qwen, thinking)
+    bare = _edit(qwen_dir, tmp_path / "bare", config={"chat_template": None})
+    with pytest.raises(UserError, match="has no chat template"):
+        conversations.check_chat_tokenizer(tokenizer.build_tokenizer(tokenizer.parse_spec(f"hf:{bare}")), "x")
+
+
+def test_sft_of_a_transformers_model_on_template_rendered_chats_trains_only_the_assistants_tokens(tmp_path, qwen_dir):
+    from train.cli import main
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 20))
+    data = tmp_path / "chat_data"
+    assert run_prepare("--chat", "--input", chats, "--out", data, "--tokenizer", f"hf:{qwen_dir}",
+                       "--val-fraction", 0.2) == 0
+    enc = tokenizer.load_tokenizer(data)
+    with shards.open_dataset(data, "train") as ds:
+        docs = [ds.doc(d) for d in range(len(ds))]
+        weights = ds.read_segments([(d, 0, int(ds.lengths[d])) for d in range(len(ds))], "weights")
+    answers = {"".join(m["content"] + "<|im_end|>\n" for m in c if m["role"] == "assistant") for c in CHATS}
+    assert docs and all(enc.decode(ids[w == 1].tolist()) in answers for ids, w in zip(docs, weights))
+    out = tmp_path / "sft"
+    assert main(["train", "--model-config", "docs/models/qwen3-moe-tiny.json", "--data", str(data), "--out", str(out),
+                 "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--log-every", "1", "--eval-every", "2",
+                 "--eval-batches", "1", "--samples", "0"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train) == 2 and all(0 < r["trained_tokens"] and 0 < r["trained_share"] < 1 for r in train)

@@ -1,5 +1,6 @@
 """Conversations for supervised fine-tuning: OpenAI chat records checked and normalized, then
-rendered in harmony with the project's renderer, token by token, with a loss weight per token:
+rendered in harmony with the project's renderer (or, with a Hugging Face tokenizer, by its own chat template:
+train/data/chat_template.py), token by token, with a loss weight per token:
 1 on what the assistant writes after `<|start|>assistant` (channel header, content, closing
 `<|end|>` / `<|return|>`), 0 on everything else.
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from formats.errors import UserError
+from formats.tokenizer_json import HFEncoding
+from train.data import chat_template
 from train.generation import chat
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -78,7 +81,10 @@ def harmony_messages(messages: list[dict]) -> list[tuple[str, str, str | None]]:
 
 
 def render_weighted(enc, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids int32, loss weights uint8) of one conversation (parse_record's output)."""
+    """(token ids int32, loss weights uint8) of one conversation (parse_record's output); a
+    Hugging Face tokenizer renders it with its own chat template (train/data/chat_template.py)."""
+    if isinstance(enc, HFEncoding):
+        return chat_template.render_weighted(enc, messages)
     prompt = len(chat.render(enc, [], reply=True))  # <|start|>assistant: the prompt for a reply, not trained
     ids, weights = [], []
     rendered = harmony_messages(messages)
@@ -98,9 +104,12 @@ def text_of(messages: list[dict]) -> str:
 
 def check_chat_tokenizer(enc, where: str) -> None:
     """Refuse, naming the tokenizer, one without harmony's chat tokens (o200k_base, a ranks file,
-    or a bpe:N vocabulary made before bpe:N reserved them)."""
+    or a bpe:N vocabulary made before bpe:N reserved them), or a Hugging Face one without a chat
+    template."""
     from formats.tokenizer import HARMONY_CHAT_TOKENS
 
+    if isinstance(enc, HFEncoding):
+        return chat_template.check_template(enc, where)
     missing = [t for t in HARMONY_CHAT_TOKENS[:-1] if t not in enc._special_tokens]  # <|constrain|>: unused here
     if missing:
         raise UserError(f"{where}: tokenizer {enc.name!r} lacks harmony's chat tokens ({', '.join(missing)}): "
