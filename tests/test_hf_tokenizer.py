@@ -258,3 +258,29 @@ def test_sft_of_a_transformers_model_on_template_rendered_chats_trains_only_the_
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == 2 and all(0 < r["trained_tokens"] and 0 < r["trained_share"] < 1 for r in train)
+
+
+def test_preference_pairs_render_with_the_template_training_each_answer_not_the_prompts_reply(tmp_path, qwen_dir):
+    from train.data import preferences
+
+    prompt = CHATS[0][:4]                   # ends with the user's "When?", an assistant reply inside it
+    pair = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "Around 1600."}],
+            "rejected": [{"role": "assistant", "content": "In 1066, in Paris."}]}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n")
+    out = tmp_path / "pairs"
+    assert run_prepare("--preferences", "--input", tmp_path / "pairs.jsonl", "--out", out,
+                       "--tokenizer", f"hf:{qwen_dir}", "--val-fraction", 0) == 0
+    enc = tokenizer.load_tokenizer(out)
+    with shards.open_dataset(out, "train") as ds:
+        ids = ds.doc(0)
+        codes = ds.read_segments([(0, 0, int(ds.lengths[0]))], "weights")[0]
+    side, trained = preferences.side_of(codes), preferences.trained(codes)
+    for s, key in ((0, "chosen"), (1, "rejected")):
+        assert enc.decode(ids[(side == s) & (trained == 1)].tolist()) == pair[key][0]["content"] + "<|im_end|>\n"
+        assert enc.decode(ids[side == s].tolist()) == enc.decode(conversations_ids(enc, prompt + pair[key]))
+
+
+def conversations_ids(enc, chat):
+    from train.data import conversations
+
+    return conversations.render_weighted(enc, messages(chat))[0].tolist()

@@ -34,9 +34,13 @@ def _render(enc, messages: list[dict], *, prompt: bool = False, marks: bool = Fa
 
 
 def assistant_spans(enc, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """(the rendered conversation, [(start, end) character spans the assistant writes])."""
+    """(the rendered conversation, [(start, end) character span of each assistant message])."""
+    replies = sum(m["role"] == "assistant" for m in messages)
     if "{% generation %}" in enc.chat_template.replace("{%- generation %}", "{% generation %}"):
         text, spans = _render(enc, messages, marks=True)
+        if len(spans) != replies:
+            raise TemplateMismatch(f"chat template of {enc.name}: it marks {len(spans)} generation span(s) in a "
+                                   f"conversation of {replies} assistant message(s)")
         return text, [tuple(s) for s in spans]
     text, spans = _render(enc, messages), []
     for i, m in enumerate(messages):
@@ -50,14 +54,18 @@ def assistant_spans(enc, messages: list[dict]) -> tuple[str, list[tuple[int, int
     return text, spans
 
 
-def render_weighted(enc, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+def render_weighted(enc, messages: list[dict], first_trained: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(token ids int32, loss weights uint8) of one conversation (parse_record's output), rendered
-    by the tokenizer's template and tokenized piece by piece at the spans' edges; the document start
-    a template writes first is dropped (the packer puts one before every document)."""
+    by the tokenizer's template and tokenized piece by piece at the spans' edges; the assistant
+    messages from index `first_trained` on are trained (a preference pair's answers after its
+    prompt). The document start a template writes first is dropped (the packer puts one before
+    every document)."""
     if any(m.get("thinking") for m in messages):
         raise TemplateMismatch(f"chat template of {enc.name}: an assistant message has 'thinking', which the chat-template path does not render")
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     text, spans = assistant_spans(enc, plain)
+    replies = [i for i, m in enumerate(plain) if m["role"] == "assistant"]
+    spans = [span for i, span in zip(replies, spans) if i >= first_trained]
     ids, weights, at = [], [], 0
     for start, end in [*spans, (len(text), len(text))]:
         for piece, weight in ((text[at:start], 0), (text[start:end], 1)):

@@ -1,5 +1,6 @@
 """Preference pairs for DPO (`torchlyra prepare --preferences`): TRL's conversational preference
-records checked, then rendered in harmony as one document per pair.
+records checked, then rendered in harmony (a Hugging Face tokenizer: its own chat template) as
+one document per pair.
 
 A record: {"prompt": [messages], "chosen": [assistant messages], "rejected": [assistant messages]}
 (TRL's conversational shape; a single message object is taken as a list of one). The prompt is
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from train.data import conversations
+from formats.tokenizer_json import HFEncoding
+from train.data import chat_template, conversations
 from train.data.conversations import MalformedRecord
 from train.generation import chat
 
@@ -91,6 +93,8 @@ def _answer_tokens(enc, answer: list[dict]) -> int:
 def render_side(enc, prompt: list[dict], answer: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """(ids, trained 0/1) of prompt + answer: only the answer's tokens trained (an assistant turn
     inside the prompt is context, not trained)."""
+    if isinstance(enc, HFEncoding):      # rendered by its own chat template
+        return chat_template.render_weighted(enc, prompt + answer, first_trained=len(prompt))
     ids, weights = conversations.render_weighted(enc, prompt + answer)
     weights = weights.copy()
     weights[:len(ids) - _answer_tokens(enc, answer)] = 0
