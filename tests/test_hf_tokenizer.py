@@ -240,11 +240,13 @@ def test_a_template_that_rewrites_earlier_turns_or_thinking_or_no_template_is_re
 def test_sft_of_a_transformers_model_on_template_rendered_chats_trains_only_the_assistants_tokens(tmp_path, qwen_dir):
     from train.cli import main
 
-    chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 20))
+    # The validation split is its own file: --val-fraction hashes each document's id, which holds the
+    # temporary path, so the split (and whether val has a batch of short conversations) varied by run.
+    chats, val = tmp_path / "chats.jsonl", tmp_path / "val.jsonl"
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 16))
+    val.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 4))
     data = tmp_path / "chat_data"
-    assert run_prepare("--chat", "--input", chats, "--out", data, "--tokenizer", f"hf:{qwen_dir}",
-                       "--val-fraction", 0.2) == 0
+    assert run_prepare("--chat", "--input", chats, "--val-input", val, "--out", data, "--tokenizer", f"hf:{qwen_dir}") == 0
     enc = tokenizer.load_tokenizer(data)
     with shards.open_dataset(data, "train") as ds:
         docs = [ds.doc(d) for d in range(len(ds))]
