@@ -435,15 +435,15 @@ def refuse_transformers_model(record, where: str) -> None:
     """One line for the commands not built for a `train --model-config` run's model yet."""
     if not isinstance(record, ModelConfig):
         raise UserError(f"{where} holds a transformers {record.model_type} model: `train --resume` continues it, "
-                        f"`export` writes it for transformers and `eval` (without --tasks) measures its loss; "
-                        f"generate, eval --tasks and parity of transformers models are not built yet")
+                        f"`export` writes it for transformers, `generate` and `eval` take it; "
+                        f"parity and rl of transformers models are not built yet")
 
 
 def _open_checked(path, transformers_ok: bool = False):
     """(step_dir, meta, model record, stored shapes and dtypes, "checkpoint DIR") of the newest
     complete checkpoint named by `path`, every stored parameter's dtype checked. The record is a
-    ModelConfig, or with `transformers_ok` also a transformers model's TransformersSpec (the
-    callers that take one: export, validation loss)."""
+    ModelConfig, or with `transformers_ok` also a transformers model's TransformersSpec (every
+    caller but parity and rl, not built for those)."""
     step_dir = find_checkpoint(path)
     meta, cfg = read_meta(step_dir)
     stored = stored_shapes(step_dir)

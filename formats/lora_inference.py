@@ -57,26 +57,23 @@ def lora_tokenizer(checkpoint, meta: dict):
     return checkpoint_tokenizer(step_dir, {**base_meta, "step_dir": str(step_dir)})
 
 
-def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False, transformers_ok: bool = False):
+def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False):
     """(float32 model in eval mode, meta) of any checkpoint the inference commands take: ours, a
-    Hugging Face directory (through the one checkpoint loader), or a LoRA checkpoint (base +
-    adapters unmerged, or merged with `merge`, which any other checkpoint refuses); with
-    `transformers_ok` (validation loss) also a `train --model-config` run's transformers model."""
+    `train --model-config` run's transformers model, a Hugging Face directory (through the one
+    checkpoint loader), or a LoRA checkpoint of either model (base + adapters unmerged, or merged
+    with `merge`, which any other checkpoint refuses)."""
     import torch
 
-    from formats.checkpoint import config_from_dict, load_checkpoint, refuse_transformers_model
+    from formats.checkpoint import load_checkpoint
     from formats.errors import UserError
     from formats.model_checks import build_model, load_weights
 
     meta = lora_meta(checkpoint)
     if meta is not None:
-        if not transformers_ok:
-            refuse_transformers_model(config_from_dict(meta["model"], f"checkpoint {checkpoint} field 'model'"),
-                                      f"LoRA checkpoint {checkpoint}")
         return load_lora_for_inference(checkpoint, merge=merge)
     if merge:
         raise UserError(f"--merge: checkpoint {checkpoint} holds no LoRA adapters (nothing to merge)")
-    state, model_cfg, meta = load_checkpoint(checkpoint, transformers_ok=transformers_ok)
+    state, model_cfg, meta = load_checkpoint(checkpoint, transformers_ok=True)
     model = build_model(model_cfg)
     load_weights(model, {k: v.to(torch.float32) for k, v in state.items()})
     return model.eval(), meta

@@ -144,8 +144,11 @@ class Decoder:
             self.params = sharding.place(host, sharding.state_shardings(host, mesh))
         # Tuples in model order, never sets: the traced program (hence the persistent cache key)
         # must not depend on the process's string hashing.
-        self.linear_weights = tuple(f"{name}.weight" for name, module in model.named_modules()
-                                    if isinstance(module, torch.nn.Linear))
+        # A tied head's weight is the embedding's (named once, as the embedding): it keeps its layout.
+        names = {id(p): n for n, p in model.named_parameters()}
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        self.linear_weights = tuple(names[id(module.weight)] for module in model.modules()
+                                    if isinstance(module, torch.nn.Linear) and id(module.weight) not in embeddings)
         self.expert_weights = tuple(name for name in self.params
                                     if name.endswith(("experts.gate_up_proj", "experts.down_proj")))
         self._layouts: dict[Layout, dict] = {}

@@ -64,9 +64,7 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
     data = ["--data", str(root / "data"), "--out", str(root / "refused")]
     config = ["--model-config", str(root / "qwen3_moe.json")]
     assert "two models" in one_line_error(capsys, ["train", *config, "--preset", "tiny", "--samples", "0", *data])
-    assert "samples" in one_line_error(capsys, ["train", *config, *data])
-    assert "samples" in one_line_error(capsys, ["train", "--init-from", str(whole), "--lora", "r=4", "--seq-len", "64",
-                                                *data])
+    assert "exceed the config's max_position_embeddings (128)" in one_line_error(capsys, ["train", *config, *data])
     assert "drop model_config" in one_line_error(capsys, ["train", *config, "--init-from", str(whole), "--samples", "0",
                                                           *data])
     (root / "bad.json").write_text(json.dumps({"model_type": "no_such_family", "vocab_size": 320}))
@@ -76,10 +74,8 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
                                                  "n_layer": 1, "n_head": 2}))
     assert "skeleton" in one_line_error(capsys, ["train", "--model-config", str(root / "bloom.json"), "--samples", "0",
                                                  *data])
-    (root / "lm.jsonl").write_text(json.dumps({"context": "ROMEO:", "continuation": " But soft"}) + "\n")
-    assert "transformers qwen3_moe model" in one_line_error(capsys, ["eval", "--checkpoint", str(whole), "--tasks",
-                                                                     str(root / "lm.jsonl")])
-    assert "transformers qwen3_moe model" in one_line_error(capsys, ["generate", "--checkpoint", str(whole)])
+    assert "parity and rl of transformers models are not built" in one_line_error(
+        capsys, ["parity", "--checkpoint", str(whole)])
     assert "mxfp4" in one_line_error(capsys, ["export", "--checkpoint", str(whole), "--out", str(root / "q"),
                                               "--dtype", "mxfp4"])
     assert not (root / "q").exists()
@@ -164,17 +160,79 @@ def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, 
     with torch.no_grad():
         ours, theirs, folded = wrapped(ids), peft_model(ids).logits, merged(ids).logits
     assert (ours - plain).abs().max() > 1e-3                     # the adapters changed the model
-    capsys.readouterr()                                             # the runs' progress bars
-    assert "transformers qwen3_moe model" in one_line_error(capsys, ["generate", "--checkpoint", str(root / "lora")])
     for got in (theirs, folded):
         assert ((got - ours).norm() / ours.norm()).item() <= 1e-5
+    # Generation with the adapters unmerged on the compiled decoder: peft's model's greedy tokens.
+    assert_generates_as(root / "lora", peft_model)
 
 
-def test_freeze_on_the_run_leaves_the_frozen_parameters_as_the_base_holds_them(root, whole):
+def assert_generates_as(checkpoint, reference, new: int = 12):
+    """The checkpoint's compiled greedy tokens and their log-probabilities equal transformers'
+    own `generate` of `reference` (eager attention, its dynamic cache) for two prompts."""
+    import numpy as np
+    import torch
+
+    from train.generation.generator import Generator
+    from train.generation.sampling import SamplingConfig
+
+    prompts = [[319, 40, 41, 42, 43, 44, 45, 46, 47], [319, 60]]
+    out = Generator.from_checkpoint(checkpoint).generate(prompts, SamplingConfig(max_new_tokens=new, temperature=0,
+                                                                                  logprobs=True))
+    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
+        theirs = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                                    pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        expected = theirs.sequences[0, len(prompt):].tolist()
+        assert tokens == expected
+        np.testing.assert_allclose(logprobs, [torch.log_softmax(s[0].float(), -1)[t].item()
+                                              for s, t in zip(theirs.scores, expected)], atol=1e-4)
+
+
+def test_generate_and_task_scores_of_the_run_are_transformers_own(root, whole, exported, capsys, tmp_path):
+    """`generate` and `eval --tasks` of a `train --model-config` run: the compiled decoder's greedy
+    tokens are transformers' own `generate` on the export, and the compiled scorer's
+    log-likelihoods (shared contexts, several lengths) are the exported model's, within 1e-5."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from train.evaluation.requests import LoglikelihoodRequest
+    from train.evaluation.scorer import load_scorer
+
+    reference = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager",
+                                                     experts_implementation="eager").eval()
+    assert_generates_as(whole, reference)
+    assert main(["generate", "--checkpoint", str(whole), "--prompt", "ROMEO:", "--max-tokens", "8"]) == 0
+    assert "ROMEO:" in capsys.readouterr().out
+    requests = [LoglikelihoodRequest((319, 40, 41, 42), (43, 44)), LoglikelihoodRequest((319, 40, 41, 42), (50,)),
+                LoglikelihoodRequest((319,) + tuple(range(60, 90)), (91, 92, 93))]
+    scorer, _, _ = load_scorer(whole)
+    for request, got in zip(requests, scorer.loglikelihood(requests)):
+        ids = torch.tensor([request.context + request.continuation])
+        with torch.no_grad():
+            logps = torch.log_softmax(reference(ids).logits[0, :-1].float(), -1)
+        n = len(request.continuation)
+        targets = ids[0, -n:]
+        expected = logps[-n:].gather(1, targets[:, None]).sum().item()
+        assert got.logprob == pytest.approx(expected, rel=1e-5, abs=1e-5)
+        assert got.greedy == bool((logps[-n:].argmax(-1) == targets).all())
+    (tmp_path / "lm.jsonl").write_text(json.dumps({"context": "ROMEO:", "continuation": " But soft"}) + "\n")
+    assert main(["eval", "--checkpoint", str(whole), "--tasks", str(tmp_path / "lm.jsonl"),
+                 "--json", str(tmp_path / "tasks.json")]) == 0
+    assert json.loads((tmp_path / "tasks.json").read_text())["tasks"][0]["examples"] == 1
+
+
+def test_freeze_on_the_run_leaves_the_frozen_parameters_as_the_base_holds_them(root, whole, tmp_path):
+    """--freeze on the run; its evaluations also score a task and its end writes samples."""
     from formats import checkpoint
 
+    (tmp_path / "lm.jsonl").write_text(json.dumps({"context": "ROMEO:", "continuation": " But soft"}) + "\n")
     assert main(["train", "--init-from", str(whole), "--freeze", "model.embed_tokens.*", "--data", str(root / "data"),
-                 "--out", str(root / "frozen"), *ARGS, "--steps", "2", "--checkpoint-every", "2"]) == 0
+                 "--out", str(root / "frozen"), *ARGS, "--steps", "2", "--checkpoint-every", "2", "--eval-every", "2",
+                 "--eval-tasks", str(tmp_path / "lm.jsonl"), "--samples", "1"]) == 0
+    evals = [r for r in map(json.loads, (root / "frozen" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"]
+    assert evals and all(set(r["tasks"]) == {"lm"} for r in evals)
+    samples = json.loads((root / "frozen" / "summary.json").read_text())["samples"]
+    assert len(samples) == 1 and len(samples[0]["text"]) > len(samples[0]["prompt"])
     base = dict(checkpoint.iter_params(whole)[2])
     after = dict(checkpoint.iter_params(root / "frozen")[2])
     assert sorted(after) == sorted(base)

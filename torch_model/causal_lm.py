@@ -11,7 +11,9 @@ Nothing below this line names a family. A model is a `torch.nn.Module` with:
   (hidden: after the final norm), with `model.layers` (the decoder layers, named
   `model.layers.<i>.*`) run by `model.run_layers(x, cos, sin, *segments) -> (x, [stats per layer])`
   and each layer called as `model.call_layer(layer, x, cos, sin, *segments) -> (x, stats)`: the
-  bridge replaces `run_layers` with its scan and calls `call_layer` on each layer's parameters.
+  bridge replaces `run_layers` with its scan and calls `call_layer` on each layer's parameters;
+  for generation and scoring, `model.forward_cached(input_ids, positions, cache, start) ->
+  (hidden, cache)` runs new tokens over a static KV cache (torch_model/kv_cache.py).
 - `lm_head`: the output projection (`weight` [vocab, hidden]; the embedding's when tied).
 - the loss, log-probability and logit methods of `CausalLMHead`, which it inherits.
 
@@ -69,6 +71,9 @@ class DecoderShape:
     head_dim: int
     layer_types: tuple[str, ...]
     windows: tuple[int, ...] = ()          # each layer's sliding window (0: full attention)
+    max_position_embeddings: int = 0       # the longest sequence its positions are made for (0: unstated)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
     n_experts: int = 0
     experts_per_token: int = 0
     router_aux_loss_coef: float = 0.0
@@ -81,6 +86,12 @@ class DecoderShape:
 
     def window_of_layer(self, i: int) -> int:
         return self.windows[i] if self.windows else 0
+
+    @property
+    def max_seq_len(self) -> int:
+        """The default window of scoring and generation: the model's positions (ours records the
+        training length instead)."""
+        return self.max_position_embeddings
 
 
 class CausalLMHead:
@@ -99,6 +110,13 @@ class CausalLMHead:
         if loss_weights is None:
             return self.loss(hidden, labels, stats)
         return self.weighted_loss(hidden, labels, stats, loss_weights, loss_denominator, router_loss_scale)
+
+    def forward_cached(self, input_ids, positions, cache, start):
+        """Generation step: T new tokens through the backbone's `forward_cached` (a static KV
+        cache, torch_model/kv_cache.py); returns (logits of the last position [B, V], cache). Only
+        that position's logits are formed: with left padding it is every row's newest token."""
+        hidden, cache = self.model.forward_cached(input_ids, positions, cache, start)
+        return self.lm_head(hidden[:, -1]), cache
 
     def token_logps(self, input_ids, labels, positions, segment_ids, weights, router_loss_scale: float = 1.0,
                     temperature: float = 1.0):

@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import torch
 
-from torch_model.config import ModelConfig
 
 EMPTY = -1   # the position of an empty or padding slot
 
@@ -29,15 +28,19 @@ class KVCache(NamedTuple):
     sliding_positions: torch.Tensor
 
 
-def cache_slots(cfg: ModelConfig, layer: int, max_len: int) -> int:
+def cache_slots(cfg, layer: int, max_len: int) -> int:
     window = cfg.window_of_layer(layer)
     return min(window, max_len) if window else max_len
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32, device=None) -> KVCache:
-    """An empty cache for `batch` rows of at most `max_len` tokens (prompt padding included)."""
+def init_cache(cfg, batch: int, max_len: int, dtype=torch.float32, device=None) -> KVCache:
+    """An empty cache for `batch` rows of at most `max_len` tokens (prompt padding included);
+    `cfg`: a model's shape (torch_model/causal_lm.py's DecoderShape fields)."""
     shapes = [(batch, cfg.n_kv_heads, cache_slots(cfg, i, max_len), cfg.head_dim) for i in range(cfg.n_layers)]
-    ring = min(cfg.sliding_window, max_len) if cfg.sliding_window else max_len
+    windows = {cfg.window_of_layer(i) for i in range(cfg.n_layers)} - {0}
+    if len(windows) > 1:    # every sliding layer shares one positions ring
+        raise ValueError(f"init_cache: sliding layers of different windows {sorted(windows)} are not built")
+    ring = min(windows.pop(), max_len) if windows else max_len
     return KVCache(
         keys=tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),
         values=tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes),
@@ -67,6 +70,25 @@ def write(buffer: torch.Tensor, new: torch.Tensor, start, dim: int) -> torch.Ten
     ring of buffer.shape[dim] slots. Out of place: returns the updated buffer."""
     first, slots = write_slots(start, new.shape[dim], buffer.shape[dim], buffer.device)
     return buffer.index_copy(dim, slots, new.narrow(dim, first, new.shape[dim] - first))
+
+
+def write_positions(cache: KVCache, positions: torch.Tensor, start) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, sliding) slot positions after writing T new tokens' positions [B, T] at `start`."""
+    positions = positions.to(torch.int32)
+    return write(cache.full_positions, positions, start, 1), write(cache.sliding_positions, positions, start, 1)
+
+
+def attend_keys(keys, values, k, v, start, positions, slot_positions, new_slot_positions, sliding_window: int):
+    """One layer's cache step for T new keys/values k, v [B, Hkv, T, D] at sequence index `start`
+    onward (token positions [B, T]): returns (keys and values the queries attend over, their
+    positions [B, S], the layer's updated keys, values). slot_positions / new_slot_positions: the
+    cache's positions before / after this step's write."""
+    new_keys, new_values = write(keys, k, start, 2), write(values, v, start, 2)
+    if sliding_window and k.shape[2] > 1:
+        # Writing first could overwrite ring slots that this chunk's earlier queries still see.
+        return (torch.cat([keys, k], 2), torch.cat([values, v], 2), torch.cat([slot_positions, positions], 1),
+                new_keys, new_values)
+    return new_keys, new_values, new_slot_positions, new_keys, new_values
 
 
 def left_pad(prompts: list[list[int]], length: int | None = None, pad_id: int = 0):

@@ -62,13 +62,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        new_keys, new_values = kv_cache.write(keys, k, start, 2), kv_cache.write(values, v, start, 2)
-        if self.sliding_window and t > 1:
-            # Writing first could overwrite ring slots that this chunk's earlier queries still see.
-            k_all, v_all = torch.cat([keys, k], 2), torch.cat([values, v], 2)
-            k_pos = torch.cat([slot_positions, positions], 1)
-        else:
-            k_all, v_all, k_pos = new_keys, new_values, new_slot_positions
+        k_all, v_all, k_pos, new_keys, new_values = kv_cache.attend_keys(
+            keys, values, k, v, start, positions, slot_positions, new_slot_positions, self.sliding_window)
         out = ops.OPS["cached_attention"](q, k_all, v_all, self.sinks.to(q.dtype), positions, k_pos,
                                           self.sliding_window, self.head_dim ** -0.5)
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
@@ -239,8 +234,7 @@ class Backbone(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.cfg, positions.clamp(min=0).reshape(-1), x.dtype)
         cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)
-        full = kv_cache.write(cache.full_positions, positions.to(torch.int32), start, 1)
-        sliding = kv_cache.write(cache.sliding_positions, positions.to(torch.int32), start, 1)
+        full, sliding = kv_cache.write_positions(cache, positions, start)
         keys, values = [], []
         for i, layer in enumerate(self.layers):
             before, after = (cache.sliding_positions, sliding) if layer.self_attn.sliding_window else (
@@ -275,10 +269,3 @@ class GptOssForCausalLM(CausalLMHead, nn.Module):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-    def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
-        """Generation step: run T new tokens through the model with a KV cache (see
-        `Backbone.forward_cached`) and return (logits of the last position [B, V], cache). Only
-        that position's logits are formed: with left padding it is every row's newest token."""
-        hidden, cache = self.model.forward_cached(input_ids, positions, cache, start)
-        return self.lm_head(hidden[:, -1]), cache

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torch_model import ops
+from torch_model import kv_cache, ops
 from torch_model.causal_lm import PAD_SEGMENT, CausalLMHead, DecoderShape
 from torch_model.config import ConfigError
 
@@ -38,9 +38,11 @@ class UnsupportedModel(ConfigError):
 
 
 def routed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     sliding_window=None, s_aux=None, segment_ids=None, softcap=None, **kwargs):
+                     sliding_window=None, s_aux=None, segment_ids=None, softcap=None, static_cache=None, **kwargs):
     """transformers' attention-function signature -> the `attention` op (GQA, causal, sliding
-    window, sinks, segment ids). q [B, Hq, T, D], k/v [B, Hkv, S, D]; returns ([B, T, Hq, D], None)."""
+    window, sinks, segment ids), or with `static_cache` (generation: `StaticCache`, whose
+    `update` gave k/v) the `cached_attention` op over the cache's slots by token position.
+    q [B, Hq, T, D], k/v [B, Hkv, S, D]; returns ([B, T, Hq, D], None)."""
     where = type(module).__name__
     if _routed_calls is not None:
         _routed_calls.append(module)
@@ -58,9 +60,38 @@ def routed_attention(module, query, key, value, attention_mask, dropout: float =
         raise UnsupportedModel(f"{where}: attention feature(s) {', '.join(unknown)} (no kernel expresses them)")
     sinks = s_aux if s_aux is not None else query.new_full((query.shape[1],), NO_SINK)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    if static_cache is not None:
+        out = ops.OPS["cached_attention"](query, key, value, sinks.to(query.dtype), static_cache.positions,
+                                          static_cache.key_positions[module.layer_idx], int(sliding_window or 0), scale)
+        return out.transpose(1, 2), None
     segments = () if segment_ids is None else (segment_ids,)
     out = ops.OPS["attention"](query, key, value, sinks.to(query.dtype), int(sliding_window or 0), scale, *segments)
     return out.transpose(1, 2), None
+
+
+class StaticCache:
+    """transformers' cache interface (`update`, as its attention modules call it) over our static
+    KV cache (torch_model/kv_cache.py) for one `forward_cached` call: each layer's update writes
+    the new keys and values out of place at sequence index `start` and records which slots (by
+    token position) its queries attend over, which the routed attention reads."""
+
+    def __init__(self, cache: kv_cache.KVCache, positions, start, windows: tuple[int, ...]):
+        self.cache, self.positions, self.start, self.windows = cache, positions, start, windows
+        self.full, self.sliding = kv_cache.write_positions(cache, positions, start)
+        self.keys, self.values = list(cache.keys), list(cache.values)
+        self.key_positions: dict[int, torch.Tensor] = {}
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        window = self.windows[layer_idx]
+        before, after = ((self.cache.sliding_positions, self.sliding) if window
+                         else (self.cache.full_positions, self.full))
+        k_all, v_all, self.key_positions[layer_idx], self.keys[layer_idx], self.values[layer_idx] = kv_cache.attend_keys(
+            self.cache.keys[layer_idx], self.cache.values[layer_idx], key_states, value_states, self.start,
+            self.positions, before, after, window)
+        return k_all, v_all
+
+    def result(self) -> kv_cache.KVCache:
+        return kv_cache.KVCache(tuple(self.keys), tuple(self.values), self.full, self.sliding)
 
 
 # The experts' activations the `moe` op expresses: (alpha, limit, up_shift) of
@@ -177,6 +208,20 @@ class TransformersBackbone(nn.Module):
         x, stats = self.run_layers(x, cos, sin, *segments)
         return self.norm(x), stats
 
+    def forward_cached(self, input_ids, positions, cache: kv_cache.KVCache, start):
+        """Hidden states of T new tokens [B, T] at per-row `positions` [B, T] (EMPTY for padding),
+        written into `cache` at sequence index `start` onward; returns (hidden, updated cache).
+        Each layer is called as in training, with transformers' `cache` argument: its attention
+        hands its keys and values to `StaticCache.update`, then calls the routed attention."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(x, positions.clamp(min=0))
+        static = StaticCache(cache, positions, start, tuple(map(self.cfg.window_of_layer, range(len(self.layers)))))
+        for layer in self.layers:
+            out = layer(x, attention_mask=None, position_embeddings=(cos, sin), use_cache=False, cache=static,
+                        static_cache=static)
+            x = out[0] if isinstance(out, tuple) else out
+        return self.norm(x), static.result()
+
     def run_layers(self, x, cos, sin, *segments):
         stats = []
         for layer in self.layers:
@@ -213,7 +258,7 @@ class TransformersCausalLM(CausalLMHead, nn.Module):
         router = getattr(hf_model, "_can_record_outputs", None) or {}
         self.model = TransformersBackbone(hf_model.get_decoder(), router.get("router_logits"))
         self.lm_head = hf_model.get_output_embeddings()
-        self.cfg = decoder_shape(self.config, self.model.layers)
+        self.cfg = self.model.cfg = decoder_shape(self.config, self.model.layers)
         for module in self.modules():          # the experts' activation, found once, outside any trace
             if is_experts(module):
                 module.torchlyra_activation = expert_activation(module)
@@ -303,10 +348,19 @@ def decoder_shape(config, layers) -> DecoderShape:
         vocab_size=config.vocab_size, d_model=config.hidden_size, n_layers=len(layers), n_heads=heads,
         n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, layer_types=tuple(kinds),
-        windows=tuple(windows),
+        windows=tuple(windows), max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
+        bos_token_id=_one_id(getattr(config, "bos_token_id", None)),
+        eos_token_id=_one_id(getattr(config, "eos_token_id", None)),
         n_experts=experts[0].gate_up_proj.shape[0] if experts else 0,
         experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
         router_aux_loss_coef=aux if experts else 0.0)
+
+
+def _one_id(token_id) -> int | None:
+    """A config's special id: released configs may list several end ids; the first is the one."""
+    if isinstance(token_id, (list, tuple)):
+        return int(token_id[0]) if token_id else None
+    return None if token_id is None else int(token_id)
 
 
 def check_routing(hf_model: nn.Module, model: TransformersCausalLM, tokens: int = 8) -> None:

@@ -22,12 +22,12 @@ class TaskEvaluator:
 
     def __call__(self, host_params: dict) -> dict:
         """{"tasks": {name: score}, "tasks_centered": {name: centered}[, "core6": mean centered]}."""
-        from torch_model.model import GptOssForCausalLM
+        from formats.model_checks import build_model, load_weights
         from train.evaluation.core import SUITE_NAME
         from train.evaluation.eager_scorer import EagerScorer
 
-        model = GptOssForCausalLM(self.model_cfg)
-        model.load_state_dict({k: v.float() for k, v in host_params.items()})
+        model = build_model(self.model_cfg)         # ours or the run's transformers model
+        load_weights(model, {k: v.float() for k, v in host_params.items()})
         evaluation = run_suite(self.names, self.tasks, scorer=EagerScorer(model.eval()), generator=None,
                                tokenizer=self.tokenizer, bos=self.model_cfg.bos_token_id, limit=self.limit,
                                progress=False)

@@ -138,7 +138,7 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     from formats.tokenizer import check_same_tokenizer, load_tokenizer
     from formats.lora_inference import inference_tokenizer, load_inference_model
 
-    model, meta = load_inference_model(checkpoint, merge=merge, transformers_ok=True)
+    model, meta = load_inference_model(checkpoint, merge=merge)
     model_cfg = model.cfg
     run_cfg = TrainConfig(**{k: v for k, v in (meta.get("train_config") or {}).items()
                              if k in TrainConfig.__dataclass_fields__})

@@ -174,7 +174,7 @@ def _check_request(cfg, prompts: list[list[int]], sampling: SamplingConfig, stre
     if stream_every is not None and stream_every < 1:
         raise UserError(f"generate: stream_every must be >= 1, found {stream_every}")
     longest = max(len(p) for p in prompts)
-    if longest + sampling.max_new_tokens > cfg.max_position_embeddings:
+    if cfg.max_position_embeddings and longest + sampling.max_new_tokens > cfg.max_position_embeddings:
         raise UserError(f"generate: {longest} prompt tokens + {sampling.max_new_tokens} new ones exceed the "
                         f"model's max_position_embeddings ({cfg.max_position_embeddings})")
 

@@ -92,7 +92,7 @@ class TrainConfig:
 
     def _check_model_config(self) -> None:
         """A transformers model comes from model_config or, for --init-from and LoRA, from the
-        checkpoint it starts from (never both); what its runs cannot do yet is refused by name."""
+        checkpoint it starts from (never both)."""
         if not self.model_config:
             return
         if self.model:
@@ -100,16 +100,6 @@ class TrainConfig:
         if self.init_from:
             raise UserError(f"config: init_from with model_config: the run takes its model from the checkpoint "
                             f"{self.init_from}; drop model_config (--model-config)")
-        self.check_transformers_run("model_config")
-
-    def check_transformers_run(self, where: str) -> None:
-        """Refuse what a run of a transformers model (from `where`) cannot do yet, by name rather
-        than run on another model: generation of samples and task scoring."""
-        for name, value, why in (("samples", self.samples > 0, "pass --samples 0"),
-                                 ("eval_tasks", bool(self.eval_tasks), "task scoring")):
-            if value:
-                raise UserError(f"config: {name} with a transformers model ({where}): generation and task scoring "
-                                f"of transformers models are not built yet ({why})")
 
     def _check_lora(self) -> None:
         from torch_model.config import ConfigError

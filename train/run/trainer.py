@@ -149,8 +149,6 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.data)  # the data's: its special ids become the model's
         self.base_reference = None                 # a LoRA run's base (formats/lora_checkpoint.py)
         self.model_cfg, init_state = self._model_config(meta, explicit or {})
-        if not isinstance(self.model_cfg, ModelConfig) and not cfg.model_config:    # from a checkpoint
-            cfg.check_transformers_run(f"from {cfg.init_from or resume_dir}")
         if self.tokenizer.n_vocab > self.model_cfg.vocab_size:
             raise UserError(f"data vocabulary ({self.tokenizer.n_vocab}) is larger than the model's vocab_size "
                             f"({self.model_cfg.vocab_size}); set model.vocab_size >= {self.tokenizer.n_vocab}")
@@ -632,8 +630,10 @@ def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
         return []
     bos, eos = model.cfg.bos_token_id, model.cfg.eos_token_id
     prompts = (DEFAULT_PROMPTS * cfg.samples)[:cfg.samples]
-    outs = generate(model, [[bos] + tokenizer.encode_ordinary(p) for p in prompts],
-                    max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+    ids = [[bos] + tokenizer.encode_ordinary(p) for p in prompts]
+    # A sample is a preview: it stops where the model's positions end (a small config's may be few).
+    room = model.cfg.max_position_embeddings - max(map(len, ids)) if model.cfg.max_position_embeddings else cfg.sample_tokens
+    outs = generate(model, ids, max_new_tokens=max(1, min(cfg.sample_tokens, room)), temperature=cfg.temperature, top_k=cfg.top_k,
                     seed=cfg.seed, stop_tokens=(eos,), tokenizer=tokenizer).tokens
     return [{"prompt": p, "text": p + tokenizer.decode([t for t in ids if t not in (bos, eos)])}
             for p, ids in zip(prompts, outs)]
