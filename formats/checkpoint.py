@@ -483,12 +483,18 @@ def load_checkpoint(path: str | os.PathLike, *, transformers_ok: bool = False) -
                                                                                          ModelConfig, dict]:
     """(state_dict with per-layer torch names, model record, meta) of the newest complete
     checkpoint named by `path` (run directory, checkpoints directory or step directory), or of
-    a Hugging Face GptOss directory (gpt-oss as released: MXFP4 dequantized on the host, or
-    unquantized; step 0, meta "hf_dir" set). meta holds everything but "model", plus "step_dir"
-    (where it was read from). The record is a ModelConfig, or with `transformers_ok` also a
+    a Hugging Face directory (step 0, meta "hf_dir" set): gpt-oss as released (MXFP4 dequantized
+    on the host, or unquantized), or with `transformers_ok` another family's
+    (formats/transformers_import.py). meta holds everything but "model", plus "step_dir" (where
+    it was read from). The record is a ModelConfig, or with `transformers_ok` also a
     TransformersSpec."""
     from formats.hf_model import is_hf_dir, load_hf
+    from formats.transformers_import import is_transformers_dir, load_transformers_dir, read_spec
 
+    if is_transformers_dir(path):
+        if not transformers_ok:
+            refuse_transformers_model(read_spec(path), f"Hugging Face directory {path}")
+        return load_transformers_dir(path)
     if is_hf_dir(path):
         return load_hf(path)
     step_dir, meta, cfg, stored, where = _open_checked(path, transformers_ok)

@@ -1,4 +1,5 @@
-"""`torchlyra import`: a transformers GptOss directory -> a torchlyra checkpoint to train further.
+"""`torchlyra import`: a transformers GptOss directory -> a torchlyra checkpoint to train further
+(another family's directory: `import_transformers`, through formats/transformers_import.py).
 
 Reads config.json and the safetensors weights (unquantized, or gpt-oss's released MXFP4 layout)
 tensor by tensor through formats/hf_weights.py, maps them through formats/hf_mapping.py and streams
@@ -78,8 +79,30 @@ def import_hf(hf_dir, out_dir, *, dense: bool = False, overwrite: bool = False, 
             "tokenizer": tokenizer, "input_bytes": total, "seconds": seconds}
 
 
+def import_transformers(hf_dir, out_dir, *, overwrite: bool = False, progress: bool = False) -> dict:
+    """Write `out_dir` as a parameters-only float32 checkpoint (step 0) of another family's
+    directory (formats/transformers_import.py: loaded whole by transformers' `from_pretrained`,
+    so host memory holds the model once in float32), its tokenizer.json converted when it can be."""
+    from formats.transformers_import import load_transformers_dir
+
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"{out}: output directory exists and is not empty (pass --overwrite to replace it)")
+    start = time.perf_counter()
+    state, spec, meta = load_transformers_dir(hf_dir)
+    enc, tokenizer = recognize(hf_dir)
+    with checkpoint.params_writer(out, spec, step=0, extra={"imported_from": meta["imported_from"]}, tokenizer=enc,
+                                  overwrite=overwrite) as add:
+        for name, value in tqdm(state.items(), desc="import", disable=not progress):
+            add(name, value.numpy())
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    return {"out": str(out), "config": spec, "dtypes": meta["imported_from"]["dtypes"], "n_tensors": len(state),
+            "tokenizer": tokenizer, "input_bytes": total, "seconds": time.perf_counter() - start}
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--hf", required=True, help="Hugging Face GptOss directory (safetensors: float32/bfloat16, or gpt-oss's MXFP4 release)")
+    parser.add_argument("--hf", required=True, help="Hugging Face directory: gpt-oss (safetensors: float32/bfloat16, "
+                        "or its MXFP4 release), or another transformers family (bf16/fp32 safetensors)")
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--dense", action="store_true",
                         help="read a one-expert model with an all-zero router as the dense MLP preset")
@@ -87,7 +110,14 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    summary = import_hf(args.hf, args.out, dense=args.dense, overwrite=args.overwrite, progress=True)
+    from formats.transformers_import import is_transformers_dir
+
+    if is_transformers_dir(args.hf):
+        if args.dense:
+            raise UserError(f"--dense reads a gpt-oss directory as our dense preset; {args.hf} is another family")
+        summary = import_transformers(args.hf, args.out, overwrite=args.overwrite, progress=True)
+    else:
+        summary = import_hf(args.hf, args.out, dense=args.dense, overwrite=args.overwrite, progress=True)
     cfg = summary["config"]
     kind = f"{cfg.n_experts} experts top-{cfg.experts_per_token}" if cfg.is_moe else "dense MLP"
     rate = summary["input_bytes"] / 1e9 / max(summary["seconds"], 1e-9)

@@ -1,7 +1,8 @@
-"""Recognise the tokenizer of a Hugging Face GptOss directory: gpt-oss ships o200k_harmony as a
+"""Recognise the tokenizer of a Hugging Face directory: gpt-oss ships o200k_harmony as a
 byte-level BPE tokenizer.json; when its vocabulary and special tokens equal ours, our offline
 o200k_harmony (tiktoken) is attached, so data prepared with `--tokenizer o200k_harmony` fits.
-A torchlyra export carries its own tiktoken files in tiktoken/.
+Another byte-level BPE (Llama-3, Qwen) is converted as `--tokenizer hf:DIR` converts it. A
+torchlyra export carries its own tiktoken files in tiktoken/.
 """
 from __future__ import annotations
 
@@ -59,4 +60,10 @@ def recognize(hf_dir: Path):
     difference = vocabulary_difference(found, o200k_harmony())
     if difference is None:
         return o200k_harmony(), f"o200k_harmony (recognised in {path.name}; our offline copy attached)"
-    return None, f"none: {path} is not o200k_harmony ({difference}); no tokenizer attached"
+    from formats.errors import UserError
+    from formats.tokenizer import build_tokenizer, parse_spec
+
+    try:        # another byte-level BPE (Llama-3, Qwen): converted exactly, as `--tokenizer hf:DIR` does
+        return build_tokenizer(parse_spec(f"hf:{hf_dir}")), f"hf:{hf_dir} (its tokenizer.json, converted)"
+    except UserError as e:
+        return None, f"none: {path} is not o200k_harmony ({difference}) and does not convert ({e}); no tokenizer attached"

@@ -35,6 +35,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENC
 # The one table of placeholders the docs may write in a command, each with a sample value.
 PLACEHOLDERS = {
     "HF_DIR": "gpt-oss-20b/",       # a Hugging Face GptOss directory
+    "QWEN_DIR": "Qwen3-30B-A3B/",   # a Hugging Face directory of another family
     "CK": "runs/tiny",              # one of our checkpoints (run, checkpoints/ or step directory)
     "DIR": "runs/tiny",             # a checkpoint or data directory
     "DATA": "data/shakespeare",     # prepared data

@@ -166,16 +166,16 @@ def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, 
     assert_generates_as(root / "lora", peft_model)
 
 
-def assert_generates_as(checkpoint, reference, new: int = 12):
+def assert_generates_as(checkpoint, reference, new: int = 12, prompts=((319, 40, 41, 42, 43, 44, 45, 46, 47), (319, 60))):
     """The checkpoint's compiled greedy tokens and their log-probabilities equal transformers'
-    own `generate` of `reference` (eager attention, its dynamic cache) for two prompts."""
+    own `generate` of `reference` (eager attention, its dynamic cache) for the prompts."""
     import numpy as np
     import torch
 
     from train.generation.generator import Generator
     from train.generation.sampling import SamplingConfig
 
-    prompts = [[319, 40, 41, 42, 43, 44, 45, 46, 47], [319, 60]]
+    prompts = [list(p) for p in prompts]
     out = Generator.from_checkpoint(checkpoint).generate(prompts, SamplingConfig(max_new_tokens=new, temperature=0,
                                                                                   logprobs=True))
     for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):

@@ -63,9 +63,11 @@ def run(args) -> int:
         labels = [c[-1].content for c in conversations]
     else:
         labels = args.prompt or [""]
-        prompts = [[cfg.bos_token_id] + tokenizer.encode_ordinary(t) for t in labels]
+        start = [] if cfg.bos_token_id is None else [cfg.bos_token_id]     # a released config may name none
+        prompts = [start + tokenizer.encode_ordinary(t) for t in labels]
         stops = (cfg.eos_token_id,)
-    sampling = dataclasses.replace(sampling, stop_tokens=(*stops, *(args.stop or ())))
+    stops = tuple(t for t in (*stops, *(args.stop or ())) if t is not None)
+    sampling = dataclasses.replace(sampling, stop_tokens=stops)
     generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
                           compile_cache=args.compile_cache, tokenizer=tokenizer, mesh=mesh)
     hidden = {cfg.bos_token_id, cfg.eos_token_id}

@@ -18,9 +18,9 @@ from jax_bridge.distributed import say
 from formats.hf_weights import HFWeights
 from formats import checkpoint, init_from_hf, lora_checkpoint
 from train.run import flops
+from torch_model.config import ModelConfig
 from train.run.config import TrainConfig, resumed_config
 from formats.errors import UserError
-from torch_model.config import ModelConfig
 from train.run.metrics import MetricsWriter, StepTimer, expert_load
 
 DEFAULT_PROMPTS = ["ROMEO:", "First Citizen:\nWe are"]
@@ -312,9 +312,12 @@ class Trainer:
 
     @property
     def model_name(self) -> str:
-        """How the run names its model: the preset, or the transformers model_type and its config file."""
+        """How the run names its model: the preset, or the transformers model_type and where it
+        came from (its config file, the checkpoint or directory it starts from or resumes)."""
         if self.cfg.model_config:
             return f"{self.model_cfg.model_type} ({self.cfg.model_config})"
+        if not isinstance(self.model_cfg, ModelConfig):
+            return f"{self.model_cfg.model_type} (from {self.cfg.init_from or self.cfg.out})"
         return self.cfg.preset
 
     def _saved_state(self) -> dict:
@@ -329,7 +332,7 @@ class Trainer:
         """(ModelConfig, initial parameters or None): a resumed run's from its checkpoint, an
         --init-from run's from that checkpoint (an explicit preset/model must have its shapes),
         a new run's from the preset and overrides."""
-        from formats.tokenizer import bos_id, check_same_tokenizer, end_id, load_tokenizer
+        from formats.tokenizer import bos_id, check_same_tokenizer, end_id
 
         cfg = self.cfg
         if meta:
@@ -342,7 +345,7 @@ class Trainer:
         wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos, eos)
         if not cfg.init_from:
             return wanted, None
-        if init_from_hf.is_hf_dir(cfg.init_from):
+        if init_from_hf.is_gpt_oss_dir(cfg.init_from):
             model_cfg, weights = self._hf_model_config(wanted, explicit, bos, eos)
             if not (cfg.lora or cfg.freeze):
                 return model_cfg, weights
@@ -356,10 +359,9 @@ class Trainer:
         if {"preset", "model"} & set(explicit):
             checkpoint.check_tensors(checkpoint.model_shapes(model_cfg), checkpoint.model_shapes(wanted),
                                      f"--init-from {cfg.init_from} (against the requested preset/model)")
-        tok_dir = checkpoint.tokenizer_dir(cfg.init_from, init_meta)
-        if tok_dir is not None:
-            check_same_tokenizer(load_tokenizer(tok_dir), self.tokenizer, f"--init-from {cfg.init_from}",
-                                 f"data {cfg.data}")
+        init_tokenizer, _ = checkpoint.checkpoint_tokenizer(cfg.init_from, init_meta)
+        if init_tokenizer is not None:
+            check_same_tokenizer(init_tokenizer, self.tokenizer, f"--init-from {cfg.init_from}", f"data {cfg.data}")
         print(f"initialized from {init_meta['step_dir']} (step {init_meta['step']}); fresh optimizer state")
         return model_cfg, state
 

@@ -1,0 +1,98 @@
+"""A transformers directory of a family other than gpt-oss (Llama, Qwen3, Qwen3-MoE, ... as released
+in bf16/fp32 safetensors, or as `torchlyra export` writes them) read as a model record and weights,
+the counterpart of formats/transformers_export.py.
+
+The record is the directory's own config.json (a `TransformersSpec`, less what only describes the
+files); the weights are loaded by transformers' own `from_pretrained`, so every renaming a family's
+released layout needs (Qwen3-MoE's per-expert tensors fused into one stack, ...) is transformers'
+own and nothing here names a family. The load is strict: a tensor missing, unexpected or of
+another shape is an error that names it. The whole model is held on the host in float32, as every
+command that loads one of our checkpoints whole does (gpt-oss directories stream onto the mesh
+instead: formats/init_from_hf.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from formats.errors import UserError
+from formats.jsonfile import read_json
+from torch_model.transformers_lm import ATTENTION, TransformersSpec, register_interfaces
+
+GPT_OSS = "gpt_oss"     # released gpt-oss directories have their own reader (formats/hf_model.py)
+# config.json fields that describe the files or the hub, not the model.
+FILE_FIELDS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache")
+STORED = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def is_transformers_dir(path) -> bool:
+    """A directory whose config.json names a model_type other than gpt-oss."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    found = read_json(config)
+    return isinstance(found, dict) and isinstance(found.get("model_type"), str) and found["model_type"] != GPT_OSS
+
+
+def read_spec(hf_dir) -> TransformersSpec:
+    """The directory's model record, built (on the meta device) and checked as `--model-config`
+    checks one; quantized weights and custom modeling code are refused by field."""
+    path = Path(hf_dir) / "config.json"
+    config = read_json(path)
+    for field, why in (("quantization_config", "quantized weights (this path reads bf16, fp16 or fp32 safetensors)"),
+                       ("auto_map", "custom modeling code (transformers' own families only)")):
+        if config.get(field):
+            raise UserError(f"{path}: field '{field}': {why}")
+    spec = TransformersSpec({k: v for k, v in config.items() if k not in FILE_FIELDS}, str(path))
+    spec.structure()
+    return spec
+
+
+def stored_dtypes(hf_dir) -> list[str]:
+    """The precisions of the directory's safetensors tensors, from their headers."""
+    from safetensors import safe_open
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{hf_dir}: no *.safetensors files (this path reads safetensors weights)")
+    found = set()
+    for file in files:
+        with safe_open(file, "pt") as f:
+            found |= {STORED.get(str(f.get_slice(k).get_dtype()), str(f.get_slice(k).get_dtype())) for k in f.keys()}
+    return sorted(found)
+
+
+def load_transformers_dir(hf_dir) -> tuple[dict[str, torch.Tensor], TransformersSpec, dict]:
+    """(float32 state_dict under the transformers model's own parameter names, a tied head's weight
+    once; its TransformersSpec; meta as the checkpoint loader gives it: step 0, "step_dir",
+    "hf_dir", "imported_from")."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = Path(hf_dir).resolve()
+    spec = read_spec(hf_dir)
+    dtypes = stored_dtypes(hf_dir)
+    from transformers.utils import logging as hf_logging
+
+    register_interfaces()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()        # its load report: what it lists is refused below, by name
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(hf_dir, config=spec.hf_config(), dtype=torch.float32,
+                                                           attn_implementation=ATTENTION,
+                                                           experts_implementation=ATTENTION, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"{hf_dir}: transformers cannot load these weights: {e}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    problems = [(kind, sorted(map(str, info.get(kind) or []))) for kind in ("missing_keys", "unexpected_keys",
+                                                                             "mismatched_keys")]
+    problems = [(kind, names) for kind, names in problems if names]
+    if problems:
+        kind, names = problems[0]
+        raise UserError(f"{hf_dir}: {kind.replace('_', ' ')} against its config.json: {', '.join(names[:3])}"
+                        + (f" (and {len(names) - 3} more)" if len(names) > 3 else ""))
+    state = {name: p.detach() for name, p in model.named_parameters()}
+    meta = {"step": 0, "step_dir": str(hf_dir), "hf_dir": str(hf_dir),
+            "imported_from": {"dir": str(hf_dir), "dtypes": dtypes}}
+    return state, spec, meta
