@@ -435,8 +435,8 @@ def refuse_transformers_model(record, where: str) -> None:
     """One line for the commands not built for a `train --model-config` run's model yet."""
     if not isinstance(record, ModelConfig):
         raise UserError(f"{where} holds a transformers {record.model_type} model: `train --resume` continues it, "
-                        f"`export` writes it for transformers, `generate` and `eval` take it; "
-                        f"parity and rl of transformers models are not built yet")
+                        f"`export` writes it for transformers, `generate`, `eval` and `parity` take it; "
+                        f"rl of transformers models is not built yet")
 
 
 def _open_checked(path, transformers_ok: bool = False):

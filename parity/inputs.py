@@ -18,6 +18,7 @@ import torch
 from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.config import ModelConfig
 from torch_model.model import GptOssForCausalLM
+from torch_model.transformers_lm import TransformersCausalLM, TransformersSpec
 from formats.errors import UserError
 
 # The default parity inputs (see the module docstring).
@@ -193,14 +194,27 @@ def _with_ignored_labels(tokens: torch.Tensor, seq_len: int, ignore_fraction: fl
     return ids, labels
 
 
-def build_model(model_cfg: ModelConfig, state_dict: Mapping | None, seed: int):
-    """The eager model: `state_dict`'s weights, or (None) random init seeded with `seed`."""
-    model = GptOssForCausalLM(model_cfg)
-    if state_dict is None:
-        model.reset_parameters(seed)
+def build_model(model_cfg, state_dict: Mapping | None, seed: int):
+    """The model the lowered runs take: `state_dict`'s weights, or (None) random init seeded with
+    `seed` (a transformers model's record, `TransformersSpec`: transformers' own init). Its eager
+    ground truth is `reference_model`."""
+    if isinstance(model_cfg, TransformersSpec):
+        torch.manual_seed(seed)
+        model = model_cfg.build()
     else:
+        model = GptOssForCausalLM(model_cfg)
+        if state_dict is None:
+            model.reset_parameters(seed)
+    if state_dict is not None:
         load_state_dict(model, state_dict)
     return model
+
+
+def reference_model(model):
+    """The eager ground truth of `model`: itself (ours: eager PyTorch with the ops' references),
+    or for a transformers model the same weights over transformers' own eager attention and
+    experts (the model authors' code, torch_model.transformers_lm.build(reference=True))."""
+    return model.reference_twin() if isinstance(model, TransformersCausalLM) else model
 
 
 def load_state_dict(model, state_dict: Mapping) -> None:

@@ -12,7 +12,7 @@ from parity.inputs import PARITY_IGNORE_FRACTION, PARITY_SEQ_LEN, PARITY_TILES, 
 from parity.lora_parity import run_lora_parity
 from parity.report import Report
 from parity.suite import run_parity
-from torch_model.config import ConfigError, get_preset
+from torch_model.config import ConfigError, ModelConfig, get_preset
 from torch_model.lora import parse_lora_spec
 from formats.lora_inference import lora_meta
 from formats.errors import UserError
@@ -23,7 +23,11 @@ def add_arguments(parser) -> None:
     source.add_argument("--preset", default="tiny",
                         help="model preset, random weights seeded by --seed (default: tiny); its sliding window "
                              f"is cut to --window")
-    source.add_argument("--checkpoint", metavar="DIR", help="compare a checkpoint's weights instead of a preset")
+    source.add_argument("--checkpoint", metavar="DIR", help="compare a checkpoint's weights instead of a preset (ours, "
+                        "a `train --model-config` run's, or a Hugging Face directory)")
+    source.add_argument("--model-config", metavar="CONFIG.json",
+                        help="a transformers model (as `train --model-config`), random weights seeded by --seed: "
+                             "its reference is transformers' own eager attention and experts")
     parser.add_argument("--kernels", action="append", metavar="SET",
                         help="kernel set, e.g. 'attention=pallas,moe=xla' (unnamed ops run xla); repeatable or "
                              "';'-separated. Default: all-xla plus every other registered implementation of each op")
@@ -104,8 +108,14 @@ def run(args) -> int:
             from formats.checkpoint import load_checkpoint
         except ImportError as e:
             raise UserError(f"--checkpoint: checkpoint loading is not available ({e})") from None
-        state_dict, model_cfg, _ = load_checkpoint(args.checkpoint)
-        model_cfg, source = parity_config(model_cfg, window=None), f"checkpoint {args.checkpoint}"
+        state_dict, model_cfg, _ = load_checkpoint(args.checkpoint, transformers_ok=True)
+        if isinstance(model_cfg, ModelConfig):
+            model_cfg = parity_config(model_cfg, window=None)
+        source = f"checkpoint {args.checkpoint}"
+    elif args.model_config:
+        from torch_model.transformers_lm import TransformersSpec
+
+        model_cfg, state_dict, source = TransformersSpec.from_file(args.model_config), None, args.model_config
     else:
         try:
             model_cfg = get_preset(args.preset)
@@ -115,6 +125,9 @@ def run(args) -> int:
             raise UserError(f"--window must be >= 0, found {args.window}")
         model_cfg = parity_config(model_cfg, window=args.window or None)
         state_dict, source = None, f"preset {args.preset}"
+    if args.lora and not isinstance(model_cfg, ModelConfig):
+        raise UserError("--lora: the LoRA rows of transformers models are not built (LoRA runs of them are tested "
+                        "against peft in the suite)")
     if args.lora:
         report = run_lora_parity(model_cfg, parse_lora_spec(args.lora), state_dict, kernel_sets=args.kernels,
                                  batch=args.batch, seq_len=args.seq_len, seed=args.seed,
@@ -142,6 +155,9 @@ def run_lora_checkpoint(args, say) -> int:
     from formats.lora_checkpoint import LORA_META, load_base_state, load_lora_model
 
     wrapped, model_cfg, meta = load_lora_model(args.checkpoint)
+    if not isinstance(model_cfg, ModelConfig):
+        raise UserError(f"--checkpoint {args.checkpoint}: LoRA adapters of a transformers {model_cfg.model_type} model; "
+                        f"the LoRA rows of transformers models are not built (parity of its base: --checkpoint BASE)")
     adapters = {n: p.detach().clone() for n, p in wrapped.named_parameters() if p.requires_grad}
     report = run_lora_parity(parity_config(model_cfg, window=None), parse_lora_spec(meta[LORA_META]["spec"]),
                              load_base_state(meta), adapters, kernel_sets=args.kernels, batch=args.batch,

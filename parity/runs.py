@@ -27,7 +27,9 @@ from jax_bridge.lowering import optimizer_function, optimizer_state_to_jax, para
 from jax_bridge.step import StepConfig, TrainStep, cast_params
 from parity import planted
 from parity.inputs import ParityBatch
+from torch_model.causal_lm import linear_expert_stacks
 from torch_model.optim import MuonAdamW, OptimizerConfig, plan_parameters
+from torch_model.transformers_lm import softmax_of_chosen
 
 
 @dataclass
@@ -42,6 +44,9 @@ class Run:
 
 
 def routers(model) -> list[tuple[str, torch.nn.Module]]:
+    """(name, router) per MoE layer in layer order; each returns (logits, weights, experts)."""
+    if hasattr(model, "routers"):           # a transformers model: the family's own router modules
+        return model.routers()
     return [(f"model.layers.{i}.mlp.router", layer.mlp.router)
             for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "router")]
 
@@ -67,13 +72,15 @@ def forced_routing(model, experts):
     through another expert, whose output in a trained model differs by O(1) and, through
     attention, moves every later token and every gradient; the routing check still measures the
     router's own choice (capture_routing, registered first, records it)."""
-    def force(i):
+    def force(i, weighting):
         def hook(module, inputs, out):
             chosen = experts[i].long()
-            return out[0], torch.softmax(torch.gather(out[0], -1, chosen), dim=-1), chosen
+            return out[0], weighting(out[0], chosen), chosen
         return hook
 
-    handles = [router.register_forward_hook(force(i)) for i, (_, router) in enumerate(routers(model))]
+    # Each family's router weights the chosen experts its own way (found by behaviour).
+    handles = [router.register_forward_hook(force(i, getattr(router, "torchlyra_weighting", softmax_of_chosen)))
+               for i, (_, router) in enumerate(routers(model))]
     try:
         yield
     finally:
@@ -119,7 +126,7 @@ class SharedLowered:
     compute dtype). `compiler_options`: XLA options of its compiles (None: the defaults)."""
 
     def __init__(self, model, opt_cfg: OptimizerConfig, compiler_options: dict | None = None):
-        self.plan = plan_parameters(model.named_parameters())
+        self.plan = plan_parameters(model.named_parameters(), linear_stacks=linear_expert_stacks(model))
         self.params = params_to_jax(model)
         self.opt_state = optimizer_state_to_jax(model, self.plan)
         self.opt_cfg = opt_cfg

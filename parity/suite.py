@@ -60,7 +60,7 @@ from pallas_kernels.platform import host_platform
 from parity import coverage, tolerances
 from parity.checks import compare_runs
 from parity.inputs import (PARITY_IGNORE_FRACTION, PARITY_LOSS, PARITY_SEQ_LEN, PARITY_TILES, ParityBatch,
-                           build_model, parity_inputs)
+                           build_model, parity_inputs, reference_model)
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
 from parity.report import ERROR, Report, Row
 from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
@@ -125,7 +125,7 @@ def _check_request(dtypes, batch: int, seq_len: int, ignore_fraction: float, ker
         raise UserError(str(e)) from None
 
 
-def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, kernel_sets=None,
+def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None,
                dtypes=("float32",), batch: int = 2, seq_len: int = PARITY_SEQ_LEN, seed: int = 0,
                opt_cfg: OptimizerConfig = OptimizerConfig(), include_hf: bool = False,
                full_step: bool = False, kernel_options=PARITY_TILES,
@@ -134,7 +134,8 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
     """Compare the lowered train step with eager PyTorch for every kernel set and dtype.
 
     model_cfg: the model, used as given (`parity_config` makes the parity run's model from a
-    preset); state_dict: its weights (None: random init seeded with `seed`). kernel_sets: None
+    preset), our ModelConfig or a transformers model's TransformersSpec (its ground truth is
+    transformers' own eager attention and experts on the same weights); state_dict: its weights (None: random init seeded with `seed`). kernel_sets: None
     (every registered implementation, see `default_kernel_sets`) or strings / dicts as
     `parse_kernel_sets` takes, or {dtype: such sets} to run other sets per dtype (then `dtypes`
     is its keys). dtypes: compute dtypes of the lowered run. kernel_options: tile
@@ -182,8 +183,9 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
         "coverage": {}, "jax": jax.__version__, "torch": torch.__version__})
     report.rows.extend(rows)
 
-    say("eager PyTorch float32 reference ...")
-    reference = eager_run(model, data, opt_cfg)
+    truth = reference_model(model)
+    say(f"eager PyTorch float32 reference{'' if truth is model else ' (transformers eager attention and experts)'} ...")
+    reference = eager_run(truth, data, opt_cfg)
     router_names = [name for name, _ in routers(model)]
     shared = SharedLowered(model, opt_cfg, compiler_options)
     before = {n: to_numpy(p) for n, p in shared.params.items()}
@@ -210,6 +212,9 @@ def run_parity(model_cfg: ModelConfig, state_dict: Mapping | None = None, *, ker
             new_rows = compare_runs(reference, run, before, resolved, dtype, router_names)
             report.rows.extend(new_rows)
             say(f"  {'FAIL' if any(r.failed for r in new_rows) else 'PASS'} {resolved} | {dtype}")
+    if include_hf and truth is not model:
+        raise UserError("--hf compares our GPT-OSS decoder with transformers' GptOss; a transformers model's "
+                        "reference already is transformers' own eager attention and experts")
     if include_hf:
         say("Hugging Face transformers comparison ...")
         state = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -87,8 +87,11 @@ def test_import_writes_our_checkpoint_of_the_same_model(root, tmp_path):
 
 
 def test_what_the_directory_cannot_be_read_as_is_refused_by_field(root, tmp_path, capsys):
-    assert "parity and rl of transformers models are not built" in one_line_error(
-        capsys, ["parity", "--checkpoint", str(root / "hf")])
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}],
+                                                        "answer": "Hi"}) + "\n")
+    assert "rl of transformers models is not built" in one_line_error(
+        capsys, ["rl", "--init-from", str(root / "hf"), "--prompts", str(tmp_path / "prompts.jsonl"), "--reward",
+                 "exact:answer", "--out", str(tmp_path / "rl")])
     for field, value, message in (("quantization_config", {"quant_method": "fp8"}, "quantized weights"),
                                   ("auto_map", {"AutoModelForCausalLM": "x.Y"}, "custom modeling code")):
         bad = tmp_path / field

@@ -325,3 +325,18 @@ def test_generation_gives_transformers_own_greedy_tokens_and_logprobs(family):
         expected_logps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(theirs.scores, expected)]
         np.testing.assert_allclose(logprobs, expected_logps, atol=1e-4)
     assert len(set(out.tokens[0])) > 2           # not one repeated token: the test can tell models apart
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_parity_against_transformers_eager_attention_and_experts(family):
+    """The parity suite on each family (parity/suite.py): the reference set in float32 and every
+    non-reference kernel at once in bf16, against transformers' own eager attention and experts
+    on the same weights (packed rows as attention masks), the routing of the bf16 run forced as
+    the eager run chose and weighted as the family's router weights."""
+    from parity.runs import FAST_COMPILE
+    from parity.suite import run_parity
+
+    report = run_parity(transformers_lm.TransformersSpec(CONFIGS[family]().to_dict()), compiler_options=FAST_COMPILE,
+                        kernel_sets={"float32": ["xla"], "bfloat16": ["attention=pallas,cross_entropy=pallas,moe=pallas"]})
+    assert report.passed, report.format()
+    assert ("model.layers.2.mlp.gate" in {r.name for r in report.rows if r.category == "routing"}) == (family == "qwen3_moe")

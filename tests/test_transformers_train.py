@@ -60,7 +60,7 @@ def test_a_transformers_model_trains_checkpoints_and_resumes_exactly(root, whole
         (halves, uninterrupted)
 
 
-def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, whole, capsys):
+def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, whole, capsys, tmp_path):
     data = ["--data", str(root / "data"), "--out", str(root / "refused")]
     config = ["--model-config", str(root / "qwen3_moe.json")]
     assert "two models" in one_line_error(capsys, ["train", *config, "--preset", "tiny", "--samples", "0", *data])
@@ -74,8 +74,11 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
                                                  "n_layer": 1, "n_head": 2}))
     assert "skeleton" in one_line_error(capsys, ["train", "--model-config", str(root / "bloom.json"), "--samples", "0",
                                                  *data])
-    assert "parity and rl of transformers models are not built" in one_line_error(
-        capsys, ["parity", "--checkpoint", str(whole)])
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}],
+                                                        "answer": "Hi"}) + "\n")
+    assert "rl of transformers models is not built" in one_line_error(
+        capsys, ["rl", "--init-from", str(whole), "--prompts", str(tmp_path / "prompts.jsonl"), "--reward",
+                 "exact:answer", "--out", str(tmp_path / "rl")])
     assert "mxfp4" in one_line_error(capsys, ["export", "--checkpoint", str(whole), "--out", str(root / "q"),
                                               "--dtype", "mxfp4"])
     assert not (root / "q").exists()
@@ -238,3 +241,16 @@ def test_freeze_on_the_run_leaves_the_frozen_parameters_as_the_base_holds_them(r
     assert sorted(after) == sorted(base)
     assert (after["model.embed_tokens.weight"] == base["model.embed_tokens.weight"]).all()
     assert not (after["model.norm.weight"] == base["model.norm.weight"]).all()
+
+
+def test_parity_of_the_run_against_transformers_eager_attention_and_experts(whole, tmp_path, capsys):
+    """`torchlyra parity --checkpoint` of the trained run: the lowered step against transformers'
+    own eager attention and experts on the run's weights (packed rows, routing forced as the eager
+    run chose and weighted as the family's router weights); the kernel matrix of random models is
+    tests/test_transformers_models.py's."""
+    assert main(["parity", "--checkpoint", str(whole), "--kernels", "xla", "--dtype", "float32",
+                 "--json", str(tmp_path / "parity.json")]) == 0
+    report = json.loads((tmp_path / "parity.json").read_text())
+    assert "transformers eager attention and experts" in capsys.readouterr().err
+    assert report["passed"] and {r["category"] for r in report["entries"]} >= {"logits", "loss", "grad", "param",
+                                                                                "routing"}

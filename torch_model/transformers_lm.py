@@ -133,6 +133,36 @@ def _interleave(gate_up):
     return torch.stack((gate, up), dim=-1).flatten(-2)
 
 
+def softmax_of_chosen(logits, chosen):
+    """Routing weights as ours and gpt-oss's routers make them: softmax over the k chosen logits."""
+    return torch.softmax(torch.gather(logits.float(), -1, chosen), dim=-1).to(logits.dtype)
+
+
+def _softmax_gathered(logits, chosen):
+    return torch.gather(torch.softmax(logits.float(), dim=-1), -1, chosen).to(logits.dtype)
+
+
+def _softmax_gathered_normalized(logits, chosen):
+    weights = torch.gather(torch.softmax(logits.float(), dim=-1), -1, chosen)
+    return (weights / weights.sum(-1, keepdim=True)).to(logits.dtype)
+
+
+def router_weighting(router: nn.Module):
+    """How a family's router (returning (logits, weights, chosen experts)) weights its k chosen
+    experts, found by behaviour on probe inputs: the function (logits, chosen) -> weights among
+    softmax over the chosen, softmax over all gathered at the chosen, and that renormalized. The
+    parity suite re-weights experts it forces with it; a router none reproduces is refused by name."""
+    hidden = router.weight.shape[-1]
+    probe = torch.randn(16, hidden, generator=torch.Generator().manual_seed(0), device="cpu") * 3
+    with torch.no_grad():
+        logits, weights, chosen = router(probe.to(router.weight.dtype))
+        for rule in (softmax_of_chosen, _softmax_gathered_normalized, _softmax_gathered):
+            if torch.allclose(rule(logits, chosen).float(), weights.float(), rtol=1e-5, atol=1e-6):
+                return rule
+    raise UnsupportedModel(f"{type(router).__name__}: its routing weights are none of softmax over the chosen "
+                           f"experts, or softmax over all experts gathered (renormalized or not)")
+
+
 def routed_experts(module, hidden_states, top_k_index, top_k_weights):
     """transformers' experts-function signature -> the `moe` op: the family's stacked weights in
     the op's layout (x @ W, gate and up interleaved, biases), its activation's constants.
@@ -161,9 +191,11 @@ def register_interfaces() -> None:
     ExpertsInterface.register(ATTENTION, routed_experts)
 
 
-def build(config, dtype=torch.float32) -> "TransformersCausalLM":
+def build(config, dtype=torch.float32, *, reference: bool = False) -> "TransformersCausalLM":
     """A transformers config (a `PretrainedConfig`) -> the model, weights initialised as
-    transformers initialises them, attention routed."""
+    transformers initialises them, attention routed. `reference`: the parity suite's ground truth
+    instead, the same skeleton over transformers' own `eager` attention and experts (the model
+    authors' code), packed rows given to it as attention masks (`reference_mask`)."""
     from transformers import AutoModelForCausalLM
 
     register_interfaces()
@@ -172,12 +204,27 @@ def build(config, dtype=torch.float32) -> "TransformersCausalLM":
         raise UnsupportedModel(f"config {', '.join(f'{k}={config.to_dict()[k]}' for k in dropouts)}: no kernel applies "
                                f"dropout; set it to 0 to train this model here")
     try:
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, experts_implementation=ATTENTION,
-                                              dtype=dtype)
+        implementation = "eager" if reference else ATTENTION
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
+                                              experts_implementation=implementation, dtype=dtype)
     except (ValueError, KeyError, TypeError) as e:
         raise UnsupportedModel(f"transformers cannot build a causal LM from this config "
                                f"(model_type {getattr(config, 'model_type', None)!r}): {e}") from e
-    return TransformersCausalLM(hf)
+    return TransformersCausalLM(hf, reference=reference)
+
+
+def reference_mask(rows: int, length: int, window: int, segment_ids=None, dtype=torch.float32, device=None):
+    """The additive attention mask [B, 1, T, T] transformers' eager attention takes: key j visible
+    to query i when j <= i, within the window (i - j < W) and, for packed rows, in i's segment
+    (padding, segment 0, attends within itself): what the routed kernels compute from segment ids."""
+    i = torch.arange(length, device=device)
+    visible = (i[None, :] <= i[:, None])[None].expand(rows, length, length)
+    if window:
+        visible = visible & ((i[:, None] - i[None, :]) < window)[None]
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(visible, zero, torch.finfo(dtype).min)[:, None]
 
 
 class TransformersBackbone(nn.Module):
@@ -186,11 +233,12 @@ class TransformersBackbone(nn.Module):
     as the family's forward calls it), final norm. The modules are the transformers model's,
     so parameter names stay `model.embed_tokens.weight`, `model.layers.<i>.*`, `model.norm.weight`."""
 
-    def __init__(self, inner: nn.Module, router=None):
+    def __init__(self, inner: nn.Module, router=None, reference: bool = False):
         """router: transformers' OutputRecorder of the family's router logits (its
-        `_can_record_outputs["router_logits"]`), or None for a dense model."""
+        `_can_record_outputs["router_logits"]`), or None for a dense model. reference: the
+        layers run transformers' eager attention, given `reference_mask` instead of segment ids."""
         super().__init__()
-        self._router = router
+        self._router, self.reference = router, reference
         missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
         if missing:
             raise UnsupportedModel(f"{type(inner).__name__}: no {', '.join(missing)}; the decoder skeleton "
@@ -234,11 +282,17 @@ class TransformersBackbone(nn.Module):
         routed attention reads segment ids). Stats: the router's logits [N, E] (recorded as
         transformers records them) and the real-token mask, or None for a dense layer."""
         extra = {"segment_ids": segments[0]} if segments else {}
+        if self.reference:
+            window = getattr(getattr(layer, "self_attn", None), "sliding_window", None) or 0
+            extra = {"attention_mask": reference_mask(x.shape[0], x.shape[1], int(window), *segments, dtype=x.dtype,
+                                                      device=x.device)}
+        else:
+            extra["attention_mask"] = None
         logits = []
         hooks = [m.register_forward_hook(lambda _, __, out: logits.append(out[self._router.index] if isinstance(
             out, tuple) else out)) for m in layer.modules() if self._router and isinstance(m, self._router.target_class)]
         try:
-            out = layer(x, attention_mask=None, position_embeddings=(cos, sin), use_cache=False, **extra)
+            out = layer(x, position_embeddings=(cos, sin), use_cache=False, **extra)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -252,18 +306,40 @@ class TransformersCausalLM(CausalLMHead, nn.Module):
     """A transformers `*ForCausalLM` behind the boundary: `model` is the skeleton over its own
     modules, `lm_head` its head (the embedding when tied: no `lm_head.weight` parameter then)."""
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, reference: bool = False):
         super().__init__()
         self.config = hf_model.config
         router = getattr(hf_model, "_can_record_outputs", None) or {}
-        self.model = TransformersBackbone(hf_model.get_decoder(), router.get("router_logits"))
+        self.model = TransformersBackbone(hf_model.get_decoder(), router.get("router_logits"), reference)
         self.lm_head = hf_model.get_output_embeddings()
         self.cfg = self.model.cfg = decoder_shape(self.config, self.model.layers)
         for module in self.modules():          # the experts' activation, found once, outside any trace
             if is_experts(module):
                 module.torchlyra_activation = expert_activation(module)
+        for _, router in self.routers():       # how it weights its chosen experts (the parity suite forces choices)
+            if not router.weight.is_meta:
+                router.torchlyra_weighting = router_weighting(router)
         check_balance_loss(hf_model, self.cfg)
-        check_routing(hf_model, self)
+        if not reference:           # the reference runs transformers' own attention: nothing is routed
+            check_routing(hf_model, self)
+
+    def reference_twin(self) -> "TransformersCausalLM":
+        """The same model (a copy of its weights) over transformers' own eager attention and
+        experts: the parity suite's ground truth."""
+        import copy
+
+        twin = build(copy.deepcopy(self.config), reference=True)     # transformers writes the implementation into it
+        twin.load_state_dict(self.state_dict())
+        return twin
+
+    def routers(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of each MoE layer's router, in layer order: the modules transformers
+        records the family's router logits from (`_can_record_outputs["router_logits"]`), each
+        returning (logits, weights, chosen experts)."""
+        recorder = self.model._router
+        if recorder is None:
+            return []
+        return [(name, module) for name, module in self.named_modules() if isinstance(module, recorder.target_class)]
 
     @property
     def tied(self) -> bool:
