@@ -62,6 +62,19 @@ CATALOGUE: tuple[PlantedBug, ...] = (
                optimizer={"eps": 100.0}),
 )
 BUGS = {b.name: b for b in CATALOGUE}
+
+
+def not_applicable(bug: PlantedBug, model) -> str:
+    """Why `bug` cannot show on `model` ('' when it can): a bug of a part the model does not have
+    (sinks, a sliding window, the LM z-loss, our RoPE: a transformers family rotates in its own
+    code, which the planted attention does not re-rotate)."""
+    cfg, names = model.cfg, [n for n, _ in model.named_parameters()]
+    needs = {SINK_GRAD_X2: (any("sinks" in n for n in names), "the model has no attention sinks"),
+             WINDOW_OFF_BY_ONE: (any(cfg.window_of_layer(i) for i in range(cfg.n_layers)), "no layer has a sliding window"),
+             ROPE_BASE: (hasattr(cfg, "rope_theta"), "the model's rotary embedding is its family's own code"),
+             Z_LOSS_SIGN: (cfg.lm_z_loss_coef > 0, "the model trains without an LM z-loss")}
+    ok, why = needs.get(bug.selector, (True, ""))
+    return "" if ok else why
 KERNELS = "attention=planted,cross_entropy=planted,moe=planted"
 
 # ---- the runtime selector -------------------------------------------------------------------------
@@ -169,7 +182,8 @@ def registered(model_config):
     """The planted kernel set in the registry (attention needs the model's RoPE), removed after."""
     from jax_bridge import registry
 
-    fns = {"attention": functools.partial(attention_planted, rope=rope_frequencies(model_config)),
+    rope = rope_frequencies(model_config) if hasattr(model_config, "rope_theta") else None   # ours only
+    fns = {"attention": functools.partial(attention_planted, rope=rope),
            "cross_entropy": linear_cross_entropy_planted, "moe": moe_experts_planted}
     for op, fn in fns.items():
         registry.register_implementation(op, "planted", fn, description="parity self-test: planted bugs")

@@ -85,12 +85,19 @@ def run(args) -> int:
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.selftest or args.trajectory:
         code = 0
-        if args.selftest:
+        if args.selftest and args.model_config:      # a transformers model: random weights, no LoRA rows
+            from torch_model.transformers_lm import TransformersSpec
+
+            result = selftest.run_selftest(dtypes=tuple(args.dtype), segments=args.segments, progress=say,
+                                           model_cfg=TransformersSpec.from_file(args.model_config),
+                                           weights=(selftest.RANDOM,))
+        elif args.selftest:
             result = selftest.run_selftest(dtypes=tuple(args.dtype), segments=args.segments, progress=say)
             lora = selftest.run_lora_selftest(progress=say)
             result = selftest.SelftestReport(result.outcomes + lora.outcomes, result.skipped,
                                              Report(result.report.setup, result.report.rows + lora.report.rows),
                                              result.controls)
+        if args.selftest:
             print(result.format(verbose=args.verbose))
             _write_json(args.json, result.to_json())
             code |= 0 if result.passed else 1

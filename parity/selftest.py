@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from parity import planted, trajectory
 from parity.checks import compare_runs
-from parity.inputs import build_model, parity_config, parity_inputs, text_inputs
+from parity.inputs import build_model, parity_config, parity_inputs, reference_model, text_inputs
 from parity.kernel_sets import parse_kernel_sets
 from parity.lora_parity import run_lora_parity
 from parity.report import Report, Row
@@ -113,8 +113,12 @@ class SelftestReport:
         return next(o for o in self.outcomes if (o.bug, o.dtype, o.weights) == (bug, dtype, weights))
 
     def format(self, verbose: bool = False) -> str:
-        lines = [f"parity self-test: planted bugs on a micro model ({MICRO.n_layers} layers, d_model {MICRO.d_model}, "
-                 f"{MICRO.n_experts} experts, window {MICRO.sliding_window}, seq_len {self.report.setup['seq_len']}, "
+        setup = self.report.setup
+        model = "a micro model" if setup.get("model_config", MICRO.to_dict()) == MICRO.to_dict() else \
+            f"a transformers {setup['model_config'].get('transformers', {}).get('model_type')}"
+        lines = [f"parity self-test: planted bugs on {model} ({setup.get('n_layers', MICRO.n_layers)} layers, d_model "
+                 f"{setup.get('d_model', MICRO.d_model)}, {setup.get('n_experts', MICRO.n_experts)} experts, window "
+                 f"{setup.get('window', MICRO.sliding_window)}, seq_len {setup['seq_len']}, "
                  f"{'packed rows' if self.report.setup.get('segmented') else 'unsegmented rows'}); "
                  f"each must fail the suite, naming the tensors at fault; on {' and on '.join(self.weights())} weights",
                  f"  {'bug':<20} {'weights':<12} {'dtype':<9} {'result':<10} failing checks (tensors named)"]
@@ -154,13 +158,19 @@ def _failing(rows: list[Row]) -> list[str]:
 def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: int = 0, batch: int = 2,
                  seq_len: int = 80, opt_cfg: OptimizerConfig = OptimizerConfig(), weights=WEIGHTS,
                  trained_state=None, compiler_options: dict | None = None, segments: bool = True,
-                 progress=None) -> SelftestReport:
+                 model_cfg=MICRO, progress=None) -> SelftestReport:
     """Run the control and every planted bug in each dtype, on each of `weights` (RANDOM,
     TRAINED); see the module docstring. trained_state: TRAINED's weights (None: `trained_weights`
-    of `seed`). compiler_options: XLA options of the compiles."""
+    of `seed`). compiler_options: XLA options of the compiles. model_cfg: MICRO, or a transformers
+    model's record (random weights only; its ground truth is transformers' eager attention and
+    experts, as in the suite); a bug of a part the model lacks is listed as not run, with why."""
     say = progress or (lambda msg: None)
-    report = Report(setup={"n_layers": MICRO.n_layers, "d_model": MICRO.d_model, "n_experts": MICRO.n_experts,
-                           "model_config": MICRO.to_dict(), "batch": batch, "seq_len": seq_len, "seed": seed,
+    if model_cfg is not MICRO and TRAINED in weights:
+        raise ValueError("run_selftest: trained weights are MICRO's; another model runs on random weights only")
+    window = max((model_cfg.window_of_layer(i) for i in range(model_cfg.n_layers)), default=0)
+    report = Report(setup={"n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model,
+                           "n_experts": model_cfg.n_experts, "window": window,
+                           "model_config": model_cfg.to_dict(), "batch": batch, "seq_len": seq_len, "seed": seed,
                            "backend": "cpu", "post_step": "TrainStep.update on the lowered gradients",
                            "source": "self-test micro model", "weights": list(weights), "segmented": segments,
                            "trained": {"steps": TRAINED_STEPS, "batch": TRAINED_BATCH, "loss": TRAINING_LOSS}})
@@ -173,18 +183,21 @@ def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: i
             model = build_model(MICRO, trained_state, seed)
             data = text_inputs(text_tokens(), batch, seq_len, seed, segments=segments)
         elif name == RANDOM:
-            model = build_model(MICRO, None, seed)
-            data = parity_inputs(MICRO.vocab_size, batch, seq_len, seed, segments=segments)
+            model = build_model(model_cfg, None, seed)
+            data = parity_inputs(model_cfg.vocab_size, batch, seq_len, seed, segments=segments)
         else:
             raise ValueError(f"run_selftest: unknown weights {name!r}; choose from {WEIGHTS}")
         cases.append((name, model, data))
     outcomes, skipped, controls = [], [], {}
     probes, shared = {}, None
-    with planted.registered(MICRO) as spec:
+    missing = {bug.name: planted.not_applicable(bug, cases[0][1]) for bug in bugs}
+    skipped += [(name, "-", why) for name, why in missing.items() if why]
+    bugs = tuple(bug for bug in bugs if not missing[bug.name])
+    with planted.registered(model_cfg) as spec:
         kernels = parse_kernel_sets(spec)[0]
         for weights_name, model, data in cases:
             say(f"self-test ({weights_name}): eager PyTorch float32 reference ...")
-            reference = eager_run(model, data, opt_cfg)
+            reference = eager_run(reference_model(model), data, opt_cfg)
             router_names = [name for name, _ in routers(model)]
             # One compiled update and one probe per dtype serve every weight set.
             shared = SharedLowered(model, opt_cfg, compiler_options) if shared is None else shared.with_weights(model)
