@@ -249,8 +249,8 @@ def test_o200k_harmony_is_recognised_and_a_different_one_named(tmp_path):
     assert vocabulary_difference(found, enc) == f"token {token!r} has id {rank + 1}, expected {rank}"
     (tmp_path / "tokenizer.json").write_text("{}")
     got, line = recognize(tmp_path)
-    assert got is None and line.endswith("is not o200k_harmony (model type None, expected a byte-level 'BPE'); "
-                                         "no tokenizer attached")
+    assert got is None and "is not o200k_harmony (model type None, expected a byte-level 'BPE') and does not " \
+        "convert" in line and line.endswith("no tokenizer attached")
 
 
 # ---- export to the released layout ----------------------------------------------------------------

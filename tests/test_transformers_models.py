@@ -365,3 +365,47 @@ def test_planted_bugs_fail_the_parity_suite_on_a_qwen3_moe():
             assert outcome.ok, table
     assert {name for name, _, _ in result.skipped} == {"sink_grad_x2", "window_off_by_one", "rope_base_wrong",
                                                        "z_loss_sign"}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_lora_adapter_of_each_family_loads_in_peft_with_our_logits(family, tmp_path):
+    """Adapters on the transformers model as it is (peft through torch_model.lora; Qwen3-MoE's
+    stacked experts too), with random A and B so every orientation slip shows: peft's
+    `PeftModel.from_pretrained` on transformers' eager model of the exported base, and the merged
+    export in transformers, give our eager logits within 1e-5 (a trained adapter of a Qwen3-MoE
+    run: tests/test_transformers_train.py)."""
+    import copy
+
+    from peft import PeftModel
+
+    from formats.lora_export import export_adapter, export_merged
+    from formats.transformers_export import write_transformers_dir
+    from torch_model.lora import apply_lora, parse_lora_spec
+
+    ours, _ = models(family)
+    spec = transformers_lm.TransformersSpec(CONFIGS[family]().to_dict())
+    params = [(n, p.detach().numpy().copy()) for n, p in ours.named_parameters()]
+    write_transformers_dir(spec, iter(params), tmp_path / "base", n_tensors=len(params), shard_size_bytes=1 << 30)
+    targets = "all-linear+experts" if ours.cfg.is_moe else "all-linear"
+    wrapped = apply_lora(ours, parse_lora_spec(f"r=4,alpha=8,targets={targets}")).eval()
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        expected = wrapped(ids).double()
+    export_adapter(wrapped, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager",
+                                                experts_implementation="eager").eval()
+    with torch.no_grad():
+        plain = base(ids).logits.double()
+        theirs = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits.double()
+    assert ((plain - expected).norm() / expected.norm()).item() > 1e-3        # the adapters change the model
+    assert ((theirs - expected).norm() / expected.norm()).item() <= 1e-5
+    export_merged(copy.deepcopy(wrapped), spec, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager",
+                                                  experts_implementation="eager").eval()
+    with torch.no_grad():
+        folded = merged(ids).logits.double()
+    assert ((folded - expected).norm() / expected.norm()).item() <= 1e-5
