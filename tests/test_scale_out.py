@@ -1,5 +1,5 @@
-"""Scale-out on 8 simulated CPU devices (one subprocess): a reduced `tiny` (and transformers'
-Qwen3-MoE) trained 5 steps with scanned layers on several meshes gives the losses and parameters of
+"""Scale-out on 8 simulated CPU devices (one subprocess): a reduced `tiny` (and transformers' Llama,
+Qwen3 and Qwen3-MoE) trained 5 steps with scanned layers on several meshes gives the losses and parameters of
 the plain layer loop on one device, the state stays split by the rules (bytes actually held per device), the Pallas
 kernels run per device under shard_map, and Muon's update does not gather whole stacks."""
 import json
@@ -14,7 +14,8 @@ from tests.worker_env import worker_env
 ROOT = Path(__file__).resolve().parents[1]
 # kernels@mesh[@remat]
 RUNS = ["xla@data=8", "xla@data=2,fsdp=4@full", "xla@fsdp=2,tensor=2,expert=2@save-matmuls",
-        "pallas@fsdp=2,tensor=2,expert=2", "qwen3_moe:pallas@fsdp=2,tensor=2,expert=2"]   # family:...: a transformers model
+        "pallas@fsdp=2,tensor=2,expert=2", "qwen3_moe:pallas@fsdp=2,tensor=2,expert=2",   # family:...: a transformers model
+        "llama:xla@fsdp=2,tensor=2,expert=2", "qwen3:xla@data=2,fsdp=2,tensor=2"]
 
 
 @pytest.fixture(scope="module")

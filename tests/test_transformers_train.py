@@ -60,6 +60,20 @@ def test_a_transformers_model_trains_checkpoints_and_resumes_exactly(root, whole
         (halves, uninterrupted)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_dense_families_train_on_the_corpus_through_the_command_line(root, family, tmp_path):
+    """Llama (llama3 rope scaling, tied head) and Qwen3 (a sliding layer after a full one) from
+    their transformers configs: `train --model-config` lowers the validation loss."""
+    from tests.transformers_configs import CONFIGS
+
+    config = {**CONFIGS[family]().to_dict(), "vocab_size": CONFIG["vocab_size"], "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["train", "--model-config", str(tmp_path / "config.json"), "--data", str(root / "data"), "--out",
+                 str(tmp_path / "run"), "--steps", "8", *ARGS, "--eval-every", "4", "--checkpoint-every", "8"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_loss_end"] < summary["val_loss_start"]
+
+
 def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, whole, capsys, tmp_path):
     data = ["--data", str(root / "data"), "--out", str(root / "refused")]
     config = ["--model-config", str(root / "qwen3_moe.json")]
