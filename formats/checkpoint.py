@@ -71,15 +71,19 @@ def _per_layer(params: dict, cfg: ModelConfig) -> dict:
     return params
 
 
-def _stacked(params: dict, cfg: ModelConfig) -> dict:
-    from jax_bridge.layer_stack import LayerLayout
+def _stacked(tag: str):
+    def unstack(params: dict, cfg: ModelConfig) -> dict:
+        from jax_bridge.layer_stack import LayerLayout
 
-    return LayerLayout.for_config(cfg, stacked=True).unstack(params)
+        return LayerLayout.from_tag(tag, cfg).unstack(params)
+    return unstack
 
 
-# layout tag -> function(stored params, ModelConfig) -> {per-layer torch name: array}. "stacked":
-# the scanned layers' parameters with a leading layer axis (jax_bridge/layer_stack.py).
-LAYOUTS: dict[str, Callable[[dict, ModelConfig], dict]] = {"per_layer": _per_layer, "stacked": _stacked}
+# layout tag -> function(stored params, model record) -> {per-layer torch name: array}. "stacked"
+# and "grouped": the scanned layers' parameters with a leading layer axis, one period over every
+# layer or one scan per run of identical layers (jax_bridge/layer_stack.py).
+LAYOUTS: dict[str, Callable[[dict, ModelConfig], dict]] = {"per_layer": _per_layer, "stacked": _stacked("stacked"),
+                                                          "grouped": _stacked("grouped")}
 
 
 class NoCheckpoint(UserError):

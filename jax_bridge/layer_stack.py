@@ -4,7 +4,9 @@ Layer types repeat with a period (GPT-OSS: sliding, full, sliding, full, ...). S
 parameters of the layers at the same place in the period share one array with a leading layer
 axis: `model.layers.stack0.self_attn.q_proj.weight` holds layers 0, 2, 4, ... and `stack1` layers
 1, 3, 5, ... (period 2). The scan then runs one period per step, so every layer inside keeps its
-static attention window, and the compiled program stops growing with depth. Each layer can be
+static attention window, and the compiled program stops growing with depth. A stack whose types
+do not repeat (3 dense layers, then MoE ones) scans each run of identical layers on its own
+(`layer_groups`), its slots numbered on across the groups. Each layer can be
 rematerialized in the backward pass (`remat`: none | full | save-matmuls). The torch model knows
 none of this: the bridge replaces `Backbone.run_layers` while it traces, and calls each torch
 layer through `functional_call`. Per-layer names (`model.layers.3...`) come back with `unstack`.
@@ -37,33 +39,77 @@ def layer_period(layer_types) -> int:
     return next(p for p in range(1, n + 1) if n % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(n)))
 
 
+def layer_groups(layer_types) -> tuple[tuple[int, int, int], ...]:
+    """The scans of a decoder stack, (first layer, period, depth) each: one over the whole stack
+    when its types repeat with a period shorter than it; otherwise one per run of identical
+    layers (e.g. 3 dense layers, then 58 MoE ones: two scans instead of 61 layers unrolled)."""
+    n, period = len(layer_types), layer_period(layer_types)
+    if period < n:
+        return ((0, period, n // period),)
+    groups, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or layer_types[i] != layer_types[start]:
+            groups.append((start, 1, i - start))
+            start = i
+    return tuple(groups)
+
+
 @dataclass(frozen=True)
 class LayerLayout:
-    """How the train state holds the decoder layers' parameters: per layer, or stacked."""
+    """How the train state holds the decoder layers' parameters: per layer, or stacked in
+    groups (`layer_groups`: (first layer, period, depth) each; one group spanning every layer by
+    default). Stacked slots are numbered across the groups: `stack{k}` holds one place of one
+    group's period for each of its `depth` steps."""
     n_layers: int
     period: int = 1
     stacked: bool = False
+    groups: tuple = ()
+
+    def __post_init__(self):
+        if not self.groups:
+            object.__setattr__(self, "groups", ((0, self.period, self.n_layers // self.period),))
 
     @classmethod
     def for_config(cls, cfg, stacked: bool) -> "LayerLayout":
-        return cls(cfg.n_layers, layer_period(cfg.layer_types), stacked)
+        groups = layer_groups(cfg.layer_types)
+        return cls(cfg.n_layers, groups[0][1] if len(groups) == 1 else cfg.n_layers, stacked, groups)
 
     @property
     def depth(self) -> int:
-        """Scan length: how many periods the stack holds."""
+        """Scan length of a one-group layout: how many periods the stack holds."""
         return self.n_layers // self.period
 
     @property
+    def grouped(self) -> bool:
+        """Stacked in several groups whose names differ from one period over every layer (a
+        group deeper than one layer); a layout of one period per group of depth 1 names its
+        slots as "stacked" does."""
+        return any(depth > 1 for _, _, depth in self.groups) and len(self.groups) > 1
+
+    @property
     def tag(self) -> str:
-        """How checkpoints name this layout ("per_layer" or "stacked"; the period follows from
-        the model config's layer types)."""
-        return "stacked" if self.stacked else "per_layer"
+        """How checkpoints name this layout: "per_layer", "stacked" (one period over every layer,
+        the period following from the model's layer types) or "grouped" (`layer_groups`)."""
+        return "per_layer" if not self.stacked else "grouped" if self.grouped else "stacked"
 
     @classmethod
     def from_tag(cls, tag: str, cfg) -> "LayerLayout":
-        if tag not in ("per_layer", "stacked"):
-            raise ValueError(f"unknown layer layout {tag!r} (expected 'per_layer' or 'stacked')")
-        return cls.for_config(cfg, stacked=tag == "stacked")
+        if tag == "per_layer":
+            return cls.for_config(cfg, stacked=False)
+        if tag == "stacked":       # one period over every layer, as checkpoints before groups hold them
+            return cls(cfg.n_layers, layer_period(cfg.layer_types), True)
+        if tag == "grouped":
+            return cls.for_config(cfg, stacked=True)
+        raise ValueError(f"unknown layer layout {tag!r} (expected 'per_layer', 'stacked' or 'grouped')")
+
+    def slots(self) -> list[tuple[int, int, int, int]]:
+        """Per stacked slot k (list index): (first layer, period, depth, place in the period)."""
+        return [(start, period, depth, place) for start, period, depth in self.groups for place in range(period)]
+
+    def _slot_of(self) -> dict[int, tuple[int, int]]:
+        """Layer index -> (slot, step along that slot's stack)."""
+        return {start + j * period + place: (k, j) for k, (start, period, depth, place) in enumerate(self.slots())
+                for j in range(depth)}
 
     # ---- names and arrays ----------------------------------------------------------------------
     def stack(self, params: dict, stack=np.stack) -> dict:
@@ -71,18 +117,20 @@ class LayerLayout:
         names pass through. Identity for the per-layer layout."""
         if not self.stacked:
             return dict(params)
-        out, slots = {}, {}
+        out, slots, where = {}, {}, self._slot_of()
         for name, value in params.items():
             m = _PER_LAYER.fullmatch(name)
             if not m:
                 out[name] = value
                 continue
             i, rest = int(m.group(1)), m.group(2)
-            slots.setdefault((i % self.period, rest), {})[i // self.period] = value
+            slot, j = where[i]
+            slots.setdefault((slot, rest), {})[j] = value
         for (slot, rest), layers in sorted(slots.items()):
-            if sorted(layers) != list(range(self.depth)):
-                raise ValueError(f"stacking {rest}: layers {sorted(layers)} of slot {slot}, expected {self.depth}")
-            out[f"{LAYERS}stack{slot}.{rest}"] = stack([layers[j] for j in range(self.depth)])
+            depth = self.slots()[slot][2]
+            if sorted(layers) != list(range(depth)):
+                raise ValueError(f"stacking {rest}: layers {sorted(layers)} of slot {slot}, expected {depth}")
+            out[f"{LAYERS}stack{slot}.{rest}"] = stack([layers[j] for j in range(depth)])
         return out
 
     def unstack(self, params: dict) -> dict:
@@ -96,8 +144,9 @@ class LayerLayout:
                 out[name] = value
                 continue
             slot, rest = int(m.group(1)), m.group(2)
-            for j in range(self.depth):
-                out[f"{LAYERS}{j * self.period + slot}.{rest}"] = value[j]
+            start, period, depth, place = self.slots()[slot]
+            for j in range(depth):
+                out[f"{LAYERS}{start + j * period + place}.{rest}"] = value[j]
         return out
 
     def map_state(self, fn, tree):
@@ -120,7 +169,9 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
         raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, found {remat!r}")
     env = get_env()
     backbone = model.model
-    templates = list(backbone.layers)[: layout.period] if layout.stacked else list(backbone.layers)
+    # One function per stacked slot (the first layer of its place in its group), else per layer.
+    templates = ([backbone.layers[start + place] for start, _, _, place in layout.slots()] if layout.stacked
+                 else list(backbone.layers))
     layer_fns = [model_function(layer, call=backbone.call_layer) for layer in templates]
     if remat != "none":
         layer_fns = [jax.checkpoint(f, policy=REMAT_POLICIES[remat], prevent_cse=not layout.stacked)
@@ -137,18 +188,24 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
                 h = sharding.constrain(h, mesh, activation)
                 stats.append(st)
             return h, stats
-        slots = [_params_of(layer_params, f"{LAYERS}stack{s}.") for s in range(layout.period)]
+        slots = [_params_of(layer_params, f"{LAYERS}stack{k}.") for k in range(len(layer_fns))]
+        stats, first = [None] * layout.n_layers, 0
+        for start, period, depth in layout.groups:         # one scan per group, in layer order
+            fns = layer_fns[first:first + period]
 
-        def period(h, slot_params):
-            outs = []
-            for layer_fn, p in zip(layer_fns, slot_params):
-                h, st = layer_fn(p, h, cos, sin, *segments)
-                h = sharding.constrain(h, mesh, activation)
-                outs.append(st)
-            return h, outs
+            def one_period(h, slot_params, fns=fns):
+                outs = []
+                for layer_fn, p in zip(fns, slot_params):
+                    h, st = layer_fn(p, h, cos, sin, *segments)
+                    h = sharding.constrain(h, mesh, activation)
+                    outs.append(st)
+                return h, outs
 
-        h, ys = jax.lax.scan(period, h, slots)
-        stats = [jax.tree.map(lambda a, j=i // layout.period: a[j], ys[i % layout.period]) for i in range(layout.n_layers)]
+            h, ys = jax.lax.scan(one_period, h, slots[first:first + period])
+            for j in range(depth):
+                for place in range(period):
+                    stats[start + j * period + place] = jax.tree.map(lambda a, j=j: a[j], ys[place])
+            first += period
         return h, stats
 
     def fn(params, *args):

@@ -409,3 +409,40 @@ def test_a_lora_adapter_of_each_family_loads_in_peft_with_our_logits(family, tmp
     with torch.no_grad():
         folded = merged(ids).logits.double()
     assert ((folded - expected).norm() / expected.norm()).item() <= 1e-5
+
+
+def test_a_stack_of_unrepeated_layer_types_scans_group_by_group():
+    """Two dense layers, then three MoE ones (as DeepSeek-V3 and GLM-4 MoE begin with dense
+    layers): no period repeats, so each run of identical layers is one scan (two scans, not five
+    layers unrolled), stored as the "grouped" layout that checkpoints name; the first losses equal
+    eager transformers + the eager optimizer, and the checkpoint layout unstacks to the layers."""
+    from transformers import Qwen3MoeConfig
+
+    from formats.checkpoint import LAYOUTS
+    from jax_bridge.layer_stack import LayerLayout
+
+    def config():
+        return Qwen3MoeConfig(**{**CONFIGS["qwen3_moe"]().to_dict(), "num_hidden_layers": 5, "mlp_only_layers": [0, 1]})
+
+    torch.manual_seed(0)
+    ours = transformers_lm.build(config())
+    reference = AutoModelForCausalLM.from_config(config(), attn_implementation="eager", experts_implementation="eager")
+    reference.load_state_dict(ours.state_dict(), strict=False)
+    assert LayerLayout.for_config(ours.cfg, True).groups == ((0, 1, 2), (2, 1, 3))
+    batch = np.random.default_rng(1).integers(0, VOCAB, (1, ROWS, SEQ + 1)).astype(np.int32)
+    tokens = np.repeat(batch[None], STEPS, axis=0)
+    expected = eager_losses(reference, tokens)
+    step = TrainStep(ours, OptimizerConfig(), StepConfig(kernels="xla", compute_dtype="float32",
+                                                         matmul_precision="highest", scan_layers=True))
+    assert step.layout == "grouped"
+    state, losses = step.init_state(), []
+    assert state.params["model.layers.stack1.mlp.experts.gate_up_proj"].shape[0] == 3
+    for batch in tokens:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    stored = {k: np.asarray(v) for k, v in state.params.items()}
+    per_layer = LAYOUTS[step.layout](stored, ours.cfg)
+    assert sorted(per_layer) == sorted(n for n, _ in ours.named_parameters())
+    assert np.array_equal(per_layer["model.layers.4.mlp.experts.down_proj"],
+                          stored["model.layers.stack1.mlp.experts.down_proj"][2])
