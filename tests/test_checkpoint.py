@@ -156,7 +156,7 @@ def test_save_rejects_state_that_does_not_match_config(tmp_path, state):
     ("experts_per_token", r"field 'model'.*experts_per_token must be in 1\.\.n_experts \(2\), found 3"),
     ("layer_type", r"field 'model'.*unknown layer type 'local'"),
     ("unknown_field", r"field 'model'.*unknown ModelConfig field\(s\): n_embd"),
-    ("layout", r"field 'layout' is 'diagonal'; this version reads \['per_layer', 'stacked'\]"),
+    ("layout", r"field 'layout' is 'diagonal'; this version reads \['grouped', 'per_layer', 'stacked'\]"),
 ])
 def test_load_errors_name_the_problem(tmp_path, state, case, expected):
     tensors = dict(state)
