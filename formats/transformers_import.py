@@ -7,8 +7,9 @@ files); the weights are loaded by transformers' own `from_pretrained`, so every 
 released layout needs (Qwen3-MoE's per-expert tensors fused into one stack, ...) is transformers'
 own and nothing here names a family. The load is strict: a tensor missing, unexpected or of
 another shape is an error that names it. The whole model is held on the host in float32, as every
-command that loads one of our checkpoints whole does (gpt-oss directories stream onto the mesh
-instead: formats/init_from_hf.py).
+command that loads one of our checkpoints whole does; `--init-from` of a directory whose tensors
+are stored under the model's own names and shapes (`open_streamed`: Llama, Qwen3) reads each
+device's slice onto the mesh instead, as gpt-oss directories are read (formats/init_from_hf.py).
 """
 from __future__ import annotations
 
@@ -61,6 +62,21 @@ def stored_dtypes(hf_dir) -> list[str]:
         with safe_open(file, "pt") as f:
             found |= {STORED.get(str(f.get_slice(k).get_dtype()), str(f.get_slice(k).get_dtype())) for k in f.keys()}
     return sorted(found)
+
+
+def open_streamed(hf_dir):
+    """(TransformersSpec, HFWeights) when the directory stores every tensor under the model's own
+    name and shape (a family whose released layout transformers does not convert: Llama, Qwen3),
+    so that `--init-from` can read each device's slice of it onto the mesh, as for gpt-oss; None
+    when its layout needs transformers' renaming (Qwen3-MoE's per-expert tensors): it then loads
+    whole (`load_transformers_dir`)."""
+    from formats.hf_weights import HFWeights
+    from formats.model_checks import model_shapes
+
+    spec = read_spec(hf_dir)
+    weights = HFWeights(hf_dir, quantized=False)
+    stored = {name: tuple(entry.shape) for name, entry in weights.entries.items()}
+    return (spec, weights) if stored == model_shapes(spec) else None
 
 
 def load_transformers_dir(hf_dir) -> tuple[dict[str, torch.Tensor], TransformersSpec, dict]:

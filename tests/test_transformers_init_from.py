@@ -106,3 +106,38 @@ def test_what_the_directory_cannot_be_read_as_is_refused_by_field(root, tmp_path
               metadata={"format": "pt"})
     with pytest.raises(UserError, match="missing keys against its config.json: model.norm.weight"):
         load_checkpoint(short, transformers_ok=True)
+
+
+def test_a_directory_stored_under_the_models_own_names_streams_onto_the_mesh(root, tmp_path, capsys):
+    """A Qwen3 (dense: transformers converts nothing of its layout) is read slice by slice into the
+    train state (formats/init_from_hf.py's reader), giving transformers' own parameters; the
+    Qwen3-MoE directory, whose experts transformers fuses, is not (it loads whole)."""
+    import shutil
+
+    import numpy as np
+
+    from formats import init_from_hf, transformers_import
+    from jax_bridge.step import StepConfig, TrainStep
+    from torch_model.optim import OptimizerConfig
+    from tests.transformers_configs import CONFIGS as FAMILIES
+
+    dense = tmp_path / "qwen3"
+    torch.manual_seed(1)
+    config = {**FAMILIES["qwen3"]().to_dict(), "vocab_size": CONFIG["vocab_size"], "bos_token_id": 445,
+              "eos_token_id": 445}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(dense)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(root / "hf" / name, dense / name)
+    assert transformers_import.open_streamed(root / "hf") is None
+    spec, weights = transformers_import.open_streamed(dense)
+    step = TrainStep(spec.build(), OptimizerConfig(), StepConfig(kernels="xla", scan_layers=True))
+    got = step.layer_layout.unstack({k: np.asarray(v) for k, v in init_from_hf.init_state(step, weights).params.items()})
+    theirs = dict(AutoModelForCausalLM.from_pretrained(dense).named_parameters())
+    assert sorted(got) == sorted(theirs) and all(np.array_equal(got[k], theirs[k].detach().numpy()) for k in theirs)
+    assert main(["train", "--init-from", str(dense), "--data", str(root / "data"), "--out", str(tmp_path / "run"),
+                 "--steps", "2", *ARGS]) == 0
+    out = capsys.readouterr().out
+    assert f"--init-from {dense}: tokenizer hf:" in out and "(Hugging Face; process 0 read" in out   # streamed
+    evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"]
+    assert evals[0]["step"] == 0 and evals[-1]["val_loss"] < evals[0]["val_loss"]

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from jax_bridge.distributed import say
 from formats.hf_weights import HFWeights
-from formats import checkpoint, init_from_hf, lora_checkpoint
+from formats import checkpoint, init_from_hf, lora_checkpoint, transformers_import
 from train.run import flops
 from torch_model.config import ModelConfig
 from train.run.config import TrainConfig, resumed_config
@@ -353,6 +353,11 @@ class Trainer:
             state, _, init_meta = checkpoint.load_checkpoint(cfg.init_from)
             self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
             return model_cfg, state
+        if transformers_import.is_transformers_dir(cfg.init_from) and not (cfg.lora or cfg.freeze):
+            opened = transformers_import.open_streamed(cfg.init_from)
+            if opened is not None:                      # each device's slice read onto the mesh
+                return self._streamed_config(*opened, wanted, explicit, bos, eos)
+            say(f"--init-from {cfg.init_from}: its layout needs transformers' renaming; loaded whole on the host")
         state, init_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from, transformers_ok=True)
         self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
         model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
@@ -368,11 +373,14 @@ class Trainer:
     def _hf_model_config(self, wanted, explicit: dict, bos: int, eos: int):
         """(ModelConfig, HFWeights) of --init-from a Hugging Face directory: nothing read yet;
         the train state is made from it slice by slice once the mesh exists."""
+        return self._streamed_config(*init_from_hf.open_for_init(self.cfg.init_from), wanted, explicit, bos, eos)
+
+    def _streamed_config(self, init_cfg, weights, wanted, explicit: dict, bos: int, eos: int):
+        """(model record, HFWeights) of a directory streamed onto the mesh, its tokenizer checked."""
         from formats.hf_tokenizer import recognize
         from formats.tokenizer import check_same_tokenizer
 
         cfg = self.cfg
-        init_cfg, weights = init_from_hf.open_for_init(cfg.init_from)
         model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
         if {"preset", "model"} & set(explicit):
             checkpoint.check_tensors(checkpoint.model_shapes(model_cfg), checkpoint.model_shapes(wanted),
