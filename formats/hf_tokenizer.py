@@ -66,4 +66,5 @@ def recognize(hf_dir: Path):
     try:        # another byte-level BPE (Llama-3, Qwen): converted exactly, as `--tokenizer hf:DIR` does
         return build_tokenizer(parse_spec(f"hf:{hf_dir}")), f"hf:{hf_dir} (its tokenizer.json, converted)"
     except UserError as e:
-        return None, f"none: {path} is not o200k_harmony ({difference}) and does not convert ({e}); no tokenizer attached"
+        return None, (f"none: {path} is not o200k_harmony ({difference}) and does not convert ({e}); "
+                      f"no tokenizer attached")

@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from formats.hf_model import is_hf_dir, open_hf
+from formats.hf_weights import HFWeights
+from formats.errors import UserError
 from formats.transformers_import import is_transformers_dir
 
 
 def is_gpt_oss_dir(path) -> bool:
-    """A gpt-oss directory, which --init-from streams onto the mesh (another family's directory
-    loads through the checkpoint loader: formats/transformers_import.py)."""
+    """A gpt-oss directory, which --init-from streams onto the mesh (another family's directory:
+    formats/transformers_import.py)."""
     return is_hf_dir(path) and not is_transformers_dir(path)
-from formats.hf_weights import HFWeights
-from formats.errors import UserError
 
 
 def open_for_init(path):

@@ -24,7 +24,6 @@ from torch_model.transformers_lm import ATTENTION, TransformersSpec, register_in
 GPT_OSS = "gpt_oss"     # released gpt-oss directories have their own reader (formats/hf_model.py)
 # config.json fields that describe the files or the hub, not the model.
 FILE_FIELDS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache")
-STORED = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def is_transformers_dir(path) -> bool:
@@ -50,20 +49,6 @@ def read_spec(hf_dir) -> TransformersSpec:
     return spec
 
 
-def stored_dtypes(hf_dir) -> list[str]:
-    """The precisions of the directory's safetensors tensors, from their headers."""
-    from safetensors import safe_open
-
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{hf_dir}: no *.safetensors files (this path reads safetensors weights)")
-    found = set()
-    for file in files:
-        with safe_open(file, "pt") as f:
-            found |= {STORED.get(str(f.get_slice(k).get_dtype()), str(f.get_slice(k).get_dtype())) for k in f.keys()}
-    return sorted(found)
-
-
 def open_streamed(hf_dir):
     """(TransformersSpec, HFWeights) when the directory stores every tensor under the model's own
     name and shape (a family whose released layout transformers does not convert: Llama, Qwen3),
@@ -84,12 +69,14 @@ def load_transformers_dir(hf_dir) -> tuple[dict[str, torch.Tensor], Transformers
     once; its TransformersSpec; meta as the checkpoint loader gives it: step 0, "step_dir",
     "hf_dir", "imported_from")."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from formats.hf_model import stored_dtypes
+    from formats.hf_weights import HFWeights
 
     hf_dir = Path(hf_dir).resolve()
     spec = read_spec(hf_dir)
-    dtypes = stored_dtypes(hf_dir)
-    from transformers.utils import logging as hf_logging
-
+    dtypes = stored_dtypes(HFWeights(hf_dir, quantized=False))      # the shard headers, checked
     register_interfaces()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()        # its load report: what it lists is refused below, by name

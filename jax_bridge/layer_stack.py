@@ -57,27 +57,15 @@ def layer_groups(layer_types) -> tuple[tuple[int, int, int], ...]:
 @dataclass(frozen=True)
 class LayerLayout:
     """How the train state holds the decoder layers' parameters: per layer, or stacked in
-    groups (`layer_groups`: (first layer, period, depth) each; one group spanning every layer by
-    default). Stacked slots are numbered across the groups: `stack{k}` holds one place of one
-    group's period for each of its `depth` steps."""
+    groups (`layer_groups`: (first layer, period, depth) each). Stacked slots are numbered across
+    the groups: `stack{k}` holds one place of one group's period for each of its `depth` steps."""
     n_layers: int
-    period: int = 1
     stacked: bool = False
-    groups: tuple = ()
-
-    def __post_init__(self):
-        if not self.groups:
-            object.__setattr__(self, "groups", ((0, self.period, self.n_layers // self.period),))
+    groups: tuple = ()          # () for per-layer parameters
 
     @classmethod
     def for_config(cls, cfg, stacked: bool) -> "LayerLayout":
-        groups = layer_groups(cfg.layer_types)
-        return cls(cfg.n_layers, groups[0][1] if len(groups) == 1 else cfg.n_layers, stacked, groups)
-
-    @property
-    def depth(self) -> int:
-        """Scan length of a one-group layout: how many periods the stack holds."""
-        return self.n_layers // self.period
+        return cls(cfg.n_layers, stacked, layer_groups(cfg.layer_types) if stacked else ())
 
     @property
     def grouped(self) -> bool:
@@ -97,7 +85,8 @@ class LayerLayout:
         if tag == "per_layer":
             return cls.for_config(cfg, stacked=False)
         if tag == "stacked":       # one period over every layer, as checkpoints before groups hold them
-            return cls(cfg.n_layers, layer_period(cfg.layer_types), True)
+            period = layer_period(cfg.layer_types)
+            return cls(cfg.n_layers, True, ((0, period, cfg.n_layers // period),))
         if tag == "grouped":
             return cls.for_config(cfg, stacked=True)
         raise ValueError(f"unknown layer layout {tag!r} (expected 'per_layer', 'stacked' or 'grouped')")
@@ -117,7 +106,7 @@ class LayerLayout:
         names pass through. Identity for the per-layer layout."""
         if not self.stacked:
             return dict(params)
-        out, slots, where = {}, {}, self._slot_of()
+        out, slots, where, depths = {}, {}, self._slot_of(), [depth for _, _, depth, _ in self.slots()]
         for name, value in params.items():
             m = _PER_LAYER.fullmatch(name)
             if not m:
@@ -127,7 +116,7 @@ class LayerLayout:
             slot, j = where[i]
             slots.setdefault((slot, rest), {})[j] = value
         for (slot, rest), layers in sorted(slots.items()):
-            depth = self.slots()[slot][2]
+            depth = depths[slot]
             if sorted(layers) != list(range(depth)):
                 raise ValueError(f"stacking {rest}: layers {sorted(layers)} of slot {slot}, expected {depth}")
             out[f"{LAYERS}stack{slot}.{rest}"] = stack([layers[j] for j in range(depth)])
@@ -137,14 +126,14 @@ class LayerLayout:
         """{stacked name: array} -> {per-layer name: array} (slices along the layer axis)."""
         if not self.stacked:
             return dict(params)
-        out = {}
+        out, slots = {}, self.slots()
         for name, value in params.items():
             m = _STACKED.fullmatch(name)
             if not m:
                 out[name] = value
                 continue
             slot, rest = int(m.group(1)), m.group(2)
-            start, period, depth, place = self.slots()[slot]
+            start, period, depth, place = slots[slot]
             for j in range(depth):
                 out[f"{LAYERS}{start + j * period + place}.{rest}"] = value[j]
         return out

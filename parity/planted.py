@@ -62,6 +62,7 @@ CATALOGUE: tuple[PlantedBug, ...] = (
                optimizer={"eps": 100.0}),
 )
 BUGS = {b.name: b for b in CATALOGUE}
+KERNELS = "attention=planted,cross_entropy=planted,moe=planted"
 
 
 def not_applicable(bug: PlantedBug, model) -> str:
@@ -70,12 +71,13 @@ def not_applicable(bug: PlantedBug, model) -> str:
     code, which the planted attention does not re-rotate)."""
     cfg, names = model.cfg, [n for n, _ in model.named_parameters()]
     needs = {SINK_GRAD_X2: (any("sinks" in n for n in names), "the model has no attention sinks"),
-             WINDOW_OFF_BY_ONE: (any(cfg.window_of_layer(i) for i in range(cfg.n_layers)), "no layer has a sliding window"),
+             WINDOW_OFF_BY_ONE: (any(cfg.window_of_layer(i) for i in range(cfg.n_layers)),
+                                 "no layer has a sliding window"),
              ROPE_BASE: (hasattr(cfg, "rope_theta"), "the model's rotary embedding is its family's own code"),
              Z_LOSS_SIGN: (cfg.lm_z_loss_coef > 0, "the model trains without an LM z-loss")}
     ok, why = needs.get(bug.selector, (True, ""))
     return "" if ok else why
-KERNELS = "attention=planted,cross_entropy=planted,moe=planted"
+
 
 # ---- the runtime selector -------------------------------------------------------------------------
 _ACTIVE: list = []

@@ -114,10 +114,9 @@ class SelftestReport:
 
     def format(self, verbose: bool = False) -> str:
         setup = self.report.setup
-        model = "a micro model" if setup.get("model_config", MICRO.to_dict()) == MICRO.to_dict() else \
-            f"a transformers {setup['model_config'].get('transformers', {}).get('model_type')}"
-        lines = [f"parity self-test: planted bugs on {model} ({setup.get('n_layers', MICRO.n_layers)} layers, d_model "
-                 f"{setup.get('d_model', MICRO.d_model)}, {setup.get('n_experts', MICRO.n_experts)} experts, window "
+        lines = [f"parity self-test: planted bugs on {setup.get('model', 'a micro model')} "
+                 f"({setup.get('n_layers', MICRO.n_layers)} layers, d_model {setup.get('d_model', MICRO.d_model)}, "
+                 f"{setup.get('n_experts', MICRO.n_experts)} experts, window "
                  f"{setup.get('window', MICRO.sliding_window)}, seq_len {setup['seq_len']}, "
                  f"{'packed rows' if self.report.setup.get('segmented') else 'unsegmented rows'}); "
                  f"each must fail the suite, naming the tensors at fault; on {' and on '.join(self.weights())} weights",
@@ -168,11 +167,13 @@ def run_selftest(dtypes=("float32", "bfloat16"), bugs=planted.CATALOGUE, seed: i
     if model_cfg is not MICRO and TRAINED in weights:
         raise ValueError("run_selftest: trained weights are MICRO's; another model runs on random weights only")
     window = max((model_cfg.window_of_layer(i) for i in range(model_cfg.n_layers)), default=0)
-    report = Report(setup={"n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model,
+    described = "a micro model" if model_cfg is MICRO else f"a transformers {model_cfg.model_type}"
+    report = Report(setup={"model": described, "n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model,
                            "n_experts": model_cfg.n_experts, "window": window,
                            "model_config": model_cfg.to_dict(), "batch": batch, "seq_len": seq_len, "seed": seed,
                            "backend": "cpu", "post_step": "TrainStep.update on the lowered gradients",
-                           "source": "self-test micro model", "weights": list(weights), "segmented": segments,
+                           "source": f"self-test {described.removeprefix('a ')}", "weights": list(weights),
+                           "segmented": segments,
                            "trained": {"steps": TRAINED_STEPS, "batch": TRAINED_BATCH, "loss": TRAINING_LOSS}})
     cases = []              # per weight set: (name, model, batch)
     for name in weights:

@@ -135,7 +135,8 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
 
     model_cfg: the model, used as given (`parity_config` makes the parity run's model from a
     preset), our ModelConfig or a transformers model's TransformersSpec (its ground truth is
-    transformers' own eager attention and experts on the same weights); state_dict: its weights (None: random init seeded with `seed`). kernel_sets: None
+    transformers' own eager attention and experts on the same weights); state_dict: its weights
+    (None: random init seeded with `seed`). kernel_sets: None
     (every registered implementation, see `default_kernel_sets`) or strings / dicts as
     `parse_kernel_sets` takes, or {dtype: such sets} to run other sets per dtype (then `dtypes`
     is its keys). dtypes: compute dtypes of the lowered run. kernel_options: tile
@@ -155,6 +156,9 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
     if full_step and not segments:
         ignore_fraction = 0.0
     _check_request(dtypes, batch, seq_len, ignore_fraction, kernel_options)
+    if include_hf and not isinstance(model_cfg, ModelConfig):
+        raise UserError("--hf compares our GPT-OSS decoder with transformers' GptOss; a transformers model's "
+                        "reference already is transformers' own eager attention and experts")
     if by_dtype is not None:
         sets, rows = list({kernel_label(c): c for per in by_dtype.values() for c in per}.values()), []
     elif kernel_sets is None:
@@ -212,9 +216,6 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
             new_rows = compare_runs(reference, run, before, resolved, dtype, router_names)
             report.rows.extend(new_rows)
             say(f"  {'FAIL' if any(r.failed for r in new_rows) else 'PASS'} {resolved} | {dtype}")
-    if include_hf and truth is not model:
-        raise UserError("--hf compares our GPT-OSS decoder with transformers' GptOss; a transformers model's "
-                        "reference already is transformers' own eager attention and experts")
     if include_hf:
         say("Hugging Face transformers comparison ...")
         state = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -86,3 +86,23 @@ def one_line_error(capsys, argv) -> str:
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     return err
+
+
+def assert_generates_as(generator, reference, prompts, new: int = 12):
+    """`generator`'s (train.generation.generator.Generator) greedy tokens and their
+    log-probabilities equal transformers' own `generate` of `reference` (eager attention, its
+    dynamic cache) for each prompt, within 1e-4; returns our Generation."""
+    import torch
+
+    from train.generation.sampling import SamplingConfig
+
+    prompts = [list(p) for p in prompts]
+    out = generator.generate(prompts, SamplingConfig(max_new_tokens=new, temperature=0, logprobs=True))
+    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
+        theirs = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                                    pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        expected = theirs.sequences[0, len(prompt):].tolist()
+        assert tokens == expected
+        np.testing.assert_allclose(logprobs, [torch.log_softmax(s[0].float(), -1)[t].item()
+                                              for s, t in zip(theirs.scores, expected)], atol=1e-4)
+    return out

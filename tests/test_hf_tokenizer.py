@@ -246,7 +246,8 @@ def test_sft_of_a_transformers_model_on_template_rendered_chats_trains_only_the_
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 16))
     val.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 4))
     data = tmp_path / "chat_data"
-    assert run_prepare("--chat", "--input", chats, "--val-input", val, "--out", data, "--tokenizer", f"hf:{qwen_dir}") == 0
+    assert run_prepare("--chat", "--input", chats, "--val-input", val, "--out", data,
+                       "--tokenizer", f"hf:{qwen_dir}") == 0
     enc = tokenizer.load_tokenizer(data)
     with shards.open_dataset(data, "train") as ds:
         docs = [ds.doc(d) for d in range(len(ds))]

@@ -28,7 +28,7 @@ def test_layer_period_is_the_repeating_pattern_of_layer_types():
 
 
 def test_stacking_round_trips_names_and_values():
-    layout = LayerLayout(n_layers=4, period=2, stacked=True)
+    layout = LayerLayout(n_layers=4, stacked=True, groups=((0, 2, 2),))     # period 2, twice
     params = {f"model.layers.{i}.mlp.router.weight": np.full((3, 2), i, np.float32) for i in range(4)}
     params["lm_head.weight"] = np.ones((5, 2), np.float32)
     stacked = layout.stack(params)

@@ -14,7 +14,8 @@ from tests.worker_env import worker_env
 ROOT = Path(__file__).resolve().parents[1]
 # kernels@mesh[@remat]
 RUNS = ["xla@data=8", "xla@data=2,fsdp=4@full", "xla@fsdp=2,tensor=2,expert=2@save-matmuls",
-        "pallas@fsdp=2,tensor=2,expert=2", "qwen3_moe:pallas@fsdp=2,tensor=2,expert=2",   # family:...: a transformers model
+        "pallas@fsdp=2,tensor=2,expert=2",
+        "qwen3_moe:pallas@fsdp=2,tensor=2,expert=2",       # family:...: a transformers model
         "llama:xla@fsdp=2,tensor=2,expert=2", "qwen3:xla@data=2,fsdp=2,tensor=2"]
 
 

@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import PLAY_LINES, one_line_error
+from helpers import PLAY_LINES, assert_generates_as, one_line_error
 from tests.test_hf_tokenizer import hf_tokenizer_dir
-from tests.test_transformers_train import assert_generates_as
 from formats.checkpoint import load_checkpoint
 from formats.errors import UserError
 from train.cli import main
+from train.generation.generator import Generator
 
 CONFIG = {"model_type": "qwen3_moe", "vocab_size": 448, "hidden_size": 64, "intermediate_size": 96,
           "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -59,7 +59,7 @@ def test_the_directory_loads_as_transformers_loads_it_and_generates_its_tokens(r
     theirs = dict(reference(root).named_parameters())
     assert sorted(state) == sorted(theirs) and all(torch.equal(state[k], theirs[k]) for k in theirs)
     assert spec.model_type == "qwen3_moe" and meta["imported_from"]["dtypes"] == ["float32"]
-    assert_generates_as(root / "hf", reference(root), prompts=[[445, 40, 41, 42, 43], [445, 60]])
+    assert_generates_as(Generator.from_checkpoint(root / "hf"), reference(root), [[445, 40, 41, 42, 43], [445, 60]])
 
 
 def test_init_from_the_directory_trains_whole_and_with_lora_from_its_loss(root, tmp_path):
@@ -83,7 +83,7 @@ def test_import_writes_our_checkpoint_of_the_same_model(root, tmp_path):
     state, spec, _ = load_checkpoint(tmp_path / "ck", transformers_ok=True)
     theirs = dict(reference(root).named_parameters())
     assert spec.config["model_type"] == "qwen3_moe" and all(torch.equal(state[k], theirs[k]) for k in theirs)
-    assert_generates_as(tmp_path / "ck", reference(root), prompts=[[445, 40, 41, 42, 43]])
+    assert_generates_as(Generator.from_checkpoint(tmp_path / "ck"), reference(root), [[445, 40, 41, 42, 43]])
 
 
 def test_what_the_directory_cannot_be_read_as_is_refused_by_field(root, tmp_path, capsys):

@@ -307,23 +307,15 @@ def test_generation_gives_transformers_own_greedy_tokens_and_logprobs(family):
     eager attention and dynamic cache: left-padded prompts of two lengths, Qwen3's window (5)
     shorter than the sequence so its ring of slots wraps; the same greedy tokens and each
     token's log-probability within 1e-4."""
+    from helpers import assert_generates_as
     from train.generation.generator import Generator
-    from train.generation.sampling import SamplingConfig
 
     ours, reference = models(family)
     with torch.no_grad():           # weights far from their tiny init: clear greedy margins
         for p in ours.parameters():
             p.normal_(0, 0.3)
     reference.load_state_dict(ours.state_dict(), strict=False)
-    prompts, new = [[5, 9, 17, 33, 2, 8, 11], [40, 41]], 12
-    out = Generator(ours).generate(prompts, SamplingConfig(max_new_tokens=new, temperature=0, logprobs=True))
-    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
-        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0,
-                                    output_scores=True, return_dict_in_generate=True)
-        expected = theirs.sequences[0, len(prompt):].tolist()
-        assert tokens == expected
-        expected_logps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(theirs.scores, expected)]
-        np.testing.assert_allclose(logprobs, expected_logps, atol=1e-4)
+    out = assert_generates_as(Generator(ours), reference, [[5, 9, 17, 33, 2, 8, 11], [40, 41]])
     assert len(set(out.tokens[0])) > 2           # not one repeated token: the test can tell models apart
 
 
@@ -337,9 +329,11 @@ def test_parity_against_transformers_eager_attention_and_experts(family):
     from parity.suite import run_parity
 
     report = run_parity(transformers_lm.TransformersSpec(CONFIGS[family]().to_dict()), compiler_options=FAST_COMPILE,
-                        kernel_sets={"float32": ["xla"], "bfloat16": ["attention=pallas,cross_entropy=pallas,moe=pallas"]})
+                        kernel_sets={"float32": ["xla"],
+                                     "bfloat16": ["attention=pallas,cross_entropy=pallas,moe=pallas"]})
     assert report.passed, report.format()
-    assert ("model.layers.2.mlp.gate" in {r.name for r in report.rows if r.category == "routing"}) == (family == "qwen3_moe")
+    routed = {r.name for r in report.rows if r.category == "routing"}
+    assert ("model.layers.2.mlp.gate" in routed) == (family == "qwen3_moe")
 
 
 def test_planted_bugs_fail_the_parity_suite_on_a_qwen3_moe():

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from helpers import PLAY_LINES, one_line_error, prepare_play_corpus
+from helpers import PLAY_LINES, assert_generates_as, one_line_error, prepare_play_corpus
 from train.cli import main
+from train.generation.generator import Generator
 
 # Qwen3-MoE: a dense layer between MoE ones, its router loss; the prepared corpus has 320 ids.
 CONFIG = {"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
@@ -14,6 +15,7 @@ CONFIG = {"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "inte
           "output_router_logits": True, "router_aux_loss_coef": 0.01, "max_position_embeddings": 128}
 ARGS = ["--batch-size", "4", "--seq-len", "64", "--samples", "0", "--eval-every", "6", "--eval-batches", "2",
         "--log-every", "1", "--checkpoint-every", "6", "--lr", "0.02", "--adam-lr", "0.01"]
+PROMPTS = [[319, 40, 41, 42, 43, 44, 45, 46, 47], [319, 60]]     # 319: the corpus tokenizer's document start
 
 
 @pytest.fixture(scope="module")
@@ -180,28 +182,7 @@ def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, 
     for got in (theirs, folded):
         assert ((got - ours).norm() / ours.norm()).item() <= 1e-5
     # Generation with the adapters unmerged on the compiled decoder: peft's model's greedy tokens.
-    assert_generates_as(root / "lora", peft_model)
-
-
-def assert_generates_as(checkpoint, reference, new: int = 12, prompts=((319, 40, 41, 42, 43, 44, 45, 46, 47), (319, 60))):
-    """The checkpoint's compiled greedy tokens and their log-probabilities equal transformers'
-    own `generate` of `reference` (eager attention, its dynamic cache) for the prompts."""
-    import numpy as np
-    import torch
-
-    from train.generation.generator import Generator
-    from train.generation.sampling import SamplingConfig
-
-    prompts = [list(p) for p in prompts]
-    out = Generator.from_checkpoint(checkpoint).generate(prompts, SamplingConfig(max_new_tokens=new, temperature=0,
-                                                                                  logprobs=True))
-    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
-        theirs = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                                    pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        expected = theirs.sequences[0, len(prompt):].tolist()
-        assert tokens == expected
-        np.testing.assert_allclose(logprobs, [torch.log_softmax(s[0].float(), -1)[t].item()
-                                              for s, t in zip(theirs.scores, expected)], atol=1e-4)
+    assert_generates_as(Generator.from_checkpoint(root / "lora"), peft_model, PROMPTS)
 
 
 def test_generate_and_task_scores_of_the_run_are_transformers_own(root, whole, exported, capsys, tmp_path):
@@ -216,7 +197,7 @@ def test_generate_and_task_scores_of_the_run_are_transformers_own(root, whole, e
 
     reference = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager",
                                                      experts_implementation="eager").eval()
-    assert_generates_as(whole, reference)
+    assert_generates_as(Generator.from_checkpoint(whole), reference, PROMPTS)
     assert main(["generate", "--checkpoint", str(whole), "--prompt", "ROMEO:", "--max-tokens", "8"]) == 0
     assert "ROMEO:" in capsys.readouterr().out
     requests = [LoglikelihoodRequest((319, 40, 41, 42), (43, 44)), LoglikelihoodRequest((319, 40, 41, 42), (50,)),

@@ -14,6 +14,8 @@ own weights. `TransformersSpec` is such a model's record in checkpoints, as `Mod
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -326,8 +328,6 @@ class TransformersCausalLM(CausalLMHead, nn.Module):
     def reference_twin(self) -> "TransformersCausalLM":
         """The same model (a copy of its weights) over transformers' own eager attention and
         experts: the parity suite's ground truth."""
-        import copy
-
         twin = build(copy.deepcopy(self.config), reference=True)     # transformers writes the implementation into it
         twin.load_state_dict(self.state_dict())
         return twin

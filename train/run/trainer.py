@@ -346,7 +346,8 @@ class Trainer:
         if not cfg.init_from:
             return wanted, None
         if init_from_hf.is_gpt_oss_dir(cfg.init_from):
-            model_cfg, weights = self._hf_model_config(wanted, explicit, bos, eos)
+            model_cfg, weights = self._streamed_config(*init_from_hf.open_for_init(cfg.init_from), wanted, explicit,
+                                                       bos, eos)
             if not (cfg.lora or cfg.freeze):
                 return model_cfg, weights
             # LoRA or frozen parameters: the model is built on the host (not streamed onto the mesh).
@@ -370,13 +371,10 @@ class Trainer:
         print(f"initialized from {init_meta['step_dir']} (step {init_meta['step']}); fresh optimizer state")
         return model_cfg, state
 
-    def _hf_model_config(self, wanted, explicit: dict, bos: int, eos: int):
-        """(ModelConfig, HFWeights) of --init-from a Hugging Face directory: nothing read yet;
-        the train state is made from it slice by slice once the mesh exists."""
-        return self._streamed_config(*init_from_hf.open_for_init(self.cfg.init_from), wanted, explicit, bos, eos)
-
     def _streamed_config(self, init_cfg, weights, wanted, explicit: dict, bos: int, eos: int):
-        """(model record, HFWeights) of a directory streamed onto the mesh, its tokenizer checked."""
+        """(model record, HFWeights) of --init-from a Hugging Face directory streamed onto the mesh,
+        its tokenizer checked: nothing read yet; the train state is made from it slice by slice
+        once the mesh exists."""
         from formats.hf_tokenizer import recognize
         from formats.tokenizer import check_same_tokenizer
 
@@ -642,8 +640,9 @@ def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
     prompts = (DEFAULT_PROMPTS * cfg.samples)[:cfg.samples]
     ids = [[bos] + tokenizer.encode_ordinary(p) for p in prompts]
     # A sample is a preview: it stops where the model's positions end (a small config's may be few).
-    room = model.cfg.max_position_embeddings - max(map(len, ids)) if model.cfg.max_position_embeddings else cfg.sample_tokens
-    outs = generate(model, ids, max_new_tokens=max(1, min(cfg.sample_tokens, room)), temperature=cfg.temperature, top_k=cfg.top_k,
+    positions = model.cfg.max_position_embeddings
+    new_tokens = max(1, min(cfg.sample_tokens, positions - max(map(len, ids)))) if positions else cfg.sample_tokens
+    outs = generate(model, ids, max_new_tokens=new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                     seed=cfg.seed, stop_tokens=(eos,), tokenizer=tokenizer).tokens
     return [{"prompt": p, "text": p + tokenizer.decode([t for t in ids if t not in (bos, eos)])}
             for p, ids in zip(prompts, outs)]
