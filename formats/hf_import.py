@@ -80,24 +80,42 @@ def import_hf(hf_dir, out_dir, *, dense: bool = False, overwrite: bool = False, 
 
 
 def import_transformers(hf_dir, out_dir, *, overwrite: bool = False, progress: bool = False) -> dict:
-    """Write `out_dir` as a parameters-only float32 checkpoint (step 0) of another family's
-    directory (formats/transformers_import.py: loaded whole by transformers' `from_pretrained`,
-    so host memory holds the model once in float32), its tokenizer.json converted when it can be."""
-    from formats.transformers_import import load_transformers_dir
+    """Write `out_dir` as a parameters-only checkpoint (step 0) of another family's directory, its
+    tokenizer.json converted when it can be. A directory that reads slice by slice
+    (formats/transformers_import.py: `open_streamed`) is copied one tensor at a time in its
+    stored precision (float16 widened to float32), so host memory holds one tensor; any other is
+    loaded whole by transformers' `from_pretrained`, in float32."""
+    from formats.transformers_import import load_transformers_dir, open_streamed
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{out}: output directory exists and is not empty (pass --overwrite to replace it)")
     start = time.perf_counter()
-    state, spec, meta = load_transformers_dir(hf_dir)
+    opened = open_streamed(hf_dir)
+    if opened is None:
+        state, spec, meta = load_transformers_dir(hf_dir)
+        imported_from, tensors = meta["imported_from"], ((name, value.numpy()) for name, value in state.items())
+        names = list(state)
+    else:
+        spec, weights = opened
+        imported_from = {"dir": str(hf_dir.resolve()), "dtypes": stored_dtypes(weights)}
+        names = list(weights.entries)
+        tensors = ((name, _stored(weights.read(name))) for name in names)
     enc, tokenizer = recognize(hf_dir)
-    with checkpoint.params_writer(out, spec, step=0, extra={"imported_from": meta["imported_from"]}, tokenizer=enc,
+    total = 0
+    with checkpoint.params_writer(out, spec, step=0, extra={"imported_from": imported_from}, tokenizer=enc,
                                   overwrite=overwrite) as add:
-        for name, value in tqdm(state.items(), desc="import", disable=not progress):
-            add(name, value.numpy())
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    return {"out": str(out), "config": spec, "dtypes": meta["imported_from"]["dtypes"], "n_tensors": len(state),
-            "tokenizer": tokenizer, "input_bytes": total, "seconds": time.perf_counter() - start}
+        for name, value in tqdm(tensors, total=len(names), desc="import", disable=not progress):
+            add(name, value)
+            total += value.nbytes
+    return {"out": str(out), "config": spec, "dtypes": imported_from["dtypes"], "n_tensors": len(names),
+            "tokenizer": tokenizer, "input_bytes": total, "seconds": time.perf_counter() - start,
+            "streamed": opened is not None}
+
+
+def _stored(array: np.ndarray) -> np.ndarray:
+    """A tensor as a checkpoint keeps it: float32 and bfloat16 as stored, float16 widened."""
+    return array if str(array.dtype) in checkpoint.STORED_DTYPES else array.astype(np.float32)
 
 
 def add_arguments(parser) -> None:
@@ -123,6 +141,7 @@ def run(args) -> int:
     rate = summary["input_bytes"] / 1e9 / max(summary["seconds"], 1e-9)
     print(f"imported {summary['n_tensors']} tensors ({', '.join(summary['dtypes'])}; {cfg.n_layers} layers, "
           f"d_model {cfg.d_model}, {kind}) into {summary['out']}: {summary['input_bytes'] / 1e9:.2f} GB of input in "
-          f"{summary['seconds']:.1f} s ({rate:.2f} GB/s)")
+          f"{summary['seconds']:.1f} s ({rate:.2f} GB/s)"
+          + {True: "; read one tensor at a time", False: "; loaded whole (float32)"}.get(summary.get("streamed"), ""))
     print(f"tokenizer: {summary['tokenizer']}")
     return 0

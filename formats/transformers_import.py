@@ -7,9 +7,10 @@ files); the weights are loaded by transformers' own `from_pretrained`, so every 
 released layout needs (Qwen3-MoE's per-expert tensors fused into one stack, ...) is transformers'
 own and nothing here names a family. The load is strict: a tensor missing, unexpected or of
 another shape is an error that names it. The whole model is held on the host in float32, as every
-command that loads one of our checkpoints whole does; `--init-from` of a directory whose tensors
-are stored under the model's own names and shapes (`open_streamed`: Llama, Qwen3) reads each
-device's slice onto the mesh instead, as gpt-oss directories are read (formats/init_from_hf.py).
+command that loads one of our checkpoints whole does; `--init-from` and `import` of a directory
+whose tensors are stored under the model's own names and shapes (Llama, Qwen3), or whose layout
+transformers converts by moving tensors only (Qwen3-MoE), stream it instead (`open_streamed`):
+each device's slice read onto the mesh, as gpt-oss directories are read (formats/init_from_hf.py).
 """
 from __future__ import annotations
 
@@ -50,18 +51,26 @@ def read_spec(hf_dir) -> TransformersSpec:
 
 
 def open_streamed(hf_dir):
-    """(TransformersSpec, HFWeights) when the directory stores every tensor under the model's own
-    name and shape (a family whose released layout transformers does not convert: Llama, Qwen3),
-    so that `--init-from` can read each device's slice of it onto the mesh, as for gpt-oss; None
-    when its layout needs transformers' renaming (Qwen3-MoE's per-expert tensors): it then loads
-    whole (`load_transformers_dir`)."""
+    """(TransformersSpec, weights) of a directory whose tensors can be read slice by slice as the
+    model's own (`read(name, index)`, `entries`): stored under the model's names and shapes
+    (Llama, Qwen3), or in a layout transformers converts by moving tensors only (Qwen3-MoE's
+    per-expert tensors fused into stacks: formats/transformers_conversion.py). `--init-from` then
+    reads each device's slice onto the mesh and `import` one tensor at a time. None when the
+    conversion is not one of those: the directory then loads whole (`load_transformers_dir`)."""
     from formats.hf_weights import HFWeights
     from formats.model_checks import model_shapes
+    from formats.transformers_conversion import ConvertedWeights, conversion_rules, converted_names
 
     spec = read_spec(hf_dir)
     weights = HFWeights(hf_dir, quantized=False)
-    stored = {name: tuple(entry.shape) for name, entry in weights.entries.items()}
-    return (spec, weights) if stored == model_shapes(spec) else None
+    expected = model_shapes(spec)
+    if {name: tuple(entry.shape) for name, entry in weights.entries.items()} == expected:
+        return spec, weights
+    rules = conversion_rules(spec.config["model_type"])
+    if not rules:
+        return None
+    view = ConvertedWeights(weights, converted_names(list(weights.entries), rules))
+    return (spec, view) if {name: tuple(e.shape) for name, e in view.entries.items()} == expected else None
 
 
 def load_transformers_dir(hf_dir) -> tuple[dict[str, torch.Tensor], TransformersSpec, dict]:

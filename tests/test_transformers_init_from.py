@@ -1,6 +1,6 @@
 """A released-style transformers directory of another family than gpt-oss (formats/transformers_import.py):
 a Qwen3-MoE saved by transformers' own `save_pretrained` (its experts one tensor per expert on disk,
-a Qwen-style tokenizer.json) read through `from_pretrained`, trained from (`--init-from`, whole and
+a Qwen-style tokenizer.json) read as `from_pretrained` reads it, streamed or whole, trained from (`--init-from`, whole and
 with LoRA), imported, generated from and evaluated; what it cannot read is refused by field."""
 import json
 
@@ -78,8 +78,9 @@ def test_init_from_the_directory_trains_whole_and_with_lora_from_its_loss(root, 
                  "--steps", "3", "--resume", *ARGS, "--lora", "r=4,alpha=8"]) == 0
 
 
-def test_import_writes_our_checkpoint_of_the_same_model(root, tmp_path):
+def test_import_writes_our_checkpoint_of_the_same_model(root, tmp_path, capsys):
     assert main(["import", "--hf", str(root / "hf"), "--out", str(tmp_path / "ck")]) == 0
+    assert "read one tensor at a time" in capsys.readouterr().out      # the fused experts too
     state, spec, _ = load_checkpoint(tmp_path / "ck", transformers_ok=True)
     theirs = dict(reference(root).named_parameters())
     assert spec.config["model_type"] == "qwen3_moe" and all(torch.equal(state[k], theirs[k]) for k in theirs)
@@ -108,10 +109,11 @@ def test_what_the_directory_cannot_be_read_as_is_refused_by_field(root, tmp_path
         load_checkpoint(short, transformers_ok=True)
 
 
-def test_a_directory_stored_under_the_models_own_names_streams_onto_the_mesh(root, tmp_path, capsys):
-    """A Qwen3 (dense: transformers converts nothing of its layout) is read slice by slice into the
-    train state (formats/init_from_hf.py's reader), giving transformers' own parameters; the
-    Qwen3-MoE directory, whose experts transformers fuses, is not (it loads whole)."""
+def test_directories_stream_onto_the_mesh_as_transformers_own_parameters(root, tmp_path, capsys):
+    """A Qwen3 (dense: transformers converts nothing of its layout) and the Qwen3-MoE directory
+    (one tensor per expert, which transformers fuses into [E, 2I, H] gate-up stacks) are read slice
+    by slice into the train state (formats/init_from_hf.py's reader), giving transformers' own
+    parameters; a block of a fused stack reads only the bytes it covers."""
     import shutil
 
     import numpy as np
@@ -128,12 +130,19 @@ def test_a_directory_stored_under_the_models_own_names_streams_onto_the_mesh(roo
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(dense)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(root / "hf" / name, dense / name)
-    assert transformers_import.open_streamed(root / "hf") is None
-    spec, weights = transformers_import.open_streamed(dense)
-    step = TrainStep(spec.build(), OptimizerConfig(), StepConfig(kernels="xla", scan_layers=True))
-    got = step.layer_layout.unstack({k: np.asarray(v) for k, v in init_from_hf.init_state(step, weights).params.items()})
-    theirs = dict(AutoModelForCausalLM.from_pretrained(dense).named_parameters())
-    assert sorted(got) == sorted(theirs) and all(np.array_equal(got[k], theirs[k].detach().numpy()) for k in theirs)
+    for directory in (dense, root / "hf"):
+        spec, weights = transformers_import.open_streamed(directory)
+        step = TrainStep(spec.build(), OptimizerConfig(), StepConfig(kernels="xla", scan_layers=True))
+        params = init_from_hf.init_state(step, weights).params
+        got = step.layer_layout.unstack({k: np.asarray(v) for k, v in params.items()})
+        theirs = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+        assert sorted(got) == sorted(theirs), directory
+        assert all(np.array_equal(got[k], theirs[k].detach().numpy()) for k in theirs), directory
+    # The MoE's last view: a block across the gate/up seam of experts 1-2 reads those bytes only.
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    before, block = weights.bytes_requested, (slice(1, 3), slice(20, 40), slice(0, 64))
+    assert np.array_equal(weights.read(name, block), theirs[name].detach().numpy()[block])
+    assert weights.bytes_requested - before == 2 * 20 * 64 * 4
     assert main(["train", "--init-from", str(dense), "--data", str(root / "data"), "--out", str(tmp_path / "run"),
                  "--steps", "2", *ARGS]) == 0
     out = capsys.readouterr().out

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from jax_bridge.distributed import say
 from formats.hf_weights import HFWeights
+from formats.transformers_conversion import ConvertedWeights
 from formats import checkpoint, init_from_hf, lora_checkpoint, transformers_import
 from train.run import flops
 from torch_model.config import ModelConfig
@@ -161,7 +162,7 @@ class Trainer:
         self.preference = self._preference_config()
 
         torch.manual_seed(cfg.seed)
-        from_hf = isinstance(init_state, HFWeights)
+        from_hf = isinstance(init_state, (HFWeights, ConvertedWeights))
         with torch.device("meta") if from_hf else contextlib.nullcontext():   # from HF: no weights on the host
             self.model = build_model(self.model_cfg)
         if init_state is not None and not from_hf:
@@ -358,7 +359,8 @@ class Trainer:
             opened = transformers_import.open_streamed(cfg.init_from)
             if opened is not None:                      # each device's slice read onto the mesh
                 return self._streamed_config(*opened, wanted, explicit, bos, eos)
-            say(f"--init-from {cfg.init_from}: its layout needs transformers' renaming; loaded whole on the host")
+            say(f"--init-from {cfg.init_from}: its layout needs a conversion of transformers' that is not read slice "
+                f"by slice (formats/transformers_conversion.py); loaded whole on the host")
         state, init_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from, transformers_ok=True)
         self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
         model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
@@ -372,7 +374,7 @@ class Trainer:
         return model_cfg, state
 
     def _streamed_config(self, init_cfg, weights, wanted, explicit: dict, bos: int, eos: int):
-        """(model record, HFWeights) of --init-from a Hugging Face directory streamed onto the mesh,
+        """(model record, HFWeights or ConvertedWeights) of --init-from a Hugging Face directory streamed onto the mesh,
         its tokenizer checked: nothing read yet; the train state is made from it slice by slice
         once the mesh exists."""
         from formats.hf_tokenizer import recognize
