@@ -150,3 +150,24 @@ def test_directories_stream_onto_the_mesh_as_transformers_own_parameters(root, t
     evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["val_loss"] < evals[0]["val_loss"]
+
+
+def test_a_renamed_released_layout_reads_as_from_pretrained_reads_it(tmp_path):
+    """Mixtral as released (`block_sparse_moe.experts.E.w1/w2/w3`, renamed and fused by
+    transformers' declaration) reads tensor for tensor as `from_pretrained`'s parameters; a
+    declaration with an operation the reader does not interpret (a prefix change) is not read."""
+    import numpy as np
+
+    from formats import transformers_import
+    from formats.transformers_conversion import ConvertedWeights, conversion_rules
+
+    config = AutoConfig.for_model("mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=3,
+                                  num_experts_per_tok=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert any(".block_sparse_moe.experts.2.w3." in k for k in load_file(tmp_path / "model.safetensors"))
+    _, weights = transformers_import.open_streamed(tmp_path)
+    theirs = dict(AutoModelForCausalLM.from_pretrained(tmp_path).named_parameters())
+    assert isinstance(weights, ConvertedWeights) and sorted(weights.entries) == sorted(theirs)
+    assert all(np.array_equal(weights.read(n), p.detach().numpy()) for n, p in theirs.items())
+    assert conversion_rules("qwen3_5_moe_text") is None
