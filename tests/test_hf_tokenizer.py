@@ -237,25 +237,44 @@ def test_a_template_that_rewrites_earlier_turns_or_thinking_or_no_template_is_re
         conversations.check_chat_tokenizer(tokenizer.build_tokenizer(tokenizer.parse_spec(f"hf:{bare}")), "x")
 
 
-def test_sft_of_a_transformers_model_on_template_rendered_chats_trains_only_the_assistants_tokens(tmp_path, qwen_dir):
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory, qwen_dir):
+    """Conversations rendered with the directory's chat template: train and val split."""
     from train.cli import main
 
+    tmp_path = tmp_path_factory.mktemp("chats")
     # The validation split is its own file: --val-fraction hashes each document's id, which holds the
     # temporary path, so the split (and whether val has a batch of short conversations) varied by run.
     chats, val = tmp_path / "chats.jsonl", tmp_path / "val.jsonl"
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 16))
     val.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 4))
     data = tmp_path / "chat_data"
-    assert run_prepare("--chat", "--input", chats, "--val-input", val, "--out", data,
-                       "--tokenizer", f"hf:{qwen_dir}") == 0
-    enc = tokenizer.load_tokenizer(data)
-    with shards.open_dataset(data, "train") as ds:
+    assert main(["prepare", "--chat", "--input", str(chats), "--val-input", str(val), "--out", str(data),
+                 "--tokenizer", f"hf:{qwen_dir}"]) == 0
+    return data
+
+
+def test_template_rendered_chats_weight_only_the_assistants_tokens(chat_data):
+    enc = tokenizer.load_tokenizer(chat_data)
+    with shards.open_dataset(chat_data, "train") as ds:
         docs = [ds.doc(d) for d in range(len(ds))]
         weights = ds.read_segments([(d, 0, int(ds.lengths[d])) for d in range(len(ds))], "weights")
     answers = {"".join(m["content"] + "<|im_end|>\n" for m in c if m["role"] == "assistant") for c in CHATS}
     assert docs and all(enc.decode(ids[w == 1].tolist()) in answers for ids, w in zip(docs, weights))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_sft_of_each_transformers_family_trains_only_the_assistants_tokens(chat_data, family, tmp_path):
+    """`train --model-config` on the template-rendered chats: every step's loss counts the
+    assistant's tokens only (a share of the row's tokens, never all, never none)."""
+    from tests.transformers_configs import CONFIGS
+    from train.cli import main
+
+    config = {**CONFIGS[family]().to_dict(), "vocab_size": tokenizer.load_tokenizer(chat_data).n_vocab,
+              "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     out = tmp_path / "sft"
-    assert main(["train", "--model-config", "docs/models/qwen3-moe-tiny.json", "--data", str(data), "--out", str(out),
+    assert main(["train", "--model-config", str(tmp_path / "config.json"), "--data", str(chat_data), "--out", str(out),
                  "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--log-every", "1", "--eval-every", "2",
                  "--eval-batches", "1", "--samples", "0"]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -63,9 +63,11 @@ def test_a_transformers_model_trains_checkpoints_and_resumes_exactly(root, whole
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_dense_families_train_on_the_corpus_through_the_command_line(root, family, tmp_path):
+def test_the_dense_families_train_on_the_corpus_and_their_trained_adapters_load_in_peft(root, family, tmp_path):
     """Llama (llama3 rope scaling, tied head) and Qwen3 (a sliding layer after a full one) from
-    their transformers configs: `train --model-config` lowers the validation loss."""
+    their transformers configs: `train --model-config` lowers the validation loss; a LoRA run from
+    it lowers it further, and its adapter, exported for peft beside the exported base, loads onto
+    transformers' model with our logits within 1e-5."""
     from tests.transformers_configs import CONFIGS
 
     config = {**CONFIGS[family]().to_dict(), "vocab_size": CONFIG["vocab_size"], "max_position_embeddings": 128}
@@ -74,6 +76,37 @@ def test_the_dense_families_train_on_the_corpus_through_the_command_line(root, f
                  str(tmp_path / "run"), "--steps", "8", *ARGS, "--eval-every", "4", "--checkpoint-every", "8"]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["val_loss_end"] < summary["val_loss_start"]
+    assert main(["train", "--init-from", str(tmp_path / "run"), "--lora", "r=4,alpha=8", "--data", str(root / "data"),
+                 "--out", str(tmp_path / "lora"), "--steps", "4", *ARGS, "--eval-every", "4"]) == 0
+    lora_summary = json.loads((tmp_path / "lora" / "summary.json").read_text())
+    assert lora_summary["val_loss_end"] < summary["val_loss_end"]
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "base")]) == 0
+    assert_adapter_loads_in_peft(tmp_path / "lora", tmp_path / "base", tmp_path / "adapter")
+
+
+def assert_adapter_loads_in_peft(lora_run, base_dir, adapter_dir):
+    """Export `lora_run`'s adapter for peft on `base_dir` (an export of its base); peft's model on
+    transformers' eager one gives the run's logits within 1e-5, and the adapters change them.
+    Returns peft's model."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from formats.lora_checkpoint import load_lora_model
+
+    assert main(["export", "--checkpoint", str(lora_run), "--adapter", "--base-model", str(base_dir),
+                 "--out", str(adapter_dir)]) == 0
+    wrapped, _, _ = load_lora_model(lora_run)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 24))
+    base = AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager", experts_implementation="eager")
+    with torch.no_grad():
+        plain = base(ids).logits
+    peft_model = PeftModel.from_pretrained(base, adapter_dir)
+    with torch.no_grad():
+        ours, theirs = wrapped(ids), peft_model(ids).logits
+    assert (ours - plain).abs().max() > 1e-3                     # the adapters changed the model
+    assert ((theirs - ours).norm() / ours.norm()).item() <= 1e-5
+    return peft_model
 
 
 def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, whole, capsys, tmp_path):
@@ -148,7 +181,6 @@ def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, 
     loads onto transformers' model of the exported base with our logits, and the merged export
     loads in transformers with them too."""
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from formats.lora_checkpoint import load_lora_model
@@ -164,23 +196,16 @@ def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, 
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
     assert main(["train", *lora, "--steps", "8", "--resume"]) == 0
     assert sorted(losses(root / "lora"))[-1] == 8
-    assert main(["export", "--checkpoint", str(root / "lora"), "--adapter", "--base-model", str(exported),
-                 "--out", str(root / "adapter")]) == 0
+    peft_model = assert_adapter_loads_in_peft(root / "lora", exported, root / "adapter")
     assert main(["export", "--checkpoint", str(root / "lora"), "--out", str(root / "merged")]) == 0
     assert main(["eval", "--checkpoint", str(root / "lora")]) == 0
     wrapped, _, _ = load_lora_model(root / "lora")
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 24))
-    base = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager", experts_implementation="eager")
-    with torch.no_grad():
-        plain = base(ids).logits
-    peft_model = PeftModel.from_pretrained(base, root / "adapter")
     merged = AutoModelForCausalLM.from_pretrained(root / "merged", attn_implementation="eager",
                                                   experts_implementation="eager")
     with torch.no_grad():
-        ours, theirs, folded = wrapped(ids), peft_model(ids).logits, merged(ids).logits
-    assert (ours - plain).abs().max() > 1e-3                     # the adapters changed the model
-    for got in (theirs, folded):
-        assert ((got - ours).norm() / ours.norm()).item() <= 1e-5
+        ours, folded = wrapped(ids), merged(ids).logits
+    assert ((folded - ours).norm() / ours.norm()).item() <= 1e-5
     # Generation with the adapters unmerged on the compiled decoder: peft's model's greedy tokens.
     assert_generates_as(Generator.from_checkpoint(root / "lora"), peft_model, PROMPTS)
 
