@@ -88,11 +88,13 @@ class Report:
         row in full (every row with verbose)."""
         s = self.setup
         cfg = s.get("model_config", {})
-        kinds = cfg.get("layer_types", [])
+        cfg = cfg.get("transformers", cfg)          # a transformers model's record: its config
+        kinds = cfg.get("layer_types") or []
         windows = [f"{kinds.count(k)} {k.split('_')[0]}" for k in ("sliding_attention", "full_attention") if k in kinds]
+        attention = (f"window {cfg.get('sliding_window')} on {' + '.join(windows)} layers"
+                     if "sliding_attention" in kinds else "no sliding window")
         lines = [f"parity: {s.get('source', 'model')} ({s['n_layers']} layers, d_model {s['d_model']}, "
-                 f"{s['n_experts']} experts, window {cfg.get('sliding_window', '?')} on "
-                 f"{' + '.join(windows) or '?'} layers), batch {s['batch']}, seq_len {s['seq_len']}, seed {s['seed']}, "
+                 f"{s['n_experts']} experts, {attention}), batch {s['batch']}, seq_len {s['seq_len']}, seed {s['seed']}, "
                  f"{s.get('ignored_labels', 0)} labels ignored, backend {s['backend']}; "
                  f"post-step params from {s['post_step']}",
                  f"loss coefficients: {s.get('loss_coefficients', {})}; kernel options: {s.get('kernel_options') or '-'}",
