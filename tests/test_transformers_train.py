@@ -123,6 +123,11 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
                                                  "n_layer": 1, "n_head": 2}))
     assert "skeleton" in one_line_error(capsys, ["train", "--model-config", str(root / "bloom.json"), "--samples", "0",
                                                  *data])
+    (root / "dropout.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+                                                   "intermediate_size": 48, "num_hidden_layers": 1,
+                                                   "num_attention_heads": 2, "attention_dropout": 0.1}))
+    assert "attention_dropout=0.1" in one_line_error(capsys, ["train", "--model-config", str(root / "dropout.json"),
+                                                              "--samples", "0", *data])
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}],
                                                         "answer": "Hi"}) + "\n")
     assert "rl of transformers models is not built" in one_line_error(
