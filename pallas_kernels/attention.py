@@ -210,8 +210,8 @@ def attention_grid(seq_len: int, *, sliding_window: int, block_q: int, block_kv:
     """The forward kernel's grid plan (for tests and cost reasoning).
 
     Returns q_blocks, kv_steps (kv grid extent per q block), grid_steps (q_blocks * kv_steps, per
-    batch and head) and computed_blocks (steps that do work; the rest are skipped and re-use the
-    previous block, so they cost no DMA).
+    batch and kv head: a GQA group's query heads share each step) and computed_blocks (steps that
+    do work; the rest are skipped and re-use the previous block, so they cost no DMA).
     """
     mode = kernel_mode("tpu", who="attention_grid")
     block_q, block_kv, tp = _plan_blocks(seq_len, block_q, block_kv, mode)
@@ -334,11 +334,14 @@ def _pad_segments(segment_ids, tp):
     return seg if t == tp else jnp.pad(seg, ((0, 0), (0, tp - t)), mode="edge")
 
 
-# ---- TPU (Mosaic) kernels: grid over (batch, head, block, inner block), VMEM accumulators -------
+# ---- TPU (Mosaic) kernels: grid over (batch, kv head, block, inner block), VMEM accumulators ----
 
 def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *,
                     cfg: _Cfg, precision, seg: _Segments | None = None):
+    # One grid step holds a GQA group's query heads (leading axis of the q, o, lse blocks and the
+    # scratch) against one K/V block: the block is read from HBM once per group, not per head.
     bi, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    group = q_ref.shape[0]
     lo, hi = _kv_range(i, cfg)
     if seg is not None:
         lo = seg.kv_lo[bi, i]
@@ -347,31 +350,40 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
     @pl.when(j == 0)
     def _init():
         # The sink is the running max's starting point with weight exp(0) = 1: l starts at 1.
-        m_scr[...] = jnp.full(m_scr.shape, sinks_ref[h], jnp.float32)
+        for g in range(group):
+            m_scr[g] = jnp.full(m_scr.shape[1:], sinks_ref[h * group + g], jnp.float32)
         l_scr[...] = jnp.ones(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
     def step(masked: bool):
-        s = _dot(q_ref[...], k_ref[...], (1, 1), precision) * cfg.scale
-        if masked:
-            s = jnp.where(_tile_mask(i * cfg.block_q, kb * cfg.block_kv, s.shape, cfg.window, seg), s, _MASK_VALUE)
-        m_prev = m_scr[...]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, :1])
-        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
-        v = v_ref[...]
-        acc_scr[...] = acc_scr[...] * alpha[:, :1] + _dot(p.astype(v.dtype), v, (1, 0), precision)
-        m_scr[...] = m_next
+        k, v = k_ref[...], v_ref[...]
+        mask = (_tile_mask(i * cfg.block_q, kb * cfg.block_kv, (cfg.block_q, cfg.block_kv), cfg.window, seg)
+                if masked else None)
+
+        def head(g, carry):
+            s = _dot(q_ref[g], k, (1, 1), precision) * cfg.scale
+            if mask is not None:
+                s = jnp.where(mask, s, _MASK_VALUE)
+            m_prev = m_scr[g]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.exp(s - m_next[:, :1])
+            l_scr[g] = alpha * l_scr[g] + jnp.sum(p, axis=1, keepdims=True)
+            acc_scr[g] = acc_scr[g] * alpha[:, :1] + _dot(p.astype(v.dtype), v, (1, 0), precision)
+            m_scr[g] = m_next
+            return carry
+
+        lax.fori_loop(0, group, head, 0)
 
     # Steps past the last needed kv block are skipped (their index_map re-used the block: no DMA).
     _run_live_step(step, kb <= hi, _fully_visible(i * cfg.block_q, kb * cfg.block_kv, cfg), seg)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
-        l = l_scr[...]
-        o_ref[...] = (acc_scr[...] / l[:, :1]).astype(o_ref.dtype)
-        lse_ref[...] = _lanes_to_row(m_scr[...] + jnp.log(l))
+        for g in range(group):
+            l = l_scr[g]
+            o_ref[g] = (acc_scr[g] / l[:, :1]).astype(o_ref.dtype)
+            lse_ref[g] = _lanes_to_row(m_scr[g] + jnp.log(l))
 
 
 def _lanes_to_row(col):
@@ -389,6 +401,7 @@ def _lanes_to_row(col):
 
 def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, *,
                    cfg: _Cfg, precision, seg: _Segments | None = None):
+    # As the forward: a GQA group's query heads per grid step, each K/V block read once per group.
     bi, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     lo, hi = _kv_range(i, cfg)
     if seg is not None:
@@ -401,13 +414,20 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_s
 
     def step(masked: bool):
         k, v = k_ref[...], v_ref[...]
-        s = _dot(q_ref[...], k, (1, 1), precision) * cfg.scale
-        if masked:
-            s = jnp.where(_tile_mask(i * cfg.block_q, kb * cfg.block_kv, s.shape, cfg.window, seg), s, _MASK_VALUE)
-        p = jnp.exp(s - jnp.expand_dims(lse_ref[0], -1))          # lse includes the sink
-        dp = _dot(do_ref[...], v, (1, 1), precision)
-        ds = p * (dp - jnp.expand_dims(delta_ref[0], -1))
-        dq_scr[...] += _dot(ds.astype(k.dtype), k, (1, 0), precision)
+        mask = (_tile_mask(i * cfg.block_q, kb * cfg.block_kv, (cfg.block_q, cfg.block_kv), cfg.window, seg)
+                if masked else None)
+
+        def head(g, carry):
+            s = _dot(q_ref[g], k, (1, 1), precision) * cfg.scale
+            if mask is not None:
+                s = jnp.where(mask, s, _MASK_VALUE)
+            p = jnp.exp(s - jnp.expand_dims(lse_ref[g][0], -1))          # lse includes the sink
+            dp = _dot(do_ref[g], v, (1, 1), precision)
+            ds = p * (dp - jnp.expand_dims(delta_ref[g][0], -1))
+            dq_scr[g] += _dot(ds.astype(k.dtype), k, (1, 0), precision)
+            return carry
+
+        lax.fori_loop(0, q_ref.shape[0], head, 0)
 
     _run_live_step(step, kb <= hi, _fully_visible(i * cfg.block_q, kb * cfg.block_kv, cfg), seg)
 
@@ -501,27 +521,28 @@ def _kv_block(cfg: _Cfg, bi, i, j, bounds):
 
 def _tpu_forward(cfg: _Cfg, q, k, v, sinks, segs=None):
     b, hq, tp, d = q.shape
-    group = hq // k.shape[1]
+    hkv = k.shape[1]
+    group = hq // hkv
     bq, bkv, steps = cfg.block_q, cfg.block_kv, _kv_steps(cfg)
 
-    def kv_map(bi, h, i, j, *bounds):
-        return bi, lax.div(h, group), _kv_block(cfg, bi, i, j, bounds), 0
+    def kv_map(bi, h, i, j, *bounds):   # h: the kv head, whose group's query heads share the step
+        return bi, h, _kv_block(cfg, bi, i, j, bounds), 0
 
     seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, h, i, j, *_: (bi, i, 0)),
                  pl.BlockSpec((None, 1, bkv), lambda bi, h, i, j, *bounds: (bi, 0, _kv_block(cfg, bi, i, j, bounds)))]
     out, lse = _tpu_call(
         functools.partial(_tpu_fwd_kernel, cfg=cfg, precision=dot_precision(q.dtype)), cfg, segs, seg_specs,
-        grid=(b, hq, cfg.nq, steps),
+        grid=(b, hkv, cfg.nq, steps),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0)),
+                  pl.BlockSpec((None, group, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0)),
                   pl.BlockSpec((None, None, bkv, d), kv_map),
                   pl.BlockSpec((None, None, bkv, d), kv_map)],
-        out_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0)),
-                   pl.BlockSpec((None, None, 1, bq), lambda bi, h, i, j, *_: (bi, h, 0, i))],
+        out_specs=[pl.BlockSpec((None, group, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0)),
+                   pl.BlockSpec((None, group, 1, bq), lambda bi, h, i, j, *_: (bi, h, 0, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, 1, tp), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32), pltpu.VMEM((bq, _LANES), jnp.float32),
-                        pltpu.VMEM((bq, d), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((group, bq, _LANES), jnp.float32), pltpu.VMEM((group, bq, _LANES), jnp.float32),
+                        pltpu.VMEM((group, bq, d), jnp.float32)],
         name="attention_fwd", inputs=(sinks, q, k, v), cost=_costs(cfg, q)["fwd"],
     )(sinks.astype(jnp.float32), q, k, v)
     return out, lse   # lse: [B, H, 1, Tp], the row layout the backward kernels read
@@ -538,8 +559,8 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
 
     kv_steps = _kv_steps(cfg)
 
-    def kv_map(bi, h, i, j, *bounds):
-        return bi, lax.div(h, group), _kv_block(cfg, bi, i, j, bounds), 0
+    def kv_map(bi, h, i, j, *bounds):   # h: the kv head, as in the forward
+        return bi, h, _kv_block(cfg, bi, i, j, bounds), 0
 
     q_map = lambda bi, h, i, j, *_: (bi, h, i, 0)
     row_map = lambda bi, h, i, j, *_: (bi, h, 0, i)
@@ -547,16 +568,16 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
                     pl.BlockSpec((None, 1, bkv), lambda bi, h, i, j, *bounds: (bi, 0, _kv_block(cfg, bi, i, j, bounds)))]
     dq = _tpu_call(
         functools.partial(_tpu_dq_kernel, cfg=cfg, precision=prec), cfg, segs, dq_seg_specs,
-        grid=(b, hq, cfg.nq, kv_steps),
-        in_specs=[pl.BlockSpec((None, None, bq, d), q_map),
+        grid=(b, hkv, cfg.nq, kv_steps),
+        in_specs=[pl.BlockSpec((None, group, bq, d), q_map),
                   pl.BlockSpec((None, None, bkv, d), kv_map),
                   pl.BlockSpec((None, None, bkv, d), kv_map),
-                  pl.BlockSpec((None, None, bq, d), q_map),
-                  pl.BlockSpec((None, None, 1, bq), row_map),
-                  pl.BlockSpec((None, None, 1, bq), row_map)],
-        out_specs=pl.BlockSpec((None, None, bq, d), q_map),
+                  pl.BlockSpec((None, group, bq, d), q_map),
+                  pl.BlockSpec((None, group, 1, bq), row_map),
+                  pl.BlockSpec((None, group, 1, bq), row_map)],
+        out_specs=pl.BlockSpec((None, group, bq, d), q_map),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((group, bq, d), jnp.float32)],
         name="attention_dq", inputs=(q, k, v, do, lse4, delta4), cost=_costs(cfg, q)["dq"],
     )(q, k, v, do, lse4, delta4)
 

@@ -69,6 +69,7 @@ F32_CASES = [
     (1, 2, 2, 130, 32, 1, 32, 32),    # group 1, window 1 (only the diagonal and the sink)
     (1, 4, 2, 37, 32, 100, 16, 32),   # window larger than T (plain causal)
     (1, 4, 2, 130, 32, 40, 32, 16),   # window spanning several kv blocks, block_q > block_kv
+    (2, 8, 1, 50, 32, 20, 16, 16),    # group 8 (gpt-oss-20b's ratio), ragged T, window
 ]
 
 
@@ -146,7 +147,8 @@ def test_sliding_window_grid_is_linear_in_window():
                                                     block_kv=blk, platform="tpu").astype(jnp.float32).sum(),
                         argnums=(0, 1, 2, 3))
     local_grids, full_grids = _pallas_grids(loss(w), q, k, k, s), _pallas_grids(loss(0), q, k, k, s)
-    assert (1, 4, nq, 2) in local_grids and (1, 4, nq, nq) in full_grids      # forward and dq
+    # forward and dq: one row per kv head (its 2 query heads in each step)
+    assert local_grids.count((1, 2, nq, 2)) == 2 and full_grids.count((1, 2, nq, nq)) == 2
     assert (1, 2, nq, 2 * 2) in local_grids and (1, 2, nq, 2 * nq) in full_grids  # dkv: group x q steps
 
 
@@ -169,7 +171,8 @@ def hand_count(b, hq, hkv, t, d, window, bq, bkv, itemsize):
     """The three TPU kernels' costs counted from scratch: the padded sequence's visibility mask
     decides which (q block, kv block) tiles hold any visible pair; each such tile costs 2 matmuls
     forward (QK^T, PV), 3 for dq (QK^T, dO V^T, dS K), 4 for dkv (K Q^T, P^T dO, V dO^T, dS^T Q).
-    Bytes: the streamed K/V (or Q/dO) blocks are walked in grid order, each step's block the next
+    Bytes: the streamed K/V (or Q/dO) blocks are walked in grid order (forward and dq: once per kv
+    head, whose group's query heads share each step), each step's block the next
     live one of its row, held at the row's last (a skipped step); a block equal to the previous
     step's is not copied again, also across rows (a window's first kv block of q block i + 1 can
     be q block i's last)."""
@@ -182,8 +185,9 @@ def hand_count(b, hq, hkv, t, d, window, bq, bkv, itemsize):
     kv_of = [[j for j in range(nk) if live[i][j]] for i in range(nq)]
     q_of = [[i for i in range(nq) if live[i][j]] for j in range(nk)]
     kv_steps, q_steps = max(map(len, kv_of)), max(map(len, q_of))
-    kv_fetches = _fetches([(bi, h // group, min(kv_of[i][0] + j, kv_of[i][-1]))          # forward, dq
-                           for bi in range(b) for h in range(hq) for i in range(nq) for j in range(kv_steps)])
+    # forward, dq: one grid row per kv head (its group's query heads in one step)
+    kv_fetches = _fetches([(bi, h, min(kv_of[i][0] + j, kv_of[i][-1]))
+                           for bi in range(b) for h in range(hkv) for i in range(nq) for j in range(kv_steps)])
     q_fetches = _fetches([(bi, h * group + s // q_steps, min(q_of[j][0] + s % q_steps, q_of[j][-1]))  # dkv
                           for bi in range(b) for h in range(hkv) for j in range(nk) for s in range(group * q_steps)])
     mm = 2 * bq * bkv * d
