@@ -70,11 +70,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.cost import cost_estimate
+from pallas_kernels.lanes import LANES, lanes_to_row
 from pallas_kernels.platform import (KernelMode, check_platform, dot_precision, kernel_mode, precision_name,
                                      with_matmul_precision)
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(mask - m) == 0, never NaN
-_LANES = 128  # TPU lane width: row statistics are kept lane-replicated, as in Splash
 
 
 def _round_up(x: int, m: int) -> int:
@@ -383,20 +383,7 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
         for g in range(group):
             l = l_scr[g]
             o_ref[g] = (acc_scr[g] / l[:, :1]).astype(o_ref.dtype)
-            lse_ref[g] = _lanes_to_row(m_scr[g] + jnp.log(l))
-
-
-def _lanes_to_row(col):
-    """[bq, 128] lane-replicated per-row values -> [1, bq] lane-dense row, 128 rows at a time
-    (each square block's diagonal, summed down the sublanes: no transpose, exact). The log-sum-
-    exp leaves the kernel in the row layout the backward reads, so nothing of size [B, H, T, 128]
-    ever reaches HBM."""
-    bq = col.shape[0]
-    width = min(bq, _LANES)
-    eye = lax.broadcasted_iota(jnp.int32, (width, width), 0) == lax.broadcasted_iota(jnp.int32, (width, width), 1)
-    parts = [jnp.sum(jnp.where(eye, col[r:r + width, :width], 0.0), axis=0, keepdims=True)
-             for r in range(0, bq, width)]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+            lse_ref[g] = lanes_to_row(m_scr[g] + jnp.log(l))
 
 
 def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, *,
@@ -541,7 +528,7 @@ def _tpu_forward(cfg: _Cfg, q, k, v, sinks, segs=None):
                    pl.BlockSpec((None, group, 1, bq), lambda bi, h, i, j, *_: (bi, h, 0, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, 1, tp), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((group, bq, _LANES), jnp.float32), pltpu.VMEM((group, bq, _LANES), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((group, bq, LANES), jnp.float32), pltpu.VMEM((group, bq, LANES), jnp.float32),
                         pltpu.VMEM((group, bq, d), jnp.float32)],
         name="attention_fwd", inputs=(sinks, q, k, v), cost=_costs(cfg, q)["fwd"],
     )(sinks.astype(jnp.float32), q, k, v)

@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.cost import cost_estimate
+from pallas_kernels.lanes import LANES, lanes_to_row
 from pallas_kernels.platform import KernelMode, check_platform, dot_precision, kernel_mode
 
 
@@ -42,6 +43,13 @@ def linear_cross_entropy_reference(hidden, weight, labels, *, ignore_index: int 
 #   dz_rc = (g_nll_r + g_lse_r) * softmax_rc - g_nll_r * [c == y]
 # z is only ever held one (token tile x vocab tile) at a time: the forward keeps an online
 # log-sum-exp per token, the backward recomputes each tile from the saved lse.
+# TPU, when differentiated: dh_r = sum_c dz_rc W_c = (g_nll_r + g_lse_r) * E_r - g_nll_r * W_y,
+# where E_r = sum_c softmax_rc W_c does not depend on the cotangents. The forward accumulates E
+# beside the log-sum-exp (online, rescaled as flash attention's output: softmax(h W^T) W is
+# attention with K = V = W), so each logits tile is formed twice in all (forward, dW) where a
+# separate dh kernel formed it three times: 8 NVH of FLOPs instead of 10. E stays float32: for a
+# confident token dh ~ (1 - p_y) W_y is a small difference of E and W_y. (Its bf16 products lose
+# nothing there: the unnormalized exp(z - m) of the maximal logit is exactly 1.)
 # =============================================================================================
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T: the MXU / tensor-core friendly "q @ k.T" form
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b (GPU only; Triton transposes in registers)
@@ -50,14 +58,15 @@ _TPU_VMEM_CAP = 64 * _MiB       # smallest per-core VMEM among current TPUs (v7x
 _TPU_VMEM_TARGET = 48 * _MiB    # what default tiles aim to stay under, leaving Mosaic headroom
 _DEFAULT_COMPUTE = 256          # rows of a logits tile computed at once (see the TPU kernels)
 def _tpu_vmem_estimate(bn: int, bv: int, h: int, itemsize: int, compute: int = 256) -> int:
-    """Bytes of VMEM the largest of the three TPU kernels needs (double-buffered tiles, f32
-    accumulators, ~4 live f32 copies of one compute chunk of the logits tile, the dh kernel's
-    [bn, 128] column scratch). The dh kernel is the largest."""
+    """Bytes of VMEM the largest of the TPU kernels needs (double-buffered tiles, f32
+    accumulators, ~4 live f32 copies of one compute chunk of the logits tile). The forward that
+    accumulates E (its [bn, H] float32 output block, double-buffered, and four [bn, 128] per-token
+    columns) is the largest."""
     tiles = 2 * (bn + bv) * h * itemsize
     logits = 4 * min(compute, bn) * bv * 4
-    dh = bn * h * 4 + 2 * bn * h * itemsize + bn * 128 * 4
+    expectation = 2 * bn * h * 4 + 4 * bn * LANES * 4
     dw = bv * h * 4 + 2 * bv * h * itemsize
-    return tiles + logits + max(dh, dw) + 64 * 1024
+    return tiles + logits + max(expectation, dw) + 64 * 1024
 
 
 def default_block_sizes(n: int, h: int, v: int, platform: str, dtype=jnp.bfloat16) -> tuple[int, int]:
@@ -107,11 +116,12 @@ def _check_tpu_blocks(n: int, v: int, bn: int, bv: int) -> None:
 
 # ---- TPU (Mosaic) kernels ---------------------------------------------------------------------
 # Tokens live on lanes ([1, N] row vectors, logits tile transposed to [block_v, block_n]) in the
-# forward and dW kernels, so per-token statistics need no relayout; the dh kernel uses the
-# natural [block_n, block_v] orientation and reads the per-token values as columns (as splash
-# attention's dq kernel does). Matmuls are only the NT and NN forms.
+# forward and dW kernels, so per-token statistics need no relayout; the forward that accumulates
+# E uses the natural [block_n, block_v] orientation (E += p @ W is an NN product) and keeps its
+# per-token statistics as lane-replicated columns (as attention does). Matmuls are only the NT
+# and NN forms.
 # Each grid step works through its logits tile `block_compute` rows at a time (vocab rows in
-# the forward and dW kernels, token rows in dh) in a loop: the MXU sees the same matmuls, but
+# the forward and dW kernels, token rows in the E forward) in a loop: the MXU sees the same matmuls, but
 # the vector code Mosaic emits (and compiles) is for a [block_compute, tile] slab, not the whole
 # tile, which cut compile time ~4x at Lyra Small (splash's block_kv_compute plays this role).
 
@@ -168,47 +178,62 @@ def _tpu_fwd_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, m_sc, l_sc, t_sc, *
         lse_ref[...] = jnp.where(valid, lse, 0.0)
 
 
-def _tpu_dh_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dh_ref, acc_sc, col_sc, *,
-                   v, bv, cn, cdt, precision):
+def _tpu_fwd_expectation_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, e_ref, m_sc, l_sc, t_sc, col_sc, *,
+                                v, bv, cn, ignore_index, cdt, precision):
+    """The forward's nll and lse, and E = softmax(z) @ W per token (e_ref: [bn, H] float32, the
+    accumulator itself: its block stays in VMEM across the vocab axis). Natural [tokens, vocab]
+    orientation, per-token running max / sum / target logit lane-replicated [bn, 128]."""
     j = pl.program_id(1)
     nj = pl.num_programs(1)
 
     @pl.when(j == 0)
     def _init():
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        # The token tile's per-token values as columns, once per tile: [1, bn] rows -> lanes 0-3
-        # of a [bn, 128] scratch, so each chunk reads its rows by a sublane slice. Labels go as
-        # float32 (exact below 2^24; V is checked).
-        for k, ref in enumerate((lab_ref, lse_ref, ca_ref, cb_ref)):
-            col_sc[:, k:k + 1] = ref[0].astype(jnp.float32)[:, None]
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        t_sc[...] = jnp.zeros(t_sc.shape, jnp.float32)
+        e_ref[...] = jnp.zeros(e_ref.shape, jnp.float32)
+        # The labels as a column, once per token tile (float32: exact below 2^24; V is checked).
+        col_sc[...] = jnp.broadcast_to(lab_ref[0].astype(jnp.float32)[:, None], col_sc.shape)
 
     def run(masked: bool):
         def chunk(c, carry):
             rows = pl.ds(pl.multiple_of(c * cn, cn), cn)
             w = w_ref[...].astype(cdt)
-            if masked:   # the weight tile's rows past V may be garbage: zero them
+            if masked:   # the weight tile's rows past V may be garbage (NaN): zero them
                 wid = j * bv + lax.broadcasted_iota(jnp.int32, w.shape, 0)
                 w = jnp.where(wid < v, w, jnp.zeros_like(w))
             z = lax.dot_general(h_ref[rows, :].astype(cdt), w, _NT,
                                 preferred_element_type=jnp.float32, precision=precision)  # [cn, bv]
-            cols = col_sc[rows, :]
-            lab, lse, ca, cb = (cols[:, k:k + 1] for k in range(4))
             vid = (j * bv + lax.broadcasted_iota(jnp.int32, z.shape, 1)).astype(jnp.float32)
-            # lse is +inf on ignored rows (see _bwd), so their softmax is exactly 0; ca, cb are 0.
-            d = ca * jnp.exp(z - lse) - jnp.where(vid == lab, cb, 0.0)
-            if masked:
-                d = jnp.where(vid < v, d, 0.0)
-            acc_sc[rows, :] += lax.dot_general(d.astype(cdt), w, (((1,), (0,)), ((), ())),
-                                               preferred_element_type=jnp.float32, precision=precision)
+            if masked:   # vocabulary tile 0 always holds real columns, so m stays finite
+                z = jnp.where(vid < v, z, -jnp.inf)
+            m_prev = m_sc[rows, :]
+            m_next = jnp.maximum(m_prev, jnp.max(z, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.exp(z - m_next[:, :1])
+            l_sc[rows, :] = alpha * l_sc[rows, :] + jnp.sum(p, axis=1, keepdims=True)
+            t_sc[rows, :] += jnp.sum(jnp.where(vid == col_sc[rows, :1], z, 0.0), axis=1, keepdims=True)
+            e_ref[rows, :] = e_ref[rows, :] * alpha[:, :1] + lax.dot_general(
+                p.astype(cdt), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+            m_sc[rows, :] = m_next
             return carry
 
-        lax.fori_loop(0, acc_sc.shape[0] // cn, chunk, 0)
+        lax.fori_loop(0, e_ref.shape[0] // cn, chunk, 0)
 
     _masked_on_last(run, j, nj, overhangs=bool(v % bv))   # only the last vocab tile overhangs V
 
     @pl.when(j == nj - 1)
     def _finish():
-        dh_ref[...] = acc_sc[...].astype(dh_ref.dtype)
+        def chunk(c, carry):
+            rows = pl.ds(pl.multiple_of(c * cn, cn), cn)
+            e_ref[rows, :] = e_ref[rows, :] / l_sc[rows, :1]
+            return carry
+
+        lax.fori_loop(0, e_ref.shape[0] // cn, chunk, 0)
+        lse = m_sc[...] + jnp.log(l_sc[...])
+        valid = col_sc[...] != float(ignore_index)
+        nll_ref[...] = lanes_to_row(jnp.where(valid, lse - t_sc[...], 0.0))
+        lse_ref[...] = lanes_to_row(jnp.where(valid, lse, 0.0))
 
 
 def _tpu_dw_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dw_ref, acc_sc, *,
@@ -284,49 +309,54 @@ def _tpu_forward(hidden, weight, lab_row, *, ignore_index, tiles: _Tiles, mode: 
     return nll, lse
 
 
-def _tpu_backward(hidden, weight, lab_row, lse_row, ca_row, cb_row, *, tiles: _Tiles, mode: KernelMode):
+def _tpu_forward_with_expectation(hidden, weight, lab_row, *, ignore_index, tiles: _Tiles, mode: KernelMode):
+    """(nll [1, N], lse [1, N], E [N, H] float32): token tiles in parallel, vocab tiles in order."""
     n, h = hidden.shape
     v = weight.shape[0]
     bn, bv = tiles.bn, tiles.bv
     cdt = jnp.promote_types(hidden.dtype, weight.dtype)
-    itemsize = jnp.dtype(cdt).itemsize
-    prec = dot_precision(cdt)
-    vectors = (lab_row, lse_row, ca_row, cb_row)
-    params = _tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, itemsize, tiles.compute, tiles.vmem_limit)
-
-    # dh: token tiles in parallel, vocab tiles accumulated in VMEM.
     row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
+    kernel = functools.partial(_tpu_fwd_expectation_kernel, v=v, bv=bv, cn=_chunks(bn, tiles.compute)[0],
+                               ignore_index=ignore_index, cdt=cdt, precision=dot_precision(cdt))
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
-    in_specs = [row] * 4 + [pl.BlockSpec((bn, h), lambda i, j: (i, 0)), pl.BlockSpec((bv, h), lambda i, j: (j, 0))]
-    out_spec, out_shape = pl.BlockSpec((bn, h), lambda i, j: (i, 0)), jax.ShapeDtypeStruct((n, h), hidden.dtype)
-    dh = pl.pallas_call(
-        functools.partial(_tpu_dh_kernel, v=v, bv=bv, cn=_chunks(bn, tiles.compute)[0], cdt=cdt, precision=prec),
-        grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((bn, h), jnp.float32), pltpu.VMEM((bn, 128), jnp.float32)],
-        compiler_params=params,
-        name="cross_entropy_dh",
-        cost_estimate=cost_estimate(grid, in_specs, (*vectors, hidden, weight), out_spec, out_shape,
+    in_specs = [row, pl.BlockSpec((bn, h), lambda i, j: (i, 0)), pl.BlockSpec((bv, h), lambda i, j: (j, 0))]
+    out_specs = [row, row, pl.BlockSpec((bn, h), lambda i, j: (i, 0))]
+    out_shape = [jax.ShapeDtypeStruct((1, n), jnp.float32)] * 2 + [jax.ShapeDtypeStruct((n, h), jnp.float32)]
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((bn, LANES), jnp.float32)] * 4,
+        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, jnp.dtype(cdt).itemsize,
+                                             tiles.compute, tiles.vmem_limit),
+        name="cross_entropy_fwd_e",
+        cost_estimate=cost_estimate(grid, in_specs, (lab_row, hidden, weight), out_specs, out_shape,
                                     flops=4 * n * v * h, transcendentals=n * v),
         interpret=mode.pallas_interpret(),
-    )(*vectors, hidden, weight)
+    )(lab_row, hidden, weight)
 
-    # dW: vocab tiles in parallel, token tiles accumulated in VMEM.
+
+def _tpu_dw(hidden, weight, lab_row, lse_row, ca_row, cb_row, *, tiles: _Tiles, mode: KernelMode):
+    """dW: vocab tiles in parallel, token tiles accumulated in VMEM."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    bn, bv = tiles.bn, tiles.bv
+    cdt = jnp.promote_types(hidden.dtype, weight.dtype)
+    vectors = (lab_row, lse_row, ca_row, cb_row)
     row_t = pl.BlockSpec((1, bn), lambda jv, i: (0, i))
     grid = (pl.cdiv(v, bv), pl.cdiv(n, bn))
     in_specs = [row_t] * 4 + [pl.BlockSpec((bn, h), lambda jv, i: (i, 0)), pl.BlockSpec((bv, h), lambda jv, i: (jv, 0))]
     out_spec, out_shape = pl.BlockSpec((bv, h), lambda jv, i: (jv, 0)), jax.ShapeDtypeStruct((v, h), weight.dtype)
-    dw = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_tpu_dw_kernel, n=n, bn=bn, bv=bv, cv=_chunks(bv, tiles.compute)[0], cdt=cdt,
-                          precision=prec),
+                          precision=dot_precision(cdt)),
         grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bv, h), jnp.float32)],
-        compiler_params=params,
+        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, jnp.dtype(cdt).itemsize,
+                                             tiles.compute, tiles.vmem_limit),
         name="cross_entropy_dw",
         cost_estimate=cost_estimate(grid, in_specs, (*vectors, hidden, weight), out_spec, out_shape,
                                     flops=4 * n * v * h, transcendentals=n * v),
         interpret=mode.pallas_interpret(),
     )(*vectors, hidden, weight)
-    return dh, dw
 
 
 # ---- GPU (Triton) kernels ---------------------------------------------------------------------
@@ -474,23 +504,28 @@ def _gpu_backward(hidden, weight, labels, lse, ca, cb, *, bn, bv, mode: KernelMo
 # =============================================================================================
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _lce(hidden, weight, labels, ignore_index, tiles: _Tiles, mode: KernelMode):
-    return _lce_fwd(hidden, weight, labels, ignore_index, tiles, mode)[0]
+    """Not differentiated: the forward alone (2 NVH)."""
+    n = hidden.shape[0]
+    if mode.family == "gpu":
+        return _gpu_forward(hidden, weight, labels, ignore_index=ignore_index, bn=tiles.bn, bv=tiles.bv, mode=mode)
+    nll, lse = _tpu_forward(hidden, weight, labels.reshape(1, n), ignore_index=ignore_index, tiles=tiles, mode=mode)
+    return nll.reshape(n), lse.reshape(n)
 
 
 def _lce_fwd(hidden, weight, labels, ignore_index, tiles: _Tiles, mode: KernelMode):
+    """Differentiated: on TPU the forward also accumulates E for dh (see the math above)."""
     n = hidden.shape[0]
     if mode.family == "gpu":
-        nll, lse = _gpu_forward(hidden, weight, labels, ignore_index=ignore_index, bn=tiles.bn, bv=tiles.bv,
-                                mode=mode)
-    else:
-        nll, lse = _tpu_forward(hidden, weight, labels.reshape(1, n), ignore_index=ignore_index,
-                                tiles=tiles, mode=mode)
-        nll, lse = nll.reshape(n), lse.reshape(n)
-    return (nll, lse), (hidden, weight, labels, lse)
+        nll, lse = _lce(hidden, weight, labels, ignore_index, tiles, mode)
+        return (nll, lse), (hidden, weight, labels, lse, None)
+    nll, lse, expectation = _tpu_forward_with_expectation(hidden, weight, labels.reshape(1, n),
+                                                          ignore_index=ignore_index, tiles=tiles, mode=mode)
+    nll, lse = nll.reshape(n), lse.reshape(n)
+    return (nll, lse), (hidden, weight, labels, lse, expectation)
 
 
 def _lce_bwd(ignore_index, tiles, mode, res, g):
-    hidden, weight, labels, lse = res
+    hidden, weight, labels, lse, expectation = res   # expectation: E on TPU (see the math above), None on GPU
     g_nll, g_lse = (x.astype(jnp.float32) for x in g)
     valid = labels != ignore_index
     # Per-token coefficients of dz = ca * softmax - cb * onehot. Ignored tokens: ca = cb = 0 and
@@ -500,10 +535,11 @@ def _lce_bwd(ignore_index, tiles, mode, res, g):
     lse_b = jnp.where(valid, lse, jnp.inf)
     if mode.family == "gpu":
         dh, dw = _gpu_backward(hidden, weight, labels, lse_b, ca, cb, bn=tiles.bn, bv=tiles.bv, mode=mode)
-    else:
-        n = hidden.shape[0]
-        dh, dw = _tpu_backward(hidden, weight, *(x.reshape(1, n) for x in (labels, lse_b, ca, cb)),
-                               tiles=tiles, mode=mode)
+        return dh, dw, None
+    target_rows = jnp.take(weight, jnp.where(valid, labels, 0), axis=0).astype(jnp.float32)   # W_y, [N, H]
+    dh = (ca[:, None] * expectation - cb[:, None] * target_rows).astype(hidden.dtype)
+    n = hidden.shape[0]
+    dw = _tpu_dw(hidden, weight, *(x.reshape(1, n) for x in (labels, lse_b, ca, cb)), tiles=tiles, mode=mode)
     return dh, dw, None
 
 
@@ -538,7 +574,7 @@ def linear_cross_entropy_pallas(hidden, weight, labels, *, ignore_index: int = -
         if platform == "tpu":
             _check_tpu_blocks(n, v, bn, bv)
         if v >= 1 << 24:
-            raise ValueError(f"vocabulary {v} too large: labels travel as float32 in the dh kernel (< 2^24)")
+            raise ValueError(f"vocabulary {v} too large: labels travel as float32 in the forward's E kernel (< 2^24)")
     compute = block_compute or _DEFAULT_COMPUTE
     if compute % 8:
         raise ValueError(f"block_compute must be a multiple of 8; got {compute}")

@@ -154,7 +154,7 @@ def test_plan_roofline_of_the_tiny_step(tiny_step_plan):
                                 ("bytes", r["once_bytes"], r["generic_bytes"])):
         assert abs(ours - program) <= 0.01 * program, (name, ours, program)
     rows = {row["category"]: row for row in r["rows"]}
-    kernels = {"attention_fwd", "attention_dq", "attention_dkv", "cross_entropy_fwd", "cross_entropy_dh",
+    kernels = {"attention_fwd", "attention_dq", "attention_dkv", "cross_entropy_fwd_e",
                "cross_entropy_dw", "moe_fused_fwd", "moe_fused_dx", "moe_fused_dw"}
     assert {c.removeprefix("kernel: ") for c in rows if c.startswith("kernel: ")} == kernels
     assert all(rows[f"kernel: {k}"]["flops"] > 0 and not rows[f"kernel: {k}"]["note"] for k in kernels)
