@@ -420,13 +420,17 @@ def smallest_slice(preset: str, generation: str, *, rows_per_chip: int = 1, repo
 def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int) -> dict:
     """The tile sizes each Pallas kernel of the step runs with: the options given, else the
     kernel's defaults for these shapes (recorded beside a roofline: tiles are not tuned from it)."""
-    from jax_bridge import registry
+    from jax_bridge import kernel_tiles, registry
     from pallas_kernels import attention, cross_entropy, moe
 
     given = registry.parse_kernel_options(options)
     tiles = {}
     for op, name in kernels.items():
         mine = dict(given.get(op, {}).get(name, {}))
+        tuned = mine.pop(kernel_tiles.TUNED, None)
+        if tuned is not None:   # chosen per call shape from the table (its entries, else the defaults)
+            tiles[f"{op}.{name}"] = {"tuned_from": tuned["path"], **mine}
+            continue
         if (op, name) == ("attention", "pallas"):
             block_q, block_kv = attention.default_block_sizes(seq_len, cfg.head_dim, "tpu")
             mine = {"block_q": block_q, "block_kv": block_kv, **mine}

@@ -9,7 +9,9 @@ see `pallas_kernels/platform.py`): an implementation whose signature has a `plat
 receives it (all built-in kernels do); one without it (a plain-JAX function) is called without
 it. Per-implementation options (tile sizes) come from `kernel_options`, e.g.
 "attention.pallas.block_q=256,cross_entropy.pallas.block_v=1024"; each option must be a keyword
-parameter of that implementation.
+parameter of that implementation. A part naming a JSON file ("tiles.json") is a table of tuned
+tiles per call shape (`kernel_tiles.py`, written by `torchlyra bench kernels --tune`); options
+given explicitly override it.
 
 Attention's contract includes segment ids (packed conversations, `--document-masking`): an
 implementation that takes them has a `segment_ids` keyword ([B, T] integers, default None: one
@@ -36,6 +38,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jax_bridge import kernel_tiles
 from pallas_kernels.platform import PLATFORMS, check_platform, host_platform
 
 OPS = ("attention", "cross_entropy", "moe")      # the training forward's ops
@@ -96,6 +99,14 @@ class Implementation:
         return "segment_ids" in self._parameters()[0]
 
     def check_options(self, options: dict) -> None:
+        if kernel_tiles.TUNED in options:
+            tuned = options[kernel_tiles.TUNED]
+            options = {k: v for k, v in options.items() if k != kernel_tiles.TUNED}
+            for key, entry in tuned["entries"].items():
+                try:
+                    self.check_options(entry["options"])
+                except KernelError as e:
+                    raise KernelError(f"{e} (kernel tiles {tuned['path']}, entry {key})") from None
         names, var_kw = self._parameters()
         reserved = set(_CONTRACT[self.op]) | {"platform"}
         bad = sorted(o for o in options if o in reserved or (o not in names and not var_kw))
@@ -105,11 +116,23 @@ class Implementation:
                               f"not accepted by {self.op}={self.name}; its options: {', '.join(allowed) or 'none'}")
 
     def bind(self, platform: str, options: dict) -> Callable:
-        """The function with `platform` (when it takes it) and the options bound."""
+        """The function with `platform` (when it takes it) and the options bound. With a table of
+        tuned tiles, each call (traced: its shapes are static) takes the entry of its shapes,
+        under the options given explicitly."""
         fn, extra = self.load(), dict(options)
+        tuned = extra.pop(kernel_tiles.TUNED, None)
         if self.takes_platform:
             extra["platform"] = platform
-        return (lambda *args, **kwargs: fn(*args, **kwargs, **extra)) if extra else fn
+        if tuned is None:
+            return (lambda *args, **kwargs: fn(*args, **kwargs, **extra)) if extra else fn
+        if tuned["platform"] != platform:
+            raise KernelError(f"kernel tiles {tuned['path']} were tuned on {tuned['platform']} "
+                              f"({tuned['device_kind']}); this program compiles for {platform}")
+
+        def with_tuned_tiles(*args, **kwargs):
+            key = kernel_tiles.call_key(self.op, args, kwargs)
+            return fn(*args, **kwargs, **{**kernel_tiles.options_for(self.op, self.name, tuned, key), **extra})
+        return with_tuned_tiles
 
 
 _TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS + GENERATION_OPS}
@@ -216,12 +239,23 @@ def _option_value(text: str) -> Any:
 def parse_kernel_options(spec: str | dict | None) -> dict[str, dict[str, dict[str, Any]]]:
     """'attention.pallas.block_q=256,moe.pallas.block_m=128' (or the nested dict
     {op: {implementation: {option: value}}}) -> that nested dict. Values are ints, floats,
-    booleans or strings. Which options an implementation takes is checked by `check_options`."""
+    booleans or strings. A part 'FILE.json' reads a table of tuned tiles (kernel_tiles.py): its
+    entries go under each implementation's kernel_tiles.TUNED key. Which options an
+    implementation takes is checked by `check_options`."""
     if spec is None or spec == "" or spec == {}:
         return {}
     if isinstance(spec, str):
         nested: dict = {}
         for part in spec.split(","):
+            if "=" not in part and part.strip().endswith(".json"):   # a table of tuned tiles
+                try:
+                    table = kernel_tiles.read(part.strip())
+                except kernel_tiles.TileTableError as e:
+                    raise KernelError(f"--kernel-options: {e}") from None
+                for op, per_impl in kernel_tiles.tuned_options(table).items():
+                    for name, opts in per_impl.items():
+                        nested.setdefault(op, {}).setdefault(name, {}).update(opts)
+                continue
             key, sep, value = part.partition("=")
             path = key.strip().split(".")
             if not sep or len(path) != 3 or not all(path):

@@ -230,3 +230,59 @@ def test_bench_step_rejects_bad_arguments(argv, message, capsys):
 
     assert main(["bench", "step", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_kernels_tune_writes_a_tile_table_the_registry_reads(tmp_path, capsys):
+    """--tune times each candidate tile on this device (here the Pallas interpreter: the
+    mechanics, not a choice) and keeps the fastest per call shape; --kernel-options TABLE.json
+    then binds those tiles to calls of that shape, under explicit options, and a shape the table
+    lacks runs its defaults and says so."""
+    import jax
+    import jax.numpy as jnp
+
+    from helpers import pallas_calls
+    from jax_bridge import registry
+    from train.cli import main
+
+    table_path = tmp_path / "tiles.json"
+    argv = ["bench", "kernels", "--tune", str(table_path), "--shapes", "tiny", "--ops", "cross_entropy",
+            "--tune-candidates", "cross_entropy.pallas.block_n=256/1024,cross_entropy.pallas.block_v=512",
+            "--repeats", "1", "--warmup", "0"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "2 candidates" in printed and "Pallas interpreted" in printed
+    table = json.loads(table_path.read_text())
+    assert (table["format"], table["platform"], table["device_kind"]) == ("torchlyra-kernel-tiles", "cpu", "cpu")
+    [(key, entry)] = table["entries"]["cross_entropy"]["pallas"].items()
+    assert key == "hidden=2048x256 vocab=4096 dtype=float32"
+    assert entry["options"]["block_n"] in (256, 1024) and entry["options"]["block_v"] == 512
+
+    # The registry binds a table's tiles per call shape (a hand-made table: a choice to check).
+    table["entries"]["cross_entropy"]["pallas"][key]["options"] = {"block_n": 256, "block_v": 1024}
+    table_path.write_text(json.dumps(table))
+    impl = registry.implementations("cross_entropy")["pallas"]
+
+    def grid(options, n):
+        fn = impl.bind("cpu", registry.parse_kernel_options(options)["cross_entropy"]["pallas"])
+        specs = (jax.ShapeDtypeStruct((n, 256), jnp.float32), jax.ShapeDtypeStruct((4096, 256), jnp.float32),
+                 jax.ShapeDtypeStruct((n,), jnp.int32))
+        [params] = pallas_calls(lambda h, w, y: fn(h, w, y, ignore_index=-100)[0], *specs)
+        return params["grid_mapping"].grid
+
+    assert grid(str(table_path), 2048) == (2048 // 256, 4096 // 1024)
+    assert grid(f"{table_path},cross_entropy.pallas.block_v=512", 2048) == (2048 // 256, 4096 // 512)  # explicit wins
+    assert grid(str(table_path), 1024) == (1, 4096 // 512)       # not in the table: the defaults (1024 x 512)
+    assert "has no entry for cross_entropy=pallas at hidden=1024x256" in capsys.readouterr().err
+
+    # Tuned elsewhere, or not a table: refused by name.
+    table["platform"] = "tpu"
+    table_path.write_text(json.dumps(table))
+    with pytest.raises(registry.KernelError, match="tuned on tpu .* compiles for cpu"):
+        impl.bind("cpu", registry.parse_kernel_options(str(table_path))["cross_entropy"]["pallas"])
+    table_path.write_text(json.dumps({**table, "version": 7}))
+    with pytest.raises(registry.KernelError, match="field 'version' must be 1, found 7"):
+        registry.parse_kernel_options(str(table_path))
+    table["entries"]["cross_entropy"]["pallas"][key]["options"] = {"block_x": 3}
+    table_path.write_text(json.dumps({**table, "version": 1}))
+    with pytest.raises(registry.KernelError, match="block_x.*kernel tiles .*tiles.json, entry hidden=2048x256"):
+        registry.check_options(str(table_path))

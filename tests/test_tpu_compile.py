@@ -19,7 +19,7 @@ import pytest
 
 from jax_bridge import registry, tpu_compile
 from pallas_kernels.memory import vjp_program
-from train.bench.kernels import float_positions, kernel_cases
+from train.bench.kernel_cases import float_positions, kernel_cases
 
 GENERATIONS = ("v5e:2x2", "v6e:2x2")
 SHAPES = ("tiny", "lyra-small", "gpt-oss-20b")

@@ -37,11 +37,11 @@ import json
 import os
 import re
 import signal
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 
+from train.bench.kernel_cases import (Case, abstract_inputs, concrete_inputs, kernel_cases, make_fn,
+                                      time_calls)
 from train.bench.machine import machine_info
 from formats.errors import UserError
 
@@ -60,132 +60,6 @@ GOALS = {
     ("moe", "fwd"): 99.9, ("moe", "fwd+bwd"): 99.9,
     ("attention", "fwd"): None, ("attention", "fwd+bwd"): 98.5,
 }
-
-
-@dataclass
-class Case:
-    """One benchmark problem: an op at a shape set, with input specs and static kwargs."""
-    op: str
-    shape: str              # a key of SHAPES
-    label: str              # human-readable variant (window, dims)
-    dtype: str
-    specs: list             # [(shape tuple, dtype name, kind)]; kind: float | int | labels | groups
-    kwargs: dict = field(default_factory=dict)
-    dims: dict = field(default_factory=dict)
-
-
-# Per shape set: attention (B, Hq, Hkv, T, D, window), cross-entropy (N tokens, H, V), MoE
-# (M = tokens x experts per token, H, I, E). Lyra Small and gpt-oss-20b at 16,384 tokens per step.
-SHAPES = {
-    "tiny": dict(attention=(8, 4, 2, 256, 64, 64), cross_entropy=(2048, 256, 4096), moe=(4096, 256, 256, 8)),
-    "lyra-small": dict(attention=(4, 16, 4, 4096, 128, 128), cross_entropy=(16384, 2048, 201088),
-                       moe=(32768, 2048, 384, 16)),
-    "gpt-oss-20b": dict(attention=(4, 64, 8, 4096, 64, 128), cross_entropy=(16384, 2880, 201088),
-                        moe=(65536, 2880, 2880, 32)),
-}
-
-
-def kernel_cases(op: str, shape: str, windows: bool = True, dtype: str | None = None) -> list[Case]:
-    """The benchmark problems of `op` at shape set `shape` (tiny in float32, the CPU training
-    dtype; the big presets in bf16; `dtype` overrides). windows=False: attention's
-    sliding-window case only."""
-    dt = dtype or ("float32" if shape == "tiny" else "bfloat16")
-    dims = SHAPES[shape][op]
-    if op == "attention":
-        b, hq, hkv, t, d, w = dims
-        out = []
-        for window in ((w, 0) if windows else (w,)):
-            out.append(Case(op, shape, f"B{b} H{hq}/{hkv} T{t} D{d} " + (f"win{window}" if window else "full"), dt,
-                            [((b, hq, t, d), dt, "float"), ((b, hkv, t, d), dt, "float"),
-                             ((b, hkv, t, d), dt, "float"), ((hq,), "float32", "float")],
-                            dict(sliding_window=window, scale=d ** -0.5),
-                            dict(B=b, Hq=hq, Hkv=hkv, T=t, D=d, window=window)))
-        return out
-    if op == "cross_entropy":
-        n, h, v = dims
-        return [Case(op, shape, f"N{n} H{h} V{v}", dt,
-                     [((n, h), dt, "float"), ((v, h), dt, "float"), ((n,), "int32", "labels")],
-                     dict(ignore_index=-100), dict(N=n, H=h, V=v))]
-    if op == "moe":
-        m, h, i, e = dims
-        return [Case(op, shape, f"M{m} H{h} I{i} E{e}", dt,
-                     [((m, h), dt, "float"), ((e,), "int32", "groups"), ((e, h, 2 * i), dt, "float"),
-                      ((e, 2 * i), dt, "float"), ((e, i, h), dt, "float"), ((e, h), dt, "float")],
-                     dict(alpha=1.702, limit=7.0), dict(M=m, H=h, I=i, E=e))]
-    raise UserError(f"unknown op {op!r}")
-
-
-# ---- building the functions ---------------------------------------------------------------------
-def float_positions(case: Case) -> tuple[int, ...]:
-    return tuple(i for i, (_, _, kind) in enumerate(case.specs) if kind == "float")
-
-
-def _make_fn(fn, case: Case, direction: str, kernel_kwargs: dict, vjp: bool = False):
-    """f(*inputs) for the direction: the op itself, or value_and_grad of the sum of its outputs.
-    vjp=True: forward+backward as f(*inputs, *cotangents) -> (outputs, input grads) instead, so
-    the op's outputs and incoming gradients are the program's outputs / arguments, not temps."""
-    import jax
-    import jax.numpy as jnp
-
-    kwargs = {**case.kwargs, **kernel_kwargs}
-
-    def fwd(*args):
-        return fn(*args, **kwargs)
-
-    if direction == "fwd":
-        return fwd
-    floats = float_positions(case)
-
-    if vjp:
-        from pallas_kernels.memory import vjp_program
-        return vjp_program(fwd, floats, n_inputs=len(case.specs))
-
-    def fwd_bwd(*args):
-        def loss(*fl):
-            full = list(args)
-            for pos, x in zip(floats, fl):
-                full[pos] = x
-            out = fwd(*full)
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            return sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
-        return jax.value_and_grad(loss, argnums=tuple(range(len(floats))))(*(args[p] for p in floats))
-
-    return fwd_bwd
-
-
-def _abstract_inputs(case: Case, fn=None, kernel_kwargs=None, vjp: bool = False):
-    """ShapeDtypeStructs of the inputs; with vjp, followed by the cotangents of fn's outputs."""
-    import jax
-    import jax.numpy as jnp
-    specs = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d, _ in case.specs]
-    if vjp:
-        out = jax.eval_shape(lambda *a: fn(*a, **case.kwargs, **(kernel_kwargs or {})), *specs)
-        specs += [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in jax.tree_util.tree_leaves(out)]
-    return specs
-
-
-def _concrete_inputs(case: Case, seed: int = 0):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    key = jax.random.PRNGKey(seed)
-    out = []
-    for s, d, kind in case.specs:
-        key, sub = jax.random.split(key)
-        if kind == "float":
-            out.append((jax.random.normal(sub, s, jnp.float32) * 0.5).astype(d))
-        elif kind == "labels":
-            out.append(jax.random.randint(sub, s, 0, case.dims["V"], jnp.int32))
-        elif kind == "groups":  # uneven but deterministic expert loads summing to M
-            e, m = s[0], case.dims["M"]
-            w = np.random.default_rng(seed).dirichlet(np.ones(e) * 2.0)
-            sizes = np.floor(w * m).astype(np.int32)
-            sizes[0] += m - sizes.sum()
-            out.append(jnp.asarray(sizes, jnp.int32))
-        else:
-            raise AssertionError(kind)
-    return out
 
 
 # ---- analysis modes ----------------------------------------------------------------------------
@@ -242,18 +116,6 @@ def _compile(f, abstract, budget: float, mode: str):
     return compiled, seconds
 
 
-def _time_calls(compiled, inputs, warmup: int, repeats: int) -> float:
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(compiled(*inputs))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*inputs))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _short_error(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip().splitlines()
     return (text[0] if text else type(e).__name__)[:240]
@@ -272,8 +134,8 @@ def _tpu_measure(fn, case: Case, direction: str, args, device) -> dict:
     vjp = not args.sum_loss and direction == "fwd+bwd"
     kernel = _is_kernel(fn)
     kw = {"platform": "tpu"} if kernel else {}
-    f = _make_fn(fn, case, direction, kw, vjp)
-    abstract = _abstract_inputs(case, fn, kw, vjp)
+    f = make_fn(fn, case, direction, kw, vjp)
+    abstract = abstract_inputs(case, fn, kw, vjp)
     out = dict(tpu_temp_bytes=None, tpu_compile_s=None, tpu_kernels=None, vmem_need_bytes=None, tpu_error=None)
     start = time.perf_counter()
     try:
@@ -290,7 +152,7 @@ def _tpu_measure(fn, case: Case, direction: str, args, device) -> dict:
     out.update(tpu_temp_bytes=stats.temp_bytes, tpu_compile_s=stats.seconds,
                tpu_kernels=[dataclasses.asdict(k) for k in stats.kernels])
     if args.vmem and kernel and "vmem_limit_bytes" in inspect.signature(fn).parameters:
-        make = lambda limit: _make_fn(fn, case, direction, {**kw, "vmem_limit_bytes": limit}, vjp)
+        make = lambda limit: make_fn(fn, case, direction, {**kw, "vmem_limit_bytes": limit}, vjp)
         out["vmem_need_bytes"] = tpu_compile.scoped_vmem_peak(make, abstract, device)
     return out
 
@@ -308,8 +170,8 @@ def _cpu_measure(fn, case: Case, direction: str, args) -> tuple[dict, object]:
         kw = ({"platform": "cpu", "interpret": "tpu"} if mode == "tpu-interp" else
               {"platform": "cpu"} if kernel else {})
         try:
-            f = _make_fn(fn, case, direction, kw, vjp)
-            compiled, secs = _compile(f, _abstract_inputs(case, fn, kw, vjp), args.compile_timeout, mode)
+            f = make_fn(fn, case, direction, kw, vjp)
+            compiled, secs = _compile(f, abstract_inputs(case, fn, kw, vjp), args.compile_timeout, mode)
             out["analysed_as"], out["compile_s"] = mode, round(secs, 2)
             break
         except _Timeout as e:
@@ -350,8 +212,8 @@ def _bench_case(case: Case, impls: dict, args, log, device=None) -> list[dict]:
                 if not kernel and args.time and case.shape == "tiny" and not vjp:
                     try:
                         if concrete is None:
-                            concrete = _concrete_inputs(case)
-                        row["time_s"] = _time_calls(compiled, concrete, args.warmup, args.repeats)
+                            concrete = concrete_inputs(case)
+                        row["time_s"] = time_calls(compiled, concrete, args.warmup, args.repeats)
                     except Exception as e:  # noqa: BLE001
                         row["time_note"] = f"run failed: {_short_error(e)}"
                 else:
@@ -519,6 +381,13 @@ def add_arguments(parser) -> None:
                              "(inputs, output cotangents) -> (outputs, grads), where outputs and cotangents are "
                              "the program's own outputs and arguments, not temps")
     parser.add_argument("--verbose", action="store_true", help="print each row as it is measured")
+    parser.add_argument("--tune", metavar="TABLE.json",
+                        help="instead: sweep our Pallas kernels' tiles on this machine's device at --shapes and write "
+                             "the fastest per call shape to TABLE.json (merged into an existing table of the same "
+                             "device kind), which --kernel-options TABLE.json then uses (train/bench/tune.py)")
+    parser.add_argument("--tune-candidates", metavar="SPEC",
+                        help="with --tune: tile values to try instead of the built-in ones, e.g. "
+                             "cross_entropy.pallas.block_n=256/512,cross_entropy.pallas.block_v=512")
 
 
 def _command_line(args) -> str:
@@ -554,6 +423,14 @@ def run(args) -> int:
     ops = _parse_list(args.ops, OPS, "ops")
     if args.repeats < 1 or args.warmup < 0:
         raise UserError(f"--repeats must be >= 1 and --warmup >= 0; found {args.repeats}, {args.warmup}")
+    if args.tune:
+        if args.platform == "tpu":
+            raise UserError("--tune times the kernels on this machine's own device; --platform tpu compiles for a "
+                            "TPU without one (run --tune on the TPU host)")
+        from train.bench import tune
+        return tune.run(args, shapes, ops)
+    if args.tune_candidates:
+        raise UserError("--tune-candidates is for --tune")
 
     from jax_bridge import registry, tpu_compile   # after argument checks, so bad input fails fast
 
