@@ -340,7 +340,8 @@ _NT = (((1,), (1,)), ((), ()))   # a @ b^T
 
 class _FusedConfig(NamedTuple):
     tm: int
-    ti: int
+    ti: int          # I tile of the row kernels (forward, dx)
+    ti_w: int        # I tile of the dW kernel (its VMEM holds weight-sized accumulators)
     alpha: float
     limit: float
     up_shift: float
@@ -467,7 +468,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
     written once per I tile into its own copy (no block revisited out of order); copy 0 is used."""
     m, hdim = xp.shape
     num_groups = w1.shape[0]
-    tm, ti = cfg.tm, cfg.ti
+    tm, ti = cfg.tm, cfg.ti_w
     nj, num_items = w2.shape[1] // ti, meta_all.group_ids.shape[0]
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
@@ -570,7 +571,8 @@ DEFAULT_FUSED_TILES = {
     # (block_m, block_i): rows per tile and I (intermediate) tile. The kernels take H whole (the
     # SwiGLU needs the full H reduction before the down projection). block_i = I when it fits the
     # VMEM budget below, so each expert's weight blocks are fetched once per expert rather than
-    # once per row tile. Untuned: tune on hardware.
+    # once per row tile: the row kernels (forward, dx) and the dW kernel each shrink their own
+    # I tile to their own VMEM need. Untuned: `bench kernels --tune` on hardware.
     "tpu": (256, 512),
     "cpu": (128, 512),
 }
@@ -579,21 +581,31 @@ _FUSED_VMEM_CAP = 64 * 2**20      # vmem_limit_bytes never above this (v7x has 6
 
 
 def _fused_vmem_bytes(tm: int, hdim: int, ti: int, itemsize: int) -> int:
-    """Rough VMEM use of the largest fused kernel (the dW one): double-buffered blocks, float32
-    accumulators, and float32 temporaries of the [tm, H] and [tm, 2ti] intermediates."""
+    """Rough VMEM use of the dW kernel: double-buffered blocks, float32 weight-sized accumulators,
+    and float32 temporaries of the [tm, H] and [tm, 2ti] intermediates."""
     blocks = 2 * itemsize * (2 * tm * hdim + 2 * (3 * hdim * ti))   # x, dy; w1/w2 in and dw1/dw2 out
     scratch = 4 * 3 * hdim * ti
     temps = 4 * (3 * tm * hdim + 12 * tm * 2 * ti)
     return blocks + scratch + temps
 
 
+def _fused_rows_vmem_bytes(tm: int, hdim: int, ti: int, itemsize: int) -> int:
+    """Rough VMEM use of the larger row kernel (dx): double-buffered x, dy and dx row blocks and
+    w1/w2 blocks, the [tm, H] float32 accumulator, float32 temporaries as in the dW estimate."""
+    blocks = 2 * itemsize * (3 * tm * hdim + 3 * hdim * ti)
+    return blocks + 4 * tm * hdim + 4 * (3 * tm * hdim + 12 * tm * 2 * ti)
+
+
 def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, idim: int,
-                          dtype) -> tuple[int, int, int]:
-    """(tm, ti, padded I). TPU block rules: the x/y/dx blocks take H whole (always legal); a
-    w1 block is [H, 2ti] and a w2 block [ti, H], so ti must be I itself or a multiple of 64
-    (2ti a multiple of 128 lanes, ti of 16 sublanes). An I with no such divisor <= the wanted
-    tile is zero-padded to a multiple of 128 (a weight copy: only in that case). Tiles given
-    explicitly are kept (rounded to the rules); defaults shrink to the VMEM budget."""
+                          dtype, block_i_dw: int | None = None) -> tuple[int, int, int, int]:
+    """(tm, ti of the row kernels, ti of the dW kernel, padded I). TPU block rules: the x/y/dx
+    blocks take H whole (always legal); a w1 block is [H, 2ti] and a w2 block [ti, H], so ti must
+    be I itself or a multiple of 64 (2ti a multiple of 128 lanes, ti of 16 sublanes). An I with
+    no such divisor <= the wanted tile is zero-padded to a multiple of 128 (a weight copy: only
+    in that case). Tiles given explicitly are kept (rounded to the rules): block_i for all three
+    kernels unless block_i_dw sets the dW kernel's; defaults shrink to the VMEM budget, the dW kernel's (weight-sized accumulators) first with tm,
+    then the row kernels' I tile from the same start with that tm: a row kernel whose I tile is
+    all of I fetches an expert's weights once per expert, not once per row tile."""
     default_m, default_i = DEFAULT_FUSED_TILES["tpu" if platform == "tpu" else "cpu"]
     want_m, want_i = block_m or default_m, block_i or default_i
     on_tpu = platform == "tpu"
@@ -601,28 +613,33 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
     sub = (16 if itemsize < 4 else 8) if on_tpu else 8
     tm = max(sub, min(round_up(want_m, sub), round_up(m, sub)))
     if not on_tpu:
-        return tm, _fit(idim, want_i, 8), idim
+        return tm, _fit(idim, want_i, 8), _fit(idim, block_i_dw or want_i, 8), idim
     ip = idim
-    ti = _fit(idim, want_i, 64)
-    if ti == idim and idim > want_i:
+    start = _fit(idim, want_i, 64)
+    if start == idim and idim > want_i:
         ip = round_up(idim, 128)
-        ti = _fit(ip, want_i, 128)
+        start = _fit(ip, want_i, 128)
     # Shrink defaults to the VMEM budget: first ti (to multiples of 64 dividing ip), then tm.
-    while _fused_vmem_bytes(tm, hdim, ti, itemsize) > _FUSED_VMEM_BUDGET:
-        smaller = _fit(ip, ti - 64, 64) if ti > 64 and block_i is None else ti
-        if smaller < ti:
-            ti = smaller
+    fixed_w = block_i is not None or block_i_dw is not None
+    ti_w = _fit(ip, block_i_dw, 64) if block_i_dw is not None else start
+    while _fused_vmem_bytes(tm, hdim, ti_w, itemsize) > _FUSED_VMEM_BUDGET:
+        smaller = _fit(ip, ti_w - 64, 64) if ti_w > 64 and not fixed_w else ti_w
+        if smaller < ti_w:
+            ti_w = smaller
         elif tm > sub and block_m is None:
             tm = max(sub, round_up(tm // 2, sub))
         else:
             break
-    return tm, ti, ip
+    ti = start
+    while ti > 64 and block_i is None and _fused_rows_vmem_bytes(tm, hdim, ti, itemsize) > _FUSED_VMEM_BUDGET:
+        ti = _fit(ip, ti - 64, 64)
+    return tm, ti, ti_w, ip
 
 
 def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
                        limit: float = 7.0, up_shift: float = 1.0, platform: str, block_m: int | None = None,
-                       block_i: int | None = None, vmem_limit_bytes: int | None = None,
-                       interpret: str | None = None):
+                       block_i: int | None = None, block_i_dw: int | None = None,
+                       vmem_limit_bytes: int | None = None, interpret: str | None = None):
     """Fused Pallas expert MLP: per (row tile, expert) work item, up projection, clamped SwiGLU
     and down projection in one kernel; h [M, I] and the pre-activation [M, 2I] (or its gradient)
     exist only as VMEM tiles, in forward and backward. Backward (custom_vjp) recomputes them in
@@ -633,7 +650,8 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     generic interpreter; there is no GPU kernel. interpret: None, 'generic' or 'tpu' (the
     TPU-simulating interpreter: NaN-filled buffers, race detection; with platform 'tpu' it keeps
     the TPU tiling rules). block_m (rows per tile) and block_i (I tile): None -> per-platform
-    DEFAULT_FUSED_TILES, clipped to the problem and (TPU) to a VMEM budget. vmem_limit_bytes:
+    DEFAULT_FUSED_TILES, clipped to the problem and (TPU) to a VMEM budget; block_i_dw: the dW
+    kernel's own I tile (default: block_i, or its own VMEM budget's). vmem_limit_bytes:
     the TPU kernels' scoped VMEM limit (default: from the tiles' estimate).
     Float32 inputs use HIGHEST precision, all matmuls accumulate in float32; outputs and
     gradients come back in the input dtypes.
@@ -644,12 +662,13 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     idim = two_i // 2
     if m == 0:
         return jnp.zeros_like(x)
-    tm, ti, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, x.dtype)
+    tm, ti, ti_w, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, x.dtype, block_i_dw)
     vmem = vmem_limit_bytes
     if platform == "tpu" and vmem is None:
-        est = _fused_vmem_bytes(tm, hdim, ti, jnp.dtype(x.dtype).itemsize)
+        itemsize = jnp.dtype(x.dtype).itemsize
+        est = max(_fused_vmem_bytes(tm, hdim, ti_w, itemsize), _fused_rows_vmem_bytes(tm, hdim, ti, itemsize))
         vmem = int(min(_FUSED_VMEM_CAP, max(32 * 2**20, round_up(est * 5 // 4, 2**20))))
-    cfg = _FusedConfig(tm, ti, float(alpha), float(limit), float(up_shift), mode, vmem)
+    cfg = _FusedConfig(tm, ti, ti_w, float(alpha), float(limit), float(up_shift), mode, vmem)
     dtype = x.dtype
     w1, b1 = gate_up.astype(dtype), gate_up_bias.reshape(num_groups, 1, two_i)
     w2, b2 = down.astype(dtype), down_bias.reshape(num_groups, 1, hdim)

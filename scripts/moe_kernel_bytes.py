@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {"gpt-oss-20b layer, 16k rows": (16384, 2880, 2880, 32), "lyra-small layer, 32k rows": (32768, 1024, 1024, 16)}
+# (M rows = tokens x experts per token, H, I, E); the second is the square H = I = 1024 layer of
+# the first table in BENCHMARKS, the third Lyra Small as configured (H 2048, I 384)
+SHAPES = {"gpt-oss-20b layer, 16k rows": (16384, 2880, 2880, 32), "lyra-small layer, 32k rows": (32768, 1024, 1024, 16),
+          "lyra-small as configured, 32k rows": (32768, 2048, 384, 16)}
 
 
 def main() -> None:
@@ -35,12 +38,13 @@ def main() -> None:
         # gate_up blocks ([tm, H], [., H, 2 ti]).
         forward = next(p["grid_mapping"] for p in params if p["name"] == "moe_fused_fwd")
         nj = forward.grid[1]
+        nj_w = next(p["grid_mapping"] for p in params if p["name"] == "moe_fused_dw").grid[0]
         tm = forward.block_mappings[0].block_shape[0].block_size
         ti = forward.block_mappings[1].block_shape[2].block_size // 2
         xp, w1, w2 = m * h * 2, e * h * 2 * i * 2, e * i * h * 2
         before = {"moe_fused_fwd": 2 * xp + w1 + w2, "moe_fused_dx": 3 * xp + w1 + w2,
-                  "moe_fused_dw": 2 * nj * xp + 2 * (w1 + w2)}
-        print(f"{name}: tm={tm} ti={ti} ({nj} I tiles)")
+                  "moe_fused_dw": 2 * nj_w * xp + 2 * (w1 + w2)}
+        print(f"{name}: tm={tm} ti={ti} ({nj} I tiles; dW {nj_w})")
         for kernel, c in calls.items():
             print(f"  {kernel}: counted {c.bytes_accessed / 1e9:.2f} GB, closed formula {before[kernel] / 1e9:.2f} GB, "
                   f"{c.flops / 1e12:.2f} TFLOP")

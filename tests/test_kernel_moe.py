@@ -290,6 +290,25 @@ def test_fused_pallas_in_tpu_interpreter():
         assert rel_err(g, g0) <= 1e-4
 
 
+@pytest.mark.parametrize("block_i,block_i_dw", [(256, 64), (64, 128)], ids=["rows-whole-I", "dw-wider"])
+def test_fused_pallas_with_its_own_dw_i_tile(block_i, block_i_dw):
+    """The row kernels (forward, dx) and the dW kernel on different I tiles (as the default
+    tiling picks when only dW's accumulators outgrow VMEM), with the TPU tiling rules in the
+    generic interpreter: the output and all five gradients are the reference's."""
+    args, dy = make_inputs(8, 40, 128, 256, 3, "random")
+    fused = functools.partial(moe_experts_pallas, block_m=32, block_i=block_i, block_i_dw=block_i_dw,
+                              platform="tpu", interpret="generic")
+    grids = {p["name"]: p["grid_mapping"].grid for p in pallas_calls(
+        jax.grad(lambda *a: fused(*a).astype(jnp.float32).sum(), argnums=(0, 2, 3, 4, 5)), *args)}
+    assert grids["moe_fused_fwd"][1] == grids["moe_fused_dx"][1] == 256 // block_i   # I tiles per item
+    assert grids["moe_fused_dw"][0] == 256 // block_i_dw
+    y, grads = value_and_grads(fused, args, dy)
+    y_ref, g_ref = value_and_grads(moe_experts_reference, args, dy)
+    assert rel_err(y, y_ref) <= 1e-5
+    for g, g0 in zip(grads, g_ref):
+        assert rel_err(g, g0) <= 1e-4
+
+
 def test_megablox_pads_dims_without_a_128_divisor_on_tpu():
     """gpt-oss's H = I = 2880 has no multiple-of-128 divisor, which megablox's TPU tiles need:
     the wrapper zero-pads H and I (here 200 and 72) and slices the result back. Run with the TPU
@@ -304,14 +323,24 @@ def test_megablox_pads_dims_without_a_128_divisor_on_tpu():
 
 
 def test_fused_tiling_fits_tpu_rules_and_vmem_budget():
-    from pallas_kernels.moe import _FUSED_VMEM_BUDGET, _fused_vmem_bytes, _resolve_fused_tiling
+    """Each kernel's I tile follows the block rules and its own VMEM estimate; the row kernels
+    (forward, dx) keep all of I where it fits them even when the dW kernel's accumulators need
+    a smaller tile (Lyra Small's experts: I = 384 whole, dW 192), so they fetch an expert's
+    weights once per expert, not once per row tile."""
+    from pallas_kernels.moe import (_FUSED_VMEM_BUDGET, _fused_rows_vmem_bytes, _fused_vmem_bytes,
+                                    _resolve_fused_tiling)
 
     for m, h, i, dt in [(32768, 2048, 384, jnp.bfloat16), (32768, 2048, 384, jnp.float32),
                         (4096, 2880, 2880, jnp.bfloat16), (37, 64, 48, jnp.bfloat16), (5000, 4096, 1000, jnp.bfloat16)]:
-        tm, ti, ip = _resolve_fused_tiling(None, None, "tpu", m, h, i, dt)
-        assert tm % 16 == 0 and ip % ti == 0 and (ti == ip or ti % 64 == 0) and ip >= i
+        tm, ti, ti_w, ip = _resolve_fused_tiling(None, None, "tpu", m, h, i, dt)
+        for t in (ti, ti_w):
+            assert tm % 16 == 0 and ip % t == 0 and (t == ip or t % 64 == 0) and ip >= i
         assert (ip == i) or ip % 128 == 0
-        assert _fused_vmem_bytes(tm, h, ti, jnp.dtype(dt).itemsize) <= _FUSED_VMEM_BUDGET
+        itemsize = jnp.dtype(dt).itemsize
+        assert _fused_vmem_bytes(tm, h, ti_w, itemsize) <= _FUSED_VMEM_BUDGET
+        assert _fused_rows_vmem_bytes(tm, h, ti, itemsize) <= _FUSED_VMEM_BUDGET and ti >= ti_w
+    assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 384, jnp.bfloat16) == (256, 384, 192, 384)
+    assert _resolve_fused_tiling(None, 128, "tpu", 32768, 2048, 384, jnp.bfloat16)[1:3] == (128, 128)   # explicit
 
 
 @pytest.mark.parametrize("block_i", [128, 256], ids=["two-i-tiles", "one-i-tile"])
