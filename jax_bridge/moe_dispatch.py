@@ -67,11 +67,12 @@ def _per_device(grouped, mesh, x, experts, weights, gate_up, gate_up_bias, down,
                 up_shift):
     from jax_bridge import sharding
 
-    # The expert weights as the rules split them, gathered over their `embed` dimension (FSDP).
-    w1 = sharding.logical_spec(mesh, ("exp", None, "mlp"), gate_up.shape)
-    b1 = sharding.logical_spec(mesh, ("exp", "mlp"), gate_up_bias.shape)
-    w2 = sharding.logical_spec(mesh, ("exp", "mlp", None), down.shape)
-    b2 = sharding.logical_spec(mesh, ("exp", None), down_bias.shape)
+    # The expert weights as the dispatch uses them: experts split over `expert` only, everything
+    # the rules split over `fsdp` (the experts or the hidden dimension) gathered (FSDP).
+    w1 = sharding.logical_spec(mesh, ("exp_parallel", None, "mlp"), gate_up.shape)
+    b1 = sharding.logical_spec(mesh, ("exp_parallel", "mlp"), gate_up_bias.shape)
+    w2 = sharding.logical_spec(mesh, ("exp_parallel", "mlp", None), down.shape)
+    b2 = sharding.logical_spec(mesh, ("exp_parallel", None), down_bias.shape)
     expert = w1[0] if len(w1) else None
     tensor = w1[2] if len(w1) > 2 else None
     if mesh.shape.get("expert", 1) > 1 and expert is None:

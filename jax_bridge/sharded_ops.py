@@ -112,6 +112,18 @@ def orthogonalizer(mesh):
             return newton_schulz(u, steps, coeffs, eps, dtype)
         home = sharding.param_spec(name, shape, mesh)
         home = tuple(home) + (None,) * (len(shape) - len(home))
+        split = [i for i, axes in enumerate(home[:-2]) if axes]
+        if len(split) == 1 and not any(home[-2:]):
+            # The rules already hold whole matrices per device (experts split over their own
+            # axis): that batch dimension first, the flattened batch keeps its split, and the
+            # iteration runs where the matrices are, with no communication.
+            i = split[0]
+            order = (i, *(d for d in range(len(shape)) if d != i))
+            moved = place(u, P(*home)).permute(order)
+            flat_home = P(home[i], None, None)
+            out = newton_schulz(place(moved.reshape(flat_shape), flat_home), steps, coeffs, eps, dtype)
+            inverse = tuple(order.index(d) for d in range(len(shape)))
+            return place(place(out, flat_home).reshape(tuple(moved.shape)).permute(inverse), P(*home))
         flat_home = P(None, *home[-2:])
         # Pin every step: left free, the partitioner would carry the spread split backwards
         # through the reshape, where it cannot be expressed, and gather whole stacks instead.

@@ -54,12 +54,18 @@ PARAM_AXES: list[tuple[str, tuple]] = [
 LOGICAL_RULES: dict[str, list[tuple[str, ...]]] = {
     "batch": [("data", "fsdp", "expert")],
     "embed": [("fsdp", "expert"), ("fsdp",), ("expert",)],
-    "embed_moe": [("fsdp",)],             # the expert weights' own dims: `expert` holds `exp`
+    "embed_moe": [("fsdp",)],             # the expert weights' own dims: `expert` (or `fsdp`) holds `exp`
     "vocab": [("tensor",)],
     "heads": [("tensor",)],
     "kv_heads": [("tensor",)],
     "mlp": [("tensor",)],
-    "exp": [("expert",)],
+    # Stored expert stacks split over their experts: on `expert`, else on `fsdp` when it divides
+    # them, so gathering a stack for use (FSDP) joins its major dimension; gathered over the
+    # hidden dimension instead, the TPU compiler rewrote every gathered stack into its layout
+    # (a copy of each [E, H, 2I] stack per layer and pass). The MoE dispatch places experts on
+    # devices only over `expert` (`exp_parallel`).
+    "exp": [("expert",), ("fsdp",)],
+    "exp_parallel": [("expert",)],
     "layers": [],
 }
 

@@ -27,8 +27,9 @@ def test_plan_reports_a_step_that_does_not_fit_the_chip(tmp_path, capsys):
 def tiny_shards_on_fsdp2_tensor2(cfg) -> int:
     """Per-chip float32 parameter bytes of `cfg` on a fsdp=2 x tensor=2 mesh, derived by hand from
     the rules (sharding.PARAM_AXES / LOGICAL_RULES): matrices split over both axes (4 ways), head
-    vectors, expert biases over `mlp` and the router over one (2), norms and output biases whole;
-    `expert` has size 1, so experts are not split."""
+    vectors and the router over one (2), norms and output biases whole; `expert` has size 1, so
+    the expert stacks split their experts over `fsdp` (and gate_up's width over `tensor`): the
+    gate_up biases 4 ways, the down biases 2."""
     d, hd, heads, kv, experts, width = (cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads,
                                         cfg.n_experts, cfg.expert_dim)
     per_layer = (heads * hd * d / 4 + heads * hd / 2                 # q
@@ -36,8 +37,8 @@ def tiny_shards_on_fsdp2_tensor2(cfg) -> int:
                  + heads * hd * d / 4 + d + heads / 2                 # o, its bias, sinks
                  + 2 * d                                              # norms
                  + experts * d / 2 + experts                          # router
-                 + experts * d * 2 * width / 4 + experts * 2 * width / 2   # gate_up
-                 + experts * width * d / 4 + experts * d)             # down
+                 + experts * d * 2 * width / 4 + experts * 2 * width / 4   # gate_up
+                 + experts * width * d / 4 + experts * d / 2)         # down
     return int(4 * (2 * cfg.vocab_size * d / 4 + d + cfg.n_layers * per_layer))
 
 
