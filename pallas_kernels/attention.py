@@ -266,6 +266,11 @@ def _tile_mask(q_first, k_first, shape, window: int, seg, transposed: bool = Fal
     return jnp.logical_and(vis, seg.col[...] == seg.row[...])
 
 
+def _step_mask(i, kb, cfg: _Cfg, seg):
+    """The mask of the (q block i, kv block kb) tile, shared by a GQA group's query heads."""
+    return _tile_mask(i * cfg.block_q, kb * cfg.block_kv, (cfg.block_q, cfg.block_kv), cfg.window, seg)
+
+
 def _run_live_step(step, live, full, seg):
     """step(masked) on live tiles; the mask is skipped on fully visible tiles, which segments
     (ids not known statically) never are."""
@@ -357,8 +362,7 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
 
     def step(masked: bool):
         k, v = k_ref[...], v_ref[...]
-        mask = (_tile_mask(i * cfg.block_q, kb * cfg.block_kv, (cfg.block_q, cfg.block_kv), cfg.window, seg)
-                if masked else None)
+        mask = _step_mask(i, kb, cfg, seg) if masked else None
 
         def head(g, carry):
             s = _dot(q_ref[g], k, (1, 1), precision) * cfg.scale
@@ -401,8 +405,7 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_s
 
     def step(masked: bool):
         k, v = k_ref[...], v_ref[...]
-        mask = (_tile_mask(i * cfg.block_q, kb * cfg.block_kv, (cfg.block_q, cfg.block_kv), cfg.window, seg)
-                if masked else None)
+        mask = _step_mask(i, kb, cfg, seg) if masked else None
 
         def head(g, carry):
             s = _dot(q_ref[g], k, (1, 1), precision) * cfg.scale
