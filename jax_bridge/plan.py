@@ -272,7 +272,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
 
         tokens_per_chip = rows * seq_len * micro_batches if device_mesh is None else \
             batch_size * seq_len * micro_batches // chips
-        tiles = kernel_tiles(step.kernels, step_cfg.kernel_options, cfg, seq_len, tokens_per_chip)
+        whole_experts = device_mesh is None or all(device_mesh.shape.get(a, 1) == 1 for a in ("tensor", "expert"))
+        tiles = kernel_tiles(step.kernels, step_cfg.kernel_options, cfg, seq_len, tokens_per_chip, whole_experts)
         result.roofline = roofline_mod.roofline(compiled, result.generation, tiles=tiles)
     if rollout is not None:
         if rl is None:
@@ -417,9 +418,14 @@ def smallest_slice(preset: str, generation: str, *, rows_per_chip: int = 1, repo
     return plans
 
 
-def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int) -> dict:
+def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_experts: bool = True) -> dict:
     """The tile sizes each Pallas kernel of the step runs with: the options given, else the
-    kernel's defaults for these shapes (recorded beside a roofline: tiles are not tuned from it)."""
+    kernel's defaults for these shapes (recorded beside a roofline: tiles are not tuned from it).
+    whole_experts: no mesh axis splits the experts or their width, so the fused MoE's rows per
+    chip are tokens x experts per token at the full expert width (else its defaults before the
+    VMEM-budget shrink are reported)."""
+    import jax.numpy as jnp
+
     from jax_bridge import kernel_tiles, registry
     from pallas_kernels import attention, cross_entropy, moe
 
@@ -439,6 +445,9 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int) -> dict
         elif (op, name) == ("cross_entropy", "pallas"):
             block_n, block_v = cross_entropy.default_block_sizes(tokens, cfg.d_model, cfg.vocab_size, "tpu")
             mine = {"block_n": block_n, "block_v": block_v, **mine}
+        elif (op, name) == ("moe", "pallas") and whole_experts and getattr(cfg, "experts_per_token", 0):
+            mine = moe.fused_tiles(tokens * cfg.experts_per_token, cfg.d_model, cfg.expert_dim, jnp.bfloat16,
+                                   **{k: mine[k] for k in ("block_m", "block_i", "block_i_dw") if k in mine})
         elif (op, name) == ("moe", "pallas"):
             block_m, block_i = moe.DEFAULT_FUSED_TILES["tpu"]
             mine = {"block_m": block_m, "block_i": block_i, "note": "before the VMEM-budget shrink", **mine}

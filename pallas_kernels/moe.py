@@ -636,6 +636,15 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
     return tm, ti, ti_w, ip
 
 
+def fused_tiles(m: int, hdim: int, idim: int, dtype, platform: str = "tpu", block_m: int | None = None,
+                block_i: int | None = None, block_i_dw: int | None = None) -> dict:
+    """The tiles `moe_experts_pallas` runs with for x [m, hdim] and experts of width idim (the
+    defaults after their VMEM-budget shrink, or the options given): block_m, block_i (forward and
+    dx), block_i_dw (dW) and the padded I when it had to be padded."""
+    tm, ti, ti_w, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, dtype, block_i_dw)
+    return {"block_m": tm, "block_i": ti, "block_i_dw": ti_w, **({"padded_i": ip} if ip != idim else {})}
+
+
 def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
                        limit: float = 7.0, up_shift: float = 1.0, platform: str, block_m: int | None = None,
                        block_i: int | None = None, block_i_dw: int | None = None,

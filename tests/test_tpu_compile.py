@@ -19,6 +19,7 @@ import pytest
 
 from jax_bridge import registry, tpu_compile
 from pallas_kernels.memory import vjp_program
+from pallas_kernels.moe import fused_tiles
 from train.bench.kernel_cases import float_positions, kernel_cases
 
 GENERATIONS = ("v5e:2x2", "v6e:2x2")
@@ -169,6 +170,9 @@ def test_plan_roofline_of_the_tiny_step(tiny_step_plan):
     assert r["mfu_ceiling"] == pytest.approx(r["model_flops"] / (r["seconds"] * 197e12))
     assert r["mfu_ceiling"] < r["model_mfu_ceiling"] <= 1
     assert r["tiles"]["attention.pallas"] == {"block_q": 128, "block_kv": 128}
+    # the fused MoE's tiles as the kernel resolves them for this chip's rows (2 x 256 tokens x top-k)
+    assert r["tiles"]["moe.pallas"] == fused_tiles(2 * 256 * cfg.experts_per_token, cfg.d_model, cfg.expert_dim,
+                                                   jnp.bfloat16)
     assert "MFU ceiling" in printed and "Muon Newton-Schulz:" in printed and "agree within 1%" in printed
 
 
