@@ -351,3 +351,31 @@ def test_exported_harmony_chat_template_renders_as_harmony(tmp_path):
             "<|start|>assistant<|channel|>final<|message|>Hi.<|end|><|start|>user<|message|>how are you?<|end|>"
             "<|start|>assistant")
     assert list(ids) == enc.encode(text, allowed_special="all")
+
+
+def test_device_decoding_is_bit_exact_against_the_host_codec_at_every_scale_byte():
+    """pallas_kernels.mxfp4 builds bfloat16 bits from integers: every E2M1 code at every scale byte
+    the host codec accepts (0-253; 0-1 give subnormals, which float arithmetic in XLA flushes)
+    gives the host's float32 value rounded to bfloat16, bit for bit, signed zeros included."""
+    import jax
+    import ml_dtypes
+
+    from formats import mxfp4 as host
+    from pallas_kernels.mxfp4 import dequantize_mxfp4
+
+    scales = np.arange(host.MAX_SCALE_BYTE + 1, dtype=np.uint8)[:, None]     # a row of one block per scale byte
+    codes = np.arange(32) % 16                                             # every code, twice
+    blocks = np.broadcast_to((codes[0::2] | (codes[1::2] << 4)).astype(np.uint8), (len(scales), 1, 16)).copy()
+    blocks[-1] = 0x31                     # byte 253 overflows for magnitudes 4 and 6: the host refuses those
+    want = host.dequantize(blocks, scales).astype(ml_dtypes.bfloat16).view(np.uint16)
+    got = np.asarray(jax.jit(dequantize_mxfp4)(blocks, scales)).view(np.uint16)
+    assert got.shape == want.shape == (len(scales), 32)
+    assert np.array_equal(got, want), np.argwhere(got != want)[:5]
+    subnormal = np.concatenate([got[0, 1:4], got[1, 1:2]])   # 0.5, 1, 1.5 x 2**-127 and 0.5 x 2**-126
+    assert ((subnormal & 0x7F80) == 0).all() and (subnormal != 0).all()      # subnormal, not flushed
+    # Random blocks over a batch of stacks and groups, as gpt-oss stores them ([E, rows, G, 16]).
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 5, 4, 16), dtype=np.uint8)
+    scales = rng.integers(100, 140, (3, 5, 4), dtype=np.uint8)
+    want = host.dequantize(blocks, scales).astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert np.array_equal(np.asarray(dequantize_mxfp4(blocks, scales)).view(np.uint16), want)
