@@ -507,7 +507,8 @@ def _lce(hidden, weight, labels, ignore_index, tiles: _Tiles, mode: KernelMode):
     """Not differentiated: the forward alone (2 NVH)."""
     n = hidden.shape[0]
     if mode.family == "gpu":
-        return _gpu_forward(hidden, weight, labels, ignore_index=ignore_index, bn=tiles.bn, bv=tiles.bv, mode=mode)
+        return tuple(_gpu_forward(hidden, weight, labels, ignore_index=ignore_index, bn=tiles.bn, bv=tiles.bv,
+                                  mode=mode))
     nll, lse = _tpu_forward(hidden, weight, labels.reshape(1, n), ignore_index=ignore_index, tiles=tiles, mode=mode)
     return nll.reshape(n), lse.reshape(n)
 
