@@ -271,6 +271,12 @@ def _step_mask(i, kb, cfg: _Cfg, seg):
     return _tile_mask(i * cfg.block_q, kb * cfg.block_kv, (cfg.block_q, cfg.block_kv), cfg.window, seg)
 
 
+def _head_scores(q, k, mask, cfg: _Cfg, precision):
+    """One query head's scaled scores against a K block, masked where the tile needs it."""
+    s = _dot(q, k, (1, 1), precision) * cfg.scale
+    return s if mask is None else jnp.where(mask, s, _MASK_VALUE)
+
+
 def _run_live_step(step, live, full, seg):
     """step(masked) on live tiles; the mask is skipped on fully visible tiles, which segments
     (ids not known statically) never are."""
@@ -365,9 +371,7 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
         mask = _step_mask(i, kb, cfg, seg) if masked else None
 
         def head(g, carry):
-            s = _dot(q_ref[g], k, (1, 1), precision) * cfg.scale
-            if mask is not None:
-                s = jnp.where(mask, s, _MASK_VALUE)
+            s = _head_scores(q_ref[g], k, mask, cfg, precision)
             m_prev = m_scr[g]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
@@ -408,9 +412,7 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_s
         mask = _step_mask(i, kb, cfg, seg) if masked else None
 
         def head(g, carry):
-            s = _dot(q_ref[g], k, (1, 1), precision) * cfg.scale
-            if mask is not None:
-                s = jnp.where(mask, s, _MASK_VALUE)
+            s = _head_scores(q_ref[g], k, mask, cfg, precision)
             p = jnp.exp(s - jnp.expand_dims(lse_ref[g][0], -1))          # lse includes the sink
             dp = _dot(do_ref[g], v, (1, 1), precision)
             ds = p * (dp - jnp.expand_dims(delta_ref[g][0], -1))
@@ -509,24 +511,31 @@ def _kv_block(cfg: _Cfg, bi, i, j, bounds):
     return jnp.minimum(lo + j, hi)
 
 
+def _kv_stream_specs(cfg: _Cfg, d: int):
+    """(K/V block spec, segment-id specs) of the kernels that stream a q block's kv range (the
+    forward and dq); grid (batch, kv head, q block, kv step): the kv head's group of query heads
+    shares each step."""
+    def kv_map(bi, h, i, j, *bounds):
+        return bi, h, _kv_block(cfg, bi, i, j, bounds), 0
+
+    seg_specs = [pl.BlockSpec((None, cfg.block_q, 1), lambda bi, h, i, j, *_: (bi, i, 0)),
+                 pl.BlockSpec((None, 1, cfg.block_kv),
+                              lambda bi, h, i, j, *bounds: (bi, 0, _kv_block(cfg, bi, i, j, bounds)))]
+    return pl.BlockSpec((None, None, cfg.block_kv, d), kv_map), seg_specs
+
+
 def _tpu_forward(cfg: _Cfg, q, k, v, sinks, segs=None):
     b, hq, tp, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    bq, bkv, steps = cfg.block_q, cfg.block_kv, _kv_steps(cfg)
-
-    def kv_map(bi, h, i, j, *bounds):   # h: the kv head, whose group's query heads share the step
-        return bi, h, _kv_block(cfg, bi, i, j, bounds), 0
-
-    seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, h, i, j, *_: (bi, i, 0)),
-                 pl.BlockSpec((None, 1, bkv), lambda bi, h, i, j, *bounds: (bi, 0, _kv_block(cfg, bi, i, j, bounds)))]
+    bq, steps = cfg.block_q, _kv_steps(cfg)
+    kv_spec, seg_specs = _kv_stream_specs(cfg, d)
     out, lse = _tpu_call(
         functools.partial(_tpu_fwd_kernel, cfg=cfg, precision=dot_precision(q.dtype)), cfg, segs, seg_specs,
         grid=(b, hkv, cfg.nq, steps),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                   pl.BlockSpec((None, group, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0)),
-                  pl.BlockSpec((None, None, bkv, d), kv_map),
-                  pl.BlockSpec((None, None, bkv, d), kv_map)],
+                  kv_spec, kv_spec],
         out_specs=[pl.BlockSpec((None, group, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0)),
                    pl.BlockSpec((None, group, 1, bq), lambda bi, h, i, j, *_: (bi, h, 0, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -548,20 +557,14 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
     delta4 = delta[:, :, None, :]
 
     kv_steps = _kv_steps(cfg)
-
-    def kv_map(bi, h, i, j, *bounds):   # h: the kv head, as in the forward
-        return bi, h, _kv_block(cfg, bi, i, j, bounds), 0
-
+    kv_spec, dq_seg_specs = _kv_stream_specs(cfg, d)
     q_map = lambda bi, h, i, j, *_: (bi, h, i, 0)
     row_map = lambda bi, h, i, j, *_: (bi, h, 0, i)
-    dq_seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, h, i, j, *_: (bi, i, 0)),
-                    pl.BlockSpec((None, 1, bkv), lambda bi, h, i, j, *bounds: (bi, 0, _kv_block(cfg, bi, i, j, bounds)))]
     dq = _tpu_call(
         functools.partial(_tpu_dq_kernel, cfg=cfg, precision=prec), cfg, segs, dq_seg_specs,
         grid=(b, hkv, cfg.nq, kv_steps),
         in_specs=[pl.BlockSpec((None, group, bq, d), q_map),
-                  pl.BlockSpec((None, None, bkv, d), kv_map),
-                  pl.BlockSpec((None, None, bkv, d), kv_map),
+                  kv_spec, kv_spec,
                   pl.BlockSpec((None, group, bq, d), q_map),
                   pl.BlockSpec((None, group, 1, bq), row_map),
                   pl.BlockSpec((None, group, 1, bq), row_map)],
