@@ -580,20 +580,24 @@ _FUSED_VMEM_BUDGET = 40 * 2**20   # tiles are shrunk until the estimate fits (TP
 _FUSED_VMEM_CAP = 64 * 2**20      # vmem_limit_bytes never above this (v7x has 64 MiB per core)
 
 
+def _fused_temps_bytes(tm: int, hdim: int, ti: int) -> int:
+    """Float32 temporaries of a fused kernel's [tm, H] and [tm, 2ti] intermediates."""
+    return 4 * (3 * tm * hdim + 12 * tm * 2 * ti)
+
+
 def _fused_vmem_bytes(tm: int, hdim: int, ti: int, itemsize: int) -> int:
     """Rough VMEM use of the dW kernel: double-buffered blocks, float32 weight-sized accumulators,
-    and float32 temporaries of the [tm, H] and [tm, 2ti] intermediates."""
+    and the temporaries."""
     blocks = 2 * itemsize * (2 * tm * hdim + 2 * (3 * hdim * ti))   # x, dy; w1/w2 in and dw1/dw2 out
     scratch = 4 * 3 * hdim * ti
-    temps = 4 * (3 * tm * hdim + 12 * tm * 2 * ti)
-    return blocks + scratch + temps
+    return blocks + scratch + _fused_temps_bytes(tm, hdim, ti)
 
 
 def _fused_rows_vmem_bytes(tm: int, hdim: int, ti: int, itemsize: int) -> int:
     """Rough VMEM use of the larger row kernel (dx): double-buffered x, dy and dx row blocks and
-    w1/w2 blocks, the [tm, H] float32 accumulator, float32 temporaries as in the dW estimate."""
+    w1/w2 blocks, the [tm, H] float32 accumulator, and the temporaries."""
     blocks = 2 * itemsize * (3 * tm * hdim + 3 * hdim * ti)
-    return blocks + 4 * tm * hdim + 4 * (3 * tm * hdim + 12 * tm * 2 * ti)
+    return blocks + 4 * tm * hdim + _fused_temps_bytes(tm, hdim, ti)
 
 
 def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, idim: int,
@@ -603,9 +607,10 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
     be I itself or a multiple of 64 (2ti a multiple of 128 lanes, ti of 16 sublanes). An I with
     no such divisor <= the wanted tile is zero-padded to a multiple of 128 (a weight copy: only
     in that case). Tiles given explicitly are kept (rounded to the rules): block_i for all three
-    kernels unless block_i_dw sets the dW kernel's; defaults shrink to the VMEM budget, the dW kernel's (weight-sized accumulators) first with tm,
-    then the row kernels' I tile from the same start with that tm: a row kernel whose I tile is
-    all of I fetches an expert's weights once per expert, not once per row tile."""
+    kernels unless block_i_dw sets the dW kernel's. Defaults shrink to the VMEM budget: the dW
+    kernel's I tile (weight-sized accumulators) first, with tm, then the row kernels' I tile from
+    the same start with that tm. A row kernel whose I tile is all of I fetches an expert's
+    weights once per expert, not once per row tile."""
     default_m, default_i = DEFAULT_FUSED_TILES["tpu" if platform == "tpu" else "cpu"]
     want_m, want_i = block_m or default_m, block_i or default_i
     on_tpu = platform == "tpu"
