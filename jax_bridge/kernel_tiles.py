@@ -79,19 +79,20 @@ def read(path: str) -> dict:
     if not isinstance(entries, dict):
         raise TileTableError(f"kernel tiles {path}: field 'entries' must be an object, found {entries!r}")
     for op, per_impl in entries.items():
-        for impl, per_key in (per_impl.items() if isinstance(per_impl, dict) else [(None, None)]):
+        if not isinstance(per_impl, dict):
+            raise TileTableError(f"kernel tiles {path}: entries.{op} must map implementations to their entries")
+        for impl, per_key in per_impl.items():
             if not isinstance(per_key, dict) or not all(
                     isinstance(e, dict) and isinstance(e.get("options"), dict) for e in per_key.values()):
                 raise TileTableError(f"kernel tiles {path}: entries.{op}.{impl} must map call keys to "
                                      f"{{\"options\": {{...}}, \"seconds\": s}}")
-    table["path"] = path
     return table
 
 
-def tuned_options(table: dict) -> dict[str, dict[str, dict[str, Any]]]:
-    """{op: {implementation: {TUNED: the table's entries for it, with the table's identity}}}: the
+def tuned_options(table: dict, path: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """{op: {implementation: {TUNED: the table's entries for it, with where they come from}}}: the
     shape of `registry.parse_kernel_options`' result, so tuned and explicit options merge there."""
-    return {op: {impl: {TUNED: {"path": table["path"], "platform": table["platform"],
+    return {op: {impl: {TUNED: {"path": path, "platform": table["platform"],
                                 "device_kind": table["device_kind"], "entries": per_key}}
                  for impl, per_key in per_impl.items()}
             for op, per_impl in table["entries"].items()}

@@ -248,11 +248,12 @@ def parse_kernel_options(spec: str | dict | None) -> dict[str, dict[str, dict[st
         nested: dict = {}
         for part in spec.split(","):
             if "=" not in part and part.strip().endswith(".json"):   # a table of tuned tiles
+                path = part.strip()
                 try:
-                    table = kernel_tiles.read(part.strip())
+                    table = kernel_tiles.read(path)
                 except kernel_tiles.TileTableError as e:
                     raise KernelError(f"--kernel-options: {e}") from None
-                for op, per_impl in kernel_tiles.tuned_options(table).items():
+                for op, per_impl in kernel_tiles.tuned_options(table, path).items():
                     for name, opts in per_impl.items():
                         nested.setdefault(op, {}).setdefault(name, {}).update(opts)
                 continue

@@ -147,3 +147,9 @@ def time_calls(compiled, inputs, warmup: int, repeats: int) -> float:
         jax.block_until_ready(compiled(*inputs))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def short_error(e: BaseException) -> str:
+    """A measurement's failure in one line: the exception's type and first line, at most 240 characters."""
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:240]

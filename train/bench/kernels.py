@@ -41,7 +41,7 @@ import sys
 import time
 
 from train.bench.kernel_cases import (Case, abstract_inputs, concrete_inputs, kernel_cases, make_fn,
-                                      time_calls)
+                                      short_error, time_calls)
 from train.bench.machine import machine_info
 from formats.errors import UserError
 
@@ -116,11 +116,6 @@ def _compile(f, abstract, budget: float, mode: str):
     return compiled, seconds
 
 
-def _short_error(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:240]
-
-
 # ---- the TPU compiler --------------------------------------------------------------------------
 _HBM_OOM = re.compile(r"total memory required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -146,7 +141,7 @@ def _tpu_measure(fn, case: Case, direction: str, args, device) -> dict:
             out["tpu_temp_bytes"] = int(float(found.group(1)) * _UNITS[found.group(2)])
             out["tpu_error"] = "does not fit the chip's HBM (the compiler's requirement is shown)"
         else:
-            out["tpu_error"] = _short_error(e)
+            out["tpu_error"] = short_error(e)
         out["tpu_compile_s"] = round(time.perf_counter() - start, 2)
         return out
     out.update(tpu_temp_bytes=stats.temp_bytes, tpu_compile_s=stats.seconds,
@@ -178,7 +173,7 @@ def _cpu_measure(fn, case: Case, direction: str, args) -> tuple[dict, object]:
             notes.append(f"{mode}: {e}")
             break  # a slow compile will not be faster in the other mode
         except Exception as e:  # noqa: BLE001
-            notes.append(f"{mode}: {_short_error(e)}")
+            notes.append(f"{mode}: {short_error(e)}")
     if notes:
         out["error" if compiled is None else "note"] = "; ".join(notes)
     if compiled is not None:
@@ -200,7 +195,7 @@ def _bench_case(case: Case, impls: dict, args, log, device=None) -> list[dict]:
             try:
                 fn = impl.load()
             except Exception as e:  # noqa: BLE001 - a row records its failure
-                row.update(analysed_as=None, temp_bytes=None, error=_short_error(e), note=None, kernel=False)
+                row.update(analysed_as=None, temp_bytes=None, error=short_error(e), note=None, kernel=False)
                 block.append(row)
                 continue
             kernel = _is_kernel(fn)
@@ -215,7 +210,7 @@ def _bench_case(case: Case, impls: dict, args, log, device=None) -> list[dict]:
                             concrete = concrete_inputs(case)
                         row["time_s"] = time_calls(compiled, concrete, args.warmup, args.repeats)
                     except Exception as e:  # noqa: BLE001
-                        row["time_note"] = f"run failed: {_short_error(e)}"
+                        row["time_note"] = f"run failed: {short_error(e)}"
                 else:
                     row["time_note"] = "interpret" if kernel else ("compile only" if args.time else "not timed")
             if device is not None:

@@ -92,16 +92,13 @@ def _load_or_new(path: str, platform: str, device_kind: str) -> dict:
     if (table["platform"], table["device_kind"]) != (platform, device_kind):
         raise UserError(f"--tune: {path} holds tiles tuned on {table['device_kind']} ({table['platform']}); this "
                         f"device is {device_kind} ({platform}): write a table per device kind")
-    table.pop("path")
     return table
 
 
 def run(args, shapes: list[str], ops: list[str]) -> int:
-    import jax
-
     from formats.atomic import write_atomic
     from jax_bridge import kernel_tiles, registry
-    from train.bench.kernel_cases import kernel_cases
+    from train.bench.kernel_cases import abstract_inputs, kernel_cases, short_error
 
     candidates = parse_candidates(args.tune_candidates)
     platform, device_kind = _device()
@@ -110,9 +107,7 @@ def run(args, shapes: list[str], ops: list[str]) -> int:
     print(f"Tuning kernel tiles on {device_kind} ({platform}){note}")
     tuned = 0
     for op in ops:
-        for (cop, impl), _ in candidates.items():
-            if cop != op or not registry.runs_on(op, impl, platform):
-                continue
+        for impl in [i for (o, i) in candidates if o == op and registry.runs_on(o, i, platform)]:
             fn = registry.implementations(op)[impl].load()
             for shape in shapes:
                 for case in kernel_cases(op, shape):
@@ -122,8 +117,7 @@ def run(args, shapes: list[str], ops: list[str]) -> int:
                         try:
                             seconds = _measure(case, fn, platform, tiles, args)
                         except Exception as e:   # the compiler's verdict on this tile: reported, skipped
-                            print(f"  {op}={impl} {case.label} {label}: refused ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)
+                            print(f"  {op}={impl} {case.label} {label}: refused ({short_error(e)})", file=sys.stderr)
                             continue
                         results.append((seconds, tiles))
                         if args.verbose:
@@ -131,8 +125,7 @@ def run(args, shapes: list[str], ops: list[str]) -> int:
                     if not results:
                         raise UserError(f"--tune: every candidate tile of {op}={impl} at {case.label} was refused")
                     best_s, best = min(results, key=lambda r: r[0])
-                    specs = [jax.ShapeDtypeStruct(s, d) for s, d, _ in case.specs]
-                    key = kernel_tiles.call_key(op, tuple(specs), case.kwargs)
+                    key = kernel_tiles.call_key(op, tuple(abstract_inputs(case)), case.kwargs)
                     kernel_tiles.add_entry(table, op, impl, key, best, best_s)
                     tuned += 1
                     worst_s = max(r[0] for r in results)
