@@ -285,51 +285,34 @@ class _Tiles(NamedTuple):
     vmem_limit: int | None     # TPU scoped VMEM limit; None: from _tpu_vmem_estimate
 
 
-def _tpu_forward(hidden, weight, lab_row, *, ignore_index, tiles: _Tiles, mode: KernelMode):
+def _tpu_forward(hidden, weight, lab_row, *, ignore_index, tiles: _Tiles, mode: KernelMode,
+                 expectation: bool = False):
+    """(nll [1, N], lse [1, N]), and with `expectation` E [N, H] float32 too (the forward that
+    serves dh): token tiles in parallel, vocab tiles in order."""
     n, h = hidden.shape
     v = weight.shape[0]
     bn, bv = tiles.bn, tiles.bv
     cdt = jnp.promote_types(hidden.dtype, weight.dtype)
     row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
-    kernel = functools.partial(_tpu_fwd_kernel, v=v, bv=bv, cv=_chunks(bv, tiles.compute)[0],
-                               ignore_index=ignore_index, cdt=cdt, precision=dot_precision(cdt))
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
     in_specs = [row, pl.BlockSpec((bn, h), lambda i, j: (i, 0)), pl.BlockSpec((bv, h), lambda i, j: (j, 0))]
     out_specs, out_shape = [row, row], [jax.ShapeDtypeStruct((1, n), jnp.float32)] * 2
-    nll, lse = pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((1, bn), jnp.float32)] * 3,
-        compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, jnp.dtype(cdt).itemsize,
-                                             tiles.compute, tiles.vmem_limit),
-        name="cross_entropy_fwd",
-        cost_estimate=cost_estimate(grid, in_specs, (lab_row, hidden, weight), out_specs, out_shape,
-                                    flops=2 * n * v * h, transcendentals=n * v),
-        interpret=mode.pallas_interpret(),
-    )(lab_row, hidden, weight)
-    return nll, lse
-
-
-def _tpu_forward_with_expectation(hidden, weight, lab_row, *, ignore_index, tiles: _Tiles, mode: KernelMode):
-    """(nll [1, N], lse [1, N], E [N, H] float32): token tiles in parallel, vocab tiles in order."""
-    n, h = hidden.shape
-    v = weight.shape[0]
-    bn, bv = tiles.bn, tiles.bv
-    cdt = jnp.promote_types(hidden.dtype, weight.dtype)
-    row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
-    kernel = functools.partial(_tpu_fwd_expectation_kernel, v=v, bv=bv, cn=_chunks(bn, tiles.compute)[0],
-                               ignore_index=ignore_index, cdt=cdt, precision=dot_precision(cdt))
-    grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
-    in_specs = [row, pl.BlockSpec((bn, h), lambda i, j: (i, 0)), pl.BlockSpec((bv, h), lambda i, j: (j, 0))]
-    out_specs = [row, row, pl.BlockSpec((bn, h), lambda i, j: (i, 0))]
-    out_shape = [jax.ShapeDtypeStruct((1, n), jnp.float32)] * 2 + [jax.ShapeDtypeStruct((n, h), jnp.float32)]
+    common = dict(v=v, bv=bv, ignore_index=ignore_index, cdt=cdt, precision=dot_precision(cdt))
+    if expectation:
+        kernel = functools.partial(_tpu_fwd_expectation_kernel, cn=_chunks(bn, tiles.compute)[0], **common)
+        out_specs.append(pl.BlockSpec((bn, h), lambda i, j: (i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((n, h), jnp.float32))
+        scratch, name, flops = [pltpu.VMEM((bn, LANES), jnp.float32)] * 4, "cross_entropy_fwd_e", 4 * n * v * h
+    else:
+        kernel = functools.partial(_tpu_fwd_kernel, cv=_chunks(bv, tiles.compute)[0], **common)
+        scratch, name, flops = [pltpu.VMEM((1, bn), jnp.float32)] * 3, "cross_entropy_fwd", 2 * n * v * h
     return pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((bn, LANES), jnp.float32)] * 4,
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
         compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, jnp.dtype(cdt).itemsize,
                                              tiles.compute, tiles.vmem_limit),
-        name="cross_entropy_fwd_e",
+        name=name,
         cost_estimate=cost_estimate(grid, in_specs, (lab_row, hidden, weight), out_specs, out_shape,
-                                    flops=4 * n * v * h, transcendentals=n * v),
+                                    flops=flops, transcendentals=n * v),
         interpret=mode.pallas_interpret(),
     )(lab_row, hidden, weight)
 
@@ -519,8 +502,8 @@ def _lce_fwd(hidden, weight, labels, ignore_index, tiles: _Tiles, mode: KernelMo
     if mode.family == "gpu":
         nll, lse = _lce(hidden, weight, labels, ignore_index, tiles, mode)
         return (nll, lse), (hidden, weight, labels, lse, None)
-    nll, lse, expectation = _tpu_forward_with_expectation(hidden, weight, labels.reshape(1, n),
-                                                          ignore_index=ignore_index, tiles=tiles, mode=mode)
+    nll, lse, expectation = _tpu_forward(hidden, weight, labels.reshape(1, n), ignore_index=ignore_index,
+                                         tiles=tiles, mode=mode, expectation=True)
     nll, lse = nll.reshape(n), lse.reshape(n)
     return (nll, lse), (hidden, weight, labels, lse, expectation)
 
