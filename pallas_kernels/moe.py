@@ -154,7 +154,7 @@ def default_block_m(m: int, num_groups: int) -> int:
     return max(8, min(512, round_up(max(m // (4 * num_groups), 1), 8)))
 
 
-def _fit(dim: int, want: int, align: int) -> int:
+def fit_tile(dim: int, want: int, align: int) -> int:
     """Largest tile <= want dividing dim that is a multiple of `align`; else the whole dim (a
     block equal to the array dim is always legal on TPU)."""
     if dim <= want:
@@ -566,7 +566,7 @@ def _moe_fused_core_bwd(cfg, res, dy):
 _moe_fused_core.defvjp(_moe_fused_core_fwd, _moe_fused_core_bwd)
 
 
-_GPU_HINT = "on GPU use the 'xla' (moe_experts_xla) or 'ragged_dot' (moe_experts_reference) implementation"
+GPU_HINT = "on GPU use the 'xla' (moe_experts_xla) or 'ragged_dot' (moe_experts_reference) implementation"
 DEFAULT_FUSED_TILES = {
     # (block_m, block_i): rows per tile and I (intermediate) tile. The kernels take H whole (the
     # SwiGLU needs the full H reduction before the down projection). block_i = I when it fits the
@@ -618,17 +618,17 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
     sub = (16 if itemsize < 4 else 8) if on_tpu else 8
     tm = max(sub, min(round_up(want_m, sub), round_up(m, sub)))
     if not on_tpu:
-        return tm, _fit(idim, want_i, 8), _fit(idim, block_i_dw or want_i, 8), idim
+        return tm, fit_tile(idim, want_i, 8), fit_tile(idim, block_i_dw or want_i, 8), idim
     ip = idim
-    start = _fit(idim, want_i, 64)
+    start = fit_tile(idim, want_i, 64)
     if start == idim and idim > want_i:
         ip = round_up(idim, 128)
-        start = _fit(ip, want_i, 128)
+        start = fit_tile(ip, want_i, 128)
     # Shrink defaults to the VMEM budget: first ti (to multiples of 64 dividing ip), then tm.
     fixed_w = block_i is not None or block_i_dw is not None
-    ti_w = _fit(ip, block_i_dw, 64) if block_i_dw is not None else start
+    ti_w = fit_tile(ip, block_i_dw, 64) if block_i_dw is not None else start
     while _fused_vmem_bytes(tm, hdim, ti_w, itemsize) > _FUSED_VMEM_BUDGET:
-        smaller = _fit(ip, ti_w - 64, 64) if ti_w > 64 and not fixed_w else ti_w
+        smaller = fit_tile(ip, ti_w - 64, 64) if ti_w > 64 and not fixed_w else ti_w
         if smaller < ti_w:
             ti_w = smaller
         elif tm > sub and block_m is None:
@@ -637,7 +637,7 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
             break
     ti = start
     while ti > 64 and block_i is None and _fused_rows_vmem_bytes(tm, hdim, ti, itemsize) > _FUSED_VMEM_BUDGET:
-        ti = _fit(ip, ti - 64, 64)
+        ti = fit_tile(ip, ti - 64, 64)
     return tm, ti, ti_w, ip
 
 
@@ -670,7 +670,7 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     Float32 inputs use HIGHEST precision, all matmuls accumulate in float32; outputs and
     gradients come back in the input dtypes.
     """
-    mode = kernel_mode(platform, interpret, who="moe_experts_pallas", families=("tpu",), hint=_GPU_HINT)
+    mode = kernel_mode(platform, interpret, who="moe_experts_pallas", families=("tpu",), hint=GPU_HINT)
     m, hdim = x.shape
     num_groups, _, two_i = gate_up.shape
     idim = two_i // 2
@@ -716,7 +716,7 @@ def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias,
     platform 'tpu' (Mosaic) or 'cpu' (interpreted); no GPU kernel."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
-    mode = kernel_mode(platform, interpret, who="moe_experts_megablox", families=("tpu",), hint=_GPU_HINT)
+    mode = kernel_mode(platform, interpret, who="moe_experts_megablox", families=("tpu",), hint=GPU_HINT)
     interpret_flag = mode.shipped_interpret()
     m, hdim = x.shape
     num_groups, _, two_i = gate_up.shape
@@ -746,7 +746,7 @@ def moe_experts_megablox(x, group_sizes, gate_up, gate_up_bias, down, down_bias,
         down_bias = jnp.pad(down_bias, ((0, 0), (0, hp - hdim)))
 
     def gmm(lhs, rhs):
-        t = _fit(math.gcd(rhs.shape[1], rhs.shape[2]), want_k, lane)
+        t = fit_tile(math.gcd(rhs.shape[1], rhs.shape[2]), want_k, lane)
         call = with_matmul_precision(
             lambda a, b, g: megablox_gmm(a, b, g, _F32, (tm, t, t), None, None, False, interpret_flag),
             precision_name(lhs.dtype))

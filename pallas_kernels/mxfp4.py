@@ -46,6 +46,28 @@ def e2m1_bf16_bits(codes, scales):
     return (sign | bits).astype(jnp.uint16)
 
 
+# Scale bytes for which every E2M1 value is a normal bfloat16 (no subnormal at the bottom, no
+# overflow at the top): e2m1_bf16_bits_normal's domain.
+NORMAL_SCALES = (2, 252)
+
+
+def normal_base(scales):
+    """int32 bfloat16 bits of 0.5 x 2**(byte - 127) per scale byte in NORMAL_SCALES: what
+    e2m1_bf16_bits_normal adds a code to (computed once per block, not per value)."""
+    return (scales.astype(jnp.int32) - 1) << 7
+
+
+def e2m1_bf16_bits_normal(codes, base):
+    """e2m1_bf16_bits for scale bytes in NORMAL_SCALES given as normal_base(scales), in a few
+    integer operations (a kernel decodes every weight it reads): a magnitude code m >= 2 is
+    1.f x 2**((m >> 1) - 1), whose bf16 exponent and top mantissa bit are m's bits 1-2 and 0, so
+    m << 6 added to the base gives its bits; m = 1 (0.5) is the base itself, m = 0 is 0."""
+    codes = codes.astype(jnp.int32)
+    magnitude = codes & 7
+    bits = jnp.where(magnitude >= 2, (magnitude << 6) + base, jnp.where(magnitude == 1, base, 0))
+    return (((codes & 8) << 12) | bits).astype(jnp.uint16)
+
+
 def dequantize_mxfp4(blocks, scales):
     """uint8 blocks [..., G, 16] and scale bytes [..., G] -> bfloat16 [..., G * 32], exact."""
     if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:

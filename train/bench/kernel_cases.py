@@ -18,13 +18,14 @@ class Case:
     shape: str              # a key of SHAPES
     label: str              # human-readable variant (window, dims)
     dtype: str
-    specs: list             # [(shape tuple, dtype name, kind)]; kind: float | int | labels | groups
+    specs: list             # [(shape tuple, dtype name, kind)]; kind: float | labels | groups | mxfp4 | scales
     kwargs: dict = field(default_factory=dict)
     dims: dict = field(default_factory=dict)
 
 
 # Per shape set: attention (B, Hq, Hkv, T, D, window), cross-entropy (N tokens, H, V), MoE
-# (M = tokens x experts per token, H, I, E). Lyra Small and gpt-oss-20b at 16,384 tokens per step.
+# (M = tokens x experts per token, H, I, E; moe_mxfp4 at the same dims). Lyra Small and gpt-oss-20b
+# at 16,384 tokens per step.
 SHAPES = {
     "tiny": dict(attention=(8, 4, 2, 256, 64, 64), cross_entropy=(2048, 256, 4096), moe=(4096, 256, 256, 8)),
     "lyra-small": dict(attention=(4, 16, 4, 4096, 128, 128), cross_entropy=(16384, 2048, 201088),
@@ -39,7 +40,7 @@ def kernel_cases(op: str, shape: str, windows: bool = True, dtype: str | None = 
     dtype; the big presets in bf16; `dtype` overrides). windows=False: attention's
     sliding-window case only."""
     dt = dtype or ("float32" if shape == "tiny" else "bfloat16")
-    dims = SHAPES[shape][op]
+    dims = SHAPES[shape]["moe" if op == "moe_mxfp4" else op]
     if op == "attention":
         b, hq, hkv, t, d, w = dims
         out = []
@@ -60,6 +61,13 @@ def kernel_cases(op: str, shape: str, windows: bool = True, dtype: str | None = 
         return [Case(op, shape, f"M{m} H{h} I{i} E{e}", dt,
                      [((m, h), dt, "float"), ((e,), "int32", "groups"), ((e, h, 2 * i), dt, "float"),
                       ((e, 2 * i), dt, "float"), ((e, i, h), dt, "float"), ((e, h), dt, "float")],
+                     dict(alpha=1.702, limit=7.0), dict(M=m, H=h, I=i, E=e))]
+    if op == "moe_mxfp4":       # the released stacks: bytes [E, out, in/2], scale bytes [E, out, in/32]
+        m, h, i, e = dims
+        return [Case(op, shape, f"M{m} H{h} I{i} E{e} MXFP4", dt,
+                     [((m, h), dt, "float"), ((e,), "int32", "groups"), ((e, 2 * i, h // 2), "uint8", "mxfp4"),
+                      ((e, 2 * i, h // 32), "uint8", "scales"), ((e, 2 * i), dt, "float"),
+                      ((e, h, i // 2), "uint8", "mxfp4"), ((e, h, i // 32), "uint8", "scales"), ((e, h), dt, "float")],
                      dict(alpha=1.702, limit=7.0), dict(M=m, H=h, I=i, E=e))]
     raise UserError(f"unknown op {op!r}")
 
@@ -124,6 +132,9 @@ def concrete_inputs(case: Case, seed: int = 0):
         key, sub = jax.random.split(key)
         if kind == "float":
             out.append((jax.random.normal(sub, s, jnp.float32) * 0.5).astype(d))
+        elif kind in ("mxfp4", "scales"):   # any codes; scale bytes giving values of ~1 / sqrt(fan-in)
+            low, high = (0, 256) if kind == "mxfp4" else (118, 123)
+            out.append(jax.random.randint(sub, s, low, high, jnp.int32).astype(jnp.uint8))
         elif kind == "labels":
             out.append(jax.random.randint(sub, s, 0, case.dims["V"], jnp.int32))
         elif kind == "groups":  # uneven but deterministic expert loads summing to M

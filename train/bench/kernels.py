@@ -45,7 +45,8 @@ from train.bench.kernel_cases import (Case, abstract_inputs, concrete_inputs, ke
 from train.bench.machine import machine_info
 from formats.errors import UserError
 
-OPS = ("attention", "cross_entropy", "moe")
+OPS = ("attention", "cross_entropy", "moe")       # the default --ops
+ALL_OPS = OPS + ("moe_mxfp4",)                     # moe_mxfp4: the experts of a frozen MXFP4 base
 SHAPE_SETS = ("tiny", "lyra-small", "gpt-oss-20b")
 DEFAULT_SHAPE_SETS = ("tiny", "lyra-small")
 DIRECTIONS = ("fwd", "fwd+bwd")
@@ -53,7 +54,7 @@ DIRECTIONS = ("fwd", "fwd+bwd")
 # Lyra's published savings of temporary memory against the plain reference (% saved), per
 # (op, direction); None: no published goal for that row.
 # Ops whose plain reference is not the `xla` implementation: savings against it are noted too.
-REFERENCE = {"moe": "ragged_dot"}
+REFERENCE = {"moe": "ragged_dot", "moe_mxfp4": "ragged_dot"}
 
 GOALS = {
     ("cross_entropy", "fwd"): 99.9, ("cross_entropy", "fwd+bwd"): 99.9,
@@ -352,7 +353,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPE_SETS),
                         help=f"comma-separated shape sets of {','.join(SHAPE_SETS)} (default: {','.join(DEFAULT_SHAPE_SETS)})")
-    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
+    parser.add_argument("--ops", default=",".join(OPS),
+                        help=f"comma-separated ops of {','.join(ALL_OPS)} (default: {','.join(OPS)})")
     parser.add_argument("--impls", default=None,
                         help="comma-separated implementation names to keep (default: all registered; "
                              "xla is always kept as the baseline)")
@@ -415,7 +417,7 @@ _METHOD = {
 
 def run(args) -> int:
     shapes = _parse_list(args.shapes, SHAPE_SETS, "shapes")
-    ops = _parse_list(args.ops, OPS, "ops")
+    ops = _parse_list(args.ops, ALL_OPS, "ops")
     if args.repeats < 1 or args.warmup < 0:
         raise UserError(f"--repeats must be >= 1 and --warmup >= 0; found {args.repeats}, {args.warmup}")
     if args.tune:
