@@ -11,6 +11,11 @@ that device's tokens. Expert parallelism (an `expert` axis): the tokens of the d
 rows for other experts sort last, past the groups) and the mixed rows are reduce-scattered back.
 Tensor parallelism splits every expert's hidden width over `tensor`: each device adds a partial
 down projection and the partial outputs are summed over `tensor` (the down bias is added once).
+
+Expert stacks held as MXFP4 (`moe_mxfp4`: blocks and scales in the released orientation) are
+split over their experts only: their other dimensions are blocked along the input (H for
+gate_up, I for down), and a split there could cut a 32-value block, so they are not split
+(no tensor parallelism for them).
 """
 from __future__ import annotations
 
@@ -24,15 +29,16 @@ from jax.sharding import PartitionSpec as P
 from jax_bridge.sharded_ops import CHECK_VMA
 
 
-def mix_experts(grouped: Callable, x, experts, weights, gate_up, gate_up_bias, down, down_bias, *,
-                first_expert=None, alpha: float, limit: float, up_shift: float):
+def mix_experts(grouped: Callable, x, experts, weights, *stacks, first_expert=None, alpha: float, limit: float,
+                up_shift: float):
     """out[n] = sum_j weights[n, j] * expert_{experts[n, j]}(x[n]); x [R, H], experts and weights [R, k].
+    `stacks`: the expert tensors `grouped` takes after the group sizes, each [E_local, ...].
 
     first_expert None: every expert is held here. Otherwise the weights hold experts
     first_expert .. first_expert + E_local - 1 only, and choices of other experts contribute 0.
     """
     rows, k = experts.shape
-    e_local = gate_up.shape[0]
+    e_local = stacks[0].shape[0]
     key = experts.reshape(-1)
     if first_expert is not None:                  # other experts' rows sort last, past the groups
         key = key - first_expert
@@ -47,20 +53,20 @@ def mix_experts(grouped: Callable, x, experts, weights, gate_up, gate_up_bias, d
         # leave there (forward output, or input gradient in the backward pass) leaks in.
         live = (jnp.arange(order.shape[0]) < group_sizes.sum())[:, None]
         sorted_rows = jnp.where(live, sorted_rows, 0)
-    out = grouped(sorted_rows, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit,
-                  up_shift=up_shift)
+    out = grouped(sorted_rows, group_sizes, *stacks, alpha=alpha, limit=limit, up_shift=up_shift)
     if live is not None:
         out = jnp.where(live, out, 0)
     out = out[inverse].reshape(rows, k, -1)
     return (out * weights[..., None].astype(out.dtype)).sum(1)
 
 
-def routed_experts(grouped: Callable, *, mesh=None):
+def routed_experts(grouped: Callable, *, mesh=None, mxfp4: bool = False):
     """The `routed_experts` op as a JAX function over `grouped` (a registry `moe` implementation
-    with the grouped-GEMM signature): one dispatch over all tokens, or per device under a mesh."""
+    with the grouped-GEMM signature; with mxfp4, a `moe_mxfp4` one): one dispatch over all
+    tokens, or per device under a mesh."""
     if mesh is None:
         return functools.partial(mix_experts, grouped)
-    return functools.partial(_per_device, grouped, mesh)
+    return functools.partial(_per_device_mxfp4 if mxfp4 else _per_device, grouped, mesh)
 
 
 def _per_device(grouped, mesh, x, experts, weights, gate_up, gate_up_bias, down, down_bias, *, alpha, limit,
@@ -98,3 +104,33 @@ def _per_device(grouped, mesh, x, experts, weights, gate_up, gate_up_bias, down,
     return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w1, b1, w2, b2), out_specs=rows,
                          check_vma=CHECK_VMA)(
         x, experts, weights, gate_up, gate_up_bias, down, down_bias)
+
+
+def _per_device_mxfp4(grouped, mesh, x, experts, weights, *stacks, alpha, limit, up_shift):
+    """_per_device for MXFP4 stacks (blocks, scales, bias of gate_up, then of down): experts
+    split over `expert`, nothing else split."""
+    from jax_bridge import sharding
+
+    if mesh.shape.get("tensor", 1) > 1:
+        raise ValueError(f"MXFP4 experts cannot be split over tensor={mesh.shape['tensor']}: their widths are "
+                         f"blocked along the input (32 values per scale); use a mesh without a tensor axis")
+    specs = [sharding.logical_spec(mesh, ("exp_parallel",) + (None,) * (s.ndim - 1), s.shape) for s in stacks]
+    expert = specs[0][0] if len(specs[0]) else None
+    if mesh.shape.get("expert", 1) > 1 and expert is None:
+        raise ValueError(f"expert parallelism: {stacks[0].shape[0]} experts cannot be split over "
+                         f"expert={mesh.shape['expert']} devices (the count must divide)")
+    rows = P(sharding.batch_axes(mesh), None)
+
+    def local(x, experts, weights, *stacks):
+        first = None
+        if expert:
+            x, experts, weights = (jax.lax.all_gather(a, expert, axis=0, tiled=True) for a in (x, experts, weights))
+            first = jax.lax.axis_index(expert) * stacks[0].shape[0]
+        y = mix_experts(grouped, x, experts, weights, *stacks, first_expert=first, alpha=alpha, limit=limit,
+                        up_shift=up_shift)
+        if expert:
+            y = jax.lax.psum_scatter(y, expert, scatter_dimension=0, tiled=True)
+        return y
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, *specs), out_specs=rows,
+                         check_vma=CHECK_VMA)(x, experts, weights, *stacks)

@@ -43,13 +43,17 @@ from pallas_kernels.platform import PLATFORMS, check_platform, host_platform
 
 OPS = ("attention", "cross_entropy", "moe")      # the training forward's ops
 GENERATION_OPS = ("cached_attention",)           # used only by the KV-cache forward (generation)
+# Ops of models whose frozen weights stay quantized on the device (an MXFP4 expert base): resolved
+# alongside OPS by the programs of such a model, with the same `auto` preference.
+QUANTIZED_OPS = ("moe_mxfp4",)
 # What `auto` picks, best first, per platform; per op it takes the first that is registered for
 # that platform (MoE has no GPU Pallas kernel, so GPU gets moe=xla; only MoE has a `loop`, the
 # CPU's fastest grouped GEMM: BENCHMARKS.md, issue 12).
 AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("loop", "xla")}
 # The op's contract arguments: never kernel options.
 _CONTRACT = {"attention": ("sliding_window", "scale", "segment_ids"), "cross_entropy": ("ignore_index",),
-             "moe": ("alpha", "limit", "up_shift"), "cached_attention": ("sliding_window", "scale")}
+             "moe": ("alpha", "limit", "up_shift"), "moe_mxfp4": ("alpha", "limit", "up_shift"),
+             "cached_attention": ("sliding_window", "scale")}
 
 
 class KernelError(ValueError):
@@ -135,7 +139,7 @@ class Implementation:
         return with_tuned_tiles
 
 
-_TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS + GENERATION_OPS}
+_TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS + GENERATION_OPS + QUANTIZED_OPS}
 
 
 def register_implementation(op: str, name: str, fn: Callable | str, *, platforms=PLATFORMS, description: str = "",
@@ -196,6 +200,13 @@ register_implementation("moe", "decode", f"{_K}.moe_decode:moe_experts_decode", 
                         description="generation's few rows: reads only the experts in use (CPU default for generation)")
 register_implementation("cached_attention", "xla", f"{_K}.decode_attention:cached_attention_reference",
                         description="plain JAX over the cache slots, masked by token position")
+register_implementation("moe_mxfp4", "xla", f"{_K}.moe_mxfp4:moe_mxfp4_xla", spmd="gspmd",
+                        description="decode the MXFP4 stacks per call, then the plain JAX tiled grouped GEMM")
+register_implementation("moe_mxfp4", "ragged_dot", f"{_K}.moe_mxfp4:moe_mxfp4_reference", spmd="gspmd",
+                        description="decode the MXFP4 stacks per call, then jax.lax.ragged_dot (the reference)")
+register_implementation("moe_mxfp4", "pallas", f"{_K}.moe_mxfp4:moe_mxfp4_pallas", platforms=("cpu", "tpu"),
+                        description="fused expert MLP decoding MXFP4 tiles in VMEM: 4.25 bits per weight from HBM "
+                                    "(Mosaic TPU; interpreted on CPU)")
 
 
 # ---- selection --------------------------------------------------------------------------------
@@ -369,12 +380,19 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None)
         return routed_experts(x, experts.astype("int32"), weights, gate_up, gate_up_bias, down, down_bias,
                               alpha=float(alpha), limit=float(limit), up_shift=float(up_shift))
 
+    def moe_experts_mxfp4(x, experts, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
+                          down_bias, alpha, limit, up_shift=1.0):
+        routed_mxfp4 = moe_dispatch.routed_experts(fns["moe_mxfp4"], mesh=mesh, mxfp4=True)
+        return routed_mxfp4(x, experts.astype("int32"), weights, gate_up_blocks, gate_up_scales, gate_up_bias,
+                            down_blocks, down_scales, down_bias, alpha=float(alpha), limit=float(limit),
+                            up_shift=float(up_shift))
+
     def cached_attention(q, k, v, sinks, q_positions, k_positions, sliding_window, scale):
         return fns["cached_attention"](q, k, v, sinks, q_positions.astype("int32"), k_positions.astype("int32"),
                                        sliding_window=int(sliding_window), scale=float(scale))
 
     adapters = {"attention": attention, "cross_entropy": cross_entropy, "moe": moe_experts,
-                "cached_attention": cached_attention}
+                "moe_mxfp4": moe_experts_mxfp4, "cached_attention": cached_attention}
     return {op: adapters[op] for op in resolved}
 
 

@@ -138,6 +138,33 @@ def routed_experts_reference(x, experts, weights, gate_up, gate_up_bias, down, d
     return (out * weights.unsqueeze(-1)).sum(1)
 
 
+# E2M1 values of the 16 MXFP4 codes (bit 3 the sign), as formats/mxfp4.py's host codec has them.
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_decode(blocks, scales):
+    """MXFP4 bytes [..., K/2] (two E2M1 codes per byte, low nibble first) and scale bytes
+    [..., K/32] (2**(byte - 127) per 32 values) -> float32 [..., K], exactly (torch on CPU keeps
+    the subnormals that scale bytes 0-1 give)."""
+    table = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()                # [..., K/2, 2]
+    values = table[codes].reshape(*blocks.shape[:-1], -1, 32)                       # [..., K/32, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.reshape(*blocks.shape[:-1], -1)
+
+
+def routed_experts_mxfp4_reference(x, experts, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks,
+                                   down_scales, down_bias, alpha: float, limit: float, up_shift: float = 1.0):
+    """routed_experts_reference with frozen MXFP4 expert stacks in the released orientation:
+    gate_up_blocks [E, 2I, H/2] and scales [E, 2I, H/32] (gate_up transposed, gate/up
+    interleaved along 2I), down_blocks [E, H, I/2] and scales [E, H, I/32]; biases [E, 2I] and
+    [E, H]. Decoded to x's dtype (exact in bf16 and float32), then the same computation."""
+    gate_up = mxfp4_decode(gate_up_blocks, gate_up_scales).transpose(1, 2).to(x.dtype)
+    down = mxfp4_decode(down_blocks, down_scales).transpose(1, 2).to(x.dtype)
+    return routed_experts_reference(x, experts, weights, gate_up, gate_up_bias.detach(), down, down_bias.detach(),
+                                    alpha, limit, up_shift)
+
+
 # ---------------------------------------------------------------------------------------------
 # Custom ops: forward = reference, backward = autograd through the recomputed reference
 # ---------------------------------------------------------------------------------------------
@@ -222,10 +249,29 @@ def _(x, experts, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit,
 
 _register_recompute_backward(routed_experts, routed_experts_reference, 7, (0, 2, 3, 4, 5, 6))
 
+@torch.library.custom_op(f"{NAMESPACE}::routed_experts_mxfp4", mutates_args=())
+def routed_experts_mxfp4(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_blocks: torch.Tensor,
+                         gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor, down_blocks: torch.Tensor,
+                         down_scales: torch.Tensor, down_bias: torch.Tensor, alpha: float, limit: float,
+                         up_shift: float = 1.0) -> torch.Tensor:
+    return routed_experts_mxfp4_reference(x, experts, weights, gate_up_blocks, gate_up_scales, gate_up_bias,
+                                          down_blocks, down_scales, down_bias, alpha, limit, up_shift)
+
+
+@routed_experts_mxfp4.register_fake
+def _(x, experts, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias, alpha,
+      limit, up_shift=1.0):
+    return torch.empty_like(x)
+
+
+# The MXFP4 stacks are a frozen base: gradients reach the rows and the routing weights only.
+_register_recompute_backward(routed_experts_mxfp4, routed_experts_mxfp4_reference, 9, (0, 2))
+
 # The op objects the model calls (torch.ops.torchlyra.<name>): one name per hot operation.
 OPS = {
     "attention": torch.ops.torchlyra.attention,
     "cross_entropy": torch.ops.torchlyra.linear_cross_entropy,
     "moe": torch.ops.torchlyra.routed_experts,
+    "moe_mxfp4": torch.ops.torchlyra.routed_experts_mxfp4,   # experts held as MXFP4 (a frozen base)
     "cached_attention": torch.ops.torchlyra.cached_attention,   # generation with a KV cache
 }
