@@ -114,6 +114,11 @@ def apply_lora(model, spec: LoraSpec):
     from peft import get_peft_model
 
     check_lora_spec(spec)
+    from torch_model.model import has_mxfp4_experts
+    if "experts" in spec.targets and has_mxfp4_experts(model):
+        raise ConfigError("--lora: targets=experts on an MXFP4 expert base: peft adapts an expert stack by adding "
+                          "B A to its dense weights, which an MXFP4 base does not hold; adapt attention "
+                          "(targets=attention) or load the base in bf16")
     unknown = [t for t in (*spec.target_modules, *spec.modules_to_save)
                if not any(name.endswith("." + t) or name == t for name, _ in model.named_modules())]
     if unknown:

@@ -105,6 +105,40 @@ class Experts(nn.Module):
                               self.down_proj, self.down_proj_bias, self.alpha, self.limit)
 
 
+class Mxfp4Experts(nn.Module):
+    """The experts of a frozen base kept as gpt-oss releases them, MXFP4 (4.25 bits per weight),
+    for LoRA and inference: the released `*_blocks` bytes viewed as [E, out, in/2] uint8 and
+    `*_scales` [E, out, in/32] uint8 (transformers' [E, in, out] stacks transposed, gate/up
+    interleaved along 2I), the biases as in `Experts`. Every tensor is frozen (`requires_grad`
+    False): the op decodes them (exactly) and gives gradients to the rows and routing weights
+    only. `Experts.to_mxfp4`-style conversion lives with the codec (formats/mxfp4.py)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, d, i = cfg.n_experts, cfg.d_model, cfg.expert_dim
+        if d % 32 or i % 32:
+            raise ValueError(f"MXFP4 experts need d_model and expert_dim to be multiples of 32 (blocks of 32 "
+                             f"values); found {d} and {i}")
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        frozen = lambda *shape, dtype=torch.uint8: nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+        self.gate_up_proj_blocks = frozen(e, 2 * i, d // 2)
+        self.gate_up_proj_scales = frozen(e, 2 * i, d // 32)
+        self.gate_up_proj_bias = frozen(e, 2 * i, dtype=torch.float32)
+        self.down_proj_blocks = frozen(e, d, i // 2)
+        self.down_proj_scales = frozen(e, d, i // 32)
+        self.down_proj_bias = frozen(e, d, dtype=torch.float32)
+
+    def forward(self, x, experts, weights):
+        return ops.OPS["moe_mxfp4"](x, experts, weights, self.gate_up_proj_blocks, self.gate_up_proj_scales,
+                                    self.gate_up_proj_bias.to(x.dtype), self.down_proj_blocks, self.down_proj_scales,
+                                    self.down_proj_bias.to(x.dtype), self.alpha, self.limit)
+
+
+def has_mxfp4_experts(model: nn.Module) -> bool:
+    """Whether the model's programs call the `moe_mxfp4` op (its experts are an MXFP4 base)."""
+    return any(isinstance(m, Mxfp4Experts) for m in model.modules())
+
+
 class MoE(nn.Module):
     """Dropless top-k MoE: the router picks k experts per token, the expert op runs each token
     through its experts only (grouped by expert inside the op) and mixes them by the weights."""
