@@ -142,6 +142,20 @@ class HFWeights:
         self.bytes_requested += part.numel() * part.element_size()
         return torch_to_numpy(part)
 
+    def read_packed(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """An MXFP4 tensor's stored bytes, not decoded: (blocks [E, rows, in/2] uint8 (the
+        released [E, rows, in/32, 16] viewed with its last two axes merged), scale bytes
+        [E, rows, in/32] uint8), rows being the output dimension."""
+        entry = self.entries[name]
+        if not entry.quantized:
+            raise UserError(f"{self.dir / entry.file}: tensor {name} is {entry.dtype}, not MXFP4 (*{BLOCKS} + *{SCALES})")
+        with safe_open(str(self.dir / entry.file), "pt") as f:
+            blocks = f.get_tensor(entry.name + BLOCKS)
+        with safe_open(str(self.dir / entry.scales_file), "pt") as f:
+            scales = f.get_tensor(entry.name + SCALES)
+        self.bytes_requested += blocks.numel() + scales.numel()
+        return blocks.reshape(*blocks.shape[:-2], -1).numpy(), scales.numpy()
+
     def map_whole(self, name: str) -> np.ndarray:
         """An unquantized tensor as a memory map of its bytes in the shard: file-backed
         pages the kernel may drop at will, no anonymous copy. (The safetensors layout: an 8-byte

@@ -1,14 +1,19 @@
-"""A model's expert stacks as an MXFP4 base and back: each `Experts` module (bf16/float32
-stacks) replaced in place by an `Mxfp4Experts` holding the export's quantization of its weights
-(formats/mxfp4.py, the layout gpt-oss is released in), or the reverse, decoding exactly. The
-stacks' values after a round trip are the decoded ones: quantizing is where precision is lost."""
+"""A model's expert stacks as an MXFP4 base: a released gpt-oss directory's model built with its
+experts' bytes as stored (`released_base`: nothing decoded on the host), or each `Experts` module
+of a model replaced in place by an `Mxfp4Experts` holding the export's quantization of its weights
+(formats/mxfp4.py), and the reverse, decoding exactly (tests compare a base with its decoding).
+Quantizing is where precision is lost; decoding loses nothing."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from formats import mxfp4
-from torch_model.model import Experts, Mxfp4Experts
+from formats.errors import UserError
+from formats.hf_weights import HFWeights
+from torch_model.model import Experts, GptOssForCausalLM, Mxfp4Experts, mxfp4_expert_modules, replace_modules
+
+_PACKED = ("_blocks", "_scales")
 
 
 def _quantized(stack: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,16 +31,6 @@ def _decoded(blocks: torch.Tensor, scales: torch.Tensor, where: str) -> torch.Te
     return torch.from_numpy(np.ascontiguousarray(np.swapaxes(values, 1, 2)))
 
 
-def _replace(model: torch.nn.Module, kind: type, build) -> int:
-    count = 0
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, kind):
-                setattr(module, child_name, build(child, f"{name}.{child_name}" if name else child_name))
-                count += 1
-    return count
-
-
 def quantize_experts(model: torch.nn.Module) -> int:
     """Every `Experts` of the model -> an `Mxfp4Experts` base (frozen); returns how many."""
     def build(experts: Experts, where: str) -> Mxfp4Experts:
@@ -47,7 +42,7 @@ def quantize_experts(model: torch.nn.Module) -> int:
                 getattr(out, f"{stack}_scales").copy_(scales)
                 getattr(out, f"{stack}_bias").copy_(getattr(experts, f"{stack}_bias").float())
         return out
-    return _replace(model, Experts, build)
+    return replace_modules(model, Experts, build)
 
 
 def dequantize_experts(model: torch.nn.Module, *, trainable: bool = False) -> int:
@@ -62,4 +57,44 @@ def dequantize_experts(model: torch.nn.Module, *, trainable: bool = False) -> in
                 getattr(out, f"{stack}_bias").copy_(getattr(quantized, f"{stack}_bias"))
         out.requires_grad_(trainable)
         return out
-    return _replace(model, Mxfp4Experts, build)
+    return replace_modules(model, Mxfp4Experts, build)
+
+
+def released_base(model_cfg, weights: HFWeights) -> GptOssForCausalLM:
+    """The model of a released gpt-oss directory (`weights`) with its experts as an MXFP4 base:
+    the expert stacks' stored bytes copied as they are, every other tensor read in float32 (the
+    step casts it to the compute dtype). Built on the meta device first, so no dense expert
+    stack (random or decoded) is ever allocated on the host. Every parameter is left frozen
+    except what the caller trains (LoRA adapters are added afterwards)."""
+    quantized = sorted({n.rsplit("_", 1)[0] for n, _ in _mxfp4_names(model_cfg)})
+    dense = [n for n in quantized if not weights.entries[n].quantized] if all(n in weights.entries for n in quantized) \
+        else quantized
+    if dense:
+        raise UserError(f"--base-dtype mxfp4: {weights.dir} holds expert weight {dense[0]} unquantized; an MXFP4 base "
+                        f"is read from the released layout (*_blocks + *_scales). Quantize the directory first "
+                        f"(`torchlyra export --dtype mxfp4`), or train on the base as it is (--base-dtype compute)")
+    with torch.device("meta"):
+        model = GptOssForCausalLM(model_cfg)
+        mxfp4_expert_modules(model)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(_PACKED):
+                blocks, scales = weights.read_packed(name.rsplit("_", 1)[0])
+                value = blocks if name.endswith("_blocks") else scales
+            else:
+                value = np.asarray(weights.read(name), np.float32)
+            if tuple(value.shape) != tuple(p.shape):
+                raise UserError(f"{weights.dir}: tensor {name} has shape {list(value.shape)}, the model needs "
+                                f"{list(p.shape)}")
+            p.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+            p.requires_grad_(False)
+    return model
+
+
+def _mxfp4_names(model_cfg):
+    """(name, shape) of the MXFP4 parameters an MXFP4-base model of `model_cfg` holds."""
+    with torch.device("meta"):
+        model = GptOssForCausalLM(model_cfg)
+        mxfp4_expert_modules(model)
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters() if n.endswith(_PACKED)]

@@ -73,6 +73,7 @@ class Plan:
     lora: str = ""                   # the spec, "" for a full fine-tune
     trainable_params: int = 0        # parameters with gradients and optimizer state
     frozen_bytes: int = 0            # per chip: the frozen base's shards (compute dtype, routers float32)
+    base_dtype: str = "compute"      # "mxfp4": the frozen experts held as released (bytes and scales)
     expert_delta_bytes: int = 0      # per chip: one layer's W + scaling * B A of its expert stacks, which
                                      # peft's expert LoRA forms in every forward (inside temporaries)
     rollout: dict | None = None      # with rl and a RolloutShape: RolloutPlan as a dict
@@ -155,7 +156,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
          kernels: str | dict | None = "auto", kernel_options: str | dict | None = None,
          compute_dtype: str | None = None, matmul_precision: str | None = None,
          model_overrides: dict | None = None, optimizer=None, roofline: bool = False, packed: bool = False,
-         lora: str | None = None, rl=None, rollout: RolloutShape | None = None, model_record=None) -> Plan:
+         lora: str | None = None, rl=None, rollout: RolloutShape | None = None, model_record=None,
+         base_dtype: str = "compute") -> Plan:
     """Compile `preset`'s train step for TPU `topology` and report one chip's memory; `model_record`: a
     transformers model's record (torch_model.transformers_lm.TransformersSpec) planned instead
     (then `preset` only names it in the report; seq_len is required).
@@ -207,8 +209,13 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     spec = None
     if rollout is not None:      # the KV cache and the rotary tables span prompt + completion
         cfg = cfg.replace(max_seq_len=max(seq_len, rollout.prompt_tokens + rollout.new_tokens))
+    if base_dtype == "mxfp4" and (not lora or model_record is not None or rl is not None):
+        raise ValueError("base_dtype mxfp4 is planned for a gpt-oss LoRA step (give lora; not rl or a transformers model)")
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg) if model_record is None else cfg.build()
+        if base_dtype == "mxfp4":
+            from torch_model.model import mxfp4_expert_modules
+            mxfp4_expert_modules(model)
         if lora:
             from torch_model.lora import apply_lora, parse_lora_spec, unwrap
             spec = parse_lora_spec(lora)
@@ -236,7 +243,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params),
                   packed=packed, rl="" if rl is None else _describe_rl(rl), lora=lora or "", trainable_params=sum(math.prod(a.shape) for a in
                                                                     jax.tree.leaves(state.params)),
-                  frozen_bytes=per_chip_bytes(frozen),
+                  frozen_bytes=per_chip_bytes(frozen), base_dtype=base_dtype,
                   expert_delta_bytes=expert_delta_bytes(frozen, cfg.n_layers) if spec and spec.target_parameters else 0)
     held = result.param_bytes + result.optimizer_bytes + result.grad_bytes + result.frozen_bytes
     if held > result.hbm_bytes:         # no need to compile: the state alone does not fit
@@ -500,7 +507,9 @@ def format_plan(p: Plan) -> str:
              f"  per chip, from the shardings: parameters {gib(p.param_bytes)}, optimizer {gib(p.optimizer_bytes)}, "
              f"gradients {gib(p.grad_bytes)} (one per parameter shard, float32; part of the temporaries)",
              *([f"  LoRA {p.lora}: {p.trainable_params / 1e6:.1f}M trainable parameters (the state above); frozen "
-                f"base {gib(p.frozen_bytes)} per chip ({p.compute_dtype}, an argument, not donated)"
+                f"base {gib(p.frozen_bytes)} per chip ("
+                + ("experts MXFP4 as released, the rest " if p.base_dtype == "mxfp4" else "")
+                + f"{p.compute_dtype}, an argument, not donated)"
                 + (f"; peft's expert LoRA forms W + scaling * B A per layer: {gib(p.expert_delta_bytes)} per chip "
                    f"per layer, inside the temporaries" if p.expert_delta_bytes else "")] if p.lora else []),
              f"  per chip, by the compiler: arguments {gib(p.argument_bytes)}, outputs {gib(p.output_bytes)} "

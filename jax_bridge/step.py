@@ -230,7 +230,8 @@ class TrainStep:
     def abstract_frozen(self) -> dict:
         """Shapes, dtypes (the compute dtype; routers float32) and shardings of the frozen
         parameters, without weights (see abstract_state)."""
-        flat = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if keeps_float32(n) else self.compute_dtype)
+        kept = lambda n, a: keeps_float32(n) or not jnp.issubdtype(a.dtype, jnp.floating)   # MXFP4 bytes stay uint8
+        flat = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if kept(n, a) else self.compute_dtype)
                 for n, a in abstract_params(self.model).items() if n not in self.layer_plan}
         return self._on_mesh(self._stack_abstract(flat))
 

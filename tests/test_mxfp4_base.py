@@ -89,3 +89,99 @@ def test_expert_lora_on_an_mxfp4_base_is_refused_by_name():
     quantize_experts(model)
     with pytest.raises(ConfigError, match="targets=experts on an MXFP4 expert base"):
         apply_lora(model, parse_lora_spec("r=4,alpha=8,targets=attention+experts"))
+
+
+# ---- `train --init-from RELEASED --lora ... --base-dtype mxfp4` ------------------------------------
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """A released-layout directory (MXFP4 experts, bf16 rest) and a prepared corpus."""
+    from helpers import prepare_play_corpus
+    from test_mxfp4 import RELEASED, write_released
+
+    root = tmp_path_factory.mktemp("mxfp4_base")
+    data = prepare_play_corpus(root)
+    write_released(root / "hf", RELEASED, seed=3)
+    return root, data
+
+
+def lora_run(root, data, out, **changes):
+    from train.run.config import TrainConfig
+    from train.run.loop import run_training
+
+    settings = dict(data=data, out=str(out), init_from=str(root / "hf"), lora="r=4,alpha=8,targets=attention",
+                    compute_dtype="float32", kernels="xla", batch_size=2, seq_len=16, steps=3, warmup_steps=1,
+                    log_every=1, eval_every=3, eval_batches=1, checkpoint_every=2, samples=0)
+    run_training(TrainConfig(**{**settings, **changes}), explicit={k: v for k, v in changes.items()},
+                 show_progress=False)
+    return out
+
+
+def run_losses(run_dir) -> list[float]:
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+def test_a_lora_run_on_the_released_mxfp4_base_gives_the_decoded_bases_losses_and_resumes_exactly(released, capsys):
+    import shutil
+
+    from formats.hf_weights import HFWeights
+    from formats.mxfp4_experts import released_base
+    from formats.hf_model import open_hf
+
+    root, data = released
+    cfg, weights = open_hf(root / "hf")
+    model = released_base(cfg, weights)                 # the bytes as stored: nothing decoded on the host
+    stored = HFWeights(root / "hf", quantized=True)
+    blocks, scales = stored.read_packed("model.layers.1.mlp.experts.down_proj")
+    held = dict(model.named_parameters())
+    assert np.array_equal(held["model.layers.1.mlp.experts.down_proj_blocks"].numpy(), blocks)
+    assert np.array_equal(held["model.layers.1.mlp.experts.down_proj_scales"].numpy(), scales)
+    assert not any(p.is_floating_point() and p.dim() == 3 and "experts" in n and "bias" not in n for n, p in held.items())
+
+    mxfp4 = lora_run(root, data, root / "mxfp4", base_dtype="mxfp4")
+    decoded = lora_run(root, data, root / "decoded")
+    a, b = run_losses(mxfp4), run_losses(decoded)
+    assert len(a) == 3 and len(set(a)) > 1
+    assert rel_err(np.array(a), np.array(b)) < 1e-5, (a, b)
+
+    resumed = root / "mxfp4_resumed"                    # the same run, stopped after step 2
+    shutil.copytree(mxfp4, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "3")
+    lora_run(root, data, resumed, resume=True)
+    assert run_losses(resumed) == a
+
+
+def test_an_mxfp4_base_is_read_only_from_the_released_layout(released, tmp_path):
+    """Our checkpoint (or a transformers directory) is refused, naming why and the way out; so is
+    --base-dtype mxfp4 without LoRA."""
+    from formats.errors import UserError
+    from formats.hf_import import import_hf
+
+    root, data = released
+    import_hf(root / "hf", tmp_path / "ck")
+    with pytest.raises(UserError, match="not a gpt-oss directory in the released layout.*export --dtype mxfp4"):
+        lora_run(root, data, tmp_path / "run", init_from=str(tmp_path / "ck"), base_dtype="mxfp4")
+    with pytest.raises(UserError, match="base_dtype mxfp4 .* needs lora"):
+        lora_run(root, data, tmp_path / "run2", lora="", base_dtype="mxfp4")
+
+
+def test_plan_holds_the_mxfp4_base_as_its_bytes_and_compiles_the_mxfp4_kernels_for_tpu():
+    """`plan --lora ... --base-dtype mxfp4`: the frozen experts are arguments of 4.25 bits per
+    weight (blocks and scale bytes), the rest in bf16, and the TPU compiler compiles the step with
+    the `moe_mxfp4` Pallas kernels (forward and dx)."""
+    from jax_bridge.plan import plan
+
+    cfg = get_preset("tiny").replace(n_layers=1)
+    lora = "r=4,alpha=8,targets=attention"
+    common = dict(mesh=None, seq_len=64, batch_size=4, lora=lora, model_overrides={"n_layers": 1}, scan_layers=True)
+    quantized = plan("tiny", "v5e:2x2", base_dtype="mxfp4", **common)
+    dense = plan("tiny", "v5e:2x2", **common)
+    e, h, i = cfg.n_experts, cfg.d_model, cfg.expert_dim
+    weights = e * (2 * i * h + i * h)
+    assert dense.frozen_bytes - quantized.frozen_bytes == weights * 2 - (weights // 2 + weights // 32)
+    assert quantized.fits and quantized.compile_s > 0          # compiled by the TPU compiler, and it fits
+    assert quantized.kernels["moe_mxfp4"] == "pallas" and quantized.base_dtype == "mxfp4"
+    with pytest.raises(ValueError, match="base_dtype mxfp4 is planned for a gpt-oss LoRA step"):
+        plan("tiny", "v5e:2x2", base_dtype="mxfp4", **{**common, "lora": None})

@@ -134,6 +134,24 @@ class Mxfp4Experts(nn.Module):
                                     self.down_proj_bias.to(x.dtype), self.alpha, self.limit)
 
 
+def replace_modules(model: nn.Module, kind: type, build) -> int:
+    """Every submodule of type `kind` replaced in place by build(module, its dotted name);
+    returns how many."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, kind):
+                setattr(module, child_name, build(child, f"{name}.{child_name}" if name else child_name))
+                count += 1
+    return count
+
+
+def mxfp4_expert_modules(model: nn.Module) -> int:
+    """Every `Experts` of the model replaced by an empty `Mxfp4Experts` of its shape (on the
+    current device: `meta` for plans and loaders, which fill or only trace them); returns how many."""
+    return replace_modules(model, Experts, lambda experts, where: Mxfp4Experts(model.cfg))
+
+
 def has_mxfp4_experts(model: nn.Module) -> bool:
     """Whether the model's programs call the `moe_mxfp4` op (its experts are an MXFP4 base)."""
     return any(isinstance(m, Mxfp4Experts) for m in model.modules())

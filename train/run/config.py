@@ -9,6 +9,9 @@ from formats.errors import UserError
 from formats.jsonfile import read_json
 
 
+BASE_DTYPES = ("compute", "mxfp4")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     preset: str = "tiny"
@@ -54,6 +57,7 @@ class TrainConfig:
     freeze: list = field(default_factory=list)   # shell-style patterns of parameter names left untrained
     adapter_optimizer: str = "muon"   # LoRA adapters of linear layers: muon | adamw (expert adapters: adamw)
     ns_dtype: str = "float32"      # Muon's Newton-Schulz iteration: float32 | bfloat16 (faster on TPU)
+    base_dtype: str = "compute"    # a LoRA run's frozen experts: compute (the compute dtype) | mxfp4 (as released)
     dpo: str = ""                  # DPO on preference pairs, e.g. "beta=0.1,loss=sigmoid,label_smoothing=0"
     profile_steps: str = ""        # "A:B": a jax.profiler trace of steps A..B into OUT/profile (train/run/profiling.py)
 
@@ -119,6 +123,11 @@ class TrainConfig:
         if not isinstance(self.freeze, (list, tuple)) or not all(isinstance(p, str) and p for p in self.freeze):
             raise UserError(f"config: freeze must be a list of name patterns such as ['*.mlp.router.*'], "
                             f"found {self.freeze!r}")
+        if self.base_dtype not in BASE_DTYPES:
+            raise UserError(f"config: base_dtype must be {' or '.join(BASE_DTYPES)}, found {self.base_dtype!r}")
+        if self.base_dtype == "mxfp4" and not self.lora:
+            raise UserError("config: base_dtype mxfp4 keeps a LoRA run's frozen experts as released (MXFP4); it needs "
+                            "lora (--lora), with init_from a released gpt-oss directory")
         if self.adapter_optimizer not in ADAPTER_OPTIMIZERS:
             raise UserError(f"config: adapter_optimizer must be {' or '.join(ADAPTER_OPTIMIZERS)}, "
                             f"found {self.adapter_optimizer!r}")

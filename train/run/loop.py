@@ -81,7 +81,7 @@ _FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": in
           "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "eval_tasks": str, "eval_tasks_limit": int, "samples": int,
           "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
           "max_consecutive_skips": int, "host_timeout_s": int, "mesh": str, "remat": str, "lora": str,
-          "adapter_optimizer": str, "ns_dtype": str, "dpo": str, "profile_steps": str,
+          "adapter_optimizer": str, "ns_dtype": str, "base_dtype": str, "dpo": str, "profile_steps": str,
           "model_config": str}
 _SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",
              "tensorboard": "also write TensorBoard event files to OUT/tensorboard",

@@ -51,6 +51,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lora", metavar="SPEC", default=None,
                         help="plan the LoRA step (as train --lora, e.g. r=16,alpha=32,targets=all-linear+experts): "
                              "adapters trained, the base frozen in the compute dtype")
+    parser.add_argument("--base-dtype", default="compute", choices=["compute", "mxfp4"],
+                        help="with --lora: the frozen experts in the compute dtype (default) or as gpt-oss releases "
+                             "them, MXFP4 (4.25 bits per weight), read by the moe_mxfp4 kernels")
     parser.add_argument("--rl", action="store_true",
                         help="what `torchlyra rl` compiles: its GRPO update step (packed rollouts, per-token "
                              "advantages; with --rl-beta / --rl-iterations its reference and logp_old fields; layers "
@@ -109,7 +112,7 @@ def run(args) -> int:
                       scan_layers=scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
                       optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora, rl=rl,
-                      rollout=rollout, model_record=model)
+                      rollout=rollout, model_record=model, base_dtype=args.base_dtype)
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
@@ -156,7 +159,7 @@ def find_slice(args, overrides: dict, model=None) -> int:
                                scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels,
                                kernel_options=args.kernel_options, compute_dtype=args.compute_dtype,
                                model_overrides=overrides, optimizer=OptimizerConfig(ns_dtype=args.ns_dtype),
-                               packed=args.packed, lora=args.lora, model_record=model,
+                               packed=args.packed, lora=args.lora, model_record=model, base_dtype=args.base_dtype,
                                **({"mesh": args.mesh} if args.mesh.strip() else {}),
                                report=lambda p: print(format_plan(p) if p.device_kind else
                                                       f"plan: {p.topology}: {p.error}", flush=True))

@@ -5,6 +5,7 @@ finishing (plots, samples, summary). `train/run/loop.py` strings them together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import time
@@ -30,6 +31,13 @@ DEFAULT_PROMPTS = ["ROMEO:", "First Citizen:\nWe are"]
 class TrainingStopped(UserError):
     """The run stopped early on a problem (diverged, data error) after checkpointing its last good
     state; the message says where and how to go on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Base:
+    """A LoRA run's base read from a released gpt-oss directory with its experts kept MXFP4
+    (--base-dtype mxfp4): formats/mxfp4_experts.released_base builds the model from it."""
+    weights: HFWeights
 
 
 def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int, eos: int):
@@ -163,10 +171,16 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         from_hf = isinstance(init_state, (HFWeights, ConvertedWeights))
-        with torch.device("meta") if from_hf else contextlib.nullcontext():   # from HF: no weights on the host
-            self.model = build_model(self.model_cfg)
-        if init_state is not None and not from_hf:
-            load_weights(self.model, init_state)
+        if isinstance(init_state, Mxfp4Base):        # the experts' released bytes, never decoded on the host
+            from formats.mxfp4_experts import released_base
+
+            self.model = released_base(self.model_cfg, init_state.weights)
+        else:
+            with torch.device("meta") if from_hf else contextlib.nullcontext():   # from HF: no weights on the host
+                self.model = build_model(self.model_cfg)
+            if init_state is not None and not from_hf:
+                load_weights(self.model, init_state)
+        torch.manual_seed(cfg.seed)     # adapters drawn alike however the base was built (on meta: no draws)
         self.peft_model = self._adapt(self.model)
         opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay,
                                   adapter_optimizer=cfg.adapter_optimizer, ns_dtype=cfg.ns_dtype)
@@ -303,13 +317,16 @@ class Trainer:
         return wrapped
 
     def _report_trainable(self) -> None:
-        counts = {kind: sum(p.numel() for p in self.step.model.parameters() if p.requires_grad == kind)
+        # An MXFP4 stack's values: two per byte of its blocks (its scale bytes are not weights).
+        values = lambda n, p: 2 * p.numel() if n.endswith("_blocks") else 0 if n.endswith("_scales") else p.numel()
+        counts = {kind: sum(values(n, p) for n, p in self.step.model.named_parameters() if p.requires_grad == kind)
                   for kind in (True, False)}
         what = f"LoRA {self.cfg.lora} on {self.base_reference['path']}" if self.cfg.lora else \
             f"--freeze {' '.join(self.cfg.freeze)}"
+        held = (f"experts MXFP4 as released, the rest in {self.step.cfg.compute_dtype}" if self.cfg.base_dtype == "mxfp4"
+                else f"held in {self.step.cfg.compute_dtype}")
         say(f"{what}: training {counts[True]:,} parameters ({counts[True] / sum(counts.values()):.2%}); "
-            f"{counts[False]:,} frozen ({len(self.step.frozen_names)} tensors, held in "
-            f"{self.step.cfg.compute_dtype}, no optimizer state)")
+            f"{counts[False]:,} frozen ({len(self.step.frozen_names)} tensors, {held}, no optimizer state)")
 
     @property
     def model_name(self) -> str:
@@ -341,16 +358,27 @@ class Trainer:
             if not lora_checkpoint.is_lora_meta(meta):
                 return model_cfg, None
             self.base_reference = meta[lora_checkpoint.LORA_META]["base"]
+            if cfg.base_dtype == "mxfp4":
+                path = lora_checkpoint.check_base(self.base_reference, f"LoRA checkpoint {meta['step_dir']}")
+                return model_cfg, Mxfp4Base(init_from_hf.open_for_init(path)[1])
             return model_cfg, lora_checkpoint.load_base_state(meta)     # the base, verified
         bos, eos = bos_id(self.tokenizer), end_id(self.tokenizer)
         wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos, eos)
         if not cfg.init_from:
             return wanted, None
+        if cfg.base_dtype == "mxfp4" and not init_from_hf.is_gpt_oss_dir(cfg.init_from):
+            raise UserError(f"--base-dtype mxfp4: --init-from {cfg.init_from} is not a gpt-oss directory in the released "
+                            f"layout. An MXFP4 base is read as released, not quantized on load: that would train the "
+                            f"adapters against other values than the checkpoint holds. Write the released layout "
+                            f"first (`torchlyra export --dtype mxfp4`) and start from it")
         if init_from_hf.is_gpt_oss_dir(cfg.init_from):
             model_cfg, weights = self._streamed_config(*init_from_hf.open_for_init(cfg.init_from), wanted, explicit,
                                                        bos, eos)
             if not (cfg.lora or cfg.freeze):
                 return model_cfg, weights
+            if cfg.base_dtype == "mxfp4":
+                self.base_reference = lora_checkpoint.base_reference(cfg.init_from, {"hf_dir": cfg.init_from})
+                return model_cfg, Mxfp4Base(weights)
             # LoRA or frozen parameters: the model is built on the host (not streamed onto the mesh).
             state, _, init_meta = checkpoint.load_checkpoint(cfg.init_from)
             self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
