@@ -73,12 +73,14 @@ def load_base_state(meta: dict) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True):
+def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True, base_dtype: str = "compute"):
     """(peft_model, model_cfg, meta) of a LoRA checkpoint (run, checkpoints or step directory):
     the base loaded from its reference (verified), wrapped by peft with the saved spec, the
     trained adapters loaded; float32, eval mode. meta as `load_checkpoint` gives it.
     base=False: the adapters alone (peft's trainable tensors, modules_to_save included), the base
-    left on the `meta` device, never read: enough to write peft's adapter files, not to run."""
+    left on the `meta` device, never read: enough to write peft's adapter files, not to run.
+    base_dtype "mxfp4": the base's experts kept as released (its reference must be a released
+    gpt-oss directory: formats/mxfp4_experts.py)."""
     from torch_model.lora import apply_lora, parse_lora_spec, unwrap
     from formats.model_checks import build_model, load_weights
     from formats.checkpoint import (LAYOUTS, check_tensors, find_checkpoint, read_meta, restore_params_to_host,
@@ -89,7 +91,13 @@ def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True):
     if not is_lora_meta(meta):
         raise UserError(f"checkpoint {step_dir} holds no LoRA adapters (no '{LORA_META}' in its metadata)")
     spec = parse_lora_spec(meta[LORA_META]["spec"])
-    if base:
+    if base and base_dtype == "mxfp4":
+        from formats.mxfp4_experts import load_released_base
+
+        path = check_base(meta[LORA_META]["base"], f"LoRA checkpoint {step_dir}")
+        model, _ = load_released_base(path, f"LoRA checkpoint {step_dir} (its base)", cfg)
+        wrapped = apply_lora(model, spec)
+    elif base:
         model = build_model(cfg)
         load_weights(model, load_base_state(meta))
         wrapped = apply_lora(model, spec)

@@ -8,11 +8,17 @@ import os
 from pathlib import Path
 
 
-def add_merge_argument(parser) -> None:
-    """`--merge`, as every inference command that takes a LoRA checkpoint offers it."""
+def add_merge_argument(parser, *, base_dtype: bool = False) -> None:
+    """`--merge`, as every inference command that takes a LoRA checkpoint offers it; with
+    base_dtype, also `--base-dtype` (the commands that run a gpt-oss base with its experts MXFP4)."""
     parser.add_argument("--merge", action="store_true",
                         help="a LoRA checkpoint: merge the adapters into the weights first (default: base + adapters "
                              "unmerged, as trained)")
+    if base_dtype:
+        parser.add_argument("--base-dtype", default="compute", choices=["compute", "mxfp4"],
+                            help="mxfp4: a released gpt-oss directory (or a LoRA checkpoint on one) run with its "
+                                 "experts kept MXFP4 on the device, read by the moe_mxfp4 kernels (default: compute, "
+                                 "every weight in the compute dtype)")
 
 
 def lora_meta(checkpoint: str | os.PathLike) -> dict | None:
@@ -28,13 +34,14 @@ def lora_meta(checkpoint: str | os.PathLike) -> dict | None:
     return meta if is_lora_meta(meta) else None
 
 
-def load_lora_for_inference(checkpoint, *, merge: bool = False):
+def load_lora_for_inference(checkpoint, *, merge: bool = False, base_dtype: str = "compute"):
     """(model, meta): our GptOssForCausalLM holding peft's LoRA layers (unmerged), or with the
-    adapters merged into its weights; float32, eval mode. meta as load_checkpoint gives it."""
+    adapters merged into its weights; float32 (experts MXFP4 with base_dtype "mxfp4"), eval
+    mode. meta as load_checkpoint gives it."""
     from torch_model.lora import unwrap
     from formats.lora_checkpoint import load_lora_model
 
-    wrapped, _, meta = load_lora_model(checkpoint)
+    wrapped, _, meta = load_lora_model(checkpoint, base_dtype=base_dtype)
     model = wrapped.merge_and_unload(progressbar=False) if merge else unwrap(wrapped)
     return model.eval(), meta
 
@@ -57,11 +64,12 @@ def lora_tokenizer(checkpoint, meta: dict):
     return checkpoint_tokenizer(step_dir, {**base_meta, "step_dir": str(step_dir)})
 
 
-def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False):
+def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False, base_dtype: str = "compute"):
     """(float32 model in eval mode, meta) of any checkpoint the inference commands take: ours, a
     `train --model-config` run's transformers model, a Hugging Face directory (through the one
     checkpoint loader), or a LoRA checkpoint of either model (base + adapters unmerged, or merged
-    with `merge`, which any other checkpoint refuses)."""
+    with `merge`, which any other checkpoint refuses). base_dtype "mxfp4": a released gpt-oss
+    directory (or a LoRA checkpoint on one) with its experts kept MXFP4 (formats/mxfp4_experts.py)."""
     import torch
 
     from formats.checkpoint import load_checkpoint
@@ -70,9 +78,13 @@ def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False):
 
     meta = lora_meta(checkpoint)
     if meta is not None:
-        return load_lora_for_inference(checkpoint, merge=merge)
+        return load_lora_for_inference(checkpoint, merge=merge, base_dtype=base_dtype)
     if merge:
         raise UserError(f"--merge: checkpoint {checkpoint} holds no LoRA adapters (nothing to merge)")
+    if base_dtype == "mxfp4":
+        from formats.mxfp4_experts import load_released_base
+
+        return load_released_base(checkpoint, f"checkpoint {checkpoint}")
     state, model_cfg, meta = load_checkpoint(checkpoint, transformers_ok=True)
     model = build_model(model_cfg)
     load_weights(model, {k: v.to(torch.float32) for k, v in state.items()})

@@ -70,9 +70,8 @@ def released_base(model_cfg, weights: HFWeights) -> GptOssForCausalLM:
     dense = [n for n in quantized if not weights.entries[n].quantized] if all(n in weights.entries for n in quantized) \
         else quantized
     if dense:
-        raise UserError(f"--base-dtype mxfp4: {weights.dir} holds expert weight {dense[0]} unquantized; an MXFP4 base "
-                        f"is read from the released layout (*_blocks + *_scales). Quantize the directory first "
-                        f"(`torchlyra export --dtype mxfp4`), or train on the base as it is (--base-dtype compute)")
+        raise UserError(f"--base-dtype mxfp4: {weights.dir} holds expert weight {dense[0]} unquantized; "
+                        f"{MXFP4_BASE_REFUSAL}, or use the base as it is (--base-dtype compute)")
     with torch.device("meta"):
         model = GptOssForCausalLM(model_cfg)
         mxfp4_expert_modules(model)
@@ -98,3 +97,32 @@ def _mxfp4_names(model_cfg):
         model = GptOssForCausalLM(model_cfg)
         mxfp4_expert_modules(model)
     return [(n, tuple(p.shape)) for n, p in model.named_parameters() if n.endswith(_PACKED)]
+
+
+MXFP4_BASE_REFUSAL = ("an MXFP4 base is read from gpt-oss's released layout, not quantized on load (that would "
+                      "change the base's values); write that layout first (`torchlyra export --dtype mxfp4`)")
+
+
+def load_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausalLM, dict]:
+    """(model, meta) of a released gpt-oss directory for inference with its experts kept MXFP4
+    (`--base-dtype mxfp4`), eval mode; meta as the checkpoint loader gives a Hugging Face
+    directory's. model_cfg: the record to build (a LoRA run's: its tokenizer's special ids and
+    length), which must have the directory's shapes; default the directory's own. Any other
+    checkpoint is refused, naming why."""
+    from formats.hf_model import open_hf
+    from formats.init_from_hf import is_gpt_oss_dir
+
+    if not is_gpt_oss_dir(path):
+        raise UserError(f"{where}: --base-dtype mxfp4: {path} is not a gpt-oss directory in the released layout; "
+                        f"{MXFP4_BASE_REFUSAL}")
+    cfg, weights = open_hf(path)
+    if model_cfg is not None:
+        from formats.model_checks import check_tensors, model_shapes
+
+        check_tensors(model_shapes(model_cfg), model_shapes(cfg), f"{where} against {path}")
+        cfg = model_cfg
+    from formats.hf_model import stored_dtypes
+
+    meta = {"step": 0, "step_dir": str(path), "hf_dir": str(path),
+            "imported_from": {"dir": str(path), "dtypes": stored_dtypes(weights)}, "base_dtype": "mxfp4"}
+    return released_base(cfg, weights).eval(), meta

@@ -32,7 +32,7 @@ from jax_bridge.env import get_env
 from jax_bridge.lowering import model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token, token_logprob
-from jax_bridge.step import COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision
+from jax_bridge.step import COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision, host_array
 from torch_model import kv_cache
 from torch_model.lora import tracing_scope
 
@@ -123,7 +123,7 @@ class Decoder:
         self.model, self.cfg = model, model.cfg
         self.env = get_env()
         self.platform = check_platform(platform or host_platform(), "Decoder platform")
-        ops = registry.OPS + registry.GENERATION_OPS
+        ops = registry.model_ops(model, registry.OPS + registry.GENERATION_OPS)
         self.kernels = registry.resolve(kernels, self.platform, ops=ops)
         self.decode_kernels = (self.kernels if decode_kernels is None
                                else registry.resolve(decode_kernels, self.platform, ops=ops))
@@ -140,7 +140,7 @@ class Decoder:
         elif mesh is None:
             self.params = cast_params(params_to_jax(model), compute)
         else:       # from the host straight into shards: no device ever holds a whole model
-            host = cast_params({n: p.detach().float().numpy() for n, p in model.named_parameters()}, compute)
+            host = cast_params({n: host_array(p) for n, p in model.named_parameters()}, compute)
             self.params = sharding.place(host, sharding.state_shardings(host, mesh))
         # Tuples in model order, never sets: the traced program (hence the persistent cache key)
         # must not depend on the process's string hashing.

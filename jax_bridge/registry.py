@@ -314,6 +314,14 @@ def check_segments(resolved: dict[str, str]) -> None:
                           f"run segment-masked (packed) batches; choose one of: {others}")
 
 
+def model_ops(model, ops: tuple[str, ...] = OPS) -> tuple[str, ...]:
+    """`ops` and the ops this torch model's weights add (QUANTIZED_OPS for an MXFP4 expert base):
+    what a program tracing the model resolves."""
+    from torch_model.model import has_mxfp4_experts
+
+    return ops + (QUANTIZED_OPS if has_mxfp4_experts(model) else ())
+
+
 def runs_on(op: str, name: str, platform: str) -> bool:
     return platform in _TABLE[op][name].platforms
 

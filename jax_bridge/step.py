@@ -23,7 +23,6 @@ from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optim
 from pallas_kernels.platform import check_platform, host_platform
 from torch_model.lora import tracing_scope, unwrap
 from torch_model.causal_lm import keeps_float32, linear_expert_stacks
-from torch_model.model import has_mxfp4_experts
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 from torch_model.policy_gradient import PolicyGradientConfig
 from torch_model.preference import PreferenceConfig
@@ -86,6 +85,13 @@ class TrainState(NamedTuple):
     opt_state: dict
 
 
+def host_array(p: torch.Tensor) -> np.ndarray:
+    """A parameter on the host as numpy: float32 for floating ones (cast to the compute dtype
+    later), integer ones (an MXFP4 base's bytes) as they are."""
+    p = p.detach().cpu()
+    return (p.float() if p.is_floating_point() else p).numpy()
+
+
 def cast_params(params: dict, dtype) -> dict:
     """Floating parameters in the compute dtype, except those the model keeps in float32
     (torch_model.causal_lm.keeps_float32: the router)."""
@@ -128,9 +134,7 @@ class TrainStep:
         self.model, self.opt_cfg, self.cfg, self.mesh = model, opt_cfg, step_cfg, mesh
         self.env = get_env()
         self.platform = step_cfg.platform
-        self.kernels = registry.resolve(step_cfg.kernels, self.platform)
-        if has_mxfp4_experts(model):        # a frozen MXFP4 expert base: its op's implementation too
-            self.kernels |= registry.resolve(step_cfg.kernels, self.platform, ops=registry.QUANTIZED_OPS)
+        self.kernels = registry.resolve(step_cfg.kernels, self.platform, ops=registry.model_ops(model))
         registry.check_trainable(self.kernels)
         registry.check_options(step_cfg.kernel_options)
         if mesh is not None:
@@ -198,8 +202,7 @@ class TrainStep:
     def host_frozen(self) -> dict:
         """The frozen parameters as host arrays in the compute dtype (routers float32), stacked
         as the train state is."""
-        frozen = {n: (p.detach().cpu().float() if p.is_floating_point() else p.detach().cpu()).numpy()
-                  for n, p in self.model.named_parameters() if not p.requires_grad}
+        frozen = {n: host_array(p) for n, p in self.model.named_parameters() if not p.requires_grad}
         return self.layer_layout.stack(cast_params(frozen, self.compute_dtype))
 
     def place_frozen(self, host: dict) -> dict:

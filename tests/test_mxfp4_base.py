@@ -98,10 +98,28 @@ def released(tmp_path_factory):
     from helpers import prepare_play_corpus
     from test_mxfp4 import RELEASED, write_released
 
+    from formats.tokenizer import load_tokenizer, save_tokenizer
+
     root = tmp_path_factory.mktemp("mxfp4_base")
     data = prepare_play_corpus(root)
     write_released(root / "hf", RELEASED, seed=3)
+    decisive_head(root / "hf", 30.0)
+    save_tokenizer(load_tokenizer(data), root / "hf" / "tiktoken")     # as our exports carry it
     return root, data
+
+
+def decisive_head(hf_dir, factor: float) -> None:
+    """lm_head scaled up: the random model's logits (else nearly uniform, so that rounding noise
+    of 1e-7 can flip a greedy choice) get margins far above any difference of summation order."""
+    import json
+
+    import safetensors.torch
+
+    weight_map = json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = hf_dir / weight_map["lm_head.weight"]
+    tensors = safetensors.torch.load_file(str(shard))
+    tensors["lm_head.weight"] = (tensors["lm_head.weight"].float() * factor).bfloat16()
+    safetensors.torch.save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
 def lora_run(root, data, out, **changes):
@@ -185,3 +203,73 @@ def test_plan_holds_the_mxfp4_base_as_its_bytes_and_compiles_the_mxfp4_kernels_f
     assert quantized.kernels["moe_mxfp4"] == "pallas" and quantized.base_dtype == "mxfp4"
     with pytest.raises(ValueError, match="base_dtype mxfp4 is planned for a gpt-oss LoRA step"):
         plan("tiny", "v5e:2x2", base_dtype="mxfp4", **{**common, "lora": None})
+
+
+def generated(capsys, checkpoint, *flags) -> str:
+    from train.cli import main
+
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "ROMEO", "--prompt", "JULIET: O",
+                 "--temperature", "0", "--max-tokens", "12", "--no-stream", *flags]) == 0
+    return capsys.readouterr().out
+
+
+def test_generate_on_the_mxfp4_base_gives_the_decoded_bases_greedy_text(released, capsys):
+    """`generate --base-dtype mxfp4` on the released directory and on a LoRA checkpoint trained on
+    it: the experts' bytes on the device, the same greedy text as the base decoded to float32."""
+    root, data = released
+    text = generated(capsys, root / "hf", "--base-dtype", "mxfp4")
+    assert text == generated(capsys, root / "hf") and "--- prompt: 'ROMEO'" in text
+    run = root / "mxfp4" if (root / "mxfp4").exists() else lora_run(root, data, root / "mxfp4", base_dtype="mxfp4")
+    capsys.readouterr()
+    adapted = generated(capsys, run, "--base-dtype", "mxfp4")
+    assert adapted == generated(capsys, run) and adapted != text
+
+
+def test_eval_on_the_mxfp4_base_gives_the_decoded_bases_loss_and_task_scores(released, capsys):
+    """`eval --base-dtype mxfp4` (validation loss through the step, and a multiple-choice task
+    through the compiled scorer) equals the decoded base's within 1e-5."""
+    from train.evaluation.validation import evaluate_checkpoint
+
+    root, data = released
+    a = evaluate_checkpoint(str(root / "hf"), data=data, batches=1, base_dtype="mxfp4")
+    b = evaluate_checkpoint(str(root / "hf"), data=data, batches=1)
+    assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * abs(b["val_loss"])
+    from train.evaluation.requests import LoglikelihoodRequest
+    from train.evaluation.scorer import load_scorer
+
+    scores = []
+    for base_dtype in ("mxfp4", "compute"):
+        scorer, tokenizer, _ = load_scorer(str(root / "hf"), batch_size=2, max_length=32, base_dtype=base_dtype,
+                                           progress=False)
+        assert ("moe_mxfp4" in scorer.kernels) == (base_dtype == "mxfp4")
+        ids = lambda text: tuple(tokenizer.encode_ordinary(text))            # noqa: E731
+        results = scorer.loglikelihood([LoglikelihoodRequest(ids("ROMEO:"), ids(" But soft")),
+                                        LoglikelihoodRequest(ids("JULIET"), ids(": O Romeo"))])
+        scores.append([r.logprob for r in results])
+    assert rel_err(np.array(scores[0]), np.array(scores[1])) < 1e-5
+
+
+def test_the_adapter_of_an_mxfp4_base_run_loads_in_peft_onto_transformers_gpt_oss_with_our_logits(released, tmp_path):
+    """The adapter file format is unchanged: `export --adapter` of the MXFP4-base run, loaded by
+    peft onto transformers' gpt-oss read from the released directory, gives the logits of our
+    model holding the experts as MXFP4."""
+    import peft
+    import transformers
+
+    from formats.lora_inference import load_inference_model
+    from parity.hf_parity import quantized_load
+    from train.cli import main
+
+    root, data = released
+    run = root / "mxfp4" if (root / "mxfp4").exists() else lora_run(root, data, root / "mxfp4", base_dtype="mxfp4")
+    assert main(["export", "--checkpoint", str(run), "--adapter", "--out", str(tmp_path / "adapter")]) == 0
+    ours_model, _ = load_inference_model(run, base_dtype="mxfp4")
+    assert has_mxfp4_experts(ours_model)
+    ids = torch.tensor([[5, 17, 33, 2, 250, 7, 99]])
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        root / "hf", dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+        **quantized_load(root / "hf")).eval()
+    with torch.no_grad():
+        ours = ours_model(ids).double()
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits.double()
+    assert float((theirs - ours).norm() / ours.norm()) <= 1e-5

@@ -29,12 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache", default=None, help=COMPILE_CACHE_HELP)
 
 
-def load_model(checkpoint: str, merge: bool = False):
+def load_model(checkpoint: str, merge: bool = False, base_dtype: str = "compute"):
     """(float32 torch model, tokenizer, model info) of a checkpoint (ours, a Hugging Face one, or
     LoRA adapters on their base)."""
     from train.evaluation.scorer import load_evaluated_model
 
-    model, tokenizer, found, info = load_evaluated_model(checkpoint, merge=merge)
+    model, tokenizer, found, info = load_evaluated_model(checkpoint, merge=merge, base_dtype=base_dtype)
     if tokenizer is None:
         raise UserError(f"checkpoint {checkpoint}: no tokenizer to build prompts with (tokenizer: {found})")
     return model, tokenizer, info
@@ -64,7 +64,7 @@ def run_tasks(args) -> dict:
 
         scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels, mesh=args.mesh or None,
                                               batch_size=args.batch_size, max_length=args.max_length,
-                                              merge=args.merge, progress=False)
+                                              merge=args.merge, base_dtype=args.base_dtype, progress=False)
         if tokenizer is None:
             raise UserError(f"checkpoint {args.checkpoint}: no tokenizer to build prompts with")
     else:
@@ -72,7 +72,7 @@ def run_tasks(args) -> dict:
             raise UserError("--mesh: the eager scorer runs on the host, unsharded; use --scorer compiled")
         from train.evaluation.eager_scorer import EagerScorer
 
-        model, tokenizer, info = load_model(args.checkpoint, args.merge)
+        model, tokenizer, info = load_model(args.checkpoint, args.merge, args.base_dtype)
         if args.max_length is not None and not 0 < args.max_length <= model.cfg.max_position_embeddings:
             raise UserError(f"--max-length must be in [1, {model.cfg.max_position_embeddings}], found {args.max_length}")
         scorer = EagerScorer(model, args.max_length)

@@ -83,7 +83,7 @@ class CompiledScorer:
         try:
             self.step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, platform=platform,
                                        scan_layers=scan_layers)
-            self.kernels = registry.resolve(self.step_cfg.kernels, self.step_cfg.platform)
+            self.kernels = registry.resolve(self.step_cfg.kernels, self.step_cfg.platform, ops=registry.model_ops(model))
         except (registry.KernelError, ValueError) as e:
             raise UserError(f"scorer: {e}") from None
         if isinstance(mesh, str):
@@ -122,9 +122,9 @@ class CompiledScorer:
 
     # ---- parameters --------------------------------------------------------------------------------
     def _host_params(self, model) -> dict:
-        from jax_bridge.step import cast_params
+        from jax_bridge.step import cast_params, host_array
 
-        host = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
+        host = {name: host_array(p) for name, p in model.named_parameters()}
         return self.layout.stack(cast_params(host, self.compute_dtype))
 
     def _param_shardings(self, params: dict):
@@ -339,23 +339,23 @@ def checkpoint_info(meta: dict) -> dict:
             "tokens_seen": tokens}
 
 
-def load_evaluated_model(checkpoint_or_hf_dir, *, merge: bool = False):
+def load_evaluated_model(checkpoint_or_hf_dir, *, merge: bool = False, base_dtype: str = "compute"):
     """(float32 model in eval mode, tokenizer or None, one line saying which tokenizer, info) of a
     checkpoint (run, checkpoints or step directory), a Hugging Face GptOss directory or a LoRA
     checkpoint (base + adapters unmerged, or merged with `merge`), loaded as every inference
     command loads them; info: `checkpoint_info`."""
     from formats.lora_inference import inference_tokenizer, load_inference_model
 
-    model, meta = load_inference_model(checkpoint_or_hf_dir, merge=merge)
+    model, meta = load_inference_model(checkpoint_or_hf_dir, merge=merge, base_dtype=base_dtype)
     tokenizer, found = inference_tokenizer(checkpoint_or_hf_dir, meta)
     return model, tokenizer, found, checkpoint_info(meta)
 
 
 def load_scorer(checkpoint_or_hf_dir, *, kernels: str | dict | None = "xla", mesh=None, batch_size: int = 16,
-                max_length: int | None = None, merge: bool = False, **scorer_options):
+                max_length: int | None = None, merge: bool = False, base_dtype: str = "compute", **scorer_options):
     """(CompiledScorer, tokenizer or None, info) of a checkpoint (`load_evaluated_model`). Other
     keywords go to CompiledScorer."""
-    model, tokenizer, _, info = load_evaluated_model(checkpoint_or_hf_dir, merge=merge)
+    model, tokenizer, _, info = load_evaluated_model(checkpoint_or_hf_dir, merge=merge, base_dtype=base_dtype)
     scorer = CompiledScorer(model, kernels=kernels, mesh=mesh, batch_size=batch_size, max_length=max_length,
                             tokenizer=tokenizer, **scorer_options)
     return scorer, tokenizer, info

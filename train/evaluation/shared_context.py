@@ -99,7 +99,7 @@ class ContextPrograms:
 
         self.scorer = scorer
         self.kernels = registry.resolve(scorer.step_cfg.kernels, scorer.step_cfg.platform,
-                                        ops=registry.OPS + registry.GENERATION_OPS)
+                                        ops=registry.model_ops(model, registry.OPS + registry.GENERATION_OPS))
         self.forward_cached = model_function(HiddenStates(model), "forward_cached")
         self._prefill_jit = jax.jit(self._prefill_and_score, static_argnames="slots")
         self._score_jit = jax.jit(self._score)

@@ -124,12 +124,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="prepared data directory (default: the one the run trained on)")
     parser.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
     parser.add_argument("--kernels", default="xla", help="kernel choice, as for `train --kernels`")
-    add_merge_argument(parser)
+    add_merge_argument(parser, base_dtype=True)
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
 
 
 def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: int | None = None,
-                        kernels: str = "xla", merge: bool = False) -> dict:
+                        kernels: str = "xla", merge: bool = False, base_dtype: str = "compute") -> dict:
     from jax_bridge import registry
     from jax_bridge.lowering import params_to_jax
     from jax_bridge.step import StepConfig, TrainStep
@@ -138,7 +138,7 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     from formats.tokenizer import check_same_tokenizer, load_tokenizer
     from formats.lora_inference import inference_tokenizer, load_inference_model
 
-    model, meta = load_inference_model(checkpoint, merge=merge)
+    model, meta = load_inference_model(checkpoint, merge=merge, base_dtype=base_dtype)
     model_cfg = model.cfg
     run_cfg = TrainConfig(**{k: v for k, v in (meta.get("train_config") or {}).items()
                              if k in TrainConfig.__dataclass_fields__})
@@ -168,7 +168,7 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
 
 def run(args) -> int:
     result = evaluate_checkpoint(args.checkpoint, data=args.data, batches=args.batches, kernels=args.kernels,
-                                 merge=args.merge)
+                                 merge=args.merge, base_dtype=args.base_dtype)
     print(f"checkpoint {result['checkpoint']} (step {result['step']}) on {result['data']} ({result['split']}, "
           f"{result['val_tokens']:,} tokens, {result['val_bytes']:,} bytes):")
     print(f"  validation loss  {result['val_loss']:.4f} nats/token")

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="harmony chat format (o200k_harmony models): each --prompt is a user message; "
                              "stops on <|return|> or <|call|>")
-    add_merge_argument(parser)
+    add_merge_argument(parser, base_dtype=True)
     parser.add_argument("--system", default=None, help="with --chat: a system message before each user message")
     parser.add_argument("--messages", default=None,
                         help='with --chat: a JSON file holding one conversation, [{"role": ..., "content": ...}, ...]')
@@ -54,7 +54,7 @@ def run(args) -> int:
     if (args.system or args.messages) and not args.chat:
         raise UserError("--system and --messages need --chat")
     mesh = generation_mesh(args.mesh)
-    model, tokenizer = load_for_generation(args.checkpoint, merge=args.merge)
+    model, tokenizer = load_for_generation(args.checkpoint, merge=args.merge, base_dtype=args.base_dtype)
     cfg = model.cfg
     if args.chat:
         conversations = chat_conversations(args)

@@ -232,14 +232,16 @@ def load_model(checkpoint: str | os.PathLike, *, merge: bool = False):
     return load_inference_model(checkpoint, merge=merge)[0]
 
 
-def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: bool = True, merge: bool = False):
+def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: bool = True, merge: bool = False,
+                        base_dtype: str = "compute"):
     """(model, tokenizer) of a checkpoint: one written by `torchlyra train` / `import`, or a
     Hugging Face directory (its tokenizer when recognised). A LoRA checkpoint gives its base with
     peft's LoRA layers (unmerged), or with `merge` the adapters merged into the weights. The
-    tokenizer is None only when not required."""
+    tokenizer is None only when not required. base_dtype "mxfp4": the experts of a released gpt-oss
+    base kept MXFP4 (formats/lora_inference.load_inference_model)."""
     from formats.lora_inference import inference_tokenizer, load_inference_model
 
-    model, meta = load_inference_model(checkpoint, merge=merge)
+    model, meta = load_inference_model(checkpoint, merge=merge, base_dtype=base_dtype)
     tokenizer, found = inference_tokenizer(checkpoint, meta)
     if tokenizer is None and require_tokenizer:
         raise UserError(f"checkpoint {checkpoint}: no tokenizer to generate text with (tokenizer: {found})")
