@@ -215,17 +215,18 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
 _F32 = jnp.float32
 
 
-def _rows_mine(offsets, gids, tiles, w, tm: int, shape):
-    """[tm, n] bool: rows of work item w's tile that belong to its expert."""
+def rows_mine(offsets, gids, tiles, w, tm: int, shape, axis: int = 0):
+    """Bool mask of `shape`: the rows of work item w's tile (along `axis`) that belong to its
+    expert."""
     g = gids[w]
-    rows = tiles[w] * tm + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    rows = tiles[w] * tm + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
     return (rows >= offsets[g]) & (rows < offsets[g + 1])
 
 
-def _store_rows(out_ref, val, offsets, gids, tiles, w, tm: int):
-    """Write this expert's rows of the tile; on the tile's first visit zero the other rows
-    (a later visit by the next expert fills its own), so every output row is defined."""
-    mine = _rows_mine(offsets, gids, tiles, w, tm, val.shape)
+def store_rows(out_ref, val, offsets, gids, tiles, w, tm: int, axis: int = 0):
+    """Write this expert's rows of the tile (along `axis`); on the tile's first visit zero the
+    other rows (a later visit by the next expert fills its own), so every output row is defined."""
+    mine = rows_mine(offsets, gids, tiles, w, tm, val.shape, axis)
     first_visit = (w == 0) | (tiles[jnp.maximum(w - 1, 0)] != tiles[w])
 
     # Two branches rather than a select on a scalar predicate (a vector-of-i1 broadcast).
@@ -384,7 +385,7 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
 
         @pl.when(active & (j == nj - 1))
         def _store():
-            _store_rows(y_ref, acc_ref[...] + b2_ref[...].astype(_F32), offsets, gids, tiles, w, tm)
+            store_rows(y_ref, acc_ref[...] + b2_ref[...].astype(_F32), offsets, gids, tiles, w, tm)
 
     grid = (num_items, nj)
     in_specs = [pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0)),
@@ -437,7 +438,7 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
 
         @pl.when(active & (j == nj - 1))
         def _store():
-            _store_rows(dx_ref, acc_ref[...], offsets, gids, tiles, w, tm)
+            store_rows(dx_ref, acc_ref[...], offsets, gids, tiles, w, tm)
 
     row = pl.BlockSpec((tm, hdim), lambda w, j, o, g, t, a: (t[w], 0))
     grid = (num_items, nj)
@@ -491,7 +492,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
         def _accumulate():
             # Rows of other experts: x and dy select to 0 (select, not multiply: no NaN leaks),
             # which makes their dpre and dy contributions exactly 0.
-            mine = _rows_mine(offsets, gids, tiles, w, tm, (tm, hdim))
+            mine = rows_mine(offsets, gids, tiles, w, tm, (tm, hdim))
             xm = jnp.where(mine, x_ref[...].astype(_F32), 0.0)
             dym = jnp.where(mine, dy_ref[...].astype(_F32), 0.0)
             x_d, dy_d = xm.astype(dtype), dym.astype(dtype)

@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.cost import cost_estimate
 from pallas_kernels.moe import (GPU_HINT, GroupMetadata, balanced_metadata, fit_tile, group_metadata,
-                                moe_experts_reference, moe_experts_xla, round_up)
+                                moe_experts_reference, moe_experts_xla, round_up, store_rows)
 from pallas_kernels.mxfp4 import (BLOCK, NORMAL_SCALES, dequantize_mxfp4, e2m1_bf16_bits, e2m1_bf16_bits_normal,
                                   normal_base)
 from pallas_kernels.platform import KernelMode, dot_precision, kernel_mode
@@ -218,28 +218,6 @@ def _swiglu_grads(g_raw, u_raw, dh, cfg: _MxConfig):
     return dgate, dup
 
 
-def _mine(offsets, gids, tiles, w, tm: int, shape, axis: int):
-    """Bool mask of `shape`: positions along `axis` (rows of x) that belong to item w's expert."""
-    g = gids[w]
-    rows = tiles[w] * tm + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-    return (rows >= offsets[g]) & (rows < offsets[g + 1])
-
-
-def _store_mine(out_ref, val, offsets, gids, tiles, w, tm: int, axis: int):
-    """Write this expert's rows of the tile; on the tile's first visit zero the other rows (the
-    next expert's visit fills its own), so every row is defined. Rows lie along `axis`."""
-    mine = _mine(offsets, gids, tiles, w, tm, val.shape, axis)
-    first_visit = (w == 0) | (tiles[jnp.maximum(w - 1, 0)] != tiles[w])
-
-    @pl.when(first_visit)
-    def _first():
-        out_ref[...] = jnp.where(mine, val, 0.0).astype(out_ref.dtype)
-
-    @pl.when(jnp.logical_not(first_visit))
-    def _again():
-        out_ref[...] = jnp.where(mine, val, out_ref[...].astype(_F32)).astype(out_ref.dtype)
-
-
 def _step(w, s, num_active, first: int, count: int):
     """The tile a phase's index map gives work item w at grid step s: the phase [first,
     first + count) walks its tiles; outside it the map holds the nearest end, so nothing is
@@ -285,16 +263,41 @@ def _weight_flops(balanced: GroupMetadata, tm: int, hdim: int, idim: int, passes
     return int(balanced.num_active[0]) * tm * hdim * idim * 2 * passes
 
 
+class _Dims(NamedTuple):
+    m: int
+    hdim: int
+    idim: int
+    nj: int               # up-projection steps (tiles of I)
+    nh: int               # down-projection steps (tiles of H rows)
+    num_items: int
+    balanced: GroupMetadata   # an evenly routed batch's metadata (the cost estimates' assumption)
+
+
+def _dims(meta: GroupMetadata, x_halves, w1b, cfg: _MxConfig) -> _Dims:
+    _, m, half_h = x_halves.shape
+    hdim, idim = 2 * half_h, w1b.shape[1] // 2
+    return _Dims(m, hdim, idim, idim // cfg.ti, hdim // cfg.th, meta.group_ids.shape[0],
+                 balanced_metadata(m, w1b.shape[0], cfg.tm))
+
+
+def _up_projection(x_ref, w1b_ref, w1s_ref, b1_ref, lo_s, hi_s, pre_s, n: int, prec):
+    """This I tile's pre-activation^T (decoded weights x both halves of x, plus the bias) kept in
+    pre_s, returned as its four row classes (gate / up of the even units, then of the odd), and
+    the decoded (lo, hi) tile."""
+    lo, hi = _decode_tile(w1b_ref, w1s_ref, lo_s, hi_s)
+    pre = jax.lax.dot_general(lo, x_ref[0], _NT, precision=prec, preferred_element_type=_F32)
+    pre += jax.lax.dot_general(hi, x_ref[1], _NT, precision=prec, preferred_element_type=_F32)
+    _put_chunked(pre_s, pre + b1_ref[...].astype(_F32))
+    return _gate_up_rows(pre_s, n), (lo, hi)
+
+
 def _mx_forward(meta: GroupMetadata, x_halves, w1b, w1s, b1, w2b, w2s, b2, cfg: _MxConfig):
     """y^T [H, M]. x_halves [2, M, H/2] (x's even and odd columns); w1b [E, 2I, H/2] bytes,
     w1s [E, 2I, H/32]; b1 [E, 2I, 1]; w2b [E, H, I/2], w2s [E, H, I/32]; b2 [E, H, 1]."""
-    _, m, half_h = x_halves.shape
-    hdim, idim = 2 * half_h, w1b.shape[1] // 2
+    m, hdim, idim, nj, nh, num_items, balanced = _dims(meta, x_halves, w1b, cfg)
     tm, ti, th = cfg.tm, cfg.ti, cfg.th
-    nj, nh, num_items = idim // ti, hdim // th, meta.group_ids.shape[0]
     dtype, prec = x_halves.dtype, dot_precision(x_halves.dtype)
-    steps = nj + nh
-    balanced = balanced_metadata(m, w1b.shape[0], tm)
+    half_h, steps = hdim // 2, nj + nh
 
     def kernel(offsets, gids, tiles, nact, x_ref, w1b_ref, w1s_ref, b1_ref, w2b_ref, w2s_ref, b2_ref,
                y_ref, lo1_s, hi1_s, lo2_s, hi2_s, pre_s, h_s, y_s):
@@ -303,11 +306,8 @@ def _mx_forward(meta: GroupMetadata, x_halves, w1b, w1s, b1, w2b, w2s, b2, cfg: 
 
         @pl.when(active & (s < nj))
         def _up():
-            lo, hi = _decode_tile(w1b_ref, w1s_ref, lo1_s, hi1_s)
-            pre = jax.lax.dot_general(lo, x_ref[0], _NT, precision=prec, preferred_element_type=_F32)
-            pre += jax.lax.dot_general(hi, x_ref[1], _NT, precision=prec, preferred_element_type=_F32)
-            _put_chunked(pre_s, pre + b1_ref[...].astype(_F32))
-            g_e, u_e, g_o, u_o = _gate_up_rows(pre_s, ti // 2)
+            (g_e, u_e, g_o, u_o), _ = _up_projection(x_ref, w1b_ref, w1s_ref, b1_ref, lo1_s, hi1_s, pre_s, ti // 2,
+                                                     prec)
             rows = pl.ds(pl.multiple_of(s * (ti // 2), 8), ti // 2)
             h_s[0, rows, :] = _swiglu(g_e, u_e, cfg).astype(dtype)
             h_s[1, rows, :] = _swiglu(g_o, u_o, cfg).astype(dtype)
@@ -321,7 +321,7 @@ def _mx_forward(meta: GroupMetadata, x_halves, w1b, w1s, b1, w2b, w2s, b2, cfg: 
 
         @pl.when(active & (s == steps - 1))
         def _store():
-            _store_mine(y_ref, y_s[...] + b2_ref[...].astype(_F32), offsets, gids, tiles, w, tm, axis=1)
+            store_rows(y_ref, y_s[...] + b2_ref[...].astype(_F32), offsets, gids, tiles, w, tm, axis=1)
 
     w1_b, w1_s, b1_spec, w2_b, w2_s = _specs(cfg, hdim, idim, up_first=0, down_first=nj)
     in_specs = [pl.BlockSpec((2, tm, half_h), lambda w, s, o, g, t, a: (0, t[w], 0)),
@@ -347,13 +347,10 @@ def _mx_forward(meta: GroupMetadata, x_halves, w1b, w1s, b1, w2b, w2s, b2, cfg: 
 
 def _mx_dx(meta: GroupMetadata, x_halves, dy_t, w1b, w1s, b1, w2b, w2s, cfg: _MxConfig):
     """dx as [2, M, H/2] (even and odd columns). dy_t [H, M]."""
-    _, m, half_h = x_halves.shape
-    hdim, idim = 2 * half_h, w1b.shape[1] // 2
+    m, hdim, idim, nj, nh, num_items, balanced = _dims(meta, x_halves, w1b, cfg)
     tm, ti, th = cfg.tm, cfg.ti, cfg.th
-    nj, nh, num_items = idim // ti, hdim // th, meta.group_ids.shape[0]
     dtype, prec = x_halves.dtype, dot_precision(x_halves.dtype)
-    steps = nh + nj
-    balanced = balanced_metadata(m, w1b.shape[0], tm)
+    half_h, steps = hdim // 2, nh + nj
 
     def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1b_ref, w1s_ref, b1_ref, w2b_ref, w2s_ref,
                dx_ref, lo1_s, hi1_s, lo2_s, hi2_s, dh_s, pre_s, dpre_s, acc_s):
@@ -374,11 +371,8 @@ def _mx_dx(meta: GroupMetadata, x_halves, dy_t, w1b, w1s, b1, w2b, w2s, cfg: _Mx
 
         @pl.when(active & (s >= nh))
         def _up():
-            lo, hi = _decode_tile(w1b_ref, w1s_ref, lo1_s, hi1_s)
-            pre = jax.lax.dot_general(lo, x_ref[0], _NT, precision=prec, preferred_element_type=_F32)
-            pre += jax.lax.dot_general(hi, x_ref[1], _NT, precision=prec, preferred_element_type=_F32)
-            _put_chunked(pre_s, pre + b1_ref[...].astype(_F32))
-            g_e, u_e, g_o, u_o = _gate_up_rows(pre_s, ti // 2)
+            (g_e, u_e, g_o, u_o), (lo, hi) = _up_projection(x_ref, w1b_ref, w1s_ref, b1_ref, lo1_s, hi1_s, pre_s,
+                                                            ti // 2, prec)
             rows = pl.ds(pl.multiple_of((s - nh) * (ti // 2), 8), ti // 2)
             n = ti // 2
             for k, grads in ((0, _swiglu_grads(g_e, u_e, dh_s[0, rows, :], cfg)),
@@ -391,7 +385,7 @@ def _mx_dx(meta: GroupMetadata, x_halves, dy_t, w1b, w1s, b1, w2b, w2s, cfg: _Mx
 
         @pl.when(active & (s == steps - 1))
         def _store():
-            _store_mine(dx_ref, acc_s[...], offsets, gids, tiles, w, tm, axis=1)
+            store_rows(dx_ref, acc_s[...], offsets, gids, tiles, w, tm, axis=1)
 
     w1_b, w1_s, b1_spec, w2_b, w2_s = _specs(cfg, hdim, idim, up_first=nh, down_first=0)
     halves = pl.BlockSpec((2, tm, half_h), lambda w, s, o, g, t, a: (0, t[w], 0))

@@ -48,13 +48,9 @@ config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_conver
 (out / "config.json").write_text(json.dumps(config))
 """
 
-MEASURE = r"""
-import json, sys, threading, time
-sys.path.insert(0, sys.argv[3])
-import jax, orbax.checkpoint, transformers  # noqa: F401  (everything import_hf needs, loaded first)
-from formats import hf_import
-from orbax.checkpoint.experimental.v1 import partial  # noqa: F401
-
+# A child's RssAnon sampler (every 10 ms on a thread), started after its imports: `baseline`,
+# `peak[0]`; `running[0] = False` stops it. Shared with scripts/mxfp4_base_memory.py.
+SAMPLER = r"""
 def rss_anon():
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
@@ -68,6 +64,15 @@ def sample():
 baseline = rss_anon()
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
+"""
+
+MEASURE = r"""
+import json, sys, threading, time
+sys.path.insert(0, sys.argv[3])
+import jax, orbax.checkpoint, transformers  # noqa: F401  (everything import_hf needs, loaded first)
+from formats import hf_import
+from orbax.checkpoint.experimental.v1 import partial  # noqa: F401
+""" + SAMPLER + r"""
 summary = hf_import.import_hf(sys.argv[1], sys.argv[2], overwrite=True)
 running[0] = False
 thread.join()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from import_memory import WRITE  # noqa: E402  (the synthetic released-layout directory)
+from import_memory import SAMPLER, WRITE  # noqa: E402  (the synthetic directory; the RssAnon sampler)
 
 MEASURE = r"""
 import json, sys, threading, time
@@ -30,20 +30,7 @@ from formats.checkpoint import load_checkpoint
 from formats.hf_model import open_hf
 from formats.model_checks import build_model, load_weights
 from formats.mxfp4_experts import released_base
-
-def rss_anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-
-peak, running = [0], [True]
-def sample():
-    while running[0]:
-        peak[0] = max(peak[0], rss_anon())
-        time.sleep(0.01)
-baseline = rss_anon()
-thread = threading.Thread(target=sample, daemon=True)
-thread.start()
+""" + SAMPLER + r"""
 start = time.perf_counter()
 if sys.argv[2] == "mxfp4":
     model = released_base(*open_hf(sys.argv[1]))
