@@ -35,9 +35,10 @@ PARAM_AXES: list[tuple[str, tuple]] = [
     (r".*mlp\.router\.weight", (None, "embed")),
     (r".*mlp\.router\.bias", (None,)),
     (r".*mlp\.gate\.weight", (None, "embed")),         # transformers' MoE routers
-    # MXFP4 stacks ([E, out, in/2] bytes, [E, out, in/32] scales): split over their experts only;
-    # the bytes' last axis is blocked (32 values per scale) and the dispatch never splits them.
-    (r".*mlp\.experts\.(gate_up|down)_proj_(blocks|scales)", ("exp", None, None)),
+    # MXFP4 stacks ([E, out, in/2] bytes, [E, out, in/32] scales): stored split over their experts,
+    # else (an fsdp size that does not divide them) over their output rows; never along the
+    # blocked input (32 values per scale byte). The dispatch gathers them whole per expert.
+    (r".*mlp\.experts\.(gate_up|down)_proj_(blocks|scales)", ("exp", "embed_moe", None)),
     (r".*mlp\.experts\.gate_up_proj", ("exp", "embed_moe", "mlp")),
     (r".*mlp\.experts\.gate_up_proj_bias", ("exp", "mlp")),
     (r".*mlp\.experts\.down_proj", ("exp", "mlp", "embed_moe")),

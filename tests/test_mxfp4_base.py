@@ -273,3 +273,20 @@ def test_the_adapter_of_an_mxfp4_base_run_loads_in_peft_onto_transformers_gpt_os
         ours = ours_model(ids).double()
         theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits.double()
     assert float((theirs - ours).norm() / ours.norm()) <= 1e-5
+
+
+def test_mxfp4_stacks_are_split_over_experts_or_output_rows_never_inside_a_block():
+    """The sharding rule of MXFP4 stacks: experts over `expert` or `fsdp`; when fsdp does not divide
+    the experts, the output rows; the blocked last axis (bytes and scale bytes) never."""
+    from types import SimpleNamespace
+
+    from jax_bridge.sharding import param_spec
+
+    name = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    mesh = lambda **axes: SimpleNamespace(shape={"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **axes})  # noqa: E731
+    spec = lambda n, shape, m: tuple(param_spec(n, shape, m)) + (None,) * (3 - len(param_spec(n, shape, m)))  # noqa: E731
+    assert spec(name, (32, 5760, 1440), mesh(fsdp=4)) == ("fsdp", None, None)
+    assert spec(name, (32, 5760, 1440), mesh(fsdp=2, expert=2)) == ("expert", "fsdp", None)
+    assert spec(name, (32, 5760, 1440), mesh(fsdp=64)) == (None, "fsdp", None)
+    assert spec(name.replace("_blocks", "_scales"), (32, 5760, 90), mesh(fsdp=64)) == (None, "fsdp", None)
+    assert spec(name, (3, 96, 80), mesh(fsdp=5)) == (None, None, None)          # nothing divides: whole
