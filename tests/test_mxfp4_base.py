@@ -290,3 +290,24 @@ def test_mxfp4_stacks_are_split_over_experts_or_output_rows_never_inside_a_block
     assert spec(name, (32, 5760, 1440), mesh(fsdp=64)) == (None, "fsdp", None)
     assert spec(name.replace("_blocks", "_scales"), (32, 5760, 90), mesh(fsdp=64)) == (None, "fsdp", None)
     assert spec(name, (3, 96, 80), mesh(fsdp=5)) == (None, None, None)          # nothing divides: whole
+
+
+@pytest.mark.parametrize("mesh", ["expert=2,fsdp=2", "fsdp=4"])
+def test_the_mxfp4_dispatch_on_a_mesh_equals_one_device(mesh):
+    """Under a mesh the MXFP4 stacks are gathered per expert and the rows dispatched per device
+    (tests/mxfp4_mesh_worker.py, 4 simulated CPU devices): output and the gradients of the rows
+    and the routing weights equal one device's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from worker_env import worker_env
+
+    worker = Path(__file__).parent / "mxfp4_mesh_worker.py"
+    proc = subprocess.run([sys.executable, str(worker), mesh], env=worker_env(4), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 4
+    assert result["forward"] < 1e-6 and result["dx"] < 1e-6 and result["dweights"] < 1e-6, result
