@@ -456,10 +456,11 @@ _MXFP4_VMEM_LIMIT = 48 * 2**20      # above the 30 MiB measured, below v7x's 64 
 
 def mxfp4_tiles(m: int, hdim: int, idim: int, platform: str = "tpu", block_m: int | None = None,
                 block_i: int | None = None, block_h: int | None = None) -> dict:
-    """The tiles moe_mxfp4_pallas runs with. TPU rules: rows sit on lanes of the transposed tiles,
-    so block_m is a multiple of 128 or all of M (one tile); block_i divides I and is a multiple
-    of 16 (2 block_i byte rows: uint8 sublane tiles of 32); block_h divides H and is a multiple
-    of 32; else the whole dimension (always legal)."""
+    """The tiles moe_mxfp4_pallas runs with. TPU rules: rows sit on lanes of the transposed tiles
+    and Mosaic's strided loads take exactly 128 lanes, so block_m is a multiple of 128 (a tile may
+    reach past M: those rows belong to no expert); block_i divides I and is a multiple of 16
+    (2 block_i byte rows: uint8 sublane tiles of 32); block_h divides H and is a multiple of 32;
+    else the whole dimension (always legal). On CPU the row tile is at most 128 or whole chunks."""
     default_m, default_i, default_h = DEFAULT_MXFP4_TILES["tpu" if platform == "tpu" else "cpu"]
     want_m = block_m or default_m
     if platform == "tpu":
