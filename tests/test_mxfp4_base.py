@@ -142,6 +142,7 @@ def run_losses(run_dir) -> list[float]:
 
 
 def test_a_lora_run_on_the_released_mxfp4_base_gives_the_decoded_bases_losses_and_resumes_exactly(released, capsys):
+    import json
     import shutil
 
     from formats.hf_weights import HFWeights
@@ -158,11 +159,21 @@ def test_a_lora_run_on_the_released_mxfp4_base_gives_the_decoded_bases_losses_an
     assert np.array_equal(held["model.layers.1.mlp.experts.down_proj_scales"].numpy(), scales)
     assert not any(p.is_floating_point() and p.dim() == 3 and "experts" in n and "bias" not in n for n, p in held.items())
 
-    mxfp4 = lora_run(root, data, root / "mxfp4", base_dtype="mxfp4")
-    decoded = lora_run(root, data, root / "decoded")
+    # With the end of run's samples and periodic task scores, which gather the MXFP4 bytes as they are.
+    tasks = root / "plays.jsonl"
+    tasks.write_text("".join(json.dumps({"context": f"{who}:", "choices": ["But soft", "O Romeo", "To be"], "gold": i})
+                             + "\n" for i, who in enumerate(["ROMEO", "JULIET", "HAMLET"])))
+    extras = dict(samples=1, eval_tasks=str(tasks))
+    mxfp4 = lora_run(root, data, root / "mxfp4", base_dtype="mxfp4", **extras)
+    decoded = lora_run(root, data, root / "decoded", **extras)
     a, b = run_losses(mxfp4), run_losses(decoded)
     assert len(a) == 3 and len(set(a)) > 1
     assert rel_err(np.array(a), np.array(b)) < 1e-5, (a, b)
+    scores = [[r["tasks"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if r["kind"] == "eval"] for run in (mxfp4, decoded)]
+    assert scores[0] == scores[1] and len(scores[0]) == 2
+    samples = [json.loads((run / "summary.json").read_text())["samples"] for run in (mxfp4, decoded)]
+    assert samples[0] == samples[1] and len(samples[0]) == 1
 
     resumed = root / "mxfp4_resumed"                    # the same run, stopped after step 2
     shutil.copytree(mxfp4, resumed)

@@ -27,7 +27,10 @@ class TaskEvaluator:
         from train.evaluation.eager_scorer import EagerScorer
 
         model = build_model(self.model_cfg)         # ours or the run's transformers model
-        load_weights(model, {k: v.float() for k, v in host_params.items()})
+        if any(name.endswith("_blocks") for name in host_params):     # a LoRA run's MXFP4 expert base
+            from torch_model.model import mxfp4_expert_modules
+            mxfp4_expert_modules(model)
+        load_weights(model, {k: v.float() if v.is_floating_point() else v for k, v in host_params.items()})
         evaluation = run_suite(self.names, self.tasks, scorer=EagerScorer(model.eval()), generator=None,
                                tokenizer=self.tokenizer, bos=self.model_cfg.bos_token_id, limit=self.limit,
                                progress=False)

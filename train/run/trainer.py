@@ -549,13 +549,13 @@ class Trainer:
 
     def _host_parameters(self) -> dict:
         """Every parameter, trainable and frozen, as float32 torch tensors on the host under per-layer
-        names (frozen ones may be held in the compute dtype). Every process takes part in gathering
-        arrays that span processes."""
+        names (frozen ones may be held in the compute dtype; an MXFP4 base's bytes stay uint8).
+        Every process takes part in gathering arrays that span processes."""
         from jax_bridge import sharding
         from jax_bridge.lowering import params_to_torch
 
         params = params_to_torch(sharding.to_host(self.step.layer_params(self.step.full_params(self.state.params))))
-        return {n: t.float() for n, t in params.items()}
+        return {n: t.float() if t.is_floating_point() else t for n, t in params.items()}
 
     def _task_scores(self) -> dict:
         """The --eval-tasks scores, computed on the primary process from the gathered host parameters."""
