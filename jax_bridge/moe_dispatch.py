@@ -66,55 +66,33 @@ def routed_experts(grouped: Callable, *, mesh=None, mxfp4: bool = False):
     tokens, or per device under a mesh."""
     if mesh is None:
         return functools.partial(mix_experts, grouped)
-    return functools.partial(_per_device_mxfp4 if mxfp4 else _per_device, grouped, mesh)
+    return functools.partial(_per_device, grouped, mesh, mxfp4=mxfp4)
 
 
-def _per_device(grouped, mesh, x, experts, weights, gate_up, gate_up_bias, down, down_bias, *, alpha, limit,
-                up_shift):
+def _stack_specs(mesh, stacks, mxfp4: bool):
+    """(the expert stacks' specs as the dispatch uses them, the `tensor` axis splitting their
+    width or None): experts split over `expert` only, everything the rules split over `fsdp` (the
+    experts, the hidden dimension or MXFP4's output rows) gathered (FSDP). bf16 stacks: gate_up,
+    its bias, down, its bias; MXFP4 ones: blocks, scales and bias of gate_up, then of down."""
     from jax_bridge import sharding
 
-    # The expert weights as the dispatch uses them: experts split over `expert` only, everything
-    # the rules split over `fsdp` (the experts or the hidden dimension) gathered (FSDP).
+    if mxfp4:
+        if mesh.shape.get("tensor", 1) > 1:
+            raise ValueError(f"MXFP4 experts cannot be split over tensor={mesh.shape['tensor']}: their widths are "
+                             f"blocked along the input (32 values per scale); use a mesh without a tensor axis")
+        return [sharding.logical_spec(mesh, ("exp_parallel",) + (None,) * (s.ndim - 1), s.shape) for s in stacks], None
+    gate_up, gate_up_bias, down, down_bias = stacks
     w1 = sharding.logical_spec(mesh, ("exp_parallel", None, "mlp"), gate_up.shape)
-    b1 = sharding.logical_spec(mesh, ("exp_parallel", "mlp"), gate_up_bias.shape)
-    w2 = sharding.logical_spec(mesh, ("exp_parallel", "mlp", None), down.shape)
-    b2 = sharding.logical_spec(mesh, ("exp_parallel", None), down_bias.shape)
-    expert = w1[0] if len(w1) else None
-    tensor = w1[2] if len(w1) > 2 else None
-    if mesh.shape.get("expert", 1) > 1 and expert is None:
-        raise ValueError(f"expert parallelism: {gate_up.shape[0]} experts cannot be split over "
-                         f"expert={mesh.shape['expert']} devices (the count must divide)")
-    rows = P(sharding.batch_axes(mesh), None)
-
-    def local(x, experts, weights, gate_up, gate_up_bias, down, down_bias):
-        first = None
-        if expert:
-            x, experts, weights = (jax.lax.all_gather(a, expert, axis=0, tiled=True) for a in (x, experts, weights))
-            first = jax.lax.axis_index(expert) * gate_up.shape[0]
-        if tensor:          # every tensor shard adds a partial down projection; the bias once
-            down_bias = jnp.where(jax.lax.axis_index(tensor) == 0, down_bias, jnp.zeros_like(down_bias))
-        y = mix_experts(grouped, x, experts, weights, gate_up, gate_up_bias, down, down_bias,
-                        first_expert=first, alpha=alpha, limit=limit, up_shift=up_shift)
-        if tensor:
-            y = jax.lax.psum(y, tensor)
-        if expert:
-            y = jax.lax.psum_scatter(y, expert, scatter_dimension=0, tiled=True)
-        return y
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, w1, b1, w2, b2), out_specs=rows,
-                         check_vma=CHECK_VMA)(
-        x, experts, weights, gate_up, gate_up_bias, down, down_bias)
+    specs = [w1, sharding.logical_spec(mesh, ("exp_parallel", "mlp"), gate_up_bias.shape),
+             sharding.logical_spec(mesh, ("exp_parallel", "mlp", None), down.shape),
+             sharding.logical_spec(mesh, ("exp_parallel", None), down_bias.shape)]
+    return specs, (w1[2] if len(w1) > 2 else None)
 
 
-def _per_device_mxfp4(grouped, mesh, x, experts, weights, *stacks, alpha, limit, up_shift):
-    """_per_device for MXFP4 stacks (blocks, scales, bias of gate_up, then of down): experts
-    split over `expert`, nothing else split."""
+def _per_device(grouped, mesh, x, experts, weights, *stacks, mxfp4: bool, alpha, limit, up_shift):
     from jax_bridge import sharding
 
-    if mesh.shape.get("tensor", 1) > 1:
-        raise ValueError(f"MXFP4 experts cannot be split over tensor={mesh.shape['tensor']}: their widths are "
-                         f"blocked along the input (32 values per scale); use a mesh without a tensor axis")
-    specs = [sharding.logical_spec(mesh, ("exp_parallel",) + (None,) * (s.ndim - 1), s.shape) for s in stacks]
+    specs, tensor = _stack_specs(mesh, stacks, mxfp4)
     expert = specs[0][0] if len(specs[0]) else None
     if mesh.shape.get("expert", 1) > 1 and expert is None:
         raise ValueError(f"expert parallelism: {stacks[0].shape[0]} experts cannot be split over "
@@ -126,8 +104,13 @@ def _per_device_mxfp4(grouped, mesh, x, experts, weights, *stacks, alpha, limit,
         if expert:
             x, experts, weights = (jax.lax.all_gather(a, expert, axis=0, tiled=True) for a in (x, experts, weights))
             first = jax.lax.axis_index(expert) * stacks[0].shape[0]
+        if tensor:          # every tensor shard adds a partial down projection; the bias (last) once
+            down_bias = stacks[-1]
+            stacks = (*stacks[:-1], jnp.where(jax.lax.axis_index(tensor) == 0, down_bias, jnp.zeros_like(down_bias)))
         y = mix_experts(grouped, x, experts, weights, *stacks, first_expert=first, alpha=alpha, limit=limit,
                         up_shift=up_shift)
+        if tensor:
+            y = jax.lax.psum(y, tensor)
         if expert:
             y = jax.lax.psum_scatter(y, expert, scatter_dimension=0, tiled=True)
         return y

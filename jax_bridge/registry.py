@@ -388,9 +388,10 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None)
         return routed_experts(x, experts.astype("int32"), weights, gate_up, gate_up_bias, down, down_bias,
                               alpha=float(alpha), limit=float(limit), up_shift=float(up_shift))
 
+    routed_mxfp4 = moe_dispatch.routed_experts(fns["moe_mxfp4"], mesh=mesh, mxfp4=True) if "moe_mxfp4" in fns else None
+
     def moe_experts_mxfp4(x, experts, weights, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
                           down_bias, alpha, limit, up_shift=1.0):
-        routed_mxfp4 = moe_dispatch.routed_experts(fns["moe_mxfp4"], mesh=mesh, mxfp4=True)
         return routed_mxfp4(x, experts.astype("int32"), weights, gate_up_blocks, gate_up_scales, gate_up_bias,
                             down_blocks, down_scales, down_bias, alpha=float(alpha), limit=float(limit),
                             up_shift=float(up_shift))
