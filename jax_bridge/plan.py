@@ -302,7 +302,7 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     from jax_bridge.lowering import abstract_params
     from jax_bridge.sampling import SamplingMode
     from torch_model.kv_cache import cache_slots
-    from torch_model.causal_lm import keeps_float32
+    from jax_bridge.step import in_compute_dtype
 
     group = shape.group_size
     if shape.completions % group:
@@ -320,7 +320,8 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     batch = prompt_rows * group
     flat = abstract_params(model)
     placed = sharding.state_shardings(flat, mesh)
-    params = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if keeps_float32(n) else step.compute_dtype, sharding=placed[n])
+    params = {n: jax.ShapeDtypeStruct(a.shape, step.compute_dtype if in_compute_dtype(n, a.dtype) else a.dtype,
+                                      sharding=placed[n])
               for n, a in flat.items()}
     decoder = decoding.Decoder(model, kernels=decoding.generation_kernels(step.cfg.kernels, "tpu"), platform="tpu",
                                compute_dtype=step.cfg.compute_dtype, matmul_precision=step.cfg.matmul_precision,

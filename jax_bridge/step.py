@@ -85,18 +85,28 @@ class TrainState(NamedTuple):
     opt_state: dict
 
 
-def host_array(p: torch.Tensor) -> np.ndarray:
-    """A parameter on the host as numpy: float32 for floating ones (cast to the compute dtype
-    later), integer ones (an MXFP4 base's bytes) as they are."""
+def host_tensor(p: torch.Tensor) -> torch.Tensor:
+    """A parameter on the host: float32 for floating ones (cast to the compute dtype later),
+    integer ones (an MXFP4 base's bytes) as they are."""
     p = p.detach().cpu()
-    return (p.float() if p.is_floating_point() else p).numpy()
+    return p.float() if p.is_floating_point() else p
+
+
+def host_array(p: torch.Tensor) -> np.ndarray:
+    """host_tensor as numpy."""
+    return host_tensor(p).numpy()
+
+
+def in_compute_dtype(name: str, dtype) -> bool:
+    """Whether a parameter is held in the compute dtype: floating ones are, except those the model
+    keeps in float32 (torch_model.causal_lm.keeps_float32: the router); integer ones (an MXFP4
+    base's bytes) keep theirs."""
+    return jnp.issubdtype(dtype, jnp.floating) and not keeps_float32(name)
 
 
 def cast_params(params: dict, dtype) -> dict:
-    """Floating parameters in the compute dtype, except those the model keeps in float32
-    (torch_model.causal_lm.keeps_float32: the router)."""
-    return {name: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) and not keeps_float32(name) else p
-            for name, p in params.items()}
+    """Parameters in the compute dtype where `in_compute_dtype` says so."""
+    return {name: p.astype(dtype) if in_compute_dtype(name, p.dtype) else p for name, p in params.items()}
 
 
 class TrainStep:
@@ -233,8 +243,7 @@ class TrainStep:
     def abstract_frozen(self) -> dict:
         """Shapes, dtypes (the compute dtype; routers float32) and shardings of the frozen
         parameters, without weights (see abstract_state)."""
-        kept = lambda n, a: keeps_float32(n) or not jnp.issubdtype(a.dtype, jnp.floating)   # MXFP4 bytes stay uint8
-        flat = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if kept(n, a) else self.compute_dtype)
+        flat = {n: jax.ShapeDtypeStruct(a.shape, self.compute_dtype if in_compute_dtype(n, a.dtype) else a.dtype)
                 for n, a in abstract_params(self.model).items() if n not in self.layer_plan}
         return self._on_mesh(self._stack_abstract(flat))
 

@@ -27,7 +27,7 @@ def decode_roofline(topology: str, layers: int, batch: int, mxfp4: bool):
     from jax_bridge import decoding, sharding, tpu_compile
     from jax_bridge.lowering import abstract_params
     from jax_bridge.sampling import SamplingMode
-    from torch_model.causal_lm import keeps_float32
+    from jax_bridge.step import in_compute_dtype
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM, mxfp4_expert_modules
 
@@ -42,9 +42,8 @@ def decode_roofline(topology: str, layers: int, batch: int, mxfp4: bool):
     mesh = sharding.make_mesh(None, [device])
     flat = abstract_params(model)
     placed = sharding.state_shardings(flat, mesh)
-    kept = lambda n, a: keeps_float32(n) or not jnp.issubdtype(a.dtype, jnp.floating)   # noqa: E731
-    params = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if kept(n, a) else jnp.bfloat16, sharding=placed[n])
-              for n, a in flat.items()}
+    params = {n: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16 if in_compute_dtype(n, a.dtype) else a.dtype,
+                                      sharding=placed[n]) for n, a in flat.items()}
     decoder = decoding.Decoder(model, kernels=decoding.generation_kernels("auto", "tpu"), platform="tpu",
                                compute_dtype="bfloat16", mesh=mesh, params=params)
     rows, prompt_len, length = decoding.buckets(batch, prompt, new, 1, 1)

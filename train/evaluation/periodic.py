@@ -23,6 +23,7 @@ class TaskEvaluator:
     def __call__(self, host_params: dict) -> dict:
         """{"tasks": {name: score}, "tasks_centered": {name: centered}[, "core6": mean centered]}."""
         from formats.model_checks import build_model, load_weights
+        from jax_bridge.step import host_tensor
         from train.evaluation.core import SUITE_NAME
         from train.evaluation.eager_scorer import EagerScorer
 
@@ -30,7 +31,7 @@ class TaskEvaluator:
         if any(name.endswith("_blocks") for name in host_params):     # a LoRA run's MXFP4 expert base
             from torch_model.model import mxfp4_expert_modules
             mxfp4_expert_modules(model)
-        load_weights(model, {k: v.float() if v.is_floating_point() else v for k, v in host_params.items()})
+        load_weights(model, {k: host_tensor(v) for k, v in host_params.items()})
         evaluation = run_suite(self.names, self.tasks, scorer=EagerScorer(model.eval()), generator=None,
                                tokenizer=self.tokenizer, bos=self.model_cfg.bos_token_id, limit=self.limit,
                                progress=False)

@@ -148,9 +148,9 @@ class CompiledScorer:
         import jax
 
         from jax_bridge.lowering import abstract_params
-        from torch_model.causal_lm import keeps_float32
+        from jax_bridge.step import in_compute_dtype
 
-        flat = {n: jax.ShapeDtypeStruct(a.shape, a.dtype if keeps_float32(n) else self.compute_dtype)
+        flat = {n: jax.ShapeDtypeStruct(a.shape, self.compute_dtype if in_compute_dtype(n, a.dtype) else a.dtype)
                 for n, a in abstract_params(model).items()}
         stacked = self.layout.stack(flat, stack=lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype))
         shardings = self._param_shardings(stacked)

@@ -366,11 +366,10 @@ class Trainer:
         wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos, eos)
         if not cfg.init_from:
             return wanted, None
-        if cfg.base_dtype == "mxfp4" and not init_from_hf.is_gpt_oss_dir(cfg.init_from):
-            raise UserError(f"--base-dtype mxfp4: --init-from {cfg.init_from} is not a gpt-oss directory in the released "
-                            f"layout. An MXFP4 base is read as released, not quantized on load: that would train the "
-                            f"adapters against other values than the checkpoint holds. Write the released layout "
-                            f"first (`torchlyra export --dtype mxfp4`) and start from it")
+        if cfg.base_dtype == "mxfp4":
+            from formats.mxfp4_experts import check_released
+
+            check_released(cfg.init_from, f"--init-from {cfg.init_from}")
         if init_from_hf.is_gpt_oss_dir(cfg.init_from):
             model_cfg, weights = self._streamed_config(*init_from_hf.open_for_init(cfg.init_from), wanted, explicit,
                                                        bos, eos)
@@ -553,9 +552,10 @@ class Trainer:
         Every process takes part in gathering arrays that span processes."""
         from jax_bridge import sharding
         from jax_bridge.lowering import params_to_torch
+        from jax_bridge.step import host_tensor
 
         params = params_to_torch(sharding.to_host(self.step.layer_params(self.step.full_params(self.state.params))))
-        return {n: t.float() if t.is_floating_point() else t for n, t in params.items()}
+        return {n: host_tensor(t) for n, t in params.items()}
 
     def _task_scores(self) -> dict:
         """The --eval-tasks scores, computed on the primary process from the gathered host parameters."""
