@@ -91,15 +91,15 @@ def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True, base_dt
     if not is_lora_meta(meta):
         raise UserError(f"checkpoint {step_dir} holds no LoRA adapters (no '{LORA_META}' in its metadata)")
     spec = parse_lora_spec(meta[LORA_META]["spec"])
-    if base and base_dtype == "mxfp4":
-        from formats.mxfp4_experts import load_released_base
+    if base:
+        if base_dtype == "mxfp4":
+            from formats.mxfp4_experts import load_released_base
 
-        path = check_base(meta[LORA_META]["base"], f"LoRA checkpoint {step_dir}")
-        model, _ = load_released_base(path, f"LoRA checkpoint {step_dir} (its base)", cfg)
-        wrapped = apply_lora(model, spec)
-    elif base:
-        model = build_model(cfg)
-        load_weights(model, load_base_state(meta))
+            path = check_base(meta[LORA_META]["base"], f"LoRA checkpoint {step_dir}")
+            model, _ = load_released_base(path, f"LoRA checkpoint {step_dir} (its base)", cfg)
+        else:
+            model = build_model(cfg)
+            load_weights(model, load_base_state(meta))
         wrapped = apply_lora(model, spec)
     else:
         with torch.device("meta"):

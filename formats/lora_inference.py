@@ -15,7 +15,9 @@ def add_merge_argument(parser, *, base_dtype: bool = False) -> None:
                         help="a LoRA checkpoint: merge the adapters into the weights first (default: base + adapters "
                              "unmerged, as trained)")
     if base_dtype:
-        parser.add_argument("--base-dtype", default="compute", choices=["compute", "mxfp4"],
+        from formats.mxfp4 import BASE_DTYPES
+
+        parser.add_argument("--base-dtype", default="compute", choices=BASE_DTYPES,
                             help="mxfp4: a released gpt-oss directory (or a LoRA checkpoint on one) run with its "
                                  "experts kept MXFP4 on the device, read by the moe_mxfp4 kernels (default: compute, "
                                  "every weight in the compute dtype)")

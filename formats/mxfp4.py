@@ -18,6 +18,9 @@ FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
 MAGNITUDES = FP4_VALUES[:8]
 MIDPOINTS = (MAGNITUDES[1:] + MAGNITUDES[:-1]) / 2
+# How a frozen base's experts may be held (`--base-dtype`): in the compute dtype, or as released
+# (MXFP4 bytes and scales, formats/mxfp4_experts.py).
+BASE_DTYPES = ("compute", "mxfp4")
 
 
 def check_packed(blocks_shape, scales_shape, where: str) -> None:

@@ -66,15 +66,15 @@ def released_base(model_cfg, weights: HFWeights) -> GptOssForCausalLM:
     step casts it to the compute dtype). Built on the meta device first, so no dense expert
     stack (random or decoded) is ever allocated on the host. Every parameter is left frozen
     except what the caller trains (LoRA adapters are added afterwards)."""
-    quantized = sorted({n.rsplit("_", 1)[0] for n, _ in _mxfp4_names(model_cfg)})
-    dense = [n for n in quantized if not weights.entries[n].quantized] if all(n in weights.entries for n in quantized) \
-        else quantized
-    if dense:
-        raise UserError(f"--base-dtype mxfp4: {weights.dir} holds expert weight {dense[0]} unquantized; "
-                        f"{MXFP4_BASE_REFUSAL}, or use the base as it is (--base-dtype compute)")
     with torch.device("meta"):
         model = GptOssForCausalLM(model_cfg)
         mxfp4_expert_modules(model)
+    stacks = sorted({n.rsplit("_", 1)[0] for n, _ in model.named_parameters() if n.endswith(_PACKED)})
+    dense = [n for n in stacks if n not in weights.entries or not weights.entries[n].quantized]
+    if dense:
+        raise UserError(f"--base-dtype mxfp4: {weights.dir} holds expert weight {dense[0]} "
+                        f"{'unquantized' if dense[0] in weights.entries else 'nowhere'}; "
+                        f"{MXFP4_BASE_REFUSAL}, or use the base as it is (--base-dtype compute)")
     model = model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -91,16 +91,17 @@ def released_base(model_cfg, weights: HFWeights) -> GptOssForCausalLM:
     return model
 
 
-def _mxfp4_names(model_cfg):
-    """(name, shape) of the MXFP4 parameters an MXFP4-base model of `model_cfg` holds."""
-    with torch.device("meta"):
-        model = GptOssForCausalLM(model_cfg)
-        mxfp4_expert_modules(model)
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters() if n.endswith(_PACKED)]
-
-
 MXFP4_BASE_REFUSAL = ("an MXFP4 base is read from gpt-oss's released layout, not quantized on load (that would "
                       "change the base's values); write that layout first (`torchlyra export --dtype mxfp4`)")
+
+
+def check_released(path, where: str) -> None:
+    """An MXFP4 base is read only from a released gpt-oss directory: refuse anything else, naming why."""
+    from formats.init_from_hf import is_gpt_oss_dir
+
+    if not is_gpt_oss_dir(path):
+        raise UserError(f"{where}: --base-dtype mxfp4: {path} is not a gpt-oss directory in the released layout; "
+                        f"{MXFP4_BASE_REFUSAL}")
 
 
 def load_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausalLM, dict]:
@@ -109,20 +110,15 @@ def load_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausa
     directory's. model_cfg: the record to build (a LoRA run's: its tokenizer's special ids and
     length), which must have the directory's shapes; default the directory's own. Any other
     checkpoint is refused, naming why."""
-    from formats.hf_model import open_hf
-    from formats.init_from_hf import is_gpt_oss_dir
+    from formats.hf_model import open_hf, stored_dtypes
 
-    if not is_gpt_oss_dir(path):
-        raise UserError(f"{where}: --base-dtype mxfp4: {path} is not a gpt-oss directory in the released layout; "
-                        f"{MXFP4_BASE_REFUSAL}")
+    check_released(path, where)
     cfg, weights = open_hf(path)
     if model_cfg is not None:
         from formats.model_checks import check_tensors, model_shapes
 
         check_tensors(model_shapes(model_cfg), model_shapes(cfg), f"{where} against {path}")
         cfg = model_cfg
-    from formats.hf_model import stored_dtypes
-
     meta = {"step": 0, "step_dir": str(path), "hf_dir": str(path),
             "imported_from": {"dir": str(path), "dtypes": stored_dtypes(weights)}, "base_dtype": "mxfp4"}
     return released_base(cfg, weights).eval(), meta

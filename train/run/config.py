@@ -9,9 +9,6 @@ from formats.errors import UserError
 from formats.jsonfile import read_json
 
 
-BASE_DTYPES = ("compute", "mxfp4")
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     preset: str = "tiny"
@@ -123,6 +120,8 @@ class TrainConfig:
         if not isinstance(self.freeze, (list, tuple)) or not all(isinstance(p, str) and p for p in self.freeze):
             raise UserError(f"config: freeze must be a list of name patterns such as ['*.mlp.router.*'], "
                             f"found {self.freeze!r}")
+        from formats.mxfp4 import BASE_DTYPES
+
         if self.base_dtype not in BASE_DTYPES:
             raise UserError(f"config: base_dtype must be {' or '.join(BASE_DTYPES)}, found {self.base_dtype!r}")
         if self.base_dtype == "mxfp4" and not self.lora:

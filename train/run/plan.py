@@ -13,6 +13,7 @@ from formats.errors import UserError
 
 
 def add_arguments(parser) -> None:
+    from formats.mxfp4 import BASE_DTYPES
     from torch_model.optim import NS_DTYPES
 
     parser.add_argument("--preset", default="lyra-small", help="model preset (default: lyra-small)")
@@ -51,7 +52,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lora", metavar="SPEC", default=None,
                         help="plan the LoRA step (as train --lora, e.g. r=16,alpha=32,targets=all-linear+experts): "
                              "adapters trained, the base frozen in the compute dtype")
-    parser.add_argument("--base-dtype", default="compute", choices=["compute", "mxfp4"],
+    parser.add_argument("--base-dtype", default="compute", choices=BASE_DTYPES,
                         help="with --lora: the frozen experts in the compute dtype (default) or as gpt-oss releases "
                              "them, MXFP4 (4.25 bits per weight), read by the moe_mxfp4 kernels")
     parser.add_argument("--rl", action="store_true",
