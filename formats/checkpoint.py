@@ -443,7 +443,7 @@ def refuse_transformers_model(record, where: str) -> None:
                         f"rl of transformers models is not built yet")
 
 
-def _open_checked(path, transformers_ok: bool = False):
+def open_checked(path, transformers_ok: bool = False):
     """(step_dir, meta, model record, stored shapes and dtypes, "checkpoint DIR") of the newest
     complete checkpoint named by `path`, every stored parameter's dtype checked. The record is a
     ModelConfig, or with `transformers_ok` also a transformers model's TransformersSpec (every
@@ -468,7 +468,7 @@ def iter_params(path: str | os.PathLike):
     complete checkpoint named by `path`, restoring one stored tensor at a time: host memory holds
     one stored tensor (for the stacked layout, one parameter of all layers), never the model. The
     record is a ModelConfig or, for a `train --model-config` run, a TransformersSpec."""
-    step_dir, meta, cfg, stored, where = _open_checked(path, transformers_ok=True)
+    step_dir, meta, cfg, stored, where = open_checked(path, transformers_ok=True)
     names = {k: v for k, v in stored.items() if k[0] in PARAM_GROUPS}
     # Names and shapes checked before any data is read: zero-stride placeholders hold no memory.
     placeholders = {k[1]: np.broadcast_to(np.float32(0), shape) for k, (shape, _) in names.items()}
@@ -501,7 +501,7 @@ def load_checkpoint(path: str | os.PathLike, *, transformers_ok: bool = False) -
         return load_transformers_dir(path)
     if is_hf_dir(path):
         return load_hf(path)
-    step_dir, meta, cfg, stored, where = _open_checked(path, transformers_ok)
+    step_dir, meta, cfg, stored, where = open_checked(path, transformers_ok)
     params = LAYOUTS[meta["layout"]](restore_params_to_host(step_dir, stored), cfg)
     check_tensors({k: tuple(v.shape) for k, v in params.items()}, model_shapes(cfg), where)
     state = {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in params.items()}

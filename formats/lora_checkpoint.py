@@ -102,8 +102,7 @@ def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True, base_dt
             load_weights(model, load_base_state(meta))
         wrapped = apply_lora(model, spec)
     else:
-        with torch.device("meta"):
-            wrapped = apply_lora(build_model(cfg), spec)
+        wrapped = apply_lora(build_model(cfg, meta=True), spec)
     stored = {k: v for k, v in stored_shapes(step_dir).items() if k[0] == "params"}
     adapters = LAYOUTS[meta["layout"]](restore_params_to_host(step_dir, stored), cfg)
     inner = unwrap(wrapped)

@@ -93,6 +93,34 @@ def load_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False, 
     return model.eval(), meta
 
 
+def open_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False, base_dtype: str = "compute"):
+    """(model, meta, weights) of any checkpoint `load_inference_model` takes, for the loader
+    (formats/mesh_loader.py) to place on the devices: the model with its weights on `meta` (a LoRA
+    checkpoint's adapters and trained head read onto the host) and `weights` the source of the
+    rest, so no process holds the model. Where the weights are not read by slice (`--merge`,
+    `--base-dtype mxfp4`, a transformers layout that needs a conversion), the host model of
+    `load_inference_model` and weights None."""
+    from formats import mesh_loader
+    from formats.lora_checkpoint import LORA_META, check_base, load_lora_model
+    from formats.model_checks import build_model
+    from torch_model.lora import unwrap
+
+    def whole():
+        return (*load_inference_model(checkpoint, merge=merge, base_dtype=base_dtype), None)
+
+    if merge or base_dtype == "mxfp4":
+        return whole()
+    if lora_meta(checkpoint) is not None:
+        wrapped, _, meta = load_lora_model(checkpoint, base=False)
+        path = check_base(meta[LORA_META]["base"], f"LoRA checkpoint {meta['step_dir']}")
+        _, _, weights = mesh_loader.open_weights(path)
+        return (unwrap(wrapped).eval(), meta, weights) if weights is not None else whole()
+    model_cfg, meta, weights = mesh_loader.open_weights(checkpoint)
+    if weights is None:
+        return whole()
+    return build_model(model_cfg, meta=True).eval(), meta, weights
+
+
 def inference_tokenizer(checkpoint, meta: dict):
     """(tiktoken Encoding or None, one line saying which) of a checkpoint loaded by
     `load_inference_model`: a LoRA checkpoint's falls back to its base's."""

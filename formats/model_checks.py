@@ -4,6 +4,8 @@ the checkpoint loader and the Hugging Face mapping, kept apart so neither import
 record is our ModelConfig or a transformers model's TransformersSpec (torch_model/transformers_lm.py)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from torch_model.config import ConfigError, ModelConfig
@@ -11,14 +13,19 @@ from torch_model.transformers_lm import TransformersSpec
 from formats.errors import UserError
 
 
-def build_model(cfg):
+def build_model(cfg, *, meta: bool = False):
     """The torch model a record names, with fresh weights: our decoder for a ModelConfig, the
-    transformers model for a TransformersSpec."""
+    transformers model for a TransformersSpec. `meta`: its parameters on the `meta` device, for a
+    loader to fill (formats/mesh_loader.py); buffers, which checkpoints do not hold, computed."""
     if isinstance(cfg, TransformersSpec):
-        return cfg.build()
+        return cfg.build(meta=meta)
     from torch_model.model import GptOssForCausalLM
 
-    return GptOssForCausalLM(cfg)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = GptOssForCausalLM(cfg)
+    if meta and any(True for _ in model.buffers()):
+        raise ValueError("build_model(meta=True): GptOssForCausalLM gained buffers; compute them here")
+    return model
 
 
 def load_weights(model, state: dict) -> None:

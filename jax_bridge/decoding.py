@@ -29,10 +29,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_bridge import compile_cache, registry, sharding
 from jax_bridge.env import get_env
-from jax_bridge.lowering import model_function, params_to_jax
+from jax_bridge.lowering import abstract_params, model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token, token_logprob
-from jax_bridge.step import COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision, host_array
+from jax_bridge.step import (COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision, host_array,
+                             in_compute_dtype)
 from torch_model import kv_cache
 from torch_model.lora import tracing_scope
 
@@ -107,6 +108,19 @@ def empty_cache(env, cfg, rows: int, slots: int, dtype) -> kv_cache.KVCache:
     with env:
         cache = kv_cache.init_cache(cfg, rows, slots, dtype=getattr(torch, jnp.dtype(dtype).name), device="jax")
     return env.t2j_iso(cache)
+
+
+def decoder_params(model: torch.nn.Module, compute_dtype, mesh=None) -> dict:
+    """The parameters as a Decoder holds them, without weights: shapes, dtypes (the compute dtype
+    where `in_compute_dtype` says so) and, with a mesh, shardings. The model may be on `meta`:
+    for compiling without weights, or for a loader to fill (formats/mesh_loader.py)."""
+    compute = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
+    flat = {n: jax.ShapeDtypeStruct(a.shape, compute if in_compute_dtype(n, a.dtype) else a.dtype)
+            for n, a in abstract_params(model).items()}
+    if mesh is None:
+        return flat
+    placed = sharding.state_shardings(flat, mesh)
+    return {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed[n]) for n, a in flat.items()}
 
 
 class Decoder:

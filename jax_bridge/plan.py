@@ -295,14 +295,11 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     (jax_bridge.decoding.Decoder with the policy's parameters in the compute dtype, the rollout
     batch split over the mesh's batch axes; without a mesh each chip decodes its share of the
     completions with the whole model)."""
-    import jax
     import numpy as np
 
     from jax_bridge import decoding, sharding
-    from jax_bridge.lowering import abstract_params
     from jax_bridge.sampling import SamplingMode
     from torch_model.kv_cache import cache_slots
-    from jax_bridge.step import in_compute_dtype
 
     group = shape.group_size
     if shape.completions % group:
@@ -318,11 +315,7 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     prompt_rows, prompt_len, length = decoding.buckets(prompts, shape.prompt_tokens, shape.new_tokens,
                                                        sharding.batch_shards(mesh), group)
     batch = prompt_rows * group
-    flat = abstract_params(model)
-    placed = sharding.state_shardings(flat, mesh)
-    params = {n: jax.ShapeDtypeStruct(a.shape, step.compute_dtype if in_compute_dtype(n, a.dtype) else a.dtype,
-                                      sharding=placed[n])
-              for n, a in flat.items()}
+    params = decoding.decoder_params(model, step.compute_dtype, mesh)
     decoder = decoding.Decoder(model, kernels=decoding.generation_kernels(step.cfg.kernels, "tpu"), platform="tpu",
                                compute_dtype=step.cfg.compute_dtype, matmul_precision=step.cfg.matmul_precision,
                                mesh=mesh, params=params)

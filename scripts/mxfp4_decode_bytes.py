@@ -20,14 +20,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def decode_roofline(topology: str, layers: int, batch: int, mxfp4: bool):
-    import jax
-    import jax.numpy as jnp
     import torch
 
     from jax_bridge import decoding, sharding, tpu_compile
-    from jax_bridge.lowering import abstract_params
     from jax_bridge.sampling import SamplingMode
-    from jax_bridge.step import in_compute_dtype
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM, mxfp4_expert_modules
 
@@ -40,10 +36,7 @@ def decode_roofline(topology: str, layers: int, batch: int, mxfp4: bool):
             mxfp4_expert_modules(model)
     device = tpu_compile.device_of(topology)
     mesh = sharding.make_mesh(None, [device])
-    flat = abstract_params(model)
-    placed = sharding.state_shardings(flat, mesh)
-    params = {n: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16 if in_compute_dtype(n, a.dtype) else a.dtype,
-                                      sharding=placed[n]) for n, a in flat.items()}
+    params = decoding.decoder_params(model, "bfloat16", mesh)
     decoder = decoding.Decoder(model, kernels=decoding.generation_kernels("auto", "tpu"), platform="tpu",
                                compute_dtype="bfloat16", mesh=mesh, params=params)
     rows, prompt_len, length = decoding.buckets(batch, prompt, new, 1, 1)

@@ -1,5 +1,5 @@
 """Runs in a subprocess with simulated CPU devices (tests/test_init_from_hf.py): builds the train
-state of a Hugging Face directory straight from its shards (formats/init_from_hf.py) on a mesh and
+state of a Hugging Face directory straight from its shards (formats/mesh_loader.py) on a mesh and
 compares every addressable shard with a full load (parameters read whole on the host, optimizer
 state zeros) and its sharding with the trainer's rules; prints what it read as JSON.
 
@@ -36,7 +36,7 @@ def run(hf_dir: str, spec: str) -> dict:
     from jax_bridge import sharding
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.model import GptOssForCausalLM
-    from formats import init_from_hf
+    from formats import init_from_hf, mesh_loader
 
     cfg, weights = init_from_hf.open_for_init(hf_dir)
     mesh = sharding.make_mesh(spec)
@@ -47,7 +47,7 @@ def run(hf_dir: str, spec: str) -> dict:
         step = TrainStep(model, step_cfg=step_cfg, mesh=mesh)
     except ValueError as e:
         return {"refused": str(e)}
-    state = init_from_hf.init_state(step, weights)
+    state = mesh_loader.init_state(step, weights)
     reference = full_load_params(hf_dir, step.layer_layout)
     expected = step.state_shardings(state)
     mismatched = []

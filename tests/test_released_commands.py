@@ -97,7 +97,7 @@ def test_end_of_run_samples_never_choose_ids_beyond_the_tokenizer(dirs):
     _, ck, data = dirs
     # Greedy (the programs of the test above); the sampler's masking in every mode is tested in
     # tests/test_kernel_decode.py.
-    samples = sample_texts(load_model(ck), load_tokenizer(data),
+    samples = sample_texts(Generator(load_model(ck), tokenizer=load_tokenizer(data)), load_tokenizer(data),
                            TrainConfig(samples=2, sample_tokens=NEW, temperature=0))
     assert len(samples) == 2 and all(s["text"].startswith(s["prompt"]) for s in samples)
 

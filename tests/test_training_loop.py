@@ -163,8 +163,8 @@ def test_resume_after_a_data_error_is_bit_exact(root, reference, monkeypatch):
         run_training(config(root, out), show_progress=False)
     monkeypatch.undo()
     assert checkpoint.step_dirs(out / "checkpoints")[-1][0] == 24
-    # The end of a run without samples gathers no parameters onto the host.
-    monkeypatch.setattr(Trainer, "_host_parameters", lambda self: pytest.fail("parameters gathered at the end"))
+    # The end of a run without samples generates nothing.
+    monkeypatch.setattr(Trainer, "_samples", lambda self: pytest.fail("samples generated with --samples 0"))
     run_training(config(root, out, resume=True), explicit={"resume": True}, show_progress=False)
     assert_continues_reference(out, reference, first_step=1)
 

@@ -112,13 +112,13 @@ def test_what_the_directory_cannot_be_read_as_is_refused_by_field(root, tmp_path
 def test_directories_stream_onto_the_mesh_as_transformers_own_parameters(root, tmp_path, capsys):
     """A Qwen3 (dense: transformers converts nothing of its layout) and the Qwen3-MoE directory
     (one tensor per expert, which transformers fuses into [E, 2I, H] gate-up stacks) are read slice
-    by slice into the train state (formats/init_from_hf.py's reader), giving transformers' own
+    by slice into the train state (formats/mesh_loader.py), giving transformers' own
     parameters; a block of a fused stack reads only the bytes it covers."""
     import shutil
 
     import numpy as np
 
-    from formats import init_from_hf, transformers_import
+    from formats import mesh_loader, transformers_import
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.optim import OptimizerConfig
     from tests.transformers_configs import CONFIGS as FAMILIES
@@ -133,7 +133,7 @@ def test_directories_stream_onto_the_mesh_as_transformers_own_parameters(root, t
     for directory in (dense, root / "hf"):
         spec, weights = transformers_import.open_streamed(directory)
         step = TrainStep(spec.build(), OptimizerConfig(), StepConfig(kernels="xla", scan_layers=True))
-        params = init_from_hf.init_state(step, weights).params
+        params = mesh_loader.init_state(step, weights).params
         got = step.layer_layout.unstack({k: np.asarray(v) for k, v in params.items()})
         theirs = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
         assert sorted(got) == sorted(theirs), directory
@@ -146,7 +146,7 @@ def test_directories_stream_onto_the_mesh_as_transformers_own_parameters(root, t
     assert main(["train", "--init-from", str(dense), "--data", str(root / "data"), "--out", str(tmp_path / "run"),
                  "--steps", "2", *ARGS]) == 0
     out = capsys.readouterr().out
-    assert f"--init-from {dense}: tokenizer hf:" in out and "(Hugging Face; process 0 read" in out   # streamed
+    assert f"--init-from {dense}: tokenizer hf:" in out and f"initialized from {dense}: process 0 read" in out   # streamed
     evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["val_loss"] < evals[0]["val_loss"]

@@ -124,9 +124,45 @@ def apply_lora(model, spec: LoraSpec):
     if unknown:
         raise ConfigError(f"--lora: targets {', '.join(unknown)} match no module of the model "
                           f"(choose from all-linear, attention, experts, {', '.join(ATTENTION_PROJECTIONS)})")
-    wrapped = get_peft_model(model, lora_config(spec))
+    with _host_shells(model, spec.modules_to_save):
+        wrapped = get_peft_model(model, lora_config(spec))
     check_adapter_names(wrapped)
     return wrapped
+
+
+@contextlib.contextmanager
+def _host_shells(model, modules_to_save: tuple[str, ...]):
+    """A base on the `meta` device (formats/mesh_loader.py places its weights on the mesh later)
+    is adapted as a host one is: peft creates each adapter on the host, draws it, then moves it to
+    its base layer's device, which would leave `meta` adapters with no values. So while peft wraps,
+    every meta parameter becomes a host shell holding no memory (one zero, expanded to its shape),
+    and afterwards a meta tensor again: the adapters keep exactly the draws a host base gives them,
+    and any later read of the base's values fails loudly. A `modules_to_save` module stays on meta
+    (peft copies it whole; the loader fills the copy from the base)."""
+    import torch
+
+    kept = {id(p) for name, module in model.named_modules()
+            if any(name == m or name.endswith("." + m) for m in modules_to_save) for p in module.parameters()}
+    shells, places = {}, []            # id(meta parameter) -> its shell (a tied one shared); where
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta or id(p) in kept:
+                continue
+            if id(p) not in shells:
+                shells[id(p)] = torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
+                                                   requires_grad=p.requires_grad)
+            module._parameters[name] = shells[id(p)]
+            places.append((module, name))
+    try:
+        yield
+    finally:
+        metas = {}
+        for module, name in places:
+            p = module._parameters[name]
+            if id(p) not in metas:
+                metas[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                  requires_grad=p.requires_grad)
+            module._parameters[name] = metas[id(p)]
 
 
 def base_parameter_of(name: str) -> tuple[str, str | None]:
@@ -231,6 +267,7 @@ def merged_state_dict(wrapped, params: dict) -> dict:
     import torch
 
     clone = copy.deepcopy(wrapped)
-    with torch.no_grad():
-        unwrap(clone).load_state_dict({n: t.float() for n, t in params.items()})
+    with torch.no_grad():       # assign: the wrapped model's base may be on `meta` (never loaded on the host)
+        unwrap(clone).load_state_dict({n: t.float() if t.is_floating_point() else t for n, t in params.items()},
+                                    assign=True)
     return {n: t.detach() for n, t in clone.merge_and_unload().state_dict().items()}

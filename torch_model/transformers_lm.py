@@ -14,6 +14,7 @@ own weights. `TransformersSpec` is such a model's record in checkpoints, as `Mod
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -193,11 +194,12 @@ def register_interfaces() -> None:
     ExpertsInterface.register(ATTENTION, routed_experts)
 
 
-def build(config, dtype=torch.float32, *, reference: bool = False) -> "TransformersCausalLM":
+def build(config, dtype=torch.float32, *, reference: bool = False, meta: bool = False) -> "TransformersCausalLM":
     """A transformers config (a `PretrainedConfig`) -> the model, weights initialised as
     transformers initialises them, attention routed. `reference`: the parity suite's ground truth
     instead, the same skeleton over transformers' own `eager` attention and experts (the model
-    authors' code), packed rows given to it as attention masks (`reference_mask`)."""
+    authors' code), packed rows given to it as attention masks (`reference_mask`). `meta`: the
+    parameters on the `meta` device (a loader fills them), the buffers computed on the host."""
     from transformers import AutoModelForCausalLM
 
     register_interfaces()
@@ -205,14 +207,42 @@ def build(config, dtype=torch.float32, *, reference: bool = False) -> "Transform
     if dropouts:
         raise UnsupportedModel(f"config {', '.join(f'{k}={config.to_dict()[k]}' for k in dropouts)}: no kernel applies "
                                f"dropout; set it to 0 to train this model here")
-    try:
-        implementation = "eager" if reference else ATTENTION
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
-                                              experts_implementation=implementation, dtype=dtype)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UnsupportedModel(f"transformers cannot build a causal LM from this config "
-                               f"(model_type {getattr(config, 'model_type', None)!r}): {e}") from e
-    return TransformersCausalLM(hf, reference=reference)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        try:
+            implementation = "eager" if reference else ATTENTION
+            hf = AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
+                                                  experts_implementation=implementation, dtype=dtype)
+        except (ValueError, KeyError, TypeError) as e:
+            raise UnsupportedModel(f"transformers cannot build a causal LM from this config "
+                                   f"(model_type {getattr(config, 'model_type', None)!r}): {e}") from e
+        model = TransformersCausalLM(hf, reference=reference)
+    if meta:
+        _fill_buffers(hf)
+    return model
+
+
+def _fill_buffers(hf_model: nn.Module) -> None:
+    """A model built on `meta` has no values in its buffers either (a rotary embedding's inv_freq:
+    not stored in checkpoints, computed at construction). Each is made on the host and
+    initialised again by transformers' own `_init_weights`, which recomputes the buffers it
+    owns; one it leaves unset (NaN-filled here) is refused by name rather than run with garbage."""
+    init = hf_model._init_weights
+    for name, module in hf_model.named_modules():
+        metas = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if not metas:
+            continue
+        for n in metas:
+            b = module._buffers[n]
+            if not b.is_floating_point():
+                raise UnsupportedModel(f"{name}.{n}: a buffer of {type(module).__name__} that transformers does not "
+                                       "compute again once the model is built without weights")
+            module._buffers[n] = torch.full(b.shape, float("nan"), dtype=b.dtype)
+        with torch.no_grad():
+            init(module)
+        unset = [n for n in metas if torch.isnan(module._buffers[n]).any()]
+        if unset:
+            raise UnsupportedModel(f"{name}.{unset[0]}: a buffer of {type(module).__name__} that transformers' "
+                                   "_init_weights does not compute again once the model is built without weights")
 
 
 def reference_mask(rows: int, length: int, window: int, segment_ids=None, dtype=torch.float32, device=None):
@@ -530,8 +560,8 @@ class TransformersSpec:
             raise UnsupportedModel(f"{self.where}: transformers cannot build a config of model_type "
                                    f"{self.config['model_type']!r}: {e}") from None
 
-    def build(self) -> TransformersCausalLM:
-        return build(self.hf_config())
+    def build(self, meta: bool = False) -> TransformersCausalLM:
+        return build(self.hf_config(), meta=meta)
 
     def structure(self) -> TransformersCausalLM:
         """The model built once on the meta device (no weights): what its shape, parameter counts

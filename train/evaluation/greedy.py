@@ -28,10 +28,11 @@ class GreedyGenerator:
     generated through the one that completed the stop string (or the stop token, or the limit). `max_length`: the window a
     prompt and its new tokens share (default: the model's max_seq_len); a longer prompt keeps its
     last `max_length - max_new_tokens` tokens (lm-eval's rule), the count dropped reported.
-    `mesh`: a device mesh (jax_bridge.sharding.make_mesh) to run prefill and decoding sharded."""
+    `mesh`: a device mesh (jax_bridge.sharding.make_mesh) to run prefill and decoding sharded.
+    `weights`: where the parameters the model holds on `meta` are read from (Generator's)."""
 
     def __init__(self, model, tokenizer, *, kernels: str | dict | None = "auto", mesh=None, batch_size: int = 8,
-                 chunk_tokens: int = 16, max_length: int | None = None, compile_cache=None):
+                 chunk_tokens: int = 16, max_length: int | None = None, compile_cache=None, weights=None):
         from formats.tokenizer import special_ids
         from train.generation.generator import Generator
 
@@ -44,7 +45,7 @@ class GreedyGenerator:
         stops = {*special_ids(tokenizer)["stop"], cfg.eos_token_id}
         self.stop_tokens = tuple(sorted(t for t in stops if t is not None and 0 <= t < cfg.vocab_size))
         self.generator = Generator(model, kernels=kernels, tokenizer=tokenizer, compile_cache=compile_cache,
-                                   **({} if mesh is None else {"mesh": mesh}))
+                                   weights=weights, **({} if mesh is None else {"mesh": mesh}))
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode_bytes([t for t in tokens if t not in self.stop_tokens]).decode("utf-8", "replace")

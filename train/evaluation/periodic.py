@@ -1,6 +1,7 @@
 """Task scores during training (`train --eval-tasks core --eval-every N`): the tasks are read once at
-start; at each evaluation the host parameters are scored by the eager reference scorer (float32)
-on the first `limit` examples of each task, and the scores become fields of the "eval" record."""
+start; at each evaluation the run's parameters, where they are (sharded on its mesh, nothing
+gathered), are scored by the compiled scorer on the first `limit` examples of each task, every
+process taking part, and the scores become fields of the "eval" record."""
 from __future__ import annotations
 
 from formats.errors import UserError
@@ -20,21 +21,22 @@ class TaskEvaluator:
                 raise UserError(f"--eval-tasks: task {task.name} is generative; training evaluates "
                                 "log-likelihood tasks only (run it with `torchlyra eval`)")
 
-    def __call__(self, host_params: dict) -> dict:
-        """{"tasks": {name: score}, "tasks_centered": {name: centered}[, "core6": mean centered]}."""
-        from formats.model_checks import build_model, load_weights
-        from jax_bridge.step import host_tensor
-        from train.evaluation.core import SUITE_NAME
-        from train.evaluation.eager_scorer import EagerScorer
+    def scorer(self, model, *, mesh, compute_dtype: str, scan_layers: bool):
+        """The compiled scorer of the run's model (it may hold its weights on `meta`): built once,
+        given the parameters at each evaluation (`__call__`)."""
+        from train.evaluation.scorer import CompiledScorer
 
-        model = build_model(self.model_cfg)         # ours or the run's transformers model
-        if any(name.endswith("_blocks") for name in host_params):     # a LoRA run's MXFP4 expert base
-            from torch_model.model import mxfp4_expert_modules
-            mxfp4_expert_modules(model)
-        load_weights(model, {k: host_tensor(v) for k, v in host_params.items()})
-        evaluation = run_suite(self.names, self.tasks, scorer=EagerScorer(model.eval()), generator=None,
-                               tokenizer=self.tokenizer, bos=self.model_cfg.bos_token_id, limit=self.limit,
-                               progress=False)
+        return CompiledScorer(model, mesh=mesh, compute_dtype=compute_dtype, scan_layers=scan_layers,
+                              tokenizer=self.tokenizer, progress=False)
+
+    def __call__(self, scorer, params: dict) -> dict:
+        """{"tasks": {name: score}, "tasks_centered": {name: centered}[, "core6": mean centered]} of
+        `params` (named as the scorer's layout stacks them: the train state's)."""
+        from train.evaluation.core import SUITE_NAME
+
+        scorer.set_params(params)
+        evaluation = run_suite(self.names, self.tasks, scorer=scorer, generator=None, tokenizer=self.tokenizer,
+                               bos=self.model_cfg.bos_token_id, limit=self.limit, progress=False)
         results = evaluation["tasks"]
         record = {"tasks": {r["task"]: r["score"] for r in results},
                   "tasks_centered": {r["task"]: r["centered"] for r in results}}

@@ -60,12 +60,14 @@ class CompiledScorer:
     Parameters are held in the compute dtype (the router in float32, as in the step).
     `share_contexts` (default: without a mesh): requests with the same context compute it once
     (train.evaluation.shared_context); not built under a mesh, where every request runs the
-    one-forward program."""
+    one-forward program. `weights`: where the parameters the model holds on `meta` are read
+    from, each device's block placed directly (formats/lora_inference.open_inference_model).
+    `params`: the parameters as arrays instead (`set_params`)."""
 
     def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla", mesh=None,
                  batch_size: int = 16, max_length: int | None = None, compute_dtype: str | None = None,
                  platform: str | None = None, scan_layers: bool = True, progress: bool = True, tokenizer=None,
-                 share_contexts: bool | None = None):
+                 share_contexts: bool | None = None, weights=None, params: dict | None = None):
         import jax
 
         from jax_bridge import registry, sharding
@@ -109,7 +111,15 @@ class CompiledScorer:
         self.head_name = trained_head if trained_head in dict(model.named_parameters()) else "lm_head.weight"
         self.compilations: list[Compilation] = []
         self._programs: dict[tuple, object] = {}
-        self.params = None if next(model.parameters()).is_meta else self._place(model)
+        self.weights = weights          # the source of what the model holds on `meta` (formats/mesh_loader.py)
+        if weights is not None:
+            from formats import mesh_loader
+
+            self.params = mesh_loader.place_model(model, weights, self.abstract_params(model), mesh, layout=self.layout)
+        elif params is not None:
+            self.set_params(params)
+        else:
+            self.params = None if next(model.parameters()).is_meta else self._place(model)
         self._jitted = jax.jit(self._score)
         if share_contexts and mesh is not None:
             raise UserError("scorer: share_contexts is not built under a mesh (leave it unset there)")
@@ -141,6 +151,24 @@ class CompiledScorer:
         if self.mesh is None:
             return jax.device_put(params)
         return sharding.place(params, self._param_shardings(params))
+
+    def set_params(self, params: dict) -> None:
+        """New values for every parameter, named as this scorer's layout stacks them (a train
+        state's with the same `scan_layers`), any float dtype: cast to the compute dtype where
+        the scorer holds it so and placed on its shardings (device arrays stay on their devices;
+        nothing is gathered). The compiled programs are reused."""
+        import jax
+
+        from jax_bridge.step import cast_params
+
+        abstract = self.abstract_params(self.model)
+        if set(params) != set(abstract):
+            missing, extra = sorted(set(abstract) - set(params)), sorted(set(params) - set(abstract))
+            raise ValueError(f"CompiledScorer.set_params: expected {len(abstract)} parameters; missing {missing[:3]}, "
+                             f"unknown {extra[:3]}")
+        cast = cast_params(dict(params), self.compute_dtype)
+        self.params = {n: jax.device_put(v, abstract[n].sharding) if self.mesh is not None else jax.device_put(v)
+                       for n, v in cast.items()}
 
     def abstract_params(self, model) -> dict:
         """The parameters' shapes, dtypes and shardings as the program takes them (the model may
@@ -238,8 +266,10 @@ class CompiledScorer:
         in_flight: collections.deque = collections.deque()
 
         def collect(bar):
+            from jax_bridge import sharding
+
             chunk, logprob, greedy = in_flight.popleft()
-            logprob, greedy = np.asarray(logprob), np.asarray(greedy)
+            logprob, greedy = sharding.to_host((logprob, greedy))     # on every process: the mesh may span them
             for row, i in enumerate(chunk):
                 _, n, dropped = windows[i]
                 results[i] = Loglikelihood(logprob=float(logprob[row]), greedy=bool(greedy[row]), tokens=n,
@@ -314,7 +344,8 @@ class CompiledScorer:
             from train.evaluation.greedy import GreedyGenerator
 
             self._generator = GreedyGenerator(self.model, self.tokenizer, kernels=self.kernel_spec, mesh=self.mesh,
-                                              batch_size=self.batch_size, max_length=self.max_length)
+                                              batch_size=self.batch_size, max_length=self.max_length,
+                                              weights=self.weights)
         return self._generator
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -353,9 +384,14 @@ def load_evaluated_model(checkpoint_or_hf_dir, *, merge: bool = False, base_dtyp
 
 def load_scorer(checkpoint_or_hf_dir, *, kernels: str | dict | None = "xla", mesh=None, batch_size: int = 16,
                 max_length: int | None = None, merge: bool = False, base_dtype: str = "compute", **scorer_options):
-    """(CompiledScorer, tokenizer or None, info) of a checkpoint (`load_evaluated_model`). Other
-    keywords go to CompiledScorer."""
-    model, tokenizer, _, info = load_evaluated_model(checkpoint_or_hf_dir, merge=merge, base_dtype=base_dtype)
+    """(CompiledScorer, tokenizer or None, info) of a checkpoint (as `load_evaluated_model` reads
+    it), its weights read from their files onto the scorer's devices. Other keywords go to
+    CompiledScorer."""
+    from formats.lora_inference import inference_tokenizer, open_inference_model
+
+    model, meta, weights = open_inference_model(checkpoint_or_hf_dir, merge=merge, base_dtype=base_dtype)
+    tokenizer, _ = inference_tokenizer(checkpoint_or_hf_dir, meta)
     scorer = CompiledScorer(model, kernels=kernels, mesh=mesh, batch_size=batch_size, max_length=max_length,
-                            tokenizer=tokenizer, **scorer_options)
+                            tokenizer=tokenizer, weights=weights, **scorer_options)
+    info = checkpoint_info(meta)
     return scorer, tokenizer, info

@@ -136,9 +136,10 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
     from train.run.config import TrainConfig
     from train.data.loader import TokenLoader
     from formats.tokenizer import check_same_tokenizer, load_tokenizer
-    from formats.lora_inference import inference_tokenizer, load_inference_model
+    from formats import mesh_loader
+    from formats.lora_inference import inference_tokenizer, open_inference_model
 
-    model, meta = load_inference_model(checkpoint, merge=merge, base_dtype=base_dtype)
+    model, meta, weights = open_inference_model(checkpoint, merge=merge, base_dtype=base_dtype)
     model_cfg = model.cfg
     run_cfg = TrainConfig(**{k: v for k, v in (meta.get("train_config") or {}).items()
                              if k in TrainConfig.__dataclass_fields__})
@@ -161,7 +162,10 @@ def evaluate_checkpoint(checkpoint: str, *, data: str | None = None, batches: in
         raise UserError(str(e)) from None
     evaluator = Evaluator(step, list(loader.iter_eval_batches(n_batches)),
                           token_byte_lengths(data_tokenizer, model_cfg.vocab_size))
-    result = evaluator(params_to_jax(model))
+    # The checkpoint's weights read onto the device (the model on `meta`), or the host model's.
+    params = mesh_loader.place_params(step, weights, f"checkpoint {checkpoint}") if weights is not None \
+        else params_to_jax(model)
+    result = evaluator(step.full_params(params))
     return {"checkpoint": meta["step_dir"], "step": meta["step"], "data": str(data), "split": "val",
             "batches": len(evaluator.batches), **result}
 

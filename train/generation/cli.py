@@ -9,7 +9,7 @@ import sys
 from formats.errors import UserError
 from jax_bridge.compile_cache import HELP as COMPILE_CACHE_HELP
 from train.generation import chat
-from train.generation.generator import Generation, Generator, load_for_generation
+from train.generation.generator import Generation, Generator, open_for_generation
 from train.generation.sampling import SamplingConfig
 from train.generation.text_stream import TextStream
 from formats.lora_inference import add_merge_argument
@@ -54,7 +54,7 @@ def run(args) -> int:
     if (args.system or args.messages) and not args.chat:
         raise UserError("--system and --messages need --chat")
     mesh = generation_mesh(args.mesh)
-    model, tokenizer = load_for_generation(args.checkpoint, merge=args.merge, base_dtype=args.base_dtype)
+    model, tokenizer, weights = open_for_generation(args.checkpoint, merge=args.merge, base_dtype=args.base_dtype)
     cfg = model.cfg
     if args.chat:
         conversations = chat_conversations(args)
@@ -69,7 +69,7 @@ def run(args) -> int:
     stops = tuple(t for t in (*stops, *(args.stop or ())) if t is not None)
     sampling = dataclasses.replace(sampling, stop_tokens=stops)
     generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
-                          compile_cache=args.compile_cache, tokenizer=tokenizer, mesh=mesh)
+                          compile_cache=args.compile_cache, tokenizer=tokenizer, mesh=mesh, weights=weights)
     hidden = {cfg.bos_token_id, cfg.eos_token_id}
     streaming = args.stream and len(prompts) == 1
     if streaming:

@@ -50,10 +50,15 @@ class Generator:
     to the decode loop alone; on CPU an MoE left at `auto` runs the `decode` implementation.
     With a `tokenizer`, only ids it can decode are ever chosen (the model's vocabulary may be
     larger: padded, or trained for another tokenizer); without one, any id of the model.
-    `mesh` (jax_bridge.sharding.make_mesh): prefill and decoding run sharded by the training rules."""
+    `mesh` (jax_bridge.sharding.make_mesh): prefill and decoding run sharded by the training rules.
+    `weights` (formats/lora_inference.open_inference_model): the source of the parameters the model
+    holds on `meta`, each device's block read onto it (formats/mesh_loader.py). `params`: the
+    parameters by the model's names as arrays instead (e.g. a train state's, left on its devices;
+    cast and placed as `set_params` does)."""
 
     def __init__(self, model, *, kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
-                 compile_cache: str | os.PathLike | None = None, tokenizer=None, mesh=None):
+                 compile_cache: str | os.PathLike | None = None, tokenizer=None, mesh=None, weights=None,
+                 params: dict | None = None):
         import numpy as np
 
         from jax_bridge import compile_cache as compile_cache_module
@@ -70,8 +75,20 @@ class Generator:
             platform = host_platform()
             if decode_kernels is not None:
                 decode_kernels = generation_kernels(decode_kernels, platform)
+            placed = None
+            if weights is not None or params is not None:
+                from jax_bridge.decoding import decoder_params
+                from jax_bridge.step import DEFAULT_COMPUTE_DTYPE
+
+                placed = decoder_params(model, DEFAULT_COMPUTE_DTYPE[platform], mesh)
+                if weights is not None:
+                    from formats import mesh_loader
+
+                    placed = mesh_loader.place_model(model, weights, placed, mesh)
             self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform),
-                                   decode_kernels=decode_kernels, mesh=mesh)
+                                   decode_kernels=decode_kernels, mesh=mesh, params=placed)
+            if params is not None:
+                self.decoder.set_params(params)
         except registry.KernelError as e:
             raise UserError(str(e)) from None
         except ValueError as e:             # a mesh the model cannot be split over
@@ -84,8 +101,8 @@ class Generator:
     def from_checkpoint(cls, directory: str | os.PathLike, **kwargs) -> "Generator":
         """The model of a checkpoint (ours, or a Hugging Face directory), restricted to the ids
         of its tokenizer when it has one."""
-        model, tokenizer = load_for_generation(directory, require_tokenizer=False)
-        return cls(model, tokenizer=tokenizer, **kwargs)
+        model, tokenizer, weights = open_for_generation(directory, require_tokenizer=False)
+        return cls(model, tokenizer=tokenizer, weights=weights, **kwargs)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig = SamplingConfig(), *,
                  on_tokens: Callable[[list[list[int]]], None] | None = None,
@@ -127,33 +144,33 @@ class Generator:
         args = decoder.place_inputs(ids.numpy().astype(np.int32), positions.numpy().astype(np.int32), active, values,
                                     jax.random.PRNGKey(sampling.seed))
         state = prefill(decoder.params_for(decoder.layout("prefill", prompt_rows * prompt_len)), *args)
-        tokens = np.asarray(state.tokens)
+        tokens = _host(state.tokens)
         prefill_seconds = time.perf_counter() - started
         emitted = 1
         if on_tokens is not None:
             state = _end_rows(state, on_tokens(_new_tokens(tokens, rows, prompt_len, 0, 1)))
 
         started = time.perf_counter()
-        steps, done = 1, bool(np.asarray(state.done).all())
+        steps, done = 1, bool(_host(state.done).all())
         chunk = stream_every or n_new
         while steps < n_new and not done:
             state = decode(decoder.params_for(decoder.layout("decode", batch)), state,
                            decoder.place_limit(min(steps + chunk, n_new)), args[3])
-            steps, done = int(state.step), bool(np.asarray(state.done).all())
+            steps, done = int(_host(state.step)), bool(_host(state.done).all())
             if on_tokens is not None:
-                tokens = np.asarray(state.tokens)
+                tokens = _host(state.tokens)
                 state = _end_rows(state, on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, steps)))
-                done = bool(np.asarray(state.done).all())
+                done = bool(_host(state.done).all())
                 emitted = steps
-        tokens = np.asarray(state.tokens)
+        tokens = _host(state.tokens)
         decode_seconds = time.perf_counter() - started
 
         new = _new_tokens(tokens, rows, prompt_len, 0, steps)
         stop = set(sampling.stop_tokens)
         logprobs = entropies = None
         if sampling.logprobs:
-            logprobs = _new_values(np.asarray(state.logps), tokens, rows, prompt_len, steps)
-            entropies = _new_values(np.asarray(state.entropy), tokens, rows, prompt_len, steps)
+            logprobs = _new_values(_host(state.logps), tokens, rows, prompt_len, steps)
+            entropies = _new_values(_host(state.entropy), tokens, rows, prompt_len, steps)
         return Generation(tokens=new, stopped=[bool(t) and t[-1] in stop for t in new],
                           bucket=(batch, prompt_len, length), compile_seconds=sum(c.seconds for c in compiled),
                           compilations=compiled, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
@@ -189,7 +206,15 @@ def _end_rows(state, rows):
         return state
     ending = np.zeros(state.done.shape, bool)
     ending[list(rows)] = True
-    return state._replace(done=jax.device_put(np.asarray(state.done) | ending, state.done.sharding))
+    return state._replace(done=jax.device_put(_host(state.done) | ending, state.done.sharding))
+
+
+def _host(array):
+    """A program's output as numpy on every process: gathered from the others' devices where the
+    mesh spans processes (each runs the same generation in lockstep)."""
+    from jax_bridge.sharding import to_host
+
+    return to_host(array)
 
 
 def _new_tokens(tokens, rows: int, prompt_len: int, start: int, stop: int) -> list[list[int]]:
@@ -246,3 +271,17 @@ def load_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: boo
     if tokenizer is None and require_tokenizer:
         raise UserError(f"checkpoint {checkpoint}: no tokenizer to generate text with (tokenizer: {found})")
     return model, tokenizer
+
+
+def open_for_generation(checkpoint: str | os.PathLike, *, require_tokenizer: bool = True, merge: bool = False,
+                        base_dtype: str = "compute"):
+    """(model, tokenizer, weights) of a checkpoint as `load_for_generation` takes them, its weights
+    left in their files for `Generator(weights=...)` to read onto the devices
+    (formats/lora_inference.open_inference_model; weights None: the model holds them)."""
+    from formats.lora_inference import inference_tokenizer, open_inference_model
+
+    model, meta, weights = open_inference_model(checkpoint, merge=merge, base_dtype=base_dtype)
+    tokenizer, found = inference_tokenizer(checkpoint, meta)
+    if tokenizer is None and require_tokenizer:
+        raise UserError(f"checkpoint {checkpoint}: no tokenizer to generate text with (tokenizer: {found})")
+    return model, tokenizer, weights

@@ -4,7 +4,6 @@ finishing (plots, samples, summary). `train/run/loop.py` strings them together.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -16,9 +15,7 @@ import torch
 from tqdm import tqdm
 
 from jax_bridge.distributed import say
-from formats.hf_weights import HFWeights
-from formats.transformers_conversion import ConvertedWeights
-from formats import checkpoint, init_from_hf, lora_checkpoint, transformers_import
+from formats import checkpoint, init_from_hf, lora_checkpoint, mesh_loader
 from train.run import flops
 from torch_model.config import ModelConfig
 from train.run.config import TrainConfig, resumed_config
@@ -37,7 +34,7 @@ class TrainingStopped(UserError):
 class Mxfp4Base:
     """A LoRA run's base read from a released gpt-oss directory with its experts kept MXFP4
     (--base-dtype mxfp4): formats/mxfp4_experts.released_base builds the model from it."""
-    weights: HFWeights
+    weights: object         # formats.hf_weights.HFWeights
 
 
 def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int, eos: int):
@@ -170,15 +167,19 @@ class Trainer:
         self.preference = self._preference_config()
 
         torch.manual_seed(cfg.seed)
-        from_hf = isinstance(init_state, (HFWeights, ConvertedWeights))
+        streamed = mesh_loader.is_weights(init_state)
+        restored_only = bool(meta) and init_state is None     # a resume: every weight is in the checkpoint
         if isinstance(init_state, Mxfp4Base):        # the experts' released bytes, never decoded on the host
             from formats.mxfp4_experts import released_base
 
             self.model = released_base(self.model_cfg, init_state.weights)
+        elif streamed or restored_only:
+            # The weights go from their files (or the resumed checkpoint) straight onto the mesh:
+            # the host model is built on `meta` and never holds them (formats/mesh_loader.py).
+            self.model = build_model(self.model_cfg, meta=True)
         else:
-            with torch.device("meta") if from_hf else contextlib.nullcontext():   # from HF: no weights on the host
-                self.model = build_model(self.model_cfg)
-            if init_state is not None and not from_hf:
+            self.model = build_model(self.model_cfg)
+            if init_state is not None:
                 load_weights(self.model, init_state)
         torch.manual_seed(cfg.seed)     # adapters drawn alike however the base was built (on meta: no draws)
         self.peft_model = self._adapt(self.model)
@@ -196,16 +197,16 @@ class Trainer:
             raise UserError(str(e)) from None
         if self.step.frozen_names:
             self._report_trainable()
-        if from_hf:
-            self.state = init_from_hf.init_state(self.step, init_state)
-            print(f"initialized from {cfg.init_from} (Hugging Face; process {jax.process_index()} read "
-                  f"{init_state.bytes_requested:,} of {sum(e.nbytes for e in init_state.entries.values()):,} bytes); "
-                  f"fresh optimizer state")
+        if streamed:
+            self.state = mesh_loader.init_state(self.step, init_state, where=self._init_where(meta))
+            self._report_streamed(init_state, meta)
+        elif restored_only:
+            self.state = self.step.abstract_state()     # the restore's target: nothing made on the host
         else:
             self.state = self.step.init_state()
         self.done, self.counters = 0, {"skipped_total": 0, "consecutive_skips": 0, "last_good_step": 0}
         if meta:
-            restored = checkpoint.restore_train_state(resume_dir, self._saved_state(), layout=self.step.layout)
+            restored = checkpoint.restore_train_state(resume_dir, self._restore_target(), layout=self.step.layout)
             if "frozen" in restored:
                 self.step.place_frozen(restored.pop("frozen"))
             self.state = TrainState(**restored)
@@ -222,7 +223,7 @@ class Trainer:
         else:
             self.evaluator = Evaluator(self.step, list(val_data.iter_eval_batches(cfg.eval_batches)),
                                        token_byte_lengths(self.tokenizer, self.model_cfg.vocab_size))
-        self.task_evaluator = None
+        self.task_evaluator, self.task_scorer = None, None
         if cfg.eval_tasks:
             from train.evaluation.periodic import TaskEvaluator
 
@@ -347,10 +348,12 @@ class Trainer:
         return state
 
     def _model_config(self, meta: dict | None, explicit: dict):
-        """(ModelConfig, initial parameters or None): a resumed run's from its checkpoint, an
-        --init-from run's from that checkpoint (an explicit preset/model must have its shapes),
-        a new run's from the preset and overrides."""
-        from formats.tokenizer import bos_id, check_same_tokenizer, end_id
+        """(model record, initial parameters): None for a new run's random ones and a resumed run
+        (its checkpoint is restored onto the mesh); weights formats/mesh_loader.py reads onto the
+        mesh (--init-from any checkpoint, a LoRA run's base); Mxfp4Base; or a host state_dict (a
+        transformers directory whose conversion is not read by slice). An explicit preset/model
+        must have the --init-from checkpoint's shapes."""
+        from formats.tokenizer import bos_id, end_id
 
         cfg = self.cfg
         if meta:
@@ -358,10 +361,14 @@ class Trainer:
             if not lora_checkpoint.is_lora_meta(meta):
                 return model_cfg, None
             self.base_reference = meta[lora_checkpoint.LORA_META]["base"]
+            path = lora_checkpoint.check_base(self.base_reference, f"LoRA checkpoint {meta['step_dir']}")
+            _, _, weights = mesh_loader.open_weights(path)
             if cfg.base_dtype == "mxfp4":
-                path = lora_checkpoint.check_base(self.base_reference, f"LoRA checkpoint {meta['step_dir']}")
-                return model_cfg, Mxfp4Base(init_from_hf.open_for_init(path)[1])
-            return model_cfg, lora_checkpoint.load_base_state(meta)     # the base, verified
+                return model_cfg, Mxfp4Base(weights)
+            if weights is None:
+                state, _, _ = checkpoint.load_checkpoint(path, transformers_ok=True)
+                return model_cfg, state
+            return model_cfg, weights
         bos, eos = bos_id(self.tokenizer), end_id(self.tokenizer)
         wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos, eos)
         if not cfg.init_from:
@@ -371,52 +378,59 @@ class Trainer:
 
             check_released(cfg.init_from, f"--init-from {cfg.init_from}")
         if init_from_hf.is_gpt_oss_dir(cfg.init_from):
-            model_cfg, weights = self._streamed_config(*init_from_hf.open_for_init(cfg.init_from), wanted, explicit,
-                                                       bos, eos)
-            if not (cfg.lora or cfg.freeze):
-                return model_cfg, weights
-            if cfg.base_dtype == "mxfp4":
-                self.base_reference = lora_checkpoint.base_reference(cfg.init_from, {"hf_dir": cfg.init_from})
-                return model_cfg, Mxfp4Base(weights)
-            # LoRA or frozen parameters: the model is built on the host (not streamed onto the mesh).
-            state, _, init_meta = checkpoint.load_checkpoint(cfg.init_from)
-            self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
-            return model_cfg, state
-        if transformers_import.is_transformers_dir(cfg.init_from) and not (cfg.lora or cfg.freeze):
-            opened = transformers_import.open_streamed(cfg.init_from)
-            if opened is not None:                      # each device's slice read onto the mesh
-                return self._streamed_config(*opened, wanted, explicit, bos, eos)
-            say(f"--init-from {cfg.init_from}: its layout needs a conversion of transformers' that is not read slice "
-                f"by slice (formats/transformers_conversion.py); loaded whole on the host")
-        state, init_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from, transformers_ok=True)
+            init_from_hf.open_for_init(cfg.init_from)       # refuses a one-expert directory, naming the conversion
+        init_cfg, init_meta, weights = mesh_loader.open_weights(cfg.init_from)
         self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
         model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
         if {"preset", "model"} & set(explicit):
             checkpoint.check_tensors(checkpoint.model_shapes(model_cfg), checkpoint.model_shapes(wanted),
                                      f"--init-from {cfg.init_from} (against the requested preset/model)")
-        init_tokenizer, _ = checkpoint.checkpoint_tokenizer(cfg.init_from, init_meta)
-        if init_tokenizer is not None:
-            check_same_tokenizer(init_tokenizer, self.tokenizer, f"--init-from {cfg.init_from}", f"data {cfg.data}")
-        print(f"initialized from {init_meta['step_dir']} (step {init_meta['step']}); fresh optimizer state")
-        return model_cfg, state
+        self._check_tokenizer(init_meta)
+        if cfg.base_dtype == "mxfp4":
+            return model_cfg, Mxfp4Base(weights)
+        if weights is None:
+            say(f"--init-from {cfg.init_from}: its layout needs a conversion of transformers' that is not read slice "
+                f"by slice (formats/transformers_conversion.py); loaded whole on the host")
+            state, _, _ = checkpoint.load_checkpoint(cfg.init_from, transformers_ok=True)
+            return model_cfg, state
+        return model_cfg, weights
 
-    def _streamed_config(self, init_cfg, weights, wanted, explicit: dict, bos: int, eos: int):
-        """(model record, HFWeights or ConvertedWeights) of --init-from a Hugging Face directory streamed onto the mesh,
-        its tokenizer checked: nothing read yet; the train state is made from it slice by slice
-        once the mesh exists."""
-        from formats.hf_tokenizer import recognize
+    def _check_tokenizer(self, init_meta: dict) -> None:
+        """The --init-from checkpoint's tokenizer, when it has one, must be the data's."""
         from formats.tokenizer import check_same_tokenizer
 
         cfg = self.cfg
-        model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
-        if {"preset", "model"} & set(explicit):
-            checkpoint.check_tensors(checkpoint.model_shapes(model_cfg), checkpoint.model_shapes(wanted),
-                                     f"--init-from {cfg.init_from} (against the requested preset/model)")
-        enc, line = recognize(Path(cfg.init_from))
+        enc, line = checkpoint.checkpoint_tokenizer(cfg.init_from, init_meta)
+        if init_meta.get("hf_dir"):
+            say(f"--init-from {cfg.init_from}: tokenizer {line}")
         if enc is not None:
             check_same_tokenizer(enc, self.tokenizer, f"--init-from {cfg.init_from}", f"data {cfg.data}")
-        say(f"--init-from {cfg.init_from}: tokenizer {line}")
-        return model_cfg, weights
+
+    def _init_where(self, meta: dict | None) -> str:
+        return (f"the base {self.base_reference['path']} of {meta['step_dir']}" if meta
+                else f"--init-from {self.cfg.init_from}")
+
+    def _report_streamed(self, weights, meta: dict | None) -> None:
+        import jax
+
+        total = sum(e.nbytes for e in weights.entries.values())
+        what = f"LoRA base {self.base_reference['path']}" if meta else f"initialized from {self.cfg.init_from}"
+        print(f"{what}: process {jax.process_index()} read {weights.bytes_requested:,} of {total:,} stored bytes "
+              f"onto its devices{'' if meta else '; fresh optimizer state'}")
+
+    def _restore_target(self) -> dict:
+        """What a resume restores onto: the train state (abstract, or a LoRA run's state over its
+        streamed base) and a --freeze run's frozen parameters, each with its sharding."""
+        import jax
+
+        target = self.state._asdict()
+        if self.step.frozen_names and not self.cfg.lora:
+            target["frozen"] = self.step.abstract_frozen()
+        if self.step.mesh is None:      # abstract arrays carry no sharding without a mesh: one device
+            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            target = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else
+                                  jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), target)
+        return target
 
     def _open_metrics(self, resume_dir, meta) -> MetricsWriter | None:
         if not self.primary:
@@ -546,27 +560,23 @@ class Trainer:
         self.last_eval = result
         return result
 
-    def _host_parameters(self) -> dict:
-        """Every parameter, trainable and frozen, as float32 torch tensors on the host under per-layer
-        names (frozen ones may be held in the compute dtype; an MXFP4 base's bytes stay uint8).
-        Every process takes part in gathering arrays that span processes."""
-        from jax_bridge import sharding
-        from jax_bridge.lowering import params_to_torch
-        from jax_bridge.step import host_tensor
-
-        params = params_to_torch(sharding.to_host(self.step.layer_params(self.step.full_params(self.state.params))))
-        return {n: host_tensor(t) for n, t in params.items()}
-
     def _task_scores(self) -> dict:
-        """The --eval-tasks scores, computed on the primary process from the gathered host parameters."""
-        params = self._host_parameters()
-        if not self.primary:
-            return {}
-        if self.peft_model is not None:        # a LoRA run: scored as base + adapters merged
-            from torch_model.lora import merged_state_dict
+        """The --eval-tasks scores of the parameters where they are: the compiled scorer on the
+        run's mesh (a LoRA run's adapters unmerged, as they train), every process taking part."""
+        if self.task_scorer is None:
+            self.task_scorer = self.task_evaluator.scorer(self.model, mesh=self.mesh,
+                                                          compute_dtype=self.step.cfg.compute_dtype,
+                                                          scan_layers=self.cfg.scan_layers)
+        return self.task_evaluator(self.task_scorer, self.step.full_params(self.state.params))
 
-            params = merged_state_dict(self.peft_model, params)
-        return self.task_evaluator(params)
+    def _samples(self) -> list[dict]:
+        """The end-of-run samples, generated from the parameters where they are (the compiled
+        decoder on the run's mesh; a LoRA run's adapters unmerged), every process taking part."""
+        from train.generation.generator import Generator
+
+        generator = Generator(self.model, tokenizer=self.tokenizer, mesh=self.mesh,
+                              params=self.step.layer_params(self.step.full_params(self.state.params)))
+        return sample_texts(generator, self.tokenizer, self.cfg)
 
     def save(self, wait: bool = False) -> Path:
         """Checkpoint the state after step `self.done` (once per step); returns its directory."""
@@ -627,21 +637,14 @@ class Trainer:
         summary = {"steps": self.done, "train_seconds": wall, "checkpoint": str(path),
                    "val_loss_end": self.last_eval.get("val_loss"), "val_bpb_end": self.last_eval.get("val_bpb"),
                    "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count}
-        # The samples need the whole model on the host; without samples nothing is gathered.
-        params = self._host_parameters() if self.cfg.samples > 0 else None
+        samples = self._samples() if self.cfg.samples > 0 else []
         if self.primary:
             self.metrics.close()
             self.metrics = None
             summary["plots"] = [str(p) for p in plot_run(self.out)]
             summary["metrics"] = str(self.out / "metrics.jsonl")
             summary["val_loss_start"] = self._first_eval()
-            summary["samples"] = []
-            if params is not None:
-                self.model.load_state_dict(params, assign=True)     # assign: the model may be on `meta`
-                # Samples from the adapted model merged into plain weights (generate's own LoRA
-                # path is issue 22's second part); the run is over, so the model may be changed.
-                sampled = self.peft_model.merge_and_unload() if self.peft_model is not None else self.model
-                summary["samples"] = sample_texts(sampled, self.tokenizer, self.cfg)
+            summary["samples"] = samples
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
@@ -661,18 +664,19 @@ class Trainer:
             self.metrics = None
 
 
-def sample_texts(model, tokenizer, cfg: TrainConfig) -> list[dict]:
+def sample_texts(generator, tokenizer, cfg: TrainConfig) -> list[dict]:
+    """`cfg.samples` continuations of the default prompts by a Generator."""
     from train.generation.generator import generate
 
     if cfg.samples <= 0:
         return []
-    bos, eos = model.cfg.bos_token_id, model.cfg.eos_token_id
+    bos, eos = generator.cfg.bos_token_id, generator.cfg.eos_token_id
     prompts = (DEFAULT_PROMPTS * cfg.samples)[:cfg.samples]
     ids = [[bos] + tokenizer.encode_ordinary(p) for p in prompts]
     # A sample is a preview: it stops where the model's positions end (a small config's may be few).
-    positions = model.cfg.max_position_embeddings
+    positions = generator.cfg.max_position_embeddings
     new_tokens = max(1, min(cfg.sample_tokens, positions - max(map(len, ids)))) if positions else cfg.sample_tokens
-    outs = generate(model, ids, max_new_tokens=new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                    seed=cfg.seed, stop_tokens=(eos,), tokenizer=tokenizer).tokens
+    outs = generate(generator, ids, max_new_tokens=new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                    seed=cfg.seed, stop_tokens=(eos,)).tokens
     return [{"prompt": p, "text": p + tokenizer.decode([t for t in ids if t not in (bos, eos)])}
             for p, ids in zip(prompts, outs)]

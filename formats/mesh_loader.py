@@ -1,0 +1,152 @@
+"""The one loader: a model's weights, from any format the product reads (ours:
+formats/checkpoint_weights.py; gpt-oss as released or unquantized: formats/hf_weights.py;
+another transformers family: formats/transformers_conversion.py), placed on the mesh block by
+block in the dtype each array is held in. `jax.make_array_from_callback` asks each process for
+exactly the blocks its own devices hold; each block is read by slice and cast on the host, so no
+process ever holds a tensor it does not own, let alone the model, and the torch model stays on
+the `meta` device.
+
+A source is any object with `entries` (per-layer name -> Entry: `.shape`), `read(name, index)`
+(the values of a slice, numpy) and `bytes_requested`. The model says which parameters come from
+it: those on `meta`, under peft's names where it is adapted (`...q_proj.base_layer.weight`, a
+`modules_to_save` copy of the head), each read as the base parameter it is or wraps
+(`torch_model.lora.base_parameter_of`); those it holds on the host (LoRA adapters, drawn there or
+read from a LoRA checkpoint) from it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from formats.errors import UserError
+
+
+class StepWeights:
+    """A source read under a model's parameter names: what the host model holds (LoRA adapters,
+    a LoRA checkpoint's trained head) from it; every parameter on `meta` from `weights`, as the
+    base parameter it is or wraps."""
+
+    def __init__(self, weights, model, where: str):
+        from torch_model.lora import base_parameter_of
+
+        self.weights, self.where = weights, where
+        self.host: dict = {}
+        self.base_of: dict[str, str] = {}
+        for name, p in model.named_parameters():
+            if not p.is_meta:
+                self.host[name] = p
+                continue
+            base, role = base_parameter_of(name)
+            if role is not None:
+                raise UserError(f"{where}: adapter {name} has no values (initialise adapters before loading)")
+            entry = weights.entries.get(base)
+            if entry is None:
+                raise UserError(f"{where}: tensor {base} (for {name}) is missing")
+            if tuple(entry.shape) != tuple(p.shape):
+                raise UserError(f"{where}: tensor {base} has shape {list(entry.shape)}, expected {list(p.shape)}")
+            self.base_of[name] = base
+
+    def read(self, name: str, index) -> np.ndarray:
+        if name in self.host:
+            from jax_bridge.step import host_array
+            return host_array(self.host[name])[index]
+        return self.weights.read(self.base_of[name], index)
+
+
+def open_weights(path) -> tuple[object, dict, object | None]:
+    """(model record, meta as `checkpoint.load_checkpoint` gives it, weights) of any checkpoint a
+    model starts from (ours, a gpt-oss directory, another transformers family's), nothing read but
+    metadata and headers. weights None: a transformers directory whose conversion is not a
+    slice-by-slice read (formats/transformers_conversion.py); it loads whole on the host
+    (`checkpoint.load_checkpoint`)."""
+    from formats.checkpoint_weights import open_weights as open_checkpoint
+    from formats.hf_model import is_hf_dir, open_hf, stored_dtypes
+    from formats.transformers_import import is_transformers_dir, open_streamed, read_spec
+
+    def hf_meta(weights):
+        dtypes = stored_dtypes(weights.stored if hasattr(weights, "stored") else weights) if weights else []
+        return {"step": 0, "step_dir": str(path), "hf_dir": str(path),
+                "imported_from": {"dir": str(path), "dtypes": dtypes}}
+
+    if is_transformers_dir(path):
+        opened = open_streamed(path)
+        return (read_spec(path), hf_meta(None), None) if opened is None else (opened[0], hf_meta(opened[1]), opened[1])
+    if is_hf_dir(path):
+        cfg, weights = open_hf(path)
+        # A one-expert gpt-oss directory maps onto the dense preset by a conversion (`import --dense`).
+        return (cfg, hf_meta(weights), weights) if cfg.is_moe else (cfg, hf_meta(weights), None)
+    return open_checkpoint(path)
+
+
+def is_weights(init) -> bool:
+    """Whether `init` is a source this loader reads (see the module docstring)."""
+    return hasattr(init, "entries") and hasattr(init, "read")
+
+
+def source_names(layout, names) -> dict[str, list[str] | str]:
+    """Train-state parameter name -> the per-layer name(s) it is made of: a list, one per layer
+    along the leading axis, for stacked parameters."""
+    return layout.stack({n: n for n in names}, stack=list)
+
+
+def read_param(weights, source, index, dtype=np.float32) -> np.ndarray:
+    """The values of `index` (a tuple of slices) of one train-state parameter in `dtype`."""
+    if isinstance(source, str):
+        return np.asarray(weights.read(source, index)).astype(dtype, copy=False)
+    layers, rest = index[0], index[1:]
+    return np.stack([np.asarray(weights.read(source[j], rest)).astype(dtype, copy=False)
+                     for j in range(*layers.indices(len(source)))])
+
+
+def place(weights, abstract: dict, sources: dict, mesh) -> dict:
+    """{name: jax.Array} for every `abstract` array (shape, dtype and, with a mesh, sharding),
+    each device's block read from `weights` through `sources[name]` (see source_names)."""
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def make(name, a):
+        sharding = a.sharding if mesh is not None else single
+        read: dict[tuple, np.ndarray] = {}      # devices of this process holding the same block read it once
+
+        def block(index):
+            key = tuple(s.indices(n)[:2] for s, n in zip(index, a.shape))
+            if key not in read:
+                read[key] = read_param(weights, sources[name], index, a.dtype)
+            return read[key]
+
+        return jax.make_array_from_callback(a.shape, sharding, block)
+
+    return {name: make(name, a) for name, a in abstract.items()}
+
+
+def place_model(model, weights, abstract: dict, mesh, *, layout=None, where: str = "--checkpoint") -> dict:
+    """A model's parameters as an inference program takes them (`abstract`: names, possibly
+    stacked by `layout`, with dtypes and shardings), the ones on `meta` read from `weights`."""
+    names = [n for n, _ in model.named_parameters()]
+    sources = source_names(layout, names) if layout is not None else {n: n for n in names}
+    return place(StepWeights(weights, model, where), abstract, sources, mesh)
+
+
+def zero_optimizer_state(step):
+    """The optimizer state at zeros (what a fresh run starts from), created on its devices."""
+    abstract = step.abstract_state().opt_state
+    shardings = None if step.mesh is None else jax.tree.map(lambda a: a.sharding, abstract)
+    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=shardings)()
+
+
+def place_params(step, weights, where: str = "--init-from") -> dict:
+    """The trainable parameters of `step` (float32; an adapter from the host model) read from
+    `weights` onto the mesh; the frozen ones placed as `step.frozen` (compute dtype, routers
+    float32). Nothing else is made (no optimizer state): what evaluating a checkpoint needs."""
+    view = StepWeights(weights, step.model, where)
+    sources = source_names(step.layer_layout, [n for n, _ in step.model.named_parameters()])
+    step.frozen = place(view, step.abstract_frozen(), sources, step.mesh)
+    return place(view, step.abstract_state().params, sources, step.mesh)
+
+
+def init_state(step, weights, where: str = "--init-from"):
+    """A fresh TrainState whose parameters come from `weights` (`place_params`), optimizer state
+    at zeros: the train state without the host ever holding the model."""
+    from jax_bridge.step import TrainState
+
+    return TrainState(place_params(step, weights, where), zero_optimizer_state(step))
