@@ -91,12 +91,18 @@ def source_names(layout, names) -> dict[str, list[str] | str]:
 
 
 def read_param(weights, source, index, dtype=np.float32) -> np.ndarray:
-    """The values of `index` (a tuple of slices) of one train-state parameter in `dtype`."""
+    """The values of `index` (a tuple of slices) of one train-state parameter in `dtype`; a
+    stacked one is filled layer by layer (host memory: the block and one layer's slice)."""
     if isinstance(source, str):
         return np.asarray(weights.read(source, index)).astype(dtype, copy=False)
-    layers, rest = index[0], index[1:]
-    return np.stack([np.asarray(weights.read(source[j], rest)).astype(dtype, copy=False)
-                     for j in range(*layers.indices(len(source)))])
+    layers, rest = range(*index[0].indices(len(source))), index[1:]
+    block = None
+    for k, j in enumerate(layers):
+        part = np.asarray(weights.read(source[j], rest))
+        if block is None:
+            block = np.empty((len(layers), *part.shape), dtype)
+        block[k] = part
+    return block
 
 
 def place(weights, abstract: dict, sources: dict, mesh) -> dict:

@@ -24,7 +24,9 @@ sys.path.insert(0, sys.argv[3])
 from formats import hf_mapping
 from torch_model.config import get_preset
 out, layers = Path(sys.argv[1]), int(sys.argv[2])
-cfg = get_preset("gpt-oss-20b").replace(n_layers=layers, layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1))
+overrides = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}   # e.g. {"n_experts": 4, "vocab_size": 32768}
+cfg = get_preset("gpt-oss-20b").replace(n_layers=layers, layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1),
+                                        **overrides)
 rng = np.random.default_rng(0)
 out.mkdir(parents=True)
 weight_map = {}

@@ -88,3 +88,34 @@ def test_a_resume_on_fewer_devices_without_mesh_puts_every_device_on_fsdp(monkey
     assert "run/checkpoints/3 (data=2,fsdp=2) does not fit the 2 devices" in capsys.readouterr().out
     assert fit_mesh(saved, {"mesh": "data=2,fsdp=2"}, Path("x")).mesh == "data=2,fsdp=2", "a given --mesh is kept"
     assert fit_mesh(TrainConfig(mesh="tensor=2"), {}, Path("x")).mesh == "tensor=2", "a mesh that fits is kept"
+
+
+def test_an_inference_command_that_loses_a_host_says_so_in_one_line_without_a_resume_hint():
+    from train.cluster.host_fault import EXIT_HOST_LOST
+    from train.cluster.host_supervisor import host_lost_line
+
+    seen = {"process": 0, "processes": 4, "hosts": {"3": {"host": "tpu-host-3"}}}
+    for command in ("generate", "eval", "lm-eval"):
+        line = host_lost_line(seen, SERVICE_SAW_TASK_DIE, None, command)
+        assert line.startswith(f"torchlyra {command}: lost process 3 (host tpu-host-3) of 4: it stopped sending "
+                               f"heartbeats; process 0 stopped; run the command again"), line
+        assert "\n" not in line and "--resume" not in line and line.endswith(f"[exit {EXIT_HOST_LOST}]")
+    assert "--resume" in host_lost_line(seen, SERVICE_SAW_TASK_DIE, "runs/x", "train")
+
+
+def test_every_inference_command_joins_a_cluster_as_train_does():
+    """generate, eval and lm-eval take the cluster flags (lm-eval beside its own arguments) and
+    go through the one join (a supervising parent on several processes)."""
+    from train.cli import build_parser
+    from train.evaluation.lm_eval_cli import split_cluster_flags, without_writing
+
+    cluster = ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1"]
+    for command in (["generate", "--checkpoint", "c"], ["eval", "--checkpoint", "c", "--tasks", "core"],
+                    ["train"]):
+        args = build_parser().parse_args([*command, *cluster])
+        assert (args.coordinator, args.num_processes, args.process_id) == ("h:1", 2, 1)
+    rest, found = split_cluster_flags(["--tasks", "t", "--coordinator=h:1", "--num-processes", "2", "--process-id",
+                                       "1", "--output_path", "o", "--log_samples"])
+    assert found == {"coordinator": "h:1", "num_processes": 2, "process_id": 1}
+    assert rest == ["--tasks", "t", "--output_path", "o", "--log_samples"]
+    assert without_writing(rest) == ["--tasks", "t"]

@@ -90,9 +90,10 @@ class Events:
                     pass
 
 
-def supervise(argv: list[str], out: str) -> int:
+def supervise(argv: list[str], out: str | None, command: str = "train") -> int:
     """Run `torchlyra <argv>` as a child and return its exit code, or EXIT_HOST_LOST after the
-    one line when the coordination service ended it because a peer host died."""
+    one line when the coordination service ended it because a peer host died. `out`: a training
+    run's directory (its newest checkpoint is named), None for a command that writes no run."""
     read_end, write_end = os.pipe()
     child = subprocess.Popen([sys.executable, "-m", "train.cli", *argv], stderr=subprocess.PIPE,
                              env={**os.environ, SUPERVISOR_FD_ENV: str(write_end)}, pass_fds=(write_end,))
@@ -118,7 +119,7 @@ def supervise(argv: list[str], out: str) -> int:
     if code == 0 or not any(s in text for s in SERVICE_ENDED):
         relay.release()
         return code if code >= 0 else 128 - code
-    print("\n" + host_lost_line(events.seen, text, out), file=sys.stderr, flush=True)
+    print("\n" + host_lost_line(events.seen, text, out, command), file=sys.stderr, flush=True)
     return EXIT_HOST_LOST
 
 
@@ -143,7 +144,7 @@ def newest_complete_checkpoint(out: str) -> Path | None:
     return steps[-1][1] if steps else None
 
 
-def host_lost_line(seen: dict, service_text: str, out: str) -> str:
+def host_lost_line(seen: dict, service_text: str, out: str | None, command: str = "train") -> str:
     me, hosts = seen.get("process"), seen.get("hosts", {})
     lost, how = lost_process(service_text, me)
     who = "a peer process"
@@ -151,6 +152,10 @@ def host_lost_line(seen: dict, service_text: str, out: str) -> str:
         host = hosts.get(str(lost), {}).get("host", "unknown")
         who = f"process {lost} (host {host})"
     count = seen.get("processes")
+    if command != "train":
+        return (f"torchlyra {command}: lost {who} of {count or '?'}: {how}; process {me if me is not None else '?'} "
+                f"stopped; run the command again on the hosts that are left (on each, --num-processes, "
+                f"--process-id and --coordinator for those hosts) [exit {EXIT_HOST_LOST}]")
     step_dir = newest_complete_checkpoint(out)
     saved = (f"newest complete checkpoint {step_dir} (step {step_dir.name})" if step_dir is not None
              else "no complete checkpoint yet (--resume starts a new run)")

@@ -4,11 +4,14 @@ and a markdown report card; without, validation loss and bits per byte (validati
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 
 from formats.errors import UserError
 from jax_bridge import compile_cache
 from jax_bridge.compile_cache import HELP as COMPILE_CACHE_HELP
+from train.cluster import join
 from train.evaluation import validation
 
 
@@ -27,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compiled (default): the jitted scoring program; eager: the float32 PyTorch reference (slow)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--compile-cache", default=None, help=COMPILE_CACHE_HELP)
+    join.add_arguments(parser)
 
 
 def load_model(checkpoint: str, merge: bool = False, base_dtype: str = "compute"):
@@ -50,6 +54,8 @@ def eager_generator(args, model, tokenizer):
 
 
 def run_tasks(args) -> dict:
+    import jax
+
     from train.evaluation.report import print_summary, report_card, write_json
     from train.evaluation.suite import HUMANEVAL, load_tasks, parse_spec, run_suite
 
@@ -62,7 +68,13 @@ def run_tasks(args) -> dict:
     if args.scorer == "compiled":
         from train.evaluation.scorer import load_scorer
 
-        scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels, mesh=args.mesh or None,
+        from jax_bridge.sharding import requested_mesh
+
+        try:            # as `train` reads --mesh: every device on fsdp unless named (none on one device)
+            mesh = requested_mesh(args.mesh)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels, mesh=mesh,
                                               batch_size=args.batch_size, max_length=args.max_length,
                                               merge=args.merge, base_dtype=args.base_dtype, progress=False)
         if tokenizer is None:
@@ -87,6 +99,8 @@ def run_tasks(args) -> dict:
                   "scorer": args.scorer, "limit": args.limit, "window": scorer.max_length, **evaluation}
     print(f"checkpoint {info['checkpoint']} (step {info['step']}):")
     print_summary(evaluation)
+    if jax.process_index() != 0:        # the results are written once
+        return evaluation
     if args.json_out:
         write_json(args.json_out, evaluation)
         print(f"  written to {args.json_out}")
@@ -99,6 +113,21 @@ def run_tasks(args) -> dict:
 
 
 def run(args) -> int:
+    """On several processes (`--tasks`): each loads its share of the weights, all score the same
+    requests in lockstep over the global mesh; process 0 prints and writes the results."""
+    code = join.join(args, "eval")
+    if code is not None:          # this process supervised the others
+        return code
+    import jax
+
+    if jax.process_count() > 1 and not args.tasks:
+        raise UserError("eval: validation loss runs in one process; on several processes evaluate --tasks")
+    with join.together("eval"), (contextlib.redirect_stdout(io.StringIO()) if jax.process_index()
+                                 else contextlib.nullcontext()):
+        return _run(args)
+
+
+def _run(args) -> int:
     if not args.tasks:
         for flag in ("limit", "report", "max_length", "batch_size", "mesh", "scorer"):
             if getattr(args, flag) not in (None, ""):

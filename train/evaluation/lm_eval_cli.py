@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import multiprocessing
 import sys
 
@@ -29,7 +31,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.prefix_chars = "\0"
 
 
+CLUSTER_FLAGS = {"--coordinator": "coordinator", "--num-processes": "num_processes", "--process-id": "process_id"}
+# lm-eval's options that write files: given to process 0 only (every process computes the same).
+WRITING_FLAGS = {"--output_path": 1, "-o": 1, "--log_samples": 0, "-s": 0, "--wandb_args": 1, "--hf_hub_log_args": 1}
+
+
+def split_cluster_flags(argv: list[str]) -> tuple[list[str], dict]:
+    """(lm-eval's arguments, our cluster settings) of `torchlyra lm-eval ARGS`: `--coordinator`,
+    `--num-processes` and `--process-id` (as `train` takes them) are ours, the rest lm-eval's."""
+    rest, cluster, i = [], dict.fromkeys(CLUSTER_FLAGS.values()), 0
+    while i < len(argv):
+        flag, _, value = argv[i].partition("=")
+        if flag in CLUSTER_FLAGS:
+            if not value:
+                i += 1
+                value = argv[i] if i < len(argv) else None
+            cluster[CLUSTER_FLAGS[flag]] = value if flag == "--coordinator" else int(value)
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, cluster
+
+
+def without_writing(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        flag = argv[i].partition("=")[0]
+        if flag in WRITING_FLAGS:
+            i += 1 + (WRITING_FLAGS[flag] if "=" not in argv[i] else 0)
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def run(args) -> int:
+    """On several processes every one runs lm-eval alike (the same requests, in lockstep over the
+    global mesh: the backend's scorer); process 0 alone prints and writes lm-eval's output."""
+    import argparse as _argparse
+
+    from train.cluster import join
+
+    lm_args, cluster = split_cluster_flags(list(args.lm_eval_args))
+    code = join.join(_argparse.Namespace(argv=args.argv, **cluster), "lm-eval")
+    if code is not None:          # this process supervised the others
+        return code
+    import jax
+
+    if jax.process_index() != 0:
+        lm_args = without_writing(lm_args)
+    with join.together("lm-eval"), (contextlib.redirect_stdout(io.StringIO()) if jax.process_index()
+                                    else contextlib.nullcontext()):
+        return _run(lm_args)
+
+
+def _run(lm_args: list[str]) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     from train.evaluation.lm_eval_backend import register
@@ -39,7 +95,7 @@ def run(args) -> int:
     # that runs JAX (multithreaded) they may deadlock, so while lm-eval runs they come from a
     # fork server (a clean single-threaded process) instead.
     saved_argv, saved_method = sys.argv, multiprocessing.get_start_method(allow_none=True)
-    sys.argv = lm_eval_argv(list(args.lm_eval_args))
+    sys.argv = lm_eval_argv(lm_args)
     multiprocessing.set_start_method("forkserver", force=True)
     try:
         cli_evaluate()

@@ -3,7 +3,9 @@ batched text out, over the one generation API of generator.py."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import sys
 
 from formats.errors import UserError
@@ -13,6 +15,7 @@ from train.generation.generator import Generation, Generator, open_for_generatio
 from train.generation.sampling import SamplingConfig
 from train.generation.text_stream import TextStream
 from formats.lora_inference import add_merge_argument
+from train.cluster import join
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,9 +49,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="with --chat: a system message before each user message")
     parser.add_argument("--messages", default=None,
                         help='with --chat: a JSON file holding one conversation, [{"role": ..., "content": ...}, ...]')
+    join.add_arguments(parser)
 
 
 def run(args) -> int:
+    """On several processes every one loads its share of the weights and decodes the same prompts
+    in lockstep over the global mesh; process 0 prints."""
+    code = join.join(args, "generate")
+    if code is not None:          # this process supervised the others
+        return code
+    import jax
+
+    # Every process runs the same calls (streamed chunks included: a stop string ends rows on all);
+    # only process 0's output is shown.
+    with join.together("generate"), (contextlib.redirect_stdout(io.StringIO()) if jax.process_index()
+                                     else contextlib.nullcontext()):
+        return _run(args)
+
+
+def _run(args) -> int:
     sampling = SamplingConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     if (args.system or args.messages) and not args.chat:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from train.cluster import join
 from train.run.config import TrainConfig, load_config_file
 from formats.errors import UserError
 
@@ -21,20 +22,10 @@ def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progres
 
     if jax.process_count() == 1:
         return _train(cfg, explicit, show_progress)
-    from jax_bridge.distributed import barrier
-    from train.cluster.host_fault import await_verdict
-
-    try:
-        summary = _train(cfg, explicit, show_progress)
-        # Every process ends together: none waits alone at JAX's shutdown (host_timeout_s) while
-        # process 0 writes plots and samples.
-        barrier("torchlyra: run ended", timeout_s=24 * 3600)
-        return summary
-    except UserError:
-        raise
-    except Exception as e:        # a failed collective: perhaps a peer died (then this process ends here)
-        await_verdict(e, cfg.host_timeout_s)
-        raise
+    # Every process ends together: none waits alone at JAX's shutdown (host_timeout_s) while
+    # process 0 writes plots and samples; a failed collective may be a dead peer.
+    with join.together("run", cfg.host_timeout_s):
+        return _train(cfg, explicit, show_progress)
 
 
 def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict:
@@ -103,10 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--freeze", dest="freeze", action="append", default=None, metavar="PATTERN",
                         help="leave the parameters whose names match this shell-style pattern untrained "
                              "(repeatable), e.g. '*.mlp.router.*' or 'model.embed_tokens.weight'")
-    cluster = parser.add_argument_group("multi-host (one command per host; not needed on a TPU pod or under SLURM)")
-    cluster.add_argument("--coordinator", help="HOST:PORT of process 0, which every process connects to")
-    cluster.add_argument("--num-processes", type=int, help="number of processes (hosts) in the run")
-    cluster.add_argument("--process-id", type=int, help="this process's rank, 0 .. num-processes - 1")
+    join.add_arguments(parser)
 
 
 def config_from_args(args) -> tuple[TrainConfig, dict]:
@@ -123,24 +111,11 @@ def config_from_args(args) -> tuple[TrainConfig, dict]:
 def run(args) -> int:
     from jax_bridge import distributed
     from torch_model.config import PRESETS
-    from train.cluster import host_fault
 
     cfg, explicit = config_from_args(args)
-    many = (args.num_processes or 1) > 1 or (args.num_processes is None and distributed.detected_cluster())
-    if many and not host_fault.supervised():
-        from train.cluster.host_supervisor import supervise
-
-        return supervise(args.argv, cfg.out)
-    try:       # before anything touches a device
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                               host_timeout_s=cfg.host_timeout_s)
-    except distributed.ClusterError as e:
-        raise UserError(str(e)) from None
-    if host_fault.supervised():
-        import jax
-
-        host_fault.report(process=jax.process_index(), processes=jax.process_count(),
-                          hosts=distributed.process_hosts())
+    code = join.join(args, "train", out=cfg.out, host_timeout_s=cfg.host_timeout_s)
+    if code is not None:          # this process supervised the run
+        return code
     if cfg.preset not in PRESETS:
         raise UserError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}")
     summary = run_training(cfg, explicit=explicit)

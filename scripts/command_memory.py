@@ -1,0 +1,177 @@
+"""Peak anonymous memory (RssAnon) per process of torchlyra commands on a synthetic released-layout
+gpt-oss directory, one process or several forming a cluster, against the bound issue 34 sets: half
+(or 1/N) of the parameters' bytes in the compute dtype + 0.5 GiB above the interpreter's baseline.
+
+    python scripts/command_memory.py WORKDIR [--layers 2] [--experts 32] [--vocab 201088] [--processes 2]
+
+Each command runs as its own process(es); this parent samples /proc/<pid>/status of every process
+of each one's tree every 10 ms (a multi-process `train` runs under its supervisor: the child counts).
+The baseline is the RssAnon of a process that imported what the commands import (torch, jax,
+transformers, peft, orbax, the CLI) and started JAX's CPU backend; safetensors' and tensorstore's
+file-backed pages do not count in RssAnon.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from import_memory import WRITE  # noqa: E402  (the synthetic released directory)
+
+BASELINE = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax, torch, transformers, peft, orbax.checkpoint  # noqa: F401
+import train.cli  # noqa: F401
+jax.devices()
+for line in open("/proc/self/status"):
+    if line.startswith("RssAnon:"):
+        print("RSSANON", int(line.split()[1]) * 1024)
+"""
+
+
+def write_released(out: Path, layers: int, overrides: dict) -> None:
+    """A released-layout directory (MXFP4 experts, bf16 rest, random values) of gpt-oss-20b's
+    shapes with `overrides` (e.g. fewer experts, a smaller vocabulary)."""
+    if not (out / "config.json").is_file():
+        subprocess.run([sys.executable, "-c", WRITE, str(out), str(layers), str(ROOT), json.dumps(overrides)],
+                       check=True)
+
+
+def param_bytes(hf_dir: Path, dtype_bytes: int = 4) -> int:
+    """The model's parameters in a compute dtype of `dtype_bytes` bytes (float32: 4)."""
+    sys.path.insert(0, str(ROOT))
+    from formats.hf_model import open_hf
+
+    _, weights = open_hf(hf_dir)
+    return sum(int(__import__("math").prod(e.shape)) for e in weights.entries.values()) * dtype_bytes
+
+
+def baseline(env: dict) -> int:
+    out = subprocess.run([sys.executable, "-c", BASELINE, str(ROOT)], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    return int(next(line for line in out.splitlines() if line.startswith("RSSANON")).split()[1])
+
+
+def _rss_anon(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants (from /proc/*/stat parents)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(argvs: list[list[str]], env: dict, log_dir: Path, timeout_s: float = 900) -> list[int]:
+    """Run one `torchlyra` process per argv (together: a cluster), each sampled with its tree;
+    returns each one's peak RssAnon (its largest process). Fails naming the output of a process
+    that exits non-zero."""
+    logs = [(log_dir / f"process{i}.log").open("w+") for i in range(len(argvs))]
+    procs = [subprocess.Popen([sys.executable, "-m", "train.cli", *argv], cwd=ROOT, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, text=True) for argv, log in zip(argvs, logs)]
+    peaks = [0] * len(procs)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"commands still running after {timeout_s:.0f} s")
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    peaks[i] = max([peaks[i], *(_rss_anon(q) for q in _tree(p.pid))])
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        if p.returncode != 0:
+            raise RuntimeError(f"process {i} exited {p.returncode}:\n{log.read()[-4000:]}")
+    return peaks
+
+
+def cluster(argv: list[str], processes: int) -> list[list[str]]:
+    """The same command for each of `processes` processes on this host (one CPU device each)."""
+    if processes == 1:
+        return [argv]
+    port = free_port()
+    return [[*argv, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id", str(i)]
+            for i in range(processes)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workdir")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=201088)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"))
+    args = parser.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    hf = work / "hf"
+    ids = {} if args.vocab > 200002 else {"bos_token_id": 0, "eos_token_id": 1}
+    write_released(hf, args.layers, {"n_experts": args.experts, "vocab_size": args.vocab, **ids})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    if not (work / "data").is_dir():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from helpers import prepare_play_corpus
+        prepare_play_corpus(work)
+    base, params = baseline(env), param_bytes(hf, 4 if args.compute_dtype == "float32" else 2)
+    bound = params / args.processes + 0.5 * 2**30
+    commands = {
+        "train --init-from --lora": ["train", "--init-from", str(hf), "--lora", "r=4,alpha=8,targets=attention",
+                                     "--data", str(work / "data"), "--out", str(work / "lora"), "--steps", "1",
+                                     "--batch-size", str(2 * args.processes), "--seq-len", "16", "--samples", "0",
+                                     "--eval-batches", "1", "--compute-dtype", args.compute_dtype],
+        "generate (the LoRA run)": ["generate", "--checkpoint", str(work / "lora"), "--prompt", "ROMEO:",
+                                    "--max-tokens", "8", "--temperature", "0", "--no-stream"],
+    }
+    gib = 2**30
+    print(f"{args.layers} layers, {args.experts} experts, vocab {args.vocab}: parameters {params / gib:.2f} GiB in "
+          f"{args.compute_dtype}; baseline RssAnon {base / gib:.2f} GiB; bound per process {bound / gib:.2f} GiB above it")
+    import shutil
+    shutil.rmtree(work / "lora", ignore_errors=True)
+    for name, argv in commands.items():
+        peaks = run(cluster(argv, args.processes), env, work)
+        print(f"{name}: " + ", ".join(f"process {i} {(p - base) / gib:.2f} GiB above the baseline"
+                                      for i, p in enumerate(peaks)))
+
+
+if __name__ == "__main__":
+    main()
