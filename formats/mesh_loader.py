@@ -7,11 +7,11 @@ process ever holds a tensor it does not own, let alone the model, and the torch 
 the `meta` device.
 
 A source is any object with `entries` (per-layer name -> Entry: `.shape`), `read(name, index)`
-(the values of a slice, numpy) and `bytes_requested`. The model says which parameters come from
-it: those on `meta`, under peft's names where it is adapted (`...q_proj.base_layer.weight`, a
-`modules_to_save` copy of the head), each read as the base parameter it is or wraps
-(`torch_model.lora.base_parameter_of`); those it holds on the host (LoRA adapters, drawn there or
-read from a LoRA checkpoint) from it.
+(the values of a slice, numpy) and `bytes_requested`. Every parameter of the model is read from it
+under the base name it is or wraps, peft's names included (`...q_proj.base_layer.weight`, a
+`modules_to_save` copy of the head: `torch_model.lora.base_parameter_of`), except what no base
+holds: LoRA adapters (drawn on the host, or read from a LoRA checkpoint) and a trained head the
+host model holds, which come from the host model.
 """
 from __future__ import annotations
 
@@ -22,10 +22,14 @@ import numpy as np
 from formats.errors import UserError
 
 
+MODULES_TO_SAVE = "modules_to_save"      # peft's trained copy of a module (the head), beside the frozen original
+
+
 class StepWeights:
-    """A source read under a model's parameter names: what the host model holds (LoRA adapters,
-    a LoRA checkpoint's trained head) from it; every parameter on `meta` from `weights`, as the
-    base parameter it is or wraps."""
+    """A source read under a model's parameter names: LoRA adapters, and a trained copy of a module
+    that the host model holds (a LoRA checkpoint's head), from the host model; every other
+    parameter from `weights`, as the base parameter it is or wraps (a copy on `meta`, as a new
+    LoRA run makes it, starts from the base)."""
 
     def __init__(self, weights, model, where: str):
         from torch_model.lora import base_parameter_of
@@ -34,12 +38,12 @@ class StepWeights:
         self.host: dict = {}
         self.base_of: dict[str, str] = {}
         for name, p in model.named_parameters():
-            if not p.is_meta:
+            base, role = base_parameter_of(name)
+            if role is not None or (f".{MODULES_TO_SAVE}." in name and not p.is_meta):
+                if p.is_meta:
+                    raise UserError(f"{where}: adapter {name} has no values (initialise adapters before loading)")
                 self.host[name] = p
                 continue
-            base, role = base_parameter_of(name)
-            if role is not None:
-                raise UserError(f"{where}: adapter {name} has no values (initialise adapters before loading)")
             entry = weights.entries.get(base)
             if entry is None:
                 raise UserError(f"{where}: tensor {base} (for {name}) is missing")
@@ -90,18 +94,29 @@ def source_names(layout, names) -> dict[str, list[str] | str]:
     return layout.stack({n: n for n in names}, stack=list)
 
 
-def read_param(weights, source, index, dtype=np.float32) -> np.ndarray:
-    """The values of `index` (a tuple of slices) of one train-state parameter in `dtype`; a
-    stacked one is filled layer by layer (host memory: the block and one layer's slice)."""
-    if isinstance(source, str):
-        return np.asarray(weights.read(source, index)).astype(dtype, copy=False)
-    layers, rest = range(*index[0].indices(len(source))), index[1:]
-    block = None
-    for k, j in enumerate(layers):
-        part = np.asarray(weights.read(source[j], rest))
-        if block is None:
-            block = np.empty((len(layers), *part.shape), dtype)
-        block[k] = part
+READ_BYTES = 128 << 20       # a read's float32 values at most (an MXFP4 read decodes to float32, then transposes)
+
+
+def read_param(weights, source, index, shape, dtype=np.float32) -> np.ndarray:
+    """The values of `index` (a tuple of slices) of one train-state parameter of `shape` in
+    `dtype`, filled into the block by reads of at most READ_BYTES of float32 along their leading
+    axis (a stacked parameter: layer by layer): host memory holds the block and one read,
+    whatever its format decodes to on the way."""
+    stacked = not isinstance(source, str)
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+    block = np.empty(tuple(s.stop - s.start for s in index), dtype)
+    parts = [(block[k], source[j], index[1:]) for k, j in enumerate(range(index[0].start, index[0].stop))] \
+        if stacked else [(block, source, index)]
+    for target, name, rest in parts:
+        if not rest:                                    # a scalar
+            target[...] = weights.read(name, rest)
+            continue
+        row_bytes = 4 * int(np.prod(target.shape[1:]))
+        step = max(1, READ_BYTES // max(row_bytes, 1))
+        first = rest[0].start
+        for lo in range(0, target.shape[0], step):
+            hi = min(lo + step, target.shape[0])
+            target[lo:hi] = weights.read(name, (slice(first + lo, first + hi), *rest[1:]))
     return block
 
 
@@ -117,7 +132,7 @@ def place(weights, abstract: dict, sources: dict, mesh) -> dict:
         def block(index):
             key = tuple(s.indices(n)[:2] for s, n in zip(index, a.shape))
             if key not in read:
-                read[key] = read_param(weights, sources[name], index, a.dtype)
+                read[key] = read_param(weights, sources[name], index, a.shape, a.dtype)
             return read[key]
 
         return jax.make_array_from_callback(a.shape, sharding, block)

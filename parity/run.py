@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
+
 from parity import selftest, tolerances, trajectory
 from parity.inputs import PARITY_IGNORE_FRACTION, PARITY_SEQ_LEN, PARITY_TILES, PARITY_WINDOW, parity_config
 from parity.lora_parity import run_lora_parity
@@ -80,6 +82,41 @@ def _write_json(path: str | None, data: dict) -> None:
         raise UserError(f"--json: cannot write {path}: {e.strerror}") from None
 
 
+# The eager reference and the lowered run each hold the float32 weights, and each its gradients.
+HOST_COPIES = 4
+
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (what the kernel can give without swapping)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
+def check_fits_host(checkpoint) -> None:
+    """The parity suite's ground truth is eager PyTorch in float32 on this host: refuse, naming the
+    limit, a checkpoint (or a LoRA checkpoint's base) whose model would not fit it."""
+    from formats import mesh_loader
+    from formats.lora_checkpoint import LORA_META, check_base
+    from formats.lora_inference import lora_meta
+    from formats.model_checks import model_shapes
+
+    meta = lora_meta(checkpoint)
+    path = check_base(meta[LORA_META]["base"], f"LoRA checkpoint {checkpoint}") if meta is not None else checkpoint
+    cfg, _, _ = mesh_loader.open_weights(path)
+    weights = 4 * sum(int(np.prod(shape)) for shape in model_shapes(cfg).values())
+    need, have = HOST_COPIES * weights, available_host_bytes()
+    if need > have:
+        gib = 2**30
+        raise UserError(f"parity --checkpoint {checkpoint}: the eager reference holds the whole model in float32 on "
+                        f"this host ({weights / gib:.1f} GiB of weights, about {HOST_COPIES}x that with the lowered "
+                        f"run and both gradients: {need / gib:.1f} GiB), and this host has {have / gib:.1f} GiB "
+                        f"available; parity compares models that fit one host: check a smaller configuration of the "
+                        f"same architecture (--preset, --model-config) and this checkpoint with `eval`")
+
+
 def run(args) -> int:
     """Run the suite from parsed arguments; print the table; 0 if every check passed, else 1."""
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -108,6 +145,8 @@ def run(args) -> int:
                 _write_json(args.json, result.to_json())
             code |= 0 if result.passed else 1
         return code
+    if args.checkpoint:
+        check_fits_host(args.checkpoint)
     if args.checkpoint and lora_meta(args.checkpoint) is not None:
         return run_lora_checkpoint(args, say)
     if args.checkpoint:

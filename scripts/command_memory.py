@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from import_memory import WRITE  # noqa: E402  (the synthetic released directory)
 
@@ -47,7 +48,6 @@ def write_released(out: Path, layers: int, overrides: dict) -> None:
 
 def param_bytes(hf_dir: Path, dtype_bytes: int = 4) -> int:
     """The model's parameters in a compute dtype of `dtype_bytes` bytes (float32: 4)."""
-    sys.path.insert(0, str(ROOT))
     from formats.hf_model import open_hf
 
     _, weights = open_hf(hf_dir)
@@ -96,14 +96,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(argvs: list[list[str]], env: dict, log_dir: Path, timeout_s: float = 900) -> list[int]:
+LOADED = "stored bytes onto its devices"      # what train and generate print once the weights are placed
+
+
+def run(argvs: list[list[str]], env: dict, log_dir: Path, timeout_s: float = 900) -> list[tuple[int, int, int]]:
     """Run one `torchlyra` process per argv (together: a cluster), each sampled with its tree;
-    returns each one's peak RssAnon (its largest process). Fails naming the output of a process
-    that exits non-zero."""
+    returns each one's (peak RssAnon while loading: until its log says LOADED, peak of the whole
+    run, exit code), its largest process's; the output of a process that fails is printed."""
     logs = [(log_dir / f"process{i}.log").open("w+") for i in range(len(argvs))]
     procs = [subprocess.Popen([sys.executable, "-m", "train.cli", *argv], cwd=ROOT, env=env, stdout=log,
                               stderr=subprocess.STDOUT, text=True) for argv, log in zip(argvs, logs)]
-    peaks = [0] * len(procs)
+    peaks, loading = [0] * len(procs), [None] * len(procs)
     deadline = time.monotonic() + timeout_s
     try:
         while any(p.poll() is None for p in procs):
@@ -112,6 +115,8 @@ def run(argvs: list[list[str]], env: dict, log_dir: Path, timeout_s: float = 900
             for i, p in enumerate(procs):
                 if p.poll() is None:
                     peaks[i] = max([peaks[i], *(_rss_anon(q) for q in _tree(p.pid))])
+                if loading[i] is None and LOADED in (log_dir / f"process{i}.log").read_text(errors="replace"):
+                    loading[i] = peaks[i]
             time.sleep(0.01)
     finally:
         for p in procs:
@@ -120,8 +125,9 @@ def run(argvs: list[list[str]], env: dict, log_dir: Path, timeout_s: float = 900
     for i, (p, log) in enumerate(zip(procs, logs)):
         log.seek(0)
         if p.returncode != 0:
-            raise RuntimeError(f"process {i} exited {p.returncode}:\n{log.read()[-4000:]}")
-    return peaks
+            print(f"process {i} exited {p.returncode} (137: killed, out of memory):\n{log.read()[-1500:]}",
+                  file=sys.stderr)
+    return [(load or 0, peak, p.returncode) for load, peak, p in zip(loading, peaks, procs)]
 
 
 def cluster(argv: list[str], processes: int) -> list[list[str]]:
@@ -141,6 +147,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=201088)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--generate-meshes", default="fsdp=2;tensor=2",
+                        help="meshes to generate on, ';'-separated (each must use every device)")
     args = parser.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -152,6 +160,9 @@ def main() -> None:
         sys.path.insert(0, str(ROOT / "tests"))
         from helpers import prepare_play_corpus
         prepare_play_corpus(work)
+    if not (hf / "tiktoken").is_dir():          # the data's tokenizer, as our exports carry one
+        from formats.tokenizer import load_tokenizer, save_tokenizer
+        save_tokenizer(load_tokenizer(work / "data"), hf / "tiktoken")
     base, params = baseline(env), param_bytes(hf, 4 if args.compute_dtype == "float32" else 2)
     bound = params / args.processes + 0.5 * 2**30
     commands = {
@@ -159,9 +170,11 @@ def main() -> None:
                                      "--data", str(work / "data"), "--out", str(work / "lora"), "--steps", "1",
                                      "--batch-size", str(2 * args.processes), "--seq-len", "16", "--samples", "0",
                                      "--eval-batches", "1", "--compute-dtype", args.compute_dtype],
-        "generate (the LoRA run)": ["generate", "--checkpoint", str(work / "lora"), "--prompt", "ROMEO:",
-                                    "--max-tokens", "8", "--temperature", "0", "--no-stream"],
     }
+    for mesh in args.generate_meshes.split(";"):
+        commands[f"generate --mesh {mesh}"] = [
+            "generate", "--checkpoint", str(hf), "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0",
+            "--no-stream", "--mesh", mesh]
     gib = 2**30
     print(f"{args.layers} layers, {args.experts} experts, vocab {args.vocab}: parameters {params / gib:.2f} GiB in "
           f"{args.compute_dtype}; baseline RssAnon {base / gib:.2f} GiB; bound per process {bound / gib:.2f} GiB above it")
@@ -169,8 +182,10 @@ def main() -> None:
     shutil.rmtree(work / "lora", ignore_errors=True)
     for name, argv in commands.items():
         peaks = run(cluster(argv, args.processes), env, work)
-        print(f"{name}: " + ", ".join(f"process {i} {(p - base) / gib:.2f} GiB above the baseline"
-                                      for i, p in enumerate(peaks)))
+        print(f"{name}: " + "; ".join(
+            f"process {i} {(load - base) / gib:.2f} GiB loading, {(peak - base) / gib:.2f} GiB whole run"
+            + ("" if code == 0 else f" (exit {code})") for i, (load, peak, code) in enumerate(peaks))
+            + " (above the baseline)")
 
 
 if __name__ == "__main__":

@@ -48,22 +48,13 @@ def one_process(root):
 
 @pytest.fixture(scope="module")
 def two_processes(root, one_process):
-    from test_multihost import free_port
+    from test_multihost import free_port, outputs_of
 
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "cluster_worker.py"), str(port), str(i), str(root)],
                               cwd=ROOT, env=worker_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=900)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"process {i}:\n{out[-4000:]}"
+    outputs = outputs_of(procs, timeout=900)
     assert "RESULT " not in outputs[1]
     return json.loads(next(line for line in outputs[0].splitlines() if line.startswith("RESULT "))[7:])
 

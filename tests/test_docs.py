@@ -196,7 +196,7 @@ def parse(argv: list[str], monkeypatch) -> str | None:
     """None when `torchlyra ARGV` parses, else the parser's message. A bare command gets `--help`,
     which must exit 0."""
     from train.cli import build_parser
-    from train.evaluation.lm_eval_cli import lm_eval_argv
+    from train.evaluation.lm_eval_cli import lm_eval_argv, split_cluster_flags
 
     bare, stderr = is_bare(argv), io.StringIO()
     try:
@@ -205,7 +205,8 @@ def parse(argv: list[str], monkeypatch) -> str | None:
             if args.command == "lm-eval":
                 from lm_eval._cli import HarnessCLI    # what lm_eval.__main__.cli_evaluate parses with (0.4.13)
 
-                monkeypatch.setattr(sys, "argv", lm_eval_argv(list(args.lm_eval_args)))
+                # The cluster flags are ours (as `run` reads them), the rest lm-eval's.
+                monkeypatch.setattr(sys, "argv", lm_eval_argv(split_cluster_flags(list(args.lm_eval_args))[0]))
                 HarnessCLI().parse_args()
     except SystemExit as e:
         if e.code == 0 and bare:

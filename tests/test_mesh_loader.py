@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from formats import checkpoint, mesh_loader
-from formats.checkpoint_weights import open_weights
+from formats.checkpoint_weights import CheckpointWeights, open_weights
 from formats.model_checks import build_model
 from jax_bridge.layer_stack import LayerLayout
 from jax_bridge.step import StepConfig, TrainStep
@@ -62,8 +62,7 @@ def test_a_meta_base_gets_the_adapters_a_host_base_gets_and_stays_on_meta():
     host = build_model(CFG)
     torch.manual_seed(7)
     apply_lora(host, spec)
-    with torch.device("meta"):
-        meta = build_model(CFG)
+    meta = build_model(CFG, meta=True)
     torch.manual_seed(7)
     apply_lora(meta, spec)
     host_params, meta_params = dict(host.named_parameters()), dict(meta.named_parameters())
@@ -77,29 +76,30 @@ def test_a_meta_base_gets_the_adapters_a_host_base_gets_and_stays_on_meta():
             assert p.is_meta, name
 
 
-def host_built(spec: str | None, freeze: list[str] | None, scan: bool, state: dict):
-    """The train state and frozen parameters made the old way: the whole model on the host."""
-    torch.manual_seed(0)
-    model = build_model(CFG)
-    model.load_state_dict(state)
+def adapted(spec: str | None, freeze: list[str] | None, state: dict | None = None):
+    """The model as a run adapts it: built on the host holding `state`, or on `meta` (None)."""
+    if state is None:
+        model = build_model(CFG, meta=True)
+    else:
+        torch.manual_seed(0)
+        model = build_model(CFG)
+        model.load_state_dict(state)
     torch.manual_seed(7)
     if spec:
         apply_lora(model, parse_lora_spec(spec))
     if freeze:
         freeze_parameters(model, freeze)
-    step = TrainStep(model, step_cfg=StepConfig(scan_layers=scan))
+    return model
+
+
+def host_built(spec: str | None, freeze: list[str] | None, scan: bool, state: dict):
+    """The train state and frozen parameters made the old way: the whole model on the host."""
+    step = TrainStep(adapted(spec, freeze, state), step_cfg=StepConfig(scan_layers=scan))
     return step.init_state(), step.frozen
 
 
 def streamed(spec: str | None, freeze: list[str] | None, scan: bool, path):
-    with torch.device("meta"):
-        model = build_model(CFG)
-    torch.manual_seed(7)
-    if spec:
-        apply_lora(model, parse_lora_spec(spec))
-    if freeze:
-        freeze_parameters(model, freeze)
-    step = TrainStep(model, step_cfg=StepConfig(scan_layers=scan))
+    step = TrainStep(adapted(spec, freeze), step_cfg=StepConfig(scan_layers=scan))
     _, _, weights = mesh_loader.open_weights(path)
     return mesh_loader.init_state(step, weights), step.frozen, weights
 
@@ -110,10 +110,18 @@ def streamed(spec: str | None, freeze: list[str] | None, scan: bool, path):
     (None, ["*.embed_tokens.*", "*.self_attn.*"], True, "per_layer"),
     (None, None, False, "stacked"),
 ])
-def test_the_streamed_state_equals_the_one_built_from_a_host_model(base, spec, freeze, scan, stored):
+def test_the_streamed_state_equals_the_one_built_from_a_host_model(base, spec, freeze, scan, stored, monkeypatch):
+    """Read in pieces of at most 4 KiB (mesh_loader.READ_BYTES) along the leading axis: no read
+    returns more than that or one row along it."""
     state, root = base
+    monkeypatch.setattr(mesh_loader, "READ_BYTES", 4096)
+    reads = []
+    real = CheckpointWeights.read
+    monkeypatch.setattr(CheckpointWeights, "read", lambda self, *a: reads.append(real(self, *a)) or reads[-1])
     (want, want_frozen) = host_built(spec, freeze, scan, state)
     got, got_frozen, weights = streamed(spec, freeze, scan, root / stored)
+    row = max(4 * int(np.prod(v.shape[1:])) for v in state.values())
+    assert max(r.nbytes for r in reads) <= max(4096, row) and len(reads) > 2 * len(state)
     assert got.params.keys() == want.params.keys() and got_frozen.keys() == want_frozen.keys()
     for name in want.params:
         assert got.params[name].dtype == want.params[name].dtype, name
@@ -124,23 +132,13 @@ def test_the_streamed_state_equals_the_one_built_from_a_host_model(base, spec, f
     for a, b in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(want.opt_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Each base tensor read once per parameter made of it (peft's trained head copy: twice).
-    read = [base_parameter_of(n) for n, _ in streamed_names(spec, freeze)]
+    read = [base_parameter_of(n) for n, _ in adapted(spec, freeze).named_parameters()]
     assert weights.bytes_requested == 4 * sum(state[name].numel() for name, role in read if role is None)
-
-
-def streamed_names(spec, freeze):
-    with torch.device("meta"):
-        model = build_model(CFG)
-    if spec:
-        apply_lora(model, parse_lora_spec(spec))
-    return list(model.named_parameters())
 
 
 def test_a_base_missing_a_tensor_is_named(base, tmp_path):
     state, _ = base
-    with torch.device("meta"):
-        model = build_model(CFG)
-    step = TrainStep(model, step_cfg=StepConfig(scan_layers=False))
+    step = TrainStep(build_model(CFG, meta=True), step_cfg=StepConfig(scan_layers=False))
     cfg_missing = {n: v for n, v in state.items() if n != "model.norm.weight"}
     weights = type("Weights", (), {"entries": {n: type("E", (), {"shape": v.shape}) for n, v in cfg_missing.items()},
                                    "read": None, "bytes_requested": 0})()
@@ -204,3 +202,20 @@ def test_samples_and_task_scores_of_a_lora_run_gather_no_parameters(base, tmp_pa
              if json.loads(line)["kind"] == "eval"]
     assert [set(r["tasks"]) for r in evals] == [{"plays"}, {"plays"}]
     assert gathered and max(gathered) < state["model.layers.0.self_attn.q_proj.weight"].numel() * 4
+
+
+def test_parity_refuses_a_checkpoint_whose_eager_reference_would_not_fit_this_host(base, monkeypatch, capsys):
+    """Parity's ground truth is the whole model in float32 on one host: a checkpoint too large for
+    this host is refused in one line naming the need, what the host has and what to do instead."""
+    from parity import run as parity_run
+    from train.cli import main
+
+    state, root = base
+    weights = 4 * sum(v.numel() for v in state.values())
+    monkeypatch.setattr(parity_run, "available_host_bytes", lambda: parity_run.HOST_COPIES * weights - 1)
+    assert main(["parity", "--checkpoint", str(root / "per_layer")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds the whole model in float32 on this host" in err, err
+    assert "parity compares models that fit one host" in err and "with `eval`" in err
+    monkeypatch.setattr(parity_run, "available_host_bytes", lambda: parity_run.HOST_COPIES * weights)
+    parity_run.check_fits_host(root / "per_layer")          # just fits: no error

@@ -89,6 +89,12 @@ def _run(args) -> int:
     sampling = dataclasses.replace(sampling, stop_tokens=stops)
     generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
                           compile_cache=args.compile_cache, tokenizer=tokenizer, mesh=mesh, weights=weights)
+    if weights is not None:         # every process says what it read (stdout is process 0's alone)
+        import jax
+
+        total = sum(e.nbytes for e in weights.entries.values())
+        print(f"{args.checkpoint}: process {jax.process_index()} read {weights.bytes_requested:,} of {total:,} "
+              f"stored bytes onto its devices", file=sys.stderr, flush=True)
     hidden = {cfg.bos_token_id, cfg.eos_token_id}
     streaming = args.stream and len(prompts) == 1
     if streaming:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from formats import checkpoint, lora_checkpoint
+from formats import checkpoint, lora_checkpoint, mesh_loader
 from formats.errors import UserError
 from jax_bridge.distributed import say
 from train.rl.config import RLConfig
@@ -65,7 +65,7 @@ class RLTrainer:
         from jax_bridge.step import StepConfig, TrainState, TrainStep
         from torch_model.config import ConfigError
         from torch_model.lora import apply_lora, parse_lora_spec, unwrap
-        from torch_model.model import GptOssForCausalLM
+        from formats.model_checks import build_model
         from torch_model.optim import OptimizerConfig
         from train.generation.generator import Generator
         from train.rl.prompts import read_prompts
@@ -75,14 +75,21 @@ class RLTrainer:
         self.cfg, self.out = cfg, Path(cfg.out)
         self.objective = cfg.objective()
         self.rewards = parse_rewards(cfg.reward, cfg.reward_weights, isolation=cfg.isolation)
-        state, model_cfg, init_meta = checkpoint.load_checkpoint(cfg.init_from)
+        from formats.lora_inference import lora_meta
+
+        if lora_meta(cfg.init_from) is not None:
+            raise UserError(f"--init-from {cfg.init_from}: a LoRA checkpoint; start from its base, or export it merged")
+        # The weights go from their files onto the mesh (formats/mesh_loader.py): nothing whole on the host.
+        model_cfg, init_meta, weights = mesh_loader.open_weights(cfg.init_from)
+        checkpoint.refuse_transformers_model(model_cfg, f"--init-from {cfg.init_from}")
+        if weights is None:
+            raise UserError(f"--init-from {cfg.init_from}: its layout needs a conversion that is not read slice by "
+                            f"slice; `torchlyra import` it first")
         self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
         if meta and lora_checkpoint.is_lora_meta(meta) and \
                 meta[lora_checkpoint.LORA_META]["base"]["sha256"] != self.base_reference["sha256"]:
             raise UserError(f"--resume: the base {cfg.init_from} changed since {resume_dir} was written (its hash "
                             "differs); a LoRA run resumes on the base it started from")
-        if lora_checkpoint.is_lora_meta(init_meta):
-            raise UserError(f"--init-from {cfg.init_from}: a LoRA checkpoint; start from its base, or export it merged")
         self.tokenizer, line = checkpoint.checkpoint_tokenizer(cfg.init_from, init_meta)
         if self.tokenizer is None:
             raise UserError(f"--init-from {cfg.init_from}: no tokenizer to render the prompts with ({line})")
@@ -102,8 +109,7 @@ class RLTrainer:
         self.prompts_cut = cut
 
         torch.manual_seed(cfg.seed)
-        self.model = GptOssForCausalLM(self.model_cfg)
-        self.model.load_state_dict(state)
+        self.model = build_model(self.model_cfg, meta=True)
         try:
             self.peft_model = apply_lora(self.model, parse_lora_spec(cfg.lora)) if cfg.lora else None
         except (ConfigError, ValueError) as e:
@@ -117,11 +123,15 @@ class RLTrainer:
                                              micro_batches=cfg.micro_batches, policy_gradient=self.objective),
                                   mesh=self.mesh)
             registry.check_segments(self.step.kernels)
-            self.generator = Generator(unwrap(self.peft_model) if self.peft_model is not None else self.model,
-                                       kernels=cfg.kernels, tokenizer=self.tokenizer, mesh=self.mesh)
         except (registry.KernelError, ValueError) as e:
             raise UserError(str(e)) from None
-        self.state = self.step.init_state()
+        self.state = mesh_loader.init_state(self.step, weights, f"--init-from {cfg.init_from}")
+        try:
+            self.generator = Generator(unwrap(self.peft_model) if self.peft_model is not None else self.model,
+                                       kernels=cfg.kernels, tokenizer=self.tokenizer, mesh=self.mesh,
+                                       params=self.policy_params())
+        except (registry.KernelError, ValueError) as e:
+            raise UserError(str(e)) from None
         # The KL reference: LoRA, the same parameters with the adapters off (no copy); full
         # fine-tuning, the starting parameters frozen in the compute dtype (only when beta > 0).
         self.frozen_reference = None
