@@ -144,7 +144,7 @@ class Trainer:
         from train.data.loader import TokenLoader
         from formats.tokenizer import load_tokenizer
 
-        self.out, self.primary, self.cfg = Path(cfg.out), jax.process_index() == 0, cfg
+        self.out, self.primary, self.cfg, self.explicit = Path(cfg.out), jax.process_index() == 0, cfg, explicit or {}
         if meta:
             say(f"resuming from {resume_dir} (step {meta['step']})")
         try:
@@ -337,6 +337,8 @@ class Trainer:
             return f"{self.model_cfg.model_type} ({self.cfg.model_config})"
         if not isinstance(self.model_cfg, ModelConfig):
             return f"{self.model_cfg.model_type} (from {self.cfg.init_from or self.cfg.out})"
+        if self.cfg.init_from and "preset" not in self.explicit:      # the checkpoint's shapes, not a preset's
+            return f"from {self.cfg.init_from}"
         return self.cfg.preset
 
     def _saved_state(self) -> dict:
