@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=201088)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--only", default="", help="run only the commands whose names start with this, e.g. generate")
     parser.add_argument("--generate-meshes", default="fsdp=2;tensor=2",
                         help="meshes to generate on, ';'-separated (each must use every device)")
     args = parser.parse_args()
@@ -181,6 +182,8 @@ def main() -> None:
     import shutil
     shutil.rmtree(work / "lora", ignore_errors=True)
     for name, argv in commands.items():
+        if not name.startswith(args.only):
+            continue
         peaks = run(cluster(argv, args.processes), env, work)
         print(f"{name}: " + "; ".join(
             f"process {i} {(load - base) / gib:.2f} GiB loading, {(peak - base) / gib:.2f} GiB whole run"
