@@ -42,6 +42,17 @@ def join(args, command: str, *, out: str | None = None, host_timeout_s: int = DE
     return None
 
 
+def command_mesh(spec):
+    """The mesh a command's `--mesh` names, as `train` reads it: every device on `fsdp` unless
+    named, none on a single device; a spec that does not fit the devices is one line."""
+    from jax_bridge.sharding import requested_mesh
+
+    try:
+        return requested_mesh(spec)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 @contextlib.contextmanager
 def together(name: str, host_timeout_s: int = DEFAULT_HOST_TIMEOUT_S):
     """The body of a command every process runs in lockstep: on several processes they end

@@ -68,15 +68,10 @@ def run_tasks(args) -> dict:
     if args.scorer == "compiled":
         from train.evaluation.scorer import load_scorer
 
-        from jax_bridge.sharding import requested_mesh
-
-        try:            # as `train` reads --mesh: every device on fsdp unless named (none on one device)
-            mesh = requested_mesh(args.mesh)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels, mesh=mesh,
-                                              batch_size=args.batch_size, max_length=args.max_length,
-                                              merge=args.merge, base_dtype=args.base_dtype, progress=False)
+        scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels,
+                                              mesh=join.command_mesh(args.mesh), batch_size=args.batch_size,
+                                              max_length=args.max_length, merge=args.merge,
+                                              base_dtype=args.base_dtype, progress=False)
         if tokenizer is None:
             raise UserError(f"checkpoint {args.checkpoint}: no tokenizer to build prompts with")
     else:

@@ -41,12 +41,9 @@ class TorchlyraLM(TemplateLM):
         except ValueError:
             raise UserError(f"lm-eval --batch_size: the torchlyra backend takes a number of rows, "
                             f"found {batch_size!r}") from None
-        from jax_bridge.sharding import requested_mesh
+        from train.cluster.join import command_mesh
 
-        try:        # as `train` reads --mesh: every device on fsdp unless named (none on one device)
-            placed = requested_mesh(mesh.replace(":", ",") if isinstance(mesh, str) else mesh)
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        placed = command_mesh(mesh.replace(":", ",") if isinstance(mesh, str) else mesh)
         self.scorer, self.tokenizer, self.info = load_scorer(str(checkpoint), kernels=kernels, mesh=placed,
                                                              batch_size=rows, max_length=max_length)
         if self.tokenizer is None:

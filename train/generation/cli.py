@@ -72,7 +72,7 @@ def _run(args) -> int:
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     if (args.system or args.messages) and not args.chat:
         raise UserError("--system and --messages need --chat")
-    mesh = generation_mesh(args.mesh)
+    mesh = join.command_mesh(args.mesh)
     model, tokenizer, weights = open_for_generation(args.checkpoint, merge=args.merge, base_dtype=args.base_dtype)
     cfg = model.cfg
     if args.chat:
@@ -113,15 +113,6 @@ def _run(args) -> int:
     if args.timings:
         print(format_timings(result), file=sys.stderr)
     return 0
-
-
-def generation_mesh(spec: str):
-    from jax_bridge.sharding import requested_mesh
-
-    try:
-        return requested_mesh(spec)
-    except ValueError as e:
-        raise UserError(str(e)) from None
 
 
 def chat_conversations(args) -> list[list]:
