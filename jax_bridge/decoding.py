@@ -33,7 +33,7 @@ from jax_bridge.lowering import abstract_params, model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token, token_logprob
 from jax_bridge.step import (COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision, host_array,
-                             in_compute_dtype)
+                             in_compute_dtype, replace_params)
 from torch_model import kv_cache
 from torch_model.lora import tracing_scope
 
@@ -175,24 +175,10 @@ class Decoder:
         names, any float dtype: cast here to the compute dtype), e.g. the policy's after each RL
         update. The compiled programs take the parameters as arguments: same shapes, no recompile.
         A LoRA model's adapters stay apart from the base (unmerged), as the step holds them."""
-        if set(params) != set(self.params):
-            missing, extra = sorted(set(self.params) - set(params)), sorted(set(params) - set(self.params))
-            raise ValueError(f"Decoder.set_params: expected the model's {len(self.params)} parameters; "
-                             f"missing {missing[:3]}, unknown {extra[:3]}")
-        for name, value in params.items():
-            if tuple(value.shape) != tuple(self.params[name].shape):
-                raise ValueError(f"Decoder.set_params: {name} has shape {tuple(value.shape)}, expected "
-                                 f"{tuple(self.params[name].shape)}")
-        cast = cast_params(dict(params), COMPUTE_DTYPES[self.compute_dtype])
-        if self.mesh is None:
-            cast = {n: jnp.asarray(v) for n, v in cast.items()}
-        else:   # device arrays stay on the devices (already in this sharding: the same buffers, no
-                # copy; a frozen base in the compute dtype is then shared with the train step),
-                # host arrays are split from the host
-            shardings = sharding.state_shardings(cast, self.mesh)
-            cast = {n: jax.device_put(v, shardings[n]) if isinstance(v, jax.Array)
-                    else sharding.place(v, shardings[n]) for n, v in cast.items()}
-        self.params = cast
+        # A frozen base already in the compute dtype on these shardings is shared with the train step.
+        shardings = None if self.mesh is None else sharding.state_shardings(self.params, self.mesh)
+        self.params = replace_params(params, self.params, COMPUTE_DTYPES[self.compute_dtype], shardings,
+                                     "Decoder.set_params")
         self._layouts = {}
 
     # ---- parameter layouts ----------------------------------------------------------------------

@@ -109,6 +109,24 @@ def cast_params(params: dict, dtype) -> dict:
     return {name: p.astype(dtype) if in_compute_dtype(name, p.dtype) else p for name, p in params.items()}
 
 
+def replace_params(new: dict, like: dict, dtype, shardings: dict | None, where: str) -> dict:
+    """New values for a program's parameters `like` (arrays or abstract arrays, by name): the same
+    names and shapes, any float dtype, cast where `in_compute_dtype` says so and placed on
+    `shardings` (None: one device). Device arrays already so placed stay as they are (the same
+    buffers, no copy); host arrays are split from the host."""
+    if set(new) != set(like):
+        missing, extra = sorted(set(like) - set(new)), sorted(set(new) - set(like))
+        raise ValueError(f"{where}: expected {len(like)} parameters; missing {missing[:3]}, unknown {extra[:3]}")
+    for name, value in new.items():
+        if tuple(value.shape) != tuple(like[name].shape):
+            raise ValueError(f"{where}: {name} has shape {tuple(value.shape)}, expected {tuple(like[name].shape)}")
+    cast = cast_params(dict(new), dtype)
+    if shardings is None:
+        return {n: jnp.asarray(v) for n, v in cast.items()}
+    return {n: jax.device_put(v, shardings[n]) if isinstance(v, jax.Array) else sharding.place(v, shardings[n])
+            for n, v in cast.items()}
+
+
 class TrainStep:
     """Builds the state and the compiled step for a torch model.
 

@@ -61,13 +61,13 @@ class CompiledScorer:
     `share_contexts` (default: without a mesh): requests with the same context compute it once
     (train.evaluation.shared_context); not built under a mesh, where every request runs the
     one-forward program. `weights`: where the parameters the model holds on `meta` are read
-    from, each device's block placed directly (formats/lora_inference.open_inference_model).
-    `params`: the parameters as arrays instead (`set_params`)."""
+    from, each device's block placed directly (formats/lora_inference.open_inference_model);
+    `set_params` gives it parameters as arrays instead."""
 
     def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla", mesh=None,
                  batch_size: int = 16, max_length: int | None = None, compute_dtype: str | None = None,
                  platform: str | None = None, scan_layers: bool = True, progress: bool = True, tokenizer=None,
-                 share_contexts: bool | None = None, weights=None, params: dict | None = None):
+                 share_contexts: bool | None = None, weights=None):
         import jax
 
         from jax_bridge import registry, sharding
@@ -116,8 +116,6 @@ class CompiledScorer:
             from formats import mesh_loader
 
             self.params = mesh_loader.place_model(model, weights, self.abstract_params(model), mesh, layout=self.layout)
-        elif params is not None:
-            self.set_params(params)
         else:
             self.params = None if next(model.parameters()).is_meta else self._place(model)
         self._jitted = jax.jit(self._score)
@@ -157,18 +155,11 @@ class CompiledScorer:
         state's with the same `scan_layers`), any float dtype: cast to the compute dtype where
         the scorer holds it so and placed on its shardings (device arrays stay on their devices;
         nothing is gathered). The compiled programs are reused."""
-        import jax
-
-        from jax_bridge.step import cast_params
+        from jax_bridge.step import replace_params
 
         abstract = self.abstract_params(self.model)
-        if set(params) != set(abstract):
-            missing, extra = sorted(set(abstract) - set(params)), sorted(set(params) - set(abstract))
-            raise ValueError(f"CompiledScorer.set_params: expected {len(abstract)} parameters; missing {missing[:3]}, "
-                             f"unknown {extra[:3]}")
-        cast = cast_params(dict(params), self.compute_dtype)
-        self.params = {n: jax.device_put(v, abstract[n].sharding) if self.mesh is not None else jax.device_put(v)
-                       for n, v in cast.items()}
+        shardings = None if self.mesh is None else {n: a.sharding for n, a in abstract.items()}
+        self.params = replace_params(params, abstract, self.compute_dtype, shardings, "CompiledScorer.set_params")
 
     def abstract_params(self, model) -> dict:
         """The parameters' shapes, dtypes and shardings as the program takes them (the model may
