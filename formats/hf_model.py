@@ -57,6 +57,15 @@ def stored_dtypes(weights: HFWeights) -> list[str]:
     return sorted({"mxfp4" if e.quantized else names[e.dtype] for e in weights.entries.values()})
 
 
+def hf_meta(hf_dir, weights=None, **extra) -> dict:
+    """What the checkpoint loader gives as a Hugging Face directory's meta: step 0, "step_dir" and
+    "hf_dir" (where it was read from), "imported_from" (with the stored precisions of `weights`,
+    HFWeights or a view of them; none when not opened)."""
+    hf_dir = str(Path(hf_dir).resolve())
+    return {"step": 0, "step_dir": hf_dir, "hf_dir": hf_dir,
+            "imported_from": {"dir": hf_dir, "dtypes": stored_dtypes(weights) if weights is not None else []}, **extra}
+
+
 def load_hf(hf_dir) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
     """(per-layer float32 state_dict, ModelConfig, meta) of a GptOss directory, as the checkpoint
     loader returns for ours: read one tensor at a time (host memory: the model plus one tensor).
@@ -71,6 +80,4 @@ def load_hf(hf_dir) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
             # hf_mapping works on torch tensors; a one-tensor dict maps like the whole state.
             state.update(hf_mapping.from_hf_state({name: value}, cfg, where=str(hf_dir)))
             bar.update(entry.nbytes)
-    meta = {"step": 0, "step_dir": str(hf_dir), "hf_dir": str(hf_dir),
-            "imported_from": {"dir": str(hf_dir), "dtypes": stored_dtypes(weights)}}
-    return state, cfg, meta
+    return state, cfg, hf_meta(hf_dir, weights)

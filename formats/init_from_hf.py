@@ -18,7 +18,12 @@ def is_gpt_oss_dir(path) -> bool:
 def open_for_init(path):
     """(ModelConfig, HFWeights) of an HF directory that --init-from can load without a conversion."""
     cfg, weights = open_hf(path)
+    check_moe(cfg, path)
+    return cfg, weights
+
+
+def check_moe(cfg, path) -> None:
+    """--init-from a gpt-oss directory: a one-expert one is refused, naming the conversion."""
     if not cfg.is_moe:
         raise UserError(f"--init-from {path}: a one-expert model loads directly only as a MoE; for the dense "
                         f"preset convert it first (`torchlyra import --hf {path} --out CK --dense`)")
-    return cfg, weights

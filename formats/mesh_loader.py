@@ -65,21 +65,17 @@ def open_weights(path) -> tuple[object, dict, object | None]:
     slice-by-slice read (formats/transformers_conversion.py); it loads whole on the host
     (`checkpoint.load_checkpoint`)."""
     from formats.checkpoint_weights import open_weights as open_checkpoint
-    from formats.hf_model import is_hf_dir, open_hf, stored_dtypes
+    from formats.hf_model import hf_meta, is_hf_dir, open_hf
     from formats.transformers_import import is_transformers_dir, open_streamed, read_spec
-
-    def hf_meta(weights):
-        dtypes = stored_dtypes(weights.stored if hasattr(weights, "stored") else weights) if weights else []
-        return {"step": 0, "step_dir": str(path), "hf_dir": str(path),
-                "imported_from": {"dir": str(path), "dtypes": dtypes}}
 
     if is_transformers_dir(path):
         opened = open_streamed(path)
-        return (read_spec(path), hf_meta(None), None) if opened is None else (opened[0], hf_meta(opened[1]), opened[1])
+        return (read_spec(path), hf_meta(path), None) if opened is None else (opened[0], hf_meta(path, opened[1]),
+                                                                              opened[1])
     if is_hf_dir(path):
         cfg, weights = open_hf(path)
         # A one-expert gpt-oss directory maps onto the dense preset by a conversion (`import --dense`).
-        return (cfg, hf_meta(weights), weights) if cfg.is_moe else (cfg, hf_meta(weights), None)
+        return cfg, hf_meta(path, weights), weights if cfg.is_moe else None
     return open_checkpoint(path)
 
 

@@ -110,7 +110,7 @@ def load_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausa
     directory's. model_cfg: the record to build (a LoRA run's: its tokenizer's special ids and
     length), which must have the directory's shapes; default the directory's own. Any other
     checkpoint is refused, naming why."""
-    from formats.hf_model import open_hf, stored_dtypes
+    from formats.hf_model import hf_meta, open_hf
 
     check_released(path, where)
     cfg, weights = open_hf(path)
@@ -119,6 +119,4 @@ def load_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausa
 
         check_tensors(model_shapes(model_cfg), model_shapes(cfg), f"{where} against {path}")
         cfg = model_cfg
-    meta = {"step": 0, "step_dir": str(path), "hf_dir": str(path),
-            "imported_from": {"dir": str(path), "dtypes": stored_dtypes(weights)}, "base_dtype": "mxfp4"}
-    return released_base(cfg, weights).eval(), meta
+    return released_base(cfg, weights).eval(), hf_meta(path, weights, base_dtype="mxfp4")

@@ -80,12 +80,12 @@ def load_transformers_dir(hf_dir) -> tuple[dict[str, torch.Tensor], Transformers
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from formats.hf_model import stored_dtypes
+    from formats.hf_model import hf_meta
     from formats.hf_weights import HFWeights
 
     hf_dir = Path(hf_dir).resolve()
     spec = read_spec(hf_dir)
-    dtypes = stored_dtypes(HFWeights(hf_dir, quantized=False))      # the shard headers, checked
+    meta = hf_meta(hf_dir, HFWeights(hf_dir, quantized=False))      # the shard headers, checked
     register_interfaces()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()        # its load report: what it lists is refused below, by name
@@ -105,6 +105,4 @@ def load_transformers_dir(hf_dir) -> tuple[dict[str, torch.Tensor], Transformers
         raise UserError(f"{hf_dir}: {kind.replace('_', ' ')} against its config.json: {', '.join(names[:3])}"
                         + (f" (and {len(names) - 3} more)" if len(names) > 3 else ""))
     state = {name: p.detach() for name, p in model.named_parameters()}
-    meta = {"step": 0, "step_dir": str(hf_dir), "hf_dir": str(hf_dir),
-            "imported_from": {"dir": str(hf_dir), "dtypes": dtypes}}
     return state, spec, meta

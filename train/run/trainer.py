@@ -379,9 +379,9 @@ class Trainer:
             from formats.mxfp4_experts import check_released
 
             check_released(cfg.init_from, f"--init-from {cfg.init_from}")
-        if init_from_hf.is_gpt_oss_dir(cfg.init_from):
-            init_from_hf.open_for_init(cfg.init_from)       # refuses a one-expert directory, naming the conversion
         init_cfg, init_meta, weights = mesh_loader.open_weights(cfg.init_from)
+        if init_from_hf.is_gpt_oss_dir(cfg.init_from):
+            init_from_hf.check_moe(init_cfg, cfg.init_from)
         self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
         model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
         if {"preset", "model"} & set(explicit):
