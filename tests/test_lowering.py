@@ -121,6 +121,19 @@ def test_one_full_step_matches_eager(setup):
     assert rel_err(metrics["grad_norm"], optimizer.last_stats["grad_norm"].item()) < 1e-4
 
 
+def assert_same_parameters(got, want, *, vector: float, tensor: float = 1e-4):
+    """Two compiled programs of one step: the whole parameter vector within `vector`, each tensor
+    within `tensor`. Adam's first step is sign-like (test above): a zero-initialised bias whose
+    gradient sits near eps turns the programs' last-bit differences into ~1e-5 relative."""
+    names = sorted(want)
+    flat = lambda d: np.concatenate([np.asarray(d[n], np.float64).ravel() for n in names])
+    assert sorted(got) == names
+    assert rel_err(flat(got), flat(want)) < vector
+    errors = {n: rel_err(got[n], want[n]) for n in names}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < tensor, f"{worst} differs: rel err {errors[worst]:.2e}"
+
+
 def test_gradients_then_the_update_alone_equal_the_full_step(setup):
     """What the step benchmark times apart (grads(), apply_update()) composes to the step."""
     cfg, model, tokens, step = setup
@@ -128,8 +141,7 @@ def test_gradients_then_the_update_alone_equal_the_full_step(setup):
     state = step.init_state()
     _, grads = step.grads(state.params, tokens.numpy())
     params, opt_state, stats = step.apply_update(state.params, grads, state.opt_state)
-    for name in full.params:
-        assert rel_err(params[name], full.params[name]) < 1e-6, name
+    assert_same_parameters(params, full.params, vector=1e-6)
     for name in full.opt_state["momentum"]:
         assert rel_err(opt_state["momentum"][name], full.opt_state["momentum"][name]) < 1e-6, name
     assert float(opt_state["step"]) == float(full.opt_state["step"]) == 1.0
@@ -149,8 +161,7 @@ def test_accumulating_four_micro_batches_equals_one_big_batch():
     s_one, m_one = whole(whole.init_state(), tokens[None])
     assert rel_err(m_acc["ce"], m_one["ce"]) < 1e-5
     assert rel_err(m_acc["grad_norm"], m_one["grad_norm"]) < 1e-4
-    for name in s_one.params:
-        assert rel_err(s_acc.params[name], s_one.params[name]) < 1e-5, name
+    assert_same_parameters(s_acc.params, s_one.params, vector=1e-5)
 
 
 def test_micro_batches_are_not_aliased():
