@@ -40,11 +40,13 @@ def operands(specs, arrays) -> list[Operand]:
 def _block_indices(spec, grid: tuple, prefetch: tuple) -> np.ndarray:
     """[steps, rank] block index of `spec` at every grid step, in the pipeline's order."""
     import jax
-    import jax.numpy as jnp
 
     steps = math.prod(grid)
-    with jax.ensure_compile_time_eval():    # concrete values even while a kernel is being traced
-        grid_ix = [jnp.asarray(a, jnp.int32) for a in np.indices(grid).reshape(len(grid), steps)]
+    # NumPy grid indices: an index map of plain arithmetic then runs in NumPy, with no JAX dispatch
+    # (each dispatched op is a small compile, and kernels are traced in every step); one that calls
+    # lax / jnp gets JAX values, concrete even while a kernel is being traced.
+    with jax.ensure_compile_time_eval():
+        grid_ix = list(np.indices(grid, dtype=np.int32).reshape(len(grid), steps))
         index = spec.index_map(*grid_ix, *prefetch)
         index = index if isinstance(index, tuple) else (index,)
         return np.stack([np.broadcast_to(np.asarray(c, np.int64), (steps,)) for c in index], axis=1)
