@@ -21,6 +21,8 @@ from train.evaluation.requests import LoglikelihoodRequest
 from train.evaluation.scorer import CompiledScorer, checkpoint_info, length_bucket, load_scorer, rows_bucket
 from train.evaluation.shared_context import plan_batches
 
+from tests.worker_env import PYTHONPATH
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LENGTH = 24
 CFG = get_preset("tiny").replace(vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -221,7 +223,7 @@ MESH_WORKER = textwrap.dedent("""
 
 def test_sharded_on_eight_devices_equals_one_device(model, scorer):
     mesh = "fsdp=2,tensor=2,expert=2"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", MESH_WORKER, mesh], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -13,13 +13,15 @@ import numpy as np
 
 from parity.generation import compare_greedy
 
+from tests.worker_env import PYTHONPATH
+
 ROOT = Path(__file__).resolve().parent.parent
 MESH = "fsdp=2,tensor=2,expert=2"        # weights split three ways; the batch over fsdp x expert
 
 
 def test_sharded_generation_equals_one_device():
     seed = int(np.random.SeedSequence().entropy % 10_000)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "generation_mesh_worker.py"), str(seed), MESH],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

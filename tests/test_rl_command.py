@@ -132,8 +132,10 @@ def test_rl_on_a_mesh_equals_one_device(base, two_steps, tmp_path):
     import sys
     from pathlib import Path
 
+    from tests.worker_env import PYTHONPATH
+
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
     script = ("import sys; from tests.test_rl_command import rl; from pathlib import Path; "
               "sys.exit(rl(Path(sys.argv[1]), Path(sys.argv[2]), '--steps', '2', '--mesh', 'fsdp=2'))")

@@ -5,12 +5,14 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The repository, then tests/startup (its sitecustomize sets the suite's garbage-collector thresholds).
+PYTHONPATH = f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'startup'}"
 SHARED = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
           "JAX_COMPILATION_CACHE_MAX_SIZE")
 
 
 def worker_env(devices: int | None = None) -> dict[str, str]:
-    env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+    env = {"PYTHONPATH": PYTHONPATH, "JAX_PLATFORMS": "cpu", "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
            **{k: os.environ[k] for k in SHARED if k in os.environ}}
     if devices is not None:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
