@@ -1,5 +1,5 @@
 """The environment of a test's worker process started clean (no variables of the test process
-but these): the suite's XLA options and persistent compilation cache (tests/conftest.py), CPU
+but these): the suite's XLA options, persistent compilation cache and threads (tests/conftest.py), CPU
 only, and `devices` simulated CPU devices when given."""
 import os
 from pathlib import Path
@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The repository, then tests/startup (its sitecustomize sets the suite's garbage-collector thresholds).
 PYTHONPATH = f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'startup'}"
 SHARED = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-          "JAX_COMPILATION_CACHE_MAX_SIZE")
+          "JAX_COMPILATION_CACHE_MAX_SIZE", "OMP_NUM_THREADS")
 
 
 def worker_env(devices: int | None = None) -> dict[str, str]:
