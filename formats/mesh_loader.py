@@ -70,12 +70,14 @@ def open_weights(path) -> tuple[object, dict, object | None]:
 
     if is_transformers_dir(path):
         opened = open_streamed(path)
-        return (read_spec(path), hf_meta(path), None) if opened is None else (opened[0], hf_meta(path, opened[1]),
-                                                                              opened[1])
+        if opened is None:
+            return read_spec(path), hf_meta(path), None
+        spec, weights = opened
+        return spec, hf_meta(path, weights), weights
     if is_hf_dir(path):
         cfg, weights = open_hf(path)
         # A one-expert gpt-oss directory maps onto the dense preset by a conversion (`import --dense`).
-        return cfg, hf_meta(path, weights), weights if cfg.is_moe else None
+        return cfg, hf_meta(path, weights), (weights if cfg.is_moe else None)
     return open_checkpoint(path)
 
 

@@ -1,5 +1,5 @@
-import importlib
 import os
+import runpy
 import sys
 
 import pytest
@@ -13,12 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # tests/startup/sitecustomize.py (the garbage collector's thresholds) in this process, and at the
 # start of every process the tests start: pytest-xdist's workers and the subprocesses inherit it.
-STARTUP = os.path.join(ROOT, "tests", "startup")
-if STARTUP not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP, os.environ.get("PYTHONPATH")) if p)
-sys.path.insert(0, STARTUP)
-importlib.import_module("sitecustomize")
-sys.path.remove(STARTUP)
+from tests.worker_env import STARTUP  # noqa: E402
+
+if str(STARTUP) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(STARTUP), os.environ.get("PYTHONPATH")) if p)
+runpy.run_path(str(STARTUP / "sitecustomize.py"))
 # One persistent compilation cache for the whole suite, inherited by every subprocess a test starts
 # (the variables are JAX's own): a program that another test (or process) already compiled is
 # loaded instead of compiled again. Kept in the checkout (git-ignored), so a fresh clone starts

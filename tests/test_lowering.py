@@ -101,30 +101,11 @@ def test_lowered_update_matches_eager_with_wide_expert_matrices():
         assert rel_err(params[n], to_numpy(p)) < 1e-5, n
 
 
-def test_one_full_step_matches_eager(setup):
-    """Gradients and update both lowered. Adam's first step is sign-like (g / (|g| + eps)), so a
-    zero-initialised bias whose gradient entries sit near eps shows its gradient's last-bit
-    noise in full; the whole parameter vector is held to 1e-5 and every tensor to 1e-3."""
-    cfg, model, tokens, step = setup
-    eager = copy.deepcopy(model)
-    optimizer = MuonAdamW(eager, step.opt_cfg)
-    eager_grads(eager, tokens)
-    optimizer.step()
-    state, metrics = step(step.init_state(), tokens.numpy()[None])
-    names = [n for n, _ in eager.named_parameters()]
-    expected = {n: to_numpy(p) for n, p in eager.named_parameters()}
-    flat = lambda d: np.concatenate([np.asarray(d[n], np.float64).ravel() for n in names])
-    assert rel_err(flat(state.params), flat(expected)) < 1e-5
-    errors = {n: rel_err(state.params[n], expected[n]) for n in names}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-3, f"parameter {worst} after one step differs: rel err {errors[worst]:.2e}"
-    assert rel_err(metrics["grad_norm"], optimizer.last_stats["grad_norm"].item()) < 1e-4
-
-
 def assert_same_parameters(got, want, *, vector: float, tensor: float = 1e-4):
-    """Two compiled programs of one step: the whole parameter vector within `vector`, each tensor
-    within `tensor`. Adam's first step is sign-like (test above): a zero-initialised bias whose
-    gradient sits near eps turns the programs' last-bit differences into ~1e-5 relative."""
+    """Parameters after one step against another computation of it: the whole parameter vector
+    within `vector`, each tensor within `tensor`. Adam's first step is sign-like (g / (|g| + eps)):
+    a zero-initialised bias whose gradient entries sit near eps shows their last-bit differences
+    in full (~1e-5 relative between two compiled programs of the step)."""
     names = sorted(want)
     flat = lambda d: np.concatenate([np.asarray(d[n], np.float64).ravel() for n in names])
     assert sorted(got) == names
@@ -132,6 +113,20 @@ def assert_same_parameters(got, want, *, vector: float, tensor: float = 1e-4):
     errors = {n: rel_err(got[n], want[n]) for n in names}
     worst = max(errors, key=errors.get)
     assert errors[worst] < tensor, f"{worst} differs: rel err {errors[worst]:.2e}"
+
+
+def test_one_full_step_matches_eager(setup):
+    """Gradients and update both lowered; against eager the whole parameter vector is held to 1e-5
+    and every tensor to 1e-3 (Adam's sign-like first step: assert_same_parameters)."""
+    cfg, model, tokens, step = setup
+    eager = copy.deepcopy(model)
+    optimizer = MuonAdamW(eager, step.opt_cfg)
+    eager_grads(eager, tokens)
+    optimizer.step()
+    state, metrics = step(step.init_state(), tokens.numpy()[None])
+    assert_same_parameters(state.params, {n: to_numpy(p) for n, p in eager.named_parameters()}, vector=1e-5,
+                           tensor=1e-3)
+    assert rel_err(metrics["grad_norm"], optimizer.last_stats["grad_norm"].item()) < 1e-4
 
 
 def test_gradients_then_the_update_alone_equal_the_full_step(setup):

@@ -5,8 +5,9 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The repository, then tests/startup (its sitecustomize sets the suite's garbage-collector thresholds).
-PYTHONPATH = f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'startup'}"
+# Its sitecustomize sets the suite's garbage-collector thresholds in every process (tests/conftest.py).
+STARTUP = ROOT / "tests" / "startup"
+PYTHONPATH = f"{ROOT}{os.pathsep}{STARTUP}"
 SHARED = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
           "JAX_COMPILATION_CACHE_MAX_SIZE", "OMP_NUM_THREADS")
 
