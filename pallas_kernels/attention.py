@@ -69,6 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import index_math as ix
 from pallas_kernels.cost import cost_estimate
 from pallas_kernels.lanes import LANES, lanes_to_row
 from pallas_kernels.platform import (KernelMode, check_platform, dot_precision, kernel_mode, precision_name,
@@ -134,37 +135,25 @@ class _Cfg:
 
 
 # ---- block ranges: which kv blocks a q block needs, and which q blocks a kv block feeds ---------
-# One implementation for Python ints (grid sizing) and traced int32 scalars (index_maps, kernels);
-# lax.div, not //, because floor division lowers to `sign`, which Mosaic index_maps cannot lower.
-
-def _div(a, b):
-    return a // b if isinstance(a, int) else lax.div(a, b)
-
-
-def _max(a, b):
-    return max(a, b) if isinstance(a, int) else jnp.maximum(a, b)
-
-
-def _min(a, b):
-    return min(a, b) if isinstance(a, int) else jnp.minimum(a, b)
-
+# One implementation for Python ints (grid sizing), NumPy arrays (cost estimates) and traced int32
+# scalars (index_maps, kernels): pallas_kernels/index_math.py.
 
 def _kv_range(i, cfg: _Cfg):
     """First and last kv block seen by q block i (keys q_first-W+1 .. q_last)."""
     q_first = i * cfg.block_q
-    hi = _div(q_first + cfg.block_q - 1, cfg.block_kv)
+    hi = ix.div(q_first + cfg.block_q - 1, cfg.block_kv)
     if cfg.window == 0:
         return 0 * hi, hi
-    return _div(_max(q_first - cfg.window + 1, 0), cfg.block_kv), hi
+    return ix.div(ix.maximum(q_first - cfg.window + 1, 0), cfg.block_kv), hi
 
 
 def _q_range(j, cfg: _Cfg):
     """First and last q block that sees kv block j (queries k_first .. k_last+W-1)."""
     k_first = j * cfg.block_kv
-    lo = _div(k_first, cfg.block_q)
+    lo = ix.div(k_first, cfg.block_q)
     if cfg.window == 0:
         return lo, 0 * lo + (cfg.nq - 1)
-    return lo, _div(_min(k_first + cfg.block_kv + cfg.window - 2, cfg.padded_len - 1), cfg.block_q)
+    return lo, ix.div(ix.minimum(k_first + cfg.block_kv + cfg.window - 2, cfg.padded_len - 1), cfg.block_q)
 
 
 def _kv_steps(cfg: _Cfg) -> int:
@@ -508,7 +497,7 @@ def _kv_block(cfg: _Cfg, bi, i, j, bounds):
     lo, hi = _kv_range(i, cfg)
     if bounds:
         lo = bounds[0][bi, i]
-    return jnp.minimum(lo + j, hi)
+    return ix.minimum(lo + j, hi)
 
 
 def _kv_stream_specs(cfg: _Cfg, d: int):
@@ -580,13 +569,13 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
         lo, hi = _q_range(j, cfg)
         if bounds:
             hi = bounds[1][bi, j]
-        return jnp.minimum(lo + lax.rem(t, q_steps), hi)
+        return ix.minimum(lo + ix.rem(t, q_steps), hi)
 
     def gq_map(bi, h, j, t, *bounds):   # query head h * group + t // q_steps of kv head h
-        return bi, h * group + lax.div(t, q_steps), qb_of(bi, j, t, bounds), 0
+        return bi, h * group + ix.div(t, q_steps), qb_of(bi, j, t, bounds), 0
 
     def grow_map(bi, h, j, t, *bounds):
-        return bi, h * group + lax.div(t, q_steps), 0, qb_of(bi, j, t, bounds)
+        return bi, h * group + ix.div(t, q_steps), 0, qb_of(bi, j, t, bounds)
 
     k_map = lambda bi, h, j, t, *_: (bi, h, j, 0)
     # The transposed tile's rows are keys, its columns queries.
@@ -735,8 +724,8 @@ def _gpu_forward(cfg: _Cfg, q, k, v, sinks, segs=None):
         _gpu_segmented(kernel, 4) if segs else kernel,
         grid=(b, hq, cfg.nq),
         in_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0)),
-                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, lax.div(h, group), 0, 0)),
-                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, lax.div(h, group), 0, 0)),
+                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, ix.div(h, group), 0, 0)),
+                  pl.BlockSpec((None, None, tp, d), lambda bi, h, i: (bi, ix.div(h, group), 0, 0)),
                   pl.BlockSpec((None, bq), lambda bi, h, i: (h, 0)), *seg_specs],
         out_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0)),
                    pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i))],
@@ -752,7 +741,7 @@ def _gpu_backward(cfg: _Cfg, q, k, v, do, lse, delta, segs=None):
     bq, bkv = cfg.block_q, cfg.block_kv
     prec = dot_precision(q.dtype)
     blk = lambda bi, h, i: (bi, h, i, 0)
-    kv_full = lambda bi, h, i: (bi, lax.div(h, group), 0, 0)
+    kv_full = lambda bi, h, i: (bi, ix.div(h, group), 0, 0)
     dq_kernel = functools.partial(_gpu_dq_kernel, cfg=cfg, precision=prec)
     dq_seg_specs, dq_seg_args = _gpu_segment_inputs(segs and (segs[0], segs[2]), bq, lambda bi, h, i: i)
     dq = pl.pallas_call(

@@ -26,6 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import index_math as ix
 from pallas_kernels.cost import cost_estimate
 from pallas_kernels.platform import KernelMode, dot_precision, kernel_mode, precision_name, with_matmul_precision
 
@@ -110,28 +111,29 @@ class GroupMetadata(NamedTuple):
     num_active: jax.Array  # [1] int32: work items that do real work
 
 
-def group_metadata(group_sizes, num_tiles: int, tm: int, *, visit_empty: bool = False) -> GroupMetadata:
+def group_metadata(group_sizes, num_tiles: int, tm: int, *, visit_empty: bool = False, xp=jnp) -> GroupMetadata:
     """Work items in (expert, tile) order. `visit_empty` gives each empty group one item (the
-    transposed GEMM must still write that expert's zero gradient)."""
-    gs = group_sizes.astype(jnp.int32)
+    transposed GEMM must still write that expert's zero gradient). `xp` is jax.numpy inside a
+    program, or NumPy for sizes known on the host (no tiny programs compiled per op)."""
+    gs = group_sizes.astype(xp.int32)
     num_groups = gs.shape[0]
     num_items = num_tiles + num_groups - 1
-    ends = jnp.cumsum(gs)
+    ends = xp.cumsum(gs)
     starts = ends - gs
-    first = jnp.minimum(starts // tm, num_tiles - 1)   # an empty group at row M may point past the end
+    first = xp.minimum(starts // tm, num_tiles - 1)   # an empty group at row M may point past the end
     last = (ends - 1) // tm
-    counts = jnp.where(gs > 0, last - first + 1, 1 if visit_empty else 0)
-    cum = jnp.cumsum(counts)
+    counts = xp.where(gs > 0, last - first + 1, 1 if visit_empty else 0)
+    cum = xp.cumsum(counts)
     num_active = cum[-1]
-    w = jnp.clip(jnp.arange(num_items, dtype=jnp.int32), 0, jnp.maximum(num_active - 1, 0))
-    gid = jnp.sum(w[:, None] >= cum[None, :], axis=1).astype(jnp.int32)
+    w = xp.clip(xp.arange(num_items, dtype=xp.int32), 0, xp.maximum(num_active - 1, 0))
+    gid = xp.sum(w[:, None] >= cum[None, :], axis=1)
     # first[gid] + (w - (cum - counts)[gid]) as a one-hot select over experts: the TPU compiler
     # turns a gather from an [E] vector into E scalar slices, each in its own 16 KiB slot of HBM
     # (0.6 MiB of temporaries at E = 16, more than the whole rest of the fused MoE keeps).
-    mine = gid[:, None] == jnp.arange(num_groups, dtype=jnp.int32)[None, :]
-    tile = jnp.sum(jnp.where(mine, first[None, :] - (cum - counts)[None, :], 0), axis=1) + w
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
-    return GroupMetadata(offsets, gid, tile.astype(jnp.int32), num_active[None].astype(jnp.int32))
+    mine = gid[:, None] == xp.arange(num_groups, dtype=xp.int32)[None, :]
+    tile = xp.sum(xp.where(mine, first[None, :] - (cum - counts)[None, :], 0), axis=1) + w
+    offsets = xp.concatenate([xp.zeros((1,), xp.int32), ends])
+    return GroupMetadata(*(a.astype(xp.int32) for a in (offsets, gid, tile, num_active[None])))
 
 
 def balanced_metadata(m: int, num_groups: int, tm: int, *, visit_empty: bool = False) -> GroupMetadata:
@@ -139,9 +141,7 @@ def balanced_metadata(m: int, num_groups: int, tm: int, *, visit_empty: bool = F
     first ones): the layout the fused kernels' static cost estimates assume (routing is data)."""
     sizes = np.full(num_groups, m // num_groups, np.int32)
     sizes[:m % num_groups] += 1
-    with jax.ensure_compile_time_eval():
-        return GroupMetadata(*(np.asarray(a) for a in group_metadata(jnp.asarray(sizes), -(-m // tm), tm,
-                                                                          visit_empty=visit_empty)))
+    return group_metadata(sizes, -(-m // tm), tm, visit_empty=visit_empty, xp=np)
 
 
 def round_up(a: int, b: int) -> int:
@@ -358,7 +358,7 @@ def _live_tile(w, j, num_active, nj: int):
     """The I tile an index map gives work item w at step j: j while w does work; for the spare
     items past the last active one (they compute nothing), the last tile, which the last active
     item left in VMEM: no expert weights are streamed for them."""
-    return jnp.where(w < num_active[0], j, nj - 1)
+    return ix.where(w < num_active[0], j, nj - 1)
 
 
 def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):

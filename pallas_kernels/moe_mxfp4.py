@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import index_math as ix
 from pallas_kernels.cost import cost_estimate
 from pallas_kernels.moe import (GPU_HINT, GroupMetadata, balanced_metadata, fit_tile, group_metadata,
                                 moe_experts_reference, moe_experts_xla, round_up, store_rows)
@@ -222,8 +223,8 @@ def _step(w, s, num_active, first: int, count: int):
     """The tile a phase's index map gives work item w at grid step s: the phase [first,
     first + count) walks its tiles; outside it the map holds the nearest end, so nothing is
     fetched again. Spare items past the last active one hold the last tile (nothing streamed)."""
-    live = jnp.clip(s - first, 0, count - 1)
-    return jnp.where(w < num_active[0], live, count - 1)
+    live = ix.clip(s - first, 0, count - 1)
+    return ix.where(w < num_active[0], live, count - 1)
 
 
 def _specs(cfg: _MxConfig, hdim: int, idim: int, *, up_first: int, down_first: int):

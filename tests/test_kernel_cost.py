@@ -37,3 +37,61 @@ def test_a_squeezed_dimension_counts_one_element_and_a_bad_rank_is_refused():
     assert operand_bytes(rows, (3, 2)) == 3 * 200 * 4                 # 128 + 72 per row
     with pytest.raises(ValueError, match="block shape"):
         operand_bytes(Operand(pl.BlockSpec((4,), lambda i: (i,)), (4, 4), jnp.float32), (1,))
+
+
+def test_index_math_on_numpy_gives_what_lax_gives_the_kernels():
+    """The cost estimates run index maps on NumPy grid indices; the kernels run them on traced
+    int32 scalars. Both must name the same blocks, negative operands included (lax.div and
+    lax.rem truncate toward zero)."""
+    import numpy as np
+    from jax import lax
+
+    from pallas_kernels import index_math as ix
+
+    a = np.arange(-9, 10, dtype=np.int32)
+    for b in (1, 3, 4):
+        np.testing.assert_array_equal(ix.div(a, b), lax.div(jnp.asarray(a), b))
+        np.testing.assert_array_equal(ix.rem(a, b), lax.rem(jnp.asarray(a), b))
+    np.testing.assert_array_equal(ix.minimum(a, 2), jnp.minimum(jnp.asarray(a), 2))
+    np.testing.assert_array_equal(ix.maximum(a, -2), jnp.maximum(jnp.asarray(a), -2))
+    np.testing.assert_array_equal(ix.clip(a, -1, 3), jnp.clip(jnp.asarray(a), -1, 3))
+    np.testing.assert_array_equal(ix.where(a > 0, a, 7), jnp.where(jnp.asarray(a) > 0, jnp.asarray(a), 7))
+    assert ix.div(-7, 2) == -4 and ix.minimum(3, 5) == 3        # Python ints (grid sizes): Python's own
+    for name in ("div", "rem", "minimum", "maximum", "clip", "where"):   # the host path never returns JAX
+        args = (a > 0, a, 1) if name == "where" else (a, 1, 2) if name == "clip" else (a, 2)
+        assert isinstance(getattr(ix, name)(*args), np.ndarray), name
+
+
+def test_tracing_a_pallas_train_step_compiles_nothing():
+    """Every kernel's cost estimate is evaluated while a step is traced. Done with JAX ops, each op
+    compiled a small program of its own (74 of them, 1.4 s, in a 2-layer step's trace when this
+    broke); in NumPy none is compiled."""
+    import jax
+    import numpy as np
+    import torch
+
+    from jax_bridge.step import StepConfig, TrainStep
+    from torch_model.config import get_preset
+    from torch_model.model import GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = get_preset("tiny").replace(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, expert_dim=32,
+                                     sliding_window=16, max_seq_len=64)
+    step = TrainStep(GptOssForCausalLM(cfg), step_cfg=StepConfig(kernels="pallas"))
+    state = step.init_state()
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 2, 65)).astype(np.int32)
+    # Placing the batch and the learning-rate scale each compile a small program once, outside tracing.
+    step.place_batch(tokens, 1)
+    jax.numpy.asarray(1.0, jax.numpy.float32)
+    compiled = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        step.lower(state, tokens)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == [], f"tracing the step compiled {len(compiled)} programs ({sum(compiled):.2f} s)"

@@ -136,6 +136,10 @@ def test_group_metadata_enumerates_tile_expert_pairs():
         num_tiles = -(-m // tm)
         for visit_empty in (False, True):
             meta = jax.tree.map(np.asarray, meta_fn(jnp.asarray(gs), num_tiles, tm, visit_empty=visit_empty))
+            # The host's NumPy version (the cost estimates' layout) gives the same items.
+            on_host = group_metadata(np.asarray(gs), num_tiles, tm, visit_empty=visit_empty, xp=np)
+            for field, a, b in zip(meta._fields, meta, on_host):
+                assert b.dtype == np.int32 and np.array_equal(a, b), f"{field}: NumPy {b} vs JAX {a}"
             starts = np.concatenate([[0], np.cumsum(gs)])
             want = []
             for g in range(e):
