@@ -22,9 +22,6 @@ import numpy as np
 from formats.errors import UserError
 
 
-MODULES_TO_SAVE = "modules_to_save"      # peft's trained copy of a module (the head), beside the frozen original
-
-
 class StepWeights:
     """A source read under a model's parameter names: LoRA adapters, and a trained copy of a module
     that the host model holds (a LoRA checkpoint's head), from the host model; every other
@@ -32,14 +29,14 @@ class StepWeights:
     LoRA run makes it, starts from the base)."""
 
     def __init__(self, weights, model, where: str):
-        from torch_model.lora import base_parameter_of
+        from torch_model.lora import base_parameter_of, is_trained_copy
 
         self.weights, self.where = weights, where
         self.host: dict = {}
         self.base_of: dict[str, str] = {}
         for name, p in model.named_parameters():
             base, role = base_parameter_of(name)
-            if role is not None or (f".{MODULES_TO_SAVE}." in name and not p.is_meta):
+            if role is not None or (is_trained_copy(name) and not p.is_meta):
                 if p.is_meta:
                     raise UserError(f"{where}: adapter {name} has no values (initialise adapters before loading)")
                 self.host[name] = p

@@ -19,11 +19,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from torch_model.lora import ADAPTER_NAME, base_parameter_of, is_adapter_parameter
+from torch_model.lora import base_parameter_of, is_adapter_parameter, is_trained_copy, original_of
 from torch_model.preference import METRICS, PreferenceConfig, pair_view
 
 REFERENCE_FIELD = "reference"
-_SAVED = f".modules_to_save.{ADAPTER_NAME}."
 
 
 def segment_counts(tokens: dict):
@@ -51,14 +50,14 @@ def reference_params(params: dict) -> dict:
     for name, value in params.items():
         if is_adapter_parameter(name) and base_parameter_of(name)[1] == "B":
             value = jnp.zeros_like(value)
-        elif _SAVED in name:
-            value = params[name.replace(_SAVED, ".original_module.")]
+        elif is_trained_copy(name):
+            value = params[original_of(name)]
         out[name] = value
     return out
 
 
 def has_adapters(names) -> bool:
-    return any(is_adapter_parameter(n) or _SAVED in n for n in names)
+    return any(is_adapter_parameter(n) or is_trained_copy(n) for n in names)
 
 
 class PreferenceObjective:

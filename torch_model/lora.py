@@ -26,6 +26,9 @@ TARGET_GROUPS = {"all-linear": ATTENTION_PROJECTIONS, "attention": ATTENTION_PRO
 ADAPTER_NAME = "default"
 PEFT_PREFIX = "base_model.model."         # what PeftModel puts before the wrapped model's names
 _ADAPTER = re.compile(r"(?P<module>.+)\.lora_(?P<role>[AB])\." + ADAPTER_NAME + r"\.weight")
+# peft's trained copy of a `modules_to_save` module, and the frozen original it keeps beside it.
+TRAINED_COPY = f".modules_to_save.{ADAPTER_NAME}"
+ORIGINAL_COPY = ".original_module"
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def apply_lora(model, spec: LoraSpec):
                           "B A to its dense weights, which an MXFP4 base does not hold; adapt attention "
                           "(targets=attention) or load the base in bf16")
     unknown = [t for t in (*spec.target_modules, *spec.modules_to_save)
-               if not any(name.endswith("." + t) or name == t for name, _ in model.named_modules())]
+               if not any(module_named(name, t) for name, _ in model.named_modules())]
     if unknown:
         raise ConfigError(f"--lora: targets {', '.join(unknown)} match no module of the model "
                           f"(choose from all-linear, attention, experts, {', '.join(ATTENTION_PROJECTIONS)})")
@@ -142,7 +145,7 @@ def _host_shells(model, modules_to_save: tuple[str, ...]):
     import torch
 
     kept = {id(p) for name, module in model.named_modules()
-            if any(name == m or name.endswith("." + m) for m in modules_to_save) for p in module.parameters()}
+            if any(module_named(name, m) for m in modules_to_save) for p in module.parameters()}
     shells, places = {}, []            # id(meta parameter) -> its shell (a tied one shared); where
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -175,7 +178,7 @@ def base_parameter_of(name: str) -> tuple[str, str | None]:
     name = name.removeprefix(PEFT_PREFIX)
     found = _ADAPTER.fullmatch(name)
     if found is None:
-        for wrapper in (".base_layer", f".modules_to_save.{ADAPTER_NAME}", ".original_module"):
+        for wrapper in (".base_layer", TRAINED_COPY, ORIGINAL_COPY):
             name = name.replace(wrapper, "")
         return name, None
     module = found["module"]
@@ -219,9 +222,29 @@ def is_adapter_parameter(name: str) -> bool:
     return _ADAPTER.fullmatch(name) is not None
 
 
+def is_trained_copy(name: str) -> bool:
+    """Whether `name` is a parameter of peft's trained copy of a `modules_to_save` module."""
+    return TRAINED_COPY + "." in name
+
+
+def trained_copy_name(module: str, parameter: str) -> str:
+    """peft's name of `module.parameter` in the trained copy (e.g. the head's)."""
+    return f"{module}{TRAINED_COPY}.{parameter}"
+
+
+def original_of(name: str) -> str:
+    """The frozen original's name of a trained copy's parameter (the base's values)."""
+    return name.replace(TRAINED_COPY + ".", ORIGINAL_COPY + ".")
+
+
+def module_named(path: str, wanted: str) -> bool:
+    """Whether the module at `path` is one a spec names `wanted` (the whole path or its tail), as
+    peft matches target_modules and modules_to_save."""
+    return path == wanted or path.endswith("." + wanted)
+
+
 def is_adapted(model) -> bool:
-    return any(is_adapter_parameter(name) or f".modules_to_save.{ADAPTER_NAME}." in name
-               for name, _ in model.named_parameters())
+    return any(is_adapter_parameter(name) or is_trained_copy(name) for name, _ in model.named_parameters())
 
 
 @contextlib.contextmanager

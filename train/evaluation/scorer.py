@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from torch_model.lora import ADAPTER_NAME, tracing_scope
+from torch_model.lora import tracing_scope, trained_copy_name
 from formats.errors import UserError
 from train.evaluation.requests import (GenerationRequest, GenerationResult, Loglikelihood, LoglikelihoodRequest,
                                        window)
@@ -107,7 +107,7 @@ class CompiledScorer:
         self.layout = LayerLayout.for_config(cfg, scan_layers)
         self.forward = layered_forward(HiddenStates(model), self.layout, mesh=mesh)
         # A head trained whole by peft (modules_to_save) is read under its own name.
-        trained_head = f"lm_head.modules_to_save.{ADAPTER_NAME}.weight"
+        trained_head = trained_copy_name("lm_head", "weight")
         self.head_name = trained_head if trained_head in dict(model.named_parameters()) else "lm_head.weight"
         self.compilations: list[Compilation] = []
         self._programs: dict[tuple, object] = {}
