@@ -56,10 +56,6 @@ def reference_params(params: dict) -> dict:
     return out
 
 
-def has_adapters(names) -> bool:
-    return any(is_adapter_parameter(n) or is_trained_copy(n) for n in names)
-
-
 class PreferenceObjective:
     """loss(params, tokens, denominator, router_loss_scale) -> (loss, metrics) for the step.
     `answer_forward(params, *args)` is the model's `answer_logps` as a JAX function (the step's

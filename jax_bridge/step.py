@@ -21,7 +21,7 @@ from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform
-from torch_model.lora import tracing_scope, unwrap
+from torch_model.lora import is_adapted, tracing_scope, unwrap
 from torch_model.causal_lm import keeps_float32, linear_expert_stacks
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 from torch_model.policy_gradient import PolicyGradientConfig
@@ -186,10 +186,9 @@ class TrainStep:
         if step_cfg.preference is not None:
             # The reference: a LoRA model's own parameters with the adapters off; otherwise
             # log-probabilities precomputed once, given with each batch.
-            names = [n for n, _ in model.named_parameters()]
             self.objective = preference.PreferenceObjective(
                 step_cfg.preference, self._answer_forward(remat=step_cfg.remat, mesh=mesh),
-                "adapters" if preference.has_adapters(names) else "batch")
+                "adapters" if is_adapted(model) else "batch")
             self._jitted_answers = jax.jit(lambda p, t, f: self.objective.answer_sums({**p, **f}, t)[0])
         if step_cfg.policy_gradient is not None:
             self.objective = policy_gradient.PolicyGradientObjective(
