@@ -349,10 +349,13 @@ class Decoder:
             return fn.lower(*args).compile(self.compiler_options)
         return self._compiled("prefill", (batch, prompt, length, mode, n_stop, repeat), build)
 
+    def decode_programs(self) -> dict:
+        """{bucket: compiled program} of each decode loop compiled so far."""
+        return {bucket: program for (kind, bucket), program in self._programs.items() if kind == "decode"}
+
     def decode_collectives(self) -> dict:
         """{bucket: loop_collectives(program)} of each compiled decode program."""
-        return {bucket: loop_collectives(program) for (kind, bucket), program in self._programs.items()
-                if kind == "decode"}
+        return {bucket: loop_collectives(program) for bucket, program in self.decode_programs().items()}
 
     def decode_program(self, batch: int, length: int, mode: SamplingMode, n_stop: int, state_spec):
         def build():
