@@ -43,10 +43,10 @@ def mix_experts(grouped: Callable, x, experts, weights, *stacks, first_expert=No
     if first_expert is not None:                  # other experts' rows sort last, past the groups
         key = key - first_expert
         key = jnp.where((key >= 0) & (key < e_local), key, e_local)
-    order = jnp.argsort(key, stable=True)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
     group_sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    sorted_rows = x[order // k]
+    copies = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)).reshape(rows, k)
+    sorted_rows = sort_rows(x, order, copies)
     live = None
     if first_expert is not None:
         # Rows past the groups are never computed by the kernels: mask both ways so nothing they
@@ -56,8 +56,65 @@ def mix_experts(grouped: Callable, x, experts, weights, *stacks, first_expert=No
     out = grouped(sorted_rows, group_sizes, *stacks, alpha=alpha, limit=limit, up_shift=up_shift)
     if live is not None:
         out = jnp.where(live, out, 0)
-    out = out[inverse].reshape(rows, k, -1)
-    return (out * weights[..., None].astype(out.dtype)).sum(1)
+    return combine_rows(out, weights, order, copies)
+
+
+# The two permutations around the kernels, with their transposes written out. Autodiff would
+# transpose a gather into a scatter-add, and a [R, k, H] array is a layout copy on TPU (its k rows
+# pad a tile). So rows move by gathers of [R, H] or [R k, H] only, one per copy, and the sums over
+# the k copies and the weighting are elementwise passes XLA fuses.
+# order [R k]: the flat (row, choice) index of each sorted row; copies [R, k]: where each row's
+# k copies sit in sorted order (the inverse permutation).
+
+def _sum_of_copies(rows, copies, scale=None):
+    """sum_j scale[:, j] * rows[copies[:, j]] over the k copies, one [R, H] gather each."""
+    total = None
+    for j in range(copies.shape[1]):
+        part = rows[copies[:, j]]
+        if scale is not None:
+            part = part * scale[:, j, None].astype(rows.dtype)
+        total = part if total is None else total + part
+    return total
+
+
+@jax.custom_vjp
+def sort_rows(x, order, copies):
+    """x [R, H] -> its k copies in sorted order [R k, H]: sorted[i] = x[order[i] // k]."""
+    return x[order // copies.shape[1]]
+
+
+def _sort_rows_fwd(x, order, copies):
+    return sort_rows(x, order, copies), (order, copies)
+
+
+def _sort_rows_bwd(residuals, d_sorted):
+    order, copies = residuals
+    return _sum_of_copies(d_sorted, copies), None, None
+
+
+sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
+
+
+@jax.custom_vjp
+def combine_rows(out, weights, order, copies):
+    """Sorted expert outputs [R k, H] back to token order, mixed: y[n] = sum_j weights[n, j] *
+    out[copies[n, j]] (in out's dtype)."""
+    return _sum_of_copies(out, copies, weights)
+
+
+def _combine_rows_fwd(out, weights, order, copies):
+    return combine_rows(out, weights, order, copies), (out, weights, order, copies)
+
+
+def _combine_rows_bwd(residuals, dy):
+    out, weights, order, copies = residuals
+    dy_sorted = dy[order // copies.shape[1]]                       # each sorted row's token's cotangent
+    d_out = dy_sorted * weights.reshape(-1)[order][:, None].astype(dy.dtype)
+    d_weights_sorted = (out * dy_sorted).sum(-1)                   # in sorted order, then back per copy
+    return d_out, d_weights_sorted[copies].astype(weights.dtype), None, None
+
+
+combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
 
 
 def routed_experts(grouped: Callable, *, mesh=None, mxfp4: bool = False):
