@@ -135,9 +135,12 @@ def newton_schulz(g: torch.Tensor, steps: int, coeffs, eps: float, dtype: torch.
     if dtype == torch.float32 and gram_form_is_cheaper(x.shape[-2], x.shape[-1], steps):
         x = _newton_schulz_on_gram(x, steps, a, b, c)
     else:
+        eye = torch.eye(x.shape[-2], dtype=x.dtype, device=x.device)
         for _ in range(steps):
             gram = x @ x.mT
-            x = a * x + (b * gram + c * gram @ gram) @ x
+            # a x + (b A + c A^2) x as one product: a separate a x + ... is a pass over x of its
+            # own (XLA does not fuse it into the matmul: three reads and writes of x per step).
+            x = (b * gram + c * gram @ gram + a * eye) @ x
     if transposed:
         x = x.mT
     return x.to(g.dtype)
@@ -162,16 +165,13 @@ def _newton_schulz_on_gram(x: torch.Tensor, steps: int, a: float, b: float, c: f
     multiplied once at the end. Equal to the plain form in exact arithmetic; in float32 its error
     against a float64 run is 1.3-1.5x the plain form's (BENCHMARKS.md, issue 12)."""
     gram = x @ x.mT
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     q = None
     for k in range(steps):
-        poly = b * gram + c * gram @ gram
-        if q is None:
-            q = poly + a * torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-        else:
-            q = a * q + poly @ q
+        factor = b * gram + c * gram @ gram + a * eye            # a I + B_k
+        q = factor if q is None else factor @ q
         if k + 1 < steps:
-            half = a * gram + poly @ gram
-            gram = a * half + poly @ half
+            gram = factor @ (factor @ gram)
     return q @ x
 
 
