@@ -129,3 +129,32 @@ def test_newton_schulz_gram_form_matches_the_plain_iteration(shape):
     assert gram_form_is_cheaper(m, n, 5) == (n / m >= 2.7)
     got = newton_schulz(g.float(), 5, (a, b, c), 1e-8, torch.float32)
     assert rel_err(got.double(), want) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (96, 64), (3, 32, 48)])   # not square: A = x x^T has another shape
+def test_newton_schulz_updates_the_iterate_by_products_only(shape):
+    """Each iteration's a x + B x is one product (a I + B) x: a separate elementwise pass over the
+    [m, n] iterate is memory traffic that XLA does not fuse into the matmul on TPU (BENCHMARKS.md,
+    issue 36, session 19: 11.8 ms of Lyra Small's v6e step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_model.optim import newton_schulz
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.ops.append((str(func), tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+            return out
+
+    g = torch.randn(*shape)
+    iterate = tuple(sorted(shape[-2:])) if len(shape) == 2 else shape      # the wide orientation
+    with Recorder() as rec:
+        newton_schulz(g, 5, OptimizerConfig().ns_coeffs, 1e-8, torch.float32)
+    elementwise = [f for f, s in rec.ops if s == iterate and f.split(".")[1] in ("add", "mul", "sub")]
+    products = [f for f, s in rec.ops if s == iterate and f.split(".")[1] in ("mm", "bmm")]
+    assert not elementwise, f"elementwise passes over the iterate: {elementwise}"
+    assert len(products) == 5
