@@ -577,7 +577,11 @@ DEFAULT_FUSED_TILES = {
     "tpu": (256, 512),
     "cpu": (128, 512),
 }
-_FUSED_VMEM_BUDGET = 40 * 2**20   # tiles are shrunk until the estimate fits (TPU only)
+# Tiles are shrunk until the estimate fits the budget (TPU only). The dW kernel re-reads x and dy
+# once per I tile, so its tile is worth the VMEM: at 56 MiB gpt-oss-20b's dW takes I in 9 tiles,
+# not 15 (71.6 instead of 88.2 ms per v6e step), Lyra Small's in one (BENCHMARKS.md, issue 36,
+# session 19; both compiled for v5e and v6e).
+_FUSED_VMEM_BUDGET = 56 * 2**20
 _FUSED_VMEM_CAP = 64 * 2**20      # vmem_limit_bytes never above this (v7x has 64 MiB per core)
 
 

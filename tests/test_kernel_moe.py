@@ -329,13 +329,14 @@ def test_megablox_pads_dims_without_a_128_divisor_on_tpu():
 def test_fused_tiling_fits_tpu_rules_and_vmem_budget():
     """Each kernel's I tile follows the block rules and its own VMEM estimate; the row kernels
     (forward, dx) keep all of I where it fits them even when the dW kernel's accumulators need
-    a smaller tile (Lyra Small's experts: I = 384 whole, dW 192), so they fetch an expert's
+    a smaller tile (H 2048, I 512: rows 512 whole, dW 256), so they fetch an expert's
     weights once per expert, not once per row tile."""
     from pallas_kernels.moe import (_FUSED_VMEM_BUDGET, _fused_rows_vmem_bytes, _fused_vmem_bytes,
                                     _resolve_fused_tiling)
 
     for m, h, i, dt in [(32768, 2048, 384, jnp.bfloat16), (32768, 2048, 384, jnp.float32),
-                        (4096, 2880, 2880, jnp.bfloat16), (37, 64, 48, jnp.bfloat16), (5000, 4096, 1000, jnp.bfloat16)]:
+                        (4096, 2880, 2880, jnp.bfloat16), (37, 64, 48, jnp.bfloat16), (5000, 4096, 1000, jnp.bfloat16),
+                        (32768, 2048, 512, jnp.bfloat16)]:
         tm, ti, ti_w, ip = _resolve_fused_tiling(None, None, "tpu", m, h, i, dt)
         for t in (ti, ti_w):
             assert tm % 16 == 0 and ip % t == 0 and (t == ip or t % 64 == 0) and ip >= i
@@ -343,7 +344,9 @@ def test_fused_tiling_fits_tpu_rules_and_vmem_budget():
         itemsize = jnp.dtype(dt).itemsize
         assert _fused_vmem_bytes(tm, h, ti_w, itemsize) <= _FUSED_VMEM_BUDGET
         assert _fused_rows_vmem_bytes(tm, h, ti, itemsize) <= _FUSED_VMEM_BUDGET and ti >= ti_w
-    assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 384, jnp.bfloat16) == (256, 384, 192, 384)
+    assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 384, jnp.bfloat16) == (256, 384, 384, 384)
+    assert _resolve_fused_tiling(None, None, "tpu", 16384, 2880, 2880, jnp.bfloat16) == (256, 320, 320, 2880)
+    assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 512, jnp.bfloat16) == (256, 512, 256, 512)
     assert _resolve_fused_tiling(None, 128, "tpu", 32768, 2048, 384, jnp.bfloat16)[1:3] == (128, 128)   # explicit
 
 
