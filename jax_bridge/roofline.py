@@ -291,8 +291,12 @@ def collect_ops(text: str, cost_fn) -> tuple[list[Op], list[str], list[str]]:
                         first = str(e).strip().splitlines()[0][:120]
                         unpriced.append(f"{ins.name}/{inner.name} ({inner.opcode}: {first})")
                         continue
-                    inner_bytes, inner_hbm = moved.get("bytes accessed", 0.0), hbm_bytes(inner, moved)
-                    inner_flops = moved.get("flops", 0.0)
+                    # Priced alone, a collective can move more than its fusion reads and writes (an
+                    # all-reduce-scatter fusion: the whole all-reduce's output); it is given at most
+                    # what the fusion has left, so the pieces still sum to the fusion.
+                    inner_bytes = min(moved.get("bytes accessed", 0.0), max(nbytes, 0.0))
+                    inner_hbm = min(hbm_bytes(inner, moved), max(hbm, 0.0))
+                    inner_flops = min(moved.get("flops", 0.0), max(flops, 0.0))
                     nbytes, hbm, flops = nbytes - inner_bytes, hbm - inner_hbm, flops - inner_flops
                     ops.append(Op(f"{ins.name}/{inner.name}", inner.opcode, "collectives", "",
                                   hlo.without_layouts(inner.shape), [hlo.without_layouts(o) for o in inner.operands],
