@@ -144,7 +144,7 @@ class Decoder:
         self.compute_dtype = (DEFAULT_COMPUTE_DTYPE[self.platform] if compute_dtype in (None, "auto")
                               else compute_dtype)
         self.matmul_precision = matmul_precision or default_matmul_precision(self.compute_dtype)
-        self.compiler_options = dict(compiler_options or {})
+        self.compiler_options = {**sharding.compiler_options(mesh), **(compiler_options or {})}
         self.mesh = mesh
         compute = COMPUTE_DTYPES[self.compute_dtype]
         if mesh is not None:
@@ -321,7 +321,8 @@ class Decoder:
 
         rows = self._sharding(True)
         put = jnp.asarray if rows is None else (lambda x: jax.device_put(x, rows))
-        return np.asarray(jax.jit(run)(self.params_for(layout), put(ids), put(positions)))
+        return np.asarray(jax.jit(run, compiler_options=self.compiler_options)(self.params_for(layout), put(ids),
+                                                                             put(positions)))
 
     # ---- compiled programs ----------------------------------------------------------------------
     def _compiled(self, program: str, bucket: tuple, build):

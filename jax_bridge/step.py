@@ -8,6 +8,7 @@ compute dtype, and get no gradient, optimizer state or update.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -183,21 +184,22 @@ class TrainStep:
         self.frozen: dict = {}
         self.trace_count = 0
         self.objective = None
+        jit = functools.partial(jax.jit, compiler_options=sharding.compiler_options(mesh))
         if step_cfg.preference is not None:
             # The reference: a LoRA model's own parameters with the adapters off; otherwise
             # log-probabilities precomputed once, given with each batch.
             self.objective = preference.PreferenceObjective(
                 step_cfg.preference, self._answer_forward(remat=step_cfg.remat, mesh=mesh),
                 "adapters" if is_adapted(model) else "batch")
-            self._jitted_answers = jax.jit(lambda p, t, f: self.objective.answer_sums({**p, **f}, t)[0])
+            self._jitted_answers = jit(lambda p, t, f: self.objective.answer_sums({**p, **f}, t)[0])
         if step_cfg.policy_gradient is not None:
             self.objective = policy_gradient.PolicyGradientObjective(
                 step_cfg.policy_gradient, self._answer_forward(remat=step_cfg.remat, mesh=mesh, method="token_logps"))
-            self._jitted_token_logps = jax.jit(lambda p, t: self.objective.token_logps(p, t)[0])
-        self._jitted = jax.jit(self._step, donate_argnums=(0,))
-        self._jitted_eval = jax.jit(self._eval)
-        self._jitted_grads = jax.jit(self._grads)
-        self._jitted_update = jax.jit(self._update, donate_argnums=(0, 2))
+            self._jitted_token_logps = jit(lambda p, t: self.objective.token_logps(p, t)[0])
+        self._jitted = jit(self._step, donate_argnums=(0,))
+        self._jitted_eval = jit(self._eval)
+        self._jitted_grads = jit(self._grads)
+        self._jitted_update = jit(self._update, donate_argnums=(0, 2))
 
     # ---- state --------------------------------------------------------------------------------
     def _check_frozen_stack(self) -> None:

@@ -1,7 +1,7 @@
 """Temporaries of compiled programs on a mesh of simulated CPU devices against one device (issue 34,
 BENCHMARKS "Every command loads slice by slice"): what XLA:CPU holds beside the parameters.
 
-    python scripts/mesh_temporaries.py step [--layers 2] [--dense] [--remat none] [--mesh fsdp=2]
+    python scripts/mesh_temporaries.py step [--layers 2] [--dense] [--remat none] [--mesh fsdp=2] [--default-scheduler]
     python scripts/mesh_temporaries.py decode [--layers 4] [--mesh fsdp=2]
 
 step: the LoRA train step (r=8, float32, scanned layers, kernels auto) of a model built on `meta`
@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--dense", action="store_true", help="step: a dense MLP of the experts' bytes")
     parser.add_argument("--remat", default="none", help="step: none | full | save-matmuls")
     parser.add_argument("--mesh", default="fsdp=2", help="the mesh compared against one device")
+    parser.add_argument("--default-scheduler", action="store_true",
+                        help="step: compile with XLA:CPU's default scheduler instead of the mesh's options "
+                             "(jax_bridge.sharding.compiler_options)")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -64,7 +67,8 @@ def step(args, mesh) -> str:
                            mesh=mesh)
     state = train_step.abstract_state()
     train_step.frozen = train_step.abstract_frozen()
-    memory = train_step.lower(state, np.zeros((1, 2, 65), np.int32)).compile().memory_analysis()
+    options = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_DEFAULT"} if args.default_scheduler else None
+    memory = train_step.lower(state, np.zeros((1, 2, 65), np.int32)).compile(options).memory_analysis()
     frozen = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in train_step.frozen.values())
     return (f"temporaries {memory.temp_size_in_bytes / MiB:.1f} MiB, arguments "
             f"{memory.argument_size_in_bytes / MiB:.1f} MiB per device; frozen weights {frozen / MiB:.1f} MiB in all")

@@ -90,6 +90,7 @@ def main(runs: list[str]) -> dict:
                                      zip(jax.tree.leaves(state), jax.tree.leaves(step.state_shardings(state)))),
         }
     out["update_memory"] = update_memory()
+    out["lora_step_memory"] = lora_step_memory()
     return out
 
 
@@ -106,6 +107,26 @@ def update_memory() -> dict:
     compiled = jax.jit(step.update).lower(state.params, state.params, state.opt_state, lr).compile()
     per_device = sum(np.prod(a.sharding.shard_shape(a.shape)) * 4 for a in jax.tree.leaves(state.params))
     return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "param_bytes_per_device": int(per_device)}
+
+
+def lora_step_memory() -> dict:
+    """Temporaries of a LoRA step compiled on fsdp=2 (2 layers of the small released directory's
+    shapes: hidden 2880, 4 experts of width 2880, 1.6 GiB of frozen float32 weights; built on
+    `meta`, compiled only) beside the frozen bytes (scripts/mesh_temporaries.py step)."""
+    from torch_model.lora import apply_lora, parse_lora_spec
+
+    cfg = get_preset("tiny").replace(n_layers=2, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=4,
+                                     experts_per_token=2, expert_dim=2880, vocab_size=32000, sliding_window=128,
+                                     max_seq_len=256)
+    with torch.device("meta"):
+        model = apply_lora(GptOssForCausalLM(cfg), parse_lora_spec("r=8,alpha=16"))
+    step = TrainStep(model, step_cfg=StepConfig(scan_layers=True, compute_dtype="float32"),
+                     mesh=sharding.make_mesh("fsdp=2", devices=jax.devices()[:2]))
+    state = step.abstract_state()
+    step.frozen = step.abstract_frozen()
+    compiled = step.lower(state, np.zeros((1, 2, 65), np.int32)).compile()
+    frozen = sum(math.prod(a.shape) * a.dtype.itemsize for a in step.frozen.values())
+    return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "frozen_bytes": frozen}
 
 
 def _split(spec, mesh) -> int:

@@ -118,7 +118,7 @@ class CompiledScorer:
             self.params = mesh_loader.place_model(model, weights, self.abstract_params(model), mesh, layout=self.layout)
         else:
             self.params = None if next(model.parameters()).is_meta else self._place(model)
-        self._jitted = jax.jit(self._score)
+        self._jitted = jax.jit(self._score, compiler_options=sharding.compiler_options(mesh))
         if share_contexts and mesh is not None:
             raise UserError("scorer: share_contexts is not built under a mesh (leave it unset there)")
         self.context_programs = None
