@@ -9,7 +9,7 @@ from jax import lax
 
 
 def _host(*xs) -> bool:
-    return all(isinstance(x, (int, np.integer, np.ndarray)) for x in xs)
+    return all(isinstance(x, (int, np.integer, np.bool_, np.ndarray)) for x in xs)
 
 
 def div(a, b):

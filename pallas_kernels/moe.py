@@ -266,7 +266,8 @@ def store_rows(out_ref, val, offsets, gids, tiles, w, tm: int, axis: int = 0):
 # on which way the hardware rotates.
 #
 # HBM traffic: x/dy row tiles are read once per I tile; weight blocks are re-fetched for every
-# work item when there are several I tiles (once per expert when ti = I). Rows are not padded:
+# work item when there are several I tiles (once per expert when ti = I), less the one block
+# consecutive items of an expert share at the turn of the forward's and dx's snake order. Rows are not padded:
 # the last row tile may overhang M (rows past M belong to no expert and are masked).
 # Megacore: forward and dx grids are sequential ('arbitrary'); the dW grid's I axis is parallel.
 
@@ -355,10 +356,13 @@ def _fused_params(cfg: _FusedConfig, semantics):
 
 
 def _live_tile(w, j, num_active, nj: int):
-    """The I tile an index map gives work item w at step j: j while w does work; for the spare
-    items past the last active one (they compute nothing), the last tile, which the last active
-    item left in VMEM: no expert weights are streamed for them."""
-    return ix.where(w < num_active[0], j, nj - 1)
+    """The I tile an index map gives work item w at step j, in snake order: even items walk the
+    tiles up, odd items down, so an item starts on the tile the previous one ended on, and when
+    both are the same expert's (an expert's rows span several row tiles) that weight block is not
+    fetched again. The spare items past the last active one (they compute nothing) stay on the
+    tile the last active item ended on: no expert weights are streamed for them."""
+    last_end = ix.where(ix.rem(num_active[0] - 1, 2) == 0, nj - 1, 0)
+    return ix.where(w < num_active[0], ix.where(ix.rem(w, 2) == 0, j, nj - 1 - j), last_end)
 
 
 def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):

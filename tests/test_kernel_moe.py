@@ -356,7 +356,9 @@ def test_fused_cost_estimates_count_the_expert_weights_each_row_tile_streams(blo
     assumption: 256 rows, 4 experts of 64 = 2 row tiles of 32 each; 8 tiles + 3 spare work items,
     which repeat the last active one). With two I tiles every active work item streams its
     expert's gate_up and down blocks (the weights are re-read per row tile; the spare items keep
-    the last block: nothing); with one I tile a block is copied only when the expert changes."""
+    the last block: nothing), except the block at the turn of the snake order, which an expert's
+    second item starts on where its first ended; with one I tile a block is copied only when the
+    expert changes."""
     m, h, i, e, tm = 256, 128, 256, 4, 32
     specs = moe_specs(m, h, i, e)
     fn = lambda x, gs, wu, bu, wd, bd: moe_experts_pallas(x, gs, wu, bu, wd, bd, platform="tpu", block_m=tm,  # noqa: E731
@@ -366,7 +368,8 @@ def test_fused_cost_estimates_count_the_expert_weights_each_row_tile_streams(blo
     nj, items, tiles = i // block_i, m // tm + e - 1, m // tm
     rows = m * h * 2                                              # x, dy, y, dx: bf16
     w1, b1, w2, b2 = e * h * 2 * i * 2, e * 2 * i * 2, e * i * h * 2, e * h * 2
-    streamed = (tiles if nj > 1 else e) * (w1 + b1 + w2) // e     # per active work item, or per expert
+    blocks = tiles * nj - (tiles - e)                             # per item and I tile, less each expert's turn
+    streamed = blocks * (w1 + b1 + w2) // (e * nj)
     prefetch = 4 * ((e + 1) + 2 * items + 1)                      # offsets, expert and tile ids, active
     assert tiles == 8 and calls["moe_fused_fwd"] == rows + streamed + b2 + rows + prefetch
     assert calls["moe_fused_dx"] == 2 * rows + streamed + rows + prefetch
