@@ -1,7 +1,7 @@
 """Temporaries of compiled programs on a mesh of simulated CPU devices against one device (issue 34,
 BENCHMARKS "Every command loads slice by slice"): what XLA:CPU holds beside the parameters.
 
-    python scripts/mesh_temporaries.py step [--layers 2] [--dense] [--remat none] [--mesh fsdp=2] [--default-scheduler]
+    python scripts/mesh_temporaries.py step [--layers 2] [--dense] [--remat none] [--mesh fsdp=2] [--default-scheduler] [--run]
     python scripts/mesh_temporaries.py decode [--layers 4] [--mesh fsdp=2]
 
 step: the LoRA train step (r=8, float32, scanned layers, kernels auto) of a model built on `meta`
@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--dense", action="store_true", help="step: a dense MLP of the experts' bytes")
     parser.add_argument("--remat", default="none", help="step: none | full | save-matmuls")
     parser.add_argument("--mesh", default="fsdp=2", help="the mesh compared against one device")
+    parser.add_argument("--run", action="store_true",
+                        help="step: also run it twice on constant weights made on the devices, sampling this "
+                             "process's RssAnon (the peak while it runs, and what stays held after)")
     parser.add_argument("--default-scheduler", action="store_true",
                         help="step: compile with XLA:CPU's default scheduler instead of the mesh's options "
                              "(jax_bridge.sharding.compiler_options)")
@@ -68,10 +71,50 @@ def step(args, mesh) -> str:
     state = train_step.abstract_state()
     train_step.frozen = train_step.abstract_frozen()
     options = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_DEFAULT"} if args.default_scheduler else None
-    memory = train_step.lower(state, np.zeros((1, 2, 65), np.int32)).compile(options).memory_analysis()
+    tokens = np.zeros((1, 2, 65), np.int32)
+    compiled = train_step.lower(state, tokens).compile(options)
+    memory = compiled.memory_analysis()
     frozen = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in train_step.frozen.values())
-    return (f"temporaries {memory.temp_size_in_bytes / MiB:.1f} MiB, arguments "
+    line = (f"temporaries {memory.temp_size_in_bytes / MiB:.1f} MiB, arguments "
             f"{memory.argument_size_in_bytes / MiB:.1f} MiB per device; frozen weights {frozen / MiB:.1f} MiB in all")
+    return line + (run_step(train_step, compiled, state, tokens) if args.run else "")
+
+
+def run_step(train_step, compiled, state, tokens) -> str:
+    """RssAnon of this process (sampled every 5 ms) while the compiled step runs twice on
+    constant weights made on their devices (no host copy), above what it held before."""
+    import threading
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    def filled(a, value):
+        return jax.jit(lambda: jnp.full(a.shape, value, a.dtype), out_shardings=a.sharding)()
+
+    train_step.frozen = {n: filled(a, 0.01) for n, a in train_step.frozen.items()}
+    state = jax.tree.map(lambda a: filled(a, 0), state)
+    tokens = train_step.place_batch(tokens, 1)
+    before, peak, done = rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    for _ in range(2):
+        state, metrics = compiled(state, tokens, jnp.float32(1.0), train_step.frozen)
+        jax.block_until_ready(metrics)
+    done.set()
+    sampler.join()
+    return (f"; running (this process, all its devices): peak {(peak[0] - before) / MiB:.0f} MiB above the weights, "
+            f"{(rss() - before) / MiB:.0f} MiB still held after")
 
 
 def decode(args, mesh) -> str:
