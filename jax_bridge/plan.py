@@ -448,7 +448,8 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_e
             mine = {"block_n": block_n, "block_v": block_v, **mine}
         elif (op, name) == ("moe", "pallas") and whole_experts and getattr(cfg, "experts_per_token", 0):
             mine = moe.fused_tiles(tokens * cfg.experts_per_token, cfg.d_model, cfg.expert_dim, jnp.bfloat16,
-                                   **{k: mine[k] for k in ("block_m", "block_i", "block_i_dw") if k in mine})
+                                   **{k: mine[k] for k in ("block_m", "block_i", "block_m_dw", "block_i_dw")
+                                      if k in mine})
         elif (op, name) == ("moe", "pallas"):
             block_m, block_i = moe.DEFAULT_FUSED_TILES["tpu"]
             mine = {"block_m": block_m, "block_i": block_i, "note": "before the VMEM-budget shrink", **mine}

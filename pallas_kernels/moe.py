@@ -144,6 +144,18 @@ def balanced_metadata(m: int, num_groups: int, tm: int, *, visit_empty: bool = F
     return group_metadata(sizes, -(-m // tm), tm, visit_empty=visit_empty, xp=np)
 
 
+def active_items(balanced: GroupMetadata) -> int:
+    """Work items that compute in an evenly routed batch's metadata: the spare items past them
+    skip their compute (`pl.when(active)`), so cost estimates count these only."""
+    return int(balanced.num_active[0])
+
+
+def active_item_flops(balanced: GroupMetadata, tm: int, hdim: int, idim: int, passes: int) -> int:
+    """Matmul FLOPs of `passes` [tm, H] x [H, I]-sized products per active work item of an evenly
+    routed batch (the up projection is 2 passes)."""
+    return active_items(balanced) * tm * hdim * idim * 2 * passes
+
+
 def round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
@@ -341,8 +353,9 @@ _NT = (((1,), (1,)), ((), ()))   # a @ b^T
 
 
 class _FusedConfig(NamedTuple):
-    tm: int
-    ti: int          # I tile of the row kernels (forward, dx)
+    tm: int          # row tile of the row kernels (forward, dx)
+    ti: int          # I tile of the row kernels
+    tm_w: int        # row tile of the dW kernel
     ti_w: int        # I tile of the dW kernel (its VMEM holds weight-sized accumulators)
     alpha: float
     limit: float
@@ -370,6 +383,7 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
     m, hdim = xp.shape
     tm, ti = cfg.tm, cfg.ti
     nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
+    balanced = balanced_metadata(m, w1.shape[0], tm)
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
     def kernel(offsets, gids, tiles, nact, x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, acc_ref):
@@ -407,9 +421,9 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
         compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
         name="moe_fused_fwd",
         cost_estimate=cost_estimate(grid, in_specs, (xp, w1, b1, w2, b2), out_spec, out_shape,
-                                    flops=num_items * tm * hdim * w2.shape[1] * 6,
-                                    transcendentals=num_items * tm * w2.shape[1] * 2,
-                                    prefetch=balanced_metadata(m, w1.shape[0], tm)),
+                                    flops=active_item_flops(balanced, tm, hdim, w2.shape[1], 3),
+                                    transcendentals=active_items(balanced) * tm * w2.shape[1] * 2,
+                                    prefetch=balanced),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, xp, w1, b1, w2, b2)
 
@@ -420,6 +434,7 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
     m, hdim = xp.shape
     tm, ti = cfg.tm, cfg.ti
     nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
+    balanced = balanced_metadata(m, w1.shape[0], tm)
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
     def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, acc_ref):
@@ -459,9 +474,9 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
         compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
         name="moe_fused_dx",
         cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), row, out_shape,
-                                    flops=num_items * tm * hdim * w2.shape[1] * 10,
-                                    transcendentals=num_items * tm * w2.shape[1] * 2,
-                                    prefetch=balanced_metadata(m, w1.shape[0], tm)),
+                                    flops=active_item_flops(balanced, tm, hdim, w2.shape[1], 5),
+                                    transcendentals=active_items(balanced) * tm * w2.shape[1] * 2,
+                                    prefetch=balanced),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, xp, dy, w1, b1, w2)
 
@@ -473,7 +488,8 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
     written once per I tile into its own copy (no block revisited out of order); copy 0 is used."""
     m, hdim = xp.shape
     num_groups = w1.shape[0]
-    tm, ti = cfg.tm, cfg.ti_w
+    tm, ti = cfg.tm_w, cfg.ti_w
+    balanced = balanced_metadata(m, num_groups, tm, visit_empty=True)
     nj, num_items = w2.shape[1] // ti, meta_all.group_ids.shape[0]
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
@@ -538,9 +554,9 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
         compiler_params=_fused_params(cfg, ("parallel", "arbitrary")),
         name="moe_fused_dw",
         cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), out_specs, out_shape,
-                                    flops=num_items * tm * hdim * w2.shape[1] * 12,
-                                    transcendentals=num_items * tm * w2.shape[1] * 2,
-                                    prefetch=balanced_metadata(m, num_groups, tm, visit_empty=True)),
+                                    flops=active_item_flops(balanced, tm, hdim, w2.shape[1], 6),
+                                    transcendentals=active_items(balanced) * tm * w2.shape[1] * 2,
+                                    prefetch=balanced),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta_all, xp, dy, w1, b1, w2)
     return dw1, db1, dw2, db2[0]
@@ -559,9 +575,8 @@ def _moe_fused_core_fwd(xp, group_sizes, w1, b1, w2, b2, cfg):
 
 def _moe_fused_core_bwd(cfg, res, dy):
     xp, group_sizes, w1, b1, w2, b2 = res
-    num_tiles = -(-xp.shape[0] // cfg.tm)
-    meta = group_metadata(group_sizes, num_tiles, cfg.tm)
-    meta_all = group_metadata(group_sizes, num_tiles, cfg.tm, visit_empty=True)
+    meta = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm), cfg.tm)
+    meta_all = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm_w), cfg.tm_w, visit_empty=True)
     dy = dy.astype(xp.dtype)
     dx = _fused_dx(meta, xp, dy, w1, b1, w2, cfg)
     dw1, db1, dw2, db2 = _fused_dw(meta_all, xp, dy, w1, b1, w2, cfg, bias1_dtype=b1.dtype, bias2_dtype=b2.dtype)
@@ -581,6 +596,12 @@ DEFAULT_FUSED_TILES = {
     "tpu": (256, 512),
     "cpu": (128, 512),
 }
+# The row kernels' row tile when I does not fit VMEM whole (TPU): they then stream an expert's
+# weights once per row tile, so fewer, taller tiles read them fewer times. gpt-oss-20b on v6e
+# (~512 rows per expert per chip): forward 93.7 -> 52.2 ms, dx 48.2 -> 35.5 ms (BENCHMARKS.md,
+# issue 36, session 20). The dW kernel keeps DEFAULT_FUSED_TILES' rows: its row tiles are
+# re-read once per I tile, and taller ones leave its weight-sized accumulators less VMEM.
+_TILED_I_ROWS_TPU = 512
 # Tiles are shrunk until the estimate fits the budget (TPU only). The dW kernel re-reads x and dy
 # once per I tile, so its tile is worth the VMEM: at 56 MiB gpt-oss-20b's dW takes I in 9 tiles,
 # not 15 (71.6 instead of 88.2 ms per v6e step), Lyra Small's in one (BENCHMARKS.md, issue 36,
@@ -609,59 +630,76 @@ def _fused_rows_vmem_bytes(tm: int, hdim: int, ti: int, itemsize: int) -> int:
     return blocks + 4 * tm * hdim + _fused_temps_bytes(tm, hdim, ti)
 
 
-def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, idim: int,
-                          dtype, block_i_dw: int | None = None) -> tuple[int, int, int, int]:
-    """(tm, ti of the row kernels, ti of the dW kernel, padded I). TPU block rules: the x/y/dx
-    blocks take H whole (always legal); a w1 block is [H, 2ti] and a w2 block [ti, H], so ti must
-    be I itself or a multiple of 64 (2ti a multiple of 128 lanes, ti of 16 sublanes). An I with
-    no such divisor <= the wanted tile is zero-padded to a multiple of 128 (a weight copy: only
-    in that case). Tiles given explicitly are kept (rounded to the rules): block_i for all three
-    kernels unless block_i_dw sets the dW kernel's. Defaults shrink to the VMEM budget: the dW
-    kernel's I tile (weight-sized accumulators) first, with tm, then the row kernels' I tile from
-    the same start with that tm. A row kernel whose I tile is all of I fetches an expert's
-    weights once per expert, not once per row tile."""
+def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, idim: int, dtype,
+                          block_i_dw: int | None = None,
+                          block_m_dw: int | None = None) -> tuple[int, int, int, int, int]:
+    """(tm, ti of the row kernels, tm_w, ti_w of the dW kernel, padded I). TPU block rules: the
+    x/y/dx blocks take H whole (always legal); a w1 block is [H, 2ti] and a w2 block [ti, H], so ti
+    must be I itself or a multiple of 64 (2ti a multiple of 128 lanes, ti of 16 sublanes). An I
+    with no such divisor <= the wanted tile is zero-padded to a multiple of 128 (a weight copy:
+    only in that case). Tiles given explicitly are kept (rounded to the rules): block_m and block_i
+    for all three kernels unless block_m_dw / block_i_dw set the dW kernel's. Defaults shrink to
+    the VMEM budget: the dW kernel's I tile (weight-sized accumulators) first, then its row tile.
+    The row kernels keep all of I where it fits (an expert's weights fetched once per expert);
+    where it does not, they take _TILED_I_ROWS_TPU rows and the I tile that fits beside them."""
     default_m, default_i = DEFAULT_FUSED_TILES["tpu" if platform == "tpu" else "cpu"]
-    want_m, want_i = block_m or default_m, block_i or default_i
+    want_i = block_i or default_i
     on_tpu = platform == "tpu"
     itemsize = jnp.dtype(dtype).itemsize
     sub = (16 if itemsize < 4 else 8) if on_tpu else 8
-    tm = max(sub, min(round_up(want_m, sub), round_up(m, sub)))
+
+    def rows(want: int) -> int:
+        return max(sub, min(round_up(want, sub), round_up(m, sub)))
+
+    tm, tm_w = rows(block_m or default_m), rows(block_m_dw or block_m or default_m)
     if not on_tpu:
-        return tm, fit_tile(idim, want_i, 8), fit_tile(idim, block_i_dw or want_i, 8), idim
+        return tm, fit_tile(idim, want_i, 8), tm_w, fit_tile(idim, block_i_dw or want_i, 8), idim
     ip = idim
     start = fit_tile(idim, want_i, 64)
     if start == idim and idim > want_i:
         ip = round_up(idim, 128)
         start = fit_tile(ip, want_i, 128)
-    # Shrink defaults to the VMEM budget: first ti (to multiples of 64 dividing ip), then tm.
-    fixed_w = block_i is not None or block_i_dw is not None
+    # The dW kernel: shrink its defaults to the budget, first ti_w (to multiples of 64 dividing ip), then tm_w.
+    fixed_i, fixed_m = block_i is not None or block_i_dw is not None, block_m is not None or block_m_dw is not None
     ti_w = fit_tile(ip, block_i_dw, 64) if block_i_dw is not None else start
-    while _fused_vmem_bytes(tm, hdim, ti_w, itemsize) > _FUSED_VMEM_BUDGET:
-        smaller = fit_tile(ip, ti_w - 64, 64) if ti_w > 64 and not fixed_w else ti_w
+    while _fused_vmem_bytes(tm_w, hdim, ti_w, itemsize) > _FUSED_VMEM_BUDGET:
+        smaller = fit_tile(ip, ti_w - 64, 64) if ti_w > 64 and not fixed_i else ti_w
         if smaller < ti_w:
             ti_w = smaller
-        elif tm > sub and block_m is None:
-            tm = max(sub, round_up(tm // 2, sub))
+        elif tm_w > sub and not fixed_m:
+            tm_w = max(sub, round_up(tm_w // 2, sub))
         else:
             break
+
+    def fits(tm: int, ti: int) -> bool:
+        return _fused_rows_vmem_bytes(tm, hdim, ti, itemsize) <= _FUSED_VMEM_BUDGET
+
     ti = start
-    while ti > 64 and block_i is None and _fused_rows_vmem_bytes(tm, hdim, ti, itemsize) > _FUSED_VMEM_BUDGET:
+    while ti > 64 and block_i is None and not fits(tm, ti):
         ti = fit_tile(ip, ti - 64, 64)
-    return tm, ti, ti_w, ip
+    if ti < ip and block_m is None:      # I tiled: weights streamed per row tile, so taller row tiles
+        tm, ti = rows(_TILED_I_ROWS_TPU), start
+        while ti > 64 and block_i is None and not fits(tm, ti):
+            ti = fit_tile(ip, ti - 64, 64)
+        while tm > sub and not fits(tm, ti):
+            tm = max(sub, round_up(tm // 2, sub))
+    return tm, ti, tm_w, ti_w, ip
 
 
 def fused_tiles(m: int, hdim: int, idim: int, dtype, platform: str = "tpu", block_m: int | None = None,
-                block_i: int | None = None, block_i_dw: int | None = None) -> dict:
+                block_i: int | None = None, block_i_dw: int | None = None, block_m_dw: int | None = None) -> dict:
     """The tiles `moe_experts_pallas` runs with for x [m, hdim] and experts of width idim (the
     defaults after their VMEM-budget shrink, or the options given): block_m, block_i (forward and
-    dx), block_i_dw (dW) and the padded I when it had to be padded."""
-    tm, ti, ti_w, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, dtype, block_i_dw)
-    return {"block_m": tm, "block_i": ti, "block_i_dw": ti_w, **({"padded_i": ip} if ip != idim else {})}
+    dx), block_m_dw, block_i_dw (dW) and the padded I when it had to be padded."""
+    tm, ti, tm_w, ti_w, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, dtype, block_i_dw,
+                                                   block_m_dw)
+    return {"block_m": tm, "block_i": ti, "block_m_dw": tm_w, "block_i_dw": ti_w,
+            **({"padded_i": ip} if ip != idim else {})}
 
 
 def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
                        limit: float = 7.0, up_shift: float = 1.0, platform: str, block_m: int | None = None,
-                       block_i: int | None = None, block_i_dw: int | None = None,
+                       block_i: int | None = None, block_i_dw: int | None = None, block_m_dw: int | None = None,
                        vmem_limit_bytes: int | None = None, interpret: str | None = None):
     """Fused Pallas expert MLP: per (row tile, expert) work item, up projection, clamped SwiGLU
     and down projection in one kernel; h [M, I] and the pre-activation [M, 2I] (or its gradient)
@@ -673,8 +711,9 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     generic interpreter; there is no GPU kernel. interpret: None, 'generic' or 'tpu' (the
     TPU-simulating interpreter: NaN-filled buffers, race detection; with platform 'tpu' it keeps
     the TPU tiling rules). block_m (rows per tile) and block_i (I tile): None -> per-platform
-    DEFAULT_FUSED_TILES, clipped to the problem and (TPU) to a VMEM budget; block_i_dw: the dW
-    kernel's own I tile (default: block_i, or its own VMEM budget's). vmem_limit_bytes:
+    DEFAULT_FUSED_TILES, clipped to the problem and (TPU) to a VMEM budget, the row kernels
+    taller where I is tiled (_resolve_fused_tiling); block_m_dw / block_i_dw: the dW kernel's own
+    tiles (default: block_m / block_i, or its own VMEM budget's). vmem_limit_bytes:
     the TPU kernels' scoped VMEM limit (default: from the tiles' estimate).
     Float32 inputs use HIGHEST precision, all matmuls accumulate in float32; outputs and
     gradients come back in the input dtypes.
@@ -685,13 +724,14 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     idim = two_i // 2
     if m == 0:
         return jnp.zeros_like(x)
-    tm, ti, ti_w, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, x.dtype, block_i_dw)
+    tm, ti, tm_w, ti_w, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, x.dtype, block_i_dw,
+                                                   block_m_dw)
     vmem = vmem_limit_bytes
     if platform == "tpu" and vmem is None:
         itemsize = jnp.dtype(x.dtype).itemsize
-        est = max(_fused_vmem_bytes(tm, hdim, ti_w, itemsize), _fused_rows_vmem_bytes(tm, hdim, ti, itemsize))
+        est = max(_fused_vmem_bytes(tm_w, hdim, ti_w, itemsize), _fused_rows_vmem_bytes(tm, hdim, ti, itemsize))
         vmem = int(min(_FUSED_VMEM_CAP, max(32 * 2**20, round_up(est * 5 // 4, 2**20))))
-    cfg = _FusedConfig(tm, ti, ti_w, float(alpha), float(limit), float(up_shift), mode, vmem)
+    cfg = _FusedConfig(tm, ti, tm_w, ti_w, float(alpha), float(limit), float(up_shift), mode, vmem)
     dtype = x.dtype
     w1, b1 = gate_up.astype(dtype), gate_up_bias.reshape(num_groups, 1, two_i)
     w2, b2 = down.astype(dtype), down_bias.reshape(num_groups, 1, hdim)

@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import index_math as ix
 from pallas_kernels.cost import cost_estimate
-from pallas_kernels.moe import (GPU_HINT, GroupMetadata, balanced_metadata, fit_tile, group_metadata,
+from pallas_kernels.moe import (GPU_HINT, GroupMetadata, active_item_flops, balanced_metadata, fit_tile, group_metadata,
                                 moe_experts_reference, moe_experts_xla, round_up, store_rows)
 from pallas_kernels.mxfp4 import (BLOCK, NORMAL_SCALES, dequantize_mxfp4, e2m1_bf16_bits, e2m1_bf16_bits_normal,
                                   normal_base)
@@ -257,13 +257,6 @@ def _params(cfg: _MxConfig):
     return pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=cfg.vmem_limit)
 
 
-def _weight_flops(balanced: GroupMetadata, tm: int, hdim: int, idim: int, passes: int) -> int:
-    """Matmul FLOPs of `passes` [tm, H] x [H, I]-sized products per active work item of an evenly
-    routed batch (the up projection is 2 passes). The decode's integer operations (VPU) are not
-    FLOPs and are not counted."""
-    return int(balanced.num_active[0]) * tm * hdim * idim * 2 * passes
-
-
 class _Dims(NamedTuple):
     m: int
     hdim: int
@@ -340,7 +333,8 @@ def _mx_forward(meta: GroupMetadata, x_halves, w1b, w1s, b1, w2b, w2s, b2, cfg: 
         compiler_params=_params(cfg),
         name="moe_mxfp4_fwd",
         cost_estimate=cost_estimate(grid, in_specs, (x_halves, w1b, w1s, b1, w2b, w2s, b2), out_spec, out_shape,
-                                    flops=_weight_flops(balanced, tm, hdim, idim, 3),
+                                    # the decode's integer operations (VPU) are not FLOPs: not counted
+                                    flops=active_item_flops(balanced, tm, hdim, idim, 3),
                                     transcendentals=int(balanced.num_active[0]) * tm * idim, prefetch=balanced),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, x_halves, w1b, w1s, b1, w2b, w2s, b2)
@@ -405,7 +399,7 @@ def _mx_dx(meta: GroupMetadata, x_halves, dy_t, w1b, w1s, b1, w2b, w2s, cfg: _Mx
         compiler_params=_params(cfg),
         name="moe_mxfp4_dx",
         cost_estimate=cost_estimate(grid, in_specs, (x_halves, dy_t, w1b, w1s, b1, w2b, w2s), halves, out_shape,
-                                    flops=_weight_flops(balanced, tm, hdim, idim, 5),
+                                    flops=active_item_flops(balanced, tm, hdim, idim, 5),
                                     transcendentals=int(balanced.num_active[0]) * tm * idim, prefetch=balanced),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, x_halves, dy_t, w1b, w1s, b1, w2b, w2s)

@@ -294,18 +294,22 @@ def test_fused_pallas_in_tpu_interpreter():
         assert rel_err(g, g0) <= 1e-4
 
 
-@pytest.mark.parametrize("block_i,block_i_dw", [(256, 64), (64, 128)], ids=["rows-whole-I", "dw-wider"])
-def test_fused_pallas_with_its_own_dw_i_tile(block_i, block_i_dw):
+@pytest.mark.parametrize("block_i,block_i_dw,block_m_dw", [(256, 64, 32), (64, 128, 32), (64, 128, 16)],
+                         ids=["rows-whole-I", "dw-wider", "dw-shorter-rows"])
+def test_fused_pallas_with_its_own_dw_tiles(block_i, block_i_dw, block_m_dw):
     """The row kernels (forward, dx) and the dW kernel on different I tiles (as the default
-    tiling picks when only dW's accumulators outgrow VMEM), with the TPU tiling rules in the
-    generic interpreter: the output and all five gradients are the reference's."""
+    tiling picks when only dW's accumulators outgrow VMEM) and row tiles (the default where I is
+    tiled: taller rows for the row kernels), with the TPU tiling rules in the generic
+    interpreter: the output and all five gradients are the reference's."""
     args, dy = make_inputs(8, 40, 128, 256, 3, "random")
     fused = functools.partial(moe_experts_pallas, block_m=32, block_i=block_i, block_i_dw=block_i_dw,
-                              platform="tpu", interpret="generic")
+                              block_m_dw=block_m_dw, platform="tpu", interpret="generic")
     grids = {p["name"]: p["grid_mapping"].grid for p in pallas_calls(
         jax.grad(lambda *a: fused(*a).astype(jnp.float32).sum(), argnums=(0, 2, 3, 4, 5)), *args)}
     assert grids["moe_fused_fwd"][1] == grids["moe_fused_dx"][1] == 256 // block_i   # I tiles per item
     assert grids["moe_fused_dw"][0] == 256 // block_i_dw
+    # work items: row tiles + experts - 1
+    assert grids["moe_fused_fwd"][0] == -(-40 // 32) + 2 and grids["moe_fused_dw"][1] == -(-40 // block_m_dw) + 2
     y, grads = value_and_grads(fused, args, dy)
     y_ref, g_ref = value_and_grads(moe_experts_reference, args, dy)
     assert rel_err(y, y_ref) <= 1e-5
@@ -330,24 +334,30 @@ def test_fused_tiling_fits_tpu_rules_and_vmem_budget():
     """Each kernel's I tile follows the block rules and its own VMEM estimate; the row kernels
     (forward, dx) keep all of I where it fits them even when the dW kernel's accumulators need
     a smaller tile (H 2048, I 512: rows 512 whole, dW 256), so they fetch an expert's
-    weights once per expert, not once per row tile."""
+    weights once per expert, not once per row tile; where I does not fit whole, they take
+    512-row tiles (fewer passes over the weights) while the dW kernel keeps 256."""
     from pallas_kernels.moe import (_FUSED_VMEM_BUDGET, _fused_rows_vmem_bytes, _fused_vmem_bytes,
                                     _resolve_fused_tiling)
 
     for m, h, i, dt in [(32768, 2048, 384, jnp.bfloat16), (32768, 2048, 384, jnp.float32),
                         (4096, 2880, 2880, jnp.bfloat16), (37, 64, 48, jnp.bfloat16), (5000, 4096, 1000, jnp.bfloat16),
                         (32768, 2048, 512, jnp.bfloat16)]:
-        tm, ti, ti_w, ip = _resolve_fused_tiling(None, None, "tpu", m, h, i, dt)
+        tm, ti, tm_w, ti_w, ip = _resolve_fused_tiling(None, None, "tpu", m, h, i, dt)
         for t in (ti, ti_w):
-            assert tm % 16 == 0 and ip % t == 0 and (t == ip or t % 64 == 0) and ip >= i
+            assert tm % 16 == 0 and tm_w % 16 == 0 and ip % t == 0 and (t == ip or t % 64 == 0) and ip >= i
         assert (ip == i) or ip % 128 == 0
         itemsize = jnp.dtype(dt).itemsize
-        assert _fused_vmem_bytes(tm, h, ti_w, itemsize) <= _FUSED_VMEM_BUDGET
-        assert _fused_rows_vmem_bytes(tm, h, ti, itemsize) <= _FUSED_VMEM_BUDGET and ti >= ti_w
-    assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 384, jnp.bfloat16) == (256, 384, 384, 384)
-    assert _resolve_fused_tiling(None, None, "tpu", 16384, 2880, 2880, jnp.bfloat16) == (256, 320, 320, 2880)
-    assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 512, jnp.bfloat16) == (256, 512, 256, 512)
-    assert _resolve_fused_tiling(None, 128, "tpu", 32768, 2048, 384, jnp.bfloat16)[1:3] == (128, 128)   # explicit
+        assert _fused_vmem_bytes(tm_w, h, ti_w, itemsize) <= _FUSED_VMEM_BUDGET
+        assert _fused_rows_vmem_bytes(tm, h, ti, itemsize) <= _FUSED_VMEM_BUDGET
+        assert ti == ip or tm >= tm_w       # I tiled: the row kernels take taller row tiles
+    # (tm, ti, tm_w, ti_w, padded I): Lyra Small, gpt-oss-20b (I tiled: 512-row tiles), I 512 at H 2048
+    assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 384, jnp.bfloat16) == (256, 384, 256, 384, 384)
+    assert _resolve_fused_tiling(None, None, "tpu", 16384, 2880, 2880, jnp.bfloat16) == (512, 192, 256, 320, 2880)
+    assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 512, jnp.bfloat16) == (256, 512, 256, 256, 512)
+    tiles = _resolve_fused_tiling(None, 128, "tpu", 32768, 2048, 384, jnp.bfloat16)       # explicit I tile
+    assert (tiles[1], tiles[3]) == (128, 128)
+    tiles = _resolve_fused_tiling(384, None, "tpu", 16384, 2880, 2880, jnp.bfloat16, block_m_dw=128)
+    assert (tiles[0], tiles[2]) == (384, 128)                                              # explicit row tiles
 
 
 @pytest.mark.parametrize("block_i", [128, 256], ids=["two-i-tiles", "one-i-tile"])
@@ -363,8 +373,11 @@ def test_fused_cost_estimates_count_the_expert_weights_each_row_tile_streams(blo
     specs = moe_specs(m, h, i, e)
     fn = lambda x, gs, wu, bu, wd, bd: moe_experts_pallas(x, gs, wu, bu, wd, bd, platform="tpu", block_m=tm,  # noqa: E731
                                                           block_i=block_i).astype(jnp.float32).sum()
-    calls = {p["name"]: p["cost_estimate"].bytes_accessed
-             for p in pallas_calls(jax.grad(fn, argnums=(0, 2, 3, 4, 5)), *specs)}
+    estimates = {p["name"]: p["cost_estimate"] for p in pallas_calls(jax.grad(fn, argnums=(0, 2, 3, 4, 5)), *specs)}
+    calls = {name: c.bytes_accessed for name, c in estimates.items()}
+    # FLOPs: the 8 active items only (the spare ones skip their compute): 6, 10 and 12 M H I
+    assert [estimates[k].flops for k in ("moe_fused_fwd", "moe_fused_dx", "moe_fused_dw")] == \
+        [6 * m * h * i, 10 * m * h * i, 12 * m * h * i]
     nj, items, tiles = i // block_i, m // tm + e - 1, m // tm
     rows = m * h * 2                                              # x, dy, y, dx: bf16
     w1, b1, w2, b2 = e * h * 2 * i * 2, e * 2 * i * 2, e * i * h * 2, e * h * 2

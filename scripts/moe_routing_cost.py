@@ -1,0 +1,70 @@
+"""The fused MoE kernels' cost estimates under evenly routed rows (what `plan --roofline`
+assumes: every expert's rows fill whole row tiles) against random routing (row counts per
+expert drawn multinomially, so groups start mid-tile and straddling tiles are computed for two
+experts), for the old tiles (256 rows, I 320) and the defaults (issue 36, BENCHMARKS "Roofline,
+session 20"). Priced as the roofline does (v6e: 918 TFLOP/s, 1638 GB/s; per kernel the larger
+of compute and memory time); totals per step for gpt-oss-20b's 24 layers with `--remat full`
+(each layer's forward kernel runs twice, dx and dW once).
+
+    python scripts/moe_routing_cost.py [--rows 16384] [--hidden 2880] [--inter 2880] [--experts 32] [--layers 24]
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+PEAK_FLOPS, HBM = 918e12, 1638e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16384, help="expert rows per chip (tokens x k)")
+    parser.add_argument("--hidden", type=int, default=2880)
+    parser.add_argument("--inter", type=int, default=2880)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=24)
+    args = parser.parse_args()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [root, os.path.join(root, "tests")]
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels.moe as moe
+    from helpers import pallas_calls
+
+    m, h, i, e = args.rows, args.hidden, args.inter, args.experts
+    bf16 = jnp.bfloat16
+    specs = tuple(jax.ShapeDtypeStruct(s, d) for s, d in [((m, h), bf16), ((e,), jnp.int32), ((e, h, 2 * i), bf16),
+                                                          ((e, 2 * i), bf16), ((e, i, h), bf16), ((e, h), bf16)])
+    evenly = moe.balanced_metadata
+
+    def estimates(tiles: dict, sizes) -> dict:
+        """name -> CostEstimate, the kernels' metadata built from `sizes` (None: evenly routed)."""
+        if sizes is not None:
+            moe.balanced_metadata = lambda m_, n, tm, *, visit_empty=False: moe.group_metadata(
+                np.asarray(sizes, np.int32), -(-m_ // tm), tm, visit_empty=visit_empty, xp=np)
+        try:
+            def loss(x, gs, wu, bu, wd, bd):
+                y = moe.moe_experts_pallas(x, gs, wu, bu, wd, bd, platform="tpu", **tiles)
+                return y.astype(jnp.float32).sum()
+
+            calls = pallas_calls(jax.grad(loss, argnums=(0, 2, 3, 4, 5)), *specs)
+            return {p["name"][len("moe_fused_"):]: p["cost_estimate"] for p in calls}
+        finally:
+            moe.balanced_metadata = evenly
+
+    routings = {"even": None, "random": np.random.default_rng(0).multinomial(m, np.full(e, 1 / e))}
+    old = dict(block_m=256, block_i=320, block_m_dw=256, block_i_dw=320)
+    for name, tiles in [("256 rows, I 320", old), ("defaults " + str(moe.fused_tiles(m, h, i, bf16)), {})]:
+        for routing, sizes in routings.items():
+            cost = estimates(tiles, sizes)
+            ms = {k: max(c.flops / PEAK_FLOPS, c.bytes_accessed / HBM) * 1e3 for k, c in cost.items()}
+            step = args.layers * (2 * ms["fwd"] + ms["dx"] + ms["dw"])
+            print(f"{name}, {routing} routing: " + ", ".join(
+                f"{k} {c.bytes_accessed / 1e9:.2f} GB {c.flops / 1e12:.2f} TFLOP {ms[k]:.2f} ms"
+                for k, c in sorted(cost.items())) + f"; per step {step:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
