@@ -6,7 +6,11 @@ session 20"). Priced as the roofline does (v6e: 918 TFLOP/s, 1638 GB/s; per kern
 of compute and memory time); totals per step for gpt-oss-20b's 24 layers with `--remat full`
 (each layer's forward kernel runs twice, dx and dW once).
 
-    python scripts/moe_routing_cost.py [--rows 16384] [--hidden 2880] [--inter 2880] [--experts 32] [--layers 24]
+    python scripts/moe_routing_cost.py [--rows 16384] [--hidden 2880] [--inter 2880] [--experts 32] [--layers 24] \
+        [--sweep 256,384,512,640,768,1024]
+
+--sweep: instead, the row kernels' row tile over these values (their I tile fitted to VMEM as the
+defaults fit it; dW at 256 rows, I 320), per-step totals under both routings.
 """
 import argparse
 import os
@@ -24,6 +28,7 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=2880)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--sweep", default=None, help="row tiles of the row kernels to compare, comma-separated")
     args = parser.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path[:0] = [root, os.path.join(root, "tests")]
@@ -55,12 +60,24 @@ def main() -> None:
             moe.balanced_metadata = evenly
 
     routings = {"even": None, "random": np.random.default_rng(0).multinomial(m, np.full(e, 1 / e))}
+
+    def per_step(cost: dict) -> float:
+        ms = {k: max(c.flops / PEAK_FLOPS, c.bytes_accessed / HBM) * 1e3 for k, c in cost.items()}
+        return args.layers * (2 * ms["fwd"] + ms["dx"] + ms["dw"])
+
+    if args.sweep:
+        for tm in (int(v) for v in args.sweep.split(",")):
+            tiles = dict(block_m=tm, block_m_dw=256, block_i_dw=320)
+            steps = {r: per_step(estimates(tiles, sizes)) for r, sizes in routings.items()}
+            print(f"{moe.fused_tiles(m, h, i, bf16, **tiles)}: per step " +
+                  ", ".join(f"{r} routing {t:.1f} ms" for r, t in steps.items()))
+        return
     old = dict(block_m=256, block_i=320, block_m_dw=256, block_i_dw=320)
     for name, tiles in [("256 rows, I 320", old), ("defaults " + str(moe.fused_tiles(m, h, i, bf16)), {})]:
         for routing, sizes in routings.items():
             cost = estimates(tiles, sizes)
             ms = {k: max(c.flops / PEAK_FLOPS, c.bytes_accessed / HBM) * 1e3 for k, c in cost.items()}
-            step = args.layers * (2 * ms["fwd"] + ms["dx"] + ms["dw"])
+            step = per_step(cost)
             print(f"{name}, {routing} routing: " + ", ".join(
                 f"{k} {c.bytes_accessed / 1e9:.2f} GB {c.flops / 1e12:.2f} TFLOP {ms[k]:.2f} ms"
                 for k, c in sorted(cost.items())) + f"; per step {step:.1f} ms")
