@@ -8,7 +8,6 @@ compute dtype, and get no gradient, optimizer state or update.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -184,7 +183,7 @@ class TrainStep:
         self.frozen: dict = {}
         self.trace_count = 0
         self.objective = None
-        jit = functools.partial(jax.jit, compiler_options=sharding.compiler_options(mesh))
+        jit = self.jit
         if step_cfg.preference is not None:
             # The reference: a LoRA model's own parameters with the adapters off; otherwise
             # log-probabilities precomputed once, given with each batch.
@@ -200,6 +199,11 @@ class TrainStep:
         self._jitted_eval = jit(self._eval)
         self._jitted_grads = jit(self._grads)
         self._jitted_update = jit(self._update, donate_argnums=(0, 2))
+
+    def jit(self, fn, **kwargs):
+        """jax.jit for a program over this step's mesh (the step's own, and the evaluators' built
+        on it), with the mesh's compiler options (sharding.compiler_options)."""
+        return jax.jit(fn, compiler_options=sharding.compiler_options(self.mesh), **kwargs)
 
     # ---- state --------------------------------------------------------------------------------
     def _check_frozen_stack(self) -> None:

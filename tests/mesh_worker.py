@@ -126,7 +126,14 @@ def lora_step_memory() -> dict:
     step.frozen = step.abstract_frozen()
     compiled = step.lower(state, np.zeros((1, 2, 65), np.int32)).compile()
     frozen = sum(math.prod(a.shape) * a.dtype.itemsize for a in step.frozen.values())
-    return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "frozen_bytes": frozen}
+    # The validation pass the trainer runs beside it: a program of its own, over the same mesh.
+    from train.evaluation.validation import Evaluator
+
+    tokens = np.zeros((2, 65), np.int32)
+    evaluator = Evaluator(step, [tokens], np.ones(cfg.vocab_size, np.int64))
+    validation = evaluator._losses.lower(step.full_params(state.params), step.place_batch(tokens, 0)).compile()
+    return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "frozen_bytes": frozen,
+            "validation_temp_bytes": validation.memory_analysis().temp_size_in_bytes}
 
 
 def _split(spec, mesh) -> int:

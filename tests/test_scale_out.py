@@ -71,10 +71,12 @@ def test_muon_update_spreads_whole_matrices_instead_of_gathering_stacks(results)
 
 
 def test_a_cpu_mesh_step_does_not_hold_its_gathered_weights_at_once(results):
-    """CPU devices share the host's memory: their mesh programs compile with XLA:CPU's
-    memory-optimized scheduler (jax_bridge.sharding.compiler_options). With the default one, a
-    LoRA step on fsdp=2 held 1.68x the whole frozen model in temporaries (every layer's
-    all-gathers started early); with it, 0.68x."""
+    """CPU devices share the host's memory: their mesh programs (the step's and the validation
+    pass's, through TrainStep.jit) compile with XLA:CPU's memory-optimized scheduler
+    (jax_bridge.sharding.compiler_options). With the default one, a LoRA step on fsdp=2 held
+    1.68x the whole frozen model in temporaries (every layer's all-gathers started early) and its
+    validation pass 1.67x; with it, 0.68x and 0.77x."""
     m = results["lora_step_memory"]
-    ratio = m["temp_bytes"] / m["frozen_bytes"]
-    assert ratio < 0.9, f"the fsdp=2 LoRA step's temporaries are {ratio:.2f}x the whole frozen model"
+    for program, key in [("step", "temp_bytes"), ("validation pass", "validation_temp_bytes")]:
+        ratio = m[key] / m["frozen_bytes"]
+        assert ratio < 0.9, f"the fsdp=2 LoRA {program}'s temporaries are {ratio:.2f}x the whole frozen model"

@@ -36,7 +36,6 @@ class Evaluator:
     byte over a fixed list of batches [batch, seq_len + 1], with the train step's kernels."""
 
     def __init__(self, step, batches: list[np.ndarray], byte_lengths: np.ndarray):
-        import jax
         import jax.numpy as jnp
 
         from torch_model.causal_lm import IGNORE_INDEX
@@ -64,13 +63,12 @@ class Evaluator:
             _, text = step.loss_and_metrics(params, inputs, text_labels)   # XLA shares the forward
             return every["ce"], text["ce"]
 
-        self._losses = jax.jit(losses)
+        self._losses = step.jit(losses)
 
     @staticmethod
     def _packed_losses(step, lengths):
         """jit(params, batch) -> (nats over trained tokens, nats over trained ordinary tokens):
         sums, from the model's weighted loss with denominator 1."""
-        import jax
         import jax.numpy as jnp
 
         from jax_bridge.step import packed_inputs
@@ -82,7 +80,7 @@ class Evaluator:
             _, text = step.loss_and_metrics(params, inputs, labels, (*packed[:2], text_weights, *packed[3:]))
             return every["ce"], text["ce"]
 
-        return jax.jit(losses)
+        return step.jit(losses)
 
     def _packed_call(self, params) -> dict:
         from jax_bridge.distributed import sum_over_processes
