@@ -23,9 +23,11 @@ from formats.errors import UserError
 CANDIDATES = {
     ("attention", "pallas"): {"block_q": (128, 256, 512, 1024), "block_kv": (128, 256, 512, 1024)},
     ("cross_entropy", "pallas"): {"block_n": (256, 512, 1024, 2048), "block_v": (256, 512, 1024)},
-    ("moe", "pallas"): {"block_m": (128, 256, 512), "block_i": (128, 256, 512)},
+    # block_m_dw: the dW kernel's own row tile (the defaults give it 256 where the row kernels take 512)
+    ("moe", "pallas"): {"block_m": (128, 256, 512), "block_i": (128, 256, 512), "block_m_dw": (128, 256, 512)},
 }
-LIMIT = {"block_q": "T", "block_kv": "T", "block_n": "N", "block_v": "V", "block_m": "M", "block_i": "I"}
+LIMIT = {"block_q": "T", "block_kv": "T", "block_n": "N", "block_v": "V", "block_m": "M", "block_i": "I",
+         "block_m_dw": "M"}
 
 
 def parse_candidates(text: str | None) -> dict:
