@@ -321,8 +321,8 @@ class Decoder:
 
         rows = self._sharding(True)
         put = jnp.asarray if rows is None else (lambda x: jax.device_put(x, rows))
-        return np.asarray(jax.jit(run, compiler_options=self.compiler_options)(self.params_for(layout), put(ids),
-                                                                             put(positions)))
+        program = jax.jit(run, compiler_options=self.compiler_options)
+        return np.asarray(program(self.params_for(layout), put(ids), put(positions)))
 
     # ---- compiled programs ----------------------------------------------------------------------
     def _compiled(self, program: str, bucket: tuple, build):

@@ -674,13 +674,17 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
     def fits(tm: int, ti: int) -> bool:
         return _fused_rows_vmem_bytes(tm, hdim, ti, itemsize) <= _FUSED_VMEM_BUDGET
 
-    ti = start
-    while ti > 64 and block_i is None and not fits(tm, ti):
-        ti = fit_tile(ip, ti - 64, 64)
-    if ti < ip and block_m is None:      # I tiled: weights streamed per row tile, so taller row tiles
-        tm, ti = rows(_TILED_I_ROWS_TPU), start
+    def row_i_tile(tm: int) -> int:
+        """The row kernels' I tile beside `tm` rows: the wanted one, shrunk (a default) to fit."""
+        ti = start
         while ti > 64 and block_i is None and not fits(tm, ti):
             ti = fit_tile(ip, ti - 64, 64)
+        return ti
+
+    ti = row_i_tile(tm)
+    if ti < ip and block_m is None:      # I tiled: weights streamed per row tile, so taller row tiles
+        tm = rows(_TILED_I_ROWS_TPU)
+        ti = row_i_tile(tm)
         while tm > sub and not fits(tm, ti):
             tm = max(sub, round_up(tm // 2, sub))
     return tm, ti, tm_w, ti_w, ip

@@ -32,8 +32,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import index_math as ix
 from pallas_kernels.cost import cost_estimate
-from pallas_kernels.moe import (GPU_HINT, GroupMetadata, active_item_flops, balanced_metadata, fit_tile, group_metadata,
-                                moe_experts_reference, moe_experts_xla, round_up, store_rows)
+from pallas_kernels.moe import (GPU_HINT, GroupMetadata, active_item_flops, active_items, balanced_metadata, fit_tile,
+                                group_metadata, moe_experts_reference, moe_experts_xla, round_up, store_rows)
 from pallas_kernels.mxfp4 import (BLOCK, NORMAL_SCALES, dequantize_mxfp4, e2m1_bf16_bits, e2m1_bf16_bits_normal,
                                   normal_base)
 from pallas_kernels.platform import KernelMode, dot_precision, kernel_mode
@@ -335,7 +335,7 @@ def _mx_forward(meta: GroupMetadata, x_halves, w1b, w1s, b1, w2b, w2s, b2, cfg: 
         cost_estimate=cost_estimate(grid, in_specs, (x_halves, w1b, w1s, b1, w2b, w2s, b2), out_spec, out_shape,
                                     # the decode's integer operations (VPU) are not FLOPs: not counted
                                     flops=active_item_flops(balanced, tm, hdim, idim, 3),
-                                    transcendentals=int(balanced.num_active[0]) * tm * idim, prefetch=balanced),
+                                    transcendentals=active_items(balanced) * tm * idim, prefetch=balanced),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, x_halves, w1b, w1s, b1, w2b, w2s, b2)
 
@@ -400,7 +400,7 @@ def _mx_dx(meta: GroupMetadata, x_halves, dy_t, w1b, w1s, b1, w2b, w2s, cfg: _Mx
         name="moe_mxfp4_dx",
         cost_estimate=cost_estimate(grid, in_specs, (x_halves, dy_t, w1b, w1s, b1, w2b, w2s), halves, out_shape,
                                     flops=active_item_flops(balanced, tm, hdim, idim, 5),
-                                    transcendentals=int(balanced.num_active[0]) * tm * idim, prefetch=balanced),
+                                    transcendentals=active_items(balanced) * tm * idim, prefetch=balanced),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, x_halves, dy_t, w1b, w1s, b1, w2b, w2s)
 

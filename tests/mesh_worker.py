@@ -131,7 +131,7 @@ def lora_step_memory() -> dict:
 
     tokens = np.zeros((2, 65), np.int32)
     evaluator = Evaluator(step, [tokens], np.ones(cfg.vocab_size, np.int64))
-    validation = evaluator._losses.lower(step.full_params(state.params), step.place_batch(tokens, 0)).compile()
+    validation = evaluator.lower(step.full_params(state.params), tokens).compile()
     return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "frozen_bytes": frozen,
             "validation_temp_bytes": validation.memory_analysis().temp_size_in_bytes}
 

@@ -96,6 +96,11 @@ class Evaluator:
         return {"val_loss": nats / max(int(trained), 1), "val_bpb": text_nats / (math.log(2) * max(int(text_bytes), 1)),
                 "val_tokens": int(real), "val_trained_tokens": int(trained), "val_bytes": int(text_bytes)}
 
+    def lower(self, params, batch):
+        """The validation program's `jax.stages.Lowered` for these parameters (arrays or
+        ShapeDtypeStructs) and one batch of this process's rows: `.compile()` it for its memory."""
+        return self._losses.lower(params, self.step.place_batch(batch, 0))
+
     def __call__(self, params) -> dict:
         from jax_bridge.distributed import sum_over_processes
 
