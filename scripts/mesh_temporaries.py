@@ -1,7 +1,8 @@
 """Temporaries of compiled programs on a mesh of simulated CPU devices against one device (issue 34,
 BENCHMARKS "Every command loads slice by slice"): what XLA:CPU holds beside the parameters.
 
-    python scripts/mesh_temporaries.py step [--layers 2] [--dense] [--remat none] [--mesh fsdp=2] [--default-scheduler] [--run]
+    python scripts/mesh_temporaries.py step [--layers 2] [--dense] [--remat none] [--mesh fsdp=2] \\
+        [--default-scheduler] [--run]
     python scripts/mesh_temporaries.py decode [--layers 4] [--mesh fsdp=2]
 
 step: the LoRA train step (r=8, float32, scanned layers, kernels auto) of a model built on `meta`

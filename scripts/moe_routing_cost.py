@@ -6,7 +6,7 @@ session 20"). Priced as the roofline does (v6e: 918 TFLOP/s, 1638 GB/s; per kern
 of compute and memory time); totals per step for gpt-oss-20b's 24 layers with `--remat full`
 (each layer's forward kernel runs twice, dx and dW once).
 
-    python scripts/moe_routing_cost.py [--rows 16384] [--hidden 2880] [--inter 2880] [--experts 32] [--layers 24] \
+    python scripts/moe_routing_cost.py [--rows 16384] [--hidden 2880] [--inter 2880] [--experts 32] [--layers 24] \\
         [--sweep 256,384,512,640,768,1024]
 
 --sweep: instead, the row kernels' row tile over these values (their I tile fitted to VMEM as the
@@ -61,14 +61,16 @@ def main() -> None:
 
     routings = {"even": None, "random": np.random.default_rng(0).multinomial(m, np.full(e, 1 / e))}
 
-    def per_step(cost: dict) -> float:
-        ms = {k: max(c.flops / PEAK_FLOPS, c.bytes_accessed / HBM) * 1e3 for k, c in cost.items()}
+    def kernel_ms(cost: dict) -> dict:
+        return {k: max(c.flops / PEAK_FLOPS, c.bytes_accessed / HBM) * 1e3 for k, c in cost.items()}
+
+    def per_step(ms: dict) -> float:
         return args.layers * (2 * ms["fwd"] + ms["dx"] + ms["dw"])
 
     if args.sweep:
         for tm in (int(v) for v in args.sweep.split(",")):
             tiles = dict(block_m=tm, block_m_dw=256, block_i_dw=320)
-            steps = {r: per_step(estimates(tiles, sizes)) for r, sizes in routings.items()}
+            steps = {r: per_step(kernel_ms(estimates(tiles, sizes))) for r, sizes in routings.items()}
             print(f"{moe.fused_tiles(m, h, i, bf16, **tiles)}: per step " +
                   ", ".join(f"{r} routing {t:.1f} ms" for r, t in steps.items()))
         return
@@ -76,11 +78,10 @@ def main() -> None:
     for name, tiles in [("256 rows, I 320", old), ("defaults " + str(moe.fused_tiles(m, h, i, bf16)), {})]:
         for routing, sizes in routings.items():
             cost = estimates(tiles, sizes)
-            ms = {k: max(c.flops / PEAK_FLOPS, c.bytes_accessed / HBM) * 1e3 for k, c in cost.items()}
-            step = per_step(cost)
+            ms = kernel_ms(cost)
             print(f"{name}, {routing} routing: " + ", ".join(
                 f"{k} {c.bytes_accessed / 1e9:.2f} GB {c.flops / 1e12:.2f} TFLOP {ms[k]:.2f} ms"
-                for k, c in sorted(cost.items())) + f"; per step {step:.1f} ms")
+                for k, c in sorted(cost.items())) + f"; per step {per_step(ms):.1f} ms")
 
 
 if __name__ == "__main__":

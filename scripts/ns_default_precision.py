@@ -50,7 +50,8 @@ def main() -> None:
             got = newton_schulz(g.float(), form).double()
             err = ((got - want).norm() / want.norm()).item()
             sv = torch.linalg.svdvals(got[0])
-            print(f"{str(shape):13} {form:12} relative error {err:.2e}   singular values {sv.min():.3f}..{sv.max():.3f}")
+            print(f"{str(shape):13} {form:12} relative error {err:.2e}   "
+                  f"singular values {sv.min():.3f}..{sv.max():.3f}")
 
 
 if __name__ == "__main__":
