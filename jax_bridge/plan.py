@@ -55,6 +55,7 @@ class Plan:
     optimizer_bytes: int = 0     # Muon momentum, AdamW moments, step counts
     grad_bytes: int = 0          # one gradient per parameter shard, in the parameters' dtype (the step
                                  # reduces gradients into the parameters' sharding); inside temporaries
+    compute_copy_bytes: int = 0  # the masters' copy in the compute dtype the step carries (TrainStep.compute_copy)
     # Per chip, by the TPU compiler.
     argument_bytes: int | None = None
     output_bytes: int | None = None
@@ -232,6 +233,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
         registry.check_segments(step.kernels)
     state = step.abstract_state()
     frozen = step.abstract_frozen()
+    compute = step.compute_copy_spec(state.params)
     result = Plan(preset=preset, topology=topology, device_kind=device.device_kind,
                   generation=tpu_compile.generation(device), chips=chips,
                   mesh=ONE_CHIP if device_mesh is None else sharding.describe(device_mesh), n_layers=cfg.n_layers,
@@ -243,9 +245,10 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params),
                   packed=packed, rl="" if rl is None else _describe_rl(rl), lora=lora or "", trainable_params=sum(math.prod(a.shape) for a in
                                                                     jax.tree.leaves(state.params)),
-                  frozen_bytes=per_chip_bytes(frozen), base_dtype=base_dtype,
+                  frozen_bytes=per_chip_bytes(frozen), base_dtype=base_dtype, compute_copy_bytes=per_chip_bytes(compute),
                   expert_delta_bytes=expert_delta_bytes(frozen, cfg.n_layers) if spec and spec.target_parameters else 0)
-    held = result.param_bytes + result.optimizer_bytes + result.grad_bytes + result.frozen_bytes
+    held = result.param_bytes + result.optimizer_bytes + result.grad_bytes + result.frozen_bytes + \
+        result.compute_copy_bytes
     if held > result.hbm_bytes:         # no need to compile: the state alone does not fit
         result.fits = False
         result.error = (f"parameters, optimizer state and gradients alone need {gib(held)} per chip, more than "
@@ -256,7 +259,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
         tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32), packed,
                              step.float_fields)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32)
-        lowered = tpu_compile.lower_for(step._step, (state, tokens, lr_scale, frozen), device, donate_argnums=(0,))
+        lowered = tpu_compile.lower_for(step._step, (state, compute, tokens, lr_scale, frozen), device,
+                                        donate_argnums=(0, 1))
     else:
         # The trainer's inputs: sharded state, the global batch split over the batch axes; the
         # outputs take the shardings the step constrains them to.
@@ -264,7 +268,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                                                   sharding=sharding.batch_sharding(device_mesh)), packed,
                              step.float_fields)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(device_mesh, P()))
-        lowered = jax.jit(step._step, donate_argnums=(0,)).lower(state, tokens, lr_scale, frozen)
+        lowered = jax.jit(step._step, donate_argnums=(0, 1)).lower(state, compute, tokens, lr_scale, frozen)
     result.lower_s = round(time.perf_counter() - start, 2)
     memory, compiled = _compiled_memory(lowered.compile)
     result.compile_s, result.compile_cpu_s, result.temp_bytes = memory.compile_s, memory.compile_cpu_s, memory.temp_bytes
@@ -347,7 +351,8 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
         return out
     out.__dict__.update(decoding.loop_collectives(decode))
     shared = out.param_bytes - out.own_bytes
-    held = update.param_bytes + update.optimizer_bytes + update.frozen_bytes + reference
+    # the update's state, with the bf16 copy the train step keeps between steps
+    held = update.param_bytes + update.optimizer_bytes + update.frozen_bytes + update.compute_copy_bytes + reference
     out.update_peak_bytes = (update.total_bytes or 0) + out.own_bytes + reference
     out.rollout_peak_bytes = held + max(out.prefill.total_bytes, out.decode.total_bytes) - shared
     out.fits = bool(update.fits) and max(out.update_peak_bytes, out.rollout_peak_bytes) <= update.hbm_bytes
@@ -500,7 +505,9 @@ def format_plan(p: Plan) -> str:
              f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}, Newton-Schulz {p.ns_dtype}; "
              f"kernels {kernels}",
              f"  per chip, from the shardings: parameters {gib(p.param_bytes)}, optimizer {gib(p.optimizer_bytes)}, "
-             f"gradients {gib(p.grad_bytes)} (one per parameter shard, float32; part of the temporaries)",
+             f"gradients {gib(p.grad_bytes)} (one per parameter shard, float32; part of the temporaries)"
+             + (f", their {p.compute_dtype} copy {gib(p.compute_copy_bytes)} (written by the update, read by the "
+                f"next step's forward)" if p.compute_copy_bytes else ""),
              *([f"  LoRA {p.lora}: {p.trainable_params / 1e6:.1f}M trainable parameters (the state above); frozen "
                 f"base {gib(p.frozen_bytes)} per chip ("
                 + ("experts MXFP4 as released, the rest " if p.base_dtype == "mxfp4" else "")

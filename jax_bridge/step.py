@@ -153,6 +153,10 @@ class TrainStep:
     Only parameters with `requires_grad` are in the TrainState; the frozen ones are `self.frozen`
     (set by `init_state`, or `place_frozen`), in the compute dtype (routers float32), sharded by
     the same rules, passed to the step as an argument that is not donated.
+
+    A bf16 step's forward reads the trainable parameters from a bf16 copy (`compute_copy`) that
+    the previous step's update wrote beside the float32 masters; the step keeps it between calls
+    for the state it returned, and casts afresh for any other state (the first, a restored one).
     """
 
     def __init__(self, model: torch.nn.Module, opt_cfg: OptimizerConfig = OptimizerConfig(),
@@ -195,7 +199,9 @@ class TrainStep:
             self.objective = policy_gradient.PolicyGradientObjective(
                 step_cfg.policy_gradient, self._answer_forward(remat=step_cfg.remat, mesh=mesh, method="token_logps"))
             self._jitted_token_logps = jit(lambda p, t: self.objective.token_logps(p, t)[0])
-        self._jitted = jit(self._step, donate_argnums=(0,))
+        self._jitted = jit(self._step, donate_argnums=(0, 1))
+        self._jitted_copy = jit(self.compute_copy)
+        self._carried: tuple[list, dict] | None = None     # (the last new state's parameters, their copy)
         self._jitted_eval = jit(self._eval)
         self._jitted_grads = jit(self._grads)
         self._jitted_update = jit(self._update, donate_argnums=(0, 2))
@@ -338,7 +344,7 @@ class TrainStep:
                 return self.objective.loss({**trainable, **frozen}, tokens, denominator, router_loss_scale)
 
             (loss, out), grads = jax.value_and_grad(loss_of_pairs, has_aux=True)(params)
-            return (loss, out), self._constrain(grads)
+            return (loss, out), self._constrain(_as_masters(grads))
         if isinstance(tokens, dict):
             inputs, labels, packed = packed_inputs(tokens, denominator, router_loss_scale)
         else:
@@ -348,11 +354,44 @@ class TrainStep:
             return self.loss_and_metrics({**trainable, **frozen}, *args)
 
         (loss, out), grads = jax.value_and_grad(loss_of_trainable, has_aux=True)(params, inputs, labels, packed)
-        return (loss, out), self._constrain(grads)     # reduced straight into the parameters' sharding
+        return (loss, out), self._constrain(_as_masters(grads))     # reduced straight into the parameters' sharding
 
-    def _step(self, state: TrainState, tokens, lr_scale, frozen=None):
+    # ---- the trainable parameters in the compute dtype, carried from step to step -------------
+    def copied(self, name: str, dtype) -> bool:
+        """Whether the forward takes this trainable parameter in another dtype than its float32
+        master (cast_params changes it): a bf16 step's weights, not its router or a float32 step's."""
+        return in_compute_dtype(name, dtype) and jnp.dtype(dtype) != jnp.dtype(self.compute_dtype)
+
+    def compute_copy(self, params: dict) -> dict:
+        """The parameters the forward takes in the compute dtype, those `copied` only. The step
+        writes them in the optimizer update's own pass over each parameter and takes them back
+        at the next step, instead of casting every float32 master again (a read of 4 bytes and a
+        write of 2 per parameter, in a pass of its own: issue 36). Traced or eager."""
+        return self._constrain({n: p.astype(self.compute_dtype) for n, p in params.items()
+                                if self.copied(n, p.dtype)})
+
+    def compute_copy_spec(self, params: dict) -> dict:
+        """compute_copy of abstract parameters (shapes, dtypes, shardings): what `lower` and the
+        TPU plan pass for it."""
+        return {n: jax.ShapeDtypeStruct(p.shape, self.compute_dtype, sharding=getattr(p, "sharding", None))
+                for n, p in params.items() if self.copied(n, p.dtype)}
+
+    def _copy_of(self, state: TrainState) -> dict:
+        """The compute copy of `state`: the one the previous call wrote when `state` is that call's
+        result (its very parameter arrays), else cast now (a fresh or restored state)."""
+        if self._carried is not None:
+            leaves, copy = self._carried
+            current = jax.tree.leaves(state.params)
+            if len(current) == len(leaves) and all(a is b for a, b in zip(current, leaves)):
+                return copy
+        return self._jitted_copy(state.params)
+
+    def _step(self, state: TrainState, compute: dict, tokens, lr_scale, frozen=None):
+        """(new state, its compute copy, metrics). compute: compute_copy(state.params), donated
+        with the state."""
         self.trace_count += 1          # runs only while tracing: counts compilations
         zeros = self._constrain(jax.tree.map(jnp.zeros_like, state.params))
+        forward_params = {**state.params, **compute}
         packed = isinstance(tokens, dict)
         micro = jax.tree.leaves(tokens)[0].shape[0]
         # Packed rows: every micro-batch's loss is its sum over trained tokens divided by the
@@ -362,7 +401,7 @@ class TrainStep:
             denominator = self.objective.step_denominator(tokens)
 
         def accumulate(grad_sum, micro_tokens):
-            (_, out), grads = self._grads(state.params, micro_tokens, denominator, 1.0 / micro, frozen)
+            (_, out), grads = self._grads(forward_params, micro_tokens, denominator, 1.0 / micro, frozen)
             return self._constrain(jax.tree.map(jnp.add, grad_sum, grads)), _scalar_metrics(out)
 
         grad_sum, micro_metrics = jax.lax.scan(accumulate, zeros, tokens)
@@ -380,9 +419,10 @@ class TrainStep:
         with jax.named_scope("optimizer_update"):
             new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), TrainState(params, opt_state),
                                      state)
+            new_compute = self.compute_copy(new_state.params)     # a convert of the update's own output
         metrics.update(grad_norm=stats["grad_norm"], grad_norm_clipped=stats["grad_norm_clipped"],
                        skipped=jnp.logical_not(finite).astype(jnp.int32))
-        return self._constrain(new_state), metrics
+        return self._constrain(new_state), self._constrain(new_compute), metrics
 
     def _update(self, params, grads, opt_state, lr_scale):
         # The named scope marks the update's ops in the compiled program (jax_bridge/roofline.py).
@@ -463,7 +503,12 @@ class TrainStep:
         if np.ndim(first) != 3 or np.shape(first)[0] != self.cfg.micro_batches:
             raise ValueError(f"train step: tokens must be [micro_batches={self.cfg.micro_batches}, batch, "
                              f"seq_len+1], found shape {tuple(np.shape(first))}")
-        return self._jitted(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32), self.frozen)
+        compute = self._copy_of(state)
+        self._carried = None            # the copy is donated with the state: never hand it out twice
+        new_state, compute, metrics = self._jitted(state, compute, self.place_batch(tokens, 1),
+                                                   jnp.asarray(lr_scale, jnp.float32), self.frozen)
+        self._carried = (jax.tree.leaves(new_state.params), compute)
+        return new_state, metrics
 
     def evaluate(self, params, tokens):
         """Loss metrics of one batch [batch, seq_len+1] without updating anything (params: the
@@ -482,7 +527,8 @@ class TrainStep:
 
     def lower(self, state: TrainState, tokens, lr_scale=1.0):
         """The step's `jax.stages.Lowered` (trace + lowering); `.compile()` it to time the compile."""
-        return self._jitted.lower(state, self.place_batch(tokens, 1), jnp.asarray(lr_scale, jnp.float32), self.frozen)
+        return self._jitted.lower(state, self.compute_copy_spec(state.params), self.place_batch(tokens, 1),
+                                  jnp.asarray(lr_scale, jnp.float32), self.frozen)
 
 
 PACKED_FIELDS = ("tokens", "weights", "segment_ids", "positions")
@@ -519,6 +565,13 @@ def packed_step_metrics(micro_metrics: dict, tokens: dict) -> dict:
     trained = tokens["weights"][..., 1:].sum()
     out.update(trained_tokens=trained, trained_share=trained / tokens["weights"][..., 1:].size)
     return out
+
+
+def _as_masters(grads: dict) -> dict:
+    """Gradients in float32, the master weights' dtype. Taken through the compute copy they are
+    the bf16 cotangents that the cast's transpose widened when the forward cast the masters
+    itself: widened here, before the mesh reduces them, they are the same values."""
+    return {n: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g for n, g in grads.items()}
 
 
 def _scalar_metrics(out: dict) -> dict:

@@ -93,7 +93,7 @@ def _step_without_scan(ts, state, tokens, lr_scale, select=True):
     if select:
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(stats["grad_norm"])
         new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
-    return new, metrics
+    return new, {}, metrics
 
 
 def step(preset: str, rounds: int):
@@ -103,7 +103,8 @@ def step(preset: str, rounds: int):
         ts = TrainStep(model, step_cfg=StepConfig())
         if variant != "step":
             select = variant == "step_no_scan"
-            ts._jitted = jax.jit(lambda s, t, l, ts=ts, select=select: _step_without_scan(ts, s, t, l, select),
+            # float32 steps: the compute copy is empty and passes through
+            ts._jitted = jax.jit(lambda s, c, t, l, f, ts=ts, select=select: _step_without_scan(ts, s, t, l, select),
                                  donate_argnums=(0,))
         runs[variant] = [ts, ts.init_state()]
         runs[variant][1], _ = ts(runs[variant][1], tokens)

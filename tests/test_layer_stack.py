@@ -61,7 +61,7 @@ def program_size(n_layers: int, scan: bool) -> int:
     step = TrainStep(small_model(n_layers), step_cfg=StepConfig(kernels="xla", scan_layers=scan))
     state = jax.eval_shape(step.init_state)
     tokens = jax.ShapeDtypeStruct((1, 2, 17), np.int32)
-    return len(jax.jit(step._step).lower(state, tokens, np.float32(1)).as_text())
+    return len(jax.jit(step._step).lower(state, step.compute_copy_spec(state.params), tokens, np.float32(1)).as_text())
 
 
 def test_scanned_program_does_not_grow_with_depth():

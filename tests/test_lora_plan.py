@@ -42,7 +42,8 @@ def test_plan_lora_on_one_v5e_chip_holds_the_adapters_state_and_the_bf16_base(lo
     routers = sum(v for n, v in frozen.items() if ".router." in n)
     assert plan["frozen_bytes"] == 2 * (sum(frozen.values()) - routers) + 4 * routers   # bf16, routers float32
     assert plan["expert_delta_bytes"] == 2 * experts // 2 > 0                   # one layer of two, bf16
-    held = plan["param_bytes"] + plan["optimizer_bytes"] + plan["frozen_bytes"]
+    assert plan["compute_copy_bytes"] == 2 * adapters                          # the adapters' bf16 copy
+    held = plan["param_bytes"] + plan["optimizer_bytes"] + plan["frozen_bytes"] + plan["compute_copy_bytes"]
     assert held <= plan["argument_bytes"] <= 1.01 * held + 4 * 65 * 4
     assert plan["alias_bytes"] < held                                           # the base is not donated
     assert plan["fits"] is True

@@ -182,14 +182,42 @@ def test_no_recompilation_across_steps(setup):
     assert step._jitted._cache_size() == 1
 
 
-def test_bf16_compute_keeps_float32_master_weights(setup):
+def test_bf16_steps_keep_float32_masters_and_read_the_compute_copy_their_update_wrote(setup):
+    """A bf16 step keeps float32 master weights and casts them once (the first step); each later
+    step reads the copy the previous update wrote, with the very losses and parameters of casting
+    afresh every step, and gradients taken through the copy equal those taken through the cast."""
     cfg, model, tokens, _ = setup
     step = TrainStep(model, OptimizerConfig(), StepConfig(kernels="xla", compute_dtype="bfloat16"))
-    state, metrics = step(step.init_state(), tokens.numpy()[None])
-    assert all(p.dtype == jnp.float32 for p in state.params.values())
+    casts, cast = [], step._jitted_copy
+    step._jitted_copy = lambda params: casts.append(1) or cast(params)
+    batch = tokens.numpy()[None]
+
+    def run(carry: bool):
+        state, losses = step.init_state(), []
+        for _ in range(3):
+            if not carry:
+                step._carried = None
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    carried, carried_losses = run(carry=True)
+    assert all(p.dtype == jnp.float32 for p in carried.params.values())
     eager_loss = eager_grads(model, tokens)[0]["loss"].item()
-    assert np.isfinite(float(metrics["loss"]))
-    assert abs(float(metrics["loss"]) - eager_loss) / eager_loss < 2e-2
+    assert abs(carried_losses[0] - eager_loss) / eager_loss < 2e-2
+    assert len(casts) == 1
+    copy = step._carried[1]
+    assert set(copy) == {n for n in carried.params if "router" not in n}       # the router stays float32
+    for name, p in copy.items():
+        assert p.dtype == jnp.bfloat16 and np.array_equal(np.asarray(p), np.asarray(carried.params[name].astype(p.dtype)))
+    grads_of = jax.jit(step._grads)
+    through_cast = grads_of(carried.params, batch[0])[1]
+    through_copy = grads_of({**carried.params, **copy}, batch[0])[1]
+    for name, g in through_cast.items():
+        assert through_copy[name].dtype == jnp.float32 and np.array_equal(np.asarray(g), np.asarray(through_copy[name]))
+    fresh, fresh_losses = run(carry=False)
+    assert len(casts) == 4 and fresh_losses == carried_losses
+    assert all(np.array_equal(np.asarray(fresh.params[n]), np.asarray(carried.params[n])) for n in fresh.params)
 
 
 def test_wrong_token_shape_is_a_clear_error(setup):

@@ -193,9 +193,10 @@ def test_a_qwen3_moe_step_with_pallas_kernels_compiles_for_v5e():
     step = TrainStep(model, step_cfg=StepConfig(kernels="attention=pallas,cross_entropy=pallas,moe=pallas",
                                                 platform="tpu", scan_layers=True))
     assert step.cfg.compute_dtype == "bfloat16"
-    specs = (step.abstract_state(), jax.ShapeDtypeStruct((1, 2, 129), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32),
-             step.abstract_frozen())
-    _, stats = tpu_compile.compile_for(step._step, specs, tpu_compile.device_of("v5e:2x2"), donate_argnums=(0,))
+    state = step.abstract_state()
+    specs = (state, step.compute_copy_spec(state.params), jax.ShapeDtypeStruct((1, 2, 129), jnp.int32),
+             jax.ShapeDtypeStruct((), jnp.float32), step.abstract_frozen())
+    _, stats = tpu_compile.compile_for(step._step, specs, tpu_compile.device_of("v5e:2x2"), donate_argnums=(0, 1))
     assert {k.name for k in stats.kernels} == {f"{op}_{part}" for op, parts in (
         ("attention", ("fwd", "dq", "dkv")), ("cross_entropy", ("fwd_e", "dw")), ("moe_fused", ("fwd", "dx", "dw")))
         for part in parts}
