@@ -225,6 +225,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                 model = unwrap(model)
     step_cfg = StepConfig(kernels=kernels, compute_dtype=compute_dtype, micro_batches=micro_batches,
                           matmul_precision=matmul_precision, platform="tpu", kernel_options=kernel_options,
+                          tpu_generation=tpu_compile.generation(device),
                           scan_layers=scan_layers, remat=remat, policy_gradient=rl)
     packed = packed or rl is not None
     optimizer = optimizer or OptimizerConfig()
@@ -284,7 +285,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
         tokens_per_chip = rows * seq_len * micro_batches if device_mesh is None else \
             batch_size * seq_len * micro_batches // chips
         whole_experts = device_mesh is None or all(device_mesh.shape.get(a, 1) == 1 for a in ("tensor", "expert"))
-        tiles = kernel_tiles(step.kernels, step_cfg.kernel_options, cfg, seq_len, tokens_per_chip, whole_experts)
+        tiles = kernel_tiles(step.kernels, step_cfg.kernel_options, cfg, seq_len, tokens_per_chip, whole_experts,
+                             step_cfg.tpu_generation)
         result.roofline = roofline_mod.roofline(compiled, result.generation, tiles=tiles)
     if rollout is not None:
         if rl is None:
@@ -424,9 +426,11 @@ def smallest_slice(preset: str, generation: str, *, rows_per_chip: int = 1, repo
     return plans
 
 
-def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_experts: bool = True) -> dict:
-    """The tile sizes each Pallas kernel of the step runs with: the options given, else the
-    kernel's defaults for these shapes (recorded beside a roofline: tiles are not tuned from it).
+def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_experts: bool = True,
+                 generation: str | None = None) -> dict:
+    """The tile sizes each Pallas kernel of the step runs with on a TPU of `generation`: the
+    options given, else the kernel's defaults for these shapes (recorded beside a roofline: tiles
+    are not tuned from it).
     whole_experts: no mesh axis splits the experts or their width, so the fused MoE's rows per
     chip are tokens x experts per token at the full expert width (else its defaults before the
     VMEM-budget shrink are reported)."""
@@ -434,6 +438,7 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_e
 
     from jax_bridge import kernel_tiles, registry
     from pallas_kernels import attention, cross_entropy, moe
+    from pallas_kernels.platform import vmem_capacity_bytes
 
     given = registry.parse_kernel_options(options)
     tiles = {}
@@ -453,8 +458,9 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_e
             mine = {"block_n": block_n, "block_v": block_v, **mine}
         elif (op, name) == ("moe", "pallas") and whole_experts and getattr(cfg, "experts_per_token", 0):
             mine = moe.fused_tiles(tokens * cfg.experts_per_token, cfg.d_model, cfg.expert_dim, jnp.bfloat16,
-                                   **{k: mine[k] for k in ("block_m", "block_i", "block_m_dw", "block_i_dw")
-                                      if k in mine})
+                                   **{"vmem_capacity_bytes": vmem_capacity_bytes(generation),
+                                      **{k: mine[k] for k in ("block_m", "block_i", "block_m_dw", "block_i_dw",
+                                                              "vmem_capacity_bytes") if k in mine}})
         elif (op, name) == ("moe", "pallas"):
             block_m, block_i = moe.DEFAULT_FUSED_TILES["tpu"]
             mine = {"block_m": block_m, "block_i": block_i, "note": "before the VMEM-budget shrink", **mine}

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from jax_bridge import kernel_tiles
-from pallas_kernels.platform import PLATFORMS, check_platform, host_platform
+from pallas_kernels.platform import PLATFORMS, check_platform, host_platform, vmem_capacity_bytes
 
 OPS = ("attention", "cross_entropy", "moe")      # the training forward's ops
 GENERATION_OPS = ("cached_attention",)           # used only by the KV-cache forward (generation)
@@ -119,14 +119,19 @@ class Implementation:
             raise KernelError(f"kernel option(s) {', '.join(f'{self.op}.{self.name}.{o}' for o in bad)} "
                               f"not accepted by {self.op}={self.name}; its options: {', '.join(allowed) or 'none'}")
 
-    def bind(self, platform: str, options: dict) -> Callable:
-        """The function with `platform` (when it takes it) and the options bound. With a table of
-        tuned tiles, each call (traced: its shapes are static) takes the entry of its shapes,
-        under the options given explicitly."""
+    def bind(self, platform: str, options: dict, generation: str | None = None) -> Callable:
+        """The function with `platform` (when it takes it) and the options bound. A TPU kernel
+        with a `vmem_capacity_bytes` option is told the VMEM of the TPU `generation` compiled for
+        (when known and not given), which sizes its tiles. With a table of tuned tiles, each call
+        (traced: its shapes are static) takes the entry of its shapes, under the options given
+        explicitly."""
         fn, extra = self.load(), dict(options)
         tuned = extra.pop(kernel_tiles.TUNED, None)
         if self.takes_platform:
             extra["platform"] = platform
+        capacity = vmem_capacity_bytes(generation) if platform == "tpu" else None
+        if capacity is not None and "vmem_capacity_bytes" in self._parameters()[0]:
+            extra.setdefault("vmem_capacity_bytes", capacity)
         if tuned is None:
             return (lambda *args, **kwargs: fn(*args, **kwargs, **extra)) if extra else fn
         if tuned["platform"] != platform:
@@ -355,14 +360,15 @@ def describe(resolved: dict[str, str], platform: str | None = None) -> str:
 
 
 # ---- routing the torch ops --------------------------------------------------------------------
-def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None):
+def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None, generation: str | None = None):
     """JAX callables with the torch ops' positional schemas, calling the chosen implementations
-    (per device or under GSPMD when a mesh is given)."""
+    (per device or under GSPMD when a mesh is given) for `platform` (a TPU's `generation`)."""
     from jax_bridge import moe_dispatch, sharded_ops
 
     options = parse_kernel_options(options)
     impl = {op: _TABLE[op][name] for op, name in resolved.items()}
-    fns = {op: impl[op].bind(platform, options.get(op, {}).get(name, {})) for op, name in resolved.items()}
+    fns = {op: impl[op].bind(platform, options.get(op, {}).get(name, {}), generation)
+           for op, name in resolved.items()}
     attn, ce, moe = fns["attention"], fns["cross_entropy"], fns["moe"]
     if mesh is not None:
         attn = sharded_ops.attention(attn, mesh, impl["attention"].spmd)
@@ -406,15 +412,17 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None)
 
 
 @contextlib.contextmanager
-def routed(env, resolved: dict[str, str], *, platform: str, options: dict | None = None, mesh=None):
+def routed(env, resolved: dict[str, str], *, platform: str, options: dict | None = None, mesh=None,
+           generation: str | None = None):
     """Within this block (used at trace time), the torchax env runs the chosen implementations,
-    compiled for `platform` with their `options` (sharded over `mesh` if given), for the model's
-    custom ops; the env's previous table is restored afterwards."""
+    compiled for `platform` (a TPU: of `generation`, 'v5e', 'v6e', ..., when known) with their
+    `options` (sharded over `mesh` if given), for the model's custom ops; the env's previous
+    table is restored afterwards."""
     import torchax.interop as interop
 
     from torch_model.ops import OPS as TORCH_OPS
 
-    adapters = _adapters(resolved, check_platform(platform, "kernel registry"), options or {}, mesh)
+    adapters = _adapters(resolved, check_platform(platform, "kernel registry"), options or {}, mesh, generation)
     saved = {}
     for op, fn in adapters.items():
         key = TORCH_OPS[op].default

@@ -20,7 +20,7 @@ from jax_bridge import policy_gradient, preference, registry, sharded_ops, shard
 from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
-from pallas_kernels.platform import check_platform, host_platform
+from pallas_kernels.platform import check_platform, host_platform, vmem_capacity_bytes
 from torch_model.lora import is_adapted, tracing_scope, unwrap
 from torch_model.causal_lm import keeps_float32, linear_expert_stacks
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
@@ -32,6 +32,29 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 # Per-platform defaults (issue 12): accelerators compute in bf16 (float32 master weights); the CPU
 # computes in float32, where its matmuls are real float32 and parity with eager torch holds.
 DEFAULT_COMPUTE_DTYPE = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
+
+
+def target_generation(platform: str, generation: str | None) -> str | None:
+    """The TPU generation a program compiles for: the one given (checked), else this host's
+    chips' when it compiles for its own TPU; None off TPU or when unknown (kernels then keep
+    tiles that fit any TPU from v5p on)."""
+    if platform != "tpu":
+        if generation is not None:
+            raise ValueError(f"StepConfig.tpu_generation {generation!r} is for platform 'tpu', found {platform!r}")
+        return None
+    if generation is not None:
+        if vmem_capacity_bytes(generation) is None:
+            raise ValueError(f"StepConfig.tpu_generation: unknown TPU generation {generation!r} "
+                             f"(expected e.g. v4, v5e, v5p, v6e, v7x)")
+        return generation
+    if host_platform() != "tpu":
+        return None
+    from jax_bridge import tpu_compile
+
+    try:
+        return tpu_compile.generation(jax.devices()[0])
+    except tpu_compile.TopologyError:
+        return None
 
 
 def default_matmul_precision(compute_dtype: str) -> str:
@@ -51,6 +74,8 @@ class StepConfig:
     matmul_precision: str | None = None      # the model's non-kernel matmuls (and the optimizer);
                                              # None: default_matmul_precision(compute_dtype)
     platform: str | None = None              # compiled FOR: "cpu" | "gpu" | "tpu"; None: this host's
+    tpu_generation: str | None = None        # a TPU platform's generation ("v5e", "v6e", ...: its VMEM sizes
+                                             # kernel tiles); None: this host's chips', if it has any
     kernel_options: str | dict | None = None  # per implementation, e.g. "attention.pallas.block_q=256"
     scan_layers: bool = False                # decoder layers as one lax.scan over stacked parameters
     remat: str = "none"                      # per layer: none | full | save-matmuls
@@ -75,6 +100,7 @@ class StepConfig:
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"StepConfig.remat must be one of {', '.join(REMAT_POLICIES)}, found {self.remat!r}")
         object.__setattr__(self, "platform", platform)
+        object.__setattr__(self, "tpu_generation", target_generation(platform, self.tpu_generation))
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "matmul_precision", precision)
         object.__setattr__(self, "kernel_options", registry.parse_kernel_options(self.kernel_options))
@@ -302,7 +328,7 @@ class TrainStep:
         platform, with their options) and its own matmuls run at the step's precision; a LoRA
         model's expert parametrizations swap tensors (lora.tracing_scope)."""
         with registry.routed(self.env, self.kernels, platform=self.platform, options=self.cfg.kernel_options,
-                             mesh=self.mesh), \
+                             mesh=self.mesh, generation=self.cfg.tpu_generation), \
                 jax.default_matmul_precision(self.cfg.matmul_precision), \
                 tracing_scope(self.model):
             yield

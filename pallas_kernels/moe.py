@@ -603,11 +603,21 @@ DEFAULT_FUSED_TILES = {
 # re-read once per I tile, and taller ones leave its weight-sized accumulators less VMEM.
 _TILED_I_ROWS_TPU = 512
 # Tiles are shrunk until the estimate fits the budget (TPU only). The dW kernel re-reads x and dy
-# once per I tile, so its tile is worth the VMEM: at 56 MiB gpt-oss-20b's dW takes I in 9 tiles,
-# not 15 (71.6 instead of 88.2 ms per v6e step), Lyra Small's in one (BENCHMARKS.md, issue 36,
-# session 19; both compiled for v5e and v6e).
+# once per I tile, so its tile is worth the VMEM: it starts from all of I and takes the largest
+# tile that fits. At 56 MiB gpt-oss-20b's dW takes I in 9 tiles, not 15 (71.6 instead of 88.2 ms
+# per v6e step), Lyra Small's in one (BENCHMARKS.md, issue 36, session 19). Told the target's VMEM
+# (`vmem_capacity_bytes`, which the registry fills from the TPU generation compiled for), the
+# budget is 7/8 of it: 112 MiB on v5e and v6e (gpt-oss-20b's dW in 5 tiles), 14 MiB on v4.
 _FUSED_VMEM_BUDGET = 56 * 2**20
 _FUSED_VMEM_CAP = 64 * 2**20      # vmem_limit_bytes never above this (v7x has 64 MiB per core)
+
+
+def _fused_vmem_limits(vmem_capacity: int | None) -> tuple[int, int]:
+    """(the tiles' VMEM budget, the cap on vmem_limit_bytes) for a target of `vmem_capacity` bytes
+    of VMEM per core (None: unknown, budgets that fit any TPU from v5p on)."""
+    if vmem_capacity is None:
+        return _FUSED_VMEM_BUDGET, _FUSED_VMEM_CAP
+    return vmem_capacity * 7 // 8, vmem_capacity
 
 
 def _fused_temps_bytes(tm: int, hdim: int, ti: int) -> int:
@@ -631,15 +641,16 @@ def _fused_rows_vmem_bytes(tm: int, hdim: int, ti: int, itemsize: int) -> int:
 
 
 def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, idim: int, dtype,
-                          block_i_dw: int | None = None,
-                          block_m_dw: int | None = None) -> tuple[int, int, int, int, int]:
+                          block_i_dw: int | None = None, block_m_dw: int | None = None,
+                          vmem_capacity: int | None = None) -> tuple[int, int, int, int, int]:
     """(tm, ti of the row kernels, tm_w, ti_w of the dW kernel, padded I). TPU block rules: the
     x/y/dx blocks take H whole (always legal); a w1 block is [H, 2ti] and a w2 block [ti, H], so ti
     must be I itself or a multiple of 64 (2ti a multiple of 128 lanes, ti of 16 sublanes). An I
     with no such divisor <= the wanted tile is zero-padded to a multiple of 128 (a weight copy:
     only in that case). Tiles given explicitly are kept (rounded to the rules): block_m and block_i
     for all three kernels unless block_m_dw / block_i_dw set the dW kernel's. Defaults shrink to
-    the VMEM budget: the dW kernel's I tile (weight-sized accumulators) first, then its row tile.
+    the VMEM budget (_fused_vmem_limits): the dW kernel's I tile (weight-sized accumulators, from
+    all of I down) first, then its row tile.
     The row kernels keep all of I where it fits (an expert's weights fetched once per expert);
     where it does not, they take _TILED_I_ROWS_TPU rows and the I tile that fits beside them."""
     default_m, default_i = DEFAULT_FUSED_TILES["tpu" if platform == "tpu" else "cpu"]
@@ -660,9 +671,10 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
         ip = round_up(idim, 128)
         start = fit_tile(ip, want_i, 128)
     # The dW kernel: shrink its defaults to the budget, first ti_w (to multiples of 64 dividing ip), then tm_w.
+    budget, _ = _fused_vmem_limits(vmem_capacity)
     fixed_i, fixed_m = block_i is not None or block_i_dw is not None, block_m is not None or block_m_dw is not None
-    ti_w = fit_tile(ip, block_i_dw, 64) if block_i_dw is not None else start
-    while _fused_vmem_bytes(tm_w, hdim, ti_w, itemsize) > _FUSED_VMEM_BUDGET:
+    ti_w = fit_tile(ip, block_i_dw, 64) if block_i_dw is not None else start if block_i is not None else ip
+    while _fused_vmem_bytes(tm_w, hdim, ti_w, itemsize) > budget:
         smaller = fit_tile(ip, ti_w - 64, 64) if ti_w > 64 and not fixed_i else ti_w
         if smaller < ti_w:
             ti_w = smaller
@@ -672,7 +684,7 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
             break
 
     def fits(tm: int, ti: int) -> bool:
-        return _fused_rows_vmem_bytes(tm, hdim, ti, itemsize) <= _FUSED_VMEM_BUDGET
+        return _fused_rows_vmem_bytes(tm, hdim, ti, itemsize) <= budget
 
     def row_i_tile(tm: int) -> int:
         """The row kernels' I tile beside `tm` rows: the wanted one, shrunk (a default) to fit."""
@@ -691,12 +703,13 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
 
 
 def fused_tiles(m: int, hdim: int, idim: int, dtype, platform: str = "tpu", block_m: int | None = None,
-                block_i: int | None = None, block_i_dw: int | None = None, block_m_dw: int | None = None) -> dict:
+                block_i: int | None = None, block_i_dw: int | None = None, block_m_dw: int | None = None,
+                vmem_capacity_bytes: int | None = None) -> dict:
     """The tiles `moe_experts_pallas` runs with for x [m, hdim] and experts of width idim (the
     defaults after their VMEM-budget shrink, or the options given): block_m, block_i (forward and
     dx), block_m_dw, block_i_dw (dW) and the padded I when it had to be padded."""
     tm, ti, tm_w, ti_w, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, dtype, block_i_dw,
-                                                   block_m_dw)
+                                                   block_m_dw, vmem_capacity_bytes)
     return {"block_m": tm, "block_i": ti, "block_m_dw": tm_w, "block_i_dw": ti_w,
             **({"padded_i": ip} if ip != idim else {})}
 
@@ -704,7 +717,8 @@ def fused_tiles(m: int, hdim: int, idim: int, dtype, platform: str = "tpu", bloc
 def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
                        limit: float = 7.0, up_shift: float = 1.0, platform: str, block_m: int | None = None,
                        block_i: int | None = None, block_i_dw: int | None = None, block_m_dw: int | None = None,
-                       vmem_limit_bytes: int | None = None, interpret: str | None = None):
+                       vmem_limit_bytes: int | None = None, vmem_capacity_bytes: int | None = None,
+                       interpret: str | None = None):
     """Fused Pallas expert MLP: per (row tile, expert) work item, up projection, clamped SwiGLU
     and down projection in one kernel; h [M, I] and the pre-activation [M, 2I] (or its gradient)
     exist only as VMEM tiles, in forward and backward. Backward (custom_vjp) recomputes them in
@@ -718,7 +732,8 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     DEFAULT_FUSED_TILES, clipped to the problem and (TPU) to a VMEM budget, the row kernels
     taller where I is tiled (_resolve_fused_tiling); block_m_dw / block_i_dw: the dW kernel's own
     tiles (default: block_m / block_i, or its own VMEM budget's). vmem_limit_bytes:
-    the TPU kernels' scoped VMEM limit (default: from the tiles' estimate).
+    the TPU kernels' scoped VMEM limit (default: from the tiles' estimate). vmem_capacity_bytes:
+    the target's VMEM per core, which sets the budget (the registry gives the generation's).
     Float32 inputs use HIGHEST precision, all matmuls accumulate in float32; outputs and
     gradients come back in the input dtypes.
     """
@@ -729,12 +744,13 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     if m == 0:
         return jnp.zeros_like(x)
     tm, ti, tm_w, ti_w, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, x.dtype, block_i_dw,
-                                                   block_m_dw)
+                                                   block_m_dw, vmem_capacity_bytes)
     vmem = vmem_limit_bytes
     if platform == "tpu" and vmem is None:
         itemsize = jnp.dtype(x.dtype).itemsize
         est = max(_fused_vmem_bytes(tm_w, hdim, ti_w, itemsize), _fused_rows_vmem_bytes(tm, hdim, ti, itemsize))
-        vmem = int(min(_FUSED_VMEM_CAP, max(32 * 2**20, round_up(est * 5 // 4, 2**20))))
+        cap = _fused_vmem_limits(vmem_capacity_bytes)[1]
+        vmem = int(min(cap, max(32 * 2**20, round_up(est * 5 // 4, 2**20))))
     cfg = _FusedConfig(tm, ti, tm_w, ti_w, float(alpha), float(limit), float(up_shift), mode, vmem)
     dtype = x.dtype
     w1, b1 = gate_up.astype(dtype), gate_up_bias.reshape(num_groups, 1, two_i)

@@ -29,6 +29,21 @@ def host_platform() -> str:
     return "gpu" if backend in ("cuda", "rocm", "gpu") else backend
 
 
+def vmem_capacity_bytes(generation: str | None) -> int | None:
+    """VMEM per TensorCore of a TPU generation ('v4', 'v5e', 'v5p', 'v6e', 'v7x'), from jax's own
+    table (pltpu.get_tpu_info_for_chip); None when none is given or jax does not know it: kernels
+    then keep budgets that fit every TPU from v5p on (64 MiB)."""
+    if generation is None:
+        return None
+    from jax.experimental.pallas import tpu as pltpu
+
+    try:     # jax names v7x '7x'
+        chip = pltpu.ChipVersion(generation[1:] if generation.startswith("v7") else generation)
+    except ValueError:
+        return None
+    return pltpu.get_tpu_info_for_chip(chip, 1).vmem_capacity_bytes
+
+
 def check_platform(platform: str, who: str = "kernel") -> str:
     if platform not in PLATFORMS:
         raise ValueError(f"{who}: unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)}")

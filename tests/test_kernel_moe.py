@@ -335,25 +335,29 @@ def test_fused_tiling_fits_tpu_rules_and_vmem_budget():
     (forward, dx) keep all of I where it fits them even when the dW kernel's accumulators need
     a smaller tile (H 2048, I 512: rows 512 whole, dW 256), so they fetch an expert's
     weights once per expert, not once per row tile; where I does not fit whole, they take
-    512-row tiles (fewer passes over the weights) while the dW kernel keeps 256."""
-    from pallas_kernels.moe import (_FUSED_VMEM_BUDGET, _fused_rows_vmem_bytes, _fused_vmem_bytes,
-                                    _resolve_fused_tiling)
+    512-row tiles (fewer passes over the weights) while the dW kernel keeps 256. The budget is
+    7/8 of the target's VMEM when the kernel is told it (64 MiB when not)."""
+    from pallas_kernels.moe import _fused_rows_vmem_bytes, _fused_vmem_bytes, _resolve_fused_tiling
 
-    for m, h, i, dt in [(32768, 2048, 384, jnp.bfloat16), (32768, 2048, 384, jnp.float32),
-                        (4096, 2880, 2880, jnp.bfloat16), (37, 64, 48, jnp.bfloat16), (5000, 4096, 1000, jnp.bfloat16),
-                        (32768, 2048, 512, jnp.bfloat16)]:
-        tm, ti, tm_w, ti_w, ip = _resolve_fused_tiling(None, None, "tpu", m, h, i, dt)
-        for t in (ti, ti_w):
-            assert tm % 16 == 0 and tm_w % 16 == 0 and ip % t == 0 and (t == ip or t % 64 == 0) and ip >= i
-        assert (ip == i) or ip % 128 == 0
-        itemsize = jnp.dtype(dt).itemsize
-        assert _fused_vmem_bytes(tm_w, h, ti_w, itemsize) <= _FUSED_VMEM_BUDGET
-        assert _fused_rows_vmem_bytes(tm, h, ti, itemsize) <= _FUSED_VMEM_BUDGET
-        assert ti == ip or tm >= tm_w       # I tiled: the row kernels take taller row tiles
+    for capacity, budget in [(None, 56 << 20), (16 << 20, 14 << 20), (64 << 20, 56 << 20), (128 << 20, 112 << 20)]:
+        for m, h, i, dt in [(32768, 2048, 384, jnp.bfloat16), (32768, 2048, 384, jnp.float32),
+                            (4096, 2880, 2880, jnp.bfloat16), (37, 64, 48, jnp.bfloat16),
+                            (5000, 4096, 1000, jnp.bfloat16), (32768, 2048, 512, jnp.bfloat16)]:
+            tm, ti, tm_w, ti_w, ip = _resolve_fused_tiling(None, None, "tpu", m, h, i, dt, vmem_capacity=capacity)
+            for t in (ti, ti_w):
+                assert tm % 16 == 0 and tm_w % 16 == 0 and ip % t == 0 and (t == ip or t % 64 == 0) and ip >= i
+            assert (ip == i) or ip % 128 == 0
+            itemsize = jnp.dtype(dt).itemsize
+            assert _fused_vmem_bytes(tm_w, h, ti_w, itemsize) <= budget, (capacity, m, h, i)
+            assert _fused_rows_vmem_bytes(tm, h, ti, itemsize) <= budget, (capacity, m, h, i)
+            assert ti == ip or tm >= tm_w       # I tiled: the row kernels take taller row tiles
     # (tm, ti, tm_w, ti_w, padded I): Lyra Small, gpt-oss-20b (I tiled: 512-row tiles), I 512 at H 2048
     assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 384, jnp.bfloat16) == (256, 384, 256, 384, 384)
     assert _resolve_fused_tiling(None, None, "tpu", 16384, 2880, 2880, jnp.bfloat16) == (512, 192, 256, 320, 2880)
     assert _resolve_fused_tiling(None, None, "tpu", 32768, 2048, 512, jnp.bfloat16) == (256, 512, 256, 256, 512)
+    # told v6e's 128 MiB: gpt-oss-20b's dW takes I in 5 tiles, not 9 (it starts from all of I)
+    assert _resolve_fused_tiling(None, None, "tpu", 16384, 2880, 2880, jnp.bfloat16,
+                                 vmem_capacity=128 << 20) == (512, 320, 256, 576, 2880)
     tiles = _resolve_fused_tiling(None, 128, "tpu", 32768, 2048, 384, jnp.bfloat16)       # explicit I tile
     assert (tiles[1], tiles[3]) == (128, 128)
     tiles = _resolve_fused_tiling(384, None, "tpu", 16384, 2880, 2880, jnp.bfloat16, block_m_dw=128)
@@ -389,3 +393,30 @@ def test_fused_cost_estimates_count_the_expert_weights_each_row_tile_streams(blo
     # dW: for each I tile the row tiles are walked again; each expert's blocks in once, out once
     assert calls["moe_fused_dw"] == nj * 2 * rows + 2 * (w1 + b1 + w2) + nj * e * h * 2 + prefetch
 
+
+
+def test_a_tpu_kernel_is_told_the_vmem_of_the_generation_it_compiles_for():
+    """jax's table of VMEM per core reaches a kernel with a `vmem_capacity_bytes` option through
+    the registry's binding, on TPU only and under an explicit option; the fused MoE's VMEM limit
+    stays within it."""
+    from jax_bridge.registry import Implementation
+    from jax_bridge.step import StepConfig
+    from pallas_kernels.platform import vmem_capacity_bytes
+
+    assert [vmem_capacity_bytes(g) for g in ("v4", "v5e", "v5p", "v6e", "v7x")] == [16 << 20, 128 << 20, 64 << 20,
+                                                                                    128 << 20, 64 << 20]
+    assert vmem_capacity_bytes(None) is None and vmem_capacity_bytes("v99") is None
+
+    def kernel(x, *, platform, vmem_capacity_bytes=None):
+        return platform, vmem_capacity_bytes
+
+    impl = Implementation("moe", "probe", kernel)
+    assert impl.bind("tpu", {}, "v6e")(0) == ("tpu", 128 << 20)
+    assert impl.bind("tpu", {"vmem_capacity_bytes": 1 << 20}, "v6e")(0) == ("tpu", 1 << 20)
+    assert impl.bind("tpu", {}, None)(0) == ("tpu", None) and impl.bind("cpu", {}, "v6e")(0) == ("cpu", None)
+    assert StepConfig(platform="tpu", tpu_generation="v5e").tpu_generation == "v5e"
+    assert StepConfig(platform="cpu").tpu_generation is None
+    with pytest.raises(ValueError, match="unknown TPU generation 'v99'"):
+        StepConfig(platform="tpu", tpu_generation="v99")
+    with pytest.raises(ValueError, match="for platform 'tpu', found 'cpu'"):
+        StepConfig(platform="cpu", tpu_generation="v5e")

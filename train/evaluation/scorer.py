@@ -191,7 +191,8 @@ class CompiledScorer:
         rows, width = index.shape
         tile = positions_tile(rows, width, self.cfg.vocab_size, self.shards)
         with registry.routed(self.env, self.kernels, platform=self.step_cfg.platform,
-                             options=self.step_cfg.kernel_options, mesh=self.mesh), \
+                             options=self.step_cfg.kernel_options, mesh=self.mesh,
+                             generation=self.step_cfg.tpu_generation), \
                 jax.default_matmul_precision(self.step_cfg.matmul_precision), tracing_scope(self.model):
             hidden = sharding.constrain(self.forward(params, inputs), self.mesh, ("batch", None, None))
             picked = jnp.take_along_axis(hidden, index[..., None], axis=1)            # [B, K, H]

@@ -110,7 +110,8 @@ class ContextPrograms:
         from jax_bridge import registry
 
         s = self.scorer
-        with registry.routed(s.env, self.kernels, platform=s.step_cfg.platform, options=s.step_cfg.kernel_options), \
+        with registry.routed(s.env, self.kernels, platform=s.step_cfg.platform, options=s.step_cfg.kernel_options,
+                             generation=s.step_cfg.tpu_generation), \
                 jax.default_matmul_precision(s.step_cfg.matmul_precision), tracing_scope(s.model):
             return self.forward_cached(s.layout.unstack(params), *args)
 
