@@ -7,7 +7,7 @@ of compute and memory time); totals per step for gpt-oss-20b's 24 layers with `-
 (each layer's forward kernel runs twice, dx and dW once).
 
     python scripts/moe_routing_cost.py [--rows 16384] [--hidden 2880] [--inter 2880] [--experts 32] [--layers 24] \\
-        [--sweep 256,384,512,640,768,1024]
+        [--sweep 256,384,512,640,768,1024] [--generation v6e]
 
 --sweep: instead, the row kernels' row tile over these values (their I tile fitted to VMEM as the
 defaults fit it; dW at 256 rows, I 320), per-step totals under both routings.
@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--sweep", default=None, help="row tiles of the row kernels to compare, comma-separated")
+    parser.add_argument("--generation", default=None,
+                        help="the TPU generation whose VMEM sizes the default tiles (e.g. v6e; default: unknown, 64 MiB)")
     args = parser.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path[:0] = [root, os.path.join(root, "tests")]
@@ -74,8 +76,12 @@ def main() -> None:
             print(f"{moe.fused_tiles(m, h, i, bf16, **tiles)}: per step " +
                   ", ".join(f"{r} routing {t:.1f} ms" for r, t in steps.items()))
         return
+    from pallas_kernels.platform import vmem_capacity_bytes
+
     old = dict(block_m=256, block_i=320, block_m_dw=256, block_i_dw=320)
-    for name, tiles in [("256 rows, I 320", old), ("defaults " + str(moe.fused_tiles(m, h, i, bf16)), {})]:
+    defaults = {"vmem_capacity_bytes": vmem_capacity_bytes(args.generation)}
+    for name, tiles in [("256 rows, I 320", old), ("defaults " + str(moe.fused_tiles(m, h, i, bf16, **defaults)),
+                                                    defaults)]:
         for routing, sizes in routings.items():
             cost = estimates(tiles, sizes)
             ms = kernel_ms(cost)
