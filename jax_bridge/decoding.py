@@ -364,7 +364,8 @@ class Decoder:
             params = self.params_for(self.layout("decode", batch))
             whole = self._sharding(False)
             values = _values_spec(n_stop, self.cfg.vocab_size, whole)
-            return fn.lower(params, state_spec, _spec((), jnp.int32, whole), values).compile(self.compiler_options)
+            return fn.lower(params, state_spec, _spec((), jnp.int32, whole), values).compile(
+                {**self.compiler_options, **sharding.loop_compiler_options(self.mesh)})
         return self._compiled("decode", (batch, length, mode, n_stop), build)
 
 

@@ -59,7 +59,9 @@ def main(seed: int, meshes: list[str]) -> dict:
         # One prompt x G = batch shards: too few prompt rows to split, prefilled on every device
         grouped = generator.generate(prompts[1:2], SamplingConfig(max_new_tokens=NEW, temperature=0),
                                      samples_per_prompt=generator.decoder.batch_shards)
+        collectives = list(generator.decoder.decode_collectives().values())
         out["meshes"][spec] = {"tokens": mesh_tokens, "logits_max_abs_diff": float(np.abs(mesh_logits - eager).max()),
+                               "decode_collectives": collectives,
                                "logits_max_abs": float(np.abs(eager).max()), "grouped_tokens": grouped.tokens,
                                "grouped_bucket": list(grouped.bucket),
                                **new_params(generator, prompts, spec, seed, mesh_tokens)}

@@ -1,8 +1,9 @@
 """Generation sharded over a device mesh (jax_bridge/decoding.py with `mesh`): on 8 simulated CPU
 devices in one subprocess (tests/generation_mesh_worker.py), greedy tokens equal the single-device
 ones and the sharded prefill's logits equal eager PyTorch's to float rounding, on fresh random
-prompts of odd lengths; new parameters already on the mesh are taken without a copy; a mesh that
-does not fit the devices is one line at the CLI."""
+prompts of odd lengths; the decode loop gathers the weights per token, not once whole; new
+parameters already on the mesh are taken without a copy; a mesh that does not fit the devices is
+one line at the CLI."""
 import json
 import os
 import subprocess
@@ -31,6 +32,10 @@ def test_sharded_generation_equals_one_device():
     assert all(r["ok"] for r in report), (seed, report)
     assert all(len(t) == 12 for t in out["one_device"])
     assert sharded["logits_max_abs_diff"] <= 1e-5 * max(1.0, sharded["logits_max_abs"]), (seed, sharded)
+    # The decode loop gathers the split weights per token: hoisted out of the loop (XLA:CPU's
+    # loop-invariant code motion) every device held the whole model while decoding.
+    assert sharded["decode_collectives"] and all(
+        c["gathered_per_call"] == 0 and c["gathered_per_token"] > 0 for c in sharded["decode_collectives"]), sharded
     # One prompt continued once per batch shard (4): its prefill on every device, its copies split
     shards = len(sharded["grouped_tokens"])
     assert shards == 4 and sharded["grouped_bucket"][0] == 4, sharded["grouped_bucket"]
