@@ -92,11 +92,6 @@ class Implementation:
         return names, any(p.kind == p.VAR_KEYWORD for p in params)
 
     @property
-    def takes_platform(self) -> bool:
-        names, var_kw = self._parameters()
-        return "platform" in names or var_kw
-
-    @property
     def takes_segment_ids(self) -> bool:
         """An attention implementation with an explicit `segment_ids` keyword (not merely
         **kwargs, which could drop it silently)."""
@@ -127,11 +122,8 @@ class Implementation:
         explicitly."""
         fn, extra = self.load(), dict(options)
         tuned = extra.pop(kernel_tiles.TUNED, None)
-        if self.takes_platform:
-            extra["platform"] = platform
-        capacity = vmem_capacity_bytes(generation) if platform == "tpu" else None
-        if capacity is not None and "vmem_capacity_bytes" in self._parameters()[0]:
-            extra.setdefault("vmem_capacity_bytes", capacity)
+        for key, value in target_keywords(fn, platform, generation).items():
+            extra.setdefault(key, value)
         if tuned is None:
             return (lambda *args, **kwargs: fn(*args, **kwargs, **extra)) if extra else fn
         if tuned["platform"] != platform:
@@ -142,6 +134,19 @@ class Implementation:
             key = kernel_tiles.call_key(self.op, args, kwargs)
             return fn(*args, **kwargs, **{**kernel_tiles.options_for(self.op, self.name, tuned, key), **extra})
         return with_tuned_tiles
+
+
+def target_keywords(fn: Callable, platform: str, generation: str | None = None) -> dict:
+    """What tells a kernel function the target it compiles for: `platform` (when it takes it),
+    and on a TPU of a known `generation` its VMEM per core (`vmem_capacity_bytes`, when it takes
+    that option: the fused MoE sizes its tiles by it)."""
+    params = inspect.signature(fn).parameters
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    out = {"platform": platform} if "platform" in params or var_kw else {}
+    capacity = vmem_capacity_bytes(generation) if platform == "tpu" else None
+    if capacity is not None and "vmem_capacity_bytes" in params:
+        out["vmem_capacity_bytes"] = capacity
+    return out
 
 
 _TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS + GENERATION_OPS + QUANTIZED_OPS}

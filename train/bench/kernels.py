@@ -125,14 +125,11 @@ _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 def _tpu_measure(fn, case: Case, direction: str, args, device) -> dict:
     """The row's TPU figures: temp bytes, compile seconds, Mosaic kernels with their scoped VMEM
     limits, and (--vmem, implementations taking vmem_limit_bytes) the largest kernel's need."""
-    from jax_bridge import tpu_compile
-    from pallas_kernels.platform import vmem_capacity_bytes
+    from jax_bridge import registry, tpu_compile
 
     vjp = not args.sum_loss and direction == "fwd+bwd"
     kernel = _is_kernel(fn)
-    kw = {"platform": "tpu"} if kernel else {}
-    if kernel and "vmem_capacity_bytes" in inspect.signature(fn).parameters:   # as the registry binds it
-        kw["vmem_capacity_bytes"] = vmem_capacity_bytes(tpu_compile.generation(device))
+    kw = registry.target_keywords(fn, "tpu", tpu_compile.generation(device)) if kernel else {}
     f = make_fn(fn, case, direction, kw, vjp)
     abstract = abstract_inputs(case, fn, kw, vjp)
     out = dict(tpu_temp_bytes=None, tpu_compile_s=None, tpu_kernels=None, vmem_need_bytes=None, tpu_error=None)

@@ -71,7 +71,10 @@ def _measure(case, fn, platform: str, tiles: dict, args):
 
     from train.bench.kernel_cases import abstract_inputs, concrete_inputs, make_fn, time_calls
 
-    kw = {"platform": platform, **tiles}
+    from jax_bridge.registry import target_keywords
+    from jax_bridge.step import target_generation
+
+    kw = {**target_keywords(fn, platform, target_generation(platform, None)), **tiles}
     program = make_fn(fn, case, "fwd+bwd", kw, vjp=True)
     abstract = abstract_inputs(case, fn, kw, vjp=True)
     compiled = jax.jit(program).lower(*abstract).compile()
