@@ -50,6 +50,7 @@ class Plan:
     matmul_precision: str
     hbm_bytes: int               # what the compiler lets one device use
     ns_dtype: str = "float32"    # Muon's Newton-Schulz
+    moe_routing: str = "even"    # the routing the fused MoE kernels' cost estimates assume (roofline only)
     # Per chip, from the state's shapes and shardings (not the compiler): the shards one chip holds.
     param_bytes: int = 0         # float32 master weights
     optimizer_bytes: int = 0     # Muon momentum, AdamW moments, step counts
@@ -158,7 +159,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
          compute_dtype: str | None = None, matmul_precision: str | None = None,
          model_overrides: dict | None = None, optimizer=None, roofline: bool = False, packed: bool = False,
          lora: str | None = None, rl=None, rollout: RolloutShape | None = None, model_record=None,
-         base_dtype: str = "compute") -> Plan:
+         base_dtype: str = "compute", moe_routing: str = "even") -> Plan:
     """Compile `preset`'s train step for TPU `topology` and report one chip's memory; `model_record`: a
     transformers model's record (torch_model.transformers_lm.TransformersSpec) planned instead
     (then `preset` only names it in the report; seq_len is required).
@@ -171,7 +172,9 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     segment-masked attention). lora: a --lora spec: the LoRA step (peft's adapters trained, the
     base frozen in the compute dtype and passed to the step undonated). rl: a PolicyGradientConfig:
     the GRPO update step (packed rollouts with its per-token float32 fields; implies packed);
-    with `rollout` also the rollout's prefill and decode programs (`plan_rollout`)."""
+    with `rollout` also the rollout's prefill and decode programs (`plan_rollout`). moe_routing:
+    the routing the fused MoE kernels' cost estimates assume (pallas_kernels.moe.cost_routing:
+    "even" or "random"); it moves the roofline only, never the program."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -179,6 +182,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
 
     from jax_bridge import registry, sharding
     from jax_bridge.step import StepConfig, TrainStep
+    from pallas_kernels import moe
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
     from torch_model.optim import OptimizerConfig
@@ -241,7 +245,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   params=cfg.param_counts()["total"], seq_len=seq_len, batch_size=batch_size, rows_per_chip=rows,
                   micro_batches=micro_batches, scan_layers=scan_layers, remat=remat, kernels=dict(step.kernels),
                   compute_dtype=step_cfg.compute_dtype, matmul_precision=step_cfg.matmul_precision,
-                  hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype,
+                  hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype, moe_routing=moe_routing,
                   param_bytes=per_chip_bytes(state.params),
                   optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params),
                   packed=packed, rl="" if rl is None else _describe_rl(rl), lora=lora or "", trainable_params=sum(math.prod(a.shape) for a in
@@ -260,8 +264,9 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
         tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32), packed,
                              step.float_fields)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32)
-        lowered = tpu_compile.lower_for(step._step, (state, compute, tokens, lr_scale, frozen), device,
-                                        donate_argnums=(0, 1))
+        with moe.cost_routing(moe_routing):
+            lowered = tpu_compile.lower_for(step._step, (state, compute, tokens, lr_scale, frozen), device,
+                                            donate_argnums=(0, 1))
     else:
         # The trainer's inputs: sharded state, the global batch split over the batch axes; the
         # outputs take the shardings the step constrains them to.
@@ -269,7 +274,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                                                   sharding=sharding.batch_sharding(device_mesh)), packed,
                              step.float_fields)
         lr_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(device_mesh, P()))
-        lowered = jax.jit(step._step, donate_argnums=(0, 1)).lower(state, compute, tokens, lr_scale, frozen)
+        with moe.cost_routing(moe_routing):
+            lowered = jax.jit(step._step, donate_argnums=(0, 1)).lower(state, compute, tokens, lr_scale, frozen)
     result.lower_s = round(time.perf_counter() - start, 2)
     memory, compiled = _compiled_memory(lowered.compile)
     result.compile_s, result.compile_cpu_s, result.temp_bytes = memory.compile_s, memory.compile_cpu_s, memory.temp_bytes
@@ -509,7 +515,8 @@ def format_plan(p: Plan) -> str:
              f"{f' of packed rollouts (GRPO update: {p.rl}; per-token advantages and log-probabilities)' if p.rl else ''}; "
              f"layers {'scanned' if p.scan_layers else 'looped'}, remat {p.remat}; "
              f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}, Newton-Schulz {p.ns_dtype}; "
-             f"kernels {kernels}",
+             f"kernels {kernels}"
+             + (f" (their cost estimates: {p.moe_routing} routing)" if p.moe_routing != "even" else ""),
              f"  per chip, from the shardings: parameters {gib(p.param_bytes)}, optimizer {gib(p.optimizer_bytes)}, "
              f"gradients {gib(p.grad_bytes)} (one per parameter shard, float32; part of the temporaries)"
              + (f", their {p.compute_dtype} copy {gib(p.compute_copy_bytes)} (written by the update, read by the "

@@ -16,6 +16,8 @@ HBM temp memory of each (compile-only, forward and forward+backward): pallas_ker
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import NamedTuple
@@ -136,24 +138,48 @@ def group_metadata(group_sizes, num_tiles: int, tm: int, *, visit_empty: bool = 
     return GroupMetadata(*(a.astype(xp.int32) for a in (offsets, gid, tile, num_active[None])))
 
 
-def balanced_metadata(m: int, num_groups: int, tm: int, *, visit_empty: bool = False) -> GroupMetadata:
-    """The metadata of an evenly routed batch (m // E rows per expert, the remainder to the
-    first ones): the layout the fused kernels' static cost estimates assume (routing is data)."""
-    sizes = np.full(num_groups, m // num_groups, np.int32)
-    sizes[:m % num_groups] += 1
+# The routing the fused kernels' static cost estimates assume (routing is data; nothing else
+# changes): "even", m // E rows per expert (the remainder to the first ones), so groups fill whole
+# row tiles where the tile divides them; "random", row counts drawn multinomially with equal
+# probabilities (seeded), so groups start mid-tile and a straddling tile is computed, and its
+# weights fetched, for each of its experts, as under a real router.
+COST_ROUTINGS = ("even", "random")
+_cost_routing = contextvars.ContextVar("moe_cost_routing", default="even")
+
+
+@contextlib.contextmanager
+def cost_routing(routing: str):
+    """Within this block (while tracing), the fused MoE kernels' cost estimates assume `routing`."""
+    if routing not in COST_ROUTINGS:
+        raise ValueError(f"MoE cost routing must be one of {', '.join(COST_ROUTINGS)}, found {routing!r}")
+    token = _cost_routing.set(routing)
+    try:
+        yield
+    finally:
+        _cost_routing.reset(token)
+
+
+def cost_metadata(m: int, num_groups: int, tm: int, *, visit_empty: bool = False) -> GroupMetadata:
+    """The metadata of the batch the cost estimates assume (`cost_routing`: evenly routed unless
+    told otherwise)."""
+    if _cost_routing.get() == "random":
+        sizes = np.random.default_rng(0).multinomial(m, np.full(num_groups, 1 / num_groups)).astype(np.int32)
+    else:
+        sizes = np.full(num_groups, m // num_groups, np.int32)
+        sizes[:m % num_groups] += 1
     return group_metadata(sizes, -(-m // tm), tm, visit_empty=visit_empty, xp=np)
 
 
-def active_items(balanced: GroupMetadata) -> int:
-    """Work items that compute in an evenly routed batch's metadata: the spare items past them
-    skip their compute (`pl.when(active)`), so cost estimates count these only."""
-    return int(balanced.num_active[0])
+def active_items(assumed: GroupMetadata) -> int:
+    """Work items that compute in the assumed batch's metadata (cost_metadata): the spare items
+    past them skip their compute (`pl.when(active)`), so cost estimates count these only."""
+    return int(assumed.num_active[0])
 
 
-def active_item_flops(balanced: GroupMetadata, tm: int, hdim: int, idim: int, passes: int) -> int:
-    """Matmul FLOPs of `passes` [tm, H] x [H, I]-sized products per active work item of an evenly
-    routed batch (the up projection is 2 passes)."""
-    return active_items(balanced) * tm * hdim * idim * 2 * passes
+def active_item_flops(assumed: GroupMetadata, tm: int, hdim: int, idim: int, passes: int) -> int:
+    """Matmul FLOPs of `passes` [tm, H] x [H, I]-sized products per active work item of the
+    assumed batch (the up projection is 2 passes)."""
+    return active_items(assumed) * tm * hdim * idim * 2 * passes
 
 
 def round_up(a: int, b: int) -> int:
@@ -383,7 +409,7 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
     m, hdim = xp.shape
     tm, ti = cfg.tm, cfg.ti
     nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
-    balanced = balanced_metadata(m, w1.shape[0], tm)
+    assumed = cost_metadata(m, w1.shape[0], tm)
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
     def kernel(offsets, gids, tiles, nact, x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, acc_ref):
@@ -421,9 +447,9 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
         compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
         name="moe_fused_fwd",
         cost_estimate=cost_estimate(grid, in_specs, (xp, w1, b1, w2, b2), out_spec, out_shape,
-                                    flops=active_item_flops(balanced, tm, hdim, w2.shape[1], 3),
-                                    transcendentals=active_items(balanced) * tm * w2.shape[1] * 2,
-                                    prefetch=balanced),
+                                    flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 3),
+                                    transcendentals=active_items(assumed) * tm * w2.shape[1] * 2,
+                                    prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, xp, w1, b1, w2, b2)
 
@@ -434,7 +460,7 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
     m, hdim = xp.shape
     tm, ti = cfg.tm, cfg.ti
     nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
-    balanced = balanced_metadata(m, w1.shape[0], tm)
+    assumed = cost_metadata(m, w1.shape[0], tm)
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
     def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, acc_ref):
@@ -474,9 +500,9 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
         compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
         name="moe_fused_dx",
         cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), row, out_shape,
-                                    flops=active_item_flops(balanced, tm, hdim, w2.shape[1], 5),
-                                    transcendentals=active_items(balanced) * tm * w2.shape[1] * 2,
-                                    prefetch=balanced),
+                                    flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 5),
+                                    transcendentals=active_items(assumed) * tm * w2.shape[1] * 2,
+                                    prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, xp, dy, w1, b1, w2)
 
@@ -489,7 +515,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
     m, hdim = xp.shape
     num_groups = w1.shape[0]
     tm, ti = cfg.tm_w, cfg.ti_w
-    balanced = balanced_metadata(m, num_groups, tm, visit_empty=True)
+    assumed = cost_metadata(m, num_groups, tm, visit_empty=True)
     nj, num_items = w2.shape[1] // ti, meta_all.group_ids.shape[0]
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
 
@@ -554,9 +580,9 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
         compiler_params=_fused_params(cfg, ("parallel", "arbitrary")),
         name="moe_fused_dw",
         cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), out_specs, out_shape,
-                                    flops=active_item_flops(balanced, tm, hdim, w2.shape[1], 6),
-                                    transcendentals=active_items(balanced) * tm * w2.shape[1] * 2,
-                                    prefetch=balanced),
+                                    flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 6),
+                                    transcendentals=active_items(assumed) * tm * w2.shape[1] * 2,
+                                    prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta_all, xp, dy, w1, b1, w2)
     return dw1, db1, dw2, db2[0]

@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import index_math as ix
 from pallas_kernels.cost import cost_estimate
-from pallas_kernels.moe import (GPU_HINT, GroupMetadata, active_item_flops, active_items, balanced_metadata, fit_tile,
+from pallas_kernels.moe import (GPU_HINT, GroupMetadata, active_item_flops, active_items, cost_metadata, fit_tile,
                                 group_metadata, moe_experts_reference, moe_experts_xla, round_up, store_rows)
 from pallas_kernels.mxfp4 import (BLOCK, NORMAL_SCALES, dequantize_mxfp4, e2m1_bf16_bits, e2m1_bf16_bits_normal,
                                   normal_base)
@@ -264,14 +264,14 @@ class _Dims(NamedTuple):
     nj: int               # up-projection steps (tiles of I)
     nh: int               # down-projection steps (tiles of H rows)
     num_items: int
-    balanced: GroupMetadata   # an evenly routed batch's metadata (the cost estimates' assumption)
+    assumed: GroupMetadata    # the metadata the cost estimates assume (moe.cost_metadata)
 
 
 def _dims(meta: GroupMetadata, x_halves, w1b, cfg: _MxConfig) -> _Dims:
     _, m, half_h = x_halves.shape
     hdim, idim = 2 * half_h, w1b.shape[1] // 2
     return _Dims(m, hdim, idim, idim // cfg.ti, hdim // cfg.th, meta.group_ids.shape[0],
-                 balanced_metadata(m, w1b.shape[0], cfg.tm))
+                 cost_metadata(m, w1b.shape[0], cfg.tm))
 
 
 def _up_projection(x_ref, w1b_ref, w1s_ref, b1_ref, lo_s, hi_s, pre_s, n: int, prec):
@@ -288,7 +288,7 @@ def _up_projection(x_ref, w1b_ref, w1s_ref, b1_ref, lo_s, hi_s, pre_s, n: int, p
 def _mx_forward(meta: GroupMetadata, x_halves, w1b, w1s, b1, w2b, w2s, b2, cfg: _MxConfig):
     """y^T [H, M]. x_halves [2, M, H/2] (x's even and odd columns); w1b [E, 2I, H/2] bytes,
     w1s [E, 2I, H/32]; b1 [E, 2I, 1]; w2b [E, H, I/2], w2s [E, H, I/32]; b2 [E, H, 1]."""
-    m, hdim, idim, nj, nh, num_items, balanced = _dims(meta, x_halves, w1b, cfg)
+    m, hdim, idim, nj, nh, num_items, assumed = _dims(meta, x_halves, w1b, cfg)
     tm, ti, th = cfg.tm, cfg.ti, cfg.th
     dtype, prec = x_halves.dtype, dot_precision(x_halves.dtype)
     half_h, steps = hdim // 2, nj + nh
@@ -334,15 +334,15 @@ def _mx_forward(meta: GroupMetadata, x_halves, w1b, w1s, b1, w2b, w2s, b2, cfg: 
         name="moe_mxfp4_fwd",
         cost_estimate=cost_estimate(grid, in_specs, (x_halves, w1b, w1s, b1, w2b, w2s, b2), out_spec, out_shape,
                                     # the decode's integer operations (VPU) are not FLOPs: not counted
-                                    flops=active_item_flops(balanced, tm, hdim, idim, 3),
-                                    transcendentals=active_items(balanced) * tm * idim, prefetch=balanced),
+                                    flops=active_item_flops(assumed, tm, hdim, idim, 3),
+                                    transcendentals=active_items(assumed) * tm * idim, prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, x_halves, w1b, w1s, b1, w2b, w2s, b2)
 
 
 def _mx_dx(meta: GroupMetadata, x_halves, dy_t, w1b, w1s, b1, w2b, w2s, cfg: _MxConfig):
     """dx as [2, M, H/2] (even and odd columns). dy_t [H, M]."""
-    m, hdim, idim, nj, nh, num_items, balanced = _dims(meta, x_halves, w1b, cfg)
+    m, hdim, idim, nj, nh, num_items, assumed = _dims(meta, x_halves, w1b, cfg)
     tm, ti, th = cfg.tm, cfg.ti, cfg.th
     dtype, prec = x_halves.dtype, dot_precision(x_halves.dtype)
     half_h, steps = hdim // 2, nh + nj
@@ -399,8 +399,8 @@ def _mx_dx(meta: GroupMetadata, x_halves, dy_t, w1b, w1s, b1, w2b, w2s, cfg: _Mx
         compiler_params=_params(cfg),
         name="moe_mxfp4_dx",
         cost_estimate=cost_estimate(grid, in_specs, (x_halves, dy_t, w1b, w1s, b1, w2b, w2s), halves, out_shape,
-                                    flops=active_item_flops(balanced, tm, hdim, idim, 5),
-                                    transcendentals=active_items(balanced) * tm * idim, prefetch=balanced),
+                                    flops=active_item_flops(assumed, tm, hdim, idim, 5),
+                                    transcendentals=active_items(assumed) * tm * idim, prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
     )(*meta, x_halves, dy_t, w1b, w1s, b1, w2b, w2s)
 

@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 
-import numpy as np
 
 PEAK_FLOPS, HBM = 918e12, 1638e9
 
@@ -44,24 +43,15 @@ def main() -> None:
     bf16 = jnp.bfloat16
     specs = tuple(jax.ShapeDtypeStruct(s, d) for s, d in [((m, h), bf16), ((e,), jnp.int32), ((e, h, 2 * i), bf16),
                                                           ((e, 2 * i), bf16), ((e, i, h), bf16), ((e, h), bf16)])
-    evenly = moe.balanced_metadata
+    def estimates(tiles: dict, routing: str) -> dict:
+        """name -> CostEstimate of each kernel, its metadata assuming `routing` (moe.cost_routing)."""
+        def loss(x, gs, wu, bu, wd, bd):
+            y = moe.moe_experts_pallas(x, gs, wu, bu, wd, bd, platform="tpu", **tiles)
+            return y.astype(jnp.float32).sum()
 
-    def estimates(tiles: dict, sizes) -> dict:
-        """name -> CostEstimate, the kernels' metadata built from `sizes` (None: evenly routed)."""
-        if sizes is not None:
-            moe.balanced_metadata = lambda m_, n, tm, *, visit_empty=False: moe.group_metadata(
-                np.asarray(sizes, np.int32), -(-m_ // tm), tm, visit_empty=visit_empty, xp=np)
-        try:
-            def loss(x, gs, wu, bu, wd, bd):
-                y = moe.moe_experts_pallas(x, gs, wu, bu, wd, bd, platform="tpu", **tiles)
-                return y.astype(jnp.float32).sum()
-
+        with moe.cost_routing(routing):
             calls = pallas_calls(jax.grad(loss, argnums=(0, 2, 3, 4, 5)), *specs)
-            return {p["name"][len("moe_fused_"):]: p["cost_estimate"] for p in calls}
-        finally:
-            moe.balanced_metadata = evenly
-
-    routings = {"even": None, "random": np.random.default_rng(0).multinomial(m, np.full(e, 1 / e))}
+        return {p["name"][len("moe_fused_"):]: p["cost_estimate"] for p in calls}
 
     def kernel_ms(cost: dict) -> dict:
         return {k: max(c.flops / PEAK_FLOPS, c.bytes_accessed / HBM) * 1e3 for k, c in cost.items()}
@@ -72,7 +62,7 @@ def main() -> None:
     if args.sweep:
         for tm in (int(v) for v in args.sweep.split(",")):
             tiles = dict(block_m=tm, block_m_dw=256, block_i_dw=320)
-            steps = {r: per_step(kernel_ms(estimates(tiles, sizes))) for r, sizes in routings.items()}
+            steps = {r: per_step(kernel_ms(estimates(tiles, r))) for r in moe.COST_ROUTINGS}
             print(f"{moe.fused_tiles(m, h, i, bf16, **tiles)}: per step " +
                   ", ".join(f"{r} routing {t:.1f} ms" for r, t in steps.items()))
         return
@@ -82,8 +72,8 @@ def main() -> None:
     defaults = {"vmem_capacity_bytes": vmem_capacity_bytes(args.generation)}
     for name, tiles in [("256 rows, I 320", old), ("defaults " + str(moe.fused_tiles(m, h, i, bf16, **defaults)),
                                                     defaults)]:
-        for routing, sizes in routings.items():
-            cost = estimates(tiles, sizes)
+        for routing in moe.COST_ROUTINGS:
+            cost = estimates(tiles, routing)
             ms = kernel_ms(cost)
             print(f"{name}, {routing} routing: " + ", ".join(
                 f"{k} {c.bytes_accessed / 1e9:.2f} GB {c.flops / 1e12:.2f} TFLOP {ms[k]:.2f} ms"

@@ -17,6 +17,8 @@ import pytest
 from helpers import pallas_calls, rel_err
 from pallas_kernels.memory import opaque_pallas_calls, temp_bytes, vjp_program
 from pallas_kernels.moe import (
+    COST_ROUTINGS,
+    cost_routing,
     expert_of_rows,
     group_metadata,
     moe_experts_megablox,
@@ -392,6 +394,43 @@ def test_fused_cost_estimates_count_the_expert_weights_each_row_tile_streams(blo
     assert calls["moe_fused_dx"] == 2 * rows + streamed + rows + prefetch
     # dW: for each I tile the row tiles are walked again; each expert's blocks in once, out once
     assert calls["moe_fused_dw"] == nj * 2 * rows + 2 * (w1 + b1 + w2) + nj * e * h * 2 + prefetch
+
+
+def test_fused_cost_estimates_can_assume_random_routing():
+    """Under `cost_routing("random")` the estimates assume multinomial row counts (seeded): groups
+    start mid-tile, and the tiles that straddle two experts compute for each, so each kernel counts
+    the active items of those counts; evenly routed rows fill whole tiles here. The kernels' own
+    program (grid, outputs) does not change, and the estimates are even again after the block."""
+    m, h, i, e, tm = 256, 128, 128, 4, 64
+    specs = moe_specs(m, h, i, e)
+    fn = lambda x, gs, wu, bu, wd, bd: moe_experts_pallas(x, gs, wu, bu, wd, bd, platform="tpu",  # noqa: E731
+                                                          block_m=tm).astype(jnp.float32).sum()
+
+    def priced():
+        calls = pallas_calls(jax.grad(fn, argnums=(0, 2, 3, 4, 5)), *specs)
+        return {p["name"]: (p["cost_estimate"].flops, p["grid_mapping"].grid) for p in calls}
+
+    sizes = np.random.default_rng(0).multinomial(m, np.full(e, 1 / e))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    straddled = len({(row // tm, g) for g in range(e) for row in range(starts[g], starts[g + 1])})  # (tile, expert)
+    even = priced()
+    with cost_routing("random"):
+        random = priced()
+    assert priced() == even
+    for name, passes in (("moe_fused_fwd", 3), ("moe_fused_dx", 5), ("moe_fused_dw", 6)):
+        assert even[name][0] == (m // tm) * tm * h * i * 2 * passes                  # 4 whole tiles
+        assert random[name] == (straddled * tm * h * i * 2 * passes, even[name][1])  # same grid
+    assert straddled > m // tm
+    with pytest.raises(ValueError, match="must be one of even, random, found 'skewed'"):
+        with cost_routing("skewed"):
+            pass
+    import argparse
+
+    from train.run.plan import add_arguments
+
+    plan_parser = argparse.ArgumentParser()
+    add_arguments(plan_parser)                 # `plan --moe-routing` offers these
+    assert [plan_parser.parse_args(["--moe-routing", r]).moe_routing for r in COST_ROUTINGS] == list(COST_ROUTINGS)
 
 
 

@@ -47,6 +47,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--roofline", action="store_true",
                         help="also break the compiled step down by op category: FLOPs, HBM bytes and roofline "
                              "time at the chip's published peaks, MFU ceiling, most expensive memory-bound ops")
+    parser.add_argument("--moe-routing", default="even", choices=("even", "random"),     # moe.COST_ROUTINGS
+                        help="--roofline: the routing the fused MoE kernels are priced at: even (every expert the "
+                             "same rows: whole row tiles; default) or random (rows drawn multinomially, seeded: "
+                             "groups start mid-tile, as under a real router)")
     parser.add_argument("--packed", action="store_true",
                         help="the SFT step: packed conversations (segment ids, positions, loss weights)")
     parser.add_argument("--lora", metavar="SPEC", default=None,
@@ -113,7 +117,8 @@ def run(args) -> int:
                       scan_layers=scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
                       optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora, rl=rl,
-                      rollout=rollout, model_record=model, base_dtype=args.base_dtype)
+                      rollout=rollout, model_record=model, base_dtype=args.base_dtype,
+                      moe_routing=args.moe_routing)
     except tpu_compile.TopologyError as e:
         raise UserError(f"--topology: {e}") from None
     except (ValueError, ConfigError) as e:
