@@ -365,7 +365,7 @@ class Decoder:
             whole = self._sharding(False)
             values = _values_spec(n_stop, self.cfg.vocab_size, whole)
             return fn.lower(params, state_spec, _spec((), jnp.int32, whole), values).compile(
-                {**self.compiler_options, **sharding.loop_compiler_options(self.mesh)})
+                {**sharding.loop_compiler_options(self.mesh), **self.compiler_options})
         return self._compiled("decode", (batch, length, mode, n_stop), build)
 
 

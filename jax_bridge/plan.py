@@ -250,7 +250,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params),
                   packed=packed, rl="" if rl is None else _describe_rl(rl), lora=lora or "", trainable_params=sum(math.prod(a.shape) for a in
                                                                     jax.tree.leaves(state.params)),
-                  frozen_bytes=per_chip_bytes(frozen), base_dtype=base_dtype, compute_copy_bytes=per_chip_bytes(compute),
+                  frozen_bytes=per_chip_bytes(frozen), base_dtype=base_dtype,
+                  compute_copy_bytes=per_chip_bytes(compute),
                   expert_delta_bytes=expert_delta_bytes(frozen, cfg.n_layers) if spec and spec.target_parameters else 0)
     held = result.param_bytes + result.optimizer_bytes + result.grad_bytes + result.frozen_bytes + \
         result.compute_copy_bytes
@@ -444,7 +445,6 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_e
 
     from jax_bridge import kernel_tiles, registry
     from pallas_kernels import attention, cross_entropy, moe
-    from pallas_kernels.platform import vmem_capacity_bytes
 
     given = registry.parse_kernel_options(options)
     tiles = {}
@@ -463,10 +463,10 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_e
             block_n, block_v = cross_entropy.default_block_sizes(tokens, cfg.d_model, cfg.vocab_size, "tpu")
             mine = {"block_n": block_n, "block_v": block_v, **mine}
         elif (op, name) == ("moe", "pallas") and whole_experts and getattr(cfg, "experts_per_token", 0):
+            given_tiles = {k: mine[k] for k in ("block_m", "block_i", "block_m_dw", "block_i_dw", "vmem_capacity_bytes")
+                           if k in mine}         # as the registry binds the kernel: the options over the target's
             mine = moe.fused_tiles(tokens * cfg.experts_per_token, cfg.d_model, cfg.expert_dim, jnp.bfloat16,
-                                   **{"vmem_capacity_bytes": vmem_capacity_bytes(generation),
-                                      **{k: mine[k] for k in ("block_m", "block_i", "block_m_dw", "block_i_dw",
-                                                              "vmem_capacity_bytes") if k in mine}})
+                                   **{**registry.target_keywords(moe.fused_tiles, "tpu", generation), **given_tiles})
         elif (op, name) == ("moe", "pallas"):
             block_m, block_i = moe.DEFAULT_FUSED_TILES["tpu"]
             mine = {"block_m": block_m, "block_i": block_i, "note": "before the VMEM-budget shrink", **mine}
