@@ -152,6 +152,36 @@ def check_model_fits(cfg, mesh: Mesh) -> None:
         raise ValueError(f"mesh expert={expert} must divide the number of experts ({cfg.n_experts})")
 
 
+def inference_mesh(mesh: Mesh | None, cfg, params: dict) -> Mesh | None:
+    """The mesh a command that only runs a model (generate, eval, lm-eval) places it on: `mesh`'s
+    devices with `fsdp` folded into `tensor` as far as the attention heads divide, unless the
+    weights (`params`: name -> shape and dtype) would then hold more bytes per device than fsdp
+    holds while it gathers its largest one. Under fsdp every use of a weight gathers it (each
+    decoded token moves the whole model between devices and holds a layer of it gathered on
+    each); split the tensor way no weight moves, the activations are all-reduced instead. MXFP4
+    stacks keep fsdp: they split over experts only, so tensor would hold every one whole."""
+    if mesh is None or mesh.shape.get("fsdp", 1) == 1:
+        return mesh
+    fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"]
+    fold = max(k for k in range(1, fsdp + 1)
+               if fsdp % k == 0 and cfg.n_heads % (tensor * k) == 0 and cfg.n_kv_heads % (tensor * k) == 0)
+    if fold == 1:
+        return mesh
+    data, expert = mesh.shape["data"], mesh.shape["expert"]
+    folded = Mesh(mesh.devices.reshape(data, fsdp // fold, fold * tensor, expert), MESH_AXES)
+    held, gathered = param_bytes_per_device(params, mesh)
+    return folded if param_bytes_per_device(params, folded)[0] <= held + gathered else mesh
+
+
+def param_bytes_per_device(params: dict, mesh: Mesh) -> tuple[int, int]:
+    """Bytes of `params` (name -> shape and dtype) each device holds under the rules (the largest
+    shard), and the most that gathering one of them whole adds."""
+    placed = state_shardings(params, mesh)
+    size = {n: math.prod(a.shape) * np.dtype(a.dtype).itemsize for n, a in params.items()}
+    held = {n: math.prod(placed[n].shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for n, a in params.items()}
+    return sum(held.values()), max((size[n] - held[n] for n in params), default=0)
+
+
 def compiler_options(mesh: Mesh | None) -> dict:
     """XLA options for the programs that run over `mesh`. Simulated CPU devices share the host's
     memory, and XLA:CPU's default scheduler orders for concurrency: under fsdp it started every

@@ -148,6 +148,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--only", default="", help="run only the commands whose names start with this, e.g. generate")
+    parser.add_argument("--train-mesh", default="", help="train's --mesh (default: every device on fsdp)")
     parser.add_argument("--generate-meshes", default="fsdp=2;tensor=2",
                         help="meshes to generate on, ';'-separated (each must use every device)")
     args = parser.parse_args()
@@ -170,7 +171,8 @@ def main() -> None:
         "train --init-from --lora": ["train", "--init-from", str(hf), "--lora", "r=4,alpha=8,targets=attention",
                                      "--data", str(work / "data"), "--out", str(work / "lora"), "--steps", "1",
                                      "--batch-size", str(2 * args.processes), "--seq-len", "16", "--samples", "0",
-                                     "--eval-batches", "1", "--compute-dtype", args.compute_dtype],
+                                     "--eval-batches", "1", "--compute-dtype", args.compute_dtype,
+                                     *(["--mesh", args.train_mesh] if args.train_mesh else [])],
     }
     for mesh in args.generate_meshes.split(";"):
         commands[f"generate --mesh {mesh}"] = [

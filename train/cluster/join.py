@@ -4,6 +4,7 @@ JAX's cluster before anything touches a device, and the end every process reache
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from formats.errors import UserError
 
@@ -51,6 +52,18 @@ def command_mesh(spec):
         return requested_mesh(spec)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def say_inference_mesh(command: str, requested, used) -> None:
+    """One line (process 0) when a command runs a model on another split of the mesh it was given
+    (jax_bridge.sharding.inference_mesh)."""
+    import jax
+
+    from jax_bridge.sharding import describe
+
+    if used is not requested and jax.process_index() == 0:
+        print(f"{command}: mesh {describe(requested)} runs as {describe(used)}: the weights split the tensor way, "
+              f"none gathered for use (jax_bridge/sharding.py: inference_mesh)", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

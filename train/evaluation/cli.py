@@ -68,10 +68,11 @@ def run_tasks(args) -> dict:
     if args.scorer == "compiled":
         from train.evaluation.scorer import load_scorer
 
-        scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels,
-                                              mesh=join.command_mesh(args.mesh), batch_size=args.batch_size,
-                                              max_length=args.max_length, merge=args.merge,
-                                              base_dtype=args.base_dtype, progress=False)
+        mesh = join.command_mesh(args.mesh)
+        scorer, tokenizer, info = load_scorer(args.checkpoint, kernels=args.kernels, mesh=mesh,
+                                              batch_size=args.batch_size, max_length=args.max_length,
+                                              merge=args.merge, base_dtype=args.base_dtype, progress=False)
+        join.say_inference_mesh("eval", mesh, scorer.mesh)
         if tokenizer is None:
             raise UserError(f"checkpoint {args.checkpoint}: no tokenizer to build prompts with")
     else:

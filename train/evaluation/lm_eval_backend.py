@@ -41,11 +41,12 @@ class TorchlyraLM(TemplateLM):
         except ValueError:
             raise UserError(f"lm-eval --batch_size: the torchlyra backend takes a number of rows, "
                             f"found {batch_size!r}") from None
-        from train.cluster.join import command_mesh
+        from train.cluster.join import command_mesh, say_inference_mesh
 
         placed = command_mesh(mesh.replace(":", ",") if isinstance(mesh, str) else mesh)
         self.scorer, self.tokenizer, self.info = load_scorer(str(checkpoint), kernels=kernels, mesh=placed,
                                                              batch_size=rows, max_length=max_length)
+        say_inference_mesh("lm-eval", placed, self.scorer.mesh)
         if self.tokenizer is None:
             raise UserError(f"checkpoint {checkpoint}: no tokenizer, and lm-eval sends text")
         self.cfg = self.scorer.cfg

@@ -61,8 +61,9 @@ class CompiledScorer:
     `share_contexts` (default: without a mesh): requests with the same context compute it once
     (train.evaluation.shared_context); not built under a mesh, where every request runs the
     one-forward program. `weights`: where the parameters the model holds on `meta` are read
-    from, each device's block placed directly (formats/lora_inference.open_inference_model);
-    `set_params` gives it parameters as arrays instead."""
+    from, each device's block placed directly (formats/lora_inference.open_inference_model), over
+    `sharding.inference_mesh(mesh)` (`self.mesh`: fsdp folded into tensor); `set_params` gives it
+    parameters as arrays instead, on `mesh` as given."""
 
     def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla", mesh=None,
                  batch_size: int = 16, max_length: int | None = None, compute_dtype: str | None = None,
@@ -93,6 +94,10 @@ class CompiledScorer:
                 mesh = sharding.make_mesh(mesh)
             except ValueError as e:
                 raise UserError(str(e)) from None
+        if mesh is not None and weights is not None:      # only run here: split for inference
+            from jax_bridge.decoding import decoder_params
+
+            mesh = sharding.inference_mesh(mesh, cfg, decoder_params(model, self.step_cfg.compute_dtype))
         if mesh is not None:
             try:
                 sharding.check_model_fits(cfg, mesh)

@@ -92,6 +92,7 @@ def _run(args) -> int:
     if weights is not None:         # every process says what it read (stdout is process 0's alone)
         import jax
 
+        join.say_inference_mesh("generate", mesh, generator.mesh)
         total = sum(e.nbytes for e in weights.entries.values())
         print(f"{args.checkpoint}: process {jax.process_index()} read {weights.bytes_requested:,} of {total:,} "
               f"stored bytes onto its devices", file=sys.stderr, flush=True)

@@ -50,7 +50,8 @@ class Generator:
     to the decode loop alone; on CPU an MoE left at `auto` runs the `decode` implementation.
     With a `tokenizer`, only ids it can decode are ever chosen (the model's vocabulary may be
     larger: padded, or trained for another tokenizer); without one, any id of the model.
-    `mesh` (jax_bridge.sharding.make_mesh): prefill and decoding run sharded by the training rules.
+    `mesh` (jax_bridge.sharding.make_mesh): prefill and decoding run sharded by the training rules;
+    with `weights`, over `sharding.inference_mesh(mesh)` (`self.mesh`): fsdp folded into tensor.
     `weights` (formats/lora_inference.open_inference_model): the source of the parameters the model
     holds on `meta`, each device's block read onto it (formats/mesh_loader.py). `params`: the
     parameters by the model's names as arrays instead (e.g. a train state's, left on its devices;
@@ -80,6 +81,10 @@ class Generator:
                 from jax_bridge.decoding import decoder_params
                 from jax_bridge.step import DEFAULT_COMPUTE_DTYPE
 
+                if weights is not None and params is None:     # only run here: split for inference
+                    from jax_bridge.sharding import inference_mesh
+
+                    mesh = inference_mesh(mesh, model.cfg, decoder_params(model, DEFAULT_COMPUTE_DTYPE[platform]))
                 placed = decoder_params(model, DEFAULT_COMPUTE_DTYPE[platform], mesh)
                 if weights is not None:
                     from formats import mesh_loader
@@ -95,7 +100,7 @@ class Generator:
             if mesh is None:
                 raise
             raise UserError(f"generate --mesh: {e}") from None
-        self.cfg = model.cfg
+        self.cfg, self.mesh = model.cfg, mesh
 
     @classmethod
     def from_checkpoint(cls, directory: str | os.PathLike, **kwargs) -> "Generator":
