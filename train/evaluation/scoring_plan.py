@@ -17,21 +17,26 @@ def plan_scoring(preset: str, topology: str, *, mesh: str = "", rows: int = 8, p
                  scored: int | None = None, kernels: str | None = "auto", model_overrides: dict | None = None) -> dict:
     """One chip's memory for scoring `rows` requests of `positions` tokens, `scored` of them
     scored (default all: a rolling log-likelihood window): the model sharded over every chip of
-    `topology` by `mesh` ("" = all on fsdp), the train step's TPU defaults (bf16 compute,
+    `topology` by `mesh` ("" = all on fsdp; folded into tensor as the commands fold it:
+    `sharding.inference_mesh`), the train step's TPU defaults (bf16 compute,
     `kernels`). An out-of-memory refusal is a result (fits False), not an error."""
     import torch
 
     from jax_bridge import sharding
+    from jax_bridge.decoding import decoder_params
     from jax_bridge.plan import per_chip_bytes
+    from jax_bridge.step import DEFAULT_COMPUTE_DTYPE
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
     from train.evaluation.scorer import CompiledScorer
 
     devices = tpu_compile.topology_devices(topology)
-    device_mesh = sharding.make_mesh(mesh or None, devices)
     cfg = get_preset(preset).replace(max_seq_len=positions, **(model_overrides or {}))
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg)
+    # The split `eval` and `lm-eval` run over (their scorer reads its own weights).
+    device_mesh = sharding.inference_mesh(sharding.make_mesh(mesh or None, devices), cfg,
+                                          decoder_params(model, DEFAULT_COMPUTE_DTYPE["tpu"]))
     scorer = CompiledScorer(model, kernels=kernels, mesh=device_mesh, batch_size=rows, max_length=positions,
                             platform="tpu", progress=False)
     params = scorer.abstract_params(model)
@@ -65,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gpt-oss-20b")
     parser.add_argument("--topology", default="v6e:2x4")
-    parser.add_argument("--mesh", default="", help="as `train --mesh` (default: every chip on fsdp)")
+    parser.add_argument("--mesh", default="", help="as `eval --mesh` (default: every chip on fsdp, folded into tensor "
+                                                   "as far as the heads divide)")
     parser.add_argument("--rows", type=int, default=8, help="requests per scoring call (global)")
     parser.add_argument("--positions", type=int, default=4096, help="tokens per request (the window)")
     parser.add_argument("--scored", type=int, default=None, help="scored positions per request (default all)")
