@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-length", type=int, default=None,
                         help="the window a prompt is scored in (default: the model's max_seq_len); longer prompts "
                              "lose tokens on the left, counted per task")
-    parser.add_argument("--mesh", default="", help="device mesh for scoring, as for `train --mesh`")
+    parser.add_argument("--mesh", default="",
+                        help="device mesh for scoring, as for `train --mesh` (fsdp runs as tensor as far as the "
+                             "heads divide)")
     parser.add_argument("--scorer", choices=("compiled", "eager"), default=None,
                         help="compiled (default): the jitted scoring program; eager: the float32 PyTorch reference (slow)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernels, e.g. cached_attention=xla,moe=decode (auto: moe=decode on CPU)")
     parser.add_argument("--mesh", default="",
                         help="device mesh as for train, e.g. fsdp=4,tensor=2 (default: every device on fsdp; "
-                             "the batch is padded to a multiple of the devices it is split over)")
+                             "fsdp runs as tensor as far as the heads divide; the batch is padded to a multiple "
+                             "of the devices it is split over)")
     parser.add_argument("--decode-kernels", default=None, help="kernels of the decode loop alone (default: --kernels)")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print each result at the end instead of streaming a single prompt")
