@@ -158,9 +158,10 @@ def inference_mesh(mesh: Mesh | None, cfg, params: dict) -> Mesh | None:
     weights (`params`: name -> shape and dtype) would then hold more bytes per device than fsdp
     holds while it gathers its largest one. Under fsdp every use of a weight gathers it (each
     decoded token moves the whole model between devices and holds a layer of it gathered on
-    each); split the tensor way no weight moves, the activations are all-reduced instead. MXFP4
-    stacks keep fsdp: they split over experts only, so tensor would hold every one whole."""
-    if mesh is None or mesh.shape.get("fsdp", 1) == 1:
+    each); split the tensor way no weight moves, the activations are all-reduced instead. A model
+    with MXFP4 expert stacks keeps fsdp: they are blocked along their input, and the MoE that
+    reads them does not split over tensor (jax_bridge/moe_dispatch.py)."""
+    if mesh is None or mesh.shape.get("fsdp", 1) == 1 or any(n.endswith("_blocks") for n in params):
         return mesh
     fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"]
     fold = max(k for k in range(1, fsdp + 1)

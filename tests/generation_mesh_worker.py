@@ -70,21 +70,23 @@ def main(seed: int, meshes: list[str]) -> dict:
 
 
 def inference_meshes(model) -> dict:
-    """The mesh each --mesh runs inference over (sharding.inference_mesh): this model's, and that
-    of this model with 32 experts stored as MXFP4 stacks (byte blocks, split over experts only)."""
+    """The mesh each --mesh runs inference over (sharding.inference_mesh): this model's; this
+    model's with its experts as MXFP4 stacks; and with routers so large that tensor, which does not
+    split them, would hold more than fsdp does while gathering one."""
     from jax_bridge.decoding import decoder_params
+    from torch_model.model import mxfp4_expert_modules
 
     params = decoder_params(model, "float32")
     out = {spec: sharding.describe(sharding.inference_mesh(sharding.make_mesh(spec), model.cfg, params))
            for spec in ("fsdp=8", "data=2,fsdp=4", "fsdp=2,tensor=2,expert=2", "data=4,fsdp=2")}
-    mxfp4 = {n: a for n, a in params.items() if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
-    for layer in range(CONFIG["n_layers"]):
-        for name, (rows, cols) in {"gate_up": (2 * CONFIG["expert_dim"], CONFIG["d_model"]),
-                                   "down": (CONFIG["d_model"], CONFIG["expert_dim"])}.items():
-            mxfp4[f"model.layers.{layer}.mlp.experts.{name}_proj_blocks"] = jax.ShapeDtypeStruct(
-                (32, rows, cols // 2), np.uint8)
+    with torch.device("meta"):
+        quantized = GptOssForCausalLM(model.cfg)
+        mxfp4_expert_modules(quantized)
     two = sharding.make_mesh("fsdp=2", jax.devices()[:2])
-    out["mxfp4 fsdp=2"] = sharding.describe(sharding.inference_mesh(two, model.cfg, mxfp4))
+    out["mxfp4 fsdp=2"] = sharding.describe(sharding.inference_mesh(two, model.cfg, decoder_params(quantized, "float32")))
+    routers = {**params, **{f"model.layers.{i}.mlp.router.weight": jax.ShapeDtypeStruct((1 << 14, CONFIG["d_model"]),
+                                                                                        np.float32) for i in (0, 1)}}
+    out["large routers fsdp=2"] = sharding.describe(sharding.inference_mesh(two, model.cfg, routers))
     return out
 
 
