@@ -156,6 +156,24 @@ class HFWeights:
         self.bytes_requested += blocks.numel() + scales.numel()
         return blocks.reshape(*blocks.shape[:-2], -1).numpy(), scales.numpy()
 
+    def read_stored_bytes(self, name: str, index: tuple | None = None) -> np.ndarray:
+        """A slice of an MXFP4 tensor's stored bytes, not decoded: `<tensor>_blocks` viewed as
+        [E, rows, in/2] (as `read_packed` gives it) or `<tensor>_scales` [E, rows, in/32]. A
+        blocks slice along in/2 covers whole blocks (16 bytes each)."""
+        blocks = name.endswith(BLOCKS)
+        entry = self.entries[name.removesuffix(BLOCKS if blocks else SCALES)]
+        experts, inputs, outputs = entry.shape
+        per = mxfp4.BLOCK // 2 if blocks else 1
+        index = normalize_index(index, (experts, outputs, inputs // (2 if blocks else mxfp4.BLOCK)))
+        e, rows, cols = index
+        if cols.start % per or cols.stop % per:
+            raise ValueError(f"{name}: a slice of the stored bytes must cover whole blocks of {per}, found {cols}")
+        with safe_open(str(self.dir / (entry.file if blocks else entry.scales_file)), "pt") as f:
+            part = f.get_slice(name)[(e, rows, slice(cols.start // per, cols.stop // per))
+                                     + ((slice(None),) if blocks else ())]
+        self.bytes_requested += part.numel()
+        return part.reshape(*part.shape[:2], -1).numpy()
+
     def map_whole(self, name: str) -> np.ndarray:
         """An unquantized tensor as a memory map of its bytes in the shard: file-backed
         pages the kernel may drop at will, no anonymous copy. (The safetensors layout: an 8-byte

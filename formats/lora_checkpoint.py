@@ -78,7 +78,8 @@ def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True, base_dt
     the base loaded from its reference (verified), wrapped by peft with the saved spec, the
     trained adapters loaded; float32, eval mode. meta as `load_checkpoint` gives it.
     base=False: the adapters alone (peft's trainable tensors, modules_to_save included), the base
-    left on the `meta` device, never read: enough to write peft's adapter files, not to run.
+    left on the `meta` device, never read (its experts as `Mxfp4Experts` with base_dtype "mxfp4"):
+    enough to write peft's adapter files, or for the loader to place the base from its files.
     base_dtype "mxfp4": the base's experts kept as released (its reference must be a released
     gpt-oss directory: formats/mxfp4_experts.py)."""
     from torch_model.lora import apply_lora, parse_lora_spec, unwrap
@@ -102,7 +103,14 @@ def load_lora_model(checkpoint: str | os.PathLike, *, base: bool = True, base_dt
             load_weights(model, load_base_state(meta))
         wrapped = apply_lora(model, spec)
     else:
-        wrapped = apply_lora(build_model(cfg, meta=True), spec)
+        model = build_model(cfg, meta=True)
+        if base_dtype == "mxfp4":           # the base's experts as released, to be placed by slice
+            from torch_model.model import mxfp4_expert_modules
+
+            with torch.device("meta"):
+                mxfp4_expert_modules(model)
+            model.requires_grad_(False)
+        wrapped = apply_lora(model, spec)
     stored = {k: v for k, v in stored_shapes(step_dir).items() if k[0] == "params"}
     adapters = LAYOUTS[meta["layout"]](restore_params_to_host(step_dir, stored), cfg)
     inner = unwrap(wrapped)

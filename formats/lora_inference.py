@@ -97,9 +97,9 @@ def open_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False, 
     """(model, meta, weights) of any checkpoint `load_inference_model` takes, for the loader
     (formats/mesh_loader.py) to place on the devices: the model with its weights on `meta` (a LoRA
     checkpoint's adapters and trained head read onto the host) and `weights` the source of the
-    rest, so no process holds the model. Where the weights are not read by slice (`--merge`,
-    `--base-dtype mxfp4`, a transformers layout that needs a conversion), the host model of
-    `load_inference_model` and weights None."""
+    rest, so no process holds the model (`--base-dtype mxfp4`: the experts' stored bytes, by
+    slice). Where the weights are not read by slice (`--merge`, a transformers layout that needs
+    a conversion), the host model of `load_inference_model` and weights None."""
     from formats import mesh_loader
     from formats.lora_checkpoint import LORA_META, check_base, load_lora_model
     from formats.model_checks import build_model
@@ -108,13 +108,22 @@ def open_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False, 
     def whole():
         return (*load_inference_model(checkpoint, merge=merge, base_dtype=base_dtype), None)
 
-    if merge or base_dtype == "mxfp4":
+    if merge:
         return whole()
     if lora_meta(checkpoint) is not None:
-        wrapped, _, meta = load_lora_model(checkpoint, base=False)
-        path = check_base(meta[LORA_META]["base"], f"LoRA checkpoint {meta['step_dir']}")
+        wrapped, cfg, meta = load_lora_model(checkpoint, base=False, base_dtype=base_dtype)
+        where = f"LoRA checkpoint {meta['step_dir']}"
+        path = check_base(meta[LORA_META]["base"], where)
+        if base_dtype == "mxfp4":
+            from formats.mxfp4_experts import open_released_base
+
+            return unwrap(wrapped).eval(), meta, open_released_base(path, f"{where} (its base)", cfg)[2]
         _, _, weights = mesh_loader.open_weights(path)
         return (unwrap(wrapped).eval(), meta, weights) if weights is not None else whole()
+    if base_dtype == "mxfp4":
+        from formats.mxfp4_experts import open_released_base
+
+        return open_released_base(checkpoint, f"checkpoint {checkpoint}")
     model_cfg, meta, weights = mesh_loader.open_weights(checkpoint)
     if weights is None:
         return whole()

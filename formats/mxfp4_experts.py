@@ -5,6 +5,9 @@ of a model replaced in place by an `Mxfp4Experts` holding the export's quantizat
 Quantizing is where precision is lost; decoding loses nothing."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import numpy as np
 import torch
 
@@ -60,21 +63,74 @@ def dequantize_experts(model: torch.nn.Module, *, trainable: bool = False) -> in
     return replace_modules(model, Mxfp4Experts, build)
 
 
-def released_base(model_cfg, weights: HFWeights) -> GptOssForCausalLM:
-    """The model of a released gpt-oss directory (`weights`) with its experts as an MXFP4 base:
-    the expert stacks' stored bytes copied as they are, every other tensor read in float32 (the
-    step casts it to the compute dtype). Built on the meta device first, so no dense expert
-    stack (random or decoded) is ever allocated on the host. Every parameter is left frozen
-    except what the caller trains (LoRA adapters are added afterwards)."""
+@dataclasses.dataclass(frozen=True)
+class PackedEntry:
+    """One MXFP4 stack's stored bytes as an `Mxfp4Experts` holds them: `<stack>_blocks`
+    [E, out, in/2] or `<stack>_scales` [E, out, in/32], uint8."""
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape)
+
+
+class ReleasedBytes:
+    """A released gpt-oss directory as the parameters of its MXFP4 base, a source for the one
+    loader (formats/mesh_loader.py): the expert stacks as their stored bytes, read by slice and
+    never decoded; every other tensor as `HFWeights` reads it."""
+
+    def __init__(self, weights: HFWeights):
+        self.weights, self.dir, self.entries = weights, weights.dir, {}
+        for name, entry in weights.entries.items():
+            if not entry.quantized:
+                self.entries[name] = entry
+                continue
+            experts, inputs, outputs = entry.shape
+            for suffix, width in (("_blocks", inputs // 2), ("_scales", inputs // mxfp4.BLOCK)):
+                self.entries[name + suffix] = PackedEntry(name + suffix, (experts, outputs, width))
+
+    @property
+    def bytes_requested(self) -> int:
+        return self.weights.bytes_requested
+
+    def read(self, name: str, index: tuple | None = None) -> np.ndarray:
+        if isinstance(self.entries[name], PackedEntry):
+            return self.weights.read_stored_bytes(name, index)
+        return self.weights.read(name, index)
+
+
+def meta_released_base(model_cfg, weights: HFWeights) -> tuple[GptOssForCausalLM, ReleasedBytes]:
+    """The model of a released gpt-oss directory with its experts as an MXFP4 base, on the
+    `meta` device, and the source its parameters are placed from (each device's block of the
+    stored bytes: no process holds the base, nothing is decoded). Every parameter is frozen;
+    LoRA adapters are added by the caller."""
     with torch.device("meta"):
         model = GptOssForCausalLM(model_cfg)
         mxfp4_expert_modules(model)
+    _check_packed(model, weights)
+    model.requires_grad_(False)
+    return model, ReleasedBytes(weights)
+
+
+def _check_packed(model, weights: HFWeights) -> None:
+    """Every expert stack of `model` is stored MXFP4 in `weights`, or one line says which is not."""
     stacks = sorted({n.rsplit("_", 1)[0] for n, _ in model.named_parameters() if n.endswith(_PACKED)})
     dense = [n for n in stacks if n not in weights.entries or not weights.entries[n].quantized]
     if dense:
         raise UserError(f"--base-dtype mxfp4: {weights.dir} holds expert weight {dense[0]} "
                         f"{'unquantized' if dense[0] in weights.entries else 'nowhere'}; "
                         f"{MXFP4_BASE_REFUSAL}, or use the base as it is (--base-dtype compute)")
+
+
+def released_base(model_cfg, weights: HFWeights) -> GptOssForCausalLM:
+    """The model of a released gpt-oss directory (`weights`) with its experts as an MXFP4 base,
+    whole on the host (where an eager model is needed: `--merge`, `eval --scorer eager`): the
+    expert stacks' stored bytes copied as they are, every other tensor read in float32 (the
+    step casts it to the compute dtype). Built on the meta device first, so no dense expert
+    stack (random or decoded) is ever allocated on the host. Every parameter is left frozen
+    except what the caller trains (LoRA adapters are added afterwards)."""
+    model, _ = meta_released_base(model_cfg, weights)
     model = model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -104,12 +160,12 @@ def check_released(path, where: str) -> None:
                         f"{MXFP4_BASE_REFUSAL}")
 
 
-def load_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausalLM, dict]:
-    """(model, meta) of a released gpt-oss directory for inference with its experts kept MXFP4
-    (`--base-dtype mxfp4`), eval mode; meta as the checkpoint loader gives a Hugging Face
-    directory's. model_cfg: the record to build (a LoRA run's: its tokenizer's special ids and
-    length), which must have the directory's shapes; default the directory's own. Any other
-    checkpoint is refused, naming why."""
+def open_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausalLM, dict, ReleasedBytes]:
+    """(model on `meta`, meta, source) of a released gpt-oss directory for inference with its
+    experts kept MXFP4 (`--base-dtype mxfp4`; `meta_released_base`), eval mode; meta as the
+    checkpoint loader gives a Hugging Face directory's. model_cfg: the record to build (a LoRA
+    run's: its tokenizer's special ids and length), which must have the directory's shapes;
+    default the directory's own. Any other checkpoint is refused, naming why."""
     from formats.hf_model import hf_meta, open_hf
 
     check_released(path, where)
@@ -119,4 +175,11 @@ def load_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausa
 
         check_tensors(model_shapes(model_cfg), model_shapes(cfg), f"{where} against {path}")
         cfg = model_cfg
-    return released_base(cfg, weights).eval(), hf_meta(path, weights, base_dtype="mxfp4")
+    model, source = meta_released_base(cfg, weights)
+    return model.eval(), hf_meta(path, weights, base_dtype="mxfp4"), source
+
+
+def load_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausalLM, dict]:
+    """(model, meta) as `open_released_base`, the model whole on the host (`released_base`)."""
+    model, meta, source = open_released_base(path, where, model_cfg)
+    return released_base(model.cfg, source.weights).eval(), meta

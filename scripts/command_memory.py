@@ -149,6 +149,8 @@ def main() -> None:
     parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--only", default="", help="run only the commands whose names start with this, e.g. generate")
     parser.add_argument("--train-mesh", default="", help="train's --mesh (default: every device on fsdp)")
+    parser.add_argument("--base-dtype", default="compute", choices=("compute", "mxfp4"),
+                        help="mxfp4: train and generate with the experts kept as released")
     parser.add_argument("--generate-meshes", default="fsdp=2;tensor=2",
                         help="meshes to generate on, ';'-separated (each must use every device)")
     args = parser.parse_args()
@@ -172,12 +174,13 @@ def main() -> None:
                                      "--data", str(work / "data"), "--out", str(work / "lora"), "--steps", "1",
                                      "--batch-size", str(2 * args.processes), "--seq-len", "16", "--samples", "0",
                                      "--eval-batches", "1", "--compute-dtype", args.compute_dtype,
-                                     *(["--mesh", args.train_mesh] if args.train_mesh else [])],
+                                     *(["--mesh", args.train_mesh] if args.train_mesh else []),
+                                     "--base-dtype", args.base_dtype],
     }
     for mesh in args.generate_meshes.split(";"):
         commands[f"generate --mesh {mesh}"] = [
             "generate", "--checkpoint", str(hf), "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0",
-            "--no-stream", "--mesh", mesh]
+            "--no-stream", "--mesh", mesh, "--base-dtype", args.base_dtype]
     gib = 2**30
     print(f"{args.layers} layers, {args.experts} experts, vocab {args.vocab}: parameters {params / gib:.2f} GiB in "
           f"{args.compute_dtype}; baseline RssAnon {base / gib:.2f} GiB; bound per process {bound / gib:.2f} GiB above it")

@@ -164,7 +164,10 @@ def test_a_lora_run_on_the_released_mxfp4_base_gives_the_decoded_bases_losses_an
     tasks.write_text("".join(json.dumps({"context": f"{who}:", "choices": ["But soft", "O Romeo", "To be"], "gold": i})
                              + "\n" for i, who in enumerate(["ROMEO", "JULIET", "HAMLET"])))
     extras = dict(samples=1, eval_tasks=str(tasks))
+    capsys.readouterr()
     mxfp4 = lora_run(root, data, root / "mxfp4", base_dtype="mxfp4", **extras)
+    total = sum(e.nbytes for e in stored.entries.values())      # the stored bytes, MXFP4 as packed
+    assert f"process 0 read {total:,} of {total:,} stored bytes onto its devices" in capsys.readouterr().out
     decoded = lora_run(root, data, root / "decoded", **extras)
     a, b = run_losses(mxfp4), run_losses(decoded)
     assert len(a) == 3 and len(set(a)) > 1
@@ -224,9 +227,34 @@ def generated(capsys, checkpoint, *flags) -> str:
     return capsys.readouterr().out
 
 
+def test_the_mxfp4_base_is_read_by_slice_as_stored(released):
+    """What the loader places an MXFP4 base from: the model on `meta`, each expert stack's stored
+    bytes read by slice (experts, rows, whole blocks) equal to the stored tensor's slice."""
+    from formats.hf_weights import HFWeights
+    from formats.lora_inference import open_inference_model
+
+    root, _ = released
+    model, _, source = open_inference_model(root / "hf", base_dtype="mxfp4")
+    assert source is not None and all(p.is_meta for p in model.parameters()) and has_mxfp4_experts(model)
+    stored = HFWeights(root / "hf", quantized=True)
+    rng = np.random.default_rng()
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        whole = dict(zip(("_blocks", "_scales"), stored.read_packed(name)))
+        for suffix, array in whole.items():
+            assert source.entries[name + suffix].shape == array.shape
+            e0, r0 = (int(rng.integers(0, n)) for n in array.shape[:2])
+            per = 16 if suffix == "_blocks" else 1
+            c0 = per * int(rng.integers(0, array.shape[2] // per))
+            index = (slice(e0, array.shape[0]), slice(r0, r0 + 3), slice(c0, array.shape[2]))
+            assert np.array_equal(source.read(name + suffix, index), array[index]), (name, suffix, index)
+    with pytest.raises(ValueError, match="whole blocks of 16"):
+        source.read("model.layers.0.mlp.experts.down_proj_blocks", (slice(None), slice(None), slice(8, 16)))
+
+
 def test_generate_on_the_mxfp4_base_gives_the_decoded_bases_greedy_text(released, capsys):
     """`generate --base-dtype mxfp4` on the released directory and on a LoRA checkpoint trained on
-    it: the experts' bytes on the device, the same greedy text as the base decoded to float32."""
+    it: the experts' bytes on the device (placed by slice), the same greedy text as the base
+    decoded to float32."""
     root, data = released
     text = generated(capsys, root / "hf", "--base-dtype", "mxfp4")
     assert text == generated(capsys, root / "hf") and "--- prompt: 'ROMEO'" in text

@@ -33,7 +33,8 @@ class TrainingStopped(UserError):
 @dataclasses.dataclass(frozen=True)
 class Mxfp4Base:
     """A LoRA run's base read from a released gpt-oss directory with its experts kept MXFP4
-    (--base-dtype mxfp4): formats/mxfp4_experts.released_base builds the model from it."""
+    (--base-dtype mxfp4): formats/mxfp4_experts.meta_released_base builds the model and the
+    source the loader places it from."""
     weights: object         # formats.hf_weights.HFWeights
 
 
@@ -169,10 +170,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         streamed = mesh_loader.is_weights(init_state)
         restored_only = bool(meta) and init_state is None     # a resume: every weight is in the checkpoint
-        if isinstance(init_state, Mxfp4Base):        # the experts' released bytes, never decoded on the host
-            from formats.mxfp4_experts import released_base
+        if isinstance(init_state, Mxfp4Base):        # the experts' released bytes, read by slice, never decoded
+            from formats.mxfp4_experts import meta_released_base
 
-            self.model = released_base(self.model_cfg, init_state.weights)
+            self.model, init_state = meta_released_base(self.model_cfg, init_state.weights)
+            streamed = True
         elif streamed or restored_only:
             # The weights go from their files (or the resumed checkpoint) straight onto the mesh:
             # the host model is built on `meta` and never holds them (formats/mesh_loader.py).
