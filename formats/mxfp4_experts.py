@@ -1,5 +1,6 @@
-"""A model's expert stacks as an MXFP4 base: a released gpt-oss directory's model built with its
-experts' bytes as stored (`released_base`: nothing decoded on the host), or each `Experts` module
+"""A model's expert stacks as an MXFP4 base: a released gpt-oss directory's model with its experts'
+bytes as stored, nothing decoded (`meta_released_base` and `ReleasedBytes`, the loader's source,
+read by slice; `released_base`, whole on the host), or each `Experts` module
 of a model replaced in place by an `Mxfp4Experts` holding the export's quantization of its weights
 (formats/mxfp4.py), and the reverse, decoding exactly (tests compare a base with its decoding).
 Quantizing is where precision is lost; decoding loses nothing."""

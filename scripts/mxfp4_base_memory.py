@@ -1,5 +1,6 @@
-"""Peak anonymous host memory (RssAnon) of building a LoRA run's frozen base from a released-layout
-directory, the two ways `torchlyra train --init-from DIR --lora ...` does it:
+"""Peak anonymous host memory (RssAnon) of building a frozen base whole on the host from a
+released-layout directory, two ways (what `--merge` and the eager scorer hold; `train --lora`,
+`generate`, `eval` and `lm-eval` place it slice by slice instead: scripts/command_memory.py):
 
   compute  (the default) the checkpoint loader's float32 state dict, MXFP4 decoded on the host,
            loaded into a float32 model (formats/checkpoint.py: load_checkpoint, then load_weights)
