@@ -35,7 +35,7 @@ demo: $(STAMP)
 # --max-worker-restart=0: a worker that crashes fails the run at once, naming its test; pytest-xdist
 # 3.8 with --dist loadfile can wait forever for a replaced worker (pytest-xdist#784, #1323).
 test: $(STAMP)
-	@start=$$(date +%s); $(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --max-worker-restart=0 \
+	@start=$$(date +%s); $(VENV)/bin/pytest -q -rs -p no:cacheprovider -n 2 --dist loadfile --max-worker-restart=0 \
 	  --durations=25 tests; \
 	rc=$$?; echo "make test: the suite took $$(( $$(date +%s) - start )) s wall"; exit $$rc
 

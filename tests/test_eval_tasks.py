@@ -331,7 +331,12 @@ def bigbench_cache(monkeypatch):
 def test_core6_files_parse_with_expected_counts(bigbench_cache):
     from train.evaluation.core import core_tasks
 
-    tasks = {t.name: t for t in core_tasks()}
+    try:
+        tasks = {t.name: t for t in core_tasks()}
+    except UserError as e:      # the registry, not the code: said in the summary as a skip, with pip's words
+        if "could not download bigbench" not in str(e):
+            raise
+        pytest.skip(f"CORE-6's archive cannot be fetched on this machine: {e}")
     counts = {name: len(t.examples) for name, t in tasks.items()}
     assert counts == {"qa_wikidata": 20442, "dyck_languages": 1000, "operators": 211, "repeat_copy_logic": 32,
                       "cs_algorithms": 320 + 1000, "language_identification": 10000}
