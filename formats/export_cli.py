@@ -54,14 +54,25 @@ def run_adapter(args, meta) -> int:
 
 
 def run_merged(args) -> int:
+    """Base + adapters merged one tensor at a time as the base is read (formats/lora_merge.py);
+    a base whose layout is not read by slice is merged whole on the host by peft."""
     from formats.lora_checkpoint import load_lora_model
-    from formats.lora_inference import lora_tokenizer
+    from formats.lora_inference import lora_tokenizer, open_lora_base
+    from formats.lora_merge import MergedWeights
+    import numpy as np
 
-    wrapped, cfg, meta = load_lora_model(args.checkpoint)
+    wrapped, cfg, meta = load_lora_model(args.checkpoint, base=False)
+    base, weights = open_lora_base(cfg, meta)
+    tensors = None
+    if weights is None:
+        wrapped, cfg, meta = load_lora_model(args.checkpoint)
+    else:
+        source = MergedWeights(weights, wrapped)
+        tensors = ((name, np.asarray(source.read(name), np.float32)) for name in base.state_dict())
     enc, _ = lora_tokenizer(args.checkpoint, meta)
     summary = lora_export.export_merged(wrapped, cfg, args.out, step=meta.get("step", 0), enc=enc, dtype=args.dtype,
                                         shard_size_bytes=hf_export.parse_size(args.shard_size),
-                                        overwrite=args.overwrite, progress=True)
+                                        overwrite=args.overwrite, progress=True, tensors=tensors)
     print(f"exported step {summary['step']} merged (base + LoRA adapters; {summary['n_params']:,} parameters, "
           f"{summary['dtype']}) to {summary['out']}: {', '.join(summary['files'])}")
     print(f"tokenizer: {summary['tokenizer']}")

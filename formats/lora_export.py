@@ -85,11 +85,13 @@ def merged_params(peft_model):
 
 def export_merged(peft_model, cfg, out_dir, *, step: int = 0, enc=None, dtype: str = "float32",
                   shard_size_bytes: int = hf_export.DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                  progress: bool = False) -> dict:
-    """Base + adapter merged (consuming `peft_model`, see merged_params), written as hf_export
-    writes a checkpoint (float32, bfloat16 or the released MXFP4 layout; a transformers model as
-    formats/transformers_export.py writes one)."""
+                  progress: bool = False, tensors=None) -> dict:
+    """Base + adapter merged (consuming `peft_model`, see merged_params; or `tensors`, (name,
+    float32 array) of the merged model in its order, e.g. read by formats/lora_merge.py), written
+    as hf_export writes a checkpoint (float32, bfloat16 or the released MXFP4 layout; a
+    transformers model as formats/transformers_export.py writes one)."""
     settings = lora_settings(peft_model)
+    merged = merged_params(peft_model) if tensors is None else tensors
     note = (f"\nLoRA merged: {describe(settings)}"
             + (" (MXFP4 rounds away the part of the adapter's change below each block's grid step)"
                if dtype == "mxfp4" else "") + ".\n")
@@ -97,10 +99,10 @@ def export_merged(peft_model, cfg, out_dir, *, step: int = 0, enc=None, dtype: s
         from formats.transformers_export import write_transformers_dir
 
         names = model_shapes(cfg)                 # a tied head once, as checkpoints hold it
-        return write_transformers_dir(cfg, ((n, v) for n, v in merged_params(peft_model) if n in names), out_dir,
+        return write_transformers_dir(cfg, ((n, v) for n, v in merged if n in names), out_dir,
                                       n_tensors=len(names), step=step, enc=enc, dtype=dtype,
                                       shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress,
                                       note=note)
-    return hf_export.write_hf_dir(cfg, merged_params(peft_model), out_dir, step=step, enc=enc, dtype=dtype,
+    return hf_export.write_hf_dir(cfg, merged, out_dir, step=step, enc=enc, dtype=dtype,
                                   shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress,
                                   note=note)

@@ -98,28 +98,29 @@ def open_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False, 
     (formats/mesh_loader.py) to place on the devices: the model with its weights on `meta` (a LoRA
     checkpoint's adapters and trained head read onto the host) and `weights` the source of the
     rest, so no process holds the model (`--base-dtype mxfp4`: the experts' stored bytes, by
-    slice). Where the weights are not read by slice (`--merge`, a transformers layout that needs
-    a conversion), the host model of `load_inference_model` and weights None."""
+    slice; `--merge`: the plain model, each block merged as it is read, formats/lora_merge.py).
+    Where the weights are not read by slice (a transformers layout that needs a conversion), the
+    host model of `load_inference_model` and weights None."""
     from formats import mesh_loader
-    from formats.lora_checkpoint import LORA_META, check_base, load_lora_model
+    from formats.lora_checkpoint import load_lora_model
     from formats.model_checks import build_model
     from torch_model.lora import unwrap
 
     def whole():
         return (*load_inference_model(checkpoint, merge=merge, base_dtype=base_dtype), None)
 
-    if merge:
-        return whole()
     if lora_meta(checkpoint) is not None:
         wrapped, cfg, meta = load_lora_model(checkpoint, base=False, base_dtype=base_dtype)
-        where = f"LoRA checkpoint {meta['step_dir']}"
-        path = check_base(meta[LORA_META]["base"], where)
-        if base_dtype == "mxfp4":
-            from formats.mxfp4_experts import open_released_base
+        base, weights = open_lora_base(cfg, meta, base_dtype)
+        if weights is None:
+            return whole()
+        if merge:               # the plain model, each block merged as it is read
+            from formats.lora_merge import MergedWeights
 
-            return unwrap(wrapped).eval(), meta, open_released_base(path, f"{where} (its base)", cfg)[2]
-        _, _, weights = mesh_loader.open_weights(path)
-        return (unwrap(wrapped).eval(), meta, weights) if weights is not None else whole()
+            return base.eval(), meta, MergedWeights(weights, wrapped)
+        return unwrap(wrapped).eval(), meta, weights
+    if merge:                   # refused by name: no adapters to merge
+        return whole()
     if base_dtype == "mxfp4":
         from formats.mxfp4_experts import open_released_base
 
@@ -128,6 +129,25 @@ def open_inference_model(checkpoint: str | os.PathLike, *, merge: bool = False, 
     if weights is None:
         return whole()
     return build_model(model_cfg, meta=True).eval(), meta, weights
+
+
+def open_lora_base(cfg, meta: dict, base_dtype: str = "compute"):
+    """(the plain model on `meta`, the source its weights are read from, or None where the base's
+    layout is not read by slice) of a LoRA checkpoint's base (`meta`: the checkpoint's), verified
+    against its reference; base_dtype "mxfp4": its experts as released (a gpt-oss directory)."""
+    from formats import mesh_loader
+    from formats.lora_checkpoint import LORA_META, check_base
+    from formats.model_checks import build_model
+
+    where = f"LoRA checkpoint {meta['step_dir']}"
+    path = check_base(meta[LORA_META]["base"], where)
+    if base_dtype == "mxfp4":
+        from formats.mxfp4_experts import open_released_base
+
+        base, _, weights = open_released_base(path, f"{where} (its base)", cfg)
+        return base, weights
+    _, _, weights = mesh_loader.open_weights(path)
+    return build_model(cfg, meta=True), weights
 
 
 def inference_tokenizer(checkpoint, meta: dict):

@@ -3,6 +3,10 @@ gpt-oss directory, one process or several forming a cluster, against the bound i
 (or 1/N) of the parameters' bytes in the compute dtype + 0.5 GiB above the interpreter's baseline.
 
     python scripts/command_memory.py WORKDIR [--layers 2] [--experts 32] [--vocab 201088] [--processes 2]
+        [--train-mesh MESH] [--generate-meshes "fsdp=2;tensor=2"] [--base-dtype compute|mxfp4] [--only NAME]
+
+The commands: `train --init-from --lora` (writing WORKDIR/lora), `generate` on each mesh, and
+`generate --merge` of that LoRA checkpoint.
 
 Each command runs as its own process(es); this parent samples /proc/<pid>/status of every process
 of each one's tree every 10 ms (a multi-process `train` runs under its supervisor: the child counts).
@@ -181,13 +185,21 @@ def main() -> None:
         commands[f"generate --mesh {mesh}"] = [
             "generate", "--checkpoint", str(hf), "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0",
             "--no-stream", "--mesh", mesh, "--base-dtype", args.base_dtype]
+    merge_mesh = args.generate_meshes.split(";")[0]
+    commands[f"generate --merge --mesh {merge_mesh} (the LoRA run's checkpoint)"] = [
+        "generate", "--checkpoint", str(work / "lora"), "--merge", "--prompt", "ROMEO:", "--max-tokens", "8",
+        "--temperature", "0", "--no-stream", "--mesh", merge_mesh, "--base-dtype", args.base_dtype]
     gib = 2**30
     print(f"{args.layers} layers, {args.experts} experts, vocab {args.vocab}: parameters {params / gib:.2f} GiB in "
           f"{args.compute_dtype}; baseline RssAnon {base / gib:.2f} GiB; bound per process {bound / gib:.2f} GiB above it")
     import shutil
-    shutil.rmtree(work / "lora", ignore_errors=True)
+    if "train".startswith(args.only):
+        shutil.rmtree(work / "lora", ignore_errors=True)
     for name, argv in commands.items():
         if not name.startswith(args.only):
+            continue
+        if "--merge" in argv and not (work / "lora").is_dir():
+            print(f"{name}: skipped (no LoRA run in {work}: run without --only first)")
             continue
         peaks = run(cluster(argv, args.processes), env, work)
         print(f"{name}: " + "; ".join(

@@ -115,6 +115,70 @@ def test_generate_runs_base_plus_adapters_unmerged_like_eager_peft(lora_run, cap
     assert "holds no LoRA adapters" in capsys.readouterr().err
 
 
+def test_merge_reads_each_block_merged_as_peft_merges(lora_run):
+    """`--merge`: the plain model on `meta`, each block read from the base's files merged with the
+    adapters (formats/lora_merge.py), equal to peft's merge_and_unload at random blocks of every
+    tensor (attention projections, expert stacks); a trained head (modules_to_save) is its copy."""
+    import copy
+
+    from formats import mesh_loader
+    from formats.lora_inference import open_inference_model
+    from formats.lora_merge import MergedWeights
+
+    root, wrapped, _ = lora_run
+    model, _, source = open_inference_model(root / "lora", merge=True)
+    assert isinstance(source, MergedWeights) and all(p.is_meta for p in model.parameters())
+    assert {n for n, _ in model.named_parameters()} == set(GptOssForCausalLM(CFG).state_dict())
+    head_spec = parse_lora_spec(SPEC + ",modules_to_save=lm_head")
+    state, _, _ = checkpoint.load_checkpoint(root / "base")
+    base = GptOssForCausalLM(CFG)
+    base.load_state_dict(state)
+    with_head = apply_lora(base, head_spec).eval()
+    with torch.no_grad():
+        for p in unwrap(with_head).parameters():
+            if p.requires_grad:
+                p.copy_(0.2 * torch.randn_like(p))
+    _, _, weights = mesh_loader.open_weights(root / "base")
+    rng = np.random.default_rng()
+    for peft_model, merged_source in ((wrapped, source), (with_head, MergedWeights(weights, with_head))):
+        expected = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+        assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.gate_up_proj",
+                "model.layers.1.mlp.experts.down_proj"} <= set(merged_source.factors)
+        for name, value in expected.items():
+            starts = [int(rng.integers(0, n)) for n in value.shape]
+            index = tuple(slice(a, int(rng.integers(a + 1, n + 1))) for a, n in zip(starts, value.shape))
+            np.testing.assert_allclose(merged_source.read(name, index), value.numpy()[index], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{name} {index}")
+    assert set(MergedWeights(weights, with_head).trained) == {"lm_head.weight"}
+
+
+def test_merge_by_block_of_a_transformers_moe_equals_peft(tmp_path):
+    """The same for a transformers family whose expert stacks are [E, out, in] (Qwen3-MoE; peft's
+    swapped expert layout), from an in-memory base: every tensor whole equals merge_and_unload."""
+    import copy
+    from types import SimpleNamespace
+
+    from formats.lora_merge import MergedWeights
+    from formats.model_checks import build_model
+    from tests.transformers_configs import CONFIGS
+    from torch_model.transformers_lm import TransformersSpec
+
+    torch.manual_seed(1)
+    model = build_model(TransformersSpec(CONFIGS["qwen3_moe"]().to_dict()))
+    state = {n: p.detach().clone().numpy() for n, p in model.state_dict().items()}
+    wrapped = apply_lora(model, parse_lora_spec("r=2,alpha=6,targets=all-linear+experts")).eval()
+    with torch.no_grad():
+        for p in unwrap(wrapped).parameters():
+            if p.requires_grad:
+                p.copy_(0.2 * torch.randn_like(p))
+    base = SimpleNamespace(entries={n: SimpleNamespace(shape=v.shape) for n, v in state.items()},
+                           read=lambda name, index=None: state[name][index if index is not None else ...])
+    merged = MergedWeights(base, wrapped)
+    assert {f[4] for n, f in merged.factors.items() if ".experts." in n} == {"experts_out_in"}
+    for name, value in copy.deepcopy(wrapped).merge_and_unload().state_dict().items():
+        np.testing.assert_allclose(merged.read(name), value.numpy(), rtol=1e-6, atol=1e-6, err_msg=name)
+
+
 def test_eval_tasks_scores_base_plus_adapters_like_eager_peft(lora_run, tmp_path, capsys):
     """`eval --tasks` of a LoRA checkpoint: the compiled scorer runs base + adapters unmerged (and
     merged with --merge); each choice's log-likelihood equals the eager peft model's."""
