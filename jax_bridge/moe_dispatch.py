@@ -134,9 +134,7 @@ def _stack_specs(mesh, stacks, mxfp4: bool):
     from jax_bridge import sharding
 
     if mxfp4:
-        if mesh.shape.get("tensor", 1) > 1:
-            raise ValueError(f"MXFP4 experts cannot be split over tensor={mesh.shape['tensor']}: their widths are "
-                             f"blocked along the input (32 values per scale); use a mesh without a tensor axis")
+        sharding.check_mxfp4_mesh(mesh)
         return [sharding.logical_spec(mesh, ("exp_parallel",) + (None,) * (s.ndim - 1), s.shape) for s in stacks], None
     gate_up, gate_up_bias, down, down_bias = stacks
     w1 = sharding.logical_spec(mesh, ("exp_parallel", None, "mlp"), gate_up.shape)

@@ -142,8 +142,11 @@ def describe(mesh: Mesh) -> str:
     return describe_sizes(dict(mesh.shape))
 
 
-def check_model_fits(cfg, mesh: Mesh) -> None:
-    """Splits the kernels rely on must be exact: heads over `tensor`, experts over `expert`."""
+def check_model_fits(cfg, mesh: Mesh, mxfp4_experts: bool = False) -> None:
+    """Splits the kernels rely on must be exact: heads over `tensor`, experts over `expert`; MXFP4
+    experts (`mxfp4_experts`: torch_model.model.has_mxfp4_experts) not over `tensor` at all."""
+    if mxfp4_experts:
+        check_mxfp4_mesh(mesh)
     tensor, expert = mesh.shape.get("tensor", 1), mesh.shape.get("expert", 1)
     if tensor > 1 and (cfg.n_heads % tensor or cfg.n_kv_heads % tensor):
         raise ValueError(f"mesh tensor={tensor} must divide the attention heads "
@@ -181,6 +184,12 @@ def param_bytes_per_device(params: dict, mesh: Mesh) -> tuple[int, int]:
     size = {n: math.prod(a.shape) * np.dtype(a.dtype).itemsize for n, a in params.items()}
     held = {n: math.prod(placed[n].shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for n, a in params.items()}
     return sum(held.values()), max((size[n] - held[n] for n in params), default=0)
+
+
+def check_mxfp4_mesh(mesh: Mesh) -> None:
+    if mesh.shape.get("tensor", 1) > 1:
+        raise ValueError(f"MXFP4 experts cannot be split over tensor={mesh.shape['tensor']}: their widths are "
+                         f"blocked along the input (32 values per scale); use a mesh without a tensor axis")
 
 
 def compiler_options(mesh: Mesh | None) -> dict:

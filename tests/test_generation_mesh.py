@@ -51,7 +51,10 @@ def test_sharded_generation_equals_one_device():
     assert out["inference_meshes"] == {"fsdp=8": "fsdp=4,tensor=2", "data=2,fsdp=4": "data=2,fsdp=2,tensor=2",
                                        "fsdp=2,tensor=2,expert=2": "fsdp=2,tensor=2,expert=2",
                                        "data=4,fsdp=2": "data=4,tensor=2", "mxfp4 fsdp=2": "fsdp=2",
-                                       "large routers fsdp=2": "fsdp=2"}, out
+                                       "large routers fsdp=2": "fsdp=2",
+                                       "mxfp4 tensor=2": "MXFP4 experts cannot be split over tensor=2: their widths "
+                                                         "are blocked along the input (32 values per scale); use a "
+                                                         "mesh without a tensor axis"}, out
 
 
 def test_a_mesh_that_does_not_fit_is_one_line(capsys):
