@@ -68,7 +68,8 @@ def run_merged(args) -> int:
         wrapped, cfg, meta = load_lora_model(args.checkpoint)
     else:
         source = MergedWeights(weights, wrapped)
-        tensors = ((name, np.asarray(source.read(name), np.float32)) for name in base.state_dict())
+        # named_parameters: a tied head once, as the embedding (as checkpoints store it)
+        tensors = ((name, np.asarray(source.read(name), np.float32)) for name, _ in base.named_parameters())
     enc, _ = lora_tokenizer(args.checkpoint, meta)
     summary = lora_export.export_merged(wrapped, cfg, args.out, step=meta.get("step", 0), enc=enc, dtype=args.dtype,
                                         shard_size_bytes=hf_export.parse_size(args.shard_size),

@@ -81,7 +81,18 @@ def test_the_dense_families_train_on_the_corpus_and_their_trained_adapters_load_
     lora_summary = json.loads((tmp_path / "lora" / "summary.json").read_text())
     assert lora_summary["val_loss_end"] < summary["val_loss_end"]
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "base")]) == 0
-    assert_adapter_loads_in_peft(tmp_path / "lora", tmp_path / "base", tmp_path / "adapter")
+    peft_model = assert_adapter_loads_in_peft(tmp_path / "lora", tmp_path / "base", tmp_path / "adapter")
+    # Exported merged (one tensor at a time, formats/lora_merge.py; Llama's tied head once): what
+    # transformers loads gives peft's merged logits.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert main(["export", "--checkpoint", str(tmp_path / "lora"), "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 24))
+    with torch.no_grad():
+        ours, theirs = merged(ids).logits, peft_model.merge_and_unload()(ids).logits
+    assert ((ours - theirs).norm() / theirs.norm()).item() <= 1e-5
 
 
 def assert_adapter_loads_in_peft(lora_run, base_dir, adapter_dir):
