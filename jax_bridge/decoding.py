@@ -33,7 +33,7 @@ from jax_bridge.lowering import abstract_params, model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token, token_logprob
 from jax_bridge.step import (COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision, host_array,
-                             in_compute_dtype, replace_params)
+                             in_compute_dtype, replace_params, target_generation)
 from torch_model import kv_cache
 from torch_model.lora import tracing_scope
 from torch_model.model import has_mxfp4_experts
@@ -128,6 +128,8 @@ def decoder_params(model: torch.nn.Module, compute_dtype, mesh=None) -> dict:
 class Decoder:
     """Compiled prefill and decode programs for one model (parameters as JAX arrays, sharded over
     `mesh` when given). compute_dtype / matmul_precision None: the train step's defaults.
+    tpu_generation: the TPU generation its kernels' tiles are sized for (StepConfig's; default this
+    host's chips' on TPU).
     `params`: the parameters to use instead of the model's (in the compute dtype, placed): e.g.
     ShapeDtypeStructs for a model on the `meta` device, to compile without weights (see
     `abstract_params`)."""
@@ -135,10 +137,12 @@ class Decoder:
     def __init__(self, model: torch.nn.Module, *, kernels: str | dict | None = "xla",
                  decode_kernels: str | dict | None = None, matmul_precision: str | None = None,
                  compute_dtype: str | None = None, compiler_options: dict | None = None,
-                 platform: str | None = None, mesh=None, params: dict | None = None):
+                 platform: str | None = None, mesh=None, params: dict | None = None,
+                 tpu_generation: str | None = None):
         self.model, self.cfg = model, model.cfg
         self.env = get_env()
         self.platform = check_platform(platform or host_platform(), "Decoder platform")
+        self.tpu_generation = target_generation(self.platform, tpu_generation)    # the TPU kernels' VMEM
         ops = registry.model_ops(model, registry.OPS + registry.GENERATION_OPS)
         self.kernels = registry.resolve(kernels, self.platform, ops=ops)
         self.decode_kernels = (self.kernels if decode_kernels is None
@@ -220,7 +224,8 @@ class Decoder:
             params.update({k: params[k].T for k in self.linear_weights})
         if layout.split_experts:
             params.update({k: jnp.stack(params[k]) for k in self.expert_weights})
-        with registry.routed(self.env, kernels, platform=self.platform, mesh=self.mesh), \
+        with registry.routed(self.env, kernels, platform=self.platform, mesh=self.mesh,
+                             generation=self.tpu_generation), \
                 jax.default_matmul_precision(self.matmul_precision), tracing_scope(self.model):
             return self._forward(params, ids, positions, cache, start)
 

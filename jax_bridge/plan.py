@@ -331,7 +331,7 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     params = decoding.decoder_params(model, step.compute_dtype, mesh)
     decoder = decoding.Decoder(model, kernels=decoding.generation_kernels(step.cfg.kernels, "tpu"), platform="tpu",
                                compute_dtype=step.cfg.compute_dtype, matmul_precision=step.cfg.matmul_precision,
-                               mesh=mesh, params=params)
+                               mesh=mesh, params=params, tpu_generation=step.cfg.tpu_generation)
     # The decoder's own buffers: the casts of the trainable parameters (a frozen base is already
     # in the compute dtype, a float32 router stays float32: the train state's buffers).
     masters = step.abstract_state().params

@@ -459,3 +459,38 @@ def test_a_tpu_kernel_is_told_the_vmem_of_the_generation_it_compiles_for():
         StepConfig(platform="tpu", tpu_generation="v99")
     with pytest.raises(ValueError, match="for platform 'tpu', found 'cpu'"):
         StepConfig(platform="cpu", tpu_generation="v5e")
+
+
+def test_the_decoder_traces_its_kernels_for_the_tpu_generation_it_is_given(monkeypatch):
+    """The Decoder (generate, rollouts, `plan --rl`'s rollout) binds its kernels for the TPU
+    generation given, as the train step does; none off TPU."""
+    import contextlib
+
+    import torch
+
+    from jax_bridge import decoding, registry
+    from jax_bridge.sampling import SamplingMode
+    from torch_model.config import get_preset
+    from torch_model.model import GptOssForCausalLM
+
+    with torch.device("meta"):
+        model = GptOssForCausalLM(get_preset("tiny").replace(n_layers=2))
+    seen = []
+
+    class Traced(Exception):
+        pass
+
+    @contextlib.contextmanager
+    def routed(*args, generation=None, **kwargs):
+        seen.append(generation)
+        raise Traced
+        yield
+
+    monkeypatch.setattr(registry, "routed", routed)
+    decoder = decoding.Decoder(model, kernels="xla", platform="tpu", tpu_generation="v5e",
+                               params=decoding.decoder_params(model, "bfloat16"))
+    with pytest.raises(Traced):
+        decoder.prefill_program(1, 8, 16, SamplingMode(greedy=True, top_k=0, top_p=False, penalty=False), decoding.stop_slots(1))
+    assert seen == ["v5e"]
+    with pytest.raises(ValueError, match="for platform 'tpu', found 'cpu'"):
+        decoding.Decoder(model, platform="cpu", tpu_generation="v5e", params=decoding.decoder_params(model, "float32"))
