@@ -61,13 +61,16 @@ def buckets(rows: int, longest_prompt: int, new_tokens: int, batch_shards: int =
             round_up(prompt_len + new_tokens, LENGTH_MULTIPLE))
 
 
-def generation_kernels(kernels: str | dict | None, platform: str) -> dict[str, str]:
-    """Kernels for generation: `kernels` over the ops the cached forward uses, except that on CPU
-    an MoE left at `auto` gets the `decode` implementation, built for generation's row counts
-    (pallas_kernels/moe_decode.py; the tiled `xla` one is tuned for training batches)."""
-    choice = registry.parse_kernel_spec(kernels, ops=registry.OPS + registry.GENERATION_OPS)
-    if platform == "cpu" and choice["moe"] == "auto":
-        choice["moe"] = "decode"
+def generation_kernels(kernels: str | dict | None, platform: str, model=None) -> dict[str, str]:
+    """Kernels for generation: `kernels` over the ops the cached forward of `model` uses, except
+    that on CPU an MoE left at `auto` (and an MXFP4 base's) gets the `decode` implementation, built
+    for generation's row counts (pallas_kernels/moe_decode.py; the tiled `xla` one is tuned for
+    training batches, and decodes MXFP4 stacks whole)."""
+    ops = registry.OPS + registry.GENERATION_OPS
+    choice = registry.parse_kernel_spec(kernels, ops=ops if model is None else registry.model_ops(model, ops))
+    for op in ("moe", "moe_mxfp4"):
+        if platform == "cpu" and choice.get(op) == "auto":
+            choice[op] = "decode"
     return choice
 
 

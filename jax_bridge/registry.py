@@ -214,6 +214,9 @@ register_implementation("moe_mxfp4", "xla", f"{_K}.moe_mxfp4:moe_mxfp4_xla", spm
                         description="decode the MXFP4 stacks per call, then the plain JAX tiled grouped GEMM")
 register_implementation("moe_mxfp4", "ragged_dot", f"{_K}.moe_mxfp4:moe_mxfp4_reference", spmd="gspmd",
                         description="decode the MXFP4 stacks per call, then jax.lax.ragged_dot (the reference)")
+register_implementation("moe_mxfp4", "decode", f"{_K}.moe_decode:moe_mxfp4_decode", trains=False,
+                        description="generation's few rows: decodes only the experts in use, one at a time "
+                                    "(CPU default for generation)")
 register_implementation("moe_mxfp4", "pallas", f"{_K}.moe_mxfp4:moe_mxfp4_pallas", platforms=("cpu", "tpu"),
                         description="fused expert MLP decoding MXFP4 tiles in VMEM: 4.25 bits per weight from HBM "
                                     "(Mosaic TPU; interpreted on CPU)")

@@ -1,4 +1,5 @@
-"""The MoE expert MLPs for the few rows of a decode step (plain JAX, the `decode` implementation).
+"""The MoE expert MLPs for the few rows of a decode step (plain JAX, the `decode` implementations
+of `moe` and of `moe_mxfp4`, whose experts are decoded one at a time as they are used).
 
 Same signature and result as `moe.moe_experts_reference` (rows sorted by expert, group_sizes
 [E]). At decode shapes the cost is reading the experts' weights, not arithmetic, so this path
@@ -50,8 +51,9 @@ def _rows_alone(x, expert, gate_up, gate_up_bias, down, down_bias, alpha, limit,
     return jax.lax.fori_loop(0, x.shape[0], one_row, jnp.zeros_like(x))
 
 
-def _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift, chunk: int):
-    """Items of (expert, up to `chunk` of its rows) in a loop; the expert sliced once per item."""
+def _work_items(x, sizes, expert_weights, alpha, limit, up_shift, chunk: int):
+    """Items of (expert, up to `chunk` of its rows) in a loop; the expert's weights taken once per
+    item (`expert_weights(e)`: gate_up [H, 2I], its bias, down [I, H], its bias)."""
     rows, experts = x.shape[0], sizes.shape[0]
     starts = jnp.cumsum(sizes) - sizes
     chunks = (sizes + chunk - 1) // chunk                         # work items per expert
@@ -64,8 +66,8 @@ def _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, 
         owns = (first_item <= item) & (chunks > 0)
         e = jnp.max(jnp.where(owns, jnp.arange(experts, dtype=jnp.int32), 0))
         rank = (item - first_item[e]) * chunk                     # first row of this chunk in the group
-        w = [jax.lax.dynamic_index_in_dim(t, e, 0, keepdims=False) for t in (gate_up, gate_up_bias, down, down_bias)]
-        y = _mlp(jax.lax.dynamic_slice_in_dim(padded, starts[e] + rank, chunk, 0), *w, alpha, limit, up_shift)
+        y = _mlp(jax.lax.dynamic_slice_in_dim(padded, starts[e] + rank, chunk, 0), *expert_weights(e), alpha, limit,
+                 up_shift)
         target = jnp.where(rank + offsets < sizes[e], starts[e] + rank + offsets, rows)   # rows = dropped
         return out.at[target].set(y, mode="drop")
 
@@ -85,5 +87,38 @@ def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     if rows <= ROWS_ALONE:
         return _rows_alone(x, expert_of_rows(sizes, rows), gate_up, gate_up_bias, down, down_bias, alpha, limit,
                            up_shift)
-    return _work_items(x, sizes, gate_up, gate_up_bias, down, down_bias, alpha, limit, up_shift,
-                       chunk or max(2, -(-2 * rows // experts)))
+    def expert_weights(e):
+        return [jax.lax.dynamic_index_in_dim(t, e, 0, keepdims=False) for t in (gate_up, gate_up_bias, down, down_bias)]
+
+    return _work_items(x, sizes, expert_weights, alpha, limit, up_shift, _default_chunk(rows, experts, chunk))
+
+
+def _default_chunk(rows: int, experts: int, chunk: int | None) -> int:
+    """Rows per work item: twice the mean rows per expert, at least 2."""
+    return chunk or max(2, -(-2 * rows // experts))
+
+
+def moe_mxfp4_decode(x, group_sizes, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
+                     down_bias, *, alpha: float = 1.702, limit: float = 7.0, up_shift: float = 1.0,
+                     chunk: int | None = None, platform: str = "cpu"):
+    """The same for an MXFP4 expert base (arguments as moe_mxfp4.moe_mxfp4_reference): work items
+    over the experts in use, each expert's bytes sliced and decoded alone, where the `xla`
+    implementation decodes every stack whole on every call (a layer's 32 experts of gpt-oss-20b
+    are 3.2 GB in float32)."""
+    from pallas_kernels.moe_mxfp4 import check_mxfp4_experts, decoded_experts
+
+    del platform
+    experts, _, _ = check_mxfp4_experts(x, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
+                                        down_bias)
+    rows = x.shape[0]
+    if rows == 0:
+        return x
+    pick = lambda t, e: jax.lax.dynamic_slice_in_dim(t, e, 1, 0)      # noqa: E731  (keeps the expert axis)
+
+    def expert_weights(e):
+        gate_up, down = decoded_experts(pick(gate_up_blocks, e), pick(gate_up_scales, e), pick(down_blocks, e),
+                                        pick(down_scales, e), x.dtype)
+        return gate_up[0], pick(gate_up_bias, e)[0], down[0], pick(down_bias, e)[0]
+
+    return _work_items(x, group_sizes.astype(jnp.int32), expert_weights, alpha, limit, up_shift,
+                       _default_chunk(rows, experts, chunk))

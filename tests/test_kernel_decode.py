@@ -69,6 +69,26 @@ def test_decode_moe_is_registered_for_every_platform():
     impl = registry.implementations("moe")["decode"]
     assert impl.platforms == registry.PLATFORMS and impl.load() is moe_experts_decode
     assert not impl.trains          # generation only: it has no backward
+    assert not registry.implementations("moe_mxfp4")["decode"].trains
+
+
+def test_generation_on_cpu_takes_the_decode_moes_left_at_auto():
+    """Generation's kernels on CPU: `decode` for the MoE left at `auto`, and for an MXFP4 base's
+    (which the tiled `xla` implementation decodes whole on every call); a named one is kept; on
+    TPU `auto` stays (the Pallas kernels)."""
+    from jax_bridge.decoding import generation_kernels
+    from torch_model.config import get_preset
+    from torch_model.model import GptOssForCausalLM, mxfp4_expert_modules
+
+    with torch.device("meta"):
+        model = GptOssForCausalLM(get_preset("tiny").replace(n_layers=1))
+        plain = GptOssForCausalLM(get_preset("tiny").replace(n_layers=1))
+        mxfp4_expert_modules(model)
+    chosen = generation_kernels("auto", "cpu", model)
+    assert (chosen["moe"], chosen["moe_mxfp4"]) == ("decode", "decode")
+    assert generation_kernels("moe_mxfp4=xla", "cpu", model)["moe_mxfp4"] == "xla"
+    assert generation_kernels("auto", "tpu", model)["moe_mxfp4"] == "auto"
+    assert "moe_mxfp4" not in generation_kernels("auto", "cpu", plain)
 
 
 def test_the_train_step_refuses_the_generation_only_moe():

@@ -110,6 +110,20 @@ def test_xla_matches_the_reference_forward_and_backward():
     assert rel_err(y, y_ref) < 1e-5 and rel_err(dx, dx_ref) < 1e-4
 
 
+@pytest.mark.parametrize("m, e, kind, chunk", [(1, 4, "random", None), (7, 4, "random", None), (40, 8, "random", None),
+                                            (90, 4, "one", 4), (33, 4, "random", 3)])
+def test_decode_matches_the_reference_forward(m, e, kind, chunk):
+    """Generation's `decode` implementation (each expert's bytes sliced and decoded alone as its
+    rows come, in work items of `chunk` rows) equals the reference: a row, a decode step's few,
+    ragged and empty groups, every row in one expert, chunks that do not divide the groups."""
+    from pallas_kernels.moe_decode import moe_mxfp4_decode
+
+    args, _ = make_inputs(m + e, m, 64, 32, e, kind=kind)
+    y_ref = jax.jit(lambda *a: moe_mxfp4_reference(*a, alpha=ALPHA, limit=LIMIT))(*args)
+    y = jax.jit(lambda *a: moe_mxfp4_decode(*a, alpha=ALPHA, limit=LIMIT, chunk=chunk))(*args)
+    assert y.shape == y_ref.shape and rel_err(y, y_ref) < 1e-5
+
+
 def test_the_frozen_base_gets_no_gradient():
     """Weights and biases are the frozen base: their gradients are zero in every implementation,
     so a caller cannot train them by accident through this op."""

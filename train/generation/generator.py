@@ -75,7 +75,7 @@ class Generator:
         try:
             platform = host_platform()
             if decode_kernels is not None:
-                decode_kernels = generation_kernels(decode_kernels, platform)
+                decode_kernels = generation_kernels(decode_kernels, platform, model)
             placed = None
             if weights is not None or params is not None:
                 from jax_bridge.decoding import decoder_params
@@ -90,7 +90,7 @@ class Generator:
                     from formats import mesh_loader
 
                     placed = mesh_loader.place_model(model, weights, placed, mesh)
-            self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform),
+            self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform, model),
                                    decode_kernels=decode_kernels, mesh=mesh, params=placed)
             if params is not None:
                 self.decoder.set_params(params)
