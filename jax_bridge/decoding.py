@@ -36,7 +36,6 @@ from jax_bridge.step import (COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params,
                              in_compute_dtype, replace_params, target_generation)
 from torch_model import kv_cache
 from torch_model.lora import tracing_scope
-from torch_model.model import has_mxfp4_experts
 
 PROMPT_MULTIPLE = 32      # prompt lengths are padded up to a multiple of this
 LENGTH_MULTIPLE = 64      # and the total (prompt bucket + new tokens) to a multiple of this
@@ -123,7 +122,7 @@ def decoder_params(model: torch.nn.Module, compute_dtype, mesh=None) -> dict:
             for n, a in abstract_params(model).items()}
     if mesh is None:
         return flat
-    sharding.check_model_fits(model.cfg, mesh, has_mxfp4_experts(model))      # before any weight is read
+    sharding.check_model_fits(model.cfg, mesh)      # before any weight is read
     placed = sharding.state_shardings(flat, mesh)
     return {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed[n]) for n, a in flat.items()}
 
@@ -157,7 +156,7 @@ class Decoder:
         self.mesh = mesh
         compute = COMPUTE_DTYPES[self.compute_dtype]
         if mesh is not None:
-            sharding.check_model_fits(self.cfg, mesh, has_mxfp4_experts(model))
+            sharding.check_model_fits(self.cfg, mesh)
         if params is not None:
             self.params = dict(params)
         elif mesh is None:

@@ -14,8 +14,9 @@ down projection and the partial outputs are summed over `tensor` (the down bias 
 
 Expert stacks held as MXFP4 (`moe_mxfp4`: blocks and scales in the released orientation) are
 split over their experts only: their other dimensions are blocked along the input (H for
-gate_up, I for down), and a split there could cut a 32-value block, so they are not split
-(no tensor parallelism for them).
+gate_up, I for down), and a split there could cut a 32-value block. Under `tensor` their
+experts are split over it instead of their width: the rows, alike on the devices of a `tensor`
+group, go through each device's experts and the outputs are summed over `tensor`.
 """
 from __future__ import annotations
 
@@ -134,8 +135,8 @@ def _stack_specs(mesh, stacks, mxfp4: bool):
     from jax_bridge import sharding
 
     if mxfp4:
-        sharding.check_mxfp4_mesh(mesh)
-        return [sharding.logical_spec(mesh, ("exp_parallel",) + (None,) * (s.ndim - 1), s.shape) for s in stacks], None
+        first = sharding.logical_spec(mesh, ("exp_parallel_q",), stacks[0].shape[:1])
+        return [P(*first, *(None,) * (s.ndim - 1)) for s in stacks], None
     gate_up, gate_up_bias, down, down_bias = stacks
     w1 = sharding.logical_spec(mesh, ("exp_parallel", None, "mlp"), gate_up.shape)
     specs = [w1, sharding.logical_spec(mesh, ("exp_parallel", "mlp"), gate_up_bias.shape),
@@ -148,7 +149,10 @@ def _per_device(grouped, mesh, x, experts, weights, *stacks, mxfp4: bool, alpha,
     from jax_bridge import sharding
 
     specs, tensor = _stack_specs(mesh, stacks, mxfp4)
-    expert = specs[0][0] if len(specs[0]) else None
+    split = specs[0][0] if len(specs[0]) else None
+    split = () if split is None else (split,) if isinstance(split, str) else tuple(split)   # the experts' axes
+    expert = "expert" if "expert" in split else None
+    tensor_experts = "tensor" if "tensor" in split else None     # MXFP4: experts over tensor, rows alike
     if mesh.shape.get("expert", 1) > 1 and expert is None:
         raise ValueError(f"expert parallelism: {stacks[0].shape[0]} experts cannot be split over "
                          f"expert={mesh.shape['expert']} devices (the count must divide)")
@@ -158,14 +162,15 @@ def _per_device(grouped, mesh, x, experts, weights, *stacks, mxfp4: bool, alpha,
         first = None
         if expert:
             x, experts, weights = (jax.lax.all_gather(a, expert, axis=0, tiled=True) for a in (x, experts, weights))
-            first = jax.lax.axis_index(expert) * stacks[0].shape[0]
+        if split:
+            first = jax.lax.axis_index(split) * stacks[0].shape[0]
         if tensor:          # every tensor shard adds a partial down projection; the bias (last) once
             down_bias = stacks[-1]
             stacks = (*stacks[:-1], jnp.where(jax.lax.axis_index(tensor) == 0, down_bias, jnp.zeros_like(down_bias)))
         y = mix_experts(grouped, x, experts, weights, *stacks, first_expert=first, alpha=alpha, limit=limit,
                         up_shift=up_shift)
-        if tensor:
-            y = jax.lax.psum(y, tensor)
+        if tensor or tensor_experts:
+            y = jax.lax.psum(y, tensor or tensor_experts)
         if expert:
             y = jax.lax.psum_scatter(y, expert, scatter_dimension=0, tiled=True)
         return y

@@ -35,10 +35,11 @@ PARAM_AXES: list[tuple[str, tuple]] = [
     (r".*mlp\.router\.weight", (None, "embed")),
     (r".*mlp\.router\.bias", (None,)),
     (r".*mlp\.gate\.weight", (None, "embed")),         # transformers' MoE routers
-    # MXFP4 stacks ([E, out, in/2] bytes, [E, out, in/32] scales): stored split over their experts,
-    # else (an fsdp size that does not divide them) over their output rows; never along the
-    # blocked input (32 values per scale byte). The dispatch gathers them whole per expert.
-    (r".*mlp\.experts\.(gate_up|down)_proj_(blocks|scales)", ("exp", "embed_moe", None)),
+    # MXFP4 stacks ([E, out, in/2] bytes, [E, out, in/32] scales): stored split over their experts
+    # (`tensor` too: blocked along their input, they have no width to split the tensor way), else
+    # (an fsdp size that does not divide them) over their output rows; never along the blocked
+    # input (32 values per scale byte). The dispatch gathers them over `fsdp` per expert.
+    (r".*mlp\.experts\.(gate_up|down)_proj_(blocks|scales)", ("exp_q", "embed_moe", None)),
     (r".*mlp\.experts\.gate_up_proj", ("exp", "embed_moe", "mlp")),
     (r".*mlp\.experts\.gate_up_proj_bias", ("exp", "mlp")),
     (r".*mlp\.experts\.down_proj", ("exp", "mlp", "embed_moe")),
@@ -70,6 +71,10 @@ LOGICAL_RULES: dict[str, list[tuple[str, ...]]] = {
     # devices only over `expert` (`exp_parallel`).
     "exp": [("expert",), ("fsdp",)],
     "exp_parallel": [("expert",)],
+    # MXFP4 stacks: experts over `expert` and `tensor` (the dispatch runs each device's experts on
+    # the rows of its `tensor` group and sums), else as `exp`.
+    "exp_q": [("expert", "tensor"), ("expert",), ("tensor",), ("fsdp",)],
+    "exp_parallel_q": [("expert", "tensor"), ("expert",), ("tensor",)],
     "layers": [],
 }
 
@@ -142,11 +147,8 @@ def describe(mesh: Mesh) -> str:
     return describe_sizes(dict(mesh.shape))
 
 
-def check_model_fits(cfg, mesh: Mesh, mxfp4_experts: bool = False) -> None:
-    """Splits the kernels rely on must be exact: heads over `tensor`, experts over `expert`; MXFP4
-    experts (`mxfp4_experts`: torch_model.model.has_mxfp4_experts) not over `tensor` at all."""
-    if mxfp4_experts:
-        check_mxfp4_mesh(mesh)
+def check_model_fits(cfg, mesh: Mesh) -> None:
+    """Splits the kernels rely on must be exact: heads over `tensor`, experts over `expert`."""
     tensor, expert = mesh.shape.get("tensor", 1), mesh.shape.get("expert", 1)
     if tensor > 1 and (cfg.n_heads % tensor or cfg.n_kv_heads % tensor):
         raise ValueError(f"mesh tensor={tensor} must divide the attention heads "
@@ -161,10 +163,9 @@ def inference_mesh(mesh: Mesh | None, cfg, params: dict) -> Mesh | None:
     weights (`params`: name -> shape and dtype) would then hold more bytes per device than fsdp
     holds while it gathers its largest one. Under fsdp every use of a weight gathers it (each
     decoded token moves the whole model between devices and holds a layer of it gathered on
-    each); split the tensor way no weight moves, the activations are all-reduced instead. A model
-    with MXFP4 expert stacks keeps fsdp: they are blocked along their input, and the MoE that
-    reads them does not split over tensor (jax_bridge/moe_dispatch.py)."""
-    if mesh is None or mesh.shape.get("fsdp", 1) == 1 or any(n.endswith("_blocks") for n in params):
+    each); split the tensor way no weight moves, the activations are all-reduced instead (MXFP4
+    expert stacks, which have no width to split, split over their experts)."""
+    if mesh is None or mesh.shape.get("fsdp", 1) == 1:
         return mesh
     fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"]
     fold = max(k for k in range(1, fsdp + 1)
@@ -184,12 +185,6 @@ def param_bytes_per_device(params: dict, mesh: Mesh) -> tuple[int, int]:
     size = {n: math.prod(a.shape) * np.dtype(a.dtype).itemsize for n, a in params.items()}
     held = {n: math.prod(placed[n].shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for n, a in params.items()}
     return sum(held.values()), max((size[n] - held[n] for n in params), default=0)
-
-
-def check_mxfp4_mesh(mesh: Mesh) -> None:
-    if mesh.shape.get("tensor", 1) > 1:
-        raise ValueError(f"MXFP4 experts cannot be split over tensor={mesh.shape['tensor']}: their widths are "
-                         f"blocked along the input (32 values per scale); use a mesh without a tensor axis")
 
 
 def compiler_options(mesh: Mesh | None) -> dict:

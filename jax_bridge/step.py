@@ -23,7 +23,6 @@ from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optim
 from pallas_kernels.platform import check_platform, host_platform, vmem_capacity_bytes
 from torch_model.lora import is_adapted, tracing_scope, unwrap
 from torch_model.causal_lm import keeps_float32, linear_expert_stacks
-from torch_model.model import has_mxfp4_experts
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 from torch_model.policy_gradient import PolicyGradientConfig
 from torch_model.preference import PreferenceConfig
@@ -197,7 +196,7 @@ class TrainStep:
         registry.check_trainable(self.kernels)
         registry.check_options(step_cfg.kernel_options)
         if mesh is not None:
-            sharding.check_model_fits(model.cfg, mesh, has_mxfp4_experts(model))
+            sharding.check_model_fits(model.cfg, mesh)
         self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
         self.layout = self.layer_layout.tag     # how state.params are stored (formats/checkpoint.py LAYOUTS)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]

@@ -1,6 +1,7 @@
 """Run by tests/test_mxfp4_base.py on 4 simulated CPU devices: the MXFP4 expert dispatch
-(`moe_mxfp4` under `shard_map`, experts split over `expert`, rows over `fsdp`) against one device,
-forward and the gradients of the rows and routing weights. Prints one JSON line."""
+(`moe_mxfp4` under `shard_map`, experts split over `expert` and `tensor`, rows over `fsdp`)
+against one device, forward and the gradients of the rows and routing weights. Prints one JSON
+line."""
 import json
 import sys
 

@@ -315,8 +315,8 @@ def test_the_adapter_of_an_mxfp4_base_run_loads_in_peft_onto_transformers_gpt_os
 
 
 def test_mxfp4_stacks_are_split_over_experts_or_output_rows_never_inside_a_block():
-    """The sharding rule of MXFP4 stacks: experts over `expert` or `fsdp`; when fsdp does not divide
-    the experts, the output rows; the blocked last axis (bytes and scale bytes) never."""
+    """The sharding rule of MXFP4 stacks: experts over `expert`, `tensor` or `fsdp`; when fsdp does
+    not divide the experts, the output rows; the blocked last axis (bytes and scale bytes) never."""
     from types import SimpleNamespace
 
     from jax_bridge.sharding import param_spec
@@ -329,13 +329,19 @@ def test_mxfp4_stacks_are_split_over_experts_or_output_rows_never_inside_a_block
     assert spec(name, (32, 5760, 1440), mesh(fsdp=64)) == (None, "fsdp", None)
     assert spec(name.replace("_blocks", "_scales"), (32, 5760, 90), mesh(fsdp=64)) == (None, "fsdp", None)
     assert spec(name, (3, 96, 80), mesh(fsdp=5)) == (None, None, None)          # nothing divides: whole
+    # `tensor` splits the experts (the stacks have no width to split), beside `expert` when both divide
+    assert spec(name, (32, 5760, 1440), mesh(tensor=2)) == ("tensor", None, None)
+    assert spec(name, (32, 5760, 1440), mesh(fsdp=2, tensor=2)) == ("tensor", "fsdp", None)
+    assert spec(name, (32, 5760, 1440), mesh(expert=2, tensor=4)) == (("expert", "tensor"), None, None)
+    assert spec(name, (6, 96, 80), mesh(expert=2, tensor=4)) == ("expert", None, None)
 
 
-@pytest.mark.parametrize("mesh", ["expert=2,fsdp=2", "fsdp=4"])
+@pytest.mark.parametrize("mesh", ["expert=2,fsdp=2", "fsdp=4", "tensor=2,expert=2", "fsdp=2,tensor=2"])
 def test_the_mxfp4_dispatch_on_a_mesh_equals_one_device(mesh):
     """Under a mesh the MXFP4 stacks are gathered per expert and the rows dispatched per device
-    (tests/mxfp4_mesh_worker.py, 4 simulated CPU devices): output and the gradients of the rows
-    and the routing weights equal one device's."""
+    (tests/mxfp4_mesh_worker.py, 4 simulated CPU devices); under `tensor` the experts are split
+    over it and the outputs summed: output and the gradients of the rows and the routing weights
+    equal one device's."""
     import json
     import subprocess
     import sys

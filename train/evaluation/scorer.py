@@ -75,8 +75,7 @@ class CompiledScorer:
         from jax_bridge.env import get_env
         from jax_bridge.layer_stack import LayerLayout, layered_forward
         from jax_bridge.step import COMPUTE_DTYPES, StepConfig
-        from torch_model.model import has_mxfp4_experts
-
+        
         cfg = model.cfg
         self.max_length = max_length or cfg.max_seq_len
         if not 0 < self.max_length <= cfg.max_position_embeddings:
@@ -101,7 +100,7 @@ class CompiledScorer:
             mesh = sharding.inference_mesh(mesh, cfg, decoder_params(model, self.step_cfg.compute_dtype))
         if mesh is not None:
             try:
-                sharding.check_model_fits(cfg, mesh, has_mxfp4_experts(model))
+                sharding.check_model_fits(cfg, mesh)
             except ValueError as e:
                 raise UserError(f"--mesh: {e}") from None
         self.cfg, self.mesh, self.batch_size, self.progress = cfg, mesh, batch_size, progress
