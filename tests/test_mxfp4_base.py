@@ -262,6 +262,8 @@ def test_generate_on_the_mxfp4_base_gives_the_decoded_bases_greedy_text(released
     capsys.readouterr()
     adapted = generated(capsys, run, "--base-dtype", "mxfp4")
     assert adapted == generated(capsys, run) and adapted != text
+    # merged as the base is read, its experts' bytes as stored (formats/lora_merge.py over ReleasedBytes)
+    assert generated(capsys, run, "--base-dtype", "mxfp4", "--merge") == adapted
 
 
 def test_eval_on_the_mxfp4_base_gives_the_decoded_bases_loss_and_task_scores(released, capsys):
