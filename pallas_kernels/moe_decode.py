@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe import clamped_swiglu, expert_of_rows
+from pallas_kernels.moe_mxfp4 import check_mxfp4_experts, decoded_experts
 from pallas_kernels.platform import dot_precision
 
 ROWS_ALONE = 32
@@ -105,8 +106,6 @@ def moe_mxfp4_decode(x, group_sizes, gate_up_blocks, gate_up_scales, gate_up_bia
     over the experts in use, each expert's bytes sliced and decoded alone, where the `xla`
     implementation decodes every stack whole on every call (a layer's 32 experts of gpt-oss-20b
     are 3.2 GB in float32)."""
-    from pallas_kernels.moe_mxfp4 import check_mxfp4_experts, decoded_experts
-
     del platform
     experts, _, _ = check_mxfp4_experts(x, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
                                         down_bias)
