@@ -92,14 +92,15 @@ def source_names(layout, names) -> dict[str, list[str] | str]:
 READ_BYTES = 128 << 20       # a read's float32 values at most (an MXFP4 read decodes to float32, then transposes)
 
 
-def read_param(weights, source, index, shape, dtype=np.float32) -> np.ndarray:
+def read_param(weights, source, index, shape, dtype=np.float32, aligned: bool = False) -> np.ndarray:
     """The values of `index` (a tuple of slices) of one train-state parameter of `shape` in
     `dtype`, filled into the block by reads of at most READ_BYTES of float32 along their leading
     axis (a stacked parameter: layer by layer): host memory holds the block and one read,
-    whatever its format decodes to on the way."""
+    whatever its format decodes to on the way. `aligned`: the block starts on a 64-byte boundary,
+    which a CPU device takes as its buffer without copying it."""
     stacked = not isinstance(source, str)
     index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
-    block = np.empty(tuple(s.stop - s.start for s in index), dtype)
+    block = _empty(tuple(s.stop - s.start for s in index), dtype, aligned)
     parts = [(block[k], source[j], index[1:]) for k, j in enumerate(range(index[0].start, index[0].stop))] \
         if stacked else [(block, source, index)]
     for target, name, rest in parts:
@@ -115,9 +116,21 @@ def read_param(weights, source, index, shape, dtype=np.float32) -> np.ndarray:
     return block
 
 
-def place(weights, abstract: dict, sources: dict, mesh) -> dict:
+def _empty(shape, dtype, aligned: bool) -> np.ndarray:
+    if not aligned:
+        return np.empty(shape, dtype)
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def place(weights, abstract: dict, sources: dict, mesh, *, alias: bool = False) -> dict:
     """{name: jax.Array} for every `abstract` array (shape, dtype and, with a mesh, sharding),
-    each device's block read from `weights` through `sources[name]` (see source_names)."""
+    each device's block read from `weights` through `sources[name]` (see source_names).
+    alias: CPU devices take the blocks' memory as their buffers instead of a copy (a process
+    then holds each block once, not twice while it is placed); for arrays no program donates
+    (inference parameters, a frozen base): a donated buffer that a device cannot reuse is copied."""
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def make(name, a):
@@ -127,7 +140,7 @@ def place(weights, abstract: dict, sources: dict, mesh) -> dict:
         def block(index):
             key = tuple(s.indices(n)[:2] for s, n in zip(index, a.shape))
             if key not in read:
-                read[key] = read_param(weights, sources[name], index, a.shape, a.dtype)
+                read[key] = read_param(weights, sources[name], index, a.shape, a.dtype, aligned=alias)
             return read[key]
 
         return jax.make_array_from_callback(a.shape, sharding, block)
@@ -140,7 +153,7 @@ def place_model(model, weights, abstract: dict, mesh, *, layout=None, where: str
     stacked by `layout`, with dtypes and shardings), the ones on `meta` read from `weights`."""
     names = [n for n, _ in model.named_parameters()]
     sources = source_names(layout, names) if layout is not None else {n: n for n in names}
-    return place(StepWeights(weights, model, where), abstract, sources, mesh)
+    return place(StepWeights(weights, model, where), abstract, sources, mesh, alias=True)
 
 
 def zero_optimizer_state(step):
@@ -156,7 +169,7 @@ def place_params(step, weights, where: str = "--init-from") -> dict:
     float32). Nothing else is made (no optimizer state): what evaluating a checkpoint needs."""
     view = StepWeights(weights, step.model, where)
     sources = source_names(step.layer_layout, [n for n, _ in step.model.named_parameters()])
-    step.frozen = place(view, step.abstract_frozen(), sources, step.mesh)
+    step.frozen = place(view, step.abstract_frozen(), sources, step.mesh, alias=True)     # never donated
     return place(view, step.abstract_state().params, sources, step.mesh)
 
 
