@@ -219,3 +219,21 @@ def test_parity_refuses_a_checkpoint_whose_eager_reference_would_not_fit_this_ho
     assert "parity compares models that fit one host" in err and "with `eval`" in err
     monkeypatch.setattr(parity_run, "available_host_bytes", lambda: parity_run.HOST_COPIES * weights)
     parity_run.check_fits_host(root / "per_layer")          # just fits: no error
+
+
+@pytest.mark.parametrize("alias", [True, False])
+def test_blocks_of_undonated_arrays_become_the_device_buffers(alias, monkeypatch):
+    """place(alias=True) (inference parameters, a frozen base): each block the loader fills is
+    the CPU device's buffer, held once; alias=False (trained, donated arrays): the device copies
+    it. The values are the source's either way."""
+    import types
+
+    values = np.arange(6 * 1024, dtype=np.float32).reshape(6, 1024)
+    source = types.SimpleNamespace(read=lambda name, index: values[index])
+    blocks = []
+    empty = mesh_loader._empty
+    monkeypatch.setattr(mesh_loader, "_empty", lambda *a: blocks.append(empty(*a)) or blocks[-1])
+    abstract = {"w": jax.ShapeDtypeStruct(values.shape, np.float32)}
+    placed = mesh_loader.place(source, abstract, {"w": "w"}, None, alias=alias)["w"]
+    assert np.array_equal(np.asarray(placed), values) and len(blocks) == 1
+    assert np.shares_memory(np.asarray(placed), blocks[0]) == alias
