@@ -224,8 +224,8 @@ def test_parity_refuses_a_checkpoint_whose_eager_reference_would_not_fit_this_ho
 @pytest.mark.parametrize("alias", [True, False])
 def test_blocks_of_undonated_arrays_become_the_device_buffers(alias, monkeypatch):
     """place(alias=True) (inference parameters, a frozen base): each block the loader fills is
-    the CPU device's buffer, held once; alias=False (trained, donated arrays): the device copies
-    it. The values are the source's either way."""
+    the CPU device's buffer, held once. alias=False (trained, donated arrays) makes no promise: the
+    device copies a block unless malloc happened to align it. The values are the source's either way."""
     import types
 
     values = np.arange(6 * 1024, dtype=np.float32).reshape(6, 1024)
@@ -236,4 +236,5 @@ def test_blocks_of_undonated_arrays_become_the_device_buffers(alias, monkeypatch
     abstract = {"w": jax.ShapeDtypeStruct(values.shape, np.float32)}
     placed = mesh_loader.place(source, abstract, {"w": "w"}, None, alias=alias)["w"]
     assert np.array_equal(np.asarray(placed), values) and len(blocks) == 1
-    assert np.shares_memory(np.asarray(placed), blocks[0]) == alias
+    if alias:
+        assert blocks[0].ctypes.data % 64 == 0 and np.shares_memory(np.asarray(placed), blocks[0])
