@@ -228,7 +228,7 @@ def test_blocks_of_undonated_arrays_become_the_device_buffers(alias, monkeypatch
     device copies a block unless malloc happened to align it. The values are the source's either way."""
     import types
 
-    values = np.arange(6 * 1024, dtype=np.float32).reshape(6, 1024)
+    values = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)     # 256 KiB: malloc maps it, 16-byte aligned
     source = types.SimpleNamespace(read=lambda name, index: values[index])
     blocks = []
     empty = mesh_loader._empty
