@@ -131,17 +131,20 @@ def released_base(model_cfg, weights: HFWeights) -> GptOssForCausalLM:
     step casts it to the compute dtype). Built on the meta device first, so no dense expert
     stack (random or decoded) is ever allocated on the host. Every parameter is left frozen
     except what the caller trains (LoRA adapters are added afterwards)."""
-    model, _ = meta_released_base(model_cfg, weights)
+    return _on_host(*meta_released_base(model_cfg, weights))
+
+
+def _on_host(model, source: ReleasedBytes) -> GptOssForCausalLM:
+    """The `meta` model of `meta_released_base` filled on the host from its source, each tensor
+    read once (the expert stacks' bytes as stored, the rest in float32)."""
     model = model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(_PACKED):
-                blocks, scales = weights.read_packed(name.rsplit("_", 1)[0])
-                value = blocks if name.endswith("_blocks") else scales
-            else:
-                value = np.asarray(weights.read(name), np.float32)
+            value = source.read(name)
+            if not name.endswith(_PACKED):
+                value = np.asarray(value, np.float32)
             if tuple(value.shape) != tuple(p.shape):
-                raise UserError(f"{weights.dir}: tensor {name} has shape {list(value.shape)}, the model needs "
+                raise UserError(f"{source.dir}: tensor {name} has shape {list(value.shape)}, the model needs "
                                 f"{list(p.shape)}")
             p.copy_(torch.from_numpy(np.ascontiguousarray(value)))
             p.requires_grad_(False)
@@ -183,4 +186,4 @@ def open_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausa
 def load_released_base(path, where: str, model_cfg=None) -> tuple[GptOssForCausalLM, dict]:
     """(model, meta) as `open_released_base`, the model whole on the host (`released_base`)."""
     model, meta, source = open_released_base(path, where, model_cfg)
-    return released_base(model.cfg, source.weights).eval(), meta
+    return _on_host(model, source).eval(), meta

@@ -75,7 +75,7 @@ class CompiledScorer:
         from jax_bridge.env import get_env
         from jax_bridge.layer_stack import LayerLayout, layered_forward
         from jax_bridge.step import COMPUTE_DTYPES, StepConfig
-        
+
         cfg = model.cfg
         self.max_length = max_length or cfg.max_seq_len
         if not 0 < self.max_length <= cfg.max_position_embeddings:
