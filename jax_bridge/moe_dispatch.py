@@ -127,41 +127,63 @@ def routed_experts(grouped: Callable, *, mesh=None, mxfp4: bool = False):
     return functools.partial(_per_device, grouped, mesh, mxfp4=mxfp4)
 
 
-def _stack_specs(mesh, stacks, mxfp4: bool):
+def _stack_specs(mesh, stacks, mxfp4: bool, over_fsdp: bool):
     """(the expert stacks' specs as the dispatch uses them, the `tensor` axis splitting their
-    width or None): experts split over `expert` only, everything the rules split over `fsdp` (the
-    experts, the hidden dimension or MXFP4's output rows) gathered (FSDP). bf16 stacks: gate_up,
-    its bias, down, its bias; MXFP4 ones: blocks, scales and bias of gate_up, then of down."""
+    width or None): experts split over `expert` (or as stored, over `fsdp` too, with over_fsdp),
+    everything else the rules split over `fsdp` (the experts, the hidden dimension or MXFP4's
+    output rows) gathered (FSDP). bf16 stacks: gate_up, its bias, down, its bias; MXFP4 ones:
+    blocks, scales and bias of gate_up, then of down."""
     from jax_bridge import sharding
 
     if mxfp4:
-        first = sharding.logical_spec(mesh, ("exp_parallel_q",), stacks[0].shape[:1])
+        first = sharding.logical_spec(mesh, ("exp_q" if over_fsdp else "exp_parallel_q",), stacks[0].shape[:1])
         return [P(*first, *(None,) * (s.ndim - 1)) for s in stacks], None
+    exp = "exp" if over_fsdp else "exp_parallel"
     gate_up, gate_up_bias, down, down_bias = stacks
-    w1 = sharding.logical_spec(mesh, ("exp_parallel", None, "mlp"), gate_up.shape)
-    specs = [w1, sharding.logical_spec(mesh, ("exp_parallel", "mlp"), gate_up_bias.shape),
-             sharding.logical_spec(mesh, ("exp_parallel", "mlp", None), down.shape),
-             sharding.logical_spec(mesh, ("exp_parallel", None), down_bias.shape)]
+    w1 = sharding.logical_spec(mesh, (exp, None, "mlp"), gate_up.shape)
+    specs = [w1, sharding.logical_spec(mesh, (exp, "mlp"), gate_up_bias.shape),
+             sharding.logical_spec(mesh, (exp, "mlp", None), down.shape),
+             sharding.logical_spec(mesh, (exp, None), down_bias.shape)]
     return specs, (w1[2] if len(w1) > 2 else None)
+
+
+def _experts_over_fsdp(mesh, x, experts, stacks, mxfp4: bool) -> bool:
+    """Whether the stacks, split over their experts on `fsdp` as stored, stay there and the rows
+    of the devices along `fsdp` come to them (expert parallelism over `fsdp`), rather than each
+    device gathering the stacks: `sharding.fsdp_gathers_rows` weighs the dropless row buffers
+    (every gathered row once per choice: its input, its [2I] pre-activation and its output)
+    against the stacks."""
+    from jax_bridge import sharding
+
+    if mesh.shape.get("fsdp", 1) == 1 or mesh.shape.get("expert", 1) > 1:
+        return False
+    stored = sharding.logical_spec(mesh, ("exp_q" if mxfp4 else "exp",), stacks[0].shape[:1])
+    if tuple(stored) != ("fsdp",):
+        return False
+    rows = x.shape[0] // (mesh.shape["data"] * mesh.shape["expert"]) * experts.shape[1]
+    width = x.shape[1] * 2 + stacks[0].shape[1 if mxfp4 else 2]      # [E, 2I, ...] as released, else [E, H, 2I]
+    weight = sum(s.size * s.dtype.itemsize for s in stacks)
+    return sharding.fsdp_gathers_rows(mesh, rows * width * x.dtype.itemsize, weight)
 
 
 def _per_device(grouped, mesh, x, experts, weights, *stacks, mxfp4: bool, alpha, limit, up_shift):
     from jax_bridge import sharding
 
-    specs, tensor = _stack_specs(mesh, stacks, mxfp4)
+    over_fsdp = _experts_over_fsdp(mesh, x, experts, stacks, mxfp4)
+    specs, tensor = _stack_specs(mesh, stacks, mxfp4, over_fsdp)
     split = specs[0][0] if len(specs[0]) else None
     split = () if split is None else (split,) if isinstance(split, str) else tuple(split)   # the experts' axes
-    expert = "expert" if "expert" in split else None
+    parallel = "expert" if "expert" in split else "fsdp" if over_fsdp else None    # whose rows come together
     tensor_experts = "tensor" if "tensor" in split else None     # MXFP4: experts over tensor, rows alike
-    if mesh.shape.get("expert", 1) > 1 and expert is None:
+    if mesh.shape.get("expert", 1) > 1 and "expert" not in split:
         raise ValueError(f"expert parallelism: {stacks[0].shape[0]} experts cannot be split over "
                          f"expert={mesh.shape['expert']} devices (the count must divide)")
     rows = P(sharding.batch_axes(mesh), None)
 
     def local(x, experts, weights, *stacks):
         first = None
-        if expert:
-            x, experts, weights = (jax.lax.all_gather(a, expert, axis=0, tiled=True) for a in (x, experts, weights))
+        if parallel:
+            x, experts, weights = (jax.lax.all_gather(a, parallel, axis=0, tiled=True) for a in (x, experts, weights))
         if split:
             first = jax.lax.axis_index(split) * stacks[0].shape[0]
         if tensor:          # every tensor shard adds a partial down projection; the bias (last) once
@@ -171,8 +193,8 @@ def _per_device(grouped, mesh, x, experts, weights, *stacks, mxfp4: bool, alpha,
                         up_shift=up_shift)
         if tensor or tensor_experts:
             y = jax.lax.psum(y, tensor or tensor_experts)
-        if expert:
-            y = jax.lax.psum_scatter(y, expert, scatter_dimension=0, tiled=True)
+        if parallel:
+            y = jax.lax.psum_scatter(y, parallel, scatter_dimension=0, tiled=True)
         return y
 
     return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, *specs), out_specs=rows,

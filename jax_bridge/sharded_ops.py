@@ -54,8 +54,13 @@ def cross_entropy(fn, mesh, spmd: str):
     """fn(hidden [N, H], weight [V, H], labels [N], *, ignore_index) -> (nll [N], lse [N])."""
 
     def call(hidden, weight, labels, *, ignore_index):
+        over_fsdp = _head_over_fsdp(mesh, hidden, weight)
+        if over_fsdp and spmd == SHARD_MAP:
+            return _rows_to_the_head(fn, mesh, hidden, weight, labels, ignore_index=ignore_index)
         if spmd == GSPMD:
-            hidden = sharding.constrain(hidden, mesh, ("batch", None))
+            # The head left split along its hidden dimension: so are the rows, all of them on
+            # each device (a partial product of every logit per device, summed across `fsdp`).
+            hidden = sharding.constrain(hidden, mesh, ("batch_but_fsdp", "embed") if over_fsdp else ("batch", None))
             labels = sharding.constrain(labels, mesh, ("batch",))
             nll, lse = fn(hidden, weight, labels, ignore_index=ignore_index)
             return sharding.constrain(nll, mesh, ("batch",)), sharding.constrain(lse, mesh, ("batch",))
@@ -72,6 +77,46 @@ def cross_entropy(fn, mesh, spmd: str):
                              out_specs=(rows, rows), check_vma=CHECK_VMA)(hidden, weight, labels)
 
     return call
+
+
+def _head_over_fsdp(mesh, hidden, weight) -> bool:
+    """Whether the head stays split over `fsdp` as stored (along its hidden dimension) and the
+    rows along `fsdp` come to it (`_rows_to_the_head`), rather than each device gathering it:
+    `sharding.fsdp_gathers_rows` weighs the gathered rows and a vocabulary-split copy of the
+    device's slice against the gathered head."""
+    if mesh is None or mesh.shape.get("fsdp", 1) == 1:
+        return False
+    stored = sharding.logical_spec(mesh, ("vocab", "embed"), weight.shape)
+    vocab = stored[0] if len(stored) else None
+    if len(stored) < 2 or stored[1] != "fsdp" or vocab not in (None, "tensor"):
+        return False
+    fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"] if vocab else 1
+    if weight.shape[0] % (tensor * fsdp):
+        return False
+    rows = hidden.shape[0] // (mesh.shape["data"] * mesh.shape["expert"])
+    head = weight.shape[0] // tensor * weight.shape[1] * weight.dtype.itemsize
+    return sharding.fsdp_gathers_rows(mesh, rows * hidden.shape[1] * hidden.dtype.itemsize + head // fsdp, head)
+
+
+def _rows_to_the_head(fn, mesh, hidden, weight, labels, *, ignore_index: int):
+    """Cross-entropy with the head left split over `fsdp` along its hidden dimension: each device
+    turns its slice into one of the vocabulary ([V_l, H / fsdp] -> [V_l / fsdp, H], an
+    all-to-all), gathers the rows of the devices along `fsdp`, runs `fn` on them over its
+    vocabulary slice (combined exactly across `fsdp`, and `tensor` where it splits the
+    vocabulary too: vocab_parallel_cross_entropy) and keeps its own rows."""
+    rows = P(sharding.batch_axes(mesh))
+    w_spec = sharding.logical_spec(mesh, ("vocab", "embed"), weight.shape)
+    vocab = ("tensor", "fsdp") if w_spec[0] == "tensor" else "fsdp"
+
+    def local(h, w, y):
+        w = lax.all_to_all(w, "fsdp", split_axis=0, concat_axis=1, tiled=True)
+        h_all, y_all = (lax.all_gather(a, "fsdp", axis=0, tiled=True) for a in (h, y))
+        nll, lse = vocab_parallel_cross_entropy(fn, h_all, w, y_all, ignore_index=ignore_index, axis=vocab)
+        start = lax.axis_index("fsdp") * h.shape[0]
+        return lax.dynamic_slice_in_dim(nll, start, h.shape[0]), lax.dynamic_slice_in_dim(lse, start, h.shape[0])
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(*rows, None), w_spec, rows), out_specs=(rows, rows),
+                         check_vma=CHECK_VMA)(hidden, weight, labels)
 
 
 def vocab_parallel_cross_entropy(fn, hidden, weight, labels, *, ignore_index: int, axis):

@@ -58,6 +58,7 @@ PARAM_AXES: list[tuple[str, tuple]] = [
 # whose size divides it; with none it is not split. Axes of size 1 are dropped.
 LOGICAL_RULES: dict[str, list[tuple[str, ...]]] = {
     "batch": [("data", "fsdp", "expert")],
+    "batch_but_fsdp": [("data", "expert")],   # rows gathered over `fsdp` (fsdp_gathers_rows)
     "embed": [("fsdp", "expert"), ("fsdp",), ("expert",)],
     "embed_moe": [("fsdp",)],             # the expert weights' own dims: `expert` (or `fsdp`) holds `exp`
     "vocab": [("tensor",)],
@@ -68,7 +69,8 @@ LOGICAL_RULES: dict[str, list[tuple[str, ...]]] = {
     # them, so gathering a stack for use (FSDP) joins its major dimension; gathered over the
     # hidden dimension instead, the TPU compiler rewrote every gathered stack into its layout
     # (a copy of each [E, H, 2I] stack per layer and pass). The MoE dispatch places experts on
-    # devices only over `expert` (`exp_parallel`).
+    # devices over `expert` (`exp_parallel`), and over `fsdp` where it gathers rows instead of
+    # stacks (`fsdp_gathers_rows`: the stacks as stored).
     "exp": [("expert",), ("fsdp",)],
     "exp_parallel": [("expert",)],
     # MXFP4 stacks: experts over `expert` and `tensor` (the dispatch runs each device's experts on
@@ -185,6 +187,17 @@ def param_bytes_per_device(params: dict, mesh: Mesh) -> tuple[int, int]:
     size = {n: math.prod(a.shape) * np.dtype(a.dtype).itemsize for n, a in params.items()}
     held = {n: math.prod(placed[n].shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for n, a in params.items()}
     return sum(held.values()), max((size[n] - held[n] for n in params), default=0)
+
+
+def fsdp_gathers_rows(mesh: Mesh | None, rows_bytes: int, weight_bytes: int) -> bool:
+    """Whether an op under `fsdp` leaves its weight where it lies and gathers the rows of the
+    devices along `fsdp` instead of gathering the weight (FSDP): the expert stacks then run
+    expert-parallel over `fsdp`, the output head vocabulary-parallel. `rows_bytes`: what the
+    gathered rows and their intermediates hold per device; `weight_bytes`: what gathering the
+    weight holds. The fewer bytes win, so small batches on a large model (LoRA fine-tuning, RL
+    scoring, samples) move their rows, and large ones (pretraining) their weights; the bytes
+    moved between devices follow the same sizes."""
+    return mesh is not None and mesh.shape.get("fsdp", 1) > 1 and rows_bytes < weight_bytes
 
 
 def compiler_options(mesh: Mesh | None) -> dict:

@@ -79,9 +79,11 @@ def test_plan_rl_compiles_the_update_step_and_the_rollout_decoder_for_tpu(tmp_pa
     for program in ("prefill", "decode"):
         assert r[program]["error"] is None and r[program]["argument_bytes"] >= r["param_bytes"]
     assert r["decode"]["alias_bytes"] >= r["cache_bytes"]          # the loop's state is donated
-    # Under fsdp every token's forward gathers the sharded weights: most of the whole bf16 model
-    # (4 chips' shards), counted once per collective, and nothing hoisted out of the loop here.
+    # Under fsdp every token's forward gathers the sharded weights, counted once per collective,
+    # and nothing is hoisted out of the loop here; but with 8 rows the expert stacks and the head
+    # stay where they lie and the rows come to them (sharding.fsdp_gathers_rows): under half the
+    # whole bf16 model (4 chips' shards) is gathered per token (most of it, before).
     whole = 4 * r["param_bytes"]
-    assert 0.5 * whole < r["gathered_per_token"] <= whole and r["gathered_per_call"] == 0
+    assert 0 < r["gathered_per_token"] < 0.5 * whole and r["gathered_per_call"] == 0
     assert r["rollout_peak_bytes"] > plan["param_bytes"] + plan["optimizer_bytes"] + plan["frozen_bytes"]
     assert r["update_peak_bytes"] == plan["total_bytes"] + r["own_bytes"] and r["fits"]

@@ -88,3 +88,33 @@ def test_dispatch_backward_moves_rows_with_gathers_only():
     row_scatters = re.findall(r"f32\[[\d,]*\] = scatter-add", jaxpr)      # (bincount's is over int32 counts)
     assert not row_scatters, f"the dispatch's backward scatters rows: {row_scatters}"
     assert jaxpr.count("gather[") >= 5
+
+
+# MESH@ROWS: 8 rows are fewer bytes than the stacks and the head (the rows come to them), 512 more
+# (the stacks and the head are gathered); MXFP4 stacks split over `tensor` never move their rows over `fsdp`.
+FSDP_CASES = {"fsdp=4@8": True, "fsdp=2,tensor=2@8": True, "data=2,fsdp=2@8": True, "fsdp=2,tensor=2@512": False}
+
+
+def test_under_fsdp_the_rows_come_to_the_weights_or_the_weights_are_gathered_both_equal_one_device():
+    """tests/fsdp_rows_worker.py on 4 simulated CPU devices: the expert dispatch (bf16 stacks with
+    every gradient, frozen MXFP4 stacks) and the cross-entropy (`xla` under GSPMD, `pallas` per
+    device) take the way `sharding.fsdp_gathers_rows` chooses, and either way equal one device."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from worker_env import worker_env
+
+    worker = Path(__file__).parent / "fsdp_rows_worker.py"
+    proc = subprocess.run([sys.executable, str(worker), *FSDP_CASES], env=worker_env(4), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results.pop("devices") == 4
+    assert len(results) == 4 * len(FSDP_CASES)
+    for name, result in results.items():
+        case = name.split()[0]
+        moves = FSDP_CASES[case] and not ("mxfp4" in name and "tensor" in case)
+        assert result.pop("rows_move") is moves, name
+        assert max(result.values()) < 1e-6, (name, result)
