@@ -3,7 +3,8 @@ gpt-oss directory, one process or several forming a cluster, against the bound i
 (or 1/N) of the parameters' bytes in the compute dtype + 0.5 GiB above the interpreter's baseline.
 
     python scripts/command_memory.py WORKDIR [--layers 2] [--experts 32] [--vocab 201088] [--processes 2]
-        [--train-mesh MESH] [--generate-meshes "fsdp=2;tensor=2"] [--base-dtype compute|mxfp4] [--only NAME]
+        [--train-mesh MESH] [--train-args "--remat full"] [--generate-meshes "fsdp=2;tensor=2"]
+        [--base-dtype compute|mxfp4] [--only NAME]
 
 The commands: `train --init-from --lora` (writing WORKDIR/lora), `generate` on each mesh, and
 `generate --merge` of that LoRA checkpoint.
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--only", default="", help="run only the commands whose names start with this, e.g. generate")
     parser.add_argument("--train-mesh", default="", help="train's --mesh (default: every device on fsdp)")
+    parser.add_argument("--train-args", default="", help="more flags for train, e.g. '--remat full'")
     parser.add_argument("--base-dtype", default="compute", choices=("compute", "mxfp4"),
                         help="mxfp4: train and generate with the experts kept as released")
     parser.add_argument("--generate-meshes", default="fsdp=2;tensor=2",
@@ -179,7 +181,7 @@ def main() -> None:
                                      "--batch-size", str(2 * args.processes), "--seq-len", "16", "--samples", "0",
                                      "--eval-batches", "1", "--compute-dtype", args.compute_dtype,
                                      *(["--mesh", args.train_mesh] if args.train_mesh else []),
-                                     "--base-dtype", args.base_dtype],
+                                     "--base-dtype", args.base_dtype, *args.train_args.split()],
     }
     for mesh in args.generate_meshes.split(";"):
         commands[f"generate --mesh {mesh}"] = [
