@@ -226,7 +226,10 @@ class Decoder:
             params.update({k: params[k].T for k in self.linear_weights})
         if layout.split_experts:
             params.update({k: jnp.stack(params[k]) for k in self.expert_weights})
-        with registry.routed(self.env, kernels, platform=self.platform, mesh=self.mesh,
+        # The decode MoE's switch over static slices copies every expert unless they are split.
+        options = {"moe": {"decode": {"rows_alone": 0}}} if kernels.get("moe") == "decode" and \
+            not layout.split_experts else None
+        with registry.routed(self.env, kernels, platform=self.platform, options=options, mesh=self.mesh,
                              generation=self.tpu_generation), \
                 jax.default_matmul_precision(self.matmul_precision), tracing_scope(self.model):
             return self._forward(params, ids, positions, cache, start)

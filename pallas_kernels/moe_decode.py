@@ -4,11 +4,13 @@ of `moe` and of `moe_mxfp4`, whose experts are decoded one at a time as they are
 Same signature and result as `moe.moe_experts_reference` (rows sorted by expert, group_sizes
 [E]). At decode shapes the cost is reading the experts' weights, not arithmetic, so this path
 reads only the experts in use:
-  - up to ROWS_ALONE rows: each row goes through its own expert, chosen by `lax.switch` among
-    static slices `gate_up[e]` (in a loop over the rows). When the decoder passes every expert's weights as a separate
-    array stacked in the program (jax_bridge/decoding.py, `split_experts`), XLA resolves those
-    slices to the experts' own buffers: matrix-vector products on the weights in place, nothing
-    copied. (On an ordinary [E, ...] array the slices are copies: still correct.)
+  - up to `rows_alone` (ROWS_ALONE) rows: each row goes through its own expert, chosen by
+    `lax.switch` among static slices `gate_up[e]` (in a loop over the rows). When the decoder
+    passes every expert's weights as a separate array stacked in the program
+    (jax_bridge/decoding.py, `split_experts`), XLA resolves those slices to the experts' own
+    buffers: matrix-vector products on the weights in place, nothing copied. On an ordinary
+    [E, ...] array the slices are copies of every expert, held while the loop runs (1.5 GB for
+    two layers of gpt-oss-20b on tensor=2): the decoder then passes rows_alone=0.
   - more rows: a loop over work items, each one expert and up to `chunk` of its (contiguous,
     sorted) rows, the expert's weights taken once by a dynamic slice.
 The tiled `xla` implementation instead gathers a weight copy for every (row tile, expert) pair,
@@ -76,16 +78,17 @@ def _work_items(x, sizes, expert_weights, alpha, limit, up_shift, chunk: int):
 
 
 def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
-                       limit: float = 7.0, up_shift: float = 1.0, chunk: int | None = None, platform: str = "cpu"):
+                       limit: float = 7.0, up_shift: float = 1.0, chunk: int | None = None,
+                       rows_alone: int = ROWS_ALONE, platform: str = "cpu"):
     """x: [M, H] sorted by expert; group_sizes: [E]; weights as the reference. `chunk`: rows per
-    work item when M > ROWS_ALONE (default: twice the mean rows per expert, at least 2).
+    work item when M > rows_alone (default: twice the mean rows per expert, at least 2).
     `platform` is accepted for the registry's uniform signature (plain JAX needs none)."""
     del platform
     rows, experts = x.shape[0], group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     if rows == 0:
         return x
-    if rows <= ROWS_ALONE:
+    if rows <= rows_alone:
         return _rows_alone(x, expert_of_rows(sizes, rows), gate_up, gate_up_bias, down, down_bias, alpha, limit,
                            up_shift)
     def expert_weights(e):

@@ -60,8 +60,10 @@ def main(seed: int, meshes: list[str]) -> dict:
         grouped = generator.generate(prompts[1:2], SamplingConfig(max_new_tokens=NEW, temperature=0),
                                      samples_per_prompt=generator.decoder.batch_shards)
         collectives = list(generator.decoder.decode_collectives().values())
+        # The decode MoE's switch over static slices would copy every expert here (not split)
+        switch = any(" conditional(" in p.as_text() for p in generator.decoder.decode_programs().values())
         out["meshes"][spec] = {"tokens": mesh_tokens, "logits_max_abs_diff": float(np.abs(mesh_logits - eager).max()),
-                               "decode_collectives": collectives,
+                               "decode_collectives": collectives, "decode_switch": switch,
                                "logits_max_abs": float(np.abs(eager).max()), "grouped_tokens": grouped.tokens,
                                "grouped_bucket": list(grouped.bucket),
                                **new_params(generator, prompts, spec, seed, mesh_tokens)}

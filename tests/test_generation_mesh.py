@@ -36,6 +36,9 @@ def test_sharded_generation_equals_one_device():
     # loop-invariant code motion) every device held the whole model while decoding.
     assert sharded["decode_collectives"] and all(
         c["gathered_per_call"] == 0 and c["gathered_per_token"] > 0 for c in sharded["decode_collectives"]), sharded
+    # Nor does it copy every local expert for the decode MoE's switch over static slices (1.5 GB
+    # at gpt-oss-20b's shapes on tensor=2): each row's expert is sliced as its work item runs.
+    assert sharded["decode_switch"] is False, sharded
     # One prompt continued once per batch shard (4): its prefill on every device, its copies split
     shards = len(sharded["grouped_tokens"])
     assert shards == 4 and sharded["grouped_bucket"][0] == 4, sharded["grouped_bucket"]

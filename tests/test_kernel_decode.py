@@ -47,14 +47,17 @@ def moe_inputs(rows, experts, sizes, seed=0, dtype=jnp.float32):
 
 @pytest.mark.parametrize("sizes, chunk", [([0, 1, 0, 1], None), ([0, 5, 0, 1, 2, 2, 3, 3], None),   # row by row
                                           ([20, 0, 13, 7], None), ([0, 0, 0, 40], 6)])             # work items
-def test_moe_decode_matches_ragged_dot_reference(sizes, chunk):
+@pytest.mark.parametrize("rows_alone", [ROWS_ALONE, 0])     # 0: work items however few the rows (under a mesh)
+def test_moe_decode_matches_ragged_dot_reference(sizes, chunk, rows_alone):
     rows = sum(sizes)
     x, group_sizes, w = moe_inputs(rows, len(sizes), sizes, seed=rows)
     expected = jax.jit(moe_experts_reference)(x, group_sizes, *w)
-    decode = jax.jit(moe_experts_decode, static_argnames="chunk")
-    assert rel_err(decode(x, group_sizes, *w, chunk=chunk), expected) < 1e-6
-    program = str(jax.make_jaxpr(functools.partial(moe_experts_decode, chunk=chunk))(x, group_sizes, *w))
-    assert ("while" in program) == (rows > ROWS_ALONE)      # the work-item loop runs a dynamic count
+    decode = jax.jit(moe_experts_decode, static_argnames=("chunk", "rows_alone"))
+    assert rel_err(decode(x, group_sizes, *w, chunk=chunk, rows_alone=rows_alone), expected) < 1e-6
+    program = str(jax.make_jaxpr(functools.partial(moe_experts_decode, chunk=chunk, rows_alone=rows_alone))(
+        x, group_sizes, *w))
+    assert ("while" in program) == (rows > rows_alone)      # the work-item loop runs a dynamic count
+    assert ("cond[" in program) == (rows <= rows_alone)     # the switch over static slices
 
 
 def test_moe_decode_in_bfloat16_stays_close_to_the_float32_reference():
