@@ -47,8 +47,9 @@ GENERATION_OPS = ("cached_attention",)           # used only by the KV-cache for
 # alongside OPS by the programs of such a model, with the same `auto` preference.
 QUANTIZED_OPS = ("moe_mxfp4",)
 # What `auto` picks, best first, per platform; per op it takes the first that is registered for
-# that platform (MoE has no GPU Pallas kernel, so GPU gets moe=xla; only MoE has a `loop`, the
-# CPU's fastest grouped GEMM: BENCHMARKS.md, issue 12).
+# that platform (MoE has no GPU Pallas kernel, so GPU gets moe=xla; only the MoE ops have a
+# `loop`: for `moe` the CPU's fastest grouped GEMM, BENCHMARKS.md, issue 12; for `moe_mxfp4` the
+# one that decodes an expert at a time in training too).
 AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("loop", "xla")}
 # The op's contract arguments: never kernel options.
 _CONTRACT = {"attention": ("sliding_window", "scale", "segment_ids"), "cross_entropy": ("ignore_index",),
@@ -214,6 +215,9 @@ register_implementation("moe_mxfp4", "xla", f"{_K}.moe_mxfp4:moe_mxfp4_xla", spm
                         description="decode the MXFP4 stacks per call, then the plain JAX tiled grouped GEMM")
 register_implementation("moe_mxfp4", "ragged_dot", f"{_K}.moe_mxfp4:moe_mxfp4_reference", spmd="gspmd",
                         description="decode the MXFP4 stacks per call, then jax.lax.ragged_dot (the reference)")
+register_implementation("moe_mxfp4", "loop", f"{_K}.moe_mxfp4_loop:moe_mxfp4_loop", spmd="gspmd",
+                        description="expert by expert, each decoded as its rows come, forward and backward "
+                                    "(CPU default)")
 register_implementation("moe_mxfp4", "decode", f"{_K}.moe_decode:moe_mxfp4_decode", trains=False,
                         description="generation's few rows: decodes only the experts in use, one at a time "
                                     "(CPU default for generation)")

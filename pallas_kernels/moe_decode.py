@@ -31,7 +31,7 @@ from pallas_kernels.platform import dot_precision
 ROWS_ALONE = 32
 
 
-def _mlp(x, w_up, b_up, w_down, b_down, alpha, limit, up_shift):
+def expert_mlp(x, w_up, b_up, w_down, b_down, alpha, limit, up_shift):
     """One expert on x [..., H] (clamped SwiGLU between the two projections)."""
     precision = dot_precision(x.dtype)
     h = jnp.dot(x, w_up, precision=precision, preferred_element_type=jnp.float32)
@@ -45,7 +45,8 @@ def _rows_alone(x, expert, gate_up, gate_up_bias, down, down_bias, alpha, limit,
     slices of expert e (a loop, not an unrolled list, keeps the program small to compile)."""
     experts = gate_up.shape[0]
     weights = [t for e in range(experts) for t in (gate_up[e], gate_up_bias[e], down[e], down_bias[e])]
-    branches = [lambda row, *w, e=e: _mlp(row, *w[4 * e:4 * e + 4], alpha, limit, up_shift) for e in range(experts)]
+    branches = [lambda row, *w, e=e: expert_mlp(row, *w[4 * e:4 * e + 4], alpha, limit, up_shift)
+                for e in range(experts)]
 
     def one_row(r, out):
         row = jax.lax.dynamic_index_in_dim(x, r, 0, keepdims=False)
@@ -54,14 +55,15 @@ def _rows_alone(x, expert, gate_up, gate_up_bias, down, down_bias, alpha, limit,
     return jax.lax.fori_loop(0, x.shape[0], one_row, jnp.zeros_like(x))
 
 
-def _work_items(x, sizes, expert_weights, alpha, limit, up_shift, chunk: int):
-    """Items of (expert, up to `chunk` of its rows) in a loop; the expert's weights taken once per
-    item (`expert_weights(e)`: gate_up [H, 2I], its bias, down [I, H], its bias)."""
-    rows, experts = x.shape[0], sizes.shape[0]
+def over_work_items(inputs: tuple, sizes, chunk: int, per_item):
+    """[M, H] in the layout of inputs[0]: items of (expert e, up to `chunk` of its contiguous,
+    sorted rows) in a loop, each writing `per_item(e, *chunks)` (the item's rows of every array
+    of `inputs`, [chunk, ...]) to its rows; rows past the group are dropped."""
+    rows, experts = inputs[0].shape[0], sizes.shape[0]
     starts = jnp.cumsum(sizes) - sizes
     chunks = (sizes + chunk - 1) // chunk                         # work items per expert
     first_item = jnp.cumsum(chunks) - chunks
-    padded = jnp.pad(x, ((0, chunk), (0, 0)))                     # a chunk may run past the end
+    padded = [jnp.pad(a, ((0, chunk), (0, 0))) for a in inputs]   # a chunk may run past the end
     offsets = jnp.arange(chunk, dtype=jnp.int32)
 
     def work_item(item, out):
@@ -69,12 +71,18 @@ def _work_items(x, sizes, expert_weights, alpha, limit, up_shift, chunk: int):
         owns = (first_item <= item) & (chunks > 0)
         e = jnp.max(jnp.where(owns, jnp.arange(experts, dtype=jnp.int32), 0))
         rank = (item - first_item[e]) * chunk                     # first row of this chunk in the group
-        y = _mlp(jax.lax.dynamic_slice_in_dim(padded, starts[e] + rank, chunk, 0), *expert_weights(e), alpha, limit,
-                 up_shift)
+        y = per_item(e, *(jax.lax.dynamic_slice_in_dim(a, starts[e] + rank, chunk, 0) for a in padded))
         target = jnp.where(rank + offsets < sizes[e], starts[e] + rank + offsets, rows)   # rows = dropped
-        return out.at[target].set(y, mode="drop")
+        return out.at[target].set(y.astype(out.dtype), mode="drop")
 
-    return jax.lax.fori_loop(0, jnp.sum(chunks), work_item, jnp.zeros_like(x))
+    return jax.lax.fori_loop(0, jnp.sum(chunks), work_item, jnp.zeros_like(inputs[0]))
+
+
+def _work_items(x, sizes, expert_weights, alpha, limit, up_shift, chunk: int):
+    """Items of (expert, up to `chunk` of its rows) in a loop; the expert's weights taken once per
+    item (`expert_weights(e)`: gate_up [H, 2I], its bias, down [I, H], its bias)."""
+    return over_work_items((x,), sizes, chunk,
+                           lambda e, rows: expert_mlp(rows, *expert_weights(e), alpha, limit, up_shift))
 
 
 def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha: float = 1.702,
@@ -94,10 +102,10 @@ def moe_experts_decode(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     def expert_weights(e):
         return [jax.lax.dynamic_index_in_dim(t, e, 0, keepdims=False) for t in (gate_up, gate_up_bias, down, down_bias)]
 
-    return _work_items(x, sizes, expert_weights, alpha, limit, up_shift, _default_chunk(rows, experts, chunk))
+    return _work_items(x, sizes, expert_weights, alpha, limit, up_shift, default_chunk(rows, experts, chunk))
 
 
-def _default_chunk(rows: int, experts: int, chunk: int | None) -> int:
+def default_chunk(rows: int, experts: int, chunk: int | None) -> int:
     """Rows per work item: twice the mean rows per expert, at least 2."""
     return chunk or max(2, -(-2 * rows // experts))
 
@@ -115,12 +123,15 @@ def moe_mxfp4_decode(x, group_sizes, gate_up_blocks, gate_up_scales, gate_up_bia
     rows = x.shape[0]
     if rows == 0:
         return x
-    pick = lambda t, e: jax.lax.dynamic_slice_in_dim(t, e, 1, 0)      # noqa: E731  (keeps the expert axis)
+    stacks = (gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias)
+    return _work_items(x, group_sizes.astype(jnp.int32), lambda e: mxfp4_expert(stacks, e, x.dtype), alpha, limit,
+                       up_shift, default_chunk(rows, experts, chunk))
 
-    def expert_weights(e):
-        gate_up, down = decoded_experts(pick(gate_up_blocks, e), pick(gate_up_scales, e), pick(down_blocks, e),
-                                        pick(down_scales, e), x.dtype)
-        return gate_up[0], pick(gate_up_bias, e)[0], down[0], pick(down_bias, e)[0]
 
-    return _work_items(x, group_sizes.astype(jnp.int32), expert_weights, alpha, limit, up_shift,
-                       _default_chunk(rows, experts, chunk))
+def mxfp4_expert(stacks, e, dtype):
+    """Expert e of MXFP4 stacks (gate_up blocks, scales, bias, down blocks, scales, bias; e may
+    be traced), its bytes alone decoded: gate_up [H, 2I], its bias, down [I, H], its bias."""
+    gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias = (
+        jax.lax.dynamic_slice_in_dim(t, e, 1, 0) for t in stacks)          # each keeps the expert axis
+    gate_up, down = decoded_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scales, dtype)
+    return gate_up[0], gate_up_bias[0], down[0], down_bias[0]

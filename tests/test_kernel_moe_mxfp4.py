@@ -110,6 +110,23 @@ def test_xla_matches_the_reference_forward_and_backward():
     assert rel_err(y, y_ref) < 1e-5 and rel_err(dx, dx_ref) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("m, h, i, e, kind, chunk", [(1, 64, 32, 4, "random", None), (37, 64, 32, 3, "random", None),
+                                                  (130, 160, 96, 4, "random", None), (50, 64, 64, 4, "one", 7)])
+def test_loop_matches_the_reference_forward_and_backward(m, h, i, e, kind, chunk, dtype):
+    """The CPU training path (`loop`: work items of one expert each, decoded as they run, and its
+    written-out backward decoding them again): a row, ragged and empty groups, a hidden size no
+    tile divides, every row in one expert with chunks that do not divide it; float32 and bf16."""
+    from pallas_kernels.moe_mxfp4_loop import moe_mxfp4_loop
+
+    args, dy = make_inputs(m + e, m, h, i, e, dtype, kind=kind)
+    y_ref, dx_ref = value_and_dx(lambda *a: moe_mxfp4_reference(*a, alpha=ALPHA, limit=LIMIT), args, dy)
+    y, dx = value_and_dx(lambda *a: moe_mxfp4_loop(*a, alpha=ALPHA, limit=LIMIT, chunk=chunk), args, dy)
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert y.dtype == dtype and dx.dtype == dtype
+    assert rel_err(y, y_ref) < fwd_tol and rel_err(dx, dx_ref) < bwd_tol
+
+
 @pytest.mark.parametrize("m, e, kind, chunk", [(1, 4, "random", None), (7, 4, "random", None), (40, 8, "random", None),
                                             (90, 4, "one", 4), (33, 4, "random", 3)])
 def test_decode_matches_the_reference_forward(m, e, kind, chunk):
@@ -128,7 +145,9 @@ def test_the_frozen_base_gets_no_gradient():
     """Weights and biases are the frozen base: their gradients are zero in every implementation,
     so a caller cannot train them by accident through this op."""
     (x, gs, w1b, w1s, b1, w2b, w2s, b2), dy = make_inputs(4, 40, 64, 32, 2)
-    for fn in (moe_mxfp4_reference, moe_mxfp4_xla, lambda *a: moe_mxfp4_pallas(*a, platform="cpu")):
+    from pallas_kernels.moe_mxfp4_loop import moe_mxfp4_loop
+
+    for fn in (moe_mxfp4_reference, moe_mxfp4_xla, moe_mxfp4_loop, lambda *a: moe_mxfp4_pallas(*a, platform="cpu")):
         grads = jax.grad(lambda b1, b2: jnp.sum(fn(x, gs, w1b, w1s, b1, w2b, w2s, b2) * dy), argnums=(0, 1))(b1, b2)
         assert all(float(jnp.abs(g).max()) == 0.0 for g in grads)
 
@@ -220,11 +239,11 @@ def test_the_torch_decode_equals_the_host_codec_at_every_scale_byte():
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("name", ["xla", "ragged_dot", "pallas"])
+@pytest.mark.parametrize("name", ["xla", "ragged_dot", "loop", "pallas"])
 def test_the_torch_op_is_routed_to_each_registered_implementation(name):
     """torch.ops.torchlyra.routed_experts_mxfp4 (the op a model with an MXFP4 expert base
     calls): eager, its torch reference; under the bridge, the registry's `moe_mxfp4` choice,
-    `auto` picking `xla` on CPU and `pallas` on TPU. Forward and the gradients of x and of the
+    `auto` picking `loop` on CPU and `pallas` on TPU. Forward and the gradients of x and of the
     routing weights (the only ones the op gives) agree."""
     import torch
 
@@ -245,7 +264,7 @@ def test_the_torch_op_is_routed_to_each_registered_implementation(name):
                                                      ALPHA, LIMIT, 1.0)
     eager.sum().backward()
 
-    assert registry.resolve("auto", "cpu", ops=registry.QUANTIZED_OPS) == {"moe_mxfp4": "xla"}
+    assert registry.resolve("auto", "cpu", ops=registry.QUANTIZED_OPS) == {"moe_mxfp4": "loop"}
     assert registry.resolve("auto", "tpu", ops=registry.QUANTIZED_OPS) == {"moe_mxfp4": "pallas"}
     kernels = {**registry.resolve("xla", "cpu"), "moe_mxfp4": name}
 
