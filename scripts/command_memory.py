@@ -6,8 +6,9 @@ gpt-oss directory, one process or several forming a cluster, against the bound i
         [--train-mesh MESH] [--train-args "--remat full"] [--generate-meshes "fsdp=2;tensor=2"]
         [--base-dtype compute|mxfp4] [--only NAME]
 
-The commands: `train --init-from --lora` (writing WORKDIR/lora), `generate` on each mesh, and
-`generate --merge` of that LoRA checkpoint.
+The commands: `train --init-from --lora` (writing WORKDIR/lora), `generate` on each mesh, `eval
+--tasks` (a four-question task file; validation loss runs in one process only) on the first of
+them, and `generate --merge` of that LoRA checkpoint.
 
 Each command runs as its own process(es); this parent samples /proc/<pid>/status of every process
 of each one's tree every 10 ms (a multi-process `train` runs under its supervisor: the child counts).
@@ -187,6 +188,13 @@ def main() -> None:
         commands[f"generate --mesh {mesh}"] = [
             "generate", "--checkpoint", str(hf), "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0",
             "--no-stream", "--mesh", mesh, "--base-dtype", args.base_dtype]
+    eval_mesh = args.generate_meshes.split(";")[0]
+    tasks = work / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"context": f"{who}:", "choices": ["But soft", "O Romeo", "To be"], "gold": i % 3})
+                             + "\n" for i, who in enumerate(("ROMEO", "JULIET", "HAMLET", "NURSE"))))
+    commands[f"eval --tasks FILE.jsonl --mesh {eval_mesh}"] = [
+        "eval", "--checkpoint", str(hf), "--tasks", str(tasks), "--mesh", eval_mesh, "--base-dtype", args.base_dtype,
+        "--no-progress"]
     merge_mesh = args.generate_meshes.split(";")[0]
     commands[f"generate --merge --mesh {merge_mesh} (the LoRA run's checkpoint)"] = [
         "generate", "--checkpoint", str(work / "lora"), "--merge", "--prompt", "ROMEO:", "--max-tokens", "8",
@@ -205,7 +213,8 @@ def main() -> None:
             continue
         peaks = run(cluster(argv, args.processes), env, work)
         print(f"{name}: " + "; ".join(
-            f"process {i} {(load - base) / gib:.2f} GiB loading, {(peak - base) / gib:.2f} GiB whole run"
+            f"process {i} " + (f"{(load - base) / gib:.2f} GiB loading, " if load else "")
+            + f"{(peak - base) / gib:.2f} GiB whole run"
             + ("" if code == 0 else f" (exit {code})") for i, (load, peak, code) in enumerate(peaks))
             + " (above the baseline)")
 

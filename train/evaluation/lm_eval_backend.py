@@ -4,7 +4,7 @@
 BOS policy, as lm-eval's `hf` backend by default: text is encoded with no BOS; an empty context
 becomes the model's BOS (`bos_token_id`: lm-eval's prefix token), or, when the continuation
 already starts with it, its first token. `add_bos_token=True` prepends BOS to every encoding.
-Model arguments: checkpoint (run, step or Hugging Face dir; required), kernels (default xla),
+Model arguments: checkpoint (run, step or Hugging Face dir; required), kernels (default auto),
 mesh (axes joined by ':', e.g. fsdp=4:tensor=2), max_length, add_bos_token, prefix_token_id,
 compile_cache (a directory or off; default as for generate: jax_bridge/compile_cache.py).
 """
@@ -24,7 +24,7 @@ NAME = "torchlyra"
 class TorchlyraLM(TemplateLM):
     """lm-eval requests -> token requests for the compiled scorer (`scorer.load_scorer`)."""
 
-    def __init__(self, checkpoint: str | None = None, kernels: str = "xla", mesh: str | None = None,
+    def __init__(self, checkpoint: str | None = None, kernels: str = "auto", mesh: str | None = None,
                  max_length: int | None = None, add_bos_token: bool = False, prefix_token_id: int | None = None,
                  batch_size: int | str | None = 16, max_gen_toks: int = 256, compile_cache: str | None = None,
                  **ignored):

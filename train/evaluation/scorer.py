@@ -379,7 +379,7 @@ def load_evaluated_model(checkpoint_or_hf_dir, *, merge: bool = False, base_dtyp
     return model, tokenizer, found, checkpoint_info(meta)
 
 
-def load_scorer(checkpoint_or_hf_dir, *, kernels: str | dict | None = "xla", mesh=None, batch_size: int = 16,
+def load_scorer(checkpoint_or_hf_dir, *, kernels: str | dict | None = "auto", mesh=None, batch_size: int = 16,
                 max_length: int | None = None, merge: bool = False, base_dtype: str = "compute", **scorer_options):
     """(CompiledScorer, tokenizer or None, info) of a checkpoint (as `load_evaluated_model` reads
     it), its weights read from their files onto the scorer's devices. Other keywords go to

@@ -126,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "directory (gpt-oss as released: MXFP4 or bf16; give --data)")
     parser.add_argument("--data", help="prepared data directory (default: the one the run trained on)")
     parser.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's eval_batches)")
-    parser.add_argument("--kernels", default="xla", help="kernel choice, as for `train --kernels`")
+    parser.add_argument("--kernels", default="auto", help="kernel choice, as for `train --kernels` (default: auto)")
     add_merge_argument(parser, base_dtype=True)
     parser.add_argument("--json", dest="json_out", help="also write the results to this JSON file")
 
