@@ -54,7 +54,7 @@ def cross_entropy(fn, mesh, spmd: str):
     """fn(hidden [N, H], weight [V, H], labels [N], *, ignore_index) -> (nll [N], lse [N])."""
 
     def call(hidden, weight, labels, *, ignore_index):
-        over_fsdp = _head_over_fsdp(mesh, hidden, weight)
+        over_fsdp = _head_over_fsdp(mesh, hidden, weight, spmd)
         if over_fsdp and spmd == SHARD_MAP:
             return _rows_to_the_head(fn, mesh, hidden, weight, labels, ignore_index=ignore_index)
         if spmd == GSPMD:
@@ -79,11 +79,12 @@ def cross_entropy(fn, mesh, spmd: str):
     return call
 
 
-def _head_over_fsdp(mesh, hidden, weight) -> bool:
+def _head_over_fsdp(mesh, hidden, weight, spmd: str) -> bool:
     """Whether the head stays split over `fsdp` as stored (along its hidden dimension) and the
-    rows along `fsdp` come to it (`_rows_to_the_head`), rather than each device gathering it:
-    `sharding.fsdp_gathers_rows` weighs the gathered rows and a vocabulary-split copy of the
-    device's slice against the gathered head."""
+    rows along `fsdp` come to it, rather than each device gathering it: `sharding.fsdp_gathers_rows`
+    weighs the gathered rows and what they add (per device kernels, `_rows_to_the_head`: a
+    vocabulary-split copy of the device's slice; under GSPMD: the float32 partial logits of every
+    gathered row) against the gathered head."""
     if mesh is None or mesh.shape.get("fsdp", 1) == 1:
         return False
     stored = sharding.logical_spec(mesh, ("vocab", "embed"), weight.shape)
@@ -95,7 +96,8 @@ def _head_over_fsdp(mesh, hidden, weight) -> bool:
         return False
     rows = hidden.shape[0] // (mesh.shape["data"] * mesh.shape["expert"])
     head = weight.shape[0] // tensor * weight.shape[1] * weight.dtype.itemsize
-    return sharding.fsdp_gathers_rows(mesh, rows * hidden.shape[1] * hidden.dtype.itemsize + head // fsdp, head)
+    added = head // fsdp if spmd == SHARD_MAP else rows * weight.shape[0] // tensor * 4
+    return sharding.fsdp_gathers_rows(mesh, rows * hidden.shape[1] * hidden.dtype.itemsize + added, head)
 
 
 def _rows_to_the_head(fn, mesh, hidden, weight, labels, *, ignore_index: int):

@@ -77,8 +77,9 @@ def cross_entropy_case(mesh, impl: str, rows: int, seed: int) -> dict:
 
     (_, (nll1, lse1)), (dh1, dw1) = grads(fn)
     (_, (nllm, lsem)), (dhm, dwm) = grads(sharded_ops.cross_entropy(fn, mesh, chosen.spmd))
-    return {"rows_move": bool(sharded_ops._head_over_fsdp(mesh, hidden, weight)), "nll": rel_err(nllm, nll1),
-            "lse": rel_err(lsem, lse1), "dhidden": rel_err(dhm, dh1), "dweight": rel_err(dwm, dw1)}
+    moves = sharded_ops._head_over_fsdp(mesh, hidden, weight, chosen.spmd)
+    return {"rows_move": bool(moves), "nll": rel_err(nllm, nll1), "lse": rel_err(lsem, lse1),
+            "dhidden": rel_err(dhm, dh1), "dweight": rel_err(dwm, dw1)}
 
 
 results = {"devices": len(jax.devices())}
