@@ -139,20 +139,6 @@ class RolloutPlan:
     fits: bool = False               # update and rollout both fit one chip's HBM
 
 
-def per_chip_bytes(tree) -> int:
-    """Bytes one chip holds of a pytree of ShapeDtypeStructs: each leaf's shard under its sharding
-    (the whole leaf without one). Shards are equal in size (the rules split only exact divisors)."""
-    import jax
-    import numpy as np
-
-    def held(leaf):
-        sharding = getattr(leaf, "sharding", None)
-        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-        return math.prod(shape) * np.dtype(leaf.dtype).itemsize
-
-    return sum(held(leaf) for leaf in jax.tree.leaves(tree))
-
-
 def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len: int | None = None,
          batch_size: int = 8, micro_batches: int = 1, scan_layers: bool = False, remat: str = "none",
          kernels: str | dict | None = "auto", kernel_options: str | dict | None = None,
@@ -246,12 +232,13 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   micro_batches=micro_batches, scan_layers=scan_layers, remat=remat, kernels=dict(step.kernels),
                   compute_dtype=step_cfg.compute_dtype, matmul_precision=step_cfg.matmul_precision,
                   hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype, moe_routing=moe_routing,
-                  param_bytes=per_chip_bytes(state.params),
-                  optimizer_bytes=per_chip_bytes(state.opt_state), grad_bytes=per_chip_bytes(state.params),
+                  param_bytes=sharding.shard_bytes(state.params),
+                  optimizer_bytes=sharding.shard_bytes(state.opt_state),
+                  grad_bytes=sharding.shard_bytes(state.params),
                   packed=packed, rl="" if rl is None else _describe_rl(rl), lora=lora or "", trainable_params=sum(math.prod(a.shape) for a in
                                                                     jax.tree.leaves(state.params)),
-                  frozen_bytes=per_chip_bytes(frozen), base_dtype=base_dtype,
-                  compute_copy_bytes=per_chip_bytes(compute),
+                  frozen_bytes=sharding.shard_bytes(frozen), base_dtype=base_dtype,
+                  compute_copy_bytes=sharding.shard_bytes(compute),
                   expert_delta_bytes=expert_delta_bytes(frozen, cfg.n_layers) if spec and spec.target_parameters else 0)
     held = result.param_bytes + result.optimizer_bytes + result.grad_bytes + result.frozen_bytes + \
         result.compute_copy_bytes
@@ -339,13 +326,14 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     if set(params) != set(masters) | set(step.frozen_names):
         raise ValueError("rollout: the decoder's parameter names are not the update step's")
     # Full fine-tuning's KL reference: the starting parameters, copied in the compute dtype.
-    reference = per_chip_bytes(params) if beta and not step.frozen_names else 0
+    reference = sharding.shard_bytes(params) if beta and not step.frozen_names else 0
     cfg = model.cfg
     slots = sum(cache_slots(cfg, layer, length) for layer in range(cfg.n_layers))
     kv_bytes = 2 * batch * cfg.n_kv_heads * cfg.head_dim * slots * np.dtype(step.compute_dtype).itemsize
     out = RolloutPlan(completions=shape.completions, prompt_tokens=shape.prompt_tokens, new_tokens=shape.new_tokens,
                       group_size=group, prompt_rows=prompt_rows, batch=batch, prompt_len=prompt_len, length=length, kernels=dict(decoder.decode_kernels),
-                      param_bytes=per_chip_bytes(params), own_bytes=per_chip_bytes(own), reference_bytes=reference,
+                      param_bytes=sharding.shard_bytes(params), own_bytes=sharding.shard_bytes(own),
+                      reference_bytes=reference,
                       cache_bytes=kv_bytes // sharding.batch_shards(mesh), prefill=ProgramMemory(),
                       decode=ProgramMemory())
     mode = SamplingMode(greedy=False, top_k=shape.top_k, top_p=shape.top_p < 1, penalty=False, logprobs=True)
@@ -395,9 +383,11 @@ def expert_delta_bytes(frozen: dict, n_layers: int) -> int:
     weight W + scaling * B A that peft's expert LoRA forms for each stack in every forward (and
     that the backward keeps per layer unless rematerialized)."""
     # peft keeps the base tensor inside its wrappers: mlp.experts.base_layer.base_layer.gate_up_proj
+    from jax_bridge import sharding
+
     experts = {n: a for n, a in frozen.items()
                if ".mlp.experts." in n and n.endswith((".gate_up_proj", ".down_proj"))}
-    return per_chip_bytes(experts) // n_layers
+    return sharding.shard_bytes(experts) // n_layers
 
 
 # Slice shapes of each generation, smallest first (compile-only topologies libtpu accepts).

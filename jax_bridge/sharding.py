@@ -185,8 +185,21 @@ def param_bytes_per_device(params: dict, mesh: Mesh) -> tuple[int, int]:
     shard), and the most that gathering one of them whole adds."""
     placed = state_shardings(params, mesh)
     size = {n: math.prod(a.shape) * np.dtype(a.dtype).itemsize for n, a in params.items()}
-    held = {n: math.prod(placed[n].shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for n, a in params.items()}
+    held = {n: held_bytes(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed[n])) for n, a in params.items()}
     return sum(held.values()), max((size[n] - held[n] for n in params), default=0)
+
+
+def held_bytes(leaf) -> int:
+    """Bytes one device holds of an array or ShapeDtypeStruct: its shard under its sharding (the
+    whole array without one). Shards are equal in size (the rules split only exact divisors)."""
+    placement = getattr(leaf, "sharding", None)
+    shape = placement.shard_shape(leaf.shape) if placement is not None else leaf.shape
+    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+
+def shard_bytes(tree) -> int:
+    """held_bytes summed over a pytree's leaves: what one device holds of them."""
+    return sum(held_bytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def fsdp_gathers_rows(mesh: Mesh | None, rows_bytes: int, weight_bytes: int) -> bool:

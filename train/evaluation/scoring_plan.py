@@ -24,7 +24,6 @@ def plan_scoring(preset: str, topology: str, *, mesh: str = "", rows: int = 8, p
 
     from jax_bridge import sharding
     from jax_bridge.decoding import decoder_params
-    from jax_bridge.plan import per_chip_bytes
     from jax_bridge.step import DEFAULT_COMPUTE_DTYPE
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
@@ -44,7 +43,7 @@ def plan_scoring(preset: str, topology: str, *, mesh: str = "", rows: int = 8, p
            "mesh": sharding.describe(device_mesh), "n_layers": cfg.n_layers, "params": cfg.param_counts()["total"],
            "rows": rows, "positions": positions, "scored": scored or positions, "kernels": dict(scorer.kernels),
            "compute_dtype": scorer.step_cfg.compute_dtype, "matmul_precision": scorer.step_cfg.matmul_precision,
-           "param_bytes_per_chip": per_chip_bytes(params), "hbm_bytes": tpu_compile.hbm_bytes(devices[0])}
+           "param_bytes_per_chip": sharding.shard_bytes(params), "hbm_bytes": tpu_compile.hbm_bytes(devices[0])}
     started = time.perf_counter()
     lowered = scorer.lower(rows, positions, scored, params=params)
     out["lower_s"] = round(time.perf_counter() - started, 1)
