@@ -82,9 +82,9 @@ def cross_entropy(fn, mesh, spmd: str):
 def _head_over_fsdp(mesh, hidden, weight, spmd: str) -> bool:
     """Whether the head stays split over `fsdp` as stored (along its hidden dimension) and the
     rows along `fsdp` come to it, rather than each device gathering it: `sharding.fsdp_gathers_rows`
-    weighs the gathered rows and what they add (per device kernels, `_rows_to_the_head`: a
-    vocabulary-split copy of the device's slice; under GSPMD: the float32 partial logits of every
-    gathered row) against the gathered head."""
+    weighs the gathered rows with their gradient and what they add (per device kernels,
+    `_rows_to_the_head`: a vocabulary-split copy of the device's slice; under GSPMD: the float32
+    partial logits of every gathered row) against the gathered head."""
     if mesh is None or mesh.shape.get("fsdp", 1) == 1:
         return False
     stored = sharding.logical_spec(mesh, ("vocab", "embed"), weight.shape)
@@ -97,7 +97,7 @@ def _head_over_fsdp(mesh, hidden, weight, spmd: str) -> bool:
     rows = hidden.shape[0] // (mesh.shape["data"] * mesh.shape["expert"])
     head = weight.shape[0] // tensor * weight.shape[1] * weight.dtype.itemsize
     added = head // fsdp if spmd == SHARD_MAP else rows * weight.shape[0] // tensor * 4
-    return sharding.fsdp_gathers_rows(mesh, rows * hidden.shape[1] * hidden.dtype.itemsize + added, head)
+    return sharding.fsdp_gathers_rows(mesh, 2 * rows * hidden.shape[1] * hidden.dtype.itemsize + added, head)
 
 
 def _rows_to_the_head(fn, mesh, hidden, weight, labels, *, ignore_index: int):
