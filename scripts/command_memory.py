@@ -8,7 +8,9 @@ gpt-oss directory, one process or several forming a cluster, against the bound i
 
 The commands: `train --init-from --lora` (writing WORKDIR/lora), `generate` on each mesh, `eval
 --tasks` (a four-question task file; validation loss runs in one process only) on the first of
-them, and `generate --merge` of that LoRA checkpoint.
+them, `lm-eval` (the same questions as an lm-eval task; compute dtype only) on it, `generate
+--merge` of that LoRA checkpoint, and `export` of it merged (one process: its bound is the whole
+model + 0.5 GiB).
 
 Each command runs as its own process(es); this parent samples /proc/<pid>/status of every process
 of each one's tree every 10 ms (a multi-process `train` runs under its supervisor: the child counts).
@@ -190,15 +192,29 @@ def main() -> None:
             "--no-stream", "--mesh", mesh, "--base-dtype", args.base_dtype]
     eval_mesh = args.generate_meshes.split(";")[0]
     tasks = work / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"context": f"{who}:", "choices": ["But soft", "O Romeo", "To be"], "gold": i % 3})
-                             + "\n" for i, who in enumerate(("ROMEO", "JULIET", "HAMLET", "NURSE"))))
+    questions = [{"context": f"{who}:", "choices": ["But soft", "O Romeo", "To be"], "gold": i % 3}
+                 for i, who in enumerate(("ROMEO", "JULIET", "HAMLET", "NURSE"))]
+    tasks.write_text("".join(json.dumps(q) + "\n" for q in questions))
     commands[f"eval --tasks FILE.jsonl --mesh {eval_mesh}"] = [
         "eval", "--checkpoint", str(hf), "--tasks", str(tasks), "--mesh", eval_mesh, "--base-dtype", args.base_dtype,
         "--no-progress"]
+    lm_tasks = work / "lm_tasks"
+    lm_tasks.mkdir(exist_ok=True)
+    (lm_tasks / "memory_mc.yaml").write_text(
+        f"task: memory_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks}\ntest_split: test\n"
+        'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{gold}}"\nmetric_list:\n  - metric: acc\n')
+    if args.base_dtype == "compute":           # the lm-eval backend takes no base dtype
+        commands[f"lm-eval --model_args checkpoint=HF,mesh={eval_mesh}"] = [
+            "lm-eval", "--model_args", f"checkpoint={hf},mesh={eval_mesh.replace(',', ':')}", "--tasks", "memory_mc",
+            "--include_path", str(lm_tasks), "--batch_size", "4"]
     merge_mesh = args.generate_meshes.split(";")[0]
     commands[f"generate --merge --mesh {merge_mesh} (the LoRA run's checkpoint)"] = [
         "generate", "--checkpoint", str(work / "lora"), "--merge", "--prompt", "ROMEO:", "--max-tokens", "8",
         "--temperature", "0", "--no-stream", "--mesh", merge_mesh, "--base-dtype", args.base_dtype]
+    # One process: export writes one file set, a tensor at a time (its bound: the whole model / 1 + 0.5 GiB).
+    commands["export --checkpoint WORK/lora (merged, one process)"] = [
+        "export", "--checkpoint", str(work / "lora"), "--out", str(work / "exported")]
     gib = 2**30
     print(f"{args.layers} layers, {args.experts} experts, vocab {args.vocab}: parameters {params / gib:.2f} GiB in "
           f"{args.compute_dtype}; baseline RssAnon {base / gib:.2f} GiB; bound per process {bound / gib:.2f} GiB above it")
@@ -208,10 +224,11 @@ def main() -> None:
     for name, argv in commands.items():
         if not name.startswith(args.only):
             continue
-        if "--merge" in argv and not (work / "lora").is_dir():
+        if ("--merge" in argv or argv[0] == "export") and not (work / "lora").is_dir():
             print(f"{name}: skipped (no LoRA run in {work}: run without --only first)")
             continue
-        peaks = run(cluster(argv, args.processes), env, work)
+        shutil.rmtree(work / "exported", ignore_errors=True)
+        peaks = run(cluster(argv, 1 if argv[0] == "export" else args.processes), env, work)
         print(f"{name}: " + "; ".join(
             f"process {i} " + (f"{(load - base) / gib:.2f} GiB loading, " if load else "")
             + f"{(peak - base) / gib:.2f} GiB whole run"
