@@ -160,7 +160,7 @@ def _experts_over_fsdp(mesh, x, experts, stacks, mxfp4: bool) -> bool:
     stored = sharding.logical_spec(mesh, ("exp_q" if mxfp4 else "exp",), stacks[0].shape[:1])
     if tuple(stored) != ("fsdp",):
         return False
-    rows = x.shape[0] // (mesh.shape["data"] * mesh.shape["expert"]) * experts.shape[1]
+    rows = sharding.rows_along_fsdp(mesh, x.shape[0]) * experts.shape[1]
     width = x.shape[1] * 2 + stacks[0].shape[1 if mxfp4 else 2]      # [E, 2I, ...] as released, else [E, H, 2I]
     weight = sum(s.size * s.dtype.itemsize for s in stacks)
     return sharding.fsdp_gathers_rows(mesh, rows * width * x.dtype.itemsize, weight)

@@ -94,7 +94,7 @@ def _head_over_fsdp(mesh, hidden, weight, spmd: str) -> bool:
     fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"] if vocab else 1
     if weight.shape[0] % (tensor * fsdp):
         return False
-    rows = hidden.shape[0] // (mesh.shape["data"] * mesh.shape["expert"])
+    rows = sharding.rows_along_fsdp(mesh, hidden.shape[0])
     head = weight.shape[0] // tensor * weight.shape[1] * weight.dtype.itemsize
     added = head // fsdp if spmd == SHARD_MAP else rows * weight.shape[0] // tensor * 4
     return sharding.fsdp_gathers_rows(mesh, 2 * rows * hidden.shape[1] * hidden.dtype.itemsize + added, head)

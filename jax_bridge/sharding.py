@@ -202,6 +202,12 @@ def shard_bytes(tree) -> int:
     return sum(held_bytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
+def rows_along_fsdp(mesh: Mesh, rows: int) -> int:
+    """Of a batch of `rows` split over the batch axes, the rows the devices along `fsdp` hold
+    together (what gathering over `fsdp` gives each of them)."""
+    return rows // (mesh.shape["data"] * mesh.shape["expert"])
+
+
 def fsdp_gathers_rows(mesh: Mesh | None, rows_bytes: int, weight_bytes: int) -> bool:
     """Whether an op under `fsdp` leaves its weight where it lies and gathers the rows of the
     devices along `fsdp` instead of gathering the weight (FSDP): the expert stacks then run

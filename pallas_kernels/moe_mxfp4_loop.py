@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe import clamped_swiglu_grad
-from pallas_kernels.moe_decode import expert_mlp, default_chunk, mxfp4_expert, over_work_items
+from pallas_kernels.moe_decode import default_chunk, moe_mxfp4_decode, mxfp4_expert, over_work_items
 from pallas_kernels.moe_mxfp4 import check_mxfp4_experts
 from pallas_kernels.platform import dot_precision
 
@@ -38,8 +38,8 @@ def moe_mxfp4_loop(x, group_sizes, gate_up_blocks, gate_up_scales, gate_up_bias,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _looped(x, sizes, stacks, alpha, limit, up_shift, chunk):
-    return over_work_items((x,), sizes, chunk,
-                           lambda e, rows: expert_mlp(rows, *mxfp4_expert(stacks, e, x.dtype), alpha, limit, up_shift))
+    # The forward is generation's: work items, each expert decoded alone.
+    return moe_mxfp4_decode(x, sizes, *stacks, alpha=alpha, limit=limit, up_shift=up_shift, chunk=chunk)
 
 
 def _looped_fwd(x, sizes, stacks, alpha, limit, up_shift, chunk):
