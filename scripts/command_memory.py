@@ -190,7 +190,7 @@ def main() -> None:
         commands[f"generate --mesh {mesh}"] = [
             "generate", "--checkpoint", str(hf), "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0",
             "--no-stream", "--mesh", mesh, "--base-dtype", args.base_dtype]
-    eval_mesh = args.generate_meshes.split(";")[0]
+    eval_mesh = args.generate_meshes.split(";")[0]      # eval, lm-eval and --merge run on the first
     tasks = work / "tasks.jsonl"
     questions = [{"context": f"{who}:", "choices": ["But soft", "O Romeo", "To be"], "gold": i % 3}
                  for i, who in enumerate(("ROMEO", "JULIET", "HAMLET", "NURSE"))]
@@ -208,11 +208,10 @@ def main() -> None:
         commands[f"lm-eval --model_args checkpoint=HF,mesh={eval_mesh}"] = [
             "lm-eval", "--model_args", f"checkpoint={hf},mesh={eval_mesh.replace(',', ':')}", "--tasks", "memory_mc",
             "--include_path", str(lm_tasks), "--batch_size", "4"]
-    merge_mesh = args.generate_meshes.split(";")[0]
-    commands[f"generate --merge --mesh {merge_mesh} (the LoRA run's checkpoint)"] = [
+    commands[f"generate --merge --mesh {eval_mesh} (the LoRA run's checkpoint)"] = [
         "generate", "--checkpoint", str(work / "lora"), "--merge", "--prompt", "ROMEO:", "--max-tokens", "8",
-        "--temperature", "0", "--no-stream", "--mesh", merge_mesh, "--base-dtype", args.base_dtype]
-    # One process: export writes one file set, a tensor at a time (its bound: the whole model / 1 + 0.5 GiB).
+        "--temperature", "0", "--no-stream", "--mesh", eval_mesh, "--base-dtype", args.base_dtype]
+    # One process: export writes one file set, holding at most one output shard (its bound: the whole model + 0.5 GiB).
     commands["export --checkpoint WORK/lora (merged, one process)"] = [
         "export", "--checkpoint", str(work / "lora"), "--out", str(work / "exported")]
     gib = 2**30
@@ -227,7 +226,8 @@ def main() -> None:
         if ("--merge" in argv or argv[0] == "export") and not (work / "lora").is_dir():
             print(f"{name}: skipped (no LoRA run in {work}: run without --only first)")
             continue
-        shutil.rmtree(work / "exported", ignore_errors=True)
+        if argv[0] == "export":
+            shutil.rmtree(work / "exported", ignore_errors=True)
         peaks = run(cluster(argv, 1 if argv[0] == "export" else args.processes), env, work)
         print(f"{name}: " + "; ".join(
             f"process {i} " + (f"{(load - base) / gib:.2f} GiB loading, " if load else "")
