@@ -4,8 +4,9 @@ the whole train step against eager PyTorch CUDA and torch.compile on the same GP
 
 This process imports only jax, pallas_kernels/* and parity/compare.py (the GPU image has no torchax, no
 array_record). The train-step part needs torch and torchax: it runs `torchlyra bench step --device gpu`
-(train/bench/step.py) in child processes, so torchax must be carried to the machine as a wheel and put
-on PYTHONPATH (see the device tool's README). One run of about 6 minutes on one H200:
+(train/bench/step.py) in child processes, so the torchax and array_record wheels (the CLI's parser
+imports the data modules) must be carried to the machine and put on PYTHONPATH (see the device tool's
+README). One run of about 6 minutes on one H200:
 
     python scripts/gpu_bench.py                  # kernels at Lyra Small shapes + step (small-o200k), bf16
                                                  #   -> $OUT/gpu_bench.json
@@ -271,7 +272,10 @@ def step_part(smoke: bool, budget: float, report: dict, save) -> bool:
         path = os.path.join(tmp, "step.json")
         cmd = [sys.executable, "-m", "train.cli", "bench", "step", *STEP_RUNS["smoke" if smoke else "full"],
                "--json", path]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        # JAX takes 75% of the GPU's memory at its first use unless told not to; the torch peers share
+        # the process (an H100 run: "CUDA out of memory" in the eager peer's first forward).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+                   XLA_PYTHON_CLIENT_PREALLOCATE="false")
         print("step: " + " ".join(cmd[1:]), flush=True)
         step = dict(command=" ".join(cmd[1:]), error=None)
         # its own process group, so that a timeout also ends its child of torch peers
