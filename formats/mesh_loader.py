@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from formats.errors import UserError
+from jax_bridge.sharding import one_device
 
 
 class StepWeights:
@@ -131,7 +132,7 @@ def place(weights, abstract: dict, sources: dict, mesh, *, alias: bool = False) 
     alias: CPU devices take the blocks' memory as their buffers instead of a copy (a process
     then holds each block once, not twice while it is placed); for arrays no program donates
     (inference parameters, a frozen base): a donated buffer that a device cannot reuse is copied."""
-    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    single = one_device()
 
     def make(name, a):
         sharding = a.sharding if mesh is not None else single
@@ -159,7 +160,7 @@ def place_model(model, weights, abstract: dict, mesh, *, layout=None, where: str
 def zero_optimizer_state(step):
     """The optimizer state at zeros (what a fresh run starts from), created on its devices."""
     abstract = step.abstract_state().opt_state
-    shardings = None if step.mesh is None else jax.tree.map(lambda a: a.sharding, abstract)
+    shardings = jax.tree.map(lambda a: one_device() if step.mesh is None else a.sharding, abstract)
     return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=shardings)()
 
 

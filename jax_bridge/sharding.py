@@ -82,6 +82,14 @@ LOGICAL_RULES: dict[str, list[tuple[str, ...]]] = {
 
 
 # ---- the mesh -----------------------------------------------------------------------------------
+def one_device() -> jax.sharding.SingleDeviceSharding:
+    """Where a run without a mesh places its arrays: committed to the first device. A compiled
+    program is keyed by whether each argument is committed, and what a step returns is committed
+    once any input is: a state placed uncommitted beside committed weights compiled the step again
+    at its second call (every `--init-from --lora` and `--freeze` run)."""
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
 def parse_mesh(spec: str | dict | None, n_devices: int) -> dict[str, int]:
     """'data=2,fsdp=4' (or a dict) -> the size of every mesh axis; -1 means "the rest of the
     devices" (at most one axis); axes not named have size 1; nothing named: all on `fsdp`."""

@@ -148,7 +148,7 @@ def replace_params(new: dict, like: dict, dtype, shardings: dict | None, where: 
             raise ValueError(f"{where}: {name} has shape {tuple(value.shape)}, expected {tuple(like[name].shape)}")
     cast = cast_params(dict(new), dtype)
     if shardings is None:
-        return {n: jnp.asarray(v) for n, v in cast.items()}
+        return {n: jax.device_put(v, sharding.one_device()) for n, v in cast.items()}
     return {n: jax.device_put(v, shardings[n]) if isinstance(v, jax.Array) else sharding.place(v, shardings[n])
             for n, v in cast.items()}
 
@@ -232,6 +232,12 @@ class TrainStep:
         self._jitted_grads = jit(self._grads)
         self._jitted_update = jit(self._update, donate_argnums=(0, 2))
 
+    @property
+    def compile_count(self) -> int:
+        """Programs compiled for the step so far (jax.jit's own cache of executables): one per
+        run, unless an argument's shape or placement changed between calls."""
+        return self._jitted._cache_size()
+
     def jit(self, fn, **kwargs):
         """jax.jit for a program over this step's mesh (the step's own, and the evaluators' built
         on it), with the mesh's compiler options (sharding.compiler_options)."""
@@ -272,7 +278,7 @@ class TrainStep:
 
     def place_frozen(self, host: dict) -> dict:
         """Frozen host arrays onto the devices (sharded by the rules), kept as `self.frozen`."""
-        self.frozen = (jax.device_put(host) if self.mesh is None
+        self.frozen = (jax.device_put(host, sharding.one_device()) if self.mesh is None
                        else sharding.place(host, self.state_shardings(host)))
         return self.frozen
 
@@ -281,7 +287,7 @@ class TrainStep:
         state = self.host_state()
         self.place_frozen(self.host_frozen())
         if self.mesh is None:
-            return jax.device_put(state)
+            return jax.device_put(state, sharding.one_device())
         return sharding.place(state, self.state_shardings(state))
 
     def full_params(self, params: dict) -> dict:
@@ -415,7 +421,7 @@ class TrainStep:
     def _step(self, state: TrainState, compute: dict, tokens, lr_scale, frozen=None):
         """(new state, its compute copy, metrics). compute: compute_copy(state.params), donated
         with the state."""
-        self.trace_count += 1          # runs only while tracing: counts compilations
+        self.trace_count += 1          # runs only while tracing (a program may compile again without it)
         zeros = self._constrain(jax.tree.map(jnp.zeros_like, state.params))
         forward_params = {**state.params, **compute}
         packed = isinstance(tokens, dict)

@@ -50,7 +50,10 @@ def losses(run_dir) -> dict[int, float]:
 
 def test_lora_run_saves_adapters_and_a_base_reference_and_resumes_exactly(root):
     full = root / "lora"
-    run_training(config(root, full, lora=LORA, adapter_optimizer="adamw"), show_progress=False)
+    summary = run_training(config(root, full, lora=LORA, adapter_optimizer="adamw"), show_progress=False)
+    # The base's weights are placed committed to the device: so is the state (one program; it
+    # compiled twice while the optimizer state started uncommitted).
+    assert summary["trace_count"] == summary["compile_count"] == 1
     step_dir = checkpoint.find_checkpoint(full)
     stored = checkpoint.stored_shapes(step_dir)
     params = sorted(k[1] for k in stored if k[0] == "params")
@@ -100,6 +103,7 @@ def test_freeze_without_lora_keeps_the_frozen_parameters_exactly(root, capsys):
     assert main(["train", "--config", str(root / "micro.json"), "--out", str(out), "--steps", "2",
                  "--init-from", str(root / "base"), "--freeze", "*.mlp.router.*", "--freeze", "lm_head.weight"]) == 0
     assert "--freeze *.mlp.router.* lm_head.weight: training" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["compile_count"] == 1
     stored = checkpoint.stored_shapes(checkpoint.find_checkpoint(out))
     frozen = sorted(k[1] for k in stored if k[0] == "frozen")
     assert frozen and all(".mlp.router." in n or n == "lm_head.weight" for n in frozen)

@@ -368,7 +368,7 @@ class RLTrainer:
         plots = [str(p) for p in plot_rl(self.out)]
         summary = {"steps": self.done, "seconds": time.perf_counter() - self.start_time, "checkpoint": str(path),
                    "plots": plots, "metrics": str(self.out / "metrics.jsonl"), "rewards_all_none": self.all_none_total,
-                   "trace_count": self.step.trace_count,
+                   "trace_count": self.step.trace_count, "compile_count": self.step.compile_count,
                    "decoder_compilations": len(self.generator.decoder.compilations)}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

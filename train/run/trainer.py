@@ -427,11 +427,13 @@ class Trainer:
         streamed base) and a --freeze run's frozen parameters, each with its sharding."""
         import jax
 
+        from jax_bridge import sharding
+
         target = self.state._asdict()
         if self.step.frozen_names and not self.cfg.lora:
             target["frozen"] = self.step.abstract_frozen()
         if self.step.mesh is None:      # abstract arrays carry no sharding without a mesh: one device
-            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            one = sharding.one_device()
             target = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else
                                   jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), target)
         return target
@@ -640,7 +642,8 @@ class Trainer:
         wall = time.perf_counter() - self.start_time
         summary = {"steps": self.done, "train_seconds": wall, "checkpoint": str(path),
                    "val_loss_end": self.last_eval.get("val_loss"), "val_bpb_end": self.last_eval.get("val_bpb"),
-                   "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count}
+                   "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count,
+                   "compile_count": self.step.compile_count}
         samples = self._samples() if self.cfg.samples > 0 else []
         if self.primary:
             self.metrics.close()
