@@ -138,6 +138,7 @@ def test_lora_dpo_run_logs_rewards_and_its_adapter_loads_in_peft_with_our_logits
     out = tmp_path / "lora"
     assert dpo_run(root, out, "--dpo", "beta=0.1", "--lora", "r=2,alpha=4,targets=all-linear",
                    "--micro-batches", "2") == 0
+    assert json.loads((out / "summary.json").read_text())["compile_count"] == 1    # one program: sharding.one_device
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
