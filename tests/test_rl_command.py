@@ -79,7 +79,7 @@ def test_rl_run_logs_resumes_exactly_and_exports_the_adapter(base, two_steps, tm
     assert (run / "plots" / "rewards.png").is_file()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["decoder_compilations"] == 4        # sampled and greedy: prefill + decode each, once
-    assert summary["compile_count"] == 1       # the update step once (it compiled twice: sharding.one_device)
+    assert summary["compile_count"] == 1       # the update step, once (sharding.one_device)
 
     assert rl(base, tmp_path / "b", "--steps", "1") == 0
     assert main(["rl", "--out", str(tmp_path / "b"), "--resume", "--steps", "2"]) == 0
