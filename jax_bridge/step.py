@@ -235,7 +235,8 @@ class TrainStep:
     @property
     def compile_count(self) -> int:
         """Programs compiled for the step so far (jax.jit's own cache of executables): one per
-        run, unless an argument's shape or placement changed between calls."""
+        run, unless an argument's shape or placement changed between calls. `_cache_size` is
+        jax.jit's private count (JAX has no public one; requirements.lock pins jax)."""
         return self._jitted._cache_size()
 
     def jit(self, fn, **kwargs):

@@ -152,7 +152,7 @@ class CompiledScorer:
 
         params = self._host_params(model)
         if self.mesh is None:
-            return jax.device_put(params)
+            return jax.device_put(params, sharding.one_device())
         return sharding.place(params, self._param_shardings(params))
 
     def set_params(self, params: dict) -> None:
