@@ -358,9 +358,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--impls", default=None,
                         help="comma-separated implementation names to keep (default: all registered; "
                              "xla is always kept as the baseline)")
-    parser.add_argument("--platform", choices=["cpu", "tpu"], default="cpu",
+    parser.add_argument("--platform", choices=["cpu", "tpu"], default=None,
                         help="tpu: also compile every program with the real TPU compiler (libtpu, deviceless) "
-                             "and judge the goals on its figures (default: cpu)")
+                             "and judge the goals on its figures; cpu: the CPU's XLA. Default: this host's: on a "
+                             "CPU host the CPU analysis, on a TPU host every implementation timed on the chip "
+                             "(train/bench/kernel_speed.py)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="the inputs' dtype (default: tiny shapes float32 on CPU, everything else bfloat16)")
     parser.add_argument("--topology", default="v6e:2x2",
                         help="TPU slice compiled for with --platform tpu, e.g. v5e:2x2, v6e:2x2, v4:2x2x1 "
                              "(default: v6e:2x2; one chip of it is used)")
@@ -389,6 +393,8 @@ def add_arguments(parser) -> None:
 
 def _command_line(args) -> str:
     parts = ["torchlyra", "bench", "kernels", "--shapes", args.shapes, "--ops", args.ops]
+    if args.dtype:
+        parts += ["--dtype", args.dtype]
     if args.impls:
         parts += ["--impls", args.impls]
     if args.platform == "tpu":
@@ -415,6 +421,43 @@ _METHOD = {
 }
 
 
+def _keep(args) -> set | None:
+    """--impls as a set (xla always kept: the baseline); None keeps every implementation."""
+    return None if args.impls is None else {s.strip() for s in args.impls.split(",") if s.strip()} | {"xla"}
+
+
+def _write_json(path: str, report: dict) -> None:
+    from formats.atomic import write_atomic
+
+    write_atomic(path, json.dumps(report, indent=1).encode())
+    print(f"wrote {path}")
+
+
+def _run_on_device(args, shapes: list[str], ops: list[str], host: str) -> int:
+    """Every implementation timed on this host's accelerator (train/bench/kernel_speed.py)."""
+    import jax
+
+    from train.bench import kernel_speed
+
+    args.dtype = args.dtype or "bfloat16"
+    started = time.perf_counter()
+    rows = kernel_speed.run(args, shapes, ops, _keep(args))
+    elapsed = time.perf_counter() - started
+    print(f"Kernel speed on {jax.devices()[0].device_kind} ({host}), {args.dtype}")
+    print(kernel_speed.format_table(rows))
+    errors = sum(1 for r in rows if r["error"])
+    print(f"\n{len(rows)} rows in {elapsed:.0f} s; {errors} rows with errors.")
+    print(kernel_speed.METHOD)
+    if args.json:
+        _write_json(args.json, dict(
+            command=_command_line(args), date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            machine=machine_info(), elapsed_s=round(elapsed, 1),
+            settings=dict(shapes=shapes, ops=ops, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
+                          accounting="timed on the device", device_kind=jax.devices()[0].device_kind),
+            rows=rows))
+    return 0
+
+
 def run(args) -> int:
     shapes = _parse_list(args.shapes, SHAPE_SETS, "shapes")
     ops = _parse_list(args.ops, ALL_OPS, "ops")
@@ -428,6 +471,15 @@ def run(args) -> int:
         return tune.run(args, shapes, ops)
     if args.tune_candidates:
         raise UserError("--tune-candidates is for --tune")
+    from pallas_kernels.platform import host_platform
+
+    host = host_platform()
+    if args.platform is None and host != "cpu":
+        return _run_on_device(args, shapes, ops, host)
+    if args.platform == "cpu" and host != "cpu":
+        raise UserError(f"--platform cpu: this host's JAX runs on {host}; the CPU analysis needs a CPU backend "
+                        f"(run with JAX_PLATFORMS=cpu), or leave --platform out to time the kernels on the {host}")
+    args.platform = args.platform or "cpu"
 
     from jax_bridge import registry, tpu_compile   # after argument checks, so bad input fails fast
 
@@ -437,7 +489,7 @@ def run(args) -> int:
             device = tpu_compile.device_of(args.topology)
         except tpu_compile.TopologyError as e:
             raise UserError(f"--topology: {e}") from None
-    keep = None if args.impls is None else {s.strip() for s in args.impls.split(",") if s.strip()} | {"xla"}
+    keep = _keep(args)
     log = lambda s: s is not None and print(s, file=sys.stderr, flush=True)
     started = time.perf_counter()
     rows = []
@@ -447,7 +499,7 @@ def run(args) -> int:
         if keep is not None:
             impls = {n: i for n, i in impls.items() if n in keep}
         for shape in shapes:
-            for case in kernel_cases(op, shape):
+            for case in kernel_cases(op, shape, dtype=args.dtype):
                 rows.extend(_bench_case(case, impls, args, log, device))
     elapsed = time.perf_counter() - started
 
@@ -478,9 +530,5 @@ def run(args) -> int:
                           backward="value_and_grad of sum(outputs)" if args.sum_loss else "vjp with output cotangents as inputs",
                           compile_timeout_s=args.compile_timeout),
             rows=rows)
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1)
-        print(f"wrote {args.json}")
+        _write_json(args.json, report)
     return 0
