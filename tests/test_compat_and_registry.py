@@ -1,5 +1,6 @@
 """The torchax/torch 2.13 shim, the op registry and its op contracts."""
 import inspect
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import torch
 
 from jax_bridge import registry, torchax_compat
 from jax_bridge.env import get_env
+from jax_bridge import op_contracts
 from jax_bridge.op_contracts import CONTRACTS, REQUIRED
 from pallas_kernels.attention import attention_reference
 from pallas_kernels.moe import moe_experts_reference
@@ -153,6 +155,12 @@ def test_builtin_implementations_meet_their_ops_current_contract():
             impl.load()                                   # a ContractError names the one that does not
             assert impl.contract_version is None and impl._plan.version == contract.version, (op, name)
             assert all(impl.takes(k.name) for k in contract.keywords), (op, name)
+
+
+def test_contract_tables_in_the_docs_equal_the_declaration():
+    page = (pathlib.Path(__file__).resolve().parents[1] / op_contracts.DOCS_PAGE).read_text()
+    assert op_contracts.with_tables(page) == page, \
+        "docs/kernels.md's op-contract tables differ from the declaration: run python -m jax_bridge.op_contracts"
 
 
 def test_contract_keywords_are_the_torch_ops_trailing_arguments_with_their_defaults():
