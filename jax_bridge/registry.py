@@ -1,8 +1,19 @@
 """The op registry: every hot operation has named implementations, chosen per run.
 
 One table below lists them all. An implementation is a JAX function with the signature of the
-op's plain-JAX reference (see `pallas_kernels/__init__.py`). The bridge routes the model's
-`torch.ops.torchlyra.*` calls to the chosen implementations while it traces the train step.
+op's contract (`op_contracts.py`: positional arguments, keywords, return value, gradients,
+platforms, each op's versions), checked when it is registered (a "module:attribute" target: when
+first loaded): an extra required argument, a keyword the op passes that it lacks, an unknown
+platform is refused then, in one line naming the op, the implementation, what is wrong and the
+contract version. The bridge routes the model's `torch.ops.torchlyra.*` calls to the chosen
+implementations while it traces the train step.
+
+An implementation written for an older contract says so (`contract_version=N`): the keywords
+added after N that it does not take are omitted while they hold the default that reproduces the
+op of version N (attention's `segment_ids` None, moe's `up_shift` 1.0), and a call with another
+value is refused by name at trace time (`ContractError`, before the kernel is called), never a
+TypeError and never a silently dropped argument. One that accepts **kwargs takes every keyword of
+the version it was written for.
 
 Every call names the platform the program is compiled FOR (`platform` in "cpu", "gpu", "tpu";
 see `pallas_kernels/platform.py`): an implementation whose signature has a `platform` keyword
@@ -13,15 +24,11 @@ parameter of that implementation. A part naming a JSON file ("tiles.json") is a 
 tiles per call shape (`kernel_tiles.py`, written by `torchlyra bench kernels --tune`); options
 given explicitly override it.
 
-Attention's contract includes segment ids (packed conversations, `--document-masking`): an
-implementation that takes them has a `segment_ids` keyword ([B, T] integers, default None: one
-segment per row); one without it serves unpacked runs only and is refused by name for
-segment-masked ones.
-
 Users add their own with one call:
 
     from jax_bridge.registry import register_implementation
     register_implementation("attention", "mine", my_attention_fn, platforms=("tpu",))
+    register_implementation("attention", "old", fn_without_segment_ids, contract_version=1)
 
 and select it with `--kernels attention=mine`.
 
@@ -35,10 +42,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from jax_bridge import kernel_tiles
+from jax_bridge.op_contracts import CONTRACTS, CallPlan, holds_default, read_signature
 from pallas_kernels.platform import PLATFORMS, check_platform, host_platform, vmem_capacity_bytes
 
 OPS = ("attention", "cross_entropy", "moe")      # the training forward's ops
@@ -51,14 +60,19 @@ QUANTIZED_OPS = ("moe_mxfp4",)
 # `loop`: for `moe` the CPU's fastest grouped GEMM, BENCHMARKS.md, issue 12; for `moe_mxfp4` the
 # one that decodes an expert at a time in training too).
 AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("loop", "xla")}
-# The op's contract arguments: never kernel options.
-_CONTRACT = {"attention": ("sliding_window", "scale", "segment_ids"), "cross_entropy": ("ignore_index",),
-             "moe": ("alpha", "limit", "up_shift"), "moe_mxfp4": ("alpha", "limit", "up_shift"),
-             "cached_attention": ("sliding_window", "scale")}
 
 
 class KernelError(ValueError):
     """A requested kernel does not exist or cannot run here. Never silently replaced."""
+
+
+class ContractError(KernelError):
+    """An implementation does not meet its op's contract (at registration or first load), or was
+    written for an older contract that cannot honour this call (`keyword`: the keyword it lacks)."""
+
+    def __init__(self, message: str, op: str, name: str, keyword: str | None = None):
+        super().__init__(message)
+        self.op, self.name, self.keyword = op, name, keyword
 
 
 @dataclass
@@ -70,33 +84,55 @@ class Implementation:
     description: str = ""
     spmd: str = "shard_map"             # under a mesh: "shard_map" (per device) or "gspmd" (plain JAX)
     trains: bool = True                 # differentiable: usable in the train step (False: generation only)
+    contract_version: int | None = None  # the op's contract it was written for (None: the current one)
     _fn: Callable | None = field(default=None, repr=False)
+    _plan: CallPlan | None = field(default=None, repr=False)
 
     def load(self) -> Callable:
+        """The function, imported on first use and held to the op's contract (ContractError)."""
         if self._fn is None:
             if callable(self.target):
-                self._fn = self.target
+                fn = self.target
             else:
                 module, attr = self.target.split(":")
                 try:
-                    self._fn = getattr(importlib.import_module(module), attr)
+                    fn = getattr(importlib.import_module(module), attr)
                 except (ImportError, AttributeError) as e:
                     raise KernelError(f"kernel {self.op}={self.name}: cannot load {self.target}: {e}") from e
+            plan, problems = read_signature(self.op, fn, self.contract_version)
+            if problems:
+                raise _refused(self.op, self.name, self.contract_version, problems,
+                               "" if callable(self.target) else f" ({self.target})")
+            self._fn, self._plan = fn, plan
         return self._fn
 
-    def _parameters(self) -> tuple[set[str], bool]:
-        """(keyword parameters: keyword-only or with a default; accepts **kwargs). The op's
-        positional inputs are not among them."""
-        params = inspect.signature(self.load()).parameters.values()
-        names = {p.name for p in params if p.kind == p.KEYWORD_ONLY
-                 or (p.kind == p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)}
-        return names, any(p.kind == p.VAR_KEYWORD for p in params)
+    def _parameters(self) -> tuple[frozenset[str], bool]:
+        """(keyword parameters: contract keywords, `platform`, options; accepts **kwargs)."""
+        self.load()
+        return self._plan.keyword_params, self._plan.var_keyword
 
-    @property
-    def takes_segment_ids(self) -> bool:
-        """An attention implementation with an explicit `segment_ids` keyword (not merely
-        **kwargs, which could drop it silently)."""
-        return "segment_ids" in self._parameters()[0]
+    def takes(self, keyword: str) -> bool:
+        """Whether the op may pass this contract keyword whatever its value (False: the
+        implementation was written before it, and runs only while it holds its default)."""
+        self.load()
+        return self._plan.takes(keyword)
+
+    def honouring_contract(self, fn: Callable) -> Callable:
+        """`fn` called as the op's current contract calls it: the keywords added after the
+        implementation's version, which it does not take, dropped while they hold their default;
+        another value is a ContractError naming it, raised before the kernel is called."""
+        self.load()
+        omitted = self._plan.omitted
+        if not omitted:
+            return fn
+
+        def call(*args, **kwargs):
+            for keyword, default in omitted.items():
+                value = kwargs.pop(keyword, default)
+                if not holds_default(value, default):
+                    raise unhonoured(self.op, self.name, keyword, value)
+            return fn(*args, **kwargs)
+        return call
 
     def check_options(self, options: dict) -> None:
         if kernel_tiles.TUNED in options:
@@ -108,7 +144,7 @@ class Implementation:
                 except KernelError as e:
                     raise KernelError(f"{e} (kernel tiles {tuned['path']}, entry {key})") from None
         names, var_kw = self._parameters()
-        reserved = set(_CONTRACT[self.op]) | {"platform"}
+        reserved = {k.name for k in CONTRACTS[self.op].keywords} | {"platform"}
         bad = sorted(o for o in options if o in reserved or (o not in names and not var_kw))
         if bad:
             allowed = sorted(names - reserved)
@@ -120,10 +156,11 @@ class Implementation:
         with a `vmem_capacity_bytes` option is told the VMEM of the TPU `generation` compiled for
         (when known and not given), which sizes its tiles. With a table of tuned tiles, each call
         (traced: its shapes are static) takes the entry of its shapes, under the options given
-        explicitly."""
-        fn, extra = self.load(), dict(options)
+        explicitly. Called as the op's current contract calls it (`honouring_contract`)."""
+        raw, extra = self.load(), dict(options)
+        fn = self.honouring_contract(raw)
         tuned = extra.pop(kernel_tiles.TUNED, None)
-        for key, value in target_keywords(fn, platform, generation).items():
+        for key, value in target_keywords(raw, platform, generation).items():
             extra.setdefault(key, value)
         if tuned is None:
             return (lambda *args, **kwargs: fn(*args, **kwargs, **extra)) if extra else fn
@@ -154,9 +191,13 @@ _TABLE: dict[str, dict[str, Implementation]] = {op: {} for op in OPS + GENERATIO
 
 
 def register_implementation(op: str, name: str, fn: Callable | str, *, platforms=PLATFORMS, description: str = "",
-                            backends=None, spmd: str = "shard_map", trains: bool = True):
-    """Add (or replace) implementation `name` of `op`. `fn` has the op's reference signature
-    (plus, optionally, a `platform` keyword and option keywords). `platforms`: where it runs
+                            backends=None, spmd: str = "shard_map", trains: bool = True,
+                            contract_version: int | None = None):
+    """Add (or replace) implementation `name` of `op`. `fn` meets the op's contract
+    (`op_contracts.CONTRACTS[op]`), plus, optionally, a `platform` keyword and option keywords;
+    a callable is checked now, a "module:attribute" target when first loaded (ContractError, one
+    line). `contract_version`: the contract version it was written for (default: the current
+    one); keywords added since are optional (see the module docstring). `platforms`: where it runs
     (`backends` is the older name of the same argument). `spmd`: how it runs under a mesh
     ("shard_map", or "gspmd" for plain-JAX functions). `trains=False`: no backward (generation only);
     the train step refuses it."""
@@ -166,12 +207,45 @@ def register_implementation(op: str, name: str, fn: Callable | str, *, platforms
         raise KernelError(f"unknown op {op!r}; ops are: {', '.join(_TABLE)}")
     if name == "auto":
         raise KernelError("'auto' is reserved: it picks the best implementation for the platform")
-    unknown = set(platforms) - set(PLATFORMS)
+    allowed = CONTRACTS[op].platforms
+    unknown = [p for p in platforms if p not in allowed]
     if unknown:
-        raise KernelError(f"unknown platform(s) {sorted(unknown)} for {op}={name}; platforms are {PLATFORMS}")
+        raise _refused(op, name, contract_version, [f"claims unknown platform(s) {', '.join(map(repr, unknown))} "
+                                                    f"(platforms: {', '.join(allowed)})"])
     if spmd not in ("shard_map", "gspmd"):
         raise KernelError(f"{op}={name}: spmd must be 'shard_map' or 'gspmd', found {spmd!r}")
-    _TABLE[op][name] = Implementation(op, name, fn, tuple(platforms), description, spmd, trains)
+    impl = Implementation(op, name, fn, tuple(platforms), description, spmd, trains, contract_version)
+    if callable(fn):
+        impl.load()                 # a user's function is held to the contract now
+    _TABLE[op][name] = impl
+
+
+def _refused(op: str, name: str, version, problems: list[str], target: str = "") -> ContractError:
+    current = CONTRACTS[op].version
+    shown = version if isinstance(version, int) and 1 <= version <= current else current
+    return ContractError(f"{op}={name}{target} does not meet the {op} contract v{shown}: {'; '.join(problems)}",
+                         op, name)
+
+
+_GIVEN = object()       # a keyword given a value other than its default (segment ids, for check_segments)
+
+
+def unhonoured(op: str, name: str, keyword: str, value=_GIVEN) -> ContractError:
+    """The refusal of implementation `name`, written before `keyword` existed, for a call whose
+    `keyword` does not hold the default that reproduces its version."""
+    impl, k = _TABLE[op][name], CONTRACTS[op].keyword(keyword)
+    given = f"{keyword}={value!r}" if isinstance(value, numbers.Number) else f"{keyword} given"
+    others = []
+    for other, candidate in _TABLE[op].items():
+        try:
+            if candidate.takes(keyword):
+                others.append(other)
+        except KernelError:
+            pass                    # one that cannot load is not offered
+    return ContractError(f"{op}={name} cannot run {k.needed_by}: it was written for {op} contract "
+                         f"v{impl._plan.version}, before {keyword} (v{k.since}), so the op calls it only while "
+                         f"{keyword}={k.default!r} (here: {given}); choose one of: {', '.join(others) or 'none'}",
+                         op, name, keyword)
 
 
 def unregister_implementation(op: str, name: str) -> None:
@@ -322,13 +396,12 @@ def check_trainable(resolved: dict[str, str]) -> None:
 
 
 def check_segments(resolved: dict[str, str]) -> None:
-    """A segment-masked run (packed conversations, document masking): the attention
-    implementation must take segment ids; refuse one that does not, by name."""
+    """A segment-masked run (packed conversations, document masking), checked before tracing:
+    the attention implementation must take segment ids; one written before them is refused by
+    name (the refusal its first traced call would give)."""
     name = resolved["attention"]
-    if not _TABLE["attention"][name].takes_segment_ids:
-        others = ", ".join(n for n, impl in _TABLE["attention"].items() if impl.trains and impl.takes_segment_ids)
-        raise KernelError(f"attention={name} does not take segment ids (no `segment_ids` keyword), so it cannot "
-                          f"run segment-masked (packed) batches; choose one of: {others}")
+    if not _TABLE["attention"][name].takes("segment_ids"):
+        raise unhonoured("attention", name, "segment_ids")
 
 
 def model_ops(model, ops: tuple[str, ...] = OPS) -> tuple[str, ...]:
@@ -395,7 +468,6 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None,
     def attention(q, k, v, sinks, sliding_window, scale, segment_ids=None):
         if segment_ids is None:
             return attn(q, k, v, sinks, sliding_window=int(sliding_window), scale=float(scale))
-        check_segments(resolved)
         return attn(q, k, v, sinks, sliding_window=int(sliding_window), scale=float(scale),
                     segment_ids=segment_ids.astype("int32"))
 

@@ -23,7 +23,7 @@ from pallas_kernels.platform import host_platform
 from parity import compare, planted, tolerances
 from parity.inputs import PARITY_LOSS, PARITY_SEQ_LEN, PARITY_TILES, ParityBatch, build_model, parity_inputs
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
-from parity.report import ERROR, Report, Row
+from parity.report import ERROR, Report, Row, unmade_run_row
 from parity.runs import capture_routing, forced_routing, kernel_options_for, to_numpy
 from torch_model.causal_lm import IGNORE_INDEX
 from torch_model.config import ModelConfig
@@ -197,9 +197,7 @@ def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, ada
             probe = LoraProbe(wrapped, choice, kernel_options, compiler_options, planted_bug)
             got = probe(data, reference["routing"])
         except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            report.rows.append(Row(label, DTYPE, "error", "kernel set", status=ERROR,
-                                   message=f"{type(e).__name__}: {first}"))
+            report.rows.append(unmade_run_row(label, DTYPE, e))
             continue
         new_rows = lora_rows(reference, *got, kernel_label(probe.kernels) + " +lora")
         if train_steps:
@@ -209,8 +207,7 @@ def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, ada
                 new_rows += lora_step_rows(wrapped, tokens, choice, kernel_options, train_steps,
                                            kernel_label(probe.kernels) + " +lora")
             except Exception as e:  # noqa: BLE001 - a step that cannot run is a failed check
-                new_rows.append(Row(label, DTYPE, "error", "LoRA train step", status=ERROR,
-                                    message=f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"))
+                new_rows.append(unmade_run_row(label, DTYPE, e, "LoRA train step"))
         report.rows.extend(new_rows)
         say(f"  {'FAIL' if any(r.failed for r in new_rows) else 'PASS'} {label}")
     return report

@@ -1,6 +1,9 @@
 """The parity suite's report: one `Row` per check (a tensor or scalar of one run against the
 ground truth, its metrics, bounds and status) and the `Report` of a whole suite, printed as a
-table (one summary line per check group, failing rows in full) or written as JSON.
+table (one summary line per check group, failing rows in full) or written as JSON. A run that
+could not be made is one row: REFUSED where an implementation's op contract refused it (the
+registry's ContractError: the kernel is not at fault, the request is), ERROR otherwise
+(`unmade_run_row`); either fails the suite.
 """
 from __future__ import annotations
 
@@ -8,9 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jax_bridge import registry
 from parity import tolerances
 
 PASS, FAIL, ERROR, SKIP, INFO = "PASS", "FAIL", "ERROR", "SKIP", "INFO"   # INFO: reported, not bounded
+REFUSED = "REFUSED"     # an op contract refused the kernel set (registry.ContractError)
 # Names of the aggregate rows (they start with "<": the report groups them apart) and the suffix
 # of the per-expert rows (one row per expert of an expert weight stack, named with its token count).
 VECTOR = "<all parameters>"
@@ -26,8 +31,8 @@ def is_expert_row(name: str) -> bool:
 @dataclass
 class Row:
     """One check: a tensor (or scalar) of one run (kernel set x dtype) against the ground truth.
-    category: logits | loss | grad | param | routing | hf | error | skip. A row without bounds
-    is reported only (status INFO)."""
+    category: logits | loss | grad | param | routing | hf | error | contract | skip. A row without
+    bounds is reported only (status INFO)."""
     kernels: str
     dtype: str
     category: str
@@ -44,7 +49,7 @@ class Row:
 
     @property
     def failed(self) -> bool:
-        return self.status in (FAIL, ERROR)
+        return self.status in (FAIL, ERROR, REFUSED)
 
     def to_dict(self) -> dict:
         return {"kernels": self.kernels, "dtype": self.dtype, "category": self.category, "name": self.name,
@@ -54,7 +59,7 @@ class Row:
 
     def line(self) -> str:
         text = f"  {self.status:<5} {self.category:<7} {self.name:<46} {_format_metrics(self.metrics)}"
-        if self.status not in (ERROR, SKIP):
+        if self.status not in (ERROR, REFUSED, SKIP):
             text += f"  [{tolerances.describe(self.bounds) or 'reported only'}]"
         return text + (f"  {self.message}" if self.message else "")
 
@@ -104,13 +109,13 @@ class Report:
         shown_coverage = set()
         for kernels, dtype in self.runs():
             rows = self.select(kernels, dtype)
-            status = ERROR if any(r.status == ERROR for r in rows) else FAIL if any(r.failed for r in rows) \
-                else SKIP if all(r.status == SKIP for r in rows) else PASS
+            status = next((s for s in (ERROR, REFUSED) if any(r.status == s for r in rows)), None) or \
+                (FAIL if any(r.failed for r in rows) else SKIP if all(r.status == SKIP for r in rows) else PASS)
             lines.append(f"== {kernels} | {dtype} | {status}")
             if kernels in s.get("coverage", {}) and kernels not in shown_coverage:
                 shown_coverage.add(kernels)
                 lines.extend(f"  cover {line}" for line in s["coverage"][kernels])
-            if status in (ERROR, SKIP):
+            if status in (ERROR, REFUSED, SKIP):
                 lines.extend(r.line() for r in rows if r.status == status)
                 continue
             # Per-tensor rows apart from the aggregates <...>; the per-expert rows in one group
@@ -137,6 +142,20 @@ class Report:
                 "tolerances": {dt: {k: [b.to_dict() for b in bs] for k, bs in checks.items()}
                                for dt, checks in tolerances.TOLERANCES.items()},
                 "entries": [r.to_dict() for r in self.rows]}
+
+
+def unmade_run_row(kernels: str, dtype: str, error: BaseException, name: str = "kernel set", hint: str = "") -> Row:
+    """The row of a run that could not be made: REFUSED (category `contract`) when an op contract
+    refused an implementation, its one line as the message; ERROR otherwise, with the exception's
+    type and first line. `hint`: appended to a refusal."""
+    if isinstance(error, registry.ContractError):
+        return Row(kernels, dtype, "contract", name, status=REFUSED, message=f"{first_line(error)}{hint}")
+    return Row(kernels, dtype, "error", name, status=ERROR, message=f"{type(error).__name__}: {first_line(error)}")
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _format_value(key: str, value) -> str:

@@ -38,8 +38,9 @@ tile cases a set exercised, printed per kernel set); the CLI `torchlyra parity` 
 Default kernel sets: all ops at `xla`, then, for each op, each other registered implementation
 with the remaining ops at `xla`, so every registered implementation of every op is covered once
 (one registered only for other backends is listed as a SKIP line). A kernel set that cannot be
-built or run (an implementation not written yet, a kernel that raises) is an ERROR line and fails
-the suite; nothing is skipped or replaced silently.
+built or run (an implementation not written yet, a kernel that raises) is an ERROR line, one an op
+contract refuses (an implementation written before `segment_ids` on packed rows) a REFUSED line;
+either fails the suite; nothing is skipped or replaced silently.
 
 Self-test (`--selftest`, `parity/selftest.py`): the planted-bug catalogue of `parity/planted.py`
 must fail. Trajectory (`--trajectory`, `parity/trajectory.py`): 100 steps against a golden
@@ -62,7 +63,7 @@ from parity.checks import compare_runs
 from parity.inputs import (PARITY_IGNORE_FRACTION, PARITY_LOSS, PARITY_SEQ_LEN, PARITY_TILES, ParityBatch,
                            build_model, parity_inputs, reference_model)
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
-from parity.report import ERROR, Report, Row
+from parity.report import ERROR, Report, Row, first_line, unmade_run_row
 from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
 from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.config import ModelConfig
@@ -83,7 +84,7 @@ def _hf_rows(model_cfg, state_dict, ids) -> list[Row]:
 
         result = compare_with_transformers(model_cfg, state_dict, ids)
     except Exception as e:  # noqa: BLE001 - a comparison that cannot run is a failed check
-        return [Row(label, "float32", "hf", name, status=ERROR, message=f"{type(e).__name__}: {_first_line(e)}")]
+        return [Row(label, "float32", "hf", name, status=ERROR, message=f"{type(e).__name__}: {first_line(e)}")]
     if not isinstance(result, Mapping) or not set(_HF_METRICS) <= set(result):
         return [Row(label, "float32", "hf", name, status=ERROR,
                     message=f"compare_with_transformers returned {result!r:.200}")]
@@ -104,11 +105,6 @@ def _segments_summary(segment_ids) -> str:
         rows.append(f"row {i}: {len(real)} segment{'s' if len(real) > 1 else ''} of {'+'.join(map(str, real))}"
                     + (f" + {pad} padding" if pad else ""))
     return "packed: " + "; ".join(rows)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _check_request(dtypes, batch: int, seq_len: int, ignore_fraction: float, kernel_options) -> None:
@@ -204,10 +200,9 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
                 run = lowered_run(probe, shared, data, reference, full_step=full_step)
             except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
                 hint = ""
-                if isinstance(e, registry.KernelError) and data.segmented and "segment ids" in str(e):
+                if getattr(e, "keyword", None) == "segment_ids" and data.segmented:
                     hint = "; the parity rows are packed by default: --no-segments runs plain rows"
-                report.rows.append(Row(label, dtype, "error", "kernel set", status=ERROR,
-                                       message=f"{type(e).__name__}: {_first_line(e)}{hint}"))
+                report.rows.append(unmade_run_row(label, dtype, e, hint=hint))
                 continue
             resolved = kernel_label(probe.kernels)
             report.setup["coverage"][resolved] = coverage.describe(

@@ -329,7 +329,8 @@ def kernels(preset: str, rounds: int, sets: str):
     for op, name, fn in (("moe", "ideal", _moe_ideal), ("attention", "none", _attention_none),
                          ("cross_entropy", "none", _cross_entropy_none),
                          ("attention", "noconcat", _attention_noconcat), ("attention", "vjp", _attention_vjp)):
-        registry.register_implementation(op, name, fn, platforms=("cpu",))
+        # Written before segment_ids and up_shift: unpacked rows and GPT-OSS's activation only.
+        registry.register_implementation(op, name, fn, platforms=("cpu",), contract_version=1)
     _, model, tokens = setup(preset)
     runs = {}
     for spec in [s.strip() for s in sets.split(";") if s.strip()]:

@@ -1,10 +1,19 @@
-"""The torchax/torch 2.13 shim and the op registry."""
+"""The torchax/torch 2.13 shim, the op registry and its op contracts."""
+import inspect
+import pathlib
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
 from jax_bridge import registry, torchax_compat
 from jax_bridge.env import get_env
+from jax_bridge import op_contracts
+from jax_bridge.op_contracts import CONTRACTS, REQUIRED
+from pallas_kernels.attention import attention_reference
+from pallas_kernels.moe import moe_experts_reference
 
 
 def test_torchax_imports_and_shim_is_gated_on_the_missing_overloads():
@@ -97,8 +106,9 @@ def test_kernel_that_cannot_run_on_the_platform_is_an_error_not_a_fallback():
 
 
 def test_user_registered_implementations_are_routed_into_the_model_with_or_without_platform():
-    """The README's example (a function without `platform`) and one that takes `platform` and
-    an option: both are called, each with what its signature accepts."""
+    """A function without `platform` (written for attention contract v1: unpacked rows) and one
+    that takes `platform`, segment ids and an option: both are called, each with what its
+    signature accepts."""
     from pallas_kernels.attention import attention_reference
 
     calls = []
@@ -107,11 +117,11 @@ def test_user_registered_implementations_are_routed_into_the_model_with_or_witho
         calls.append(("mine", sliding_window))
         return attention_reference(q, k, v, sinks, sliding_window=sliding_window, scale=scale)
 
-    def aware(q, k, v, sinks, *, sliding_window, scale, platform, boost=1.0):
+    def aware(q, k, v, sinks, *, sliding_window, scale, platform, segment_ids=None, boost=1.0):
         calls.append(("aware", platform, boost))
         return attention_reference(q, k, v, sinks, sliding_window=sliding_window, scale=scale)
 
-    registry.register_implementation("attention", "test-mine", mine, platforms=("cpu", "tpu"))
+    registry.register_implementation("attention", "test-mine", mine, platforms=("cpu", "tpu"), contract_version=1)
     registry.register_implementation("attention", "test-aware", aware)
     try:
         from jax_bridge.step import StepConfig, TrainStep
@@ -136,6 +146,175 @@ def test_user_registered_implementations_are_routed_into_the_model_with_or_witho
 def test_registering_for_unknown_op_fails():
     with pytest.raises(registry.KernelError, match="unknown op"):
         registry.register_implementation("softmax", "x", lambda *a: None)
+
+
+# ---- the op contracts (jax_bridge/op_contracts.py) -------------------------------------------------
+def test_builtin_implementations_meet_their_ops_current_contract():
+    for op, contract in CONTRACTS.items():
+        for name, impl in registry.implementations(op).items():
+            impl.load()                                   # a ContractError names the one that does not
+            assert impl.contract_version is None and impl._plan.version == contract.version, (op, name)
+            assert all(impl.takes(k.name) for k in contract.keywords), (op, name)
+
+
+def test_contract_tables_in_the_docs_equal_the_declaration():
+    page = (pathlib.Path(__file__).resolve().parents[1] / op_contracts.DOCS_PAGE).read_text()
+    assert op_contracts.with_tables(page) == page, \
+        "docs/kernels.md's op-contract tables differ from the declaration: run python -m jax_bridge.op_contracts"
+
+
+def test_contract_keywords_are_the_torch_ops_trailing_arguments_with_their_defaults():
+    """The model's side of each op (torch_model/ops.py) passes exactly the declared keywords."""
+    from torch_model.ops import OPS as TORCH_OPS
+
+    for op, contract in CONTRACTS.items():
+        arguments = TORCH_OPS[op].default._schema.arguments
+        tail = arguments[len(arguments) - len(contract.keywords):]
+        assert [a.name for a in tail] == [k.name for k in contract.keywords], op
+        assert [a.default_value if a.has_default_value() else REQUIRED for a in tail] == \
+            [k.default for k in contract.keywords], op
+        if len(arguments) == len(contract.args) + len(contract.keywords):     # not the routed MoE ops
+            assert [a.name for a in arguments[:len(contract.args)]] == [a.name for a in contract.args], op
+
+
+def _attention_v1(q, k, v, sinks, *, sliding_window, scale):
+    return attention_reference(q, k, v, sinks, sliding_window=sliding_window, scale=scale)
+
+
+def _moe_v1(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha, limit):
+    return moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit)
+
+
+def _refusal(op, fn, **kwargs) -> str:
+    with pytest.raises(registry.ContractError) as caught:
+        registry.register_implementation(op, "test-bad", fn, **kwargs)
+    assert "test-bad" not in registry.implementations(op)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{op}=test-bad does not meet the {op} contract v"), message
+    return message
+
+
+def test_wrong_signatures_are_refused_at_registration_in_one_line():
+    def extra_positional(q, k, v, sinks, mask, *, sliding_window, scale, segment_ids=None):
+        pass
+
+    def no_scale(q, k, v, sinks, *, sliding_window, segment_ids=None):
+        pass
+
+    def three_inputs(q, k, v, *, sliding_window, scale, segment_ids=None):
+        pass
+
+    def required_option(hidden, weight, labels, *, ignore_index, block_v):
+        pass
+
+    assert "extra required argument(s) mask that the op never passes" in _refusal("attention", extra_positional)
+    assert _refusal("attention", no_scale).endswith("v2: lacks keyword(s) scale (v1) that the op passes")
+    assert "takes 3 positional argument(s), the op passes 4 (q, k, v, sinks)" in _refusal("attention", three_inputs)
+    assert "extra required argument(s) block_v" in _refusal("cross_entropy", required_option)
+    assert "claims unknown platform(s) 'cuda' (platforms: cpu, gpu, tpu)" in \
+        _refusal("attention", _attention_v1, platforms=("cuda",), contract_version=1)
+    assert "versions 1..2, found 3" in _refusal("moe", _moe_v1, contract_version=3)
+    assert "versions 1..1, found 2" in _refusal("cached_attention", _attention_v1, contract_version=2)
+    # Written for the previous contract, without saying so: refused, with the remedy.
+    assert _refusal("moe", _moe_v1) == (
+        "moe=test-bad does not meet the moe contract v2: lacks keyword(s) up_shift (v2) that the op passes; if it "
+        "was written for v1, register it with contract_version=1: it is then called while up_shift=1.0, and "
+        "refused by name otherwise")
+    assert "segment_ids (v2)" in _refusal("attention", _attention_v1)
+    # A refused registration replaces nothing; a "module:attribute" target is checked when loaded.
+    _refusal("attention", three_inputs)
+    with pytest.raises(registry.ContractError):
+        registry.register_implementation("attention", "xla", three_inputs)
+    assert registry.implementations("attention")["xla"].target == "pallas_kernels.attention:attention_reference"
+    registry.register_implementation("attention", "test-string", "pallas_kernels.moe:moe_experts_reference")
+    try:
+        with pytest.raises(registry.ContractError, match=r"^attention=test-string \(pallas_kernels.moe:moe_experts_"
+                           r"reference\) does not meet the attention contract v2: extra required argument"):
+            registry.resolve("attention=test-string", "cpu")
+    finally:
+        registry.unregister_implementation("attention", "test-string")
+
+
+@pytest.fixture
+def previous_contract_kernels():
+    """attention and moe kernels written for their ops' previous contracts (before segment_ids,
+    before up_shift), registered as such; the names of the calls they received."""
+    calls = []
+
+    def attention_v1(*args, **kwargs):
+        calls.append("attention")
+        return _attention_v1(*args, **kwargs)
+
+    def moe_v1(*args, **kwargs):
+        calls.append("moe")
+        return _moe_v1(*args, **kwargs)
+
+    attention_v1.__signature__ = inspect.signature(_attention_v1)
+    moe_v1.__signature__ = inspect.signature(_moe_v1)
+    registry.register_implementation("attention", "test-v1", attention_v1, contract_version=1)
+    registry.register_implementation("moe", "test-v1", moe_v1, contract_version=1)
+    try:
+        yield calls
+    finally:
+        registry.unregister_implementation("attention", "test-v1")
+        registry.unregister_implementation("moe", "test-v1")
+
+
+def test_kernels_written_for_the_previous_contract_run_the_ops_old_behaviour_and_refuse_the_new(
+        previous_contract_kernels):
+    """Through the registry's adapters (the torch ops' schemas): at the new keyword's neutral value
+    the old kernels give the current reference's numbers; another value is refused by name before
+    the kernel is called, never a TypeError."""
+    calls = previous_contract_kernels
+    old = registry._adapters({"attention": "test-v1", "cross_entropy": "xla", "moe": "test-v1"}, "cpu", {})
+    new = registry._adapters({"attention": "xla", "cross_entropy": "xla", "moe": "ragged_dot"}, "cpu", {})
+    keys = jax.random.split(jax.random.key(0), 8)
+    q, k, v = (jax.random.normal(key, shape) for key, shape in zip(keys, [(1, 2, 8, 4), (1, 1, 8, 4), (1, 1, 8, 4)]))
+    sinks = jnp.zeros(2)
+    np.testing.assert_array_equal(old["attention"](q, k, v, sinks, 3, 0.5), new["attention"](q, k, v, sinks, 3, 0.5))
+    segments = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    with pytest.raises(registry.ContractError, match=r"^attention=test-v1 cannot run segment-masked \(packed\) "
+                       r"batches: it was written for attention contract v1, before segment_ids \(v2\).*here: "
+                       r"segment_ids given\); choose one of: xla, pallas, splash$"):
+        old["attention"](q, k, v, sinks, 3, 0.5, segments)
+    with pytest.raises(registry.ContractError, match="attention=test-v1 cannot run segment-masked"):
+        registry.check_segments({"attention": "test-v1"})          # what train and plan ask before tracing
+
+    x = jax.random.normal(keys[3], (6, 8))
+    experts, weights = jnp.array([[0, 1]] * 3 + [[1, 0]] * 3), jnp.full((6, 2), 0.5)
+    gate_up, down = jax.random.normal(keys[4], (2, 8, 4)), jax.random.normal(keys[5], (2, 2, 8))
+    stacks = (gate_up, jnp.zeros((2, 4)), down, jnp.zeros((2, 8)))
+    np.testing.assert_array_equal(old["moe"](x, experts, weights, *stacks, 1.702, 7.0, 1.0),
+                                  new["moe"](x, experts, weights, *stacks, 1.702, 7.0, 1.0))
+    assert calls == ["attention", "moe"]
+    with pytest.raises(registry.ContractError, match=r"^moe=test-v1 cannot run experts whose activation is not "
+                       r"GPT-OSS's .*v1, before up_shift \(v2\), so the op calls it only while up_shift=1.0 \(here: "
+                       r"up_shift=0.0\)"):
+        old["moe"](x, experts, weights, *stacks, 1.0, float("inf"), 0.0)
+    assert calls == ["attention", "moe"]                           # refused before the kernel ran
+
+
+def test_a_kernel_with_kwargs_takes_every_keyword_of_the_version_it_was_written_for():
+    seen = []
+
+    def catch_all(q, k, v, sinks, **kwargs):
+        seen.append(sorted(kwargs))
+        return q
+
+    q, ids = jnp.zeros((1, 1, 4, 2)), jnp.zeros((1, 4), jnp.int32)
+    try:
+        registry.register_implementation("attention", "test-kwargs", catch_all)
+        registry.implementations("attention")["test-kwargs"].bind("cpu", {})(q, q, q, q, sliding_window=0, scale=1.0,
+                                                                            segment_ids=ids)
+        assert seen == [["platform", "scale", "segment_ids", "sliding_window"]]
+        registry.register_implementation("attention", "test-kwargs", catch_all, contract_version=1)
+        old = registry.implementations("attention")["test-kwargs"].bind("cpu", {})
+        old(q, q, q, q, sliding_window=0, scale=1.0, segment_ids=None)
+        assert seen[-1] == ["platform", "scale", "sliding_window"]  # omitted at its default, never passed
+        with pytest.raises(registry.ContractError, match="written for attention contract v1, before segment_ids"):
+            old(q, q, q, q, sliding_window=0, scale=1.0, segment_ids=ids)
+    finally:
+        registry.unregister_implementation("attention", "test-kwargs")
 
 
 def test_step_defaults_follow_the_platform():

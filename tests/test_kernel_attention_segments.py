@@ -138,12 +138,12 @@ def test_registry_refuses_attention_without_segment_ids_by_name():
     def plain(q, k, v, sinks, *, sliding_window, scale):
         return attention_reference(q, k, v, sinks, sliding_window=sliding_window, scale=scale)
 
-    registry.register_implementation("attention", "no_segments", plain)
+    registry.register_implementation("attention", "no_segments", plain, contract_version=1)
     try:
         registry.check_segments({"attention": "pallas"})          # the built-ins take them
         registry.check_segments({"attention": "splash"})
         registry.check_segments({"attention": "xla"})
-        with pytest.raises(registry.KernelError, match="attention=no_segments does not take segment ids"):
+        with pytest.raises(registry.ContractError, match="attention=no_segments cannot run segment-masked"):
             registry.check_segments({"attention": "no_segments"})
         with pytest.raises(registry.KernelError, match="segment_ids"):
             registry.implementations("attention")["pallas"].check_options({"segment_ids": 1})

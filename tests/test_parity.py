@@ -56,8 +56,8 @@ def parameter_names():
 
 
 @contextlib.contextmanager
-def registered(op, name, fn):
-    registry.register_implementation(op, name, fn, description="test only")
+def registered(op, name, fn, **kwargs):
+    registry.register_implementation(op, name, fn, description="test only", **kwargs)
     try:
         yield f"{op}={name}"
     finally:
@@ -239,9 +239,10 @@ def test_a_kernel_that_cannot_load_is_an_error_line_and_fails_the_suite():
     assert "ERROR" in report.format() and "parity: FAIL" in report.format()
 
 
-def test_an_attention_without_segment_ids_is_refused_by_name_on_packed_rows():
-    """The parity rows are packed by default: a user's attention with no `segment_ids` keyword is an
-    ERROR line naming it (registry.check_segments), not a silent unsegmented run."""
+def test_an_attention_without_segment_ids_is_refused_by_its_contract_on_packed_rows():
+    """The parity rows are packed by default: a user's attention written for attention contract v1
+    (no `segment_ids`) is a REFUSED line naming it and the contract (not an ERROR of the kernel,
+    not a silent unsegmented run), and the suite fails."""
     from pallas_kernels.attention import attention_reference
 
     def plain_attention(q, k, v, sinks, *, sliding_window, scale):
@@ -249,12 +250,15 @@ def test_an_attention_without_segment_ids_is_refused_by_name_on_packed_rows():
 
     from parity.selftest import MICRO
 
-    with registered("attention", "test_plain", plain_attention) as spec:
+    with registered("attention", "test_plain", plain_attention, contract_version=1) as spec:
         report = run_parity(MICRO, kernel_sets=[spec], batch=1, seq_len=8)
-    errors = [r for r in report.rows if r.status == "ERROR"]
-    assert not report.passed and len(errors) == 1
-    assert "attention=test_plain does not take segment ids" in errors[0].message
-    assert "--no-segments" in errors[0].message
+    refused = [r for r in report.rows if r.status == "REFUSED"]
+    assert not report.passed and len(refused) == 1 and not [r for r in report.rows if r.status == "ERROR"]
+    assert refused[0].category == "contract"
+    assert "attention=test_plain cannot run segment-masked (packed) batches" in refused[0].message
+    assert "attention contract v1, before segment_ids (v2)" in refused[0].message
+    assert "--no-segments" in refused[0].message
+    assert "| REFUSED" in report.format() and "parity: FAIL" in report.format()
 
 
 # ---- the xla set through the CLI, in float32 and bfloat16 ------------------------------------

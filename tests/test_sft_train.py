@@ -42,11 +42,11 @@ def test_packed_runs_refuse_attention_without_segment_ids(chat_data, tmp_path, c
     def plain(q, k, v, sinks, *, sliding_window, scale):
         return attention_reference(q, k, v, sinks, sliding_window=sliding_window, scale=scale)
 
-    registry.register_implementation("attention", "no_segments", plain)
+    registry.register_implementation("attention", "no_segments", plain, contract_version=1)
     try:
         (tmp_path / "run.json").write_text(json.dumps({"model": MODEL}))
         assert main(["train", "--config", str(tmp_path / "run.json"), "--data", str(chat_data[0]), "--out",
                      str(tmp_path / "x"), "--steps", "1", "--seq-len", "96", "--kernels", "attention=no_segments"]) == 2
-        assert "attention=no_segments does not take segment ids" in capsys.readouterr().err
+        assert "attention=no_segments cannot run segment-masked (packed) batches" in capsys.readouterr().err
     finally:
         registry.unregister_implementation("attention", "no_segments")
