@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test install clean-runs
+.PHONY: demo test test-tpu install clean-runs
 
 install: $(STAMP)
 
@@ -38,6 +38,17 @@ test: $(STAMP)
 	@start=$$(date +%s); $(VENV)/bin/pytest -q -rs -p no:cacheprovider -n 2 --dist loadfile --max-worker-restart=0 \
 	  --durations=25 tests; \
 	rc=$$?; echo "make test: the suite took $$(( $$(date +%s) - start )) s wall"; exit $$rc
+
+# The hardware tier, on a TPU host: tests/test_chip_*.py (marked `tpu`, skipped by `make test`), in ONE process
+# (one program holds a chip at a time: no workers), on the chip (TORCHLYRA_TEST_TPU=1 lifts the
+# suite's JAX_PLATFORMS=cpu). A host whose Python already has the stack (no venv, no index) runs
+# `make test-tpu TPU_SETUP= PYTEST="python3 -m pytest"`.
+TPU_SETUP ?= $(STAMP)
+PYTEST ?= $(VENV)/bin/pytest
+test-tpu: $(TPU_SETUP)
+	@start=$$(date +%s); TORCHLYRA_TEST_TPU=1 $(PYTEST) -q -rs -p no:cacheprovider -p no:xdist -m tpu \
+	  --durations=15 tests/test_chip_*.py; \
+	rc=$$?; echo "make test-tpu: the tier took $$(( $$(date +%s) - start )) s wall"; exit $$rc
 
 clean-runs:
 	rm -rf runs

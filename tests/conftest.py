@@ -4,8 +4,12 @@ import sys
 
 import pytest
 
-# Tests run on CPU; keep XLA from grabbing every core's worth of threads in parallel tests.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The hardware tier (`make test-tpu`, TORCHLYRA_TEST_TPU=1): the tests marked `tpu`, in one process
+# on the host's TPU; JAX picks the chip itself and the CPU suite's compile settings below stay off.
+# Everywhere else the tests run on CPU, and the `tpu` tests are reported as skipped.
+ON_CHIP = os.environ.get("TORCHLYRA_TEST_TPU") == "1"
+if not ON_CHIP:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Two workers on two cores: one OpenMP thread each for torch's eager runs, not two per worker spinning
 # against the other worker (five files of torch and transformers runs: 80-82 s -> 74 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -34,7 +38,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 # two compiled programs of the same step no longer round alike where Adam's first step is sign-like
 # (tests/test_lowering.py). Subprocesses of the tests inherit both (workers append their device
 # count). Users' runs keep XLA's defaults.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if not ON_CHIP and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
                                " --xla_cpu_use_fusion_emitters=false").strip()
 # Generation enables JAX's persistent compilation cache by default; tests that want it pass a
@@ -50,3 +54,26 @@ def cache_dir(tmp_path_factory):
         if not os.environ.get("TORCHLYRA_CACHE"):
             mp.setenv("TORCHLYRA_CACHE", str(tmp_path_factory.mktemp("cache")))
         yield os.environ["TORCHLYRA_CACHE"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The `tpu` tests run only in the hardware tier (skipped, never passed, elsewhere); in the tier
+    the tests that start processes of their own on the chip run first, before this process opens
+    it (one program holds a TPU at a time)."""
+    if not ON_CHIP:
+        skip = pytest.mark.skip(reason="needs a TPU: the hardware tier, `make test-tpu` on a TPU host")
+        for item in items:
+            if "tpu" in item.keywords:
+                item.add_marker(skip)
+        return
+    items.sort(key=lambda item: "own_processes" not in item.keywords)
+
+
+@pytest.fixture(scope="session")
+def tpu_device():
+    """The host's TPU, opened by this process (the hardware tier); skips where JAX finds none."""
+    import jax
+
+    if jax.default_backend() != "tpu":
+        pytest.skip(f"no TPU here: JAX's backend is {jax.default_backend()}")
+    return jax.devices()[0]

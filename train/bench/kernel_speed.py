@@ -141,7 +141,7 @@ def run(args, shapes: list[str], ops: list[str], keep: set | None) -> list[dict]
                 for direction in ("fwd", "fwd+bwd"):
                     block = []
                     for name, impl in impls.items():
-                        fn = impl.load()
+                        fn = impl.honouring_contract(impl.load())
                         kwargs = registry.target_keywords(fn, platform, generation)
                         row = dict(op=op, shape=shape, case=case.label, dtype=case.dtype, impl=name,
                                    direction=direction, device=device.device_kind, lyra_v6e=lyra_figure(case, direction),

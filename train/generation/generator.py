@@ -59,12 +59,13 @@ class Generator:
 
     def __init__(self, model, *, kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
                  compile_cache: str | os.PathLike | None = None, tokenizer=None, mesh=None, weights=None,
-                 params: dict | None = None):
+                 params: dict | None = None, compute_dtype: str | None = None):
         import numpy as np
 
         from jax_bridge import compile_cache as compile_cache_module
         from jax_bridge import registry
         from jax_bridge.decoding import Decoder, generation_kernels
+        from jax_bridge.step import DEFAULT_COMPUTE_DTYPE
         from pallas_kernels.platform import host_platform
         from formats.tokenizer import decodable_ids
 
@@ -74,24 +75,24 @@ class Generator:
         compile_cache_module.enable(compile_cache)
         try:
             platform = host_platform()
+            dtype = DEFAULT_COMPUTE_DTYPE[platform] if compute_dtype in (None, "auto") else compute_dtype
             if decode_kernels is not None:
                 decode_kernels = generation_kernels(decode_kernels, platform, model)
             placed = None
             if weights is not None or params is not None:
                 from jax_bridge.decoding import decoder_params
-                from jax_bridge.step import DEFAULT_COMPUTE_DTYPE
 
                 if weights is not None and params is None:     # only run here: split for inference
                     from jax_bridge.sharding import inference_mesh
 
-                    mesh = inference_mesh(mesh, model.cfg, decoder_params(model, DEFAULT_COMPUTE_DTYPE[platform]))
-                placed = decoder_params(model, DEFAULT_COMPUTE_DTYPE[platform], mesh)
+                    mesh = inference_mesh(mesh, model.cfg, decoder_params(model, dtype))
+                placed = decoder_params(model, dtype, mesh)
                 if weights is not None:
                     from formats import mesh_loader
 
                     placed = mesh_loader.place_model(model, weights, placed, mesh)
             self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform, model),
-                                   decode_kernels=decode_kernels, mesh=mesh, params=placed)
+                                   decode_kernels=decode_kernels, mesh=mesh, params=placed, compute_dtype=dtype)
             if params is not None:
                 self.decoder.set_params(params)
         except registry.KernelError as e:

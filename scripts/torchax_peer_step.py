@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Our train step beside the torchax-documented peer, one transformers decoder, one batch, one run.
+
+    python scripts/torchax_peer_step.py --model-config docs/models/llama-570m.json --batch-size 2 \
+        --seq-len 2048 [--steps 12] [--remat none|full|save-matmuls] [--kernels auto] [--json OUT]
+
+  ours  `train --model-config`'s step (jax_bridge.step.TrainStep): float32 master weights, bf16
+        compute on an accelerator, Muon + AdamW, the op registry's kernels, scanned layers, remat.
+  peer  what torchax's documentation does: `torchax.extract_jax(model)` of transformers' own
+        module (attention `sdpa`, which torchax lowers to XLA), parameters and compute in bf16 on an
+        accelerator (float32 on CPU), `optax.adamw`, loss and update in ONE `jax.jit` (state donated).
+Both take the same token batch (random ids, next-token loss over every position). Each is timed
+over `--steps` calls after two warm-up calls (median seconds per step, after block_until_ready);
+tokens/s and the ratio ours / peer are printed, with the compile (first call) seconds apart. A
+contender that does not fit the device is reported as such, the other still timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def timed(call, steps: int) -> tuple[float, float]:
+    """(first call's seconds: compile + run, median seconds of `steps` later calls)."""
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    first = time.perf_counter() - start
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return first, statistics.median(times)
+
+
+def ours(spec, tokens, args):
+    import jax.numpy as jnp
+
+    from jax_bridge.step import StepConfig, TrainStep
+    from torch_model.optim import OptimizerConfig
+
+    model = spec.build()
+    step = TrainStep(model, OptimizerConfig(), StepConfig(kernels=args.kernels, remat=args.remat))
+    box = {"state": step.init_state()}
+    batch = tokens[None]
+
+    def call():
+        box["state"], metrics = step(box["state"], batch)
+        return metrics["loss"]
+    return timed(call, args.steps), jnp.dtype(step.compute_dtype).name
+
+
+def peer(spec, tokens, args, dtype):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+    import torchax
+    from transformers import AutoModelForCausalLM
+
+    config = spec.hf_config()
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if dtype == jnp.bfloat16
+                                             else torch.float32)
+    model.config.use_cache = False
+    states, forward = torchax.extract_jax(model)
+    params = {n: p for n, p in states.items() if n in dict(model.named_parameters())}
+    buffers = {n: b for n, b in states.items() if n not in params}
+    optimizer = optax.adamw(3e-4, weight_decay=0.0)
+    ids, labels = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+
+    def loss_fn(params):
+        logits = forward({**params, **buffers}, (ids,)).logits
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+    @jax.jit
+    def train_step(params, opt_state):
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    train_step = jax.jit(train_step.__wrapped__, donate_argnums=(0, 1))
+    box = {"params": params, "opt": optimizer.init(params)}
+
+    def call():
+        box["params"], box["opt"], loss = train_step(box["params"], box["opt"])
+        return loss
+    return timed(call, args.steps)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-config", required=True)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--remat", default="none")
+    parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_bridge  # noqa: F401  (the torch 2.13 shim before torchax is imported)
+    from torch_model.transformers_lm import TransformersSpec
+
+    spec = TransformersSpec.from_file(args.model_config)
+    tokens = np.random.default_rng(0).integers(0, spec.config["vocab_size"], (args.batch_size, args.seq_len + 1),
+                                               dtype=np.int32)
+    n_tokens = args.batch_size * args.seq_len
+    rows = {}
+    try:
+        (first, seconds), compute = ours(spec, tokens, args)
+        rows["ours"] = dict(compile_s=first, step_s=seconds, tokens_per_s=n_tokens / seconds, compute=compute)
+    except Exception as e:  # noqa: BLE001 - a contender that does not fit is reported, the other still timed
+        rows["ours"] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        compute = "bfloat16" if jax.default_backend() != "cpu" else "float32"
+    jax.clear_caches()
+    try:
+        first, seconds = peer(spec, tokens, args, jnp.bfloat16 if compute == "bfloat16" else jnp.float32)
+        rows["peer"] = dict(compile_s=first, step_s=seconds, tokens_per_s=n_tokens / seconds, compute=compute)
+    except Exception as e:  # noqa: BLE001
+        rows["peer"] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    print(f"{args.model_config}, batch {args.batch_size} x {args.seq_len}, remat {args.remat} (ours), "
+          f"kernels {args.kernels} (ours), on {jax.devices()[0].device_kind}")
+    for name, row in rows.items():
+        if "error" in row:
+            print(f"  {name:5s} ERROR {row['error']}")
+        else:
+            print(f"  {name:5s} {row['step_s'] * 1e3:9.1f} ms/step  {row['tokens_per_s']:10,.0f} tokens/s  "
+                  f"(first call {row['compile_s']:.1f} s, {row['compute']})")
+    if all("step_s" in r for r in rows.values()):
+        rows["ours_over_peer"] = rows["peer"]["step_s"] / rows["ours"]["step_s"]
+        print(f"  ours / peer tokens/s: {rows['ours_over_peer']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), device=jax.devices()[0].device_kind, **rows),
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
