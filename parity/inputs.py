@@ -47,6 +47,14 @@ TPU_PARITY_TILES = ("attention.pallas.block_q=128,attention.pallas.block_kv=128,
                     "cross_entropy.pallas.block_n=128,cross_entropy.pallas.block_v=1024,"
                     "moe.pallas.block_m=128,moe.pallas.block_i=128,moe.megablox.block_m=128,moe.xla.block_m=16")
 
+# Large enough that each term's gradient is visible through bf16 noise (a sign error in the LM
+# z-loss must fail in bf16), small enough that cross-entropy still dominates the loss. The router
+# z-loss at 0.1 (training uses ~1e-4) also gives the router a well-conditioned gradient term: with
+# 0.01 the router's gradient is a difference of nearly equal terms through the top-k softmax and
+# its bf16 error reached rel 0.61 / norm ratio 0.86 (tiny, seeds 0-2), too noisy to see a 20%
+# scaling; with 0.1 the same runs gave rel <= 0.14 / norm ratio 0.99..1.01.
+PARITY_LOSS = {"router_aux_loss_coef": 0.1, "router_z_loss_coef": 0.1, "lm_z_loss_coef": 0.05}
+
 
 class ParityShape(NamedTuple):
     """A parity run's sequence length and kernel options (registry syntax)."""
@@ -69,13 +77,6 @@ def parity_shape(platform: str | None = None, seq_len: int | None = None, kernel
     default = PARITY_SHAPES[platform]
     return ParityShape(default.seq_len if seq_len is None else seq_len,
                        default.kernel_options if kernel_options is None else kernel_options)
-# Large enough that each term's gradient is visible through bf16 noise (a sign error in the LM
-# z-loss must fail in bf16), small enough that cross-entropy still dominates the loss. The router
-# z-loss at 0.1 (training uses ~1e-4) also gives the router a well-conditioned gradient term: with
-# 0.01 the router's gradient is a difference of nearly equal terms through the top-k softmax and
-# its bf16 error reached rel 0.61 / norm ratio 0.86 (tiny, seeds 0-2), too noisy to see a 20%
-# scaling; with 0.1 the same runs gave rel <= 0.14 / norm ratio 0.99..1.01.
-PARITY_LOSS = {"router_aux_loss_coef": 0.1, "router_z_loss_coef": 0.1, "lm_z_loss_coef": 0.05}
 
 
 def parity_config(cfg: ModelConfig, window: int | None = PARITY_WINDOW, loss: Mapping | None = None) -> ModelConfig:
