@@ -67,14 +67,18 @@ class _CallAsForward(torch.nn.Module):
         return self._call(self.inner, *args)
 
 
-def optimizer_function(plan, cfg: OptimizerConfig, orthogonalize=None):
+def optimizer_function(plan, cfg: OptimizerConfig, *, matmul_precision: str, orthogonalize=None):
     """update(params, grads, state, lr_scale) -> (params, state, stats): the torch optimizer's
-    own update, traced through torchax (`orthogonalize`: see muon_adamw_update)."""
+    own update, traced through torchax (`orthogonalize`: see muon_adamw_update), its matmuls
+    (Muon's Newton-Schulz products) at `matmul_precision` ("default" | "high" | "highest", as
+    jax.default_matmul_precision takes it) whatever the caller's scope: the precision is part of
+    the function, so no program that traces it can leave it at the platform's default (on TPU one
+    bf16 pass: a float32 step's update off by ~1e-3)."""
     env = get_env()
 
     def update(params, grads, state, lr_scale):
         torch_args = env.j2t_iso((params, grads, state, lr_scale))
-        with env:
+        with jax.default_matmul_precision(matmul_precision), env:
             out = muon_adamw_update(*torch_args[:3], plan, cfg, torch_args[3], orthogonalize=orthogonalize)
         return env.t2j_iso(out)
 

@@ -390,9 +390,10 @@ def expert_delta_bytes(frozen: dict, n_layers: int) -> int:
     return sharding.shard_bytes(experts) // n_layers
 
 
-# Slice shapes of each generation, smallest first (compile-only topologies libtpu accepts).
-SLICES = {"v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
-          "v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+# Slice shapes of each generation, smallest first (compile-only topologies libtpu accepts; v5e and
+# v6e are also rented as one chip: v5litepod-1, v6e-1).
+SLICES = {"v5e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+          "v6e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
           "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8"),
           "v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8")}
 

@@ -207,7 +207,7 @@ class TrainStep:
         # Every layer stacked into one array has the same rule: take the first one's.
         self.plan = self.layer_layout.stack(self.layer_plan, stack=lambda rules: rules[0])
         self.forward = layered_forward(model, self.layer_layout, remat=step_cfg.remat, mesh=mesh)
-        self.update = optimizer_function(self.plan, opt_cfg, **(
+        self.update = optimizer_function(self.plan, opt_cfg, matmul_precision=step_cfg.matmul_precision, **(
             {} if mesh is None else {"orthogonalize": sharded_ops.orthogonalizer(mesh)}))
         self.compute_dtype = COMPUTE_DTYPES[step_cfg.compute_dtype]
         self.frozen: dict = {}
@@ -458,8 +458,9 @@ class TrainStep:
         return self._constrain(new_state), self._constrain(new_compute), metrics
 
     def _update(self, params, grads, opt_state, lr_scale):
-        # The named scope marks the update's ops in the compiled program (jax_bridge/roofline.py).
-        with jax.default_matmul_precision(self.cfg.matmul_precision), jax.named_scope("optimizer_update"):
+        # The named scope marks the update's ops in the compiled program (jax_bridge/roofline.py);
+        # the update carries the step's matmul precision itself (optimizer_function).
+        with jax.named_scope("optimizer_update"):
             return self.update(params, grads, opt_state, lr_scale)
 
     def _eval(self, params, tokens, frozen=None):

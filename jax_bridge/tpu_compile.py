@@ -2,7 +2,7 @@
 compiler (XLA:TPU and Mosaic) for compile-only devices, as MaxText's train_compile does.
 
     quiet_libtpu()                        no libtpu start-up errors on hosts without TPU chips
-    topology_devices("v5e:2x2")           the compile-only devices of a slice (cached)
+    topology_devices("v5e:2x2")           the compile-only devices of a slice (cached; one chip: "v5e:1x1")
     hbm_bytes(device)                     HBM the compiler lets one device use (asked once)
     lower_for / compile_for(fn, specs, device)  the program for one device; CompileStats (bytes,
                                           seconds, Mosaic kernels and their scoped VMEM limits)
@@ -30,7 +30,11 @@ import jax
 CHIP_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU v6 lite": "v6e",
                 "TPU v6e": "v6e"}
-TOPOLOGY_EXAMPLES = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v5e:4x4")
+TOPOLOGY_EXAMPLES = ("v5e:1x1", "v6e:1x1", "v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v5e:4x4")
+# libtpu lays a slice out on hosts of 2x2x1 chips unless told otherwise, and refuses a slice those
+# do not divide ("not divisible by the given (or default) chips_per_host_bounds 2x2x1"): a single
+# chip (v5e:1x1, v6e:1x1: v5litepod-1, v6e-1) is one host holding fewer chips.
+DEFAULT_CHIPS_PER_HOST = (2, 2, 1)
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 
 
@@ -72,9 +76,24 @@ def generation(device) -> str:
         raise TopologyError(f"unknown TPU device kind {device.device_kind!r}") from None
 
 
+def host_bounds(name: str) -> dict:
+    """get_topology_desc's host keywords for topology `name`: none where the default hosts
+    (DEFAULT_CHIPS_PER_HOST) divide the slice; for a smaller slice (one chip: 'v5e:1x1') hosts
+    of its own size, `chips_per_host_bounds` its dimensions capped at the default's. A name
+    that does not parse gets none (libtpu names the problem)."""
+    try:
+        dims = [int(d) for d in name.split(":", 1)[1].split("x")]
+    except (IndexError, ValueError):
+        return {}
+    dims = (dims + [1] * 3)[:3]
+    if any(d < 1 for d in dims) or all(d % b == 0 for d, b in zip(dims, DEFAULT_CHIPS_PER_HOST)):
+        return {}
+    return {"chips_per_host_bounds": tuple(min(d, b) for d, b in zip(dims, DEFAULT_CHIPS_PER_HOST))}
+
+
 @functools.lru_cache(maxsize=None)
 def topology_devices(name: str) -> tuple:
-    """Compile-only TPU devices of topology `name` (e.g. 'v5e:2x2', 'v4:2x2x1'); nothing runs."""
+    """Compile-only TPU devices of topology `name` (e.g. 'v5e:1x1', 'v5e:2x2', 'v4:2x2x1'); nothing runs."""
     from jax.experimental import topologies
 
     quiet_libtpu()
@@ -84,7 +103,7 @@ def topology_devices(name: str) -> tuple:
         raise TopologyError("compiling for TPU needs libtpu (pinned in requirements.lock; `make install` "
                             "installs it)") from None
     try:
-        return tuple(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        return tuple(topologies.get_topology_desc(platform="tpu", topology_name=name, **host_bounds(name)).devices)
     except Exception as e:  # noqa: BLE001 - libtpu's errors name the problem; keep one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TopologyError(f"unknown TPU topology {name!r} ({first}); examples: "

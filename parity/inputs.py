@@ -1,20 +1,25 @@
 """The parity suite's inputs: the parity run's model (`parity_config`), its weights (`build_model`:
 seeded random or a state dict) and its tokens (`parity_inputs`, `text_inputs`: a `ParityBatch`).
 
-Defaults that make every part visible: the preset's sliding window cut to PARITY_WINDOW (16) at
-sequence PARITY_SEQ_LEN (80), small kernel tiles (PARITY_TILES), one label in ten at the ignore
-index, non-zero router balance, router z-loss and LM z-loss coefficients (PARITY_LOSS), and packed
-rows (issue 21): each row holds segments of different lengths (3 in even rows; 2 and a padded
-tail in odd rows; `SEGMENT_CUTS`) with positions restarting at each, as the SFT / document-masking loader packs.
+Defaults that make every part visible: the preset's sliding window cut to PARITY_WINDOW (16), a
+sequence and kernel tiles that give every kernel several tiles on the platform the suite compiles
+for (`parity_shape`: 80 tokens and small tiles on CPU, PARITY_SEQ_LEN / PARITY_TILES; 320 tokens
+and the 128-row tiles Mosaic accepts on TPU, TPU_PARITY_SEQ_LEN / TPU_PARITY_TILES), one label in
+ten at the ignore index, non-zero router balance, router z-loss and LM z-loss coefficients
+(PARITY_LOSS), and packed rows (issue 21): each row holds segments of different lengths (3 in even
+rows; 2 and a padded tail in odd rows; `SEGMENT_CUTS`) with positions restarting at each, as the
+SFT / document-masking loader packs.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from pallas_kernels.platform import host_platform
 from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.config import ModelConfig
 from torch_model.model import GptOssForCausalLM
@@ -22,12 +27,26 @@ from torch_model.transformers_lm import TransformersCausalLM, TransformersSpec
 from formats.errors import UserError
 
 # The default parity inputs (see the module docstring).
-PARITY_SEQ_LEN = 80
+PARITY_BATCH = 2
 PARITY_WINDOW = 16
 PARITY_IGNORE_FRACTION = 0.1
+# CPU (and GPU): 80 tokens in tiles far below the kernels' defaults, so a tiny sequence spans
+# several blocks (attention 6 x 3 with a partial last block, 5 token tiles of cross-entropy).
+PARITY_SEQ_LEN = 80
 PARITY_TILES = ("attention.pallas.block_q=16,attention.pallas.block_kv=32,"
                 "cross_entropy.pallas.block_n=32,cross_entropy.pallas.block_v=1024,"
                 "moe.pallas.block_m=16,moe.pallas.block_i=128,moe.megablox.block_m=16,moe.xla.block_m=16")
+# TPU: Mosaic takes a block's last two dims in multiples of (8, 128) or whole, and our kernels put
+# attention's kv blocks and cross-entropy's token tiles on lanes: tiles of 128. At 320 tokens
+# (padded to 384: a partial last block) attention runs 3 x 3 tiles, of which the window (16) skips
+# one and causality three; the even rows' 0.8 cut (SEGMENT_CUTS) falls on token 256, a tile
+# boundary, so segments skip band tiles in the sliding and the full layers; cross-entropy runs
+# 5 x 4 tiles, the MoE 10 row tiles (batch 2, top-2). Splash's tiles (128) skip blocks here too.
+TPU_PARITY_SEQ_LEN = 320
+TPU_PARITY_TILES = ("attention.pallas.block_q=128,attention.pallas.block_kv=128,"
+                    "cross_entropy.pallas.block_n=128,cross_entropy.pallas.block_v=1024,"
+                    "moe.pallas.block_m=128,moe.pallas.block_i=128,moe.megablox.block_m=128,moe.xla.block_m=16")
+
 # Large enough that each term's gradient is visible through bf16 noise (a sign error in the LM
 # z-loss must fail in bf16), small enough that cross-entropy still dominates the loss. The router
 # z-loss at 0.1 (training uses ~1e-4) also gives the router a well-conditioned gradient term: with
@@ -35,6 +54,29 @@ PARITY_TILES = ("attention.pallas.block_q=16,attention.pallas.block_kv=32,"
 # its bf16 error reached rel 0.61 / norm ratio 0.86 (tiny, seeds 0-2), too noisy to see a 20%
 # scaling; with 0.1 the same runs gave rel <= 0.14 / norm ratio 0.99..1.01.
 PARITY_LOSS = {"router_aux_loss_coef": 0.1, "router_z_loss_coef": 0.1, "lm_z_loss_coef": 0.05}
+
+
+class ParityShape(NamedTuple):
+    """A parity run's sequence length and kernel options (registry syntax)."""
+    seq_len: int
+    kernel_options: str
+
+
+PARITY_SHAPES = {"cpu": ParityShape(PARITY_SEQ_LEN, PARITY_TILES), "gpu": ParityShape(PARITY_SEQ_LEN, PARITY_TILES),
+                 "tpu": ParityShape(TPU_PARITY_SEQ_LEN, TPU_PARITY_TILES)}
+
+
+def parity_shape(platform: str | None = None, seq_len: int | None = None, kernel_options=None) -> ParityShape:
+    """The sequence length and kernel tiles of a parity run compiled for `platform` (None: this
+    host's, pallas_kernels.platform.host_platform): PARITY_SHAPES, each overridden by a value given
+    (`seq_len`; `kernel_options`, "" for none: the kernels' own defaults). The one place the suite's
+    inputs depend on the platform."""
+    platform = platform or host_platform()
+    if platform not in PARITY_SHAPES:
+        raise ValueError(f"parity_shape: unknown platform {platform!r}; expected one of {', '.join(PARITY_SHAPES)}")
+    default = PARITY_SHAPES[platform]
+    return ParityShape(default.seq_len if seq_len is None else seq_len,
+                       default.kernel_options if kernel_options is None else kernel_options)
 
 
 def parity_config(cfg: ModelConfig, window: int | None = PARITY_WINDOW, loss: Mapping | None = None) -> ModelConfig:
@@ -51,9 +93,10 @@ def parity_config(cfg: ModelConfig, window: int | None = PARITY_WINDOW, loss: Ma
 
 # Packed rows: even rows hold 3 segments cut at 15% and 80% of the row, odd rows 2 cut at 55% and a
 # padded tail of 1/6 of the row (its own segment id PAD_SEGMENT, position 0, weight 0, as
-# train/data/loader.py pads). At the default 80 tokens and parity tiles (16 x 32) these cuts let
-# the pallas kernel skip tiles on segment bounds in the sliding and the full layers (the coverage
-# lines count them). A row too short for segments of MIN_SEGMENT tokens holds one.
+# train/data/loader.py pads). At each platform's parity shape (CPU: 80 tokens, tiles 16 x 32; TPU:
+# 320 tokens, tiles 128 x 128) these cuts let the pallas kernel skip tiles on segment bounds in the
+# sliding and the full layers (the coverage lines count them). A row too short for segments of
+# MIN_SEGMENT tokens holds one.
 SEGMENT_CUTS = ((0.15, 0.8), (0.55,))
 PAD_SHARE = (0.0, 1 / 6)
 MIN_SEGMENT = 4

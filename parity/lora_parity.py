@@ -21,10 +21,10 @@ from jax_bridge.env import get_env
 from jax_bridge.lowering import model_function, params_to_jax
 from pallas_kernels.platform import host_platform
 from parity import compare, planted, tolerances
-from parity.inputs import PARITY_LOSS, PARITY_SEQ_LEN, PARITY_TILES, ParityBatch, build_model, parity_inputs
+from parity.inputs import PARITY_BATCH, PARITY_LOSS, ParityBatch, build_model, parity_inputs, parity_shape
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
 from parity.report import ERROR, Report, Row, unmade_run_row
-from parity.runs import capture_routing, forced_routing, kernel_options_for, to_numpy
+from parity.runs import PARITY_MATMUL_PRECISION, capture_routing, forced_routing, kernel_options_for, to_numpy
 from torch_model.causal_lm import IGNORE_INDEX
 from torch_model.config import ModelConfig
 from torch_model.lora import LoraSpec, apply_lora, is_adapter_parameter, swapping_parametrized_tensors
@@ -73,7 +73,7 @@ class LoraProbe:
     """The lowered forward (logits) and the adapters' loss gradient of one kernel set, compiled
     once: `probe(batch, forced) -> (logits, loss, grads)`; only the adapters are differentiated."""
 
-    def __init__(self, wrapped, kernels, kernel_options=PARITY_TILES, compiler_options=None, planted_bug=None):
+    def __init__(self, wrapped, kernels, kernel_options, compiler_options=None, planted_bug=None):
         self.wrapped, self.planted_bug = wrapped, planted_bug
         self.kernels = registry.resolve(dict(kernels))
         self.options = kernel_options_for(self.kernels, kernel_options)
@@ -89,7 +89,7 @@ class LoraProbe:
         env = get_env()
         bug = planted.lora_bug(self.planted_bug, self.wrapped) if self.planted_bug else contextlib.nullcontext()
         with registry.routed(env, self.kernels, platform=host_platform(), options=self.options), \
-                jax.default_matmul_precision("highest"), swapping_parametrized_tensors(self.wrapped), bug, \
+                jax.default_matmul_precision(PARITY_MATMUL_PRECISION), swapping_parametrized_tensors(self.wrapped), bug, \
                 forced_routing(base_of(self.wrapped), env.j2t_iso(experts)):
             yield
 
@@ -145,7 +145,7 @@ def lora_step_rows(wrapped, tokens: torch.Tensor, choice, kernel_options, compil
         optimizer.step()
     expected = {n: to_numpy(p) for n, p in inner.named_parameters() if p.requires_grad}
     step = TrainStep(copy.deepcopy(wrapped), OptimizerConfig(),
-                     StepConfig(kernels=dict(choice), compute_dtype=DTYPE, matmul_precision="highest",
+                     StepConfig(kernels=dict(choice), compute_dtype=DTYPE, matmul_precision=PARITY_MATMUL_PRECISION,
                                 kernel_options=kernel_options_for(registry.resolve(dict(choice)), kernel_options)))
     state = step.init_state()
     frozen_before = {n: to_numpy(v) for n, v in step.frozen.items()}
@@ -166,12 +166,14 @@ def lora_step_rows(wrapped, tokens: torch.Tensor, choice, kernel_options, compil
 
 
 def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, adapters=None, *, kernel_sets=None,
-                    batch: int = 2, seq_len: int = PARITY_SEQ_LEN, seed: int = 0, kernel_options=PARITY_TILES,
+                    batch: int = PARITY_BATCH, seq_len: int | None = None, seed: int = 0, kernel_options=None,
                     compiler_options=None, planted_bug: str | None = None, train_steps: int = 0,
                     progress=None) -> Report:
     """The LoRA rows for every kernel set (None: the suite's default sets), float32; with
-    `train_steps`, also the LoRA train step's adapters and frozen base after that many steps."""
+    `train_steps`, also the LoRA train step's adapters and frozen base after that many steps.
+    seq_len, kernel_options: None takes this platform's (`parity.inputs.parity_shape`)."""
     say = progress or (lambda msg: None)
+    seq_len, kernel_options = parity_shape(host_platform(), seq_len, kernel_options)
     sets, rows = (default_kernel_sets() if kernel_sets is None else (parse_kernel_sets(kernel_sets), []))
     wrapped = lora_parity_model(model_cfg, spec, state_dict, adapters, seed)
     data = parity_inputs(model_cfg.vocab_size, batch, seq_len, seed)

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 
 from parity import selftest, tolerances, trajectory
-from parity.inputs import PARITY_IGNORE_FRACTION, PARITY_SEQ_LEN, PARITY_TILES, PARITY_WINDOW, parity_config
+from parity.inputs import (PARITY_BATCH, PARITY_IGNORE_FRACTION, PARITY_SEQ_LEN, PARITY_TILES, PARITY_WINDOW,
+                           TPU_PARITY_SEQ_LEN, TPU_PARITY_TILES, parity_config)
 from parity.lora_parity import run_lora_parity
 from parity.report import Report
 from parity.suite import run_parity
@@ -35,15 +36,17 @@ def add_arguments(parser) -> None:
                              "';'-separated. Default: all-xla plus every other registered implementation of each op")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=list(tolerances.DTYPES),
                         help="compute dtype(s) of the lowered run (default: both)")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=PARITY_SEQ_LEN,
-                        help=f"tokens per row (default {PARITY_SEQ_LEN}: longer than the window and the tiles)")
+    parser.add_argument("--batch", type=int, default=PARITY_BATCH)
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"tokens per row (default: {PARITY_SEQ_LEN} on CPU, {TPU_PARITY_SEQ_LEN} on TPU; longer "
+                             "than the window and several of the platform's tiles)")
     parser.add_argument("--window", type=int, default=PARITY_WINDOW,
                         help=f"sliding window of a preset's sliding layers (default {PARITY_WINDOW}); 0 keeps the "
                              "preset's. A checkpoint keeps its own")
-    parser.add_argument("--kernel-options", default=PARITY_TILES, metavar="OPTS",
-                        help="op.implementation.option=value,... (default: small tiles, so the sequence spans "
-                             f"several blocks: {PARITY_TILES})")
+    parser.add_argument("--kernel-options", default=None, metavar="OPTS",
+                        help="op.implementation.option=value,... ('' for none: the kernels' defaults). Default: "
+                             f"tiles the platform accepts, so the sequence spans several blocks; on CPU small ones "
+                             f"({PARITY_TILES}), on TPU 128-row ones ({TPU_PARITY_TILES})")
     parser.add_argument("--ignore-fraction", type=float, default=PARITY_IGNORE_FRACTION,
                         help=f"fraction of labels at the ignore index (default {PARITY_IGNORE_FRACTION})")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random weights and the tokens")

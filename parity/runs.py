@@ -114,6 +114,11 @@ def eager_run(model, batch: ParityBatch, opt_cfg: OptimizerConfig) -> Run:
                params_after={n: to_numpy(p) for n, p in trained.named_parameters()}, routing=routing)
 
 
+# Parity compares against float32-exact eager torch: the lowered run's non-kernel matmuls (the
+# model's and the optimizer's) at 'highest' in either compute dtype (kernels choose their dots'
+# precision from their operands' dtype).
+PARITY_MATMUL_PRECISION = "highest"
+
 # XLA compiler options for the test suite, where compiling dominates: the CPU backend's LLVM at
 # -O0 compiles the same optimized XLA program in about half the time (a probe of the 2-layer
 # parity model: 25 s -> 14 s; its gradients moved by at most 1e-7). Never the default.
@@ -123,7 +128,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 class SharedLowered:
     """What every lowered run shares: parameters, initial optimizer state, and the optimizer
     update compiled once per optimizer configuration (it does not depend on the kernels or the
-    compute dtype). `compiler_options`: XLA options of its compiles (None: the defaults)."""
+    compute dtype; its matmuls at PARITY_MATMUL_PRECISION, as the probes' train step runs its
+    own). `compiler_options`: XLA options of its compiles (None: the defaults)."""
 
     def __init__(self, model, opt_cfg: OptimizerConfig, compiler_options: dict | None = None):
         self.plan = plan_parameters(model.named_parameters(), linear_stacks=linear_expert_stacks(model))
@@ -139,13 +145,18 @@ class SharedLowered:
         other._updates = self._updates
         return other
 
-    def update(self, grads, opt_cfg: OptimizerConfig | None = None):
-        """(params after one step, grad_norm) from `grads` with `opt_cfg` (default: the suite's)."""
+    def program(self, opt_cfg: OptimizerConfig | None = None):
+        """The jitted update(params, grads, opt_state, lr_scale) of `opt_cfg` (default: the suite's)."""
         opt_cfg = opt_cfg or self.opt_cfg
         if opt_cfg not in self._updates:
-            self._updates[opt_cfg] = jax.jit(optimizer_function(self.plan, opt_cfg),
+            self._updates[opt_cfg] = jax.jit(optimizer_function(self.plan, opt_cfg,
+                                                                matmul_precision=PARITY_MATMUL_PRECISION),
                                              compiler_options=self.compiler_options)
-        after, _, stats = self._updates[opt_cfg](self.params, grads, self.opt_state, jnp.float32(1.0))
+        return self._updates[opt_cfg]
+
+    def update(self, grads, opt_cfg: OptimizerConfig | None = None):
+        """(params after one step, grad_norm) from `grads` with `opt_cfg` (default: the suite's)."""
+        after, _, stats = self.program(opt_cfg)(self.params, grads, self.opt_state, jnp.float32(1.0))
         return after, stats["grad_norm"]
 
 
@@ -159,10 +170,9 @@ class LoweredProbe:
 
     def __init__(self, model, opt_cfg: OptimizerConfig, kernels: Mapping[str, str], dtype: str,
                  kernel_options=None, compiler_options: dict | None = None):
-        # Parity compares against float32-exact eager torch: every non-kernel matmul at 'highest'.
         self.model = model
         self.step = TrainStep(model, opt_cfg, StepConfig(kernels=dict(kernels), compute_dtype=dtype,
-                                                         matmul_precision="highest",
+                                                         matmul_precision=PARITY_MATMUL_PRECISION,
                                                          kernel_options=kernel_options_for(kernels, kernel_options)))
         self.kernels = self.step.kernels
         self._jitted = jax.jit(self._probe, compiler_options=compiler_options)

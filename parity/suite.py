@@ -60,8 +60,8 @@ from jax_bridge.step import COMPUTE_DTYPES
 from pallas_kernels.platform import host_platform
 from parity import coverage, tolerances
 from parity.checks import compare_runs
-from parity.inputs import (PARITY_IGNORE_FRACTION, PARITY_LOSS, PARITY_SEQ_LEN, PARITY_TILES, ParityBatch,
-                           build_model, parity_inputs, reference_model)
+from parity.inputs import (PARITY_BATCH, PARITY_IGNORE_FRACTION, PARITY_LOSS, ParityBatch, build_model,
+                           parity_inputs, parity_shape, reference_model)
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
 from parity.report import ERROR, Report, Row, first_line, unmade_run_row
 from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
@@ -122,9 +122,9 @@ def _check_request(dtypes, batch: int, seq_len: int, ignore_fraction: float, ker
 
 
 def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None,
-               dtypes=("float32",), batch: int = 2, seq_len: int = PARITY_SEQ_LEN, seed: int = 0,
+               dtypes=("float32",), batch: int = PARITY_BATCH, seq_len: int | None = None, seed: int = 0,
                opt_cfg: OptimizerConfig = OptimizerConfig(), include_hf: bool = False,
-               full_step: bool = False, kernel_options=PARITY_TILES,
+               full_step: bool = False, kernel_options=None,
                ignore_fraction: float = PARITY_IGNORE_FRACTION, inputs=None, compiler_options: dict | None = None,
                segments: bool = True, progress=None) -> Report:
     """Compare the lowered train step with eager PyTorch for every kernel set and dtype.
@@ -135,8 +135,9 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
     (None: random init seeded with `seed`). kernel_sets: None
     (every registered implementation, see `default_kernel_sets`) or strings / dicts as
     `parse_kernel_sets` takes, or {dtype: such sets} to run other sets per dtype (then `dtypes`
-    is its keys). dtypes: compute dtypes of the lowered run. kernel_options: tile
-    sizes etc. (registry syntax). Inputs: `parity_inputs` (random ids, `ignore_fraction` of the
+    is its keys). dtypes: compute dtypes of the lowered run. seq_len, kernel_options (tile sizes
+    etc., registry syntax; "" none): None takes this platform's (`parity.inputs.parity_shape`: small
+    tiles on CPU, 128-row tiles on TPU). Inputs: `parity_inputs` (random ids, `ignore_fraction` of the
     labels ignored; packed rows unless `segments` is False; unsegmented with full_step, no ignored
     labels: the bare token layout has none). inputs: a `ParityBatch` to use instead (e.g.
     `text_inputs` for a trained model) or (ids, labels) int64 [batch, seq_len] (unsegmented rows).
@@ -144,6 +145,7 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
     progress: callable(str) or None.
     """
     dtypes = (dtypes,) if isinstance(dtypes, str) else tuple(dtypes)
+    seq_len, kernel_options = parity_shape(host_platform(), seq_len, kernel_options)
     if isinstance(kernel_sets, Mapping) and kernel_sets and set(kernel_sets) <= set(tolerances.TOLERANCES):
         by_dtype = {dtype: parse_kernel_sets(specs) for dtype, specs in kernel_sets.items()}   # sets per dtype
         dtypes = tuple(by_dtype)

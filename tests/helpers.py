@@ -12,6 +12,18 @@ def to_numpy(t):
     return np.asarray(t, dtype=np.float32)
 
 
+def dot_precisions(lowered) -> list[str]:
+    """The operand precisions of every dot_general of a lowered program (`jax.stages.Lowered` or its
+    StableHLO text), e.g. ["HIGHEST, HIGHEST", ...]; "DEFAULT, DEFAULT" where the program leaves
+    them to the platform (on TPU one bf16 pass)."""
+    import re
+
+    text = lowered if isinstance(lowered, str) else lowered.as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    return [m.group(1) if (m := re.search(r"precision = \[([A-Z, ]+)\]", line)) else "DEFAULT, DEFAULT"
+            for line in dots]
+
+
 PLAY_LINES = [
     "ROMEO: But soft, what light through yonder window breaks?",
     "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",

@@ -98,6 +98,26 @@ def scorer(model):
     return CompiledScorer(model, batch_size=3, max_length=MAX_LENGTH, progress=False)
 
 
+@pytest.mark.parametrize("precision", ["highest", "default"])
+def test_the_head_matmul_takes_the_programs_precision(precision):
+    """The scoring head runs outside the model forward's precision scope in the shared-context
+    programs (issue 57: there it ran at the platform's default, one bf16 pass on TPU, in a float32
+    run): request_scores takes the precision as an argument, whatever scope it is traced in."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests.helpers import dot_precisions
+    from train.evaluation.target_logprobs import request_scores
+
+    hidden, head = jax.ShapeDtypeStruct((2, 4, 8), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32)
+    targets, scored = jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2, 4), jnp.bool_)
+    other = "default" if precision == "highest" else "highest"
+    with jax.default_matmul_precision(other):
+        lowered = jax.jit(lambda h, w, t, s: request_scores(h, w, t, s, 2, precision)).lower(hidden, head, targets,
+                                                                                              scored)
+    assert set(dot_precisions(lowered)) == {f"{precision.upper()}, {precision.upper()}"}
+
+
 def test_buckets_round_rows_and_positions():
     assert [length_bucket(n, 24) for n in (1, 16, 17, 23, 24)] == [16, 16, 24, 24, 24]
     assert [length_bucket(n, 4096) for n in (32, 33, 48, 49, 65, 96, 97, 3000)] == [32, 48, 48, 64, 96, 96, 128, 3072]

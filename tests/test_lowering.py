@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import rel_err, to_numpy
+from helpers import dot_precisions, rel_err, to_numpy
 from jax_bridge.lowering import params_to_jax
 from jax_bridge.step import StepConfig, TrainStep
 from torch_model.config import get_preset
@@ -99,6 +99,26 @@ def test_lowered_update_matches_eager_with_wide_expert_matrices():
                                         state.opt_state, jnp.float32(1.0))
     for n, p in eager.named_parameters():
         assert rel_err(params[n], to_numpy(p)) < 1e-5, n
+
+
+def test_every_dot_of_a_lowered_update_carries_the_steps_precision(setup):
+    """Issue 57: the parity suite jitted the optimizer with no precision scope, so on TPU its float32
+    Newton-Schulz products ran as one bf16 pass (post-step parameters off by 2e-3). The lowered
+    update carries the precision it is given (optimizer_function), whoever traces it: the parity
+    suite's shared update, jitted bare, and the whole float32 step (model, backward and update)
+    have every dot at 'highest'. (Tracing the optimizer costs ~2 s a program: two programs.)"""
+    from parity.runs import SharedLowered
+
+    cfg, model, tokens, step = setup
+    assert step.cfg.matmul_precision == "highest"
+    state = step.abstract_state()
+    shared = SharedLowered(model, step.opt_cfg)
+    programs = {"parity's shared update": shared.program().lower(state.params, state.params, state.opt_state,
+                                                                 jnp.float32(1.0)),
+                "whole float32 step": step.lower(state, tokens.numpy()[None])}
+    for name, lowered in programs.items():
+        precisions = dot_precisions(lowered)
+        assert precisions and set(precisions) == {"HIGHEST, HIGHEST"}, (name, sorted(set(precisions)))
 
 
 def assert_same_parameters(got, want, *, vector: float, tensor: float = 1e-4):

@@ -229,6 +229,40 @@ def test_mask_coverage_counts_skipped_windowed_diagonal_and_full_tiles():
     assert (splash["q_blocks"], splash["skipped"], splash["sliding_masked"], splash["partial"]) == (1, 0, 1, 1)
 
 
+def test_each_platform_has_its_parity_shape_and_on_tpu_every_tile_case_is_exercised():
+    """Issue 57: the CPU's small tiles broke Mosaic's block rules on a TPU. The suite picks per
+    platform (parity.inputs.parity_shape; what is given explicitly wins): the CPU keeps 80 tokens
+    in tiles of 16/32; the TPU takes 320 tokens in tiles of 128, where the coverage lines (computed
+    here, without a TPU) still show several tiles per kernel, window and causal skips, a partial
+    last block and segment skips in both layer kinds, for every kernel set it runs there.
+    (That Mosaic accepts these tiles: tests/test_tpu_compile.py.)"""
+    from parity import coverage
+    from parity.inputs import (PARITY_BATCH, PARITY_TILES, TPU_PARITY_SEQ_LEN, TPU_PARITY_TILES, ParityShape,
+                               parity_shape)
+
+    assert parity_shape() == parity_shape("cpu") == ParityShape(PARITY_SEQ_LEN, PARITY_TILES)   # this host: CPU
+    tpu = parity_shape("tpu")
+    assert tpu == ParityShape(TPU_PARITY_SEQ_LEN, TPU_PARITY_TILES)
+    assert parity_shape("tpu", seq_len=256, kernel_options="") == ParityShape(256, "")
+    assert parse([]).seq_len is None and parse([]).kernel_options is None      # the CLI leaves it to the platform
+    cfg = parity_config(config.get_preset("tiny"))
+    data = parity_inputs(cfg.vocab_size, PARITY_BATCH, tpu.seq_len, seed=0)
+    options = registry.parse_kernel_options(tpu.kernel_options)
+    sets, _ = default_kernel_sets("tpu")
+    lines = {kernel_label(s): coverage.describe(s, cfg, PARITY_BATCH, tpu.seq_len, options, data.labels.numpy(),
+                                                segment_ids=data.model_inputs()["segment_ids"].numpy())
+             for s in [{"attention": "pallas", "cross_entropy": "pallas", "moe": "pallas"}, *sets]}
+    assert not [line for per in lines.values() for line in per if "NOT exercised" in line]
+    pallas = lines["attention=pallas,cross_entropy=pallas,moe=pallas"]
+    text = "\n".join(pallas)
+    assert "window 16: blocks q 128 x kv 128, grid 3 x 3 tiles: 4 skipped, 5 sliding masked" in text
+    assert "full causal: blocks q 128 x kv 128, grid 3 x 3 tiles: 3 skipped" in text and "partial last block: yes" in text
+    assert "window 16: of 10 band tiles (all rows) 1 skipped" in text
+    assert "full causal: of 12 band tiles (all rows) 3 skipped" in text
+    assert "5 token tiles of 128, 4 vocab tiles of 1024" in text and "row tiles of 128 (10 tiles)" in text
+    assert "grid 3 x 3 tiles: 4 skipped" in "\n".join(lines["attention=splash,cross_entropy=xla,moe=xla"])
+
+
 def test_a_kernel_that_cannot_load_is_an_error_line_and_fails_the_suite():
     with registered("moe", "test_missing", "pallas_kernels.moe:no_such_kernel") as spec:
         report = run_parity(SMALL, kernel_sets=[spec], batch=1, seq_len=8)

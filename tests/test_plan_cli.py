@@ -93,7 +93,8 @@ def test_plan_bad_mesh_for_the_topology_is_one_line(capsys):
 
 def test_find_slice_stops_at_the_first_slice_that_fits(monkeypatch):
     """The search itself (each plan stubbed: compiling gpt-oss-20b takes minutes): slices in
-    increasing size, one sequence per chip, every chip on fsdp, stopping at the first fit."""
+    increasing size from one chip (v6e-1), one sequence per chip, every chip on fsdp, stopping at
+    the first fit."""
     from jax_bridge import plan as plan_module
 
     asked = []
@@ -109,8 +110,8 @@ def test_find_slice_stops_at_the_first_slice_that_fits(monkeypatch):
 
     monkeypatch.setattr(plan_module, "plan", fake_plan)
     plans = plan_module.smallest_slice("gpt-oss-20b", "v6e", seq_len=4096)
-    assert asked == [("v6e:2x2", 4, ""), ("v6e:2x4", 8, ""), ("v6e:4x4", 16, "")]
-    assert [p.fits for p in plans] == [False, False, True]
+    assert asked == [("v6e:1x1", 1, ""), ("v6e:2x2", 4, ""), ("v6e:2x4", 8, ""), ("v6e:4x4", 16, "")]
+    assert [p.fits for p in plans] == [False, False, False, True]
     with pytest.raises(ValueError, match="--find-slice: expected one of v5e, v6e, v5p, v4, found 'v9'"):
         plan_module.smallest_slice("tiny", "v9")
 

@@ -15,6 +15,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax_bridge import registry, tpu_compile
@@ -102,6 +103,72 @@ def test_bf16_attention_compiles_under_the_steps_highest_precision():
         tpu_compile.compile_for(program, specs, device)
 
 
+def parity_kernel_programs(dtype: str):
+    """The Pallas kernels `torchlyra parity --preset tiny` runs on a TPU, at its shapes there and
+    with its tiles there (parity.inputs.parity_shape("tpu")), each forward and backward: (name,
+    program, input and cotangent specs). Attention (ours and splash) on packed rows (segment ids)
+    in a sliding layer, cross-entropy, the fused MoE on the routed rows. Left out for time (~2x
+    the compile): the full-causal layer (the same blocks: Mosaic's rules are about block shapes;
+    its kernels compile in test_segment_masked_attention_compiles_for_tpu) and megablox (jax's gmm,
+    whose row tile 128 is its own default tiling; it compiles in the `shipped` step below)."""
+    from parity.inputs import PARITY_BATCH, PARITY_WINDOW, parity_config, parity_shape
+    from torch_model.config import get_preset
+
+    shape, cfg = parity_shape("tpu"), parity_config(get_preset("tiny"))
+    options = registry.parse_kernel_options(shape.kernel_options)
+    b, t = PARITY_BATCH, shape.seq_len
+    e, h, i, n = cfg.n_experts, cfg.d_model, cfg.expert_dim, b * t
+    spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))  # noqa: E731
+
+    def kernel(op, impl):
+        return registry.implementations(op)[impl].bind("tpu", options.get(op, {}).get(impl, {}), "v5e")
+
+    problems = []
+    for impl in ("pallas", "splash"):
+        def attention(q, k, v, sinks, ids, fn=kernel("attention", impl)):
+            return fn(q, k, v, sinks, sliding_window=PARITY_WINDOW, scale=cfg.head_dim ** -0.5, segment_ids=ids)
+        q, kv = spec((b, cfg.n_heads, t, cfg.head_dim)), spec((b, cfg.n_kv_heads, t, cfg.head_dim))
+        problems.append((f"attention={impl}", attention,
+                         [q, kv, kv, spec((cfg.n_heads,), "float32"), spec((b, t), "int32")], (0, 1, 2, 3)))
+    ce = kernel("cross_entropy", "pallas")
+    problems.append(("cross_entropy=pallas", lambda x, w, labels: ce(x, w, labels, ignore_index=-100),
+                     [spec((n, h)), spec((cfg.vocab_size, h)), spec((n,), "int32")], (0, 1)))
+    moe = kernel("moe", "pallas")
+
+    def experts(x, groups, gate_up, gate_up_bias, down, down_bias):
+        return moe(x, groups, gate_up, gate_up_bias, down, down_bias, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+                   up_shift=1.0)
+    problems.append(("moe=pallas", experts, [spec((n * cfg.experts_per_token, h)), spec((e,), "int32"),
+                                             spec((e, h, 2 * i)), spec((e, 2 * i)), spec((e, i, h)), spec((e, h))],
+                     (0, 2, 3, 4, 5)))
+    out = []
+    for name, op, specs, diff in problems:
+        outs = jax.tree.leaves(jax.eval_shape(op, *specs))
+        out.append((name, vjp_program(op, diff, n_inputs=len(specs)),
+                    specs + [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_tiles_parity_picks_for_tpu_pass_mosaic_at_the_parity_shapes(dtype):
+    """Issue 57: the CPU's parity tiles (blocks of 16 and 32) broke Mosaic's block rules on the
+    chip, so `torchlyra parity` errored before checking a kernel. The tiles it picks for TPU, at
+    its TPU sequence, compile for a v5e chip (v5e:1x1): its Pallas kernels (parity_kernel_programs),
+    forward and backward, in both compute dtypes, under the probes' ambient precision ("highest").
+    One program per dtype (a refusal names its pallas_call)."""
+    programs = parity_kernel_programs(dtype)
+    specs = [s for _, _, program_specs in programs for s in program_specs]
+    starts = np.cumsum([0] + [len(program_specs) for _, _, program_specs in programs])
+
+    def every_kernel(*args):
+        return [program(*args[a:z]) for (_, program, _), a, z in zip(programs, starts[:-1], starts[1:])]
+
+    with jax.default_matmul_precision("highest"):
+        _, stats = tpu_compile.compile_for(every_kernel, specs, tpu_compile.device_of("v5e:1x1"))
+    # forward and backward kernels: attention 3 per implementation, cross-entropy 2, fused MoE 3
+    assert len(stats.kernels) >= 2 * 3 + 2 + 3, stats.kernels
+
+
 # The xla set is compiled by the `torchlyra plan` test below (tests/test_plan_cli.py).
 KERNEL_SETS = {"pallas": "pallas", "shipped": "attention=splash,cross_entropy=pallas,moe=megablox"}
 
@@ -109,9 +176,10 @@ KERNEL_SETS = {"pallas": "pallas", "shipped": "attention=splash,cross_entropy=pa
 @pytest.fixture(scope="module")
 def tiny_step_plan(tmp_path_factory):
     """`torchlyra plan --roofline --json` of the whole one-jit train step (model, backward, Muon +
-    AdamW update) for one v5e chip, bf16 compute, per kernel set, on a 2-layer `tiny` (one sliding
-    and one full layer) at sequence 256, 2 rows per chip, planned without weights: one ~30 s
-    compile per kernel set, shared by the tests below. Returns (plan JSON, printed report)."""
+    AdamW update) for one v5e chip (the single-chip topology v5e:1x1, a v5litepod-1), bf16
+    compute, per kernel set, on a 2-layer `tiny` (one sliding and one full layer) at sequence 256,
+    2 rows per chip, planned without weights: one ~30 s compile per kernel set, shared by the
+    tests below. Returns (plan JSON, printed report)."""
     from train.cli import main
 
     cache = {}
@@ -121,8 +189,8 @@ def tiny_step_plan(tmp_path_factory):
             out = tmp_path_factory.mktemp("plan") / "plan.json"
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                rc = main(["plan", "--preset", "tiny", "--layers", "2", "--topology", "v5e:2x2", "--mesh", "none",
-                           "--no-scan-layers", "--seq-len", "256", "--batch-size", "8",
+                rc = main(["plan", "--preset", "tiny", "--layers", "2", "--topology", "v5e:1x1", "--mesh", "none",
+                           "--no-scan-layers", "--seq-len", "256", "--batch-size", "2",
                            "--kernels", KERNEL_SETS[kernels], "--roofline", "--json", str(out)]
                           + (["--packed"] if kernels == "pallas" else []))
             assert rc == 0
@@ -133,8 +201,9 @@ def tiny_step_plan(tmp_path_factory):
 
 @pytest.mark.parametrize("kernels", list(KERNEL_SETS))
 def test_train_step_compiles_for_v5e(kernels, tiny_step_plan):
-    result, _ = tiny_step_plan(kernels)
+    result, printed = tiny_step_plan(kernels)
     assert result["error"] is None and result["fits"] and result["packed"] == (kernels == "pallas")
+    assert result["chips"] == 1 and result["topology"] == "v5e:1x1" and "1 x TPU v5 lite" in printed
     assert result["compute_dtype"] == "bfloat16" and result["matmul_precision"] == "default"
     assert set(result["kernels"].values()) <= {"xla", "pallas", "splash", "megablox"}
     params_f32 = result["params"] * 4
@@ -192,6 +261,18 @@ def test_plan_roofline_says_splash_has_no_cost_estimate(tiny_step_plan):
 def test_topology_errors_are_one_line():
     with pytest.raises(tpu_compile.TopologyError, match="unknown TPU topology 'v9z:2x2'.*examples"):
         tpu_compile.topology_devices("v9z:2x2")
+
+
+def test_single_chip_topologies_are_one_host_of_one_chip():
+    """libtpu's default hosts hold 2x2x1 chips and refused v5e:1x1 (issue 57): a slice they do not
+    divide is given hosts of its own size; the others keep libtpu's default layout."""
+    assert tpu_compile.host_bounds("v5e:1x1") == tpu_compile.host_bounds("v6e:1x1") == {
+        "chips_per_host_bounds": (1, 1, 1)}
+    assert tpu_compile.host_bounds("v5e:2x2") == tpu_compile.host_bounds("v4:2x2x4") == {}
+    assert tpu_compile.host_bounds("v9z") == {}                 # libtpu names what is wrong
+    for name, kind in (("v5e:1x1", "v5e"), ("v6e:1x1", "v6e")):
+        devices = tpu_compile.topology_devices(name)
+        assert len(devices) == 1 and tpu_compile.generation(devices[0]) == kind
 
 
 def test_ordinary_runs_stay_on_cpu_and_hbm_is_the_compilers():

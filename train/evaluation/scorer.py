@@ -202,7 +202,7 @@ class CompiledScorer:
             hidden = sharding.constrain(self.forward(params, inputs), self.mesh, ("batch", None, None))
             picked = jnp.take_along_axis(hidden, index[..., None], axis=1)            # [B, K, H]
             return request_scores(picked, params[self.head_name], jnp.take_along_axis(targets, index, 1), scored,
-                                  tile)
+                                  tile, self.step_cfg.matmul_precision)
 
     def _batch_specs(self, rows: int, positions: int, scored: int):
         import jax

@@ -134,7 +134,8 @@ class ContextPrograms:
         row_cache = jax.tree.map(lambda a: a[context_of_row], cache)       # each row reads its context
         hidden, _ = self._run(params, ids, positions, row_cache, start)
         tile = positions_tile(*ids.shape, s.cfg.vocab_size, 1)
-        return request_scores(hidden, params[s.head_name], targets, scored, tile)
+        # Outside _run's scope: the head's matmul takes the step's precision as an argument.
+        return request_scores(hidden, params[s.head_name], targets, scored, tile, s.step_cfg.matmul_precision)
 
     def prefill_and_score(self, context_ids: np.ndarray, context_positions: np.ndarray, slots: int, *rows):
         """(the contexts' KV cache of `slots` slots, on device; summed log-probability [rows];

@@ -42,9 +42,11 @@ def positions_tile(rows: int, positions: int, vocab: int, shards: int) -> int:
     return max(fitting, default=1)
 
 
-def target_scores(hidden, head, targets, tile: int):
+def target_scores(hidden, head, targets, tile: int, precision: str):
     """(log p(target) [B, T] float32, target is the argmax [B, T]) from hidden states [B, T, H]
-    and the head [V, H], forming logits for `tile` positions of every row at a time."""
+    and the head [V, H], forming logits for `tile` positions of every row at a time; the head's
+    matmul at `precision` (the program's matmul precision, "default" | "high" | "highest"): given
+    here, not left to the caller's scope, which the program's model forward alone may hold."""
     import jax
     import jax.numpy as jnp
 
@@ -53,7 +55,7 @@ def target_scores(hidden, head, targets, tile: int):
 
     def one(args):
         states, labels = args
-        logits = jnp.einsum("bth,vh->btv", states, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bth,vh->btv", states, head, preferred_element_type=jnp.float32, precision=precision)
         picked = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
         return picked - jax.nn.logsumexp(logits, -1), jnp.argmax(logits, -1) == labels
 
@@ -61,10 +63,10 @@ def target_scores(hidden, head, targets, tile: int):
     return logprobs.swapaxes(0, 1).reshape(b, t), best.swapaxes(0, 1).reshape(b, t)
 
 
-def request_scores(hidden, head, targets, scored, tile: int):
+def request_scores(hidden, head, targets, scored, tile: int, precision: str):
     """Per row: (summed log p(target) over the `scored` positions [B] float32, every scored
-    target is the argmax [B]); `target_scores` of the positions, padding left out."""
+    target is the argmax [B]); `target_scores` of the positions (at `precision`), padding left out."""
     import jax.numpy as jnp
 
-    logprobs, best = target_scores(hidden, head, targets, tile)
+    logprobs, best = target_scores(hidden, head, targets, tile, precision)
     return jnp.where(scored, logprobs, 0.0).sum(1), jnp.all(best | ~scored, axis=1)

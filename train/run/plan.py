@@ -20,7 +20,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model-config", metavar="CONFIG.json", default=None,
                         help="plan this transformers model (a config.json) instead of a preset; needs --seq-len")
     parser.add_argument("--topology", default="v5e:2x2",
-                        help="TPU slice, e.g. v5e:2x2, v6e:2x2, v4:2x2x1, v5p:2x2x1, v5e:4x4 (default: v5e:2x2)")
+                        help="TPU slice, e.g. v5e:1x1 (one chip), v6e:1x1, v5e:2x2, v6e:2x2, v4:2x2x1, v5p:2x2x1, v5e:4x4 "
+                             "(default: v5e:2x2)")
     parser.add_argument("--mesh", default="",
                         help="mesh over the slice's chips, as for train, e.g. data=2,fsdp=4 (default: every chip "
                              "on fsdp); 'none': one chip holding the whole state (replicated)")
@@ -39,7 +40,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layers", type=int, default=None,
                         help="plan with this many layers instead of the preset's (compile time grows with depth)")
     parser.add_argument("--find-slice", metavar="GENERATION", default=None,
-                        help="plan on this generation's slices (v5e, v6e, v5p, v4), smallest first, with every chip "
+                        help="plan on this generation's slices (v5e, v6e, v5p, v4), smallest first (v5e and v6e from "
+                             "one chip), with every chip "
                              "on fsdp and one sequence per chip, until one fits: the smallest slice that trains the "
                              "preset (full fine-tune, Muon + AdamW)")
     parser.add_argument("--ns-dtype", default="float32", choices=NS_DTYPES,
