@@ -115,7 +115,6 @@ def run_model(args):
 
     from torch_model.config import ConfigError, get_preset
     from torch_model.model import GptOssForCausalLM
-    from torch_model.transformers_lm import TransformersSpec
 
     if args.preset is None and args.model_config is None:
         return None
@@ -126,6 +125,8 @@ def run_model(args):
                         f"{args.batch_size})")
     try:
         if args.model_config is not None:
+            from torch_model.transformers_lm import TransformersSpec
+
             with torch.device("meta"):
                 return TransformersSpec.from_file(args.model_config).replace(max_seq_len=args.seq_len).build()
         cfg = get_preset(args.preset).replace(max_seq_len=args.seq_len)
