@@ -56,7 +56,8 @@ def test_the_v5e_table_is_taken_for_a_v5e_target_only(tables_dir):
                                              kernel_options=str(mine)).kernel_options) == [str(mine)]
     # Tuned on another generation's chips: refused by name, committed or given.
     (tables_dir / "v6e.json").write_text(json.dumps(fixture_table()))
-    with pytest.raises(kernel_tiles.TileTableError, match="v6e.json: the table of v6e holds tiles tuned on TPU v5 lite"):
+    with pytest.raises(kernel_tiles.TileTableError,
+                       match="v6e.json: the table of v6e holds tiles tuned on TPU v5 lite"):
         StepConfig(platform="tpu", tpu_generation="v6e")
     with pytest.raises(kernel_tiles.TileTableError, match=r"mine.json were tuned on TPU v5 lite \(v5e\); this program "
                                                           r"compiles for a TPU v6e"):
@@ -89,7 +90,8 @@ def test_a_step_for_v5e_runs_the_tables_tiles_and_says_which_shapes_it_lacks(tab
     assert found[("attention", SLIDING_KEY)] == {"block_q": 64, "block_kv": 64}
     assert found[("attention", FULL_KEY)] is None
     grids = sorted(c["grid_mapping"].grid for c in calls if c["name"].startswith("attention"))
-    assert grids == [(2, 2, 1, 1), (2, 2, 128 // 64, 128 // 64)]   # (rows, KV heads, q, kv tiles): default 128s; tuned 64s
+    # grids (rows, KV heads, q tiles, kv tiles): the default 128 x 128 tiles, the tuned 64 x 64
+    assert grids == [(2, 2, 1, 1), (2, 2, 128 // 64, 128 // 64)]
     [ce] = [c["grid_mapping"].grid for c in calls if c["name"].startswith("cross_entropy")]
     assert ce == (256 // 128, 4096 // 1024)
     err = capsys.readouterr().err

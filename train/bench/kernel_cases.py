@@ -87,7 +87,8 @@ def case_for_key(op: str, key: str) -> Case:
             return Case(op, "run", f"B{b} H{hq}/{hkv} T{t} D{d} " + (f"win{window}" if window else "full"), dt,
                         [((b, hq, t, d), dt, "float"), ((b, hkv, t, d), dt, "float"), ((b, hkv, t, d), dt, "float"),
                          ((hq,), "float32", "float")],
-                        dict(sliding_window=window, scale=d ** -0.5), dict(B=b, Hq=hq, Hkv=hkv, T=t, D=d, window=window))
+                        dict(sliding_window=window, scale=d ** -0.5),
+                        dict(B=b, Hq=hq, Hkv=hkv, T=t, D=d, window=window))
         if op == "cross_entropy":
             *rows, h = key_dims(f["hidden"])
             v = int(f["vocab"])

@@ -223,8 +223,8 @@ def run(args, shapes: list[str], ops: list[str]) -> int:
     _write(args.tune, table)
     generation = kernel_tiles.generation_of(device_kind)
     committed = generation is not None and os.path.abspath(args.tune) == kernel_tiles.committed_path(generation)
-    print(f"wrote {args.tune}: {tuned} entries tuned now, {sum(len(k) for i in table['entries'].values() for k in i.values())} "
-          f"in all; " + (f"programs compiled for a TPU {generation} take it by default" if committed
+    total = sum(len(per_key) for per_impl in table["entries"].values() for per_key in per_impl.values())
+    print(f"wrote {args.tune}: {tuned} entries tuned now, {total} in all; " + (f"programs compiled for a TPU {generation} take it by default" if committed
                          else f"use it with --kernel-options {args.tune}"))
     return 0
 
