@@ -27,7 +27,7 @@ import torch
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_bridge import compile_cache, registry, sharding
+from jax_bridge import compile_cache, kernel_tiles, registry, sharding
 from jax_bridge.env import get_env
 from jax_bridge.lowering import abstract_params, model_function, params_to_jax
 from pallas_kernels.platform import check_platform, host_platform
@@ -131,7 +131,8 @@ class Decoder:
     """Compiled prefill and decode programs for one model (parameters as JAX arrays, sharded over
     `mesh` when given). compute_dtype / matmul_precision None: the train step's defaults.
     tpu_generation: the TPU generation its kernels' tiles are sized for (StepConfig's; default this
-    host's chips' on TPU).
+    host's chips' on TPU); its committed tile table is taken under `kernel_options` (as
+    StepConfig.kernel_options: "tiles=off" turns it off; see kernel_tiles.py).
     `params`: the parameters to use instead of the model's (in the compute dtype, placed): e.g.
     ShapeDtypeStructs for a model on the `meta` device, to compile without weights (see
     `abstract_params`)."""
@@ -140,11 +141,14 @@ class Decoder:
                  decode_kernels: str | dict | None = None, matmul_precision: str | None = None,
                  compute_dtype: str | None = None, compiler_options: dict | None = None,
                  platform: str | None = None, mesh=None, params: dict | None = None,
-                 tpu_generation: str | None = None):
+                 tpu_generation: str | None = None, kernel_options: str | dict | None = None):
         self.model, self.cfg = model, model.cfg
         self.env = get_env()
         self.platform = check_platform(platform or host_platform(), "Decoder platform")
         self.tpu_generation = target_generation(self.platform, tpu_generation)    # the TPU kernels' VMEM
+        self.kernel_options = kernel_tiles.with_tables(registry.parse_kernel_options(kernel_options), self.platform,
+                                                       self.tpu_generation)
+        registry.check_options(self.kernel_options)
         ops = registry.model_ops(model, registry.OPS + registry.GENERATION_OPS)
         self.kernels = registry.resolve(kernels, self.platform, ops=ops)
         self.decode_kernels = (self.kernels if decode_kernels is None
@@ -227,8 +231,10 @@ class Decoder:
         if layout.split_experts:
             params.update({k: jnp.stack(params[k]) for k in self.expert_weights})
         # The decode MoE's switch over static slices copies every expert unless they are split.
-        options = {"moe": {"decode": {"rows_alone": 0}}} if kernels.get("moe") == "decode" and \
-            not layout.split_experts else None
+        options = self.kernel_options
+        if kernels.get("moe") == "decode" and not layout.split_experts:
+            options = {**options, "moe": {**options.get("moe", {}),
+                                          "decode": {**options.get("moe", {}).get("decode", {}), "rows_alone": 0}}}
         with registry.routed(self.env, kernels, platform=self.platform, options=options, mesh=self.mesh,
                              generation=self.tpu_generation), \
                 jax.default_matmul_precision(self.matmul_precision), tracing_scope(self.model):

@@ -1,24 +1,43 @@
 """Tuned kernel tiles: the best tile options per (op, implementation, call shape) on one device
 kind, as `torchlyra bench kernels --tune` measured them there, and their lookup when a traced call
-of that shape is bound (`--kernel-options TABLE.json`, see `registry.parse_kernel_options`).
+of that shape is bound.
 
 A table is JSON:
     {"format": "torchlyra-kernel-tiles", "version": 1, "platform": "tpu", "device_kind": "TPU v6e",
      "entries": {op: {implementation: {call key: {"options": {...}, "seconds": s}}}}}
 A call key names the shapes that decide a kernel's tiles (see `call_key`), so a table serves
 every run whose per-device calls have those shapes. Tiles change the speed, not the result
-beyond float rounding; a call whose key is not in the table runs its default tiles, and says so
-once.
+beyond float rounding.
+
+Where tables come from (`with_tables`, the one place that decides):
+  - committed, one per TPU generation (jax_bridge/tiles/GENERATION.json, tuned on that chip):
+    taken by default by every program compiled for platform tpu and a known generation
+    (StepConfig.tpu_generation, the Decoder's), never for another platform or generation;
+  - given (`--kernel-options TABLE.json`, see `registry.parse_kernel_options`): replaces the
+    committed table for the implementations it has entries for;
+  - `--kernel-options tiles=off`: no committed table.
+Options given explicitly (`op.implementation.option=value`) override a table's, option by
+option. A call whose key is not in its table runs the kernel's default tiles and says so once on
+stderr (and `untuned` lists it, for a run's summary): never silently.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 FORMAT = "torchlyra-kernel-tiles"
 VERSION = 1
 TUNED = "tuned"          # the key under which a table's entries travel in the nested kernel options
+# The committed tables, one per TPU generation: TABLES_DIR/GENERATION.json (package data).
+TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiles")
+# `--kernel-options tiles=off`: no committed table. Parsed kernel options carry it as
+# {SWITCH: {"committed": False}} beside the ops (a dict, so code walking the ops passes it by).
+SWITCH = "tiles"
+OFF = "off"
 
 
 class TileTableError(ValueError):
@@ -46,6 +65,20 @@ def call_key(op: str, args: tuple, kwargs: dict) -> str | None:
         return f"rows={_dims(x.shape)} experts={gate_up.shape[0]} inner={gate_up.shape[2] // 2} " \
                f"dtype={jnp.dtype(x.dtype).name}"
     return None
+
+
+def key_fields(key: str) -> dict[str, str]:
+    """A call key's fields, as `call_key` wrote them: 'q=8x4x256x64 kv_heads=2 window=64
+    dtype=float32' -> {'q': '8x4x256x64', 'kv_heads': '2', 'window': '64', 'dtype': 'float32'}."""
+    fields = dict(part.split("=", 1) for part in key.split())
+    if not fields or " ".join(f"{k}={v}" for k, v in fields.items()) != key:
+        raise TileTableError(f"kernel tiles: {key!r} is not a call key (name=value fields separated by spaces)")
+    return fields
+
+
+def key_dims(text: str) -> tuple[int, ...]:
+    """'8x4x256x64' -> (8, 4, 256, 64): a shape as a call key writes it."""
+    return tuple(int(d) for d in text.split("x"))
 
 
 def new_table(platform: str, device_kind: str) -> dict:
@@ -98,16 +131,131 @@ def tuned_options(table: dict, path: str) -> dict[str, dict[str, dict[str, Any]]
             for op, per_impl in table["entries"].items()}
 
 
+# ---- the tables a program compiles with ------------------------------------------------------
+def generation_of(device_kind: str) -> str | None:
+    """'v5e', 'v6e', ... of a TPU device kind ('TPU v5 lite'); None for another device's."""
+    from jax_bridge.tpu_compile import DEVICE_KINDS
+
+    return DEVICE_KINDS.get(device_kind)
+
+
+def committed_path(generation: str) -> str:
+    return os.path.join(TABLES_DIR, f"{generation}.json")
+
+
+def committed_generations() -> list[str]:
+    """The TPU generations that have a committed table."""
+    if not os.path.isdir(TABLES_DIR):
+        return []
+    return sorted(name[:-5] for name in os.listdir(TABLES_DIR) if name.endswith(".json"))
+
+
+def read_committed(generation: str) -> dict | None:
+    """The committed table of a TPU generation (None: there is none), refused when it was not
+    tuned on that generation's chips."""
+    path = committed_path(generation)
+    if not os.path.exists(path):
+        return None
+    table = read(path)
+    found = generation_of(table["device_kind"])
+    if table["platform"] != "tpu" or found != generation:
+        raise TileTableError(f"kernel tiles {path}: the table of {generation} holds tiles tuned on "
+                             f"{table['device_kind']} ({table['platform']}); a committed table is tuned on its "
+                             f"own generation's chips")
+    return table
+
+
+def committed_off(options: dict) -> bool:
+    """Whether parsed kernel options say `tiles=off`."""
+    return options.get(SWITCH, {}).get("committed", True) is False
+
+
+def with_tables(options: dict, platform: str, generation: str | None) -> dict:
+    """Parsed kernel options (`registry.parse_kernel_options`) with the committed table of the
+    TPU `generation` compiled for under every implementation that has no table given (none off
+    TPU, for an unknown generation, or after `tiles=off`). A TPU table given that was tuned on
+    another generation is refused (TileTableError), as is a committed one."""
+    for op, per_impl in options.items():
+        for impl, opts in per_impl.items() if op != SWITCH else ():
+            tuned = opts.get(TUNED)
+            found = generation_of(tuned["device_kind"]) if tuned else None
+            if platform == "tpu" and generation is not None and found is not None and found != generation:
+                raise TileTableError(f"kernel tiles {tuned['path']} were tuned on {tuned['device_kind']} "
+                                     f"({found}); this program compiles for a TPU {generation}")
+    if platform != "tpu" or generation is None or committed_off(options):
+        return options
+    table = read_committed(generation)
+    if table is None:
+        return options
+    out = {op: {impl: dict(opts) for impl, opts in per_impl.items()} for op, per_impl in options.items()}
+    for op, per_impl in tuned_options(table, committed_path(generation)).items():
+        for impl, opts in per_impl.items():
+            out.setdefault(op, {}).setdefault(impl, {}).setdefault(TUNED, opts[TUNED])
+    return out
+
+
+def tables_in(options: dict) -> list[str]:
+    """The paths of the tables in parsed kernel options."""
+    return sorted({opts[TUNED]["path"] for op, per_impl in options.items() if op != SWITCH
+                   for opts in per_impl.values() if opts.get(TUNED) and opts[TUNED]["path"]})
+
+
+def probe_options(ops_impls, platform: str) -> dict:
+    """Kernel options whose tables are empty probes (no path: silent) for these (op,
+    implementation) pairs: under `recording`, each traced call's key is recorded."""
+    probe = {"path": None, "platform": platform, "device_kind": "", "entries": {}}
+    out: dict = {}
+    for op, impl in ops_impls:
+        out.setdefault(op, {})[impl] = {TUNED: probe}
+    return out
+
+
+# ---- lookups --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Lookup:
+    """One traced call's look-up in a table: options None when its key is not there."""
+    op: str
+    implementation: str
+    key: str | None
+    table: str | None
+    options: dict | None
+
+
+_RECORDERS: list[list] = []
 _REPORTED: set = set()
+_UNTUNED: list[Lookup] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, every table look-up of a traced call is appended to the list it yields."""
+    lookups: list[Lookup] = []
+    _RECORDERS.append(lookups)
+    try:
+        yield lookups
+    finally:
+        _RECORDERS.remove(lookups)
+
+
+def untuned(tables=None) -> list[dict]:
+    """The calls (of this process) whose keys a table lacked, which ran their default tiles; only
+    those of `tables` (paths) when given."""
+    return [{"op": u.op, "implementation": u.implementation, "key": u.key, "table": u.table}
+            for u in _UNTUNED if tables is None or u.table in tables]
 
 
 def options_for(op: str, implementation: str, tuned: dict, key: str | None) -> dict:
     """The tuned options of this call's key, or {} (said once per key on stderr: default tiles)."""
     entry = tuned["entries"].get(key) if key is not None else None
-    if entry is not None:
-        return dict(entry["options"])
-    if (tuned["path"], op, implementation, key) not in _REPORTED:
+    options = dict(entry["options"]) if entry is not None else None
+    lookup = Lookup(op, implementation, key, tuned["path"], options)
+    for lookups in _RECORDERS:
+        lookups.append(lookup)
+    if options is not None:
+        return options
+    if tuned["path"] is not None and (tuned["path"], op, implementation, key) not in _REPORTED:
         _REPORTED.add((tuned["path"], op, implementation, key))
+        _UNTUNED.append(lookup)
         print(f"kernel tiles: {tuned['path']} has no entry for {op}={implementation} at {key}; "
               f"its default tiles run", file=sys.stderr, flush=True)
     return {}

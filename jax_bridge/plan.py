@@ -166,7 +166,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     import torch
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_bridge import registry, sharding
+    from jax_bridge import kernel_tiles as tile_tables, registry, sharding
     from jax_bridge.step import StepConfig, TrainStep
     from pallas_kernels import moe
     from torch_model.config import get_preset
@@ -248,22 +248,23 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                         f"{gib(result.hbm_bytes)}: not compiled")
         return result
     start = time.perf_counter()
-    if device_mesh is None:
-        tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32), packed,
-                             step.float_fields)
-        lr_scale = jax.ShapeDtypeStruct((), jnp.float32)
-        with moe.cost_routing(moe_routing):
-            lowered = tpu_compile.lower_for(step._step, (state, compute, tokens, lr_scale, frozen), device,
-                                            donate_argnums=(0, 1))
-    else:
-        # The trainer's inputs: sharded state, the global batch split over the batch axes; the
-        # outputs take the shardings the step constrains them to.
-        tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, batch_size, seq_len + 1), jnp.int32,
-                                                  sharding=sharding.batch_sharding(device_mesh)), packed,
-                             step.float_fields)
-        lr_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(device_mesh, P()))
-        with moe.cost_routing(moe_routing):
-            lowered = jax.jit(step._step, donate_argnums=(0, 1)).lower(state, compute, tokens, lr_scale, frozen)
+    with tile_tables.recording() as lookups:     # the tuned tiles each kernel call takes
+        if device_mesh is None:
+            tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, rows, seq_len + 1), jnp.int32), packed,
+                                 step.float_fields)
+            lr_scale = jax.ShapeDtypeStruct((), jnp.float32)
+            with moe.cost_routing(moe_routing):
+                lowered = tpu_compile.lower_for(step._step, (state, compute, tokens, lr_scale, frozen), device,
+                                                donate_argnums=(0, 1))
+        else:
+            # The trainer's inputs: sharded state, the global batch split over the batch axes; the
+            # outputs take the shardings the step constrains them to.
+            tokens = _batch_spec(jax.ShapeDtypeStruct((micro_batches, batch_size, seq_len + 1), jnp.int32,
+                                                      sharding=sharding.batch_sharding(device_mesh)), packed,
+                                 step.float_fields)
+            lr_scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(device_mesh, P()))
+            with moe.cost_routing(moe_routing):
+                lowered = jax.jit(step._step, donate_argnums=(0, 1)).lower(state, compute, tokens, lr_scale, frozen)
     result.lower_s = round(time.perf_counter() - start, 2)
     memory, compiled = _compiled_memory(lowered.compile)
     result.compile_s, result.compile_cpu_s, result.temp_bytes = memory.compile_s, memory.compile_cpu_s, memory.temp_bytes
@@ -280,7 +281,7 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
             batch_size * seq_len * micro_batches // chips
         whole_experts = device_mesh is None or all(device_mesh.shape.get(a, 1) == 1 for a in ("tensor", "expert"))
         tiles = kernel_tiles(step.kernels, step_cfg.kernel_options, cfg, seq_len, tokens_per_chip, whole_experts,
-                             step_cfg.tpu_generation)
+                             step_cfg.tpu_generation, lookups)
         result.roofline = roofline_mod.roofline(compiled, result.generation, tiles=tiles)
     if rollout is not None:
         if rl is None:
@@ -318,7 +319,8 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     params = decoding.decoder_params(model, step.compute_dtype, mesh)
     decoder = decoding.Decoder(model, kernels=decoding.generation_kernels(step.cfg.kernels, "tpu"), platform="tpu",
                                compute_dtype=step.cfg.compute_dtype, matmul_precision=step.cfg.matmul_precision,
-                               mesh=mesh, params=params, tpu_generation=step.cfg.tpu_generation)
+                               mesh=mesh, params=params, tpu_generation=step.cfg.tpu_generation,
+                               kernel_options=step.cfg.kernel_options)
     # The decoder's own buffers: the casts of the trainable parameters (a frozen base is already
     # in the compute dtype, a float32 router stays float32: the train state's buffers).
     masters = step.abstract_state().params
@@ -425,10 +427,11 @@ def smallest_slice(preset: str, generation: str, *, rows_per_chip: int = 1, repo
 
 
 def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_experts: bool = True,
-                 generation: str | None = None) -> dict:
+                 generation: str | None = None, lookups=()) -> dict:
     """The tile sizes each Pallas kernel of the step runs with on a TPU of `generation`: the
     options given, else the kernel's defaults for these shapes (recorded beside a roofline: tiles
-    are not tuned from it).
+    are not tuned from it). An implementation with a table of tuned tiles: the table and, per call
+    key the step's trace looked up (`lookups`: kernel_tiles.Lookup), its tiles or "default".
     whole_experts: no mesh axis splits the experts or their width, so the fused MoE's rows per
     chip are tokens x experts per token at the full expert width (else its defaults before the
     VMEM-budget shrink are reported)."""
@@ -443,7 +446,8 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_e
         mine = dict(given.get(op, {}).get(name, {}))
         tuned = mine.pop(kernel_tiles.TUNED, None)
         if tuned is not None:   # chosen per call shape from the table (its entries, else the defaults)
-            tiles[f"{op}.{name}"] = {"tuned_from": tuned["path"], **mine}
+            calls = {u.key: u.options or "default" for u in lookups if (u.op, u.implementation) == (op, name)}
+            tiles[f"{op}.{name}"] = {"table": tuned["path"], "calls": calls, **mine}
             continue
         if (op, name) == ("attention", "pallas"):
             block_q, block_kv = attention.default_block_sizes(seq_len, cfg.head_dim, "tpu")

@@ -22,7 +22,8 @@ it. Per-implementation options (tile sizes) come from `kernel_options`, e.g.
 "attention.pallas.block_q=256,cross_entropy.pallas.block_v=1024"; each option must be a keyword
 parameter of that implementation. A part naming a JSON file ("tiles.json") is a table of tuned
 tiles per call shape (`kernel_tiles.py`, written by `torchlyra bench kernels --tune`); options
-given explicitly override it.
+given explicitly override it. A program compiled for a TPU generation with a committed table
+takes that table by default (`kernel_tiles.with_tables`); the part "tiles=off" turns it off.
 
 Users add their own with one call:
 
@@ -342,13 +343,17 @@ def parse_kernel_options(spec: str | dict | None) -> dict[str, dict[str, dict[st
     """'attention.pallas.block_q=256,moe.pallas.block_m=128' (or the nested dict
     {op: {implementation: {option: value}}}) -> that nested dict. Values are ints, floats,
     booleans or strings. A part 'FILE.json' reads a table of tuned tiles (kernel_tiles.py): its
-    entries go under each implementation's kernel_tiles.TUNED key. Which options an
+    entries go under each implementation's kernel_tiles.TUNED key; the part 'tiles=off' (no
+    committed table) is kept under kernel_tiles.SWITCH. Which options an
     implementation takes is checked by `check_options`."""
     if spec is None or spec == "" or spec == {}:
         return {}
     if isinstance(spec, str):
         nested: dict = {}
         for part in spec.split(","):
+            if part.strip() == f"{kernel_tiles.SWITCH}={kernel_tiles.OFF}":   # no committed table
+                nested[kernel_tiles.SWITCH] = {"committed": False}
+                continue
             if "=" not in part and part.strip().endswith(".json"):   # a table of tuned tiles
                 path = part.strip()
                 try:
@@ -367,6 +372,9 @@ def parse_kernel_options(spec: str | dict | None) -> dict[str, dict[str, dict[st
         spec = nested
     out = {}
     for op, per_impl in spec.items():
+        if op == kernel_tiles.SWITCH:
+            out[op] = dict(per_impl)
+            continue
         if op not in _TABLE:
             raise KernelError(f"--kernel-options: unknown op {op!r}; ops are: {', '.join(_TABLE)}")
         if not isinstance(per_impl, dict) or not all(isinstance(v, dict) for v in per_impl.values()):
@@ -379,7 +387,7 @@ def parse_kernel_options(spec: str | dict | None) -> dict[str, dict[str, dict[st
 def check_options(options: dict) -> None:
     """Every named implementation exists and accepts its options (loud, before any tracing)."""
     for op, per_impl in parse_kernel_options(options).items():
-        for name, opts in per_impl.items():
+        for name, opts in per_impl.items() if op != kernel_tiles.SWITCH else ():
             if name not in _TABLE[op]:
                 raise KernelError(f"--kernel-options: unknown implementation {op}={name}; "
                                   f"registered: {', '.join(_TABLE[op])}")

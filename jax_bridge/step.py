@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jax_bridge import policy_gradient, preference, registry, sharded_ops, sharding
+from jax_bridge import kernel_tiles, policy_gradient, preference, registry, sharded_ops, sharding
 from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
@@ -76,7 +76,9 @@ class StepConfig:
     platform: str | None = None              # compiled FOR: "cpu" | "gpu" | "tpu"; None: this host's
     tpu_generation: str | None = None        # a TPU platform's generation ("v5e", "v6e", ...: its VMEM sizes
                                              # kernel tiles); None: this host's chips', if it has any
-    kernel_options: str | dict | None = None  # per implementation, e.g. "attention.pallas.block_q=256"
+    kernel_options: str | dict | None = None  # per implementation, e.g. "attention.pallas.block_q=256", a
+                                             # TABLE.json, "tiles=off"; on a TPU of a generation with a
+                                             # committed tile table, that table under these (kernel_tiles.py)
     scan_layers: bool = False                # decoder layers as one lax.scan over stacked parameters
     remat: str = "none"                      # per layer: none | full | save-matmuls
     preference: PreferenceConfig | None = None   # DPO on packed pairs (jax_bridge/preference.py)
@@ -103,7 +105,9 @@ class StepConfig:
         object.__setattr__(self, "tpu_generation", target_generation(platform, self.tpu_generation))
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "matmul_precision", precision)
-        object.__setattr__(self, "kernel_options", registry.parse_kernel_options(self.kernel_options))
+        # The committed tile table of the TPU generation compiled for, under the options given.
+        object.__setattr__(self, "kernel_options", kernel_tiles.with_tables(
+            registry.parse_kernel_options(self.kernel_options), platform, self.tpu_generation))
 
 
 class TrainState(NamedTuple):

@@ -257,6 +257,18 @@ def test_bench_kernels_tune_writes_a_tile_table_the_registry_reads(tmp_path, cap
     assert key == "hidden=2048x256 vocab=4096 dtype=float32"
     assert entry["options"]["block_n"] in (256, 1024) and entry["options"]["block_v"] == 512
 
+    # A run's own call shapes (its step's forward traced without weights), merged into the table:
+    # the entry above stays, and the key added is the one that run's cross-entropy looks up.
+    assert main(["bench", "kernels", "--tune", str(table_path), "--preset", "tiny", "--batch-size", "2",
+                 "--seq-len", "64", "--ops", "cross_entropy", "--tune-candidates",
+                 "cross_entropy.pallas.block_n=128,cross_entropy.pallas.block_v=512", "--repeats", "1",
+                 "--warmup", "0"]) == 0
+    assert "1 call shapes of tiny at batch 2 x seq 64: cross_entropy N128 H256 V4096 float32" in capsys.readouterr().out
+    merged = json.loads(table_path.read_text())["entries"]["cross_entropy"]["pallas"]
+    assert merged[key] == entry and merged["hidden=128x256 vocab=4096 dtype=float32"]["options"] == \
+        {"block_n": 128, "block_v": 512}
+    table = json.loads(table_path.read_text())
+
     # The registry binds a table's tiles per call shape (a hand-made table: a choice to check).
     table["entries"]["cross_entropy"]["pallas"][key]["options"] = {"block_n": 256, "block_v": 1024}
     table_path.write_text(json.dumps(table))
@@ -286,3 +298,17 @@ def test_bench_kernels_tune_writes_a_tile_table_the_registry_reads(tmp_path, cap
     table_path.write_text(json.dumps({**table, "version": 1}))
     with pytest.raises(registry.KernelError, match="block_x.*kernel tiles .*tiles.json, entry hidden=2048x256"):
         registry.check_options(str(table_path))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "tiny"], "--preset / --model-config are for --tune"),
+    (["--tune", "T.json", "--preset", "tiny", "--seq-len", "64", "--shapes", "tiny"], "give --shapes or a run's shapes"),
+    (["--tune", "T.json", "--preset", "tiny"], "give --seq-len and --batch-size >= 1"),
+    (["--tune", "T.json", "--preset", "nope", "--seq-len", "64"], "unknown preset 'nope'"),
+])
+def test_bench_kernels_tune_of_a_run_rejects_bad_arguments(argv, message, capsys, tmp_path, monkeypatch):
+    from helpers import one_line_error
+
+    monkeypatch.chdir(tmp_path)
+    assert message in one_line_error(capsys, ["bench", "kernels", *argv])
+    assert not (tmp_path / "T.json").exists()

@@ -179,7 +179,8 @@ def tiny_step_plan(tmp_path_factory):
     AdamW update) for one v5e chip (the single-chip topology v5e:1x1, a v5litepod-1), bf16
     compute, per kernel set, on a 2-layer `tiny` (one sliding and one full layer) at sequence 256,
     2 rows per chip, planned without weights: one ~30 s compile per kernel set, shared by the
-    tests below. Returns (plan JSON, printed report)."""
+    tests below. The kernels' default tiles (`tiles=off`: a committed v5e table is tested in
+    test_kernel_tiles.py). Returns (plan JSON, printed report)."""
     from train.cli import main
 
     cache = {}
@@ -191,7 +192,8 @@ def tiny_step_plan(tmp_path_factory):
             with contextlib.redirect_stdout(printed):
                 rc = main(["plan", "--preset", "tiny", "--layers", "2", "--topology", "v5e:1x1", "--mesh", "none",
                            "--no-scan-layers", "--seq-len", "256", "--batch-size", "2",
-                           "--kernels", KERNEL_SETS[kernels], "--roofline", "--json", str(out)]
+                           "--kernels", KERNEL_SETS[kernels], "--kernel-options", "tiles=off", "--roofline",
+                           "--json", str(out)]
                           + (["--packed"] if kernels == "pallas" else []))
             assert rc == 0
             cache[kernels] = json.loads(out.read_text()), printed.getvalue()

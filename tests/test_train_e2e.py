@@ -24,6 +24,7 @@ def test_short_training_run_lowers_validation_loss_and_writes_artifacts(run_dir)
     summary = json.loads((run_dir / "run" / "summary.json").read_text())
     assert summary["val_loss_end"] < summary["val_loss_start"] - 1.0
     assert summary["trace_count"] == summary["compile_count"] == 1
+    assert summary["kernel_tiles"] == {"tables": [], "untuned": []}      # no tuned tiles on CPU
     records = [json.loads(l) for l in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
     kinds = {r["kind"] for r in records}
     assert {"run", "train", "eval"} <= kinds

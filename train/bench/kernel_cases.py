@@ -4,6 +4,7 @@ their inputs, and timing a compiled program; shared by the memory benchmark (ker
 tile sweep (tune.py)."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -70,6 +71,41 @@ def kernel_cases(op: str, shape: str, windows: bool = True, dtype: str | None = 
                       ((e, h, i // 2), "uint8", "mxfp4"), ((e, h, i // 32), "uint8", "scales"), ((e, h), dt, "float")],
                      dict(alpha=1.702, limit=7.0), dict(M=m, H=h, I=i, E=e))]
     raise UserError(f"unknown op {op!r}")
+
+
+def case_for_key(op: str, key: str) -> Case:
+    """The problem of one call key (jax_bridge.kernel_tiles.call_key) of a run's traced step: its
+    shapes and dtype, so a tile timed on it is the tile that call looks up (shape 'run')."""
+    from jax_bridge.kernel_tiles import TileTableError, key_dims, key_fields
+
+    try:
+        f = key_fields(key)
+        dt = f["dtype"]
+        if op == "attention":
+            b, hq, t, d = key_dims(f["q"])
+            hkv, window = int(f["kv_heads"]), int(f["window"])
+            return Case(op, "run", f"B{b} H{hq}/{hkv} T{t} D{d} " + (f"win{window}" if window else "full"), dt,
+                        [((b, hq, t, d), dt, "float"), ((b, hkv, t, d), dt, "float"), ((b, hkv, t, d), dt, "float"),
+                         ((hq,), "float32", "float")],
+                        dict(sliding_window=window, scale=d ** -0.5),
+                        dict(B=b, Hq=hq, Hkv=hkv, T=t, D=d, window=window))
+        if op == "cross_entropy":
+            *rows, h = key_dims(f["hidden"])
+            v = int(f["vocab"])
+            n = math.prod(rows)
+            return Case(op, "run", f"N{n} H{h} V{v}", dt,
+                        [((*rows, h), dt, "float"), ((v, h), dt, "float"), (tuple(rows), "int32", "labels")],
+                        dict(ignore_index=-100), dict(N=n, H=h, V=v))
+        if op == "moe":
+            m, h = key_dims(f["rows"])
+            e, i = int(f["experts"]), int(f["inner"])
+            return Case(op, "run", f"M{m} H{h} I{i} E{e}", dt,
+                        [((m, h), dt, "float"), ((e,), "int32", "groups"), ((e, h, 2 * i), dt, "float"),
+                         ((e, 2 * i), dt, "float"), ((e, i, h), dt, "float"), ((e, h), dt, "float")],
+                        dict(alpha=1.702, limit=7.0), dict(M=m, H=h, I=i, E=e))
+    except (KeyError, ValueError) as e:
+        raise TileTableError(f"kernel tiles: cannot read {op} call key {key!r} ({e})") from None
+    raise UserError(f"op {op!r} takes no tuned tiles")
 
 
 # ---- building the functions ---------------------------------------------------------------------

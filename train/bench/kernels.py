@@ -351,7 +351,7 @@ def _parse_list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
-    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPE_SETS),
+    parser.add_argument("--shapes", default=None,
                         help=f"comma-separated shape sets of {','.join(SHAPE_SETS)} (default: {','.join(DEFAULT_SHAPE_SETS)})")
     parser.add_argument("--ops", default=",".join(OPS),
                         help=f"comma-separated ops of {','.join(ALL_OPS)} (default: {','.join(OPS)})")
@@ -383,9 +383,22 @@ def add_arguments(parser) -> None:
                              "the program's own outputs and arguments, not temps")
     parser.add_argument("--verbose", action="store_true", help="print each row as it is measured")
     parser.add_argument("--tune", metavar="TABLE.json",
-                        help="instead: sweep our Pallas kernels' tiles on this machine's device at --shapes and write "
-                             "the fastest per call shape to TABLE.json (merged into an existing table of the same "
-                             "device kind), which --kernel-options TABLE.json then uses (train/bench/tune.py)")
+                        help="instead: sweep our Pallas kernels' tiles on this machine's device at --shapes (or a "
+                             "run's shapes: --preset / --model-config) and write the fastest per call shape to "
+                             "TABLE.json (merged into an existing table of the same device kind), which --kernel-options "
+                             "TABLE.json then uses, or every program for this TPU generation when committed as "
+                             "tiles/GENERATION.json beside jax_bridge/kernel_tiles.py (train/bench/tune.py)")
+    parser.add_argument("--preset", default=None,
+                        help="with --tune: the call shapes of this preset's train step (one chip, --batch-size rows "
+                             "of --seq-len per micro-batch) instead of --shapes")
+    parser.add_argument("--model-config", metavar="CONFIG.json", default=None,
+                        help="with --tune: the call shapes of this transformers model's train step, as --preset")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="with --preset / --model-config: rows per micro-batch (default: 8)")
+    parser.add_argument("--seq-len", type=int, default=None, help="with --preset / --model-config: sequence length")
+    parser.add_argument("--compute-dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                        help="with --preset / --model-config: the run's compute dtype (default: auto, the "
+                             "platform's: bfloat16 on TPU)")
     parser.add_argument("--tune-candidates", metavar="SPEC",
                         help="with --tune: tile values to try instead of the built-in ones, e.g. "
                              "cross_entropy.pallas.block_n=256/512,cross_entropy.pallas.block_v=512")
@@ -459,6 +472,12 @@ def _run_on_device(args, shapes: list[str], ops: list[str], host: str) -> int:
 
 
 def run(args) -> int:
+    run_shapes = args.preset is not None or args.model_config is not None
+    if run_shapes and not args.tune:
+        raise UserError("--preset / --model-config are for --tune (the call shapes of a run's step)")
+    if run_shapes and args.shapes is not None:
+        raise UserError("--tune: give --shapes or a run's shapes (--preset / --model-config), not both")
+    args.shapes = args.shapes or ",".join(DEFAULT_SHAPE_SETS)
     shapes = _parse_list(args.shapes, SHAPE_SETS, "shapes")
     ops = _parse_list(args.ops, ALL_OPS, "ops")
     if args.repeats < 1 or args.warmup < 0:

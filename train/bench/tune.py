@@ -1,13 +1,21 @@
 """`torchlyra bench kernels --tune TABLE.json`: sweep our Pallas kernels' tiles on the present
-device and keep the fastest per call shape in a table the op registry reads
-(`--kernel-options TABLE.json`; format in jax_bridge/kernel_tiles.py).
+device and keep the fastest per call shape in a table the op registry reads (a committed
+jax_bridge/tiles/GENERATION.json by default on that TPU generation, any other with
+`--kernel-options TABLE.json`; format in jax_bridge/kernel_tiles.py).
+
+The call shapes are those of `bench kernels`' shape sets (`--shapes`), or those of a training run
+(`--preset` or `--model-config`, `--batch-size`, `--seq-len`): its step's forward is traced,
+without weights, on this device's platform in its compute dtype, and every kernel call's key is
+taken, so the table holds exactly the keys that run looks up (one chip, no mesh).
 
 Each candidate is the op's forward and backward in one program (inputs and output cotangents in,
 outputs and input gradients out), compiled and timed on this device (median of `--repeats` calls
 after `--warmup`). A candidate the compiler refuses (a tile over VMEM, a shape rule) is reported
 with its error and skipped: whether a tile fits is the compiler's verdict. On CPU the kernels run
 in the Pallas interpreter, whose speed says nothing of a TPU's: there the sweep tests the
-mechanics only. The jax-shipped kernels (splash, megablox) are not swept.
+mechanics only. The jax-shipped kernels (splash, megablox) are not swept. An existing table of
+the same device kind keeps its other entries (a key tuned again is replaced); the file is
+written atomically.
 """
 from __future__ import annotations
 
@@ -100,10 +108,85 @@ def _load_or_new(path: str, platform: str, device_kind: str) -> dict:
     return table
 
 
+def run_model(args):
+    """The model of --preset / --model-config on the `meta` device (no weights), at --seq-len;
+    None when neither is given."""
+    import torch
+
+    from torch_model.config import ConfigError, get_preset
+    from torch_model.model import GptOssForCausalLM
+
+    if args.preset is None and args.model_config is None:
+        return None
+    if args.preset is not None and args.model_config is not None:
+        raise UserError("--preset and --model-config name two models: give one")
+    if args.seq_len is None or args.seq_len < 1 or args.batch_size < 1:
+        raise UserError(f"--tune of a run's shapes: give --seq-len and --batch-size >= 1 (found {args.seq_len}, "
+                        f"{args.batch_size})")
+    try:
+        if args.model_config is not None:
+            from torch_model.transformers_lm import TransformersSpec
+
+            with torch.device("meta"):
+                return TransformersSpec.from_file(args.model_config).replace(max_seq_len=args.seq_len).build()
+        cfg = get_preset(args.preset).replace(max_seq_len=args.seq_len)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    with torch.device("meta"):
+        return GptOssForCausalLM(cfg)
+
+
+def run_keys(model, ops: list[str], platform: str, batch: int, seq_len: int, compute_dtype: str | None) -> dict:
+    """{op: [call keys]} of the kernel calls of `model`'s train step on one chip of `platform`
+    (`batch` rows of `seq_len` per micro-batch, in `compute_dtype`; None: the platform's): its
+    forward traced without weights, every tunable op probed (kernel_tiles.probe_options). The
+    keys do not depend on which implementation runs, so each op is traced with its plain-JAX one."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_bridge import kernel_tiles
+    from jax_bridge.step import StepConfig, TrainStep
+
+    tunable = sorted({op for op, _ in CANDIDATES if op in ops})
+    step_cfg = StepConfig(kernels={op: "xla" for op in tunable}, platform=platform, compute_dtype=compute_dtype,
+                          kernel_options=kernel_tiles.probe_options([(op, "xla") for op in tunable], platform))
+    step = TrainStep(model, step_cfg=step_cfg)
+    params = {**step.abstract_state().params, **step.abstract_frozen()}
+    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
+    with kernel_tiles.recording() as lookups:
+        jax.eval_shape(lambda p, t: step.loss_and_metrics(p, t[:, :-1], t[:, 1:])[0], params, tokens)
+    keys: dict = {}
+    for u in lookups:
+        if u.key not in keys.setdefault(u.op, []):
+            keys[u.op].append(u.key)
+    return keys
+
+
+def _cases(args, shapes: list[str], ops: list[str], platform: str) -> list:
+    """The problems to tune: the run's call keys (--preset / --model-config), else the shape sets'."""
+    from jax_bridge import kernel_tiles
+    from train.bench.kernel_cases import abstract_inputs, case_for_key, kernel_cases
+
+    model = run_model(args)
+    if model is None:
+        return [case for op in ops if any(o == op for o, _ in CANDIDATES) for shape in shapes
+                for case in kernel_cases(op, shape)]
+    cases = []
+    for op, keys in run_keys(model, ops, platform, args.batch_size, args.seq_len, args.compute_dtype).items():
+        for key in keys:
+            case = case_for_key(op, key)
+            found = kernel_tiles.call_key(op, tuple(abstract_inputs(case)), case.kwargs)
+            if found != key:          # the problem timed must be the call looked up
+                raise AssertionError(f"--tune: the {op} problem of {key!r} has key {found!r}")
+            cases.append(case)
+    print(f"{len(cases)} call shapes of {args.model_config or args.preset} at batch {args.batch_size} x seq "
+          f"{args.seq_len}: " + "; ".join(f"{c.op} {c.label} {c.dtype}" for c in cases))
+    return cases
+
+
 def run(args, shapes: list[str], ops: list[str]) -> int:
-    from formats.atomic import write_atomic
     from jax_bridge import kernel_tiles, registry
-    from train.bench.kernel_cases import abstract_inputs, kernel_cases, short_error
+    from train.bench.kernel_cases import abstract_inputs, short_error
 
     candidates = parse_candidates(args.tune_candidates)
     platform, device_kind = _device()
@@ -111,33 +194,43 @@ def run(args, shapes: list[str], ops: list[str]) -> int:
     note = " (Pallas interpreted: the mechanics, not a choice)" if platform == "cpu" else ""
     print(f"Tuning kernel tiles on {device_kind} ({platform}){note}")
     tuned = 0
-    for op in ops:
+    for case in _cases(args, shapes, ops, platform):
+        op, shape = case.op, case.shape
         for impl in [i for (o, i) in candidates if o == op and registry.runs_on(o, i, platform)]:
             fn = registry.implementations(op)[impl].load()
-            for shape in shapes:
-                for case in kernel_cases(op, shape):
-                    results = []
-                    for tiles in candidate_options(op, impl, case.dims, candidates):
-                        label = " ".join(f"{k}={v}" for k, v in tiles.items())
-                        try:
-                            seconds = _measure(case, fn, platform, tiles, args)
-                        except Exception as e:   # the compiler's verdict on this tile: reported, skipped
-                            print(f"  {op}={impl} {case.label} {label}: refused ({short_error(e)})", file=sys.stderr)
-                            continue
-                        results.append((seconds, tiles))
-                        if args.verbose:
-                            print(f"  {op}={impl} {case.label} {label}: {seconds * 1e3:.3f} ms", file=sys.stderr)
-                    if not results:
-                        raise UserError(f"--tune: every candidate tile of {op}={impl} at {case.label} was refused")
-                    best_s, best = min(results, key=lambda r: r[0])
-                    key = kernel_tiles.call_key(op, tuple(abstract_inputs(case)), case.kwargs)
-                    kernel_tiles.add_entry(table, op, impl, key, best, best_s)
-                    tuned += 1
-                    worst_s = max(r[0] for r in results)
-                    print(f"{op}={impl} {shape} {case.label}: {' '.join(f'{k}={v}' for k, v in best.items())} "
-                          f"{best_s * 1e3:.3f} ms, {len(results)} candidates (slowest {worst_s * 1e3:.3f} ms, "
-                          f"{worst_s / best_s:.2f}x)")
-    os.makedirs(os.path.dirname(os.path.abspath(args.tune)), exist_ok=True)
-    write_atomic(args.tune, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode())
-    print(f"wrote {args.tune}: {tuned} entries tuned now; use it with --kernel-options {args.tune}")
+            results = []
+            for tiles in candidate_options(op, impl, case.dims, candidates):
+                label = " ".join(f"{k}={v}" for k, v in tiles.items())
+                try:
+                    seconds = _measure(case, fn, platform, tiles, args)
+                except Exception as e:   # the compiler's verdict on this tile: reported, skipped
+                    print(f"  {op}={impl} {case.label} {label}: refused ({short_error(e)})", file=sys.stderr)
+                    continue
+                results.append((seconds, tiles))
+                if args.verbose:
+                    print(f"  {op}={impl} {case.label} {label}: {seconds * 1e3:.3f} ms", file=sys.stderr)
+            if not results:
+                raise UserError(f"--tune: every candidate tile of {op}={impl} at {case.label} was refused")
+            best_s, best = min(results, key=lambda r: r[0])
+            key = kernel_tiles.call_key(op, tuple(abstract_inputs(case)), case.kwargs)
+            kernel_tiles.add_entry(table, op, impl, key, best, best_s)
+            _write(args.tune, table)       # after each entry: a run stopped midway keeps what it measured
+            tuned += 1
+            worst_s = max(r[0] for r in results)
+            print(f"{op}={impl} {shape} {case.label}: {' '.join(f'{k}={v}' for k, v in best.items())} "
+                  f"{best_s * 1e3:.3f} ms, {len(results)} candidates (slowest {worst_s * 1e3:.3f} ms, "
+                  f"{worst_s / best_s:.2f}x)")
+    _write(args.tune, table)
+    generation = kernel_tiles.generation_of(device_kind)
+    committed = generation is not None and os.path.abspath(args.tune) == kernel_tiles.committed_path(generation)
+    total = sum(len(per_key) for per_impl in table["entries"].values() for per_key in per_impl.values())
+    print(f"wrote {args.tune}: {tuned} entries tuned now, {total} in all; " + (f"programs compiled for a TPU {generation} take it by default" if committed
+                         else f"use it with --kernel-options {args.tune}"))
     return 0
+
+
+def _write(path: str, table: dict) -> None:
+    from formats.atomic import write_atomic
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode())

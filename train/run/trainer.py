@@ -446,14 +446,17 @@ class Trainer:
         writer = MetricsWriter(self.out / "metrics.jsonl", resume_step=self.done if meta else None,
                                tensorboard_dir=self.out / "tensorboard" if self.cfg.tensorboard else None)
         counts = self.model_cfg.param_counts()
-        from jax_bridge import distributed, registry, sharding
+        from jax_bridge import distributed, kernel_tiles, registry, sharding
+        tables = kernel_tiles.tables_in(self.step.cfg.kernel_options)
+        tuned = f" (tuned tiles: {', '.join(tables)})" if tables else ""
         print(f"model {self.model_name}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M "
-              f"active); kernels: {registry.describe(self.step.kernels, self.step.platform)}; compute "
+              f"active); kernels: {registry.describe(self.step.kernels, self.step.platform)}{tuned}; compute "
               f"{self.step.cfg.compute_dtype}, matmul precision {self.step.cfg.matmul_precision}")
         print(f"devices: {distributed.describe()}; mesh: {sharding.describe(self.mesh) if self.mesh else 'none'}; "
               f"layers {'scanned' if self.cfg.scan_layers else 'looped'}, remat {self.cfg.remat}")
         writer.write({"kind": "resume" if meta else "run", "step": self.done, "from": str(resume_dir) if meta else None,
-                      "preset": self.cfg.preset, "model_config": self.cfg.model_config, "kernels": self.step.kernels, "params": counts["total"],
+                      "preset": self.cfg.preset, "model_config": self.cfg.model_config, "kernels": self.step.kernels,
+                      "kernel_tiles": tables, "params": counts["total"],
                       "active_params": counts["active"], "config": self.cfg.to_dict(), "model": self.model_cfg.to_dict(),
                       "flops_per_token": flops.flops_per_token(self.model_cfg, self.cfg.seq_len),
                       "peak_flops": self.peak, "peak_source": self.peak_source})
@@ -643,7 +646,7 @@ class Trainer:
         summary = {"steps": self.done, "train_seconds": wall, "checkpoint": str(path),
                    "val_loss_end": self.last_eval.get("val_loss"), "val_bpb_end": self.last_eval.get("val_bpb"),
                    "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count,
-                   "compile_count": self.step.compile_count}
+                   "compile_count": self.step.compile_count, "kernel_tiles": self._tile_tables()}
         samples = self._samples() if self.cfg.samples > 0 else []
         if self.primary:
             self.metrics.close()
@@ -654,6 +657,14 @@ class Trainer:
             summary["samples"] = samples
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _tile_tables(self) -> dict:
+        """The tables of tuned tiles the step took, and the calls whose shapes they lacked (those
+        ran their default tiles; each was said on stderr when traced)."""
+        from jax_bridge import kernel_tiles
+
+        tables = kernel_tiles.tables_in(self.step.cfg.kernel_options)
+        return {"tables": tables, "untuned": kernel_tiles.untuned(tables)}
 
     def _first_eval(self) -> float | None:
         from train.run.metrics import read_metrics
