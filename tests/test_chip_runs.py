@@ -74,16 +74,20 @@ def demo_run(tmp_path_factory, tpu_device):
     from train.cli import main
 
     root = tmp_path_factory.mktemp("demo")
-    data = root / "shakespeare"
-    assert main(["prepare", "--out", str(data)]) == 0
+    data = REPO / "data" / "shakespeare"          # `make demo`'s, when the checkout has it
+    if not (data / "tokenizer.json").exists():
+        data = root / "shakespeare"
+        assert main(["prepare", "--out", str(data)]) == 0
     assert main(["train", "--data", str(data), "--out", str(root / "tiny")]) == 0
-    return root / "tiny"
+    return root / "tiny", data
 
 
-def test_the_demo_run_reaches_the_cpus_validation_bits_per_byte(demo_run):
-    evals = [json.loads(line) for line in (demo_run / "metrics.jsonl").read_text().splitlines()
+def test_the_demo_run_reaches_the_cpus_validation_bits_per_byte(demo_run, capsys):
+    evals = [json.loads(line) for line in (demo_run[0] / "metrics.jsonl").read_text().splitlines()
              if '"kind": "eval"' in line]
     bpb = evals[-1]["val_bpb"]
+    with capsys.disabled():
+        print(f"\n[demo run] validation {bpb:.4f} bits/byte on the chip; CPU {CPU_DEMO_BPB}")
     assert abs(bpb - CPU_DEMO_BPB) <= DEMO_BOUND, f"chip {bpb:.4f} vs CPU {CPU_DEMO_BPB} bits/byte"
 
 
@@ -94,6 +98,9 @@ def test_parity_command_passes_on_the_chip(dtype, tmp_path, tpu_device, capsys):
     report = tmp_path / "parity.json"
     code = main(["parity", "--preset", "tiny", "--dtype", dtype, "--json", str(report)])
     out = capsys.readouterr().out
+    with capsys.disabled():       # the summary line, for the record of the tier's run
+        print(f"\n[parity --preset tiny --dtype {dtype}] " + next((line for line in out.splitlines()
+                                                                    if line.startswith("parity: ")), "no summary line"))
     assert code == 0, out[-6000:]
     assert "parity: PASS" in out
 
@@ -120,8 +127,8 @@ def test_gpt_oss_greedy_generation_on_the_chip_equals_eager_pytorch(demo_run):
     from formats.tokenizer import load_tokenizer
     from train.generation.generator import load_model
 
-    model = load_model(demo_run)
-    tokenizer = load_tokenizer(demo_run.parent / "shakespeare")
+    model = load_model(demo_run[0])
+    tokenizer = load_tokenizer(demo_run[1])
     prompts = [tokenizer.encode(text) for text in ("ROMEO:", "JULIET: O Romeo,", "First Citizen:\nBefore we proceed")]
     got = greedy_on_chip(model, prompts, 40)
     assert_greedy_like_eager(model, prompts, got, 40)
