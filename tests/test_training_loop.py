@@ -146,7 +146,7 @@ def test_reference_run_writes_checkpoints_metrics_plots_and_tensorboard(referenc
     assert traced["summary"] == str(out / "profile" / "summary.json")
     profiled = json.loads((out / "profile" / "summary.json").read_text())
     assert (profiled["platform"], profiled["runs"], profiled["steps"]) == ("cpu", 3, [20, 22])
-    assert profiled["not_in_hlo"]["instructions"] == 0 and profiled["per_step_ms"]["ops"] > 0
+    assert profiled["unmatched"]["instructions"] == 0 and profiled["per_step_ms"]["ops"] > 0
     assert sum(r["measured_ms"] for r in profiled["rows"]) == pytest.approx(profiled["per_step_ms"]["ops"])
     assert {"matmul (XLA)", "optimizer: Newton-Schulz", "optimizer: other"} <= {r["row"] for r in profiled["rows"]}
     assert "none" in profiled["prediction"] and all(r["predicted_ms"] is None for r in profiled["rows"])

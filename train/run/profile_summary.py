@@ -35,7 +35,7 @@ from jax_bridge import hlo_text as hlo
 from jax_bridge import roofline
 
 STEP_HLO, STEP_META, SUMMARY = "step.hlo.txt", "step.json", "summary.json"
-NOT_IN_HLO = "not in the step's HLO"
+UNMATCHED = "not matched to the step's HLO"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles = {"count": 0, "seconds": 0.0, "listening": False}
 
@@ -45,6 +45,7 @@ class OpEvent:
     name: str            # the HLO instruction's name
     start_ns: float
     duration_ns: float
+    signature: tuple | None = None   # (opcode, shape without layouts) where the event spells out its instruction (TPU)
 
 
 @dataclasses.dataclass
@@ -156,15 +157,28 @@ def _device_runs(plane) -> tuple[list[ProgramRun], int]:
                         f"(lines: {', '.join(lines)})")
     runs = sorted((ProgramRun(re.sub(r"\(\d+\)$", "", e.name), e.start_ns, e.duration_ns, [])
                    for e in lines["XLA Modules"]), key=lambda r: r.start_ns)
-    starts, outside = [r.start_ns for r in runs], 0
+    starts, outside, read = [r.start_ns for r in runs], 0, {}
     for e in lines["XLA Ops"]:
         i = bisect.bisect_right(starts, e.start_ns) - 1
         if i < 0 or e.start_ns >= runs[i].start_ns + runs[i].duration_ns:
             outside += 1
             continue
-        found = re.match(r"%?([\w.\-]+)", e.name)
-        runs[i].ops.append(OpEvent(found.group(1) if found else e.name, e.start_ns, e.duration_ns))
+        if e.name not in read:
+            read[e.name] = _instruction_of(e.name)
+        runs[i].ops.append(OpEvent(*read[e.name][:1], e.start_ns, e.duration_ns, read[e.name][1]))
     return runs, outside
+
+
+def _instruction_of(text: str) -> tuple[str, tuple | None]:
+    """(name, (opcode, shape without layouts)) of an event named by its instruction's text."""
+    try:
+        ins = hlo.parse_instruction(text)
+    except ValueError:
+        ins = None
+    if ins is not None:
+        return ins.name, (ins.opcode, hlo.without_layouts(ins.shape))
+    found = re.match(r"%?([\w.\-]+)", text)
+    return (found.group(1) if found else text), None
 
 
 def _host_runs(plane) -> tuple[list[ProgramRun], int]:
@@ -254,10 +268,15 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
 
     measured: dict[str, float] = {}      # instruction -> ns over every run
     events: dict[str, int] = {}
-    unmatched: dict[str, float] = {}
+    unmatched: dict[str, float] = {}     # traced ops the HLO lacks, or holds as another instruction
+    different = set()
     for run in steps:
         for e in run.ops:
             ins = index.get(e.name)
+            if ins is not None and e.signature is not None and \
+                    e.signature != (ins.opcode, hlo.without_layouts(ins.shape)):
+                different.add(e.name)
+                ins = None
             if ins is None:
                 unmatched[e.name] = unmatched.get(e.name, 0.0) + e.duration_ns
             elif ins.opcode not in roofline.CONTROL:
@@ -279,7 +298,7 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
                       "difference_ms": None if want is None else ms - want,
                       "instructions": got["instructions"], "events_per_step": got["events"] / n})
     op_ns = sum(measured.values()) + sum(unmatched.values())
-    busy = [_busy_ns([e for e in run.ops if e.name not in index or index[e.name].opcode not in roofline.CONTROL])
+    busy = [_busy_ns([e for e in run.ops if e.name in unmatched or index[e.name].opcode not in roofline.CONTROL])
             for run in steps]
     wall = [run.duration_ns for run in steps]
     gaps = [b.start_ns - (a.start_ns + a.duration_ns) for a, b in zip(steps, steps[1:])]
@@ -307,8 +326,9 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
                         "idle_in_program": (sum(wall) - sum(busy)) / n / 1e6,
                         "between_steps": sum(gaps) / len(gaps) / 1e6 if gaps else None},
         "rows": table,
-        "not_in_hlo": {"instructions": len(unmatched), "ms": sum(unmatched.values()) / n / 1e6,
-                       "examples": sorted(unmatched, key=lambda k: -unmatched[k])[:5]},
+        "unmatched": {"instructions": len(unmatched), "another_instruction": len(different),
+                      "ms": sum(unmatched.values()) / n / 1e6,
+                      "examples": sorted(unmatched, key=lambda k: -unmatched[k])[:5]},
         "ops_outside_runs": outside,
         "other_programs": sorted(others.values(), key=lambda o: -o["ms"]),
         "prediction": {k: v for k, v in prediction.items() if k != "rows"},
@@ -350,8 +370,9 @@ def format_summary(s: dict) -> str:
              f"  {'category':36} {'measured':>11}" + (f" {'predicted':>11} {'difference':>11}" if predicted else "")
              + f" {'share':>6}"]
     ops = per["ops"] or 1.0
-    for row in s["rows"] + ([{"row": NOT_IN_HLO, "measured_ms": s["not_in_hlo"]["ms"], "predicted_ms": None,
-                              "difference_ms": None}] if s["not_in_hlo"]["instructions"] else []):
+    unmatched = s["unmatched"]
+    for row in s["rows"] + ([{"row": UNMATCHED, "measured_ms": unmatched["ms"], "predicted_ms": None,
+                              "difference_ms": None}] if unmatched["instructions"] else []):
         note = "  (overlapped with compute: not in the predicted step)" if predicted and row["row"] == "collectives" else ""
         lines.append(f"  {row['row'][:36]:36} {row['measured_ms']:8.2f} ms"
                      + ((f" {row['predicted_ms']:8.2f} ms" if row["predicted_ms"] is not None else f" {'-':>11}")
@@ -375,19 +396,20 @@ def format_summary(s: dict) -> str:
         step = s["prediction"]["step_ms"]
         lines.append(f"  the roofline's step {step:.2f} ms; the device took {per['wall']:.2f} ms per step, "
                      f"{per['wall'] - step:+.2f} ms ({per['wall'] / step:.2f}x)" if step else "  the roofline's step: 0 ms")
-    if s["not_in_hlo"]["instructions"]:
-        lines.append(f"  {s['not_in_hlo']['instructions']} traced op(s) not in the step's HLO, e.g. "
-                     + ", ".join(s["not_in_hlo"]["examples"]))
+    if unmatched["instructions"]:
+        lines.append(f"  {unmatched['instructions']} traced op(s) not matched to the step's HLO ("
+                     f"{unmatched['another_instruction']} of them named there for another instruction: was the HLO "
+                     f"written by this run?), e.g. " + ", ".join(unmatched["examples"]))
     if s["other_programs"]:
         lines.append("  other programs in the trace: " + "; ".join(
             f"{o['module']} x{o['runs']} {o['ms']:.2f} ms" for o in s["other_programs"]))
     if s["top"]:
         lines.append("  ops furthest over their prediction (per step):" if predicted else "  most expensive ops (per step):")
         for o in s["top"]:
+            lead = f"{o['difference_ms']:+9.3f}" if predicted else f"{o['measured_ms']:9.3f}"
             want = f", predicted {o['predicted_ms']:.3f} ms" if o["predicted_ms"] is not None else ""
-            lines.append(f"    {o['difference_ms'] if predicted else o['measured_ms']:+9.3f} ms  {o['row'][:28]:28} "
-                         f"{o['name']} -> {o['shape'][:60]}: measured {o['measured_ms']:.3f} ms "
-                         f"({o['events_per_step']:g} run(s)){want}")
+            lines.append(f"    {lead} ms  {o['row'][:28]:28} {o['name']} -> {o['shape'][:60]}: measured "
+                         f"{o['measured_ms']:.3f} ms (x{o['events_per_step']:g} per step){want}")
     return "\n".join(lines)
 
 
