@@ -86,7 +86,7 @@ def save_step_program(directory: Path, step, state, tokens, lr_scale, **meta) ->
               "generation": step.cfg.tpu_generation,
               "compiled": (f"compiled again: {again} program(s) in {_compiles['seconds'] - before['seconds']:.1f} s "
                            f"(jax.jit's cache did not hold the step)") if again else
-                          "the executable the steps ran, from jax.jit's cache (no second compile)",
+                          "the executable the steps ran, from jax.jit's cache: no second compile",
               "seconds": round(time.perf_counter() - start, 2),
               "cost": {k: float(v) for k, v in dict(cost or {}).items() if "{" not in k}, **meta}   # the totals
     directory = Path(directory)

@@ -628,17 +628,20 @@ class Trainer:
         from train.run import profile_summary
 
         if self.primary:
+            directory = Path(record["directory"])
             with self.timer.paused():
-                directory = Path(record["directory"])
-                program = profile_summary.save_step_program(directory, self.step, self.state, self.last_batch,
-                                                            self.scale, steps=record["steps"])
-                say(f"profile: the step's HLO in {directory / profile_summary.STEP_HLO} ({program['compiled']})")
                 try:
+                    program = profile_summary.save_step_program(directory, self.step, self.state, self.last_batch,
+                                                                self.scale, steps=record["steps"])
+                    say(f"profile: the step's HLO in {directory / profile_summary.STEP_HLO} ({program['compiled']})")
                     _, path = profile_summary.write_summary(directory)
                     record["summary"] = self.profile_summary = str(path)
-                except UserError as e:      # the trace and the HLO stay for `torchlyra profile`
-                    record["summary_error"] = str(e)
-                    say(f"profile: no summary: {e}")
+                except Exception as e:  # noqa: BLE001 - a diagnostic's failure is said, and the run goes on
+                    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+                    record["summary_error"] = f"{type(e).__name__}: {first}"
+                    say(f"profile: no summary ({record['summary_error']}); the trace stays in {directory}"
+                        + ("" if not (directory / profile_summary.STEP_HLO).is_file() else
+                           f": `torchlyra profile {self.out}` reads it again"))
         self.write_record(record)
 
     def write_record(self, record: dict) -> None:
