@@ -1,7 +1,6 @@
-"""`torchlyra profile RUN`: where a profiled run's train steps spent their time, per op category
-of `plan --roofline` (jax_bridge/roofline.py), measured beside the roofline's prediction; the
-step's wall time on the device against its ops' time and the gaps between steps; the ops
-furthest over their prediction.
+"""Where a profiled run's train steps spent their time (`train --profile-steps`, `torchlyra profile
+RUN`): per op category of `plan --roofline`, measured beside the roofline's prediction; the step's
+wall time against its ops' time, the gaps between steps, the ops furthest over their prediction.
 
 A run with `--profile-steps A:B` (train/run/profiling.py) writes into OUT/profile/ the
 jax.profiler trace (plugins/profile/<time>/<host>.xplane.pb) and, beside it, the compiled step's
@@ -270,8 +269,12 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
     events: dict[str, int] = {}
     unmatched: dict[str, float] = {}     # traced ops the HLO lacks, or holds as another instruction
     different = set()
+    control = lambda e: e.signature[0] in roofline.CONTROL if e.signature else \
+        e.name in index and index[e.name].opcode in roofline.CONTROL
     for run in steps:
         for e in run.ops:
+            if control(e):          # spans its body's ops, counted on their own
+                continue
             ins = index.get(e.name)
             if ins is not None and e.signature is not None and \
                     e.signature != (ins.opcode, hlo.without_layouts(ins.shape)):
@@ -279,7 +282,7 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
                 ins = None
             if ins is None:
                 unmatched[e.name] = unmatched.get(e.name, 0.0) + e.duration_ns
-            elif ins.opcode not in roofline.CONTROL:
+            else:
                 measured[e.name] = measured.get(e.name, 0.0) + e.duration_ns
                 events[e.name] = events.get(e.name, 0) + 1
     predicted, prediction = _prediction(meta, text, platform, cost_fn)
@@ -298,8 +301,7 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
                       "difference_ms": None if want is None else ms - want,
                       "instructions": got["instructions"], "events_per_step": got["events"] / n})
     op_ns = sum(measured.values()) + sum(unmatched.values())
-    busy = [_busy_ns([e for e in run.ops if e.name in unmatched or index[e.name].opcode not in roofline.CONTROL])
-            for run in steps]
+    busy = [_busy_ns([e for e in run.ops if not control(e)]) for run in steps]
     wall = [run.duration_ns for run in steps]
     gaps = [b.start_ns - (a.start_ns + a.duration_ns) for a, b in zip(steps, steps[1:])]
     per_op = []
