@@ -141,3 +141,37 @@ def test_profile_command_rewrites_the_summary_and_refuses_a_run_without_profile(
     with pytest.raises(UserError, match="no profile"):
         ps.summarize(tmp_path)
     assert main(["profile", str(tmp_path)]) == 2
+
+
+def test_the_step_program_is_the_one_the_calls_ran_or_says_it_compiled_again(tmp_path):
+    """save_step_program takes the step's executable from jax.jit's caches; where they miss, the
+    compile is counted and said (the real TrainStep: tests/test_training_loop.py)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    def _step(w, x, s):
+        return w * s, x.sum()
+
+    def other():
+        def _step(w, x, s):        # the same name, another program: not in the cache
+            return w - s, x.max()
+        return jax.jit(_step)
+
+    fn = jax.jit(_step, donate_argnums=0)
+
+    def step(ran: bool):
+        def compiled(state, tokens, lr_scale):
+            args = (state, jnp.asarray(tokens), jnp.asarray(lr_scale, jnp.float32))
+            return (fn if ran else other()).lower(*args).compile()
+        return types.SimpleNamespace(compiled=compiled, platform="cpu", cfg=types.SimpleNamespace(tpu_generation=None))
+
+    # The call that compiles it, on a placed state (as the trainer's: the same placement finds it)
+    state = fn(jax.device_put(jnp.ones(8), jax.devices()[0]), jnp.ones(3), jnp.asarray(0.5, jnp.float32))[0]
+    meta = ps.save_step_program(tmp_path, step(True), state, [1.0, 2.0, 3.0], 0.5, steps=[1, 1])
+    assert "no second compile" in meta["compiled"] and meta["steps"] == [1, 1] and meta["cost"]["flops"] >= 0
+    assert ps.module_name((tmp_path / ps.STEP_HLO).read_text()) == meta["module"] == "jit__step"
+    assert json.loads((tmp_path / ps.STEP_META).read_text())["module"] == "jit__step"
+    again = ps.save_step_program(tmp_path, step(False), state, [1.0, 2.0, 3.0], 0.5)
+    assert again["compiled"].startswith("compiled again in ")

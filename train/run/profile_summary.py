@@ -36,7 +36,7 @@ from jax_bridge import roofline
 STEP_HLO, STEP_META, SUMMARY = "step.hlo.txt", "step.json", "summary.json"
 UNMATCHED = "not matched to the step's HLO"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiles = {"count": 0, "seconds": 0.0, "listening": False}
+_compiles = {"programs": [], "listening": False}     # (jax's name of each program compiled, seconds)
 
 
 @dataclasses.dataclass
@@ -57,10 +57,9 @@ class ProgramRun:
 
 # ---- what a profiled run writes beside its trace ---------------------------------------------
 
-def _count_compile(event: str, seconds: float, **_) -> None:
+def _count_compile(event: str, seconds: float, **kwargs) -> None:
     if event == _COMPILE_EVENT:
-        _compiles["count"] += 1
-        _compiles["seconds"] += seconds
+        _compiles["programs"].append((kwargs.get("fun_name", ""), seconds))
 
 
 def save_step_program(directory: Path, step, state, tokens, lr_scale, **meta) -> dict:
@@ -75,17 +74,16 @@ def save_step_program(directory: Path, step, state, tokens, lr_scale, **meta) ->
     if not _compiles["listening"]:
         jax.monitoring.register_event_duration_secs_listener(_count_compile)
         _compiles["listening"] = True
-    before, start = dict(_compiles), time.perf_counter()
+    before, start = len(_compiles["programs"]), time.perf_counter()
     compiled = step.compiled(state, tokens, lr_scale)
     text = roofline.module_text(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    again = _compiles["count"] - before["count"]
-    record = {"module": module_name(text), "hlo": STEP_HLO, "platform": step.platform,
-              "generation": step.cfg.tpu_generation,
-              "compiled": (f"compiled again: {again} program(s) in {_compiles['seconds'] - before['seconds']:.1f} s "
-                           f"(jax.jit's cache did not hold the step)") if again else
-                          "the executable the steps ran, from jax.jit's cache: no second compile",
+    module = module_name(text)          # jit_NAME, which jax's compile events call jit(NAME)
+    again = [s for name, s in _compiles["programs"][before:] if name == f"jit({module.removeprefix('jit_')})"]
+    record = {"module": module, "hlo": STEP_HLO, "platform": step.platform, "generation": step.cfg.tpu_generation,
+              "compiled": (f"compiled again in {sum(again):.1f} s (jax.jit's cache did not hold the step)" if again
+                           else "the executable the steps ran, from jax.jit's cache: no second compile"),
               "seconds": round(time.perf_counter() - start, 2),
               "cost": {k: float(v) for k, v in dict(cost or {}).items() if "{" not in k}, **meta}   # the totals
     directory = Path(directory)
