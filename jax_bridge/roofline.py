@@ -31,7 +31,7 @@ OPTIMIZER_SCOPE = "optimizer_update"     # the jax.named_scope of the step's upd
 
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier"}
-_CONTROL = {"while", "call", "conditional"}
+CONTROL = {"while", "call", "conditional"}      # ops that span their bodies' ops
 _MOVEMENT = {"copy", "copy-start", "copy-done", "transpose", "reshape", "slice", "dynamic-slice",
              "dynamic-update-slice", "concatenate", "pad", "reverse", "gather"}
 _COLLECTIVE = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
@@ -231,6 +231,16 @@ def categorize(ins: hlo.Instruction, comps: dict) -> str:
     return "elementwise / fusions"
 
 
+def kernel_name(ins: hlo.Instruction) -> str:
+    """A Pallas kernel's name: its custom call's instruction name without the numbering."""
+    return re.sub(r"\.\d+$", "", ins.name)
+
+
+def row_name(category: str, kernel: str = "") -> str:
+    """The roofline row an op is counted in: its category, each kernel a row of its own."""
+    return f"kernel: {kernel}" if category == "kernel" else category
+
+
 def collect_ops(text: str, cost_fn) -> tuple[list[Op], list[str], list[str]]:
     """Every costed op of the module text, with its trip count; the while loops whose trip count
     could not be read (counted once); the ops the generic analysis could not price (counted as
@@ -258,14 +268,14 @@ def collect_ops(text: str, cost_fn) -> tuple[list[Op], list[str], list[str]]:
                 ops.append(Op(ins.name, ins.opcode, categorize(ins, comps), "", hlo.without_layouts(ins.shape),
                               [hlo.without_layouts(o) for o in ins.operands], trips, 0.0, 0.0, waited, 0.0))
                 continue
-            if ins.opcode in _CONTROL:
+            if ins.opcode in CONTROL:
                 for callee in hlo.callees(ins.attrs, comps):
                     walk(callee, trips)
                 continue
             category = categorize(ins, comps)
             kernel, estimated = "", True
             if category == "kernel":
-                kernel = re.sub(r"\.\d+$", "", ins.name)
+                kernel = kernel_name(ins)
                 est = _kernel_cost(ins)
                 estimated = est is not None
                 flops, trans, nbytes = est or (0.0, 0.0, 0.0)
@@ -414,13 +424,20 @@ def roofline(compiled, generation: str, *, tiles: dict | None = None, top: int =
 def roofline_of_text(text: str, cost: dict, generation: str, *, cost_fn=None, tiles: dict | None = None,
                      top: int = 5) -> Roofline:
     """The same from the module's text (module_text) and libtpu's cost_analysis() dict."""
+    cost_fn = cost_fn or xla_cost_fn()
+    return roofline_of_ops(collect_ops(text, cost_fn), text, cost, generation, cost_fn=cost_fn, tiles=tiles, top=top)
+
+
+def roofline_of_ops(collected: tuple, text: str, cost: dict, generation: str, *, cost_fn=None,
+                    tiles: dict | None = None, top: int = 5) -> Roofline:
+    """The same from collect_ops' result for that text (a caller that also needs each op's time)."""
     peak, bandwidth = device_peaks(generation)
     cost_fn = cost_fn or xla_cost_fn()
-    ops, unknown, unpriced = collect_ops(text, cost_fn)
+    ops, unknown, unpriced = collected
     rows, timed = {}, []
     for op in ops:
         seconds, memory_bound = op_seconds(op, peak, bandwidth)
-        key = f"kernel: {op.kernel}" if op.category == "kernel" else op.category
+        key = row_name(op.category, op.kernel)
         row = rows.setdefault(key, Row(key, 0, 0.0, 0.0, 0.0, 0.0, 0.0))
         row.ops += 1
         row.flops += op.flops * op.trips

@@ -568,6 +568,14 @@ class TrainStep:
         return self._jitted.lower(state, self.compute_copy_spec(state.params), self.place_batch(tokens, 1),
                                   jnp.asarray(lr_scale, jnp.float32), self.frozen)
 
+    def compiled(self, state: TrainState, tokens, lr_scale=1.0):
+        """The step's `jax.stages.Compiled` for the arguments a call would get (nothing is donated
+        or run): after a call with such arguments, jax.jit's caches hold its lowering and
+        executable, so this is the very program the calls ran and nothing compiles again (it
+        compiles only if no call has). `state`: a live state (the last call's result)."""
+        return self._jitted.lower(state, self._copy_of(state), self.place_batch(tokens, 1),
+                                  jnp.asarray(lr_scale, jnp.float32), self.frozen).compile()
+
 
 PACKED_FIELDS = ("tokens", "weights", "segment_ids", "positions")
 

@@ -12,9 +12,8 @@ attempts (issue 12). Each prints medians of interleaved rounds and per-round rat
     python scripts/step_experiments.py profile PRESET [CALLS] [KERNELS]   # fwd+bwd thunk time per model op
 
 `profile` writes a jax.profiler trace of CALLS fwd+bwd calls and the compiled HLO under
-/tmp/step_profile/PRESET; `scripts/xla_profile_summary.py` (needs only `xprof`, not a project
-dependency: run it from any venv with `pip install xprof`) sums XLA:CPU's per-thunk events by the
-model op that emitted them.
+/tmp/step_profile/PRESET; `scripts/xla_profile_summary.py` (reads the trace with jax.profiler's own
+reader, nothing beyond the lock) sums XLA:CPU's per-thunk events by the model op that emitted them.
 
 A kernel SET is a spec with optional options after ':' ("moe=loop:moe.loop.block_m=128"); besides the
 registered implementations it may name this script's stand-ins, which only bound where time goes:
@@ -389,8 +388,7 @@ def profile(preset: str, calls: int, kern: str | None):
     with open(hlo, "w") as f:
         f.write(ts._jitted_grads.lower(params, tokens[0]).compile().as_text())
     summary = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_profile_summary.py")
-    print(f"trace and compiled HLO in {out}; per model op, with a Python that has xprof:\n"
-          f"  python {summary} {out} {hlo}")
+    print(f"trace and compiled HLO in {out}; per model op:\n  python {summary} {out} {hlo}")
 
 
 if __name__ == "__main__":

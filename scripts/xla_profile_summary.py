@@ -1,54 +1,60 @@
 #!/usr/bin/env python3
 """XLA:CPU thunk time per model op, from a jax.profiler trace and the program's compiled HLO
-(`scripts/step_experiments.py profile` writes both). Needs `xprof` (not a project dependency:
-`pip install xprof` in any venv; nothing else from the project is imported).
+(`scripts/step_experiments.py profile` writes both; so does `torchlyra train --profile-steps`,
+whose trace directory is OUT/profile and HLO OUT/profile/step.hlo.txt). The trace is read by
+train/run/profile_summary.py (jax.profiler.ProfileData, in jaxlib: nothing beyond the lock);
+each op is named by the model op that emitted it (its metadata op_name), forward or backward.
+The view by roofline category, beside the roofline's prediction on a TPU, is
+`torchlyra profile RUN`.
 
     python scripts/xla_profile_summary.py TRACE_DIR HLO_TXT
 
 Thunks overlap (two may run at once, each timed whole), so the sums exceed wall time and single
 ops are inflated: read the shares, not the milliseconds.
 """
+import collections
+import os
+import re
 import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jax_bridge import hlo_text as hlo  # noqa: E402
+from jax_bridge.roofline import CONTROL  # noqa: E402
+from train.run import profile_summary  # noqa: E402
+
+TAGS = ("routed_experts", "linear_cross_entropy", "attention", "rms_norm", "router", "linear")
 
 
-def summarize(trace_dir: str, hlo_path: str):
-    """Thunk milliseconds per model op (forward / backward), summed over the traced calls."""
-    import collections
-    import glob
-    import gzip
-    import json
-    import re
-
-    from xprof.convert import raw_to_tool_data
-
-    path = sorted(glob.glob(f"{trace_dir}/plugins/profile/*/*.xplane.pb"))[-1]
-    data, _ = raw_to_tool_data.xspace_to_tool_data([path], "trace_viewer@", {})
-    try:
-        data = gzip.decompress(data)
-    except (OSError, TypeError):
-        pass
-    events = json.loads(data)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    hlo = open(hlo_path).read()
-    op_of = dict(re.findall(r"\n\s*(?:ROOT )?%?([\w.-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo))
-    for loop in re.findall(r"\n\s*(?:ROOT )?%?([\w.-]+) = [^\n]* while\(", hlo):
-        op_of.pop(loop, None)         # a loop's thunk spans its body's thunks, which count on their own
-    tags = ("routed_experts", "linear_cross_entropy", "attention", "rms_norm", "router", "linear")
+def summarize(trace_dir: str, hlo_path: str) -> collections.Counter:
+    """Thunk milliseconds per model op (forward / backward), summed over the traced runs of the
+    HLO's module; control ops (a loop spans its body's thunks) and ops without an op_name left out."""
+    text = Path(hlo_path).read_text()
+    comps, _ = hlo.parse_module(text)
+    op_of = {}
+    for _, lines in comps.values():
+        for ins in filter(None, map(hlo.parse_instruction, lines)):
+            name = re.search(r'op_name="([^"]*)"', ins.attrs)
+            if name and ins.opcode not in CONTROL:
+                op_of[ins.name] = name.group(1)
+    module = profile_summary.module_name(text)
+    _, _, runs, _ = profile_summary.read_trace(profile_summary.find_trace(Path(trace_dir)))
     sums = collections.Counter()
-    for e in events:
-        if e.get("ph") != "X" or not threads.get((e["pid"], e["tid"]), "").startswith("tf_XLAEigen"):
+    for run in runs:
+        if run.module != module:
             continue
-        name = op_of.get(e["name"])
-        if name is None:
-            continue
-        tag = next((t for t in tags if t in name), "other")
-        sums[("backward " if "transpose(" in name else "forward ") + tag] += e["dur"] / 1e3
-    total = sum(sums.values())
-    for key, ms in sums.most_common():
-        print(f"  {key:35s} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
+        for e in run.ops:
+            name = op_of.get(e.name)
+            if name is None:
+                continue
+            tag = next((t for t in TAGS if t in name), "other")
+            sums[("backward " if "transpose(" in name else "forward ") + tag] += e.duration_ns / 1e6
+    return sums
 
 
 if __name__ == "__main__":
-    summarize(sys.argv[1], sys.argv[2])
+    sums = summarize(sys.argv[1], sys.argv[2])
+    total = sum(sums.values()) or 1.0
+    for key, ms in sums.most_common():
+        print(f"  {key:35s} {ms:9.1f} ms  {100 * ms / total:5.1f}%")

@@ -138,6 +138,19 @@ def test_reference_run_writes_checkpoints_metrics_plots_and_tensorboard(referenc
     [traced] = [r for r in records if r["kind"] == "profile"]
     assert traced["step"] == 22 and traced["steps"] == [20, 22] and traced["files"]
     assert all((out / "profile" / f).stat().st_size > 0 for f in traced["files"])
+    # ... beside it the step's HLO, the very executable the steps ran (no second compile), and
+    # the summary (train/run/profile_summary.py): every traced op found in that HLO, the
+    # categories adding up to the measured op time; on the CPU no roofline.
+    program = json.loads((out / "profile" / "step.json").read_text())
+    assert program["module"] == "jit__step" and "no second compile" in program["compiled"]
+    assert traced["summary"] == str(out / "profile" / "summary.json")
+    profiled = json.loads((out / "profile" / "summary.json").read_text())
+    assert (profiled["platform"], profiled["runs"], profiled["steps"]) == ("cpu", 3, [20, 22])
+    assert profiled["unmatched"]["instructions"] == 0 and profiled["per_step_ms"]["ops"] > 0
+    assert sum(r["measured_ms"] for r in profiled["rows"]) == pytest.approx(profiled["per_step_ms"]["ops"])
+    assert {"matmul (XLA)", "optimizer: Newton-Schulz", "optimizer: other"} <= {r["row"] for r in profiled["rows"]}
+    assert "none" in profiled["prediction"] and all(r["predicted_ms"] is None for r in profiled["rows"])
+    assert main(["profile", str(out)]) == 0        # `torchlyra profile RUN` reads it again
 
 
 @pytest.mark.parametrize("spec", ["3", "5:2", "0:4", "50:70"])

@@ -14,6 +14,8 @@ COMMANDS = {
     "train": ("train.run.loop", "train a model on prepared data"),
     "eval": ("train.evaluation.cli", "tasks (CORE-6, HumanEval, task files) or validation loss and bits per byte of a checkpoint"),
     "plot": ("train.run.plots", "plot a run's metrics (loss, learning rate, gradient norm, throughput, expert load)"),
+    "profile": ("train.run.profile_summary", "summarise a run's profile (train --profile-steps): time per op "
+                "category, measured beside the roofline's prediction"),
     "generate": ("train.generation.cli", "sample from a checkpoint"),
     "rl": ("train.rl.cli", "reinforcement learning on verifiable rewards (GRPO, DAPO, Dr. GRPO, GSPO) from a checkpoint"),
     "export": ("formats.export_cli", "write a checkpoint as Hugging Face files (LoRA: merged, or --adapter)"),

@@ -9,6 +9,8 @@ parent process that reports a lost host in one line (`train/cluster/host_supervi
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from train.cluster import join
 from train.run.config import TrainConfig, load_config_file
@@ -51,7 +53,7 @@ def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict
                 metrics = trainer.train_step(trainer.next_batch())
                 traced = profiler.after(trainer.done, metrics)
                 if traced is not None:
-                    trainer.write_record(traced)
+                    trainer.profiled(traced)
                 if trainer.is_log_step():
                     trainer.log(metrics)
                 if trainer.done % cfg.eval_every == 0 or trainer.done == cfg.steps:
@@ -128,6 +130,11 @@ def run(args) -> int:
           + (f" ({bpb:.3f} bits/byte)" if bpb is not None else " (DPO loss per held-out pair)"))
     for s in summary["samples"]:
         print(f"\n--- sample ---\n{s['text']}")
+    if summary.get("profile_summary"):
+        from train.run.profile_summary import format_summary
+
+        print("\n" + format_summary(json.loads(Path(summary["profile_summary"]).read_text())))
     print(f"\nmetrics:    {summary['metrics']}\nplots:      {', '.join(summary['plots'])}\n"
-          f"checkpoint: {summary['checkpoint']}")
+          + (f"profile:    {summary['profile_summary']}\n" if summary.get("profile_summary") else "")
+          + f"checkpoint: {summary['checkpoint']}")
     return 0

@@ -1,7 +1,8 @@
 """`train --profile-steps A:B`: a `jax.profiler` trace of train steps A to B (counted from 1, both
 included) in the run directory's `profile/`, which TensorBoard's profile plugin and XProf read
 (`tensorboard --logdir OUT/profile`). The trace ends after step B's results are on the host, so
-it holds the device work of those steps, not only their dispatch."""
+it holds the device work of those steps, not only their dispatch; the run then writes the step's
+HLO and the trace's summary beside it (Trainer.profiled, train/run/profile_summary.py)."""
 from __future__ import annotations
 
 import re

@@ -237,6 +237,7 @@ class Trainer:
         self.tokens_per_step = cfg.micro_batches * cfg.batch_size * cfg.seq_len
         self.timer, self._pending_skip, self._skipped_since_log, self.start_time = StepTimer(), None, 0, time.perf_counter()
         self.last_eval: dict = {}
+        self.profile_summary: str | None = None     # profile/summary.json, once the traced steps are summarised
         self._loader_state = None        # set while a read is in flight (see next_batch)
         self.metrics = self._open_metrics(resume_dir, meta)
         if self.train_data.yields_batch:
@@ -486,6 +487,7 @@ class Trainer:
         cfg = self.cfg
         self.scale = lr_scale(self.done, total=cfg.steps, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
         self.state, metrics = self.step(self.state, batch, self.scale)
+        self.last_batch = batch            # what a profiled run's step program is looked up with
         self.done += 1
         if not self.timer.started:
             self.timer.start()                 # after the first dispatch: compilation is not timed
@@ -622,6 +624,29 @@ class Trainer:
             self.write_record({"kind": "checkpoint", "step": record.step, "blocking_s": record.blocking_s,
                          "write_s": record.total_s, "bytes": record.bytes})
 
+    def profiled(self, record: dict) -> None:
+        """The traced steps are done (train/run/profiling.py's record): process 0 writes the
+        step's compiled HLO beside the trace and the trace's summary (train/run/profile_summary.py;
+        printed at the end of the run), outside the steps' timing; then the record."""
+        from train.run import profile_summary
+
+        if self.primary:
+            directory = Path(record["directory"])
+            with self.timer.paused():
+                try:
+                    program = profile_summary.save_step_program(directory, self.step, self.state, self.last_batch,
+                                                                self.scale, steps=record["steps"])
+                    say(f"profile: the step's HLO in {directory / profile_summary.STEP_HLO} ({program['compiled']})")
+                    _, path = profile_summary.write_summary(directory)
+                    record["summary"] = self.profile_summary = str(path)
+                except Exception as e:  # noqa: BLE001 - a diagnostic's failure is said, and the run goes on
+                    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+                    record["summary_error"] = f"{type(e).__name__}: {first}"
+                    say(f"profile: no summary ({record['summary_error']}); the trace stays in {directory}"
+                        + ("" if not (directory / profile_summary.STEP_HLO).is_file() else
+                           f": `torchlyra profile {self.out}` reads it again"))
+        self.write_record(record)
+
     def write_record(self, record: dict) -> None:
         """One record into metrics.jsonl (process 0)."""
         if self.metrics is not None:
@@ -646,7 +671,8 @@ class Trainer:
         summary = {"steps": self.done, "train_seconds": wall, "checkpoint": str(path),
                    "val_loss_end": self.last_eval.get("val_loss"), "val_bpb_end": self.last_eval.get("val_bpb"),
                    "skipped_total": self.counters["skipped_total"], "trace_count": self.step.trace_count,
-                   "compile_count": self.step.compile_count, "kernel_tiles": self._tile_tables()}
+                   "compile_count": self.step.compile_count, "kernel_tiles": self._tile_tables(),
+                   "profile_summary": self.profile_summary}
         samples = self._samples() if self.cfg.samples > 0 else []
         if self.primary:
             self.metrics.close()

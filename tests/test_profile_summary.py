@@ -1,0 +1,177 @@
+"""The profile summary's TPU path (train/run/profile_summary.py) on a synthetic trace: a small
+program's real optimized HLO (compiled for this CPU) and a device plane written as the TPU's
+profiler writes one ("XLA Modules", "XLA Ops" named by each instruction's text), through
+jax.profiler.ProfileData's own text-proto reader. The CPU path runs on the reference run of
+tests/test_training_loop.py."""
+import json
+
+import pytest
+
+from formats.errors import UserError
+from jax_bridge import roofline
+from jax_bridge import hlo_text as hlo
+from train.cli import main
+from train.run import profile_summary as ps
+
+US = 1_000_000      # picoseconds per microsecond
+
+
+def program_text() -> str:
+    """A loop of matmuls (3 trips), then an update under the optimizer's named scope."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(w, x):
+        h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), x)
+        with jax.named_scope(roofline.OPTIMIZER_SCOPE):
+            w2 = w - 0.1 * (h.T @ h)
+        return w2, h.sum()
+
+    return roofline.module_text(jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((8, 64))).compile())
+
+
+def entry_and_loop(text: str):
+    """(the entry's costed instructions in order, the while loop, its body's and condition's)."""
+    comps, entry = hlo.parse_module(text)
+    parse = lambda name: [i for i in map(hlo.parse_instruction, comps[name][1]) if i and i.opcode not in
+                          ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")]
+    top = parse(entry)
+    [loop] = [i for i in top if i.opcode == "while"]
+    body = parse(__import__("re").search(r"body=%([\w.\-]+)", loop.attrs).group(1))
+    cond = parse(__import__("re").search(r"condition=%([\w.\-]+)", loop.attrs).group(1))
+    return top, loop, body, cond
+
+
+def top_name(text: str) -> str:
+    return entry_and_loop(text)[0][0].name
+
+
+def text_proto(modules: list, ops: list) -> str:
+    """An XSpace with one TPU device plane: modules [(name, start_us, duration_us)], ops
+    [(instruction text, start_us, duration_us)]."""
+    names = [name for name, *_ in modules] + [name for name, *_ in ops]
+    meta = "".join(f"  event_metadata {{ key: {k + 1} value {{ id: {k + 1} name: {json.dumps(n)} }} }}\n"
+                   for k, n in enumerate(names))
+    events = lambda items, first: "".join(
+        f"events {{ metadata_id: {first + k + 1} offset_ps: {int(s * US)} duration_ps: {int(d * US)} }} "
+        for k, (_, s, d) in enumerate(items))
+    return (f'planes {{\n  id: 1\n  name: "/device:TPU:0"\n'
+            f'  lines {{ id: 1 name: "XLA Modules" timestamp_ns: 0 {events(modules, 0)}}}\n'
+            f'  lines {{ id: 2 name: "XLA Ops" timestamp_ns: 0 {events(ops, len(modules))}}}\n{meta}}}\n')
+
+
+@pytest.fixture(scope="module")
+def tpu_profile(tmp_path_factory):
+    """Two runs of the program (each op 10 us, its loop 3 trips), a 1 us program between them, an
+    op the HLO lacks, one it holds as another instruction, and an op outside every run; step.json
+    says: compiled for a v5e."""
+    from jax.profiler import ProfileData
+
+    text = program_text()
+    top, loop, body, cond = entry_and_loop(text)
+    line = lambda ins: ins.line.strip().removeprefix("ROOT ")
+    ops, modules, clock = [], [], 0.0
+    for run in range(2):
+        start = clock
+        for ins in top:
+            if ins is loop:
+                inner = [*(list(cond) + list(body)) * 3, *cond]
+                ops.append((line(ins), clock, 10.0 * len(inner)))      # spans its body's ops
+                for op in inner:
+                    ops.append((line(op), clock, 10.0))
+                    clock += 10.0
+            else:
+                ops.append((line(ins), clock, 10.0))
+                clock += 10.0
+        if run == 0:     # an op the HLO lacks; one it names for another instruction (a stale HLO)
+            ops.append(("%mystery.7 = f32[] custom-call(), custom_call_target=\"x\"", clock, 5.0))
+            ops.append((f"%{top[0].name} = f32[7]{{0}} {top[0].opcode}(f32[7]{{0}} %p)", clock + 5.0, 3.0))
+            clock += 8.0
+        modules.append(("jit_f(42)", start, clock - start + 2.0))     # 2 us idle at the end of each run
+        clock += 100.0
+        modules.append(("jit_convert_element_type(7)", clock, 1.0))
+        ops.append(("%convert.1 = f32[] convert(f32[] %p)", clock, 1.0))
+        clock += 50.0
+    ops.append(("%copy.99 = f32[] copy(f32[] %p)", clock + 500.0, 1.0))     # outside every run
+    root = tmp_path_factory.mktemp("tpu_profile")
+    session = root / "profile" / "plugins" / "profile" / "2026_01_01_00_00_00"
+    session.mkdir(parents=True)
+    (session / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(text_proto(modules, ops)))
+    (root / "profile" / ps.STEP_HLO).write_text(text)
+    (root / "profile" / ps.STEP_META).write_text(json.dumps(
+        {"module": "jit_f", "platform": "tpu", "generation": "v5e", "steps": [5, 6], "compiled": "test"}))
+    costed = len(top) - 1 + 3 * (len(cond) + len(body)) + len(cond)
+    return root, text, costed
+
+
+def test_tpu_trace_by_category_beside_the_roofline(tpu_profile):
+    root, text, costed = tpu_profile
+    s = ps.summarize(root, top=3)
+    assert (s["platform"], s["plane"], s["module"], s["runs"], s["generation"]) == ("tpu", "/device:TPU:0", "jit_f", 2, "v5e")
+    per = s["per_step_ms"]
+    # Exclusive: the while event (spanning its body) is left out; the unmatched ops count, once in two runs.
+    assert per["ops"] == pytest.approx((costed * 10.0 + 8.0 / 2) / 1e3)
+    assert sum(r["measured_ms"] for r in s["rows"]) + s["unmatched"]["ms"] == pytest.approx(per["ops"])
+    assert s["unmatched"] == {"instructions": 2, "another_instruction": 1, "ms": pytest.approx(4e-3),
+                              "examples": ["mystery.7", top_name(text)]}
+    assert per["wall"] == pytest.approx(per["ops"] + 2e-3) and per["idle_in_program"] == pytest.approx(2e-3)
+    assert per["between_steps"] == pytest.approx(0.148)            # 150 us from one start to the next, less the 2
+    assert s["other_programs"] == [{"module": "jit_convert_element_type", "runs": 2, "ms": pytest.approx(2e-3)}]
+    assert s["ops_outside_runs"] == 1
+    # The prediction is plan --roofline's, row by row, at the v5e's peaks.
+    r = roofline.roofline_of_text(text, {}, "v5e")
+    predicted = {row["row"]: row["predicted_ms"] for row in s["rows"]}
+    assert predicted == {row.category: pytest.approx(row.seconds * 1e3) for row in r.rows}
+    assert s["prediction"]["step_ms"] == pytest.approx(r.seconds * 1e3)
+    by_row = {row["row"]: row for row in s["rows"]}
+    assert by_row["matmul (XLA)"]["events_per_step"] == 3          # the loop's matmul, 3 trips
+    assert by_row["optimizer: Newton-Schulz"]["events_per_step"] == 1   # the update's matmul (named scope)
+    assert all(row["difference_ms"] == pytest.approx(row["measured_ms"] - row["predicted_ms"]) for row in s["rows"])
+    assert len(s["top"]) == 3 and s["top"][0]["difference_ms"] >= s["top"][-1]["difference_ms"]
+    table = ps.format_summary(s)
+    assert "predicted" in table and "matmul (XLA)" in table and ps.UNMATCHED in table and "mystery.7" in table
+
+
+def test_profile_command_rewrites_the_summary_and_refuses_a_run_without_profile(tpu_profile, tmp_path, capsys):
+    root, _, _ = tpu_profile
+    assert main(["profile", str(root), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "profile: 2 run(s) of jit_f (steps 5-6)" in out and "ops furthest over their prediction" in out
+    assert json.loads((root / "profile" / ps.SUMMARY).read_text())["runs"] == 2
+    with pytest.raises(UserError, match="no profile"):
+        ps.summarize(tmp_path)
+    assert main(["profile", str(tmp_path)]) == 2
+
+
+def test_the_step_program_is_the_one_the_calls_ran_or_says_it_compiled_again(tmp_path):
+    """save_step_program takes the step's executable from jax.jit's caches; where they miss, the
+    compile is counted and said (the real TrainStep: tests/test_training_loop.py)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    def _step(w, x, s):
+        return w * s, x.sum()
+
+    def other():
+        def _step(w, x, s):        # the same name, another program: not in the cache
+            return w - s, x.max()
+        return jax.jit(_step)
+
+    fn = jax.jit(_step, donate_argnums=0)
+
+    def step(ran: bool):
+        def compiled(state, tokens, lr_scale):
+            args = (state, jnp.asarray(tokens), jnp.asarray(lr_scale, jnp.float32))
+            return (fn if ran else other()).lower(*args).compile()
+        return types.SimpleNamespace(compiled=compiled, platform="cpu", cfg=types.SimpleNamespace(tpu_generation=None))
+
+    # The call that compiles it, on a placed state (as the trainer's: the same placement finds it)
+    state = fn(jax.device_put(jnp.ones(8), jax.devices()[0]), jnp.ones(3), jnp.asarray(0.5, jnp.float32))[0]
+    meta = ps.save_step_program(tmp_path, step(True), state, [1.0, 2.0, 3.0], 0.5, steps=[1, 1])
+    assert "no second compile" in meta["compiled"] and meta["steps"] == [1, 1] and meta["cost"]["flops"] >= 0
+    assert ps.module_name((tmp_path / ps.STEP_HLO).read_text()) == meta["module"] == "jit__step"
+    assert json.loads((tmp_path / ps.STEP_META).read_text())["module"] == "jit__step"
+    again = ps.save_step_program(tmp_path, step(False), state, [1.0, 2.0, 3.0], 0.5)
+    assert again["compiled"].startswith("compiled again in ")
