@@ -7,7 +7,9 @@ process ever holds a tensor it does not own, let alone the model, and the torch 
 the `meta` device.
 
 A source is any object with `entries` (per-layer name -> Entry: `.shape`), `read(name, index)`
-(the values of a slice, numpy) and `bytes_requested`. Every parameter of the model is read from it
+(the values of a slice, numpy) and `bytes_requested`; optionally `stored_key(name)` (the stored
+array a name is read from: `place` reads the arrays made of one stored array one after the other)
+and `release()` (called once placing is done). Every parameter of the model is read from it
 under the base name it is or wraps, peft's names included (`...q_proj.base_layer.weight`, a
 `modules_to_save` copy of the head: `torch_model.lora.base_parameter_of`), except what no base
 holds: LoRA adapters (drawn on the host, or read from a LoRA checkpoint) and a trained head the
@@ -54,6 +56,18 @@ class StepWeights:
             from jax_bridge.step import host_array
             return host_array(self.host[name])[index]
         return self.weights.read(self.base_of[name], index)
+
+    def stored_key(self, name: str):
+        """Where `name` is read from (see `place`): its base's stored array, or the host model."""
+        if name in self.host:
+            return ("host", name)
+        key = getattr(self.weights, "stored_key", None)
+        return key(self.base_of[name]) if key is not None else ("base", self.base_of[name])
+
+    def release(self) -> None:
+        release = getattr(self.weights, "release", None)
+        if release is not None:
+            release()
 
 
 def open_weights(path) -> tuple[object, dict, object | None]:
@@ -146,7 +160,21 @@ def place(weights, abstract: dict, sources: dict, mesh, *, alias: bool = False) 
 
         return jax.make_array_from_callback(a.shape, sharding, block)
 
-    return {name: make(name, a) for name, a in abstract.items()}
+    # Arrays made of the same stored array are read one after the other (a source may keep what
+    # one read decoded for the next: formats/checkpoint_weights.py); the source lets go of it after.
+    key = getattr(weights, "stored_key", None)
+    order = sorted(abstract, key=lambda n: _first_key(key, sources[n])) if key is not None else list(abstract)
+    try:
+        placed = {name: make(name, abstract[name]) for name in order}
+    finally:
+        if hasattr(weights, "release"):
+            weights.release()
+    return {name: placed[name] for name in abstract}
+
+
+def _first_key(stored_key, source) -> tuple:
+    """The sort key of a train-state parameter: the stored array its first part is read from."""
+    return tuple(map(str, stored_key(source if isinstance(source, str) else source[0])))
 
 
 def place_model(model, weights, abstract: dict, mesh, *, layout=None, where: str = "--checkpoint") -> dict:
