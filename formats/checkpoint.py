@@ -165,8 +165,9 @@ class CheckpointWriter:
             max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True, create=True,
             temporary_path_class=hooked_temporary_path(self._step_written))
         # Arrays stored uncompressed (as params_writer stores them): zstd saved 4% of a float32
-        # model's bytes and made every read decode whole chunks (a stacked tensor is one chunk);
-        # raw, a reader copies just its slice out of the mapped files (formats/checkpoint_weights.py).
+        # model's bytes, 10% of its optimizer state's (the 0.57 B Llama's step: 4.29 GB, raw 4.63),
+        # and made every read decode whole chunks (a stacked tensor is one chunk); raw, a reader
+        # copies just its slice out of the mapped files (formats/checkpoint_weights.py).
         # compress: zstd, as checkpoints were written before (tests read such ones).
         handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
         handlers.add(STATE, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=compress))

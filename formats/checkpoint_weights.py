@@ -95,36 +95,44 @@ class CheckpointWeights:
         return self._arrays[key]
 
     def read(self, name: str, index: tuple | None = None) -> np.ndarray:
-        """The values of `name` (or of the slice `index`, a tuple of slices) in the stored dtype.
-        Uncompressed (what we write), a read copies its slice out of the mapped files. A compressed
-        chunk (checkpoints written before) is decoded whole by any read that touches it, so a read
-        that covers part of its chunks reads them whole once and keeps them, and the reads after it
-        that fall inside them (the other layers of a stack stored as one chunk, the next rows of a
-        tensor read in pieces) are sliced from them: host memory holds at most the chunks of one
-        read, which tensorstore decodes anyway."""
+        """The values of `name` (or of the slice `index`, a tuple of slices) in the stored dtype."""
+        index = normalize_index(index, self.entries[name].shape)
+        dtype = self._array(self._where[name].key).dtype.numpy_dtype
+        out = np.empty(tuple(s.stop - s.start for s in index), dtype)
+        self.read_into(name, index, out)
+        return out
+
+    def read_into(self, name: str, index: tuple | None, out: np.ndarray) -> None:
+        """`read`, written into `out` (the slice's shape, a float dtype; cast as numpy casts).
+        Uncompressed (what we write), tensorstore copies the slice out of the mapped files straight
+        into `out`. A compressed chunk (checkpoints written before) is decoded whole by any read
+        that touches it, so a read that covers part of its chunks reads them whole once and keeps
+        them, and the reads after it that fall inside them (the other layers of a stack stored as
+        one chunk, the next rows of a tensor read in pieces) are copied from them: host memory
+        holds at most the chunks of one read, which tensorstore decodes anyway."""
+        import tensorstore as ts
+
         ref = self._where[name]
         index = normalize_index(index, self.entries[name].shape)
         stored = ((slice(ref.layer, ref.layer + 1),) if ref.layer is not None else ()) + index
         array = self._array(ref.key)
+        self.bytes_requested += int(np.prod(out.shape)) * array.dtype.numpy_dtype.itemsize
         region = _chunk_cover(stored, array.chunk_layout.read_chunk.shape, array.shape) \
             if ref.key in self._compressed else stored
         if region == stored:
-            values = self._read(array, stored)
-        else:
-            held = self._held
-            if held is None or held.key != ref.key or not _inside(stored, held.region):
-                self.release()          # before the next read: never two reads' chunks at once
-                held = self._held = _Held(ref.key, region, self._read(array, region))
-            # a copy: a caller keeping the values must not keep the chunks alive
-            values = held.values[tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(stored, held.region))]
-            values = values.copy()
-        values = values[0] if ref.layer is not None else values
-        self.bytes_requested += values.nbytes
-        return values
-
-    def _read(self, array, index: tuple) -> np.ndarray:
-        self.reads += 1
-        return np.asarray(array[index].read().result())
+            source = array[(ref.layer, *index)] if ref.layer is not None else array[index]
+            if source.dtype.numpy_dtype != out.dtype:
+                source = ts.cast(source, out.dtype)
+            self.reads += 1
+            ts.array(out, copy=False, write=True).write(source).result()
+            return
+        held = self._held
+        if held is None or held.key != ref.key or not _inside(stored, held.region):
+            self.release()          # before the next read: never two reads' chunks at once
+            self.reads += 1
+            held = self._held = _Held(ref.key, region, np.asarray(array[region].read().result()))
+        values = held.values[tuple(slice(s.start - r.start, s.stop - r.start) for s, r in zip(stored, held.region))]
+        out[...] = values[0] if ref.layer is not None else values
 
 
 class _Held:

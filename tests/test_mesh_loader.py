@@ -5,6 +5,7 @@ looped), the trainer's host model never holding the base."""
 import json
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -56,6 +57,9 @@ def test_checkpoint_weights_read_any_slice_of_any_layout_reading_only_it(base, s
         got = weights.read(name, index)
         np.testing.assert_array_equal(got, state[name].numpy()[index])
         assert weights.bytes_requested - before == got.nbytes      # the slice, not the tensor
+        narrow = np.empty(got.shape, ml_dtypes.bfloat16)          # a block in bf16 (TPU's compute dtype)
+        weights.read_into(name, index, narrow)
+        np.testing.assert_array_equal(narrow, got.astype(ml_dtypes.bfloat16))
 
 
 @pytest.mark.parametrize("stored", ["stacked", "stacked_zstd"])
@@ -136,9 +140,10 @@ def test_the_streamed_state_equals_the_one_built_from_a_host_model(base, spec, f
     returns more than that or one row along it."""
     state, root = base
     monkeypatch.setattr(mesh_loader, "READ_BYTES", 4096)
-    reads = []
-    real = CheckpointWeights.read
-    monkeypatch.setattr(CheckpointWeights, "read", lambda self, *a: reads.append(real(self, *a)) or reads[-1])
+    reads = []          # the blocks' parts each read fills
+    real = CheckpointWeights.read_into
+    monkeypatch.setattr(CheckpointWeights, "read_into", lambda self, name, index, out: reads.append(out) or
+                        real(self, name, index, out))
     (want, want_frozen) = host_built(spec, freeze, scan, state)
     got, got_frozen, weights = streamed(spec, freeze, scan, root / stored)
     row = max(4 * int(np.prod(v.shape[1:])) for v in state.values())
