@@ -38,6 +38,16 @@ class MergedWeights:
     def bytes_requested(self) -> int:
         return self.weights.bytes_requested
 
+    def stored_key(self, name: str) -> tuple:
+        """Where `name` is read from (formats/mesh_loader.py `place` groups reads by it)."""
+        key = getattr(self.weights, "stored_key", None)
+        return ("trained", name) if name in self.trained else key(name) if key is not None else ("base", name)
+
+    def release(self) -> None:
+        release = getattr(self.weights, "release", None)
+        if release is not None:
+            release()
+
     def read(self, name: str, index=None) -> np.ndarray:
         if name in self.trained:
             return self.trained[name][normalize_index(index, self.trained[name].shape)]

@@ -7,13 +7,18 @@ process ever holds a tensor it does not own, let alone the model, and the torch 
 the `meta` device.
 
 A source is any object with `entries` (per-layer name -> Entry: `.shape`), `read(name, index)`
-(the values of a slice, numpy) and `bytes_requested`. Every parameter of the model is read from it
+(the values of a slice, numpy) and `bytes_requested`; optionally `read_into(name, index, out)`
+(the same values written into `out`, a block's part, cast to its dtype), `stored_key(name)` (the
+stored array a name is read from: `place` reads the arrays made of one stored array one after the
+other) and `release()` (called once placing is done). Every parameter of the model is read from it
 under the base name it is or wraps, peft's names included (`...q_proj.base_layer.weight`, a
 `modules_to_save` copy of the head: `torch_model.lora.base_parameter_of`), except what no base
 holds: LoRA adapters (drawn on the host, or read from a LoRA checkpoint) and a trained head the
 host model holds, which come from the host model.
 """
 from __future__ import annotations
+
+import mmap
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +59,25 @@ class StepWeights:
             from jax_bridge.step import host_array
             return host_array(self.host[name])[index]
         return self.weights.read(self.base_of[name], index)
+
+    def read_into(self, name: str, index, out: np.ndarray) -> None:
+        into = getattr(self.weights, "read_into", None)
+        if name in self.host or into is None:
+            out[...] = self.read(name, index)
+        else:
+            into(self.base_of[name], index, out)
+
+    def stored_key(self, name: str):
+        """Where `name` is read from (see `place`): its base's stored array, or the host model."""
+        if name in self.host:
+            return ("host", name)
+        key = getattr(self.weights, "stored_key", None)
+        return key(self.base_of[name]) if key is not None else ("base", self.base_of[name])
+
+    def release(self) -> None:
+        release = getattr(self.weights, "release", None)
+        if release is not None:
+            release()
 
 
 def open_weights(path) -> tuple[object, dict, object | None]:
@@ -104,26 +128,36 @@ def read_param(weights, source, index, shape, dtype=np.float32, aligned: bool = 
     block = _empty(tuple(s.stop - s.start for s in index), dtype, aligned)
     parts = [(block[k], source[j], index[1:]) for k, j in enumerate(range(index[0].start, index[0].stop))] \
         if stacked else [(block, source, index)]
+    into = getattr(weights, "read_into", None)
+
+    def fill(target, name, where):
+        if into is not None:        # straight into the block, no read buffer between
+            into(name, where, target)
+        else:
+            target[...] = weights.read(name, where)
+
     for target, name, rest in parts:
         if not rest:                                    # a scalar
-            target[...] = weights.read(name, rest)
+            fill(target, name, rest)
             continue
         row_bytes = 4 * int(np.prod(target.shape[1:]))
         step = max(1, READ_BYTES // max(row_bytes, 1))
         first = rest[0].start
         for lo in range(0, target.shape[0], step):
             hi = min(lo + step, target.shape[0])
-            target[lo:hi] = weights.read(name, (slice(first + lo, first + hi), *rest[1:]))
+            fill(target[lo:hi], name, (slice(first + lo, first + hi), *rest[1:]))
     return block
 
 
 def _empty(shape, dtype, aligned: bool) -> np.ndarray:
-    if not aligned:
-        return np.empty(shape, dtype)
+    """An uninitialized block. `aligned`: an anonymous mapping of its own, page-aligned (so on a
+    64-byte boundary) and in small pages: numpy advises large arrays into transparent huge pages,
+    whose first touch cost ~4x the system time here (BENCHMARKS.md, checkpoint reads), and a block
+    a device takes as its buffer is written once, by the read."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    if not aligned or nbytes == 0:
+        return np.empty(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
 
 
 def place(weights, abstract: dict, sources: dict, mesh, *, alias: bool = False) -> dict:
@@ -146,7 +180,21 @@ def place(weights, abstract: dict, sources: dict, mesh, *, alias: bool = False) 
 
         return jax.make_array_from_callback(a.shape, sharding, block)
 
-    return {name: make(name, a) for name, a in abstract.items()}
+    # Arrays made of the same stored array are read one after the other (a source may keep what
+    # one read decoded for the next: formats/checkpoint_weights.py); the source lets go of it after.
+    key = getattr(weights, "stored_key", None)
+    order = sorted(abstract, key=lambda n: _first_key(key, sources[n])) if key is not None else list(abstract)
+    try:
+        placed = {name: make(name, abstract[name]) for name in order}
+    finally:
+        if hasattr(weights, "release"):
+            weights.release()
+    return {name: placed[name] for name in abstract}
+
+
+def _first_key(stored_key, source) -> tuple:
+    """The sort key of a train-state parameter: the stored array its first part is read from."""
+    return tuple(map(str, stored_key(source if isinstance(source, str) else source[0])))
 
 
 def place_model(model, weights, abstract: dict, mesh, *, layout=None, where: str = "--checkpoint") -> dict:

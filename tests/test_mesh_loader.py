@@ -5,6 +5,7 @@ looped), the trainer's host model never holding the base."""
 import json
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -25,21 +26,23 @@ LORA = "r=2,alpha=4,targets=all-linear+experts,modules_to_save=lm_head"
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """(random state, a per-layer checkpoint of it, the same stored stacked as a train run's)."""
+    """(random state, a per-layer checkpoint of it, the same stored stacked as a train run's, and
+    stacked with zstd as checkpoints were written before: each stack one compressed chunk)."""
     root = tmp_path_factory.mktemp("loader")
     torch.manual_seed(0)
     state = {n: torch.randn(p.shape) * 0.05 for n, p in build_model(CFG).named_parameters()}
     checkpoint.save_checkpoint(root / "per_layer", state, CFG)
     layout = LayerLayout.for_config(CFG, stacked=True)
     stacked = layout.stack({n: v.numpy() for n, v in state.items()})
-    writer = checkpoint.CheckpointWriter(root / "stacked", keep=1)
-    writer.save(0, {"params": {n: jax.numpy.asarray(v) for n, v in stacked.items()}},
-                {"model": CFG.to_dict(), "layout": layout.tag}, None)
-    writer.close()
+    for name, compress in (("stacked", False), ("stacked_zstd", True)):
+        writer = checkpoint.CheckpointWriter(root / name, keep=1, compress=compress)
+        writer.save(0, {"params": {n: jax.numpy.asarray(v) for n, v in stacked.items()}},
+                    {"model": CFG.to_dict(), "layout": layout.tag}, None)
+        writer.close()
     return state, root
 
 
-@pytest.mark.parametrize("stored", ["per_layer", "stacked"])
+@pytest.mark.parametrize("stored", ["per_layer", "stacked", "stacked_zstd"])
 def test_checkpoint_weights_read_any_slice_of_any_layout_reading_only_it(base, stored):
     state, root = base
     _, meta, weights = open_weights(root / stored)
@@ -54,6 +57,28 @@ def test_checkpoint_weights_read_any_slice_of_any_layout_reading_only_it(base, s
         got = weights.read(name, index)
         np.testing.assert_array_equal(got, state[name].numpy()[index])
         assert weights.bytes_requested - before == got.nbytes      # the slice, not the tensor
+        narrow = np.empty(got.shape, ml_dtypes.bfloat16)          # a block in bf16 (TPU's compute dtype)
+        weights.read_into(name, index, narrow)
+        np.testing.assert_array_equal(narrow, got.astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("stored", ["stacked", "stacked_zstd"])
+def test_placing_a_model_reads_each_stored_chunk_once(base, stored):
+    """generate places a model's parameters under their per-layer names (layer 0's, then layer
+    1's, ...). Uncompressed (what we write), each is one tensorstore read of its slice; from a
+    zstd checkpoint, whose stacks are each one chunk that any read decodes whole, the loader
+    reads each stored array once (its reads grouped by it) and lets go of it after."""
+    state, root = base
+    _, _, weights = open_weights(root / stored)
+    model = build_model(CFG, meta=True)
+    abstract = {n: jax.ShapeDtypeStruct(p.shape, np.float32) for n, p in model.named_parameters()}
+    placed = mesh_loader.place_model(model, weights, abstract, None)
+    for name, value in placed.items():
+        np.testing.assert_array_equal(np.asarray(value), state[name].numpy(), err_msg=name)
+    stored_arrays = {weights.stored_key(n) for n in state}
+    assert len(stored_arrays) < len(state)               # a stack: one stored array for several layers
+    assert weights.reads == (len(state) if stored == "stacked" else len(stored_arrays))
+    assert weights._held is None
 
 
 def test_a_meta_base_gets_the_adapters_a_host_base_gets_and_stays_on_meta():
@@ -115,9 +140,10 @@ def test_the_streamed_state_equals_the_one_built_from_a_host_model(base, spec, f
     returns more than that or one row along it."""
     state, root = base
     monkeypatch.setattr(mesh_loader, "READ_BYTES", 4096)
-    reads = []
-    real = CheckpointWeights.read
-    monkeypatch.setattr(CheckpointWeights, "read", lambda self, *a: reads.append(real(self, *a)) or reads[-1])
+    reads = []          # the blocks' parts each read fills
+    real = CheckpointWeights.read_into
+    monkeypatch.setattr(CheckpointWeights, "read_into", lambda self, name, index, out: reads.append(out) or
+                        real(self, name, index, out))
     (want, want_frozen) = host_built(spec, freeze, scan, state)
     got, got_frozen, weights = streamed(spec, freeze, scan, root / stored)
     row = max(4 * int(np.prod(v.shape[1:])) for v in state.values())

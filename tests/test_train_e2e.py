@@ -1,5 +1,6 @@
 """End to end through the CLI: prepare a small corpus, train briefly, generate, and bad input."""
 import json
+import re
 
 import pytest
 
@@ -53,6 +54,8 @@ def test_generate_from_the_checkpoint(run_dir, capsys):
     batch = capsys.readouterr()
     assert batch.out.split("--- prompt: 'HAMLET: To be'")[0].strip() == out.strip()
     assert "compile:" in batch.err and "tokens/s" in batch.err
+    assert re.search(r"stored bytes onto its devices in \d+\.\d s\n", batch.err)
+    assert re.search(r"^load \d+\.\d s; bucket batch=2 ", batch.err, re.M)       # --timings: the load first
 
 
 def test_bad_input_is_one_line_naming_the_problem(run_dir, tmp_path, capsys):

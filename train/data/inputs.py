@@ -111,7 +111,7 @@ def find_sources(inputs: list[str] | None, val_inputs: list[str] | None = None,
     if not inputs:
         if val_inputs:
             raise UserError("--val-input needs --input (the bundled corpus splits by --val-fraction)")
-        return [Source(str(path), name, "text", path.stat().st_size, stamp=corpus.ARCHIVE_SHA256)
+        return [Source(str(path), name, "text", path.stat().st_size, stamp=corpus.SOURCE_SHA256)
                 for name, path in corpus.extract_plays()]
     seen: dict[str, str] = {}
     sources = []
@@ -129,8 +129,8 @@ def find_sources(inputs: list[str] | None, val_inputs: list[str] | None = None,
 
 
 def fingerprint(sources: list[Source]) -> str:
-    """Names, sizes and modification times of the inputs (the archive's pinned hash for the bundled
-    corpus): a changed input makes an earlier or interrupted preparation stale."""
+    """Names, sizes and modification times of the inputs (the pinned hash of its source archive for
+    the bundled corpus): a changed input makes an earlier or interrupted preparation stale."""
     h = hashlib.sha256()
     for s in sources:
         stamp = s.stamp or os.stat(s.path).st_mtime_ns

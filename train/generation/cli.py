@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print each result at the end instead of streaming a single prompt")
     parser.add_argument("--stream-every", type=int, default=8, help="tokens per streamed chunk (default 8)")
     parser.add_argument("--compile-cache", default=None, help=COMPILE_CACHE_HELP)
-    parser.add_argument("--timings", action="store_true", help="print compile, prefill and decode times")
+    parser.add_argument("--timings", action="store_true", help="print load, compile, prefill and decode times")
     parser.add_argument("--chat", action="store_true",
                         help="harmony chat format (o200k_harmony models): each --prompt is a user message; "
                              "stops on <|return|> or <|call|>")
@@ -96,7 +96,7 @@ def _run(args) -> int:
         join.say_inference_mesh("generate", mesh, generator.mesh)
         total = sum(e.nbytes for e in weights.entries.values())
         print(f"{args.checkpoint}: process {jax.process_index()} read {weights.bytes_requested:,} of {total:,} "
-              f"stored bytes onto its devices", file=sys.stderr, flush=True)
+              f"stored bytes onto its devices in {generator.load_seconds:.1f} s", file=sys.stderr, flush=True)
     hidden = {cfg.bos_token_id, cfg.eos_token_id}
     streaming = args.stream and len(prompts) == 1
     if streaming:
@@ -113,7 +113,7 @@ def _run(args) -> int:
                 label + tokenizer.decode([t for t in ids if t not in hidden])
             print(f"--- prompt: {label!r}\n{text}\n")
     if args.timings:
-        print(format_timings(result), file=sys.stderr)
+        print(format_timings(result, generator.load_seconds), file=sys.stderr)
     return 0
 
 
@@ -130,10 +130,13 @@ def chat_conversations(args) -> list[list]:
     return [system + [chat.Message("user", text)] for text in args.prompt]
 
 
-def format_timings(result: Generation) -> str:
+def format_timings(result: Generation, load_seconds: float | None = None) -> str:
+    """One line: the parameters' load (when read from a checkpoint), compiles, time to first
+    token and the decode loop."""
     compiled = ", ".join(f"{c.program} {c.seconds:.1f} s" + (" (persistent cache)" if c.from_cache else "")
                          for c in result.compilations) or "none (compiled earlier in this process)"
-    return (f"bucket batch={result.bucket[0]} prompt={result.bucket[1]} length={result.bucket[2]}; "
+    load = "" if load_seconds is None else f"load {load_seconds:.1f} s; "
+    return (f"{load}bucket batch={result.bucket[0]} prompt={result.bucket[1]} length={result.bucket[2]}; "
             f"compile: {compiled}; time to first token {1e3 * result.prefill_seconds:.1f} ms; "
             f"decode {result.decode_steps} steps in {result.decode_seconds:.3f} s = "
             f"{result.decode_tokens_per_second:.0f} tokens/s")

@@ -53,13 +53,14 @@ class Generator:
     `mesh` (jax_bridge.sharding.make_mesh): prefill and decoding run sharded by the training rules;
     with `weights`, over `sharding.inference_mesh(mesh)` (`self.mesh`): fsdp folded into tensor.
     `weights` (formats/lora_inference.open_inference_model): the source of the parameters the model
-    holds on `meta`, each device's block read onto it (formats/mesh_loader.py). `params`: the
+    holds on `meta`, each device's block read onto it (formats/mesh_loader.py) in `load_seconds`. `params`: the
     parameters by the model's names as arrays instead (e.g. a train state's, left on its devices;
     cast and placed as `set_params` does)."""
 
     def __init__(self, model, *, kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
                  compile_cache: str | os.PathLike | None = None, tokenizer=None, mesh=None, weights=None,
                  params: dict | None = None, compute_dtype: str | None = None):
+        import jax
         import numpy as np
 
         from jax_bridge import compile_cache as compile_cache_module
@@ -73,6 +74,7 @@ class Generator:
                         else decodable_ids(tokenizer, model.cfg.vocab_size))
 
         compile_cache_module.enable(compile_cache)
+        self.load_seconds: float | None = None      # reading `weights` onto the devices
         try:
             platform = host_platform()
             dtype = DEFAULT_COMPUTE_DTYPE[platform] if compute_dtype in (None, "auto") else compute_dtype
@@ -90,7 +92,9 @@ class Generator:
                 if weights is not None:
                     from formats import mesh_loader
 
-                    placed = mesh_loader.place_model(model, weights, placed, mesh)
+                    started = time.perf_counter()
+                    placed = jax.block_until_ready(mesh_loader.place_model(model, weights, placed, mesh))
+                    self.load_seconds = time.perf_counter() - started
             self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform, model),
                                    decode_kernels=decode_kernels, mesh=mesh, params=placed, compute_dtype=dtype)
             if params is not None:

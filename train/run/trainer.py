@@ -200,8 +200,10 @@ class Trainer:
         if self.step.frozen_names:
             self._report_trainable()
         if streamed:
-            self.state = mesh_loader.init_state(self.step, init_state, where=self._init_where(meta))
-            self._report_streamed(init_state, meta)
+            started = time.perf_counter()
+            self.state = jax.block_until_ready(mesh_loader.init_state(self.step, init_state,
+                                                                      where=self._init_where(meta)))
+            self._report_streamed(init_state, meta, time.perf_counter() - started)
         elif restored_only:
             self.state = self.step.abstract_state()     # the restore's target: nothing made on the host
         else:
@@ -415,13 +417,13 @@ class Trainer:
         return (f"the base {self.base_reference['path']} of {meta['step_dir']}" if meta
                 else f"--init-from {self.cfg.init_from}")
 
-    def _report_streamed(self, weights, meta: dict | None) -> None:
+    def _report_streamed(self, weights, meta: dict | None, seconds: float) -> None:
         import jax
 
         total = sum(e.nbytes for e in weights.entries.values())
         what = f"LoRA base {self.base_reference['path']}" if meta else f"initialized from {self.cfg.init_from}"
         print(f"{what}: process {jax.process_index()} read {weights.bytes_requested:,} of {total:,} stored bytes "
-              f"onto its devices{'' if meta else '; fresh optimizer state'}")
+              f"onto its devices in {seconds:.1f} s{'' if meta else '; fresh optimizer state'}")
 
     def _restore_target(self) -> dict:
         """What a resume restores onto: the train state (abstract, or a LoRA run's state over its
