@@ -55,7 +55,8 @@ class Generator:
     `weights` (formats/lora_inference.open_inference_model): the source of the parameters the model
     holds on `meta`, each device's block read onto it (formats/mesh_loader.py) in `load_seconds`. `params`: the
     parameters by the model's names as arrays instead (e.g. a train state's, left on its devices;
-    cast and placed as `set_params` does)."""
+    cast and placed as `set_params` does). `compute_dtype`: "float32" or "bfloat16" (None: the
+    platform's, float32 on CPU and bf16 on accelerators; float32 decodes at "highest" precision)."""
 
     def __init__(self, model, *, kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
                  compile_cache: str | os.PathLike | None = None, tokenizer=None, mesh=None, weights=None,
