@@ -173,7 +173,7 @@ def test_expert_stacks_stored_as_linear_weights_are_read_so_by_muon_and_the_shar
     moe, reference = models("qwen3_moe")
     stacks = linear_expert_stacks(moe)
     assert stacks == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} == linear_expert_stacks(reference)
-    plan = plan_parameters(list(moe.named_parameters()), linear_stacks=stacks)
+    plan = plan_parameters(moe)
     assert plan["model.layers.0.mlp.experts.gate_up_proj"] == ParamPlan(MUON, in_axis=-1, out_axis=-2)
     assert param_axes("model.layers.stack0.mlp.experts.down_proj", 4, stacks) == ("layers", "exp", "embed_moe", "mlp")
     assert param_axes("model.layers.0.mlp.experts.down_proj", 3) == ("exp", "mlp", "embed_moe")   # [E, in, out]
