@@ -1,6 +1,6 @@
 """The parity rows of a LoRA model: the peft-wrapped torch model lowered through torchax against
 eager peft on the same model (a transformers model's: peft on transformers' own eager attention
-and experts, `reference_model`), per kernel set, in float32 (logits rel <= 1e-5; every adapter
+and experts, `eager_reference`), per kernel set, in float32 (logits rel <= 1e-5; every adapter
 gradient rel <= 1e-4, parity/tolerances.py); the frozen base gets no gradient on either side.
 
 Both runs use the suite's inputs (packed rows, ignored labels) and the lowered run takes the eager
@@ -46,8 +46,9 @@ def eager_reference(wrapped, spec: LoraSpec):
         return wrapped
     reference = apply_lora(transformers_lm.build(copy.deepcopy(base.config), reference=True), spec)
     reference.load_state_dict(wrapped.state_dict())
-    for theirs, ours in zip(reference.parameters(), wrapped.parameters()):
-        theirs.requires_grad_(ours.requires_grad)
+    trained = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    for name, p in reference.named_parameters():
+        p.requires_grad_(name in trained)
     return reference
 
 

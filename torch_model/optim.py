@@ -87,8 +87,9 @@ class UnplacedParameter(ConfigError):
 
 def plan_parameters(model, adapters: str = MUON) -> dict[str, ParamPlan]:
     """How each trainable parameter of `model` (ours or a transformers model behind the model
-    boundary, wrapped by peft or not) is optimized, decided by its role and shape, never by a
-    family's names:
+    boundary, wrapped by peft or not) is optimized, decided by its role (the module holding it,
+    the boundary's embedding, head and routers) and its shape; no family is named (a fused
+    projection is known by transformers' name for its role):
 
     - AdamW: the token embedding and the head (the boundary's `model.embed_tokens` and
       `lm_head`, peft's trained copies included, and any nn.Embedding); the routers (the
@@ -108,7 +109,8 @@ def plan_parameters(model, adapters: str = MUON) -> dict[str, ParamPlan]:
     A parameter none of these places is refused by name (`UnplacedParameter`, one line)."""
     if adapters not in ADAPTER_OPTIMIZERS:
         raise ValueError(f"optimizer: adapters must be one of {ADAPTER_OPTIMIZERS}, found {adapters!r}")
-    roles = _roles(unwrap(model))
+    inner = unwrap(model)
+    roles, shape = _roles(inner), getattr(inner, "cfg", None)
     plan = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -118,7 +120,7 @@ def plan_parameters(model, adapters: str = MUON) -> dict[str, ParamPlan]:
             plan[name] = _ADAMW if is_expert_adapter(name) or adapters == ADAMW else _LINEAR
             continue
         role, module = roles.get(base, ("unknown", None))
-        plan[name] = _plan_of(name, tuple(p.shape), role, module, getattr(unwrap(model), "cfg", None))
+        plan[name] = _plan_of(name, tuple(p.shape), role, module, shape)
     return plan
 
 
@@ -129,8 +131,7 @@ def _roles(model) -> dict[str, tuple[str, object]]:
     special = {}
     boundary = [("embedding", getattr(getattr(model, "model", None), "embed_tokens", None)),
                 ("embedding", getattr(model, "lm_head", None))]
-    routers = model.routers() if hasattr(model, "routers") else []
-    for role, module in boundary + [("router", m) for _, m in routers]:
+    for role, module in boundary + [("router", m) for m in _routers(model)]:
         if module is not None and id(module) in paths:
             prefix = paths[id(module)]
             for n, _ in module.named_parameters():
@@ -144,6 +145,15 @@ def _roles(model) -> dict[str, tuple[str, object]]:
             base = base_parameter_of(f"{path}.{n}" if path else n)[0]
             roles.setdefault(base, special.get(base, (kind, module)))
     return roles
+
+
+def _routers(model) -> list:
+    """The MoE layers' router modules: the boundary's `routers()`, or for a transformers
+    *ForCausalLM itself (an eager reference) the modules it records router logits from."""
+    if hasattr(model, "routers"):
+        return [module for _, module in model.routers()]
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    return [] if recorder is None else [m for m in model.modules() if isinstance(m, recorder.target_class)]
 
 
 def _is_experts(module) -> bool:
@@ -180,7 +190,10 @@ def fused_parts(name: str, shape: tuple, model_shape) -> tuple[int, ...]:
     a `qkv_proj` is [q; k; v] (heads x head_dim, then twice kv_heads x head_dim, from the model's
     shape), a `gate_up_proj` [gate; up], two halves (as transformers' Phi-3 and GLM split them)."""
     module = base_parameter_of(name)[0].rsplit(".", 1)[0]
-    if module.endswith("." + FUSED_QKV) and model_shape is not None:
+    if module.endswith("." + FUSED_QKV):
+        if model_shape is None:
+            raise UnplacedParameter(f"optimizer: {name} {shape}: a fused {FUSED_QKV} of a model without a shape "
+                                    f"(cfg: heads, kv heads, head_dim) cannot be split into q, k and v")
         q, kv = model_shape.n_heads * model_shape.head_dim, model_shape.n_kv_heads * model_shape.head_dim
         if q + 2 * kv != shape[0]:
             raise UnplacedParameter(f"optimizer: {name} {shape}: a fused {FUSED_QKV} of {shape[0]} rows is not "

@@ -8,8 +8,8 @@ Model arguments: checkpoint (run, step or Hugging Face dir; required), kernels (
 mesh (axes joined by ':', e.g. fsdp=4:tensor=2), max_length, add_bos_token, prefix_token_id,
 compile_cache (a directory or off; default as for generate: jax_bridge/compile_cache.py), merge
 and base_dtype (as `eval --merge --base-dtype`). Any other argument is refused by name, and so are
-lm-eval's `--device` and `--max_batch_size` (the backend runs on JAX's devices, in batches of
-`--batch_size` rows).
+lm-eval's `--device` given another value than its default and `--max_batch_size` (the backend runs
+on JAX's devices, in batches of `--batch_size` rows).
 """
 from __future__ import annotations
 
@@ -25,15 +25,19 @@ NAME = "torchlyra"
 
 
 # What lm-eval's own options hand every backend (`--device`, `--max_batch_size`), and why this one
-# takes neither; lm-eval leaves out the ones not given.
+# takes neither. lm-eval leaves out an option that is None, but hands every backend its default
+# device (0.4.13: "cuda:0", EvaluatorConfig), so that one value stands for "not given".
 LM_EVAL_OPTIONS = {"device": "the backend runs on JAX's devices (the model argument mesh= places it)",
                    "max_batch_size": "batches are --batch_size rows (a number; auto is refused)"}
+LM_EVAL_DEFAULT_DEVICE = "cuda:0"
 MODEL_ARGUMENTS = ("checkpoint", "kernels", "mesh", "max_length", "add_bos_token", "prefix_token_id", "max_gen_toks",
                    "compile_cache", "merge", "base_dtype")
 
 
 def check_unknown_arguments(unknown: dict) -> None:
     """A model argument this backend does not take is refused by name, never ignored."""
+    if unknown.get("device") == LM_EVAL_DEFAULT_DEVICE:
+        unknown = {k: v for k, v in unknown.items() if k != "device"}
     for name, why in LM_EVAL_OPTIONS.items():
         if name in unknown:
             raise UserError(f"lm-eval --{name} {unknown[name]}: not taken by the torchlyra backend: {why}")
