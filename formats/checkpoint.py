@@ -445,18 +445,18 @@ def restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray
 
 
 def refuse_transformers_model(record, where: str) -> None:
-    """One line for the commands not built for a `train --model-config` run's model yet."""
+    """One line for a reader of our GPT-OSS checkpoints only (the measurement scripts that call
+    `load_checkpoint` without `transformers_ok`) given a `train --model-config` run's model."""
     if not isinstance(record, ModelConfig):
-        raise UserError(f"{where} holds a transformers {record.model_type} model: `train --resume` continues it, "
-                        f"`export` writes it for transformers, `generate`, `eval` and `parity` take it; "
-                        f"rl of transformers models is not built yet")
+        raise UserError(f"{where} holds a transformers {record.model_type} model; this reads our GPT-OSS "
+                        f"checkpoints only (every torchlyra command takes both)")
 
 
 def open_checked(path, transformers_ok: bool = False):
     """(step_dir, meta, model record, stored shapes and dtypes, "checkpoint DIR") of the newest
     complete checkpoint named by `path`, every stored parameter's dtype checked. The record is a
     ModelConfig, or with `transformers_ok` also a transformers model's TransformersSpec (every
-    caller but parity and rl, not built for those)."""
+    command; `refuse_transformers_model` otherwise)."""
     step_dir = find_checkpoint(path)
     meta, cfg = read_meta(step_dir)
     stored = stored_shapes(step_dir)

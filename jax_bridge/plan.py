@@ -189,9 +189,9 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                              f"{sharding.describe(device_mesh)} (the batch is split over data x fsdp x expert)")
         rows = batch_size // shards
     if model_record is not None:
-        if not seq_len or model_overrides or rollout is not None:
-            raise ValueError("plan of a transformers model: give seq_len; layer overrides and the rollout are "
-                             "not built for these models")
+        if not seq_len or model_overrides:
+            raise ValueError("plan of a transformers model: give seq_len; layer overrides are not built for these "
+                             "models")
         cfg = model_record.replace(max_seq_len=seq_len)
     else:
         cfg = get_preset(preset)

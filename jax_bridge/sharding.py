@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from torch_model.config import ConfigError
 from torch_model.lora import base_parameter_of
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -305,7 +306,8 @@ def _rule_axes(base: str, name: str) -> tuple:
     for pattern, axes in PARAM_AXES:
         if re.fullmatch(pattern, base):
             return axes
-    raise ValueError(f"sharding: no rule for parameter {name!r} (add one to PARAM_AXES)")
+    raise ConfigError(f"sharding: no rule for parameter {name!r}: a mesh places parameters by name "
+                      f"(jax_bridge/sharding.py PARAM_AXES has none for it): this model trains on one device only")
 
 
 def param_spec(name: str, shape, mesh: Mesh, linear_stacks: frozenset[str] = frozenset()) -> P:

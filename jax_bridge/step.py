@@ -205,8 +205,7 @@ class TrainStep:
         self.layout = self.layer_layout.tag     # how state.params are stored (formats/checkpoint.py LAYOUTS)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
         self.linear_stacks = linear_expert_stacks(model)   # expert stacks stored [E, out, in]
-        self.layer_plan = plan_parameters([(n, p) for n, p in model.named_parameters() if p.requires_grad],
-                                          adapters=opt_cfg.adapter_optimizer, linear_stacks=self.linear_stacks)
+        self.layer_plan = plan_parameters(model, adapters=opt_cfg.adapter_optimizer)
         self._check_frozen_stack()
         # Every layer stacked into one array has the same rule: take the first one's.
         self.plan = self.layer_layout.stack(self.layer_plan, stack=lambda rules: rules[0])

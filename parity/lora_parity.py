@@ -1,5 +1,6 @@
 """The parity rows of a LoRA model: the peft-wrapped torch model lowered through torchax against
-eager peft on the same model, per kernel set, in float32 (logits rel <= 1e-5; every adapter
+eager peft on the same model (a transformers model's: peft on transformers' own eager attention
+and experts, `eager_reference`), per kernel set, in float32 (logits rel <= 1e-5; every adapter
 gradient rel <= 1e-4, parity/tolerances.py); the frozen base gets no gradient on either side.
 
 Both runs use the suite's inputs (packed rows, ignored labels) and the lowered run takes the eager
@@ -25,19 +26,33 @@ from parity.inputs import PARITY_BATCH, PARITY_LOSS, ParityBatch, build_model, p
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
 from parity.report import ERROR, Report, Row, unmade_run_row
 from parity.runs import PARITY_MATMUL_PRECISION, capture_routing, forced_routing, kernel_options_for, to_numpy
+from torch_model import transformers_lm
 from torch_model.causal_lm import IGNORE_INDEX
-from torch_model.config import ModelConfig
 from torch_model.lora import LoraSpec, apply_lora, is_adapter_parameter, swapping_parametrized_tensors
 
 DTYPE = "float32"          # the LoRA rows compare float32 paths (the brief's bounds)
 
 
 def base_of(peft_model):
-    """Our GptOssForCausalLM inside peft's wrapping (its routers are where routing is forced)."""
+    """The model inside peft's wrapping (its routers are where routing is forced)."""
     return peft_model.base_model.model
 
 
-def lora_parity_model(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, adapters=None, seed: int = 0):
+def eager_reference(wrapped, spec: LoraSpec):
+    """The eager ground truth of the peft model `wrapped`: itself, or for a transformers model the
+    same base weights and adapters on transformers' own eager attention and experts."""
+    base = base_of(wrapped)
+    if not isinstance(base, transformers_lm.TransformersCausalLM):
+        return wrapped
+    reference = apply_lora(transformers_lm.build(copy.deepcopy(base.config), reference=True), spec)
+    reference.load_state_dict(wrapped.state_dict())
+    trained = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    for name, p in reference.named_parameters():
+        p.requires_grad_(name in trained)
+    return reference
+
+
+def lora_parity_model(model_cfg, spec: LoraSpec, state_dict=None, adapters=None, seed: int = 0):
     """The peft-wrapped model: base weights `state_dict` (None: random, seeded), trained tensors
     `adapters` ({peft name: tensor} of every trainable one: LoRA A and B, and modules_to_save
     copies; None: A and B random, seeded, so that every adapter has a gradient: peft starts B at
@@ -127,16 +142,18 @@ def lora_rows(reference: dict, logits, loss, grads, label: str) -> list[Row]:
     return rows
 
 
-def lora_step_rows(wrapped, tokens: torch.Tensor, choice, kernel_options, compiler_steps: int, label: str) -> list[Row]:
+def lora_step_rows(wrapped, tokens: torch.Tensor, choice, kernel_options, compiler_steps: int, label: str,
+                   reference=None) -> list[Row]:
     """The LoRA train step itself (jax_bridge.step.TrainStep on the peft model: adapters trained,
-    the base frozen) against eager peft + MuonAdamW, `compiler_steps` steps on `tokens` [B, T+1]:
-    the adapters after the steps (tolerances: lora_param, lora_param_vector) and every frozen
-    tensor bit-identical. The step routes by its own router (no forced experts)."""
+    the base frozen) against eager peft + MuonAdamW on `reference` (default `wrapped`),
+    `compiler_steps` steps on `tokens` [B, T+1]: the adapters after the steps (tolerances:
+    lora_param, lora_param_vector) and every frozen tensor bit-identical. The step routes by its
+    own router (no forced experts)."""
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.lora import unwrap
     from torch_model.optim import MuonAdamW, OptimizerConfig
 
-    trained = copy.deepcopy(wrapped)
+    trained = copy.deepcopy(wrapped if reference is None else reference)
     inner = unwrap(trained)
     optimizer = MuonAdamW(inner, OptimizerConfig())
     for _ in range(compiler_steps):
@@ -165,7 +182,7 @@ def lora_step_rows(wrapped, tokens: torch.Tensor, choice, kernel_options, compil
     return rows
 
 
-def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, adapters=None, *, kernel_sets=None,
+def run_lora_parity(model_cfg, spec: LoraSpec, state_dict=None, adapters=None, *, kernel_sets=None,
                     batch: int = PARITY_BATCH, seq_len: int | None = None, seed: int = 0, kernel_options=None,
                     compiler_options=None, planted_bug: str | None = None, train_steps: int = 0,
                     progress=None) -> Report:
@@ -190,8 +207,10 @@ def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, ada
                            "post_step": f"TrainStep (LoRA), {train_steps} steps" if train_steps else "not compared",
                            "backend": host_platform()})
     report.rows.extend(rows)
-    say(f"LoRA ({spec}): eager peft float32 reference ...")
-    reference = eager_lora_run(wrapped, data)
+    truth = eager_reference(wrapped, spec)
+    say(f"LoRA ({spec}): eager peft float32 reference"
+        f"{'' if truth is wrapped else ' (transformers eager attention and experts)'} ...")
+    reference = eager_lora_run(truth, data)
     for choice in sets:
         label = kernel_label(choice) + " +lora"
         say(f"lowered {label} ...")
@@ -207,7 +226,7 @@ def run_lora_parity(model_cfg: ModelConfig, spec: LoraSpec, state_dict=None, ada
                                    generator=torch.Generator().manual_seed(seed + 2))
             try:
                 new_rows += lora_step_rows(wrapped, tokens, choice, kernel_options, train_steps,
-                                           kernel_label(probe.kernels) + " +lora")
+                                           kernel_label(probe.kernels) + " +lora", truth)
             except Exception as e:  # noqa: BLE001 - a step that cannot run is a failed check
                 new_rows.append(unmade_run_row(label, DTYPE, e, "LoRA train step"))
         report.rows.extend(new_rows)

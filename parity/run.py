@@ -64,9 +64,14 @@ def add_arguments(parser) -> None:
                         help="100 steps of a micro model on the bundled data, eager PyTorch vs the lowered step "
                              "(float32); both sides are run")
     parser.add_argument("--lora", metavar="SPEC",
-                        help="the LoRA rows instead (parity/lora_parity.py): the preset wrapped by peft with random "
-                             "adapters (e.g. r=16,alpha=32,targets=all-linear+experts), lowered vs eager peft, "
-                             "float32, every kernel set")
+                        help="the LoRA rows instead (parity/lora_parity.py): the preset or --model-config model "
+                             "wrapped by peft with random adapters (e.g. r=16,alpha=32,targets=all-linear+experts), "
+                             "lowered vs eager peft (a transformers model's: on transformers' own eager attention "
+                             "and experts), float32, every kernel set")
+    parser.add_argument("--base-dtype", default="compute", choices=("compute", "mxfp4"),
+                        help="compute (default): the checkpoint's weights in each run's dtype. mxfp4 (a released "
+                             "gpt-oss base with its experts kept MXFP4, as train/generate/eval take it) is refused: "
+                             "no parity rows are built for it (tests/test_mxfp4_base.py holds it to the decoded base)")
     parser.add_argument("--lora-steps", type=int, default=2, metavar="N",
                         help="with --lora or a LoRA checkpoint: also N LoRA train steps (TrainStep) against eager "
                              "peft + MuonAdamW: adapters rel <= 2e-5 together (each 1e-4), the frozen base "
@@ -123,6 +128,12 @@ def check_fits_host(checkpoint) -> None:
 def run(args) -> int:
     """Run the suite from parsed arguments; print the table; 0 if every check passed, else 1."""
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.base_dtype == "mxfp4":
+        raise UserError("--base-dtype mxfp4: the parity suite has no rows for an MXFP4 expert base (its experts are "
+                        "frozen bytes: no gradient to compare); a LoRA run, generate and eval on it are held to the "
+                        "base decoded to float32 by tests/test_mxfp4_base.py, the moe_mxfp4 kernels to their "
+                        "reference by tests/test_kernel_moe_mxfp4.py; parity --checkpoint DIR compares the decoded "
+                        "base")
     if args.selftest or args.trajectory:
         code = 0
         if args.selftest and args.model_config:      # a transformers model: random weights, no LoRA rows
@@ -174,9 +185,6 @@ def run(args) -> int:
             raise UserError(f"--window must be >= 0, found {args.window}")
         model_cfg = parity_config(model_cfg, window=args.window or None)
         state_dict, source = None, f"preset {args.preset}"
-    if args.lora and not isinstance(model_cfg, ModelConfig):
-        raise UserError("--lora: the LoRA rows of transformers models are not built (LoRA runs of them are tested "
-                        "against peft in the suite)")
     if args.lora:
         report = run_lora_parity(model_cfg, parse_lora_spec(args.lora), state_dict, kernel_sets=args.kernels,
                                  batch=args.batch, seq_len=args.seq_len, seed=args.seed,
@@ -204,11 +212,10 @@ def run_lora_checkpoint(args, say) -> int:
     from formats.lora_checkpoint import LORA_META, load_base_state, load_lora_model
 
     wrapped, model_cfg, meta = load_lora_model(args.checkpoint)
-    if not isinstance(model_cfg, ModelConfig):
-        raise UserError(f"--checkpoint {args.checkpoint}: LoRA adapters of a transformers {model_cfg.model_type} model; "
-                        f"the LoRA rows of transformers models are not built (parity of its base: --checkpoint BASE)")
+    if isinstance(model_cfg, ModelConfig):
+        model_cfg = parity_config(model_cfg, window=None)
     adapters = {n: p.detach().clone() for n, p in wrapped.named_parameters() if p.requires_grad}
-    report = run_lora_parity(parity_config(model_cfg, window=None), parse_lora_spec(meta[LORA_META]["spec"]),
+    report = run_lora_parity(model_cfg, parse_lora_spec(meta[LORA_META]["spec"]),
                              load_base_state(meta), adapters, kernel_sets=args.kernels, batch=args.batch,
                              seq_len=args.seq_len, seed=args.seed, kernel_options=args.kernel_options,
                              train_steps=args.lora_steps, progress=say)

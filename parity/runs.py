@@ -27,7 +27,6 @@ from jax_bridge.lowering import optimizer_function, optimizer_state_to_jax, para
 from jax_bridge.step import StepConfig, TrainStep, cast_params
 from parity import planted
 from parity.inputs import ParityBatch
-from torch_model.causal_lm import linear_expert_stacks
 from torch_model.optim import MuonAdamW, OptimizerConfig, plan_parameters
 from torch_model.transformers_lm import softmax_of_chosen
 
@@ -45,10 +44,7 @@ class Run:
 
 def routers(model) -> list[tuple[str, torch.nn.Module]]:
     """(name, router) per MoE layer in layer order; each returns (logits, weights, experts)."""
-    if hasattr(model, "routers"):           # a transformers model: the family's own router modules
-        return model.routers()
-    return [(f"model.layers.{i}.mlp.router", layer.mlp.router)
-            for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "router")]
+    return model.routers()
 
 
 @contextlib.contextmanager
@@ -132,7 +128,7 @@ class SharedLowered:
     own). `compiler_options`: XLA options of its compiles (None: the defaults)."""
 
     def __init__(self, model, opt_cfg: OptimizerConfig, compiler_options: dict | None = None):
-        self.plan = plan_parameters(model.named_parameters(), linear_stacks=linear_expert_stacks(model))
+        self.plan = plan_parameters(model)
         self.params = params_to_jax(model)
         self.opt_state = optimizer_state_to_jax(model, self.plan)
         self.opt_cfg = opt_cfg

@@ -142,6 +142,17 @@ def test_bad_model_arguments_are_one_line_errors(exported):
         TorchlyraLM()
     with pytest.raises(UserError, match="takes a number of rows, found 'auto'"):
         TorchlyraLM(checkpoint=str(exported[0]), batch_size="auto")
+    # An argument it does not take is named, never ignored; lm-eval's --device too.
+    with pytest.raises(UserError, match=r"unknown argument\(s\) base_dtyp, dtype for the torchlyra backend"):
+        TorchlyraLM(checkpoint=str(exported[0]), base_dtyp="mxfp4", dtype="float32")
+    with pytest.raises(UserError, match="--device cpu: not taken by the torchlyra backend"):
+        TorchlyraLM(checkpoint=str(exported[0]), device="cpu")     # lm-eval's default, cuda:0, is "not given"
+    with pytest.raises(UserError, match="base_dtype: expected one of compute, mxfp4, found 'fp8'"):
+        TorchlyraLM(checkpoint=str(exported[0]), base_dtype="fp8")
+    with pytest.raises(UserError, match="released"):          # taken, and the loader names why not this one
+        TorchlyraLM(checkpoint=str(exported[0]), base_dtype="mxfp4")
+    with pytest.raises(UserError, match="--merge: .* holds no LoRA adapters"):
+        TorchlyraLM(checkpoint=str(exported[0]), merge=True)
 
 
 def test_generate_until_sends_greedy_requests_with_the_stop_strings(exported):

@@ -1,4 +1,7 @@
 """Muon + AdamW: parameter groups, and the math cross-checked against optax."""
+import copy
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -9,7 +12,8 @@ from optax.contrib import MuonDimensionNumbers
 from helpers import rel_err
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
-from torch_model.optim import ADAMW, MUON, MuonAdamW, OptimizerConfig, init_state, muon_adamw_update, plan_parameters
+from torch_model.optim import (ADAMW, MUON, MuonAdamW, OptimizerConfig, ParamPlan, init_state, muon_adamw_update,
+                               plan_parameters)
 
 
 def test_every_parameter_lands_in_exactly_one_group():
@@ -23,18 +27,110 @@ def test_every_parameter_lands_in_exactly_one_group():
         for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
                      "model.layers.0.self_attn.sinks", "model.layers.0.self_attn.q_proj.bias"):
             assert plan[name].kind == ADAMW, name
-    moe_plan = plan_parameters(GptOssForCausalLM(get_preset("tiny").replace(n_layers=1)).named_parameters())
+    moe_plan = plan_parameters(GptOssForCausalLM(get_preset("tiny").replace(n_layers=1)))
     assert moe_plan["model.layers.0.mlp.experts.gate_up_proj"].kind == MUON
     assert moe_plan["model.layers.0.mlp.router.weight"].kind == ADAMW
 
 
-def test_unmatched_parameter_is_an_error():
-    with pytest.raises(ValueError, match="mystery.weight"):
-        plan_parameters([("mystery.weight", torch.zeros(3, 3))])
+LINEAR, X_AT_W = ParamPlan(MUON, in_axis=-1, out_axis=-2), ParamPlan(MUON, in_axis=-2, out_axis=-1)
+
+
+def test_a_parameter_no_rule_places_is_refused_by_name():
+    """A matrix of a module that neither is nn.Linear nor declares its layout, or a 3-D tensor
+    outside an experts module: one line naming it (a ConfigError: exit 2 on the command line)."""
+    from torch_model.config import ConfigError
+
+    class Mystery(torch.nn.Module):
+        def __init__(self, *shape):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(*shape))
+
+    for shape, why in (((3, 3), "neither nn.Linear nor declares its layout"), ((2, 3, 3), "3-D tensor outside")):
+        model = torch.nn.Module()
+        model.mystery = Mystery(*shape)
+        with pytest.raises(ConfigError, match=f"no rule places parameter mystery.weight .*{why}"):
+            plan_parameters(model)
+
+
+FAMILIES = {   # parameters the name rules of the past did not place, by their family's config
+    "phi3": ({}, {"self_attn.qkv_proj.weight": ParamPlan(MUON, parts=(64, 32, 32)),
+                  "mlp.gate_up_proj.weight": ParamPlan(MUON, parts=(96, 96))}),
+    "starcoder2": ({}, {"mlp.c_fc.weight": LINEAR, "mlp.c_proj.weight": LINEAR, "mlp.c_fc.bias": ParamPlan(ADAMW)}),
+    "qwen2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48),
+                  {"mlp.shared_expert.up_proj.weight": LINEAR, "mlp.shared_expert_gate.weight": ParamPlan(ADAMW),
+                   "mlp.gate.weight": ParamPlan(ADAMW), "mlp.experts.down_proj": LINEAR}),
+    "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2),
+                   {"block_sparse_moe.experts.gate_up_proj": LINEAR, "block_sparse_moe.router.weight": ParamPlan(ADAMW)}),
+    "apertus": ({}, {"mlp.act_fn.alpha_p": ParamPlan(ADAMW), "mlp.up_proj.weight": LINEAR}),
+}
+
+
+def test_every_familys_parameters_are_placed_by_role_and_shape():
+    """Fused projections (split into their parts), shared experts and their gate, expert stacks
+    and routers under other names, scalar parameters."""
+    from transformers import AutoConfig
+
+    from torch_model import transformers_lm
+
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    for family, (extra, expected) in FAMILIES.items():
+        model = transformers_lm.build(AutoConfig.for_model(family, **shape, **extra))
+        plan = plan_parameters(model)
+        assert set(plan) == {n for n, _ in model.named_parameters()}, family
+        for rest, rule in expected.items():
+            assert plan["model.layers.0." + rest] == rule, (family, rest)
+        assert plan["model.embed_tokens.weight"] == ParamPlan(ADAMW), family
+
+
+def test_a_fused_projection_takes_the_update_of_its_unfused_parts():
+    """Phi-3 (q|k|v and gate|up fused) with a Llama's weights computes that Llama; one eager
+    Muon + AdamW step moves each part of its fused weights exactly as the Llama's own matrices."""
+    from transformers import LlamaConfig, Phi3Config
+
+    from torch_model import transformers_lm
+
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, pad_token_id=0,
+                 tie_word_embeddings=False)
+    torch.manual_seed(0)
+    llama = transformers_lm.build(LlamaConfig(**shape))
+    phi3 = transformers_lm.build(Phi3Config(**shape))
+    theirs = llama.state_dict()
+
+    def fused(state):
+        out = {}
+        for name, value in state.items():
+            for parts, whole in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+                if f".{parts[0]}." in name:
+                    out[name.replace(parts[0], whole)] = torch.cat([state[name.replace(parts[0], p)] for p in parts])
+            if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+                out[name] = value
+        return out
+
+    phi3.load_state_dict(fused(theirs))
+    whole = copy.deepcopy(phi3)         # the same fused model, its fused matrices orthogonalized whole
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(phi3(ids), llama(ids), atol=1e-6)
+    for model in (llama, phi3, whole):
+        optimizer = MuonAdamW(model, OptimizerConfig(lr=0.05, adam_lr=0.01))
+        if model is whole:
+            optimizer.plan = {n: dataclasses.replace(r, parts=()) for n, r in optimizer.plan.items()}
+        model(ids, ids)["loss"].backward()
+        optimizer.step()
+    expected, got = fused(llama.state_dict()), phi3.state_dict()
+    assert set(got) == set(expected)
+    for name in got:
+        assert (got[name] - expected[name]).abs().max() <= 1e-6, name
+    for name in ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"):
+        assert (whole.state_dict()[name] - got[name]).abs().max() > 1e-3, name
 
 
 def _run_ours(params, grads_seq, cfg):
-    plan = plan_parameters(params.items())
+    plan = {n: (X_AT_W if ".experts." in n else LINEAR) if p.dim() > 1 and "embed" not in n else ParamPlan(ADAMW)
+            for n, p in params.items()}
     state = init_state(params, plan)
     for grads in grads_seq:
         params, state, _ = muon_adamw_update(params, grads, state, plan, cfg)
@@ -93,7 +189,7 @@ def test_adamw_matches_optax_adamw():
 def test_gradient_clipping_scales_by_global_norm():
     params = {"b.bias": torch.zeros(4)}
     grads = {"b.bias": torch.full((4,), 10.0)}
-    plan = plan_parameters(params.items())
+    plan = {"b.bias": ParamPlan(ADAMW)}
     _, _, stats = muon_adamw_update(params, grads, init_state(params, plan), plan, OptimizerConfig(max_grad_norm=1.0))
     assert abs(stats["grad_norm"].item() - 20.0) < 1e-5
 

@@ -101,6 +101,8 @@ def test_bad_kernel_sets_are_one_line_user_errors(spec, message):
 def test_unknown_preset_and_dtype_are_user_errors():
     with pytest.raises(UserError, match="unknown preset 'nope'"):
         run(parse(["--preset", "nope"]))
+    with pytest.raises(UserError, match="--base-dtype mxfp4: the parity suite has no rows for an MXFP4 expert base"):
+        run(parse(["--preset", "tiny", "--base-dtype", "mxfp4"]))
     with pytest.raises(UserError, match="float16"):
         run_parity(SMALL, kernel_sets=["xla"], dtypes=("float16",))
 

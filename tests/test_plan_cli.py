@@ -117,8 +117,9 @@ def test_find_slice_stops_at_the_first_slice_that_fits(monkeypatch):
 
 
 def test_plan_of_a_transformers_model_config(tmp_path, capsys):
-    """`plan --model-config`: a transformers model's LoRA step compiled for four v5e chips, its
-    parameters counted from the model built on `meta`; without --seq-len it is refused."""
+    """`plan --model-config --rl`: a transformers model's LoRA GRPO step and its rollout's prefill
+    and decode programs compiled for four v5e chips, its parameters counted from the model built
+    on `meta`; without --seq-len it is refused."""
     from tests.transformers_configs import CONFIGS
     from torch_model import transformers_lm
 
@@ -126,9 +127,12 @@ def test_plan_of_a_transformers_model_config(tmp_path, capsys):
     config.write_text(CONFIGS["llama"]().to_json_string())
     out = tmp_path / "plan.json"
     assert main(["plan", "--model-config", str(config), "--seq-len", "64", "--topology", "v5e:2x2",
-                 "--batch-size", "4", "--lora", "r=4,alpha=8,targets=all-linear", "--json", str(out)]) == 0
+                 "--batch-size", "4", "--lora", "r=4,alpha=8,targets=all-linear", "--rl", "--rollout-completions", "8",
+                 "--rollout-group-size", "2", "--rollout-prompt-tokens", "40", "--rollout-new-tokens", "16",
+                 "--json", str(out)]) == 0
     plan = json.loads(out.read_text())
     assert plan["fits"] and plan["preset"] == "llama" and plan["mesh"] == "fsdp=4" and plan["n_layers"] == 2
+    assert plan["rl"].startswith("loss=dapo") and plan["rollout"]["fits"] and plan["rollout"]["cache_bytes"] > 0
     assert plan["params"] == sum(p.numel() for p in transformers_lm.build(CONFIGS["llama"]()).parameters())
     assert 0 < plan["trainable_params"] < plan["params"] and plan["frozen_bytes"] > 0
     assert main(["plan", "--model-config", str(config), "--topology", "v5e:2x2"]) == 2

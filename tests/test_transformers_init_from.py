@@ -90,9 +90,10 @@ def test_import_writes_our_checkpoint_of_the_same_model(root, tmp_path, capsys):
 def test_what_the_directory_cannot_be_read_as_is_refused_by_field(root, tmp_path, capsys):
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}],
                                                         "answer": "Hi"}) + "\n")
-    assert "rl of transformers models is not built" in one_line_error(
+    # rl renders chat prompts in harmony: a family's own chat template is not read there (prepare --chat reads it).
+    assert "chat needs a tokenizer with the harmony special tokens" in one_line_error(
         capsys, ["rl", "--init-from", str(root / "hf"), "--prompts", str(tmp_path / "prompts.jsonl"), "--reward",
-                 "exact:answer", "--out", str(tmp_path / "rl")])
+                 "exact:answer", "--out", str(tmp_path / "rl"), "--max-prompt-tokens", "32", "--max-new-tokens", "8"])
     for field, value, message in (("quantization_config", {"quant_method": "fp8"}, "quantized weights"),
                                   ("auto_map", {"AutoModelForCausalLM": "x.Y"}, "custom modeling code")):
         bad = tmp_path / field

@@ -173,7 +173,7 @@ def test_expert_stacks_stored_as_linear_weights_are_read_so_by_muon_and_the_shar
     moe, reference = models("qwen3_moe")
     stacks = linear_expert_stacks(moe)
     assert stacks == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} == linear_expert_stacks(reference)
-    plan = plan_parameters(list(moe.named_parameters()), linear_stacks=stacks)
+    plan = plan_parameters(moe)
     assert plan["model.layers.0.mlp.experts.gate_up_proj"] == ParamPlan(MUON, in_axis=-1, out_axis=-2)
     assert param_axes("model.layers.stack0.mlp.experts.down_proj", 4, stacks) == ("layers", "exp", "embed_moe", "mlp")
     assert param_axes("model.layers.0.mlp.experts.down_proj", 3) == ("exp", "mlp", "embed_moe")   # [E, in, out]
@@ -225,6 +225,30 @@ def test_packed_rows_equal_each_document_alone_in_eager_transformers(family):
                                                     torch.from_numpy(d[1:]), reduction="sum") for d in docs)
     expected = float(nll) / sum(len(d) - 1 for d in docs)
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_the_log_probabilities_rl_and_dpo_train_on_are_transformers_own_per_document(family):
+    """What `rl` (GRPO: `token_logps`) and `train --dpo` (`answer_logps`: summed per answer
+    segment) read of a model, on a packed row of two documents and padding: each document's
+    log-probabilities under transformers' eager model run on it alone (eager; the lowered
+    objectives on these families: tests/test_transformers_train.py)."""
+    ours, reference = models(family)
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, VOCAB, n) for n in (8, 6)]
+    row = torch.from_numpy(np.concatenate([*docs, np.zeros(3, np.int64)]))[None]
+    segments = torch.tensor([[1] * 8 + [2] * 6 + [0] * 3])
+    positions = torch.tensor([list(range(8)) + list(range(6)) + [0] * 3])
+    weights = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)).float()
+    args = (row[:, :-1], row[:, 1:], positions[:, :-1], segments[:, :-1], weights)
+    with torch.no_grad():
+        logps = ours.token_logps(*args)["logps"][0]
+        sums = ours.answer_logps(*args, torch.where(weights > 0, segments[:, :-1], 0))["sums"][0]
+        theirs = [torch.log_softmax(reference(torch.from_numpy(d[None, :-1])).logits[0].double(), -1).gather(
+            1, torch.from_numpy(d[1:, None]))[:, 0] for d in docs]
+    np.testing.assert_allclose(logps[weights[0] > 0].numpy(), torch.cat(theirs).numpy(), rtol=1e-5, atol=1e-5)
+    assert (logps[weights[0] == 0] == 0).all()
+    np.testing.assert_allclose(sums[1:3].numpy(), [float(t.sum()) for t in theirs], rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -325,9 +349,12 @@ def test_parity_against_transformers_eager_attention_and_experts(family):
     """The parity suite on each family (parity/suite.py): the reference set in float32 and every
     non-reference kernel at once in bf16, against transformers' own eager attention and experts
     on the same weights (packed rows as attention masks), the routing of the bf16 run forced as
-    the eager run chose and weighted as the family's router weights."""
+    the eager run chose and weighted as the family's router weights; and the LoRA rows (`parity
+    --lora`: peft's adapters lowered against peft on transformers' eager model)."""
+    from parity.lora_parity import run_lora_parity
     from parity.runs import FAST_COMPILE
     from parity.suite import run_parity
+    from torch_model.lora import parse_lora_spec
 
     report = run_parity(transformers_lm.TransformersSpec(CONFIGS[family]().to_dict()), compiler_options=FAST_COMPILE,
                         kernel_sets={"float32": ["xla"],
@@ -335,6 +362,11 @@ def test_parity_against_transformers_eager_attention_and_experts(family):
     assert report.passed, report.format()
     routed = {r.name for r in report.rows if r.category == "routing"}
     assert ("model.layers.2.mlp.gate" in routed) == (family == "qwen3_moe")
+    targets = "all-linear+experts" if family == "qwen3_moe" else "all-linear"
+    lora = run_lora_parity(transformers_lm.TransformersSpec(CONFIGS[family]().to_dict()),
+                           parse_lora_spec(f"r=2,alpha=4,targets={targets}"), kernel_sets=["xla"],
+                           compiler_options=FAST_COMPILE, seq_len=48)
+    assert lora.passed and any(".lora_B." in r.name for r in lora.rows if r.category == "grad"), lora.format()
 
 
 def test_planted_bugs_fail_the_parity_suite_on_a_qwen3_moe():

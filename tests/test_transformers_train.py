@@ -1,5 +1,7 @@
 """`train --model-config`: a transformers model trained through the command line on the bundled
-kind of corpus, checkpointed and resumed exactly; what is not built yet is refused by name."""
+kind of corpus, checkpointed and resumed exactly; fine-tuned from its run with LoRA (SFT, DPO and
+`rl`), each adapter loading in peft onto transformers' model with our logits; what is not built
+is refused by name."""
 import json
 
 import pytest
@@ -24,6 +26,52 @@ def root(tmp_path_factory):
     prepare_play_corpus(root)
     (root / "qwen3_moe.json").write_text(json.dumps(CONFIG))
     return root
+
+
+@pytest.fixture(scope="module")
+def pairs(root):
+    """root/pairs: preference pairs (which speaker says a line: the right one chosen, another
+    rejected) prepared with the corpus's tokenizer (`prepare --preferences`), train and val."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    speakers = [line.split(":")[0] for line in PLAY_LINES]
+
+    def pair(i):
+        line = PLAY_LINES[i % 4]
+        words = line.split(": ", 1)[1].split()
+        said = " ".join(words[:rng.integers(2, len(words))])
+        other = speakers[(i + 1 + rng.integers(0, 3)) % 4]
+        say = lambda role, text: [{"role": role, "content": text}]   # noqa: E731
+        return json.dumps({"prompt": say("user", f"Who says: {said}"), "chosen": say("assistant", speakers[i % 4]),
+                           "rejected": say("assistant", other)})
+
+    (root / "pairs.jsonl").write_text("".join(pair(i) + "\n" for i in range(24)))
+    (root / "pairs_val").mkdir()
+    (root / "pairs_val" / "val.jsonl").write_text("".join(pair(i) + "\n" for i in range(2)))
+    assert main(["prepare", "--preferences", "--input", str(root / "pairs.jsonl"), "--val-input",
+                 str(root / "pairs_val"), "--tokenizer", str(root / "data"), "--out", str(root / "pairs"),
+                 "--workers", "1"]) == 0
+    return root / "pairs"
+
+
+def dpo_records(run) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def assert_dpo_trains(base_run, pairs, out, *extra):
+    """`train --init-from RUN --dpo --lora` on the pairs: the first step's DPO loss is log 2 (the
+    policy is the reference: the adapters start at B = 0), and after one update the second
+    step's chosen answers are ahead of the rejected ones on average (a high adapter learning rate:
+    one step from B = 0 moves the margins little)."""
+    import math
+
+    assert main(["train", "--init-from", str(base_run), "--data", str(pairs), "--dpo", "beta=0.1", "--lora",
+                 "r=4,alpha=8", "--out", str(out), *ARGS, "--steps", "2", "--seq-len", "120",
+                 "--batch-size", "2", "--lr", "0.2", *extra]) == 0
+    first, second = dpo_records(out)
+    assert first["dpo_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert second["rewards/margins"] > 0 and second["dpo_loss"] < math.log(2)
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +111,14 @@ def test_a_transformers_model_trains_checkpoints_and_resumes_exactly(root, whole
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_dense_families_train_on_the_corpus_and_their_trained_adapters_load_in_peft(root, family, tmp_path):
+def test_the_dense_families_train_and_their_dpo_and_rl_adapters_load_in_peft(root, pairs, family, tmp_path):
     """Llama (llama3 rope scaling, tied head) and Qwen3 (a sliding layer after a full one) from
-    their transformers configs: `train --model-config` lowers the validation loss; a LoRA run from
-    it lowers it further, and its adapter, exported for peft beside the exported base, loads onto
-    transformers' model with our logits within 1e-5."""
+    their transformers configs: `train --model-config` lowers the validation loss. From the run,
+    Llama: DPO with LoRA (`assert_dpo_trains`). Qwen3: `rl` (GRPO) with LoRA and the head trained
+    whole, on a reward checked by a rule (the completion names Romeo): the rollout reward rises
+    from near 0 to near 1 in 12 steps. Either adapter, exported for peft beside the exported
+    base, loads onto transformers' model with our logits within 1e-5, and merged it exports as
+    transformers loads it."""
     from tests.transformers_configs import CONFIGS
 
     config = {**CONFIGS[family]().to_dict(), "vocab_size": CONFIG["vocab_size"], "max_position_embeddings": 128}
@@ -76,10 +127,18 @@ def test_the_dense_families_train_on_the_corpus_and_their_trained_adapters_load_
                  str(tmp_path / "run"), "--steps", "8", *ARGS, "--eval-every", "4", "--checkpoint-every", "8"]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["val_loss_end"] < summary["val_loss_start"]
-    assert main(["train", "--init-from", str(tmp_path / "run"), "--lora", "r=4,alpha=8", "--data", str(root / "data"),
-                 "--out", str(tmp_path / "lora"), "--steps", "4", *ARGS, "--eval-every", "4"]) == 0
-    lora_summary = json.loads((tmp_path / "lora" / "summary.json").read_text())
-    assert lora_summary["val_loss_end"] < summary["val_loss_end"]
+    if family == "llama":
+        assert_dpo_trains(tmp_path / "run", pairs, tmp_path / "lora")
+    else:
+        (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": line.split(":")[0] + ":"}) + "\n"
+                                                        for line in PLAY_LINES))
+        assert main(["rl", "--init-from", str(tmp_path / "run"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                     "--reward", "regex:Romeo", "--out", str(tmp_path / "lora"), "--steps", "12", "--prompts-per-step",
+                     "4", "--group-size", "8", "--max-new-tokens", "6", "--max-prompt-tokens", "8", "--lora",
+                     "r=4,alpha=8,modules_to_save=lm_head", "--lr", "0.02", "--adam-lr", "0.01", "--kernels", "xla",
+                     "--checkpoint-every", "12"]) == 0
+        rewards = [r["reward"] for r in dpo_records(tmp_path / "lora")]
+        assert len(rewards) == 12 and rewards[0] <= 0.25 and sum(rewards[-3:]) / 3 >= 0.75, rewards
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "base")]) == 0
     peft_model = assert_adapter_loads_in_peft(tmp_path / "lora", tmp_path / "base", tmp_path / "adapter")
     # Exported merged (one tensor at a time, formats/lora_merge.py; Llama's tied head once): what
@@ -120,7 +179,7 @@ def assert_adapter_loads_in_peft(lora_run, base_dir, adapter_dir):
     return peft_model
 
 
-def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, whole, capsys, tmp_path):
+def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, whole, capsys):
     data = ["--data", str(root / "data"), "--out", str(root / "refused")]
     config = ["--model-config", str(root / "qwen3_moe.json")]
     assert "two models" in one_line_error(capsys, ["train", *config, "--preset", "tiny", "--samples", "0", *data])
@@ -139,11 +198,6 @@ def test_what_is_not_built_for_transformers_models_is_refused_in_one_line(root, 
                                                    "num_attention_heads": 2, "attention_dropout": 0.1}))
     assert "attention_dropout=0.1" in one_line_error(capsys, ["train", "--model-config", str(root / "dropout.json"),
                                                               "--samples", "0", *data])
-    (tmp_path / "prompts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}],
-                                                        "answer": "Hi"}) + "\n")
-    assert "rl of transformers models is not built" in one_line_error(
-        capsys, ["rl", "--init-from", str(whole), "--prompts", str(tmp_path / "prompts.jsonl"), "--reward",
-                 "exact:answer", "--out", str(tmp_path / "rl")])
     assert "mxfp4" in one_line_error(capsys, ["export", "--checkpoint", str(whole), "--out", str(root / "q"),
                                               "--dtype", "mxfp4"])
     assert not (root / "q").exists()
@@ -191,14 +245,16 @@ def test_export_writes_what_transformers_loads_with_the_runs_logits_and_tokenize
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
 
 
-def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, exported, capsys):
+def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, exported, capsys, monkeypatch):
     """`train --init-from RUN --lora` on the transformers run (attention and expert adapters
     through peft): it starts from the base's loss and resumes; its adapter, exported for peft,
     loads onto transformers' model of the exported base with our logits, and the merged export
-    loads in transformers with them too."""
+    loads in transformers with them too; `parity --checkpoint` takes the LoRA run."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    import parity.run
+    from formats import checkpoint
     from formats.lora_checkpoint import load_lora_model
 
     lora = ["--init-from", str(whole), "--lora", "r=4,alpha=8,targets=all-linear+experts", "--data",
@@ -224,6 +280,30 @@ def test_lora_on_the_run_loads_in_peft_with_our_logits_and_resumes(root, whole, 
     assert ((folded - ours).norm() / ours.norm()).item() <= 1e-5
     # Generation with the adapters unmerged on the compiled decoder: peft's model's greedy tokens.
     assert_generates_as(Generator.from_checkpoint(root / "lora"), peft_model, PROMPTS)
+    # `parity --checkpoint` of the LoRA run hands the LoRA rows (run on these families in
+    # tests/test_transformers_models.py) the run's base weights and trained adapters.
+    handed = {}
+
+    def record(cfg, spec, state, adapters, **kwargs):
+        handed.update(cfg=cfg, spec=spec, state=state, adapters=adapters)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(parity.run, "run_lora_parity", record)
+    with pytest.raises(SystemExit):
+        main(["parity", "--checkpoint", str(root / "lora"), "--kernels", "xla"])
+    assert handed["cfg"].model_type == "qwen3_moe"
+    assert str(handed["spec"]) == "r=4,alpha=8,dropout=0,targets=all-linear+experts"
+    trained = dict(wrapped.named_parameters())
+    assert handed["adapters"].keys() == {n for n, p in trained.items() if p.requires_grad}
+    assert all(torch.equal(handed["adapters"][n], trained[n]) for n in handed["adapters"])
+    base = {n: torch.from_numpy(v) for n, v in checkpoint.iter_params(whole)[2]}
+    assert handed["state"].keys() == base.keys() and all(torch.equal(handed["state"][n], base[n]) for n in base)
+
+
+def test_dpo_on_the_run(root, whole, pairs, tmp_path):
+    """`train --dpo` with LoRA on the Qwen3-MoE run (attention adapters; its router loss in the
+    objective): `assert_dpo_trains`."""
+    assert_dpo_trains(whole, pairs, tmp_path / "dpo")
 
 
 def test_generate_and_task_scores_of_the_run_are_transformers_own(root, whole, exported, capsys, tmp_path):

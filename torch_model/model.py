@@ -204,6 +204,8 @@ class DenseMLP(nn.Module):
     """The `dense` preset's MLP: one clamped-SwiGLU expert applied to every token (exported to
     Hugging Face as a one-expert GptOss layer)."""
 
+    is_transposed = True    # weights applied as x @ W ([in, out]), in transformers' flag (the optimizer reads it)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, i = cfg.d_model, cfg.dense_dim
@@ -307,6 +309,12 @@ class GptOssForCausalLM(CausalLMHead, nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
+
+    def routers(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of each MoE layer's router, in layer order; each returns (logits,
+        weights, chosen experts)."""
+        return [(f"model.layers.{i}.mlp.router", layer.mlp.router)
+                for i, layer in enumerate(self.model.layers) if hasattr(layer.mlp, "router")]
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None):

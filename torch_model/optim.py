@@ -4,9 +4,11 @@ The math is one pure function, `muon_adamw_update(params, grads, state, ...)`, o
 tensors: the eager `torch.optim.Optimizer` below calls it in place, and the JAX bridge lowers
 the very same function through torchax into the jitted train step.
 
-Muon (momentum orthogonalized by a Newton-Schulz quintic) updates the 2-D weight matrices of
-the blocks, each expert's matrix on its own; AdamW updates embeddings, LM head, norms, biases,
-sinks and the router. The Muon math follows `optax.contrib.muon` (EMA momentum with bias
+Muon (momentum orthogonalized by a Newton-Schulz quintic) updates the weight matrices of the
+blocks, each expert's matrix and each part of a fused projection on its own; AdamW updates
+embeddings, LM head, routers and every vector (norms, biases, sinks, scalars). Which is which is
+decided by each parameter's role and shape, for any model behind the model boundary
+(`plan_parameters`). The Muon math follows `optax.contrib.muon` (EMA momentum with bias
 correction, Nesterov, Frobenius pre-normalization, sqrt(max(1, fan_out/fan_in)) scaling,
 decoupled weight decay), which a test cross-checks. For wide float32 matrices (n/m >= 2.7, such as
 expert up-projections) the same Newton-Schulz iterate is computed on the m x m Gram matrix, with
@@ -21,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from torch_model.causal_lm import linear_expert_stacks
-from torch_model.lora import base_parameter_of, is_expert_adapter
+from torch_model.config import ConfigError
+from torch_model.lora import base_parameter_of, is_expert_adapter, unwrap
 
 MUON, ADAMW = "muon", "adamw"
 ADAPTER_OPTIMIZERS = (MUON, ADAMW)      # what LoRA adapters of linear layers may take
@@ -62,54 +64,147 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class ParamPlan:
     """How one parameter is optimized. For Muon: which axes are the matrix's input (fan-in) and
-    output (fan-out); any leading axes are a batch of matrices (experts)."""
+    output (fan-out); any leading axes are a batch of matrices (experts); `parts`: the matrices
+    a fused projection holds along its output, each orthogonalized on its own."""
     kind: str
     in_axis: int = -1
     out_axis: int = -2
+    parts: tuple[int, ...] = ()         # a fused projection: the sizes of its parts along out_axis
 
 
-# Parameter-name rules, checked in order; every parameter must match exactly one.
 _LINEAR = ParamPlan(MUON, in_axis=-1, out_axis=-2)      # nn.Linear weight [out, in]
 _X_AT_W = ParamPlan(MUON, in_axis=-2, out_axis=-1)      # x @ W weight [..., in, out]
-_RULES: list[tuple[str, ParamPlan]] = [
-    ("self_attn.q_proj.weight", _LINEAR), ("self_attn.k_proj.weight", _LINEAR),
-    ("self_attn.v_proj.weight", _LINEAR), ("self_attn.o_proj.weight", _LINEAR),
-    ("mlp.experts.gate_up_proj", _X_AT_W), ("mlp.experts.down_proj", _X_AT_W),
-    ("mlp.gate_up_proj", _X_AT_W), ("mlp.down_proj", _X_AT_W),
-    ("mlp.gate_proj.weight", _LINEAR), ("mlp.up_proj.weight", _LINEAR), ("mlp.down_proj.weight", _LINEAR),
-    ("embed_tokens.weight", ParamPlan(ADAMW)), ("lm_head.weight", ParamPlan(ADAMW)),
-    ("norm.weight", ParamPlan(ADAMW)),
-    ("bias", ParamPlan(ADAMW)), ("sinks", ParamPlan(ADAMW)), ("router.weight", ParamPlan(ADAMW)),
-    ("mlp.gate.weight", ParamPlan(ADAMW)),        # transformers' MoE routers (Qwen3-MoE, Mixtral, ...)
-]
+_ADAMW = ParamPlan(ADAMW)
+# nn.Linear projections that transformers' families store fused, by their role's name, and the
+# parts along the output each is split into (`fused_parts`): Muon orthogonalizes each part as the
+# matrix it is in the unfused families (Phi-3's qkv_proj is Llama's q, k and v projections).
+FUSED_QKV, FUSED_GATE_UP = "qkv_proj", "gate_up_proj"
 
 
-def plan_parameters(named_params, adapters: str = MUON, linear_stacks: frozenset[str] = frozenset()
-                    ) -> dict[str, ParamPlan]:
-    """Assign each parameter to Muon or AdamW by name; raise if any is unmatched or ambiguous.
-    linear_stacks: expert stacks stored [E, out, in] (causal_lm.linear_expert_stacks), whose
-    matrices Muon reads as nn.Linear weights.
-    peft's names map to the base model's (torch_model.lora.base_parameter_of). LoRA adapters of
-    linear layers (A [r, in], B [out, r]) take `adapters`; expert adapters, stored by peft as one
-    [r*E, in] / [out, r*E] matrix, always take AdamW: orthogonalizing the stack whole would mix
-    the experts."""
+class UnplacedParameter(ConfigError):
+    """A parameter that no rule of the optimizer's groups places (the message names it)."""
+
+
+def plan_parameters(model, adapters: str = MUON) -> dict[str, ParamPlan]:
+    """How each trainable parameter of `model` (ours or a transformers model behind the model
+    boundary, wrapped by peft or not) is optimized, decided by its role (the module holding it,
+    the boundary's embedding, head and routers) and its shape; no family is named (a fused
+    projection is known by transformers' name for its role):
+
+    - AdamW: the token embedding and the head (the boundary's `model.embed_tokens` and
+      `lm_head`, peft's trained copies included, and any nn.Embedding); the routers (the
+      boundary's `routers()`: each MoE layer's router, whose [E, hidden] rows are the experts'
+      logit directions); every vector: a tensor with fewer than two axes longer than 1 (norms,
+      biases, sinks, scalars such as an activation's learned constants, a [1, hidden] gate), and an
+      experts module's [E, n] per-expert biases.
+    - Muon, each matrix on its own: an nn.Linear weight [out, in] (a fused `qkv_proj` or
+      `gate_up_proj` split into its parts along `out`: `fused_parts`); an experts module's stack
+      [E, ., .], one matrix per expert, [E, out, in] when its `is_transposed` is False
+      (transformers' flag) else [E, in, out]; a 2-D weight of another module that declares how it
+      is applied by the same flag (our dense MLP's x @ W).
+    - LoRA adapters (peft's lora_A [r, in] / lora_B [out, r]) take `adapters`; expert adapters,
+      stored by peft as one [r*E, in] / [out, r*E] matrix, always take AdamW: orthogonalizing the
+      stack whole would mix the experts.
+
+    A parameter none of these places is refused by name (`UnplacedParameter`, one line)."""
     if adapters not in ADAPTER_OPTIMIZERS:
         raise ValueError(f"optimizer: adapters must be one of {ADAPTER_OPTIMIZERS}, found {adapters!r}")
+    inner = unwrap(model)
+    roles, shape = _roles(inner), getattr(inner, "cfg", None)
     plan = {}
-    for name, p in named_params:
-        base, role = base_parameter_of(name)
-        if role is not None:
-            plan[name] = ParamPlan(ADAMW) if is_expert_adapter(name) else (_LINEAR if adapters == MUON
-                                                                           else ParamPlan(ADAMW))
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue                     # frozen: no optimizer state
+        base, adapter = base_parameter_of(name)
+        if adapter is not None:
+            plan[name] = _ADAMW if is_expert_adapter(name) or adapters == ADAMW else _LINEAR
             continue
-        hits = [rule for suffix, rule in _RULES if base.endswith(suffix)]
-        if len(hits) != 1:
-            raise ValueError(f"optimizer: parameter {name!r} {tuple(p.shape)} matches {len(hits)} "
-                             f"parameter-group rules (expected exactly 1)")
-        if hits[0].kind == MUON and p.dim() < 2:
-            raise ValueError(f"optimizer: Muon parameter {name!r} must be a matrix, found shape {tuple(p.shape)}")
-        plan[name] = _LINEAR if hits[0] is _X_AT_W and any(base.endswith(s) for s in linear_stacks) else hits[0]
+        role, module = roles.get(base, ("unknown", None))
+        plan[name] = _plan_of(name, tuple(p.shape), role, module, shape)
     return plan
+
+
+def _roles(model) -> dict[str, tuple[str, object]]:
+    """base parameter name -> (role, the module holding it); roles: "embedding", "router", or the
+    module's own kind ("experts", "linear", "declared", "other")."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    special = {}
+    boundary = [("embedding", getattr(getattr(model, "model", None), "embed_tokens", None)),
+                ("embedding", getattr(model, "lm_head", None))]
+    for role, module in boundary + [("router", m) for m in _routers(model)]:
+        if module is not None and id(module) in paths:
+            prefix = paths[id(module)]
+            for n, _ in module.named_parameters():
+                special[base_parameter_of(f"{prefix}.{n}" if prefix else n)[0]] = (role, module)
+    roles = {}
+    for path, module in model.named_modules():
+        kind = ("embedding" if isinstance(module, nn.Embedding) else "experts" if _is_experts(module)
+                else "linear" if isinstance(module, nn.Linear) else "declared" if hasattr(module, "is_transposed")
+                else "other")
+        for n, _ in module.named_parameters(recurse=False):
+            base = base_parameter_of(f"{path}.{n}" if path else n)[0]
+            roles.setdefault(base, special.get(base, (kind, module)))
+    return roles
+
+
+def _routers(model) -> list:
+    """The MoE layers' router modules: the boundary's `routers()`, or for a transformers
+    *ForCausalLM itself (an eager reference) the modules it records router logits from."""
+    if hasattr(model, "routers"):
+        return [module for _, module in model.routers()]
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    return [] if recorder is None else [m for m in model.modules() if isinstance(m, recorder.target_class)]
+
+
+def _is_experts(module) -> bool:
+    """A module holding stacks of expert matrices [E, ., .] (ours, transformers' experts)."""
+    return hasattr(module, "is_transposed") and any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def _plan_of(name: str, shape: tuple, role: str, module, model_shape) -> ParamPlan:
+    def refuse(why: str):
+        raise UnplacedParameter(f"optimizer: no rule places parameter {name} {shape} "
+                                f"({type(module).__name__ if module is not None else 'no module'}): {why}")
+
+    long_axes = sum(n > 1 for n in shape)
+    if role in ("embedding", "router") or long_axes < 2:
+        return _ADAMW
+    if role == "experts":
+        if len(shape) == 2:
+            return _ADAMW                   # [E, n]: a vector per expert (biases)
+        if len(shape) != 3:
+            refuse("an experts module's tensors are [E, n] vectors or [E, ., .] matrices per expert")
+        return _X_AT_W if module.is_transposed else _LINEAR
+    if len(shape) != 2:
+        refuse(f"a {len(shape)}-D tensor outside an experts module (Muon takes matrices, AdamW vectors)")
+    if role == "linear":
+        parts = fused_parts(name, shape, model_shape)
+        return dataclasses.replace(_LINEAR, parts=parts) if parts else _LINEAR
+    if role == "declared":
+        return _X_AT_W if module.is_transposed else _LINEAR
+    refuse("a matrix of a module that is neither nn.Linear nor declares its layout (is_transposed)")
+
+
+def fused_parts(name: str, shape: tuple, model_shape) -> tuple[int, ...]:
+    """The parts of a fused nn.Linear projection [out, in] along `out`, or () for an unfused one:
+    a `qkv_proj` is [q; k; v] (heads x head_dim, then twice kv_heads x head_dim, from the model's
+    shape), a `gate_up_proj` [gate; up], two halves (as transformers' Phi-3 and GLM split them)."""
+    module = base_parameter_of(name)[0].rsplit(".", 1)[0]
+    if module.endswith("." + FUSED_QKV):
+        if model_shape is None:
+            raise UnplacedParameter(f"optimizer: {name} {shape}: a fused {FUSED_QKV} of a model without a shape "
+                                    f"(cfg: heads, kv heads, head_dim) cannot be split into q, k and v")
+        q, kv = model_shape.n_heads * model_shape.head_dim, model_shape.n_kv_heads * model_shape.head_dim
+        if q + 2 * kv != shape[0]:
+            raise UnplacedParameter(f"optimizer: {name} {shape}: a fused {FUSED_QKV} of {shape[0]} rows is not "
+                                    f"q, k and v of this model ({q} + 2 x {kv} rows)")
+        return (q, kv, kv)
+    if module.endswith("." + FUSED_GATE_UP):
+        if shape[0] % 2:
+            raise UnplacedParameter(f"optimizer: {name} {shape}: a fused {FUSED_GATE_UP} of an odd number of rows "
+                                    f"is not gate and up halves")
+        return (shape[0] // 2, shape[0] // 2)
+    return ()
 
 
 def init_state(params: dict[str, torch.Tensor], plan: dict[str, ParamPlan]) -> dict:
@@ -208,9 +303,14 @@ def muon_adamw_update(params: dict[str, torch.Tensor], grads: dict[str, torch.Te
             else:
                 u = m / (1 - beta ** step)
             settings = (cfg.ns_steps, cfg.ns_coeffs, cfg.eps, ns_dtype)
-            ortho = orthogonalize(name, u, *settings) if orthogonalize else newton_schulz(u, *settings)
-            fan_in, fan_out = p.shape[rule.in_axis], p.shape[rule.out_axis]
-            update = ortho * math.sqrt(max(1.0, fan_out / fan_in)) + cfg.weight_decay * p.float()
+            fan_in = p.shape[rule.in_axis]
+            if rule.parts:          # a fused projection: each part is its own matrix (GSPMD places the parts)
+                ortho = torch.cat([newton_schulz(part, *settings) * math.sqrt(max(1.0, part.shape[rule.out_axis] / fan_in))
+                                   for part in u.split(rule.parts, dim=rule.out_axis)], dim=rule.out_axis)
+            else:
+                ortho = orthogonalize(name, u, *settings) if orthogonalize else newton_schulz(u, *settings)
+                ortho = ortho * math.sqrt(max(1.0, p.shape[rule.out_axis] / fan_in))
+            update = ortho + cfg.weight_decay * p.float()
             new_params[name] = (p.float() - cfg.lr * lr_scale * update).to(p.dtype)
             momentum[name] = m
         else:
@@ -231,7 +331,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig = OptimizerConfig()):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # frozen: no state
-        self.plan = plan_parameters(named, cfg.adapter_optimizer, linear_expert_stacks(model))
+        self.plan = plan_parameters(model, cfg.adapter_optimizer)
         self.cfg = cfg
         self.names = {id(p): n for n, p in named}
         groups = [{"params": [p for n, p in named if self.plan[n].kind == kind], "kind": kind}

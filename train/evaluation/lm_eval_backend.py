@@ -6,7 +6,10 @@ becomes the model's BOS (`bos_token_id`: lm-eval's prefix token), or, when the c
 already starts with it, its first token. `add_bos_token=True` prepends BOS to every encoding.
 Model arguments: checkpoint (run, step or Hugging Face dir; required), kernels (default auto),
 mesh (axes joined by ':', e.g. fsdp=4:tensor=2), max_length, add_bos_token, prefix_token_id,
-compile_cache (a directory or off; default as for generate: jax_bridge/compile_cache.py).
+compile_cache (a directory or off; default as for generate: jax_bridge/compile_cache.py), merge
+and base_dtype (as `eval --merge --base-dtype`). Any other argument is refused by name, and so are
+lm-eval's `--device` given another value than its default and `--max_batch_size` (the backend runs
+on JAX's devices, in batches of `--batch_size` rows).
 """
 from __future__ import annotations
 
@@ -21,21 +24,50 @@ from train.evaluation.requests import GenerationRequest, LoglikelihoodRequest
 NAME = "torchlyra"
 
 
+# What lm-eval's own options hand every backend (`--device`, `--max_batch_size`), and why this one
+# takes neither. lm-eval leaves out an option that is None, but hands every backend its default
+# device (0.4.13: "cuda:0", EvaluatorConfig), so that one value stands for "not given".
+LM_EVAL_OPTIONS = {"device": "the backend runs on JAX's devices (the model argument mesh= places it)",
+                   "max_batch_size": "batches are --batch_size rows (a number; auto is refused)"}
+LM_EVAL_DEFAULT_DEVICE = "cuda:0"
+MODEL_ARGUMENTS = ("checkpoint", "kernels", "mesh", "max_length", "add_bos_token", "prefix_token_id", "max_gen_toks",
+                   "compile_cache", "merge", "base_dtype")
+
+
+def check_unknown_arguments(unknown: dict) -> None:
+    """A model argument this backend does not take is refused by name, never ignored."""
+    if unknown.get("device") == LM_EVAL_DEFAULT_DEVICE:
+        unknown = {k: v for k, v in unknown.items() if k != "device"}
+    for name, why in LM_EVAL_OPTIONS.items():
+        if name in unknown:
+            raise UserError(f"lm-eval --{name} {unknown[name]}: not taken by the torchlyra backend: {why}")
+    if unknown:
+        raise UserError(f"lm-eval --model_args: unknown argument(s) {', '.join(sorted(unknown))} for the torchlyra "
+                        f"backend (it takes {', '.join(MODEL_ARGUMENTS)})")
+
+
 class TorchlyraLM(TemplateLM):
     """lm-eval requests -> token requests for the compiled scorer (`scorer.load_scorer`)."""
 
     def __init__(self, checkpoint: str | None = None, kernels: str = "auto", mesh: str | None = None,
                  max_length: int | None = None, add_bos_token: bool = False, prefix_token_id: int | None = None,
                  batch_size: int | str | None = 16, max_gen_toks: int = 256, compile_cache: str | None = None,
-                 **ignored):
+                 merge: bool = False, base_dtype: str = "compute", **unknown):
         from jax_bridge import compile_cache as compile_cache_module
+        from formats.mxfp4 import BASE_DTYPES
         from train.evaluation.scorer import load_scorer
 
         super().__init__()
-        compile_cache_module.enable(compile_cache)
+        check_unknown_arguments(unknown)
         if not checkpoint:
             raise UserError("lm-eval --model torchlyra: give --model_args checkpoint=DIR (a run, step or Hugging Face "
                             "directory)")
+        if base_dtype not in BASE_DTYPES:
+            raise UserError(f"lm-eval --model_args base_dtype: expected one of {', '.join(BASE_DTYPES)}, "
+                            f"found {base_dtype!r}")
+        if not isinstance(merge, bool):
+            raise UserError(f"lm-eval --model_args merge: expected True or False, found {merge!r}")
+        compile_cache_module.enable(compile_cache)
         try:
             rows = int(16 if batch_size is None else batch_size)
         except ValueError:
@@ -45,7 +77,8 @@ class TorchlyraLM(TemplateLM):
 
         placed = command_mesh(mesh.replace(":", ",") if isinstance(mesh, str) else mesh)
         self.scorer, self.tokenizer, self.info = load_scorer(str(checkpoint), kernels=kernels, mesh=placed,
-                                                             batch_size=rows, max_length=max_length)
+                                                             batch_size=rows, max_length=max_length, merge=merge,
+                                                             base_dtype=base_dtype)
         say_inference_mesh("lm-eval", placed, self.scorer.mesh)
         if self.tokenizer is None:
             raise UserError(f"checkpoint {checkpoint}: no tokenizer, and lm-eval sends text")

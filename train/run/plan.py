@@ -150,8 +150,9 @@ def _model_record(args):
         return None
     if not args.seq_len:
         raise UserError("--model-config: give --seq-len (a transformers config has no training length)")
-    if args.rl or args.layers:
-        raise UserError("--model-config: --rl and --layers are not built for transformers models yet")
+    if args.layers:
+        raise UserError("--model-config: --layers is not built for transformers models (set num_hidden_layers in "
+                        "the config)")
     return TransformersSpec.from_file(args.model_config)     # refusals: ConfigErrors, one line
 
 
