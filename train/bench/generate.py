@@ -56,15 +56,17 @@ def add_arguments(parser) -> None:
                         help="generate: torch threads for transformers, or auto (the faster of 1 and torch's default)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"generate: comma-separated subset of {','.join(PATHS)} (default: all)")
+    parser.add_argument("--kernels", default="auto",
+                        help="generate: our paths' kernels, as `torchlyra generate --kernels` (e.g. cached_attention=xla)")
 
 
 # ---- the paths ----------------------------------------------------------------------------------
 class Ours:
     name = "ours"
 
-    def __init__(self, model=None, *, generator=None, stream_every: int | None = None):
+    def __init__(self, model=None, *, generator=None, stream_every: int | None = None, kernels="auto"):
         from train.generation.generator import Generator
-        self.generator = generator or Generator(model)
+        self.generator = generator or Generator(model, kernels=kernels)
         self.stream_every = stream_every
         self.last = None            # the last Generation: its HBM floor (the same every repetition)
 
@@ -313,7 +315,7 @@ def run(args) -> int:
                             f"max_position_embeddings ({cfg.max_position_embeddings})")
         paths = {}
         if "ours" in names or "ours-streaming" in names:
-            ours = Ours(model)
+            ours = Ours(model, kernels=args.kernels)
             if "ours" in names:
                 paths["ours"] = ours
             if "ours-streaming" in names:
@@ -376,6 +378,8 @@ def run(args) -> int:
                       settings=dict(batches=batches, prompt_len=prompt_len, new_tokens=new_tokens, repeats=args.repeats,
                                     warmup=max(args.warmup, 1), dtype=dtype, sampling="greedy"),
                       transformers=paths["hf"].implementation if "hf" in paths else None,
+                      kernels=dict(ours.generator.decoder.decode_kernels) if "ours" in names or
+                      "ours-streaming" in names else None,
                       compilations=compiled, goal=dict(ratio=GOAL, met=goal), rows=rows)
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
@@ -391,6 +395,8 @@ def _command_line(args) -> str:
               "--repeats", str(args.repeats)]
     if args.paths != ",".join(PATHS):
         parts += ["--paths", args.paths]
+    if args.kernels != "auto":
+        parts += ["--kernels", args.kernels]
     if args.hf_threads != "auto":
         parts += ["--hf-threads", args.hf_threads]
     if args.json:
