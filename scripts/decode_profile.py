@@ -2,7 +2,9 @@
 """Where a decode step's time goes on the chip: `torchlyra generate`'s decode program (one model,
 random weights, bf16) timed at several batch sizes and sampling modes, then traced once with
 jax.profiler and its device ops summed by the roofline's categories (jax_bridge/roofline.py),
-measured beside predicted. Reads the trace with jax's own ProfileData: no xprof needed.
+measured beside predicted. Reads the trace with jax's own ProfileData: no xprof needed. The ops'
+times overlap (asynchronous weight prefetches run beside the compute): their sum exceeds the
+step's wall time; read the shares.
 
     python scripts/decode_profile.py [MODEL ...]    MODEL: a preset (tiny, small-o200k, ...) or a
                                                     transformers config JSON (docs/models/*.json)
@@ -14,6 +16,7 @@ On a CPU host the timings run and the profile is skipped (no device ops to read)
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -58,8 +61,27 @@ def timed(gen, cfg, batch, new, sampling, stream=None, repeats=3):
                 compile_s=[(c.program, round(c.seconds, 1)) for c in first.compilations], bucket=list(first.bucket))
 
 
+_EVENT = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_CONTROL = {"while", "conditional", "call"}     # an event spanning the ops it runs, which count on their own
+
+
+def _event_op(name: str):
+    """(instruction name, opcode) of a trace event named by its HLO text (opcode None if unread)."""
+    from jax_bridge import hlo_text
+
+    try:
+        ins = hlo_text.parse_instruction(name)
+    except (ValueError, IndexError):
+        ins = None
+    if ins is not None:
+        return ins.name, ins.opcode
+    found = _EVENT.match(name)
+    return (found.group(1) if found else name), None
+
+
 def device_ops(trace_dir):
-    """{op name: (total ns, count)} of the first TPU device's "XLA Ops" line, and the modules' times."""
+    """{op name: (total ns, count)} of the first TPU device's "XLA Ops" line (each event is named by
+    its HLO instruction's text: "%fusion.12 = bf16[...] fusion(...)"), and the modules' times."""
     from jax.profiler import ProfileData
 
     path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
@@ -70,7 +92,10 @@ def device_ops(trace_dir):
         for line in plane.lines:
             if line.name == "XLA Ops":
                 for e in line.events:
-                    t = ops.setdefault(e.name, [0, 0])
+                    name, opcode = _event_op(e.name)
+                    if opcode in _CONTROL:
+                        continue
+                    t = ops.setdefault(name, [0, 0])
                     t[0] += e.duration_ns
                     t[1] += 1
             elif line.name == "XLA Modules":
