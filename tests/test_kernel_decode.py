@@ -60,21 +60,21 @@ def test_cached_attention_pallas_matches_the_xla_reference():
     slot = np.arange(64)
     kpos = np.stack([np.where((slot >= 32 - n) & (slot < 32), slot - (32 - n), -1) for n in (20, 7, 0)])
     qpos = np.array([[19], [6], [-1]])
-    first, last = live_block_range(jnp.asarray(qpos, jnp.int32), jnp.asarray(kpos, jnp.int32), sliding_window=0,
-                                   block_kv=16)
+    args = (jnp.asarray(qpos, jnp.int32), jnp.asarray(kpos, jnp.int32))
+    first, last = live_block_range(*args, sliding_window=0, block_kv=16)
     assert first.tolist() == [0, 1, 0] and last.tolist() == [1, 1, -1]
     poisoned = v.at[:, :, 32:].set(jnp.nan)
-    args = (jnp.asarray(qpos, jnp.int32), jnp.asarray(kpos, jnp.int32))
     expected = ref(q, k, v, sinks, *args, sliding_window=0, scale=0.2)
-    got = pal(q, k, poisoned, sinks, *args, sliding_window=0, scale=0.2, block_kv=16)
+    got = pal(q, k, poisoned, sinks, *args, sliding_window=0, scale=0.2, block_kv=16, block_batch=1)
     assert rel_err(got, expected) < 1e-6 and not np.any(np.asarray(got[2]))     # padding row: 0
-    # 2. a chunk of 5 queries, MHA, window 7, no sinks, slots in any order (a ring)
+    # 2. a chunk of 5 queries, MHA, window 7, no sinks, slots in any order (a ring); both batch rows
+    #    in one grid step, blocks of 32 of 48 slots (the last one past the cache's end)
     q, k, v, sinks = _cached_inputs(2, 4, 4, 5, 48, 16, seed=2, sinks=False)
     r = np.random.default_rng(3)
     kpos = jnp.asarray(np.stack([r.permutation(48) - 8 for _ in range(2)]), jnp.int32)     # -8..39: some empty
     qpos = jnp.asarray([[35, 36, 37, 38, 39], [-1, 0, 1, 2, 3]], jnp.int32)
     expected = ref(q, k, v, sinks, qpos, kpos, sliding_window=7, scale=0.25)
-    assert rel_err(pal(q, k, v, sinks, qpos, kpos, sliding_window=7, scale=0.25, block_kv=16), expected) < 1e-6
+    assert rel_err(pal(q, k, v, sinks, qpos, kpos, sliding_window=7, scale=0.25, block_kv=32), expected) < 1e-6
     # 3. bf16, GQA 4:1, window 16, contiguous positions, one block of all 40 slots
     q, k, v, sinks = _cached_inputs(2, 8, 2, 1, 40, 64, seed=4, dtype=jnp.bfloat16)
     kpos = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
