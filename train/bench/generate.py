@@ -23,6 +23,7 @@ before timing and reported apart, per bucket.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -374,7 +375,8 @@ def run(args) -> int:
     if args.json:
         date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         report = dict(command=_command_line(args), date=date, machine=machine_info(), weights=source,
-                      model=cfg.to_dict(), elapsed_s=round(elapsed, 1), load_average_start_end=load,
+                      model=cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg),   # a transformers model's shape
+                      elapsed_s=round(elapsed, 1), load_average_start_end=load,
                       settings=dict(batches=batches, prompt_len=prompt_len, new_tokens=new_tokens, repeats=args.repeats,
                                     warmup=max(args.warmup, 1), dtype=dtype, sampling="greedy"),
                       transformers=paths["hf"].implementation if "hf" in paths else None,
