@@ -8,6 +8,12 @@ same compiled program serves any number of new tokens and streaming (several cal
 continuing the donated state) alike. Programs are compiled ahead of time per bucket (batch,
 prompt length, total length, sampling mode); each compilation is counted and timed.
 
+A program's first run loads it onto the devices (on a TPU v5e, the 0.57 B Llama's first prefill
+took 279 ms against a few ms after): `Decoder.first_run` runs a newly compiled pair once on an
+all-padding batch, so that time is reported with the compilation, not as time to first token or
+decode time. `Decoder.step_bytes` is what one decode step must read at the least (the HBM floor
+of `torchlyra generate --timings`).
+
 Precision follows the train step's per-platform defaults (jax_bridge/step.py: float32 and
 "highest" matmuls on CPU, bf16 with "default" on accelerators). With a device mesh, parameters
 are placed by the training rules (jax_bridge/sharding.py), the batch is split over the mesh's
@@ -39,6 +45,15 @@ from torch_model.lora import tracing_scope
 
 PROMPT_MULTIPLE = 32      # prompt lengths are padded up to a multiple of this
 LENGTH_MULTIPLE = 64      # and the total (prompt bucket + new tokens) to a multiple of this
+
+
+# The TPU compiler's memory-space assignment moved each layer's whole KV cache into VMEM to
+# write one token's row there, and copied it back, every step: at the 0.57 B Llama's 64 rows x
+# 128 slots, 805 MB of copies per token beside 1.15 GB of weights (jax_bridge/roofline.py on the
+# v5e decode program; tests/test_generation_tpu.py). An allocation in VMEM whose uses read less
+# than this share of the bytes it copies is refused: the caches stay in HBM and are updated in
+# place, a weight prefetched once and read once (share 1) is still prefetched.
+TPU_DECODE_OPTIONS = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 0.8}
 
 
 def batch_bucket(batch: int) -> int:
@@ -382,9 +397,54 @@ class Decoder:
             params = self.params_for(self.layout("decode", batch))
             whole = self._sharding(False)
             values = _values_spec(n_stop, self.cfg.vocab_size, whole)
+            tpu = TPU_DECODE_OPTIONS if self.platform == "tpu" else {}
             return fn.lower(params, state_spec, _spec((), jnp.int32, whole), values).compile(
-                {**sharding.loop_compiler_options(self.mesh), **self.compiler_options})
+                {**tpu, **sharding.loop_compiler_options(self.mesh), **self.compiler_options})
         return self._compiled("decode", (batch, length, mode, n_stop), build)
+
+    def first_run(self, prefill, decode, prompt_rows: int, prompt: int, values: SamplingValues) -> float:
+        """Run a prefill and decode program once on an all-padding batch of their bucket (no row
+        is live: the decode loop ends at once) and wait: the first run of a program loads it onto
+        the devices. Returns the seconds it took; call it before timing the programs."""
+        started = time.perf_counter()
+        rows = np.zeros(prompt_rows, bool)
+        args = self.place_inputs(np.zeros((prompt_rows, prompt), np.int32), np.full((prompt_rows, prompt), -1, np.int32),
+                                 rows, values, jax.random.PRNGKey(0))
+        state = prefill(self.params_for(self.layout("prefill", prompt_rows * prompt)), *args)
+        state = decode(self.params_for(self.layout("decode", state.last.shape[0])), state, self.place_limit(0), args[3])
+        jax.block_until_ready(state)
+        return time.perf_counter() - started
+
+    def step_bytes(self, rows: int, kv_tokens) -> tuple[float, float]:
+        """(weight bytes, KV cache bytes) a decode step of `rows` rows must read at the least,
+        per device: every parameter once as held (the compute dtype, or MXFP4 blocks), except
+        the experts no row is routed to (of E per MoE layer, k per row: E (1 - (1 - k/E)^rows)
+        expected under uniform routing, exactly k at one row) and, for an embedding not tied to
+        the head, all but the rows' own; plus each layer's keys and values of the tokens each row
+        holds (`kv_tokens`: per row, its prompt and generated tokens; a sliding layer at most its
+        window; any array shape: [steps, rows] sums the KV bytes of several steps). Under a mesh,
+        what one device holds of them (an even split)."""
+        cfg = self.cfg
+        experts, k = getattr(cfg, "n_experts", 0), getattr(cfg, "experts_per_token", 0)
+        reached = experts * (1 - (1 - k / experts) ** rows) if experts else 0.0
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        tied = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Linear)}
+        lookups = {names[id(m.weight)] for m in self.model.modules()
+                   if isinstance(m, torch.nn.Embedding) and id(m.weight) not in tied}
+        weights = 0.0
+        for name, a in self.params.items():
+            size = sharding.held_bytes(a) if self.mesh is not None else math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+            if name in lookups:
+                size *= min(rows, a.shape[0]) / a.shape[0]
+            elif experts and "experts." in name and a.shape and a.shape[0] == experts:
+                size *= reached / experts
+            weights += size
+        itemsize = jnp.dtype(COMPUTE_DTYPES[self.compute_dtype]).itemsize
+        per_token = 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
+        tokens = np.asarray(kv_tokens, np.int64)
+        kv = sum(per_token * np.minimum(tokens, cfg.window_of_layer(i) or tokens).sum() for i in range(cfg.n_layers))
+        shards = 1 if self.mesh is None else self.mesh.devices.size
+        return weights, float(kv) / shards
 
 
 _COLLECTIVES = ("all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "all-to-all", "reduce-scatter",

@@ -285,7 +285,12 @@ register_implementation("moe", "pallas", f"{_K}.moe:moe_experts_pallas", platfor
 register_implementation("moe", "decode", f"{_K}.moe_decode:moe_experts_decode", trains=False,
                         description="generation's few rows: reads only the experts in use (CPU default for generation)")
 register_implementation("cached_attention", "xla", f"{_K}.decode_attention:cached_attention_reference",
-                        description="plain JAX over the cache slots, masked by token position")
+                        spmd="gspmd", description="plain JAX over the cache slots, masked by token position "
+                                                  "(the reference; widens the cache to float32)")
+register_implementation("cached_attention", "pallas", f"{_K}.decode_attention:cached_attention_pallas",
+                        platforms=("cpu", "tpu"), trains=False,
+                        description="the cache read block by block in its own dtype, only the blocks of visible "
+                                    "slots (Mosaic TPU; interpreted on CPU)")
 register_implementation("moe_mxfp4", "xla", f"{_K}.moe_mxfp4:moe_mxfp4_xla", spmd="gspmd",
                         description="decode the MXFP4 stacks per call, then the plain JAX tiled grouped GEMM")
 register_implementation("moe_mxfp4", "ragged_dot", f"{_K}.moe_mxfp4:moe_mxfp4_reference", spmd="gspmd",
@@ -494,9 +499,13 @@ def _adapters(resolved: dict[str, str], platform: str, options: dict, mesh=None,
                             down_blocks, down_scales, down_bias, alpha=float(alpha), limit=float(limit),
                             up_shift=float(up_shift))
 
+    cached = fns.get("cached_attention")
+    if cached is not None and mesh is not None:
+        cached = sharded_ops.cached_attention(cached, mesh, impl["cached_attention"].spmd)
+
     def cached_attention(q, k, v, sinks, q_positions, k_positions, sliding_window, scale):
-        return fns["cached_attention"](q, k, v, sinks, q_positions.astype("int32"), k_positions.astype("int32"),
-                                       sliding_window=int(sliding_window), scale=float(scale))
+        return cached(q, k, v, sinks, q_positions.astype("int32"), k_positions.astype("int32"),
+                      sliding_window=int(sliding_window), scale=float(scale))
 
     adapters = {"attention": attention, "cross_entropy": cross_entropy, "moe": moe_experts,
                 "moe_mxfp4": moe_experts_mxfp4, "cached_attention": cached_attention}

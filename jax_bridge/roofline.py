@@ -107,10 +107,18 @@ def hbm_bytes(ins: hlo.Instruction, cost: dict, skip: set = frozenset()) -> floa
     """Bytes the op moves to or from HBM: the cost analysis' per-operand and per-output bytes,
     less the share of operands and outputs the compiler placed in VMEM (or SMEM), padded to the
     arrays' TPU tiles. An asynchronous copy (copy-start) moves its array once between its source
-    and destination (the output tuple repeats the source); its copy-done only waits."""
+    and destination (the output tuple repeats the source), an asynchronous slice its slice; their
+    -done halves only wait."""
     if ins.opcode == "copy-start":
         dest, source = hlo.leaves(ins.shape)[:2]
         return sum(hlo.array_bytes(leaf) * hlo.padding_factor(leaf) for leaf in (dest, source) if hlo.in_hbm(leaf))
+    if ins.opcode in ("slice-start", "dynamic-slice-start"):
+        # An asynchronous slice (the TPU compiler's prefetch of a weight's rows into VMEM): its
+        # output tuple repeats the whole source; the slice is read once from the source and
+        # written once to its destination, each counted where it lies in HBM.
+        source, dest = hlo.leaves(ins.shape)[:2]
+        moved = hlo.array_bytes(dest) * hlo.padding_factor(dest)
+        return moved * (hlo.in_hbm(source) + hlo.in_hbm(dest))
     total = 0.0
     # A tuple operand or output has a key per element ('bytes accessedout{1}') and one for the
     # whole ('bytes accessedout{}', their sum): the elements are counted, the whole is not.

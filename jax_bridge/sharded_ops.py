@@ -1,4 +1,4 @@
-"""The registry's attention and cross-entropy implementations under a device mesh.
+"""The registry's attention, cached attention and cross-entropy implementations under a device mesh.
 
 A Pallas kernel is one opaque custom call that GSPMD cannot split, so it runs inside `shard_map`
 over the axes it is local on: attention over batch and heads (each device: its sequences, its
@@ -46,6 +46,25 @@ def attention(fn, mesh, spmd: str):
         local = lambda q, k, v, s, ids: fn(q, k, v, s, sliding_window=sliding_window, scale=scale, segment_ids=ids)
         return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, sink_spec, seg_spec),
                              out_specs=q_spec, check_vma=CHECK_VMA)(q, k, v, sinks, segment_ids)
+
+    return call
+
+
+def cached_attention(fn, mesh, spmd: str):
+    """fn(q [B, Hq, Tq, D], k, v [B, Hkv, S, D], sinks [Hq], q_positions [B, Tq], k_positions [B, S], *,
+    sliding_window, scale): a kernel per device over its rows and heads; plain JAX as GSPMD splits it."""
+    if spmd == GSPMD:
+        return fn
+
+    def call(q, k, v, sinks, q_positions, k_positions, *, sliding_window, scale):
+        q_spec = sharding.logical_spec(mesh, ("batch", "heads"), q.shape)
+        kv_spec = sharding.logical_spec(mesh, ("batch", "kv_heads"), k.shape)
+        sink_spec = sharding.logical_spec(mesh, ("heads",), sinks.shape)
+        rows = sharding.logical_spec(mesh, ("batch", None), q_positions.shape)
+        slots = sharding.logical_spec(mesh, ("batch", None), k_positions.shape)
+        local = lambda *a: fn(*a, sliding_window=sliding_window, scale=scale)
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, sink_spec, rows, slots),
+                             out_specs=q_spec, check_vma=CHECK_VMA)(q, k, v, sinks, q_positions, k_positions)
 
     return call
 

@@ -154,6 +154,9 @@ def test_bench_generate_runs_every_path_side_by_side(tmp_path, capsys, monkeypat
         assert r["decode_vs_hf"] == pytest.approx(r["decode_tokens_per_s"] / rows["hf"]["decode_tokens_per_s"])
     assert sorted(c["program"] for c in report["compilations"]) == ["decode", "prefill"]
     assert report["settings"]["new_tokens"] == 6 and report["goal"]["ratio"] == 3.0
+    # our paths: the bytes a decode step reads at the least; the HBM floor is a TPU's (none on CPU)
+    assert rows["ours"]["decode_bytes_per_step"] > 0 and rows["ours"]["floor_tokens_per_s"] is None
+    assert "of floor" in printed and "floor_tokens_per_s" not in rows["hf"]
 
 
 def test_bench_eval_scores_a_few_shot_task_with_both_backends_alike(tmp_path, capsys, monkeypatch):

@@ -97,6 +97,16 @@ def test_greedy_batch_equals_eager_pytorch_without_cache_and_transformers_genera
     assert np.median([m for row in margins for m in row]) > 0.05
 
 
+def test_the_pallas_cached_attention_generates_the_eager_greedy_tokens(trained):
+    """cached_attention=pallas (TPU's default; interpreted here) in prefill and decode: the eager
+    model's greedy tokens, prompts longer than the sliding window included (the ring's chunk)."""
+    _, _, model = trained
+    prompts = prompts_around_the_window()
+    result = Generator(model, kernels="cached_attention=pallas").generate(prompts, GREEDY)
+    assert result.compilations and all(c.program in ("prefill", "decode") for c in result.compilations)
+    assert_greedy_equal(result.tokens, *eager_greedy(model, prompts, NEW))
+
+
 def test_one_compilation_per_bucket_whatever_the_lengths(generator):
     """Batches of 3 or 4 prompts up to 32 tokens, up to 32 new tokens: bucket (4, 32, 64)."""
     bucket = (4, 32, 64)

@@ -35,6 +35,70 @@ def test_cached_attention_jax_matches_the_torch_op(b, hq, hkv, tq, slots, d, win
     assert rel_err(np.asarray(got), expected.numpy()) < 1e-6
 
 
+def _cached_inputs(b, hq, hkv, tq, slots, d, seed, dtype=jnp.float32, sinks=True):
+    r = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(r.standard_normal(shape), dtype) for shape in
+               ((b, hq, tq, d), (b, hkv, slots, d), (b, hkv, slots, d)))
+    sink = jnp.asarray(r.standard_normal(hq) if sinks else np.full(hq, -1e30), jnp.float32)     # -1e30: none
+    return q, k, v, sink
+
+
+def test_cached_attention_pallas_matches_the_xla_reference():
+    """The Pallas decode kernel (interpreted on CPU) against the plain-JAX reference: a GQA decode
+    step over a left-padded batch with ragged lengths, a row of padding only, and cache blocks
+    past every row's last token that hold NaN (skipped: never read into the result); a prefill-like
+    chunk (Tq 5, MHA) with a window and no sinks, slots in any order; bf16 GQA with a window; and
+    the kernel under a mesh (shard_map, per device)."""
+    from jax_bridge import sharded_ops, sharding
+    from pallas_kernels.decode_attention import cached_attention_pallas, live_block_range
+
+    ref = functools.partial(cached_attention_reference, platform="cpu")
+    pal = functools.partial(cached_attention_pallas, platform="cpu")
+    # 1. decode: 4 blocks of 16 slots; rows hold 20, 7 and 0 tokens (left-padded to slot 31), the
+    #    rest of the cache is empty; NaN past slot 31 must not reach the outputs.
+    q, k, v, sinks = _cached_inputs(3, 8, 2, 1, 64, 32, seed=1)
+    slot = np.arange(64)
+    kpos = np.stack([np.where((slot >= 32 - n) & (slot < 32), slot - (32 - n), -1) for n in (20, 7, 0)])
+    qpos = np.array([[19], [6], [-1]])
+    args = (jnp.asarray(qpos, jnp.int32), jnp.asarray(kpos, jnp.int32))
+    first, last = live_block_range(*args, sliding_window=0, block_kv=16)
+    assert first.tolist() == [0, 1, 0] and last.tolist() == [1, 1, -1]
+    poisoned = v.at[:, :, 32:].set(jnp.nan)
+    expected = ref(q, k, v, sinks, *args, sliding_window=0, scale=0.2)
+    got = pal(q, k, poisoned, sinks, *args, sliding_window=0, scale=0.2, block_kv=16, block_batch=1)
+    assert rel_err(got, expected) < 1e-6 and not np.any(np.asarray(got[2]))     # padding row: 0
+    # 2. a chunk of 5 queries, MHA, window 7, no sinks, slots in any order (a ring); both batch rows
+    #    in one grid step, blocks of 32 of 48 slots (the last one past the cache's end)
+    q, k, v, sinks = _cached_inputs(2, 4, 4, 5, 48, 16, seed=2, sinks=False)
+    r = np.random.default_rng(3)
+    kpos = jnp.asarray(np.stack([r.permutation(48) - 8 for _ in range(2)]), jnp.int32)     # -8..39: some empty
+    qpos = jnp.asarray([[35, 36, 37, 38, 39], [-1, 0, 1, 2, 3]], jnp.int32)
+    expected = ref(q, k, v, sinks, qpos, kpos, sliding_window=7, scale=0.25)
+    assert rel_err(pal(q, k, v, sinks, qpos, kpos, sliding_window=7, scale=0.25, block_kv=32), expected) < 1e-6
+    # 3. bf16, GQA 4:1, window 16, contiguous positions, one block of all 40 slots
+    q, k, v, sinks = _cached_inputs(2, 8, 2, 1, 40, 64, seed=4, dtype=jnp.bfloat16)
+    kpos = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
+    qpos = jnp.asarray([[39], [25]], jnp.int32)
+    expected = ref(q, k, v, sinks, qpos, kpos, sliding_window=16, scale=0.125)
+    got = pal(q, k, v, sinks, qpos, kpos, sliding_window=16, scale=0.125)
+    assert got.dtype == jnp.bfloat16 and rel_err(got.astype(jnp.float32), expected.astype(jnp.float32)) < 2e-2
+    # 4. per device under a mesh: the same result
+    mesh = sharding.make_mesh(None, jax.devices()[:1])
+    sharded = sharded_ops.cached_attention(pal, mesh, sharded_ops.SHARD_MAP)
+    assert rel_err(sharded(q, k, v, sinks, qpos, kpos, sliding_window=16, scale=0.125).astype(jnp.float32),
+                   got.astype(jnp.float32)) == 0
+
+
+def test_cached_attention_pallas_is_tpu_generation_default_and_xla_stays_on_cpu():
+    impl = registry.implementations("cached_attention")["pallas"]
+    assert impl.platforms == ("cpu", "tpu") and not impl.trains
+    ops_ = registry.OPS + registry.GENERATION_OPS
+    assert registry.resolve("auto", "tpu", ops=ops_)["cached_attention"] == "pallas"
+    assert registry.resolve("auto", "cpu", ops=ops_)["cached_attention"] == "xla"
+    with pytest.raises(registry.KernelError, match="cached_attention=pallas cannot run on platform 'gpu'"):
+        registry.resolve("cached_attention=pallas", "gpu", ops=ops_)
+
+
 # ---- MoE for a decode step -------------------------------------------------------------------
 def moe_inputs(rows, experts, sizes, seed=0, dtype=jnp.float32):
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)

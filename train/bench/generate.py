@@ -12,7 +12,9 @@ The paths generate greedily from the same weights and the same random prompts, e
   no-cache  : what generation did before the cache: the lowered forward over a padded
               [batch, max_seq_len] window for every token, logits to the host, argmax there.
 Time to first token: the prompt's prefill plus the first token. Decode tokens/s: the other
-tokens of all rows over the time after the first token. Repetitions are interleaved across the
+tokens of all rows over the time after the first token. Our paths also report the bytes a decode
+step must read at the least (jax_bridge/decoding.py: Decoder.step_bytes) and, on a TPU, the HBM
+floor they set (those bytes over the chip's bandwidth) in tokens/s and the share of it achieved. Repetitions are interleaved across the
 paths in a rotating order (the machine's load hits them alike), each timed call right after an
 untimed one of the same path (its weights as warm in the caches as they get), and the median
 is kept; process CPU time is reported
@@ -21,6 +23,7 @@ before timing and reported apart, per bucket.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -54,22 +57,26 @@ def add_arguments(parser) -> None:
                         help="generate: torch threads for transformers, or auto (the faster of 1 and torch's default)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"generate: comma-separated subset of {','.join(PATHS)} (default: all)")
+    parser.add_argument("--kernels", default="auto",
+                        help="generate: our paths' kernels, as `torchlyra generate --kernels` (e.g. cached_attention=xla)")
 
 
 # ---- the paths ----------------------------------------------------------------------------------
 class Ours:
     name = "ours"
 
-    def __init__(self, model=None, *, generator=None, stream_every: int | None = None):
+    def __init__(self, model=None, *, generator=None, stream_every: int | None = None, kernels="auto"):
         from train.generation.generator import Generator
-        self.generator = generator or Generator(model)
+        self.generator = generator or Generator(model, kernels=kernels)
         self.stream_every = stream_every
+        self.last = None            # the last Generation: its HBM floor (the same every repetition)
 
     def run(self, prompts, new_tokens):
         from train.generation.sampling import SamplingConfig
         cpu = time.process_time()
         streaming = dict(on_tokens=lambda new: None, stream_every=self.stream_every) if self.stream_every else {}
         result = self.generator.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, temperature=0), **streaming)
+        self.last = result
         return result.tokens, result.prefill_seconds, result.decode_seconds, time.process_time() - cpu
 
     def compilations(self):
@@ -208,20 +215,36 @@ def measure(paths: dict, prompts, new_tokens: int, repeats: int, warmup: int, lo
     return out
 
 
+def floor_row(generation, tokens_per_s: float) -> dict:
+    """The decode's bytes per step and, on a TPU, its HBM floor in tokens/s and the share of it
+    achieved at the measured (median) tokens/s (train/generation/generator.py: Generation.floor_seconds)."""
+    steps = generation.decode_steps
+    out = {"decode_bytes_per_step": (generation.decode_weight_bytes + generation.decode_kv_bytes) / max(steps, 1),
+           "floor_tokens_per_s": None, "share_of_floor": None}
+    floor = generation.floor_seconds
+    if floor:
+        out["floor_tokens_per_s"] = generation.rows * steps / floor
+        out["share_of_floor"] = tokens_per_s / out["floor_tokens_per_s"]
+    return out
+
+
 def _agreement(a, b) -> float:
     """Fraction of rows whose greedy tokens are identical."""
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
 # ---- report -----------------------------------------------------------------------------------------
-HEADER = ["batch", "path", "decode tok/s", "vs hf", "TTFT ms", "vs hf", "CPU ms/token", "same tokens as hf"]
+HEADER = ["batch", "path", "decode tok/s", "vs hf", "TTFT ms", "vs hf", "CPU ms/token", "same tokens as hf",
+          "floor tok/s", "of floor"]
 
 
 def format_table(rows: list[dict]) -> str:
     body = [[str(r["batch"]), r["path"], f"{r['decode_tokens_per_s']:.0f}", _ratio(r.get("decode_vs_hf")),
              f"{r['time_to_first_token_ms']:.1f}", _ratio(r.get("ttft_vs_hf"), inverse=True),
              f"{r['cpu_ms_per_token']:.3f}",
-             "-" if r.get("same_tokens_as_hf") is None else f"{100 * r['same_tokens_as_hf']:.0f}% of rows"]
+             "-" if r.get("same_tokens_as_hf") is None else f"{100 * r['same_tokens_as_hf']:.0f}% of rows",
+             "-" if r.get("floor_tokens_per_s") is None else f"{r['floor_tokens_per_s']:.0f}",
+             "-" if r.get("share_of_floor") is None else f"{100 * r['share_of_floor']:.0f}%"]
             for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(HEADER)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
@@ -244,8 +267,8 @@ def _parse_ints(text: str, what: str) -> list[int]:
     return values
 
 
-def _load(args, workdir: Path):
-    """(torch model, exported transformers directory, description of the weights)."""
+def _load(args, workdir: Path, export: bool):
+    """(torch model, exported transformers directory (None unless `export`), description of the weights)."""
     import torch
 
     from formats.hf_export import export_checkpoint
@@ -266,6 +289,8 @@ def _load(args, workdir: Path):
         model = GptOssForCausalLM(cfg).eval()
         checkpoint, source = workdir / "checkpoint", f"preset {args.preset}, random weights (seed 0)"
         save_checkpoint(checkpoint, model.state_dict(), cfg)
+    if not export:
+        return model, None, source
     export_checkpoint(checkpoint, workdir / "hf")
     return model, workdir / "hf", source
 
@@ -284,14 +309,14 @@ def run(args) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
-        model, hf_dir, source = _load(args, Path(tmp))
+        model, hf_dir, source = _load(args, Path(tmp), export="hf" in names)
         cfg = model.cfg
         if prompt_len + new_tokens > cfg.max_position_embeddings:
             raise UserError(f"--prompt-len + --new-tokens ({prompt_len + new_tokens}) exceed the model's "
                             f"max_position_embeddings ({cfg.max_position_embeddings})")
         paths = {}
         if "ours" in names or "ours-streaming" in names:
-            ours = Ours(model)
+            ours = Ours(model, kernels=args.kernels)
             if "ours" in names:
                 paths["ours"] = ours
             if "ours-streaming" in names:
@@ -322,6 +347,8 @@ def run(args) -> int:
                     row["same_tokens_as_hf"] = _agreement(r["tokens"], hf["tokens"])
                 if name == "hf":
                     row["torch_threads"] = paths["hf"].threads
+                if isinstance(paths[name], Ours):
+                    row.update(floor_row(paths[name].last, r["decode_tokens_per_s"]))
                 rows.append(row)
     elapsed = time.perf_counter() - started
     load = [round(load_before, 1), round(os.getloadavg()[0], 1)]
@@ -339,17 +366,22 @@ def run(args) -> int:
         goal = all(v >= GOAL for v in ratios.values())
         print(f"goal: ours >= {GOAL:.0f}x transformers' decode tokens/s at every batch: "
               f"{'met' if goal else 'NOT met'} ({', '.join(f'batch {b}: {v:.2f}x' for b, v in ratios.items())})")
-    print(f"{source}; float32; greedy; {elapsed:.0f} s in all; load average {load[0]} -> {load[1]} on "
+    dtype = ours.generator.decoder.compute_dtype if "ours" in names or "ours-streaming" in names else "float32"
+    print(f"{source}; {dtype}; greedy; {elapsed:.0f} s in all; load average {load[0]} -> {load[1]} on "
           f"{os.cpu_count()} cores. TTFT: prefill + first token. "
           f"Medians of {args.repeats} interleaved repeats; CPU ms/token: process CPU time of a whole generation "
-          f"(all threads) per generated token.")
+          f"(all threads) per generated token. Floor: the bytes a decode step must read at the least over "
+          f"the TPU's HBM bandwidth (TPU only; docs/generate.md).")
     if args.json:
         date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         report = dict(command=_command_line(args), date=date, machine=machine_info(), weights=source,
-                      model=cfg.to_dict(), elapsed_s=round(elapsed, 1), load_average_start_end=load,
+                      model=cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg),   # a transformers model's shape
+                      elapsed_s=round(elapsed, 1), load_average_start_end=load,
                       settings=dict(batches=batches, prompt_len=prompt_len, new_tokens=new_tokens, repeats=args.repeats,
-                                    warmup=max(args.warmup, 1), dtype="float32", sampling="greedy"),
+                                    warmup=max(args.warmup, 1), dtype=dtype, sampling="greedy"),
                       transformers=paths["hf"].implementation if "hf" in paths else None,
+                      kernels=dict(ours.generator.decoder.decode_kernels) if "ours" in names or
+                      "ours-streaming" in names else None,
                       compilations=compiled, goal=dict(ratio=GOAL, met=goal), rows=rows)
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
@@ -365,6 +397,8 @@ def _command_line(args) -> str:
               "--repeats", str(args.repeats)]
     if args.paths != ",".join(PATHS):
         parts += ["--paths", args.paths]
+    if args.kernels != "auto":
+        parts += ["--kernels", args.kernels]
     if args.hf_threads != "auto":
         parts += ["--hf-threads", args.hf_threads]
     if args.json:

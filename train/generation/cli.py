@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print each result at the end instead of streaming a single prompt")
     parser.add_argument("--stream-every", type=int, default=8, help="tokens per streamed chunk (default 8)")
     parser.add_argument("--compile-cache", default=None, help=COMPILE_CACHE_HELP)
-    parser.add_argument("--timings", action="store_true", help="print load, compile, prefill and decode times")
+    parser.add_argument("--timings", action="store_true",
+                        help="print load, compile, prefill and decode times, and the decode's HBM floor (on TPU)")
     parser.add_argument("--chat", action="store_true",
                         help="harmony chat format (o200k_harmony models): each --prompt is a user message; "
                              "stops on <|return|> or <|call|>")
@@ -131,12 +132,36 @@ def chat_conversations(args) -> list[list]:
 
 
 def format_timings(result: Generation, load_seconds: float | None = None) -> str:
-    """One line: the parameters' load (when read from a checkpoint), compiles, time to first
-    token and the decode loop."""
+    """The parameters' load (when read from a checkpoint), compiles, time to first token and the
+    decode loop; then what a decode step reads and its HBM floor."""
     compiled = ", ".join(f"{c.program} {c.seconds:.1f} s" + (" (persistent cache)" if c.from_cache else "")
                          for c in result.compilations) or "none (compiled earlier in this process)"
+    if result.first_run_seconds:
+        compiled += f", first run {result.first_run_seconds:.2f} s"
     load = "" if load_seconds is None else f"load {load_seconds:.1f} s; "
-    return (f"{load}bucket batch={result.bucket[0]} prompt={result.bucket[1]} length={result.bucket[2]}; "
+    line = (f"{load}bucket batch={result.bucket[0]} prompt={result.bucket[1]} length={result.bucket[2]}; "
             f"compile: {compiled}; time to first token {1e3 * result.prefill_seconds:.1f} ms; "
             f"decode {result.decode_steps} steps in {result.decode_seconds:.3f} s = "
             f"{result.decode_tokens_per_second:.0f} tokens/s")
+    return line + ("\n" + format_floor(result) if result.decode_steps else "")
+
+
+def format_floor(result: Generation) -> str:
+    """What a decode step reads at the least and, on a TPU, the HBM floor that sets and the share of
+    it achieved (docs/generate.md: Speed against the HBM floor)."""
+    steps = result.decode_steps
+    weights, kv = result.decode_weight_bytes / steps, result.decode_kv_bytes / steps
+    read = f"{_bytes(weights + kv)} per step (weights {_bytes(weights)}, KV cache {_bytes(kv)} at the rows' lengths)"
+    floor = result.floor_seconds
+    if floor is None:
+        return f"decode reads at the least {read}; its HBM floor is reported on TPU only"
+    return (f"decode floor: {read} / {result.hbm_bandwidth / 1e9:.0f} GB/s ({result.tpu_generation} HBM) = "
+            f"{1e3 * floor / steps:.2f} ms per step, {result.rows * steps / floor:.0f} tokens/s; achieved "
+            f"{100 * result.floor_share:.0f}% ({1e3 * result.decode_seconds / steps:.2f} ms per step)")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"

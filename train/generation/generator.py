@@ -29,6 +29,7 @@ class Generation:
     bucket: tuple[int, int, int]          # (batch, prompt length, total length) compiled for
     compile_seconds: float                # compilations this call needed (0 when all were cached)
     compilations: list = field(default_factory=list)
+    first_run_seconds: float = 0.0        # the new programs' first run (loading them), before any timing
     prefill_seconds: float = 0.0          # time to first token: prefill + first sample
     decode_seconds: float = 0.0
     decode_steps: int = 0                 # loop iterations after the first token
@@ -36,12 +37,30 @@ class Generation:
     logprobs: list[list[float]] | None = None    # with SamplingConfig.logprobs: per new token, its
                                                  # log-probability under softmax(z / T), whole vocabulary
     entropies: list[list[float]] | None = None   # and that distribution's entropy
+    decode_weight_bytes: float = 0.0      # what the decode steps must read at the least, summed over
+    decode_kv_bytes: float = 0.0          # the steps (Decoder.step_bytes): weights, KV cache at its length
+    hbm_bandwidth: float | None = None    # bytes/s of the TPU decoded on (roofline.CHIPS); None off TPU
+    tpu_generation: str | None = None
 
     @property
     def decode_tokens_per_second(self) -> float:
         """Token slots per second of the decode loop, all rows together (a row that stopped early
         still counts its slots: the loop computes them)."""
         return self.rows * self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def floor_seconds(self) -> float | None:
+        """The decode steps' HBM floor: the bytes they must read over the chip's HBM bandwidth
+        (None off TPU: no published bandwidth to hold a CPU's time against)."""
+        if self.hbm_bandwidth is None:
+            return None
+        return (self.decode_weight_bytes + self.decode_kv_bytes) / self.hbm_bandwidth
+
+    @property
+    def floor_share(self) -> float | None:
+        """floor_seconds / decode_seconds: 1 would read every byte at the chip's bandwidth."""
+        floor = self.floor_seconds
+        return None if floor is None or self.decode_seconds <= 0 else floor / self.decode_seconds
 
 
 class Generator:
@@ -146,12 +165,13 @@ class Generator:
         prefill = decoder.prefill_program(prompt_rows, prompt_len, length, mode, n_stop, repeat=group)
         decode = decoder.decode_program(batch, length, mode, n_stop, prefill.out_info)
         compiled = decoder.compilations[before:]
+        values = sampling_values(sampling.temperature or 1.0, sampling.top_p, sampling.repetition_penalty,
+                                 sampling.stop_tokens, n_stop, self.allowed)
+        first_run = decoder.first_run(prefill, decode, prompt_rows, prompt_len, values) if compiled else 0.0
 
         started = time.perf_counter()                  # time to first token: from here, compilation done
         ids, positions = left_pad(prompts + [[]] * (prompt_rows - len(prompts)), prompt_len)
         active = np.arange(prompt_rows) < len(prompts)
-        values = sampling_values(sampling.temperature or 1.0, sampling.top_p, sampling.repetition_penalty,
-                                 sampling.stop_tokens, n_stop, self.allowed)
         args = decoder.place_inputs(ids.numpy().astype(np.int32), positions.numpy().astype(np.int32), active, values,
                                     jax.random.PRNGKey(sampling.seed))
         state = prefill(decoder.params_for(decoder.layout("prefill", prompt_rows * prompt_len)), *args)
@@ -167,12 +187,16 @@ class Generator:
         while steps < n_new and not done:
             state = decode(decoder.params_for(decoder.layout("decode", batch)), state,
                            decoder.place_limit(min(steps + chunk, n_new)), args[3])
-            steps, done = int(_host(state.step)), bool(_host(state.done).all())
-            if on_tokens is not None:
-                tokens = _host(state.tokens)
-                state = _end_rows(state, on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, steps)))
-                done = bool(_host(state.done).all())
-                emitted = steps
+            # One wait per chunk: the step, the rows' state and (streaming) the tokens fetched together.
+            if on_tokens is None:
+                step, finished = _host((state.step, state.done))
+            else:
+                step, finished, tokens = _host((state.step, state.done, state.tokens))
+                ending = on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, int(step)))
+                state = _end_rows(state, ending)
+                finished = finished | _ended(finished.shape, ending)
+                emitted = int(step)
+            steps, done = int(step), bool(finished.all())
         tokens = _host(state.tokens)
         decode_seconds = time.perf_counter() - started
 
@@ -182,10 +206,21 @@ class Generator:
         if sampling.logprobs:
             logprobs = _new_values(_host(state.logps), tokens, rows, prompt_len, steps)
             entropies = _new_values(_host(state.entropy), tokens, rows, prompt_len, steps)
+        # The decode steps 1 .. steps-1: at step t each row holds its prompt and t tokens.
+        held = np.repeat([len(p) for p in prompts], group)[None, :] + np.arange(1, steps)[:, None]
+        weight_bytes, kv_bytes = decoder.step_bytes(rows, held)
+        weight_bytes *= steps - 1
+        bandwidth = None
+        if decoder.platform == "tpu" and decoder.tpu_generation is not None:
+            from jax_bridge.roofline import device_peaks
+
+            bandwidth = device_peaks(decoder.tpu_generation)[1]
         return Generation(tokens=new, stopped=[bool(t) and t[-1] in stop for t in new],
                           bucket=(batch, prompt_len, length), compile_seconds=sum(c.seconds for c in compiled),
-                          compilations=compiled, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
-                          decode_steps=steps - 1, rows=rows, logprobs=logprobs, entropies=entropies)
+                          compilations=compiled, first_run_seconds=first_run, prefill_seconds=prefill_seconds,
+                          decode_seconds=decode_seconds, decode_steps=steps - 1, rows=rows, logprobs=logprobs,
+                          entropies=entropies, decode_weight_bytes=weight_bytes, decode_kv_bytes=kv_bytes,
+                          hbm_bandwidth=bandwidth, tpu_generation=decoder.tpu_generation)
 
     def set_params(self, params: dict) -> None:
         """The policy's current parameters (all of them, by the model's names), as arrays: the
@@ -207,17 +242,24 @@ def _check_request(cfg, prompts: list[list[int]], sampling: SamplingConfig, stre
                         f"model's max_position_embeddings ({cfg.max_position_embeddings})")
 
 
+def _ended(shape, rows):
+    """[B] bool: the rows a caller ended (on_tokens' answer)."""
+    import numpy as np
+
+    ending = np.zeros(shape, bool)
+    if rows:
+        ending[list(rows)] = True
+    return ending
+
+
 def _end_rows(state, rows):
     """The decode state with these rows marked done (a caller's verdict, e.g. a stop string), in
     the placement the compiled decode program expects."""
     import jax
-    import numpy as np
 
     if not rows:
         return state
-    ending = np.zeros(state.done.shape, bool)
-    ending[list(rows)] = True
-    return state._replace(done=jax.device_put(_host(state.done) | ending, state.done.sharding))
+    return state._replace(done=jax.device_put(_host(state.done) | _ended(state.done.shape, rows), state.done.sharding))
 
 
 def _host(array):
