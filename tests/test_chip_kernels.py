@@ -162,3 +162,24 @@ def test_mxfp4_experts_on_the_chip_match_the_host_codec(m, tiles, dtype):
     fwd, bwd = TOL[dtype]
     assert rel_err(y, want) <= fwd, rel_err(y, want)
     assert dx.dtype == dtype and rel_err(dx, dx_ref) <= bwd, rel_err(dx, dx_ref)
+
+
+@DTYPES
+@pytest.mark.parametrize("window", [0, 100])
+def test_cached_attention_on_the_chip_matches_the_reference(window, dtype):
+    """Generation's Pallas attention over a KV cache (opt in until this passes on a chip): a GQA
+    decode step over left-padded rows of ragged lengths (one all padding), default tiles."""
+    from pallas_kernels.decode_attention import cached_attention_pallas, cached_attention_reference
+
+    r = np.random.default_rng(window)
+    b, hq, hkv, slots, d = 4, 16, 8, 512, 128
+    q, k, v = (jnp.asarray(r.standard_normal(shape), dtype) for shape in
+               ((b, hq, 1, d), (b, hkv, slots, d), (b, hkv, slots, d)))
+    sinks = jnp.asarray(r.standard_normal(hq), jnp.float32)
+    slot, lengths = np.arange(slots), (300, 41, 0, 512)
+    kpos = jnp.asarray(np.stack([np.where(slot >= slots - n, slot - (slots - n), -1) for n in lengths]), jnp.int32)
+    qpos = jnp.asarray([[n - 1] for n in lengths], jnp.int32)
+    kw = dict(sliding_window=window, scale=d ** -0.5)
+    got = jax.jit(functools.partial(cached_attention_pallas, platform="tpu", **kw))(q, k, v, sinks, qpos, kpos)
+    want = jax.jit(functools.partial(cached_attention_reference, **kw))(q, k, v, sinks, qpos, kpos)
+    assert got.dtype == dtype and rel_err(got, want) <= BOUNDS[dtype][0], rel_err(got, want)

@@ -89,11 +89,12 @@ def test_cached_attention_pallas_matches_the_xla_reference():
                    got.astype(jnp.float32)) == 0
 
 
-def test_cached_attention_pallas_is_tpu_generation_default_and_xla_stays_on_cpu():
+def test_cached_attention_pallas_is_opt_in_on_tpu_until_checked_on_a_chip_and_xla_stays_on_cpu():
     impl = registry.implementations("cached_attention")["pallas"]
     assert impl.platforms == ("cpu", "tpu") and not impl.trains
     ops_ = registry.OPS + registry.GENERATION_OPS
-    assert registry.resolve("auto", "tpu", ops=ops_)["cached_attention"] == "pallas"
+    assert registry.resolve("auto", "tpu", ops=ops_)["cached_attention"] == "xla"
+    assert registry.resolve("cached_attention=pallas", "tpu", ops=ops_)["cached_attention"] == "pallas"
     assert registry.resolve("auto", "cpu", ops=ops_)["cached_attention"] == "xla"
     with pytest.raises(registry.KernelError, match="cached_attention=pallas cannot run on platform 'gpu'"):
         registry.resolve("cached_attention=pallas", "gpu", ops=ops_)
