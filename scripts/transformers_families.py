@@ -108,8 +108,7 @@ def sweep(types: list[str], timeout: float) -> dict:
             elif line.startswith("RESULT "):
                 r = json.loads(line[7:])
                 results[r.pop("type")] = r
-                print(f"{current}: {r['answer']} {r['why'][:150]} ({time.time() - started:.1f} s)", file=sys.stderr,
-                      flush=True)
+                print(f"{current}: {r['answer']} {r['why'][:150]}", file=sys.stderr, flush=True)
                 current = None
         child.wait()
         todo = [t for t in todo if t not in results]

@@ -182,7 +182,11 @@ def router_weighting(router: nn.Module):
     hidden = router.weight.shape[-1]
     probe = torch.randn(16, hidden, generator=torch.Generator().manual_seed(0), device="cpu") * 3
     with torch.no_grad():
-        logits, weights, chosen = router(probe.to(router.weight.dtype))
+        try:
+            logits, weights, chosen = router(probe.to(router.weight.dtype))
+        except Exception as e:  # noqa: BLE001 - a router that needs more than the hidden states
+            raise UnsupportedModel(f"{type(router).__name__}: its router is not called as (hidden states) -> "
+                                   f"(logits, weights, chosen experts) ({first_line(e)})") from e
         for rule in (softmax_of_chosen, _softmax_gathered_normalized, _softmax_gathered):
             if torch.allclose(rule(logits, chosen).float(), weights.float(), rtol=1e-5, atol=1e-6):
                 return rule
@@ -238,9 +242,17 @@ def build(config, dtype=torch.float32, *, reference: bool = False, meta: bool = 
             implementation = "eager" if reference else ATTENTION
             hf = AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
                                                   experts_implementation=implementation, dtype=dtype)
-        except (ValueError, KeyError, TypeError) as e:
+        except KeyError as e:
+            if e.args == (implementation,):     # a family that looks its attention class up by name
+                raise UnsupportedModel(f"model_type {getattr(config, 'model_type', None)!r}: its modeling code has no "
+                                       f"attention for transformers' AttentionInterface (it looks up "
+                                       f"{implementation!r} among its own attention classes), so no kernel of the "
+                                       f"registry would run it") from e
             raise UnsupportedModel(f"transformers cannot build a causal LM from this config "
-                                   f"(model_type {getattr(config, 'model_type', None)!r}): {e}") from e
+                                   f"(model_type {getattr(config, 'model_type', None)!r}): KeyError {e}") from e
+        except Exception as e:  # noqa: BLE001 - whatever transformers' modeling code raises is the answer
+            raise UnsupportedModel(f"transformers cannot build a causal LM from this config "
+                                   f"(model_type {getattr(config, 'model_type', None)!r}): {first_line(e)}") from e
         model = TransformersCausalLM(hf, reference=reference, described=described)
     if meta:
         _fill_buffers(hf)
@@ -302,7 +314,7 @@ class TransformersBackbone(nn.Module):
         layers run transformers' eager attention, given `reference_mask` instead of segment ids."""
         super().__init__()
         self._router, self.reference = router, reference
-        missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
+        missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if getattr(inner, a, None) is None]
         if missing:
             raise UnsupportedModel(f"{type(inner).__name__}: no {', '.join(missing)}; the decoder skeleton "
                                    f"(embed_tokens -> rotary_emb -> layers -> norm) is what this path runs")
@@ -402,6 +414,9 @@ class TransformersCausalLM(CausalLMHead, nn.Module):
             if is_experts(module):
                 module.torchlyra_activation = expert_activation(module)
         for _, router in self.routers():       # how it weights its chosen experts (the parity suite forces choices)
+            if not isinstance(getattr(router, "weight", None), nn.Parameter):
+                raise UnsupportedModel(f"{type(router).__name__}: a router without its own `weight` (the router this "
+                                       f"path keeps float32 and the parity suite re-weights is one linear map)")
             if not router.weight.is_meta:
                 router.torchlyra_weighting = router_weighting(router)
         check_balance_loss(hf_model, self.cfg)
@@ -490,7 +505,7 @@ def decoder_shape(config, layers) -> DecoderShape:
     (their parameters' names and shapes, and their attention's description: window, scale,
     sinks, rotary call), so that any two layers the bridge stacks into one scan have the same
     structure and the same static behaviour."""
-    heads = config.num_attention_heads
+    heads = _config_value(config, "num_attention_heads")
     kinds, names, windows = [], {}, []
     for layer in layers:
         described = attention_module(layer).torchlyra_attention
@@ -507,14 +522,35 @@ def decoder_shape(config, layers) -> DecoderShape:
     aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(config, "output_router_logits", False) else 0.0
     return DecoderShape(
         vocab_size=config.vocab_size, d_model=config.hidden_size, n_layers=len(layers), n_heads=heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, layer_types=tuple(kinds),
+        n_kv_heads=_config_value(config, "num_key_value_heads", None) or heads,
+        head_dim=_config_value(config, "head_dim", None) or _config_value(config, "hidden_size") // heads,
+        layer_types=tuple(kinds),
         windows=tuple(windows), max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
         bos_token_id=_one_id(getattr(config, "bos_token_id", None)),
         eos_token_id=_one_id(getattr(config, "eos_token_id", None)),
         n_experts=experts[0].gate_up_proj.shape[0] if experts else 0,
         experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
         router_aux_loss_coef=aux if experts else 0.0)
+
+
+def _config_value(config, name: str, *default):
+    """config.<name> (or the default), refused by name when the config has no such value: a
+    composite config (a vision-language model's, whose decoder is its `text_config`), or one whose
+    value differs per layer."""
+    try:
+        return getattr(config, name, *default)
+    except AttributeError:
+        raise UnsupportedModel(f"{type(config).__name__}: no {name}; a composite config (a vision-language "
+                               f"model's?): this path takes a decoder's own config (its text_config)") from None
+    except Exception as e:  # noqa: BLE001 - transformers' error for a value that differs per layer
+        raise UnsupportedModel(f"{type(config).__name__}: no single {name} ({first_line(e)}); this path takes a "
+                               f"decoder whose layers share one shape") from None
+
+
+def first_line(e: Exception) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _one_id(token_id) -> int | None:
@@ -533,9 +569,15 @@ def check_routing(hf_model: nn.Module, model: TransformersCausalLM, tokens: int 
     if any(p.is_meta for p in model.parameters()):
         return
     ids = torch.arange(tokens).remainder(model.cfg.vocab_size)[None]
-    with torch.no_grad():
-        theirs = hf_model(input_ids=ids, use_cache=False).logits
-        ours = model(ids)
+    try:
+        with torch.no_grad():
+            theirs = hf_model(input_ids=ids, use_cache=False).logits
+            ours = model(ids)
+    except UnsupportedModel:
+        raise
+    except Exception as e:  # noqa: BLE001 - the family's forward failing on its own weights is the answer
+        raise UnsupportedModel(f"{type(hf_model).__name__}: its forward fails on {tokens} tokens of its own weights "
+                               f"({first_line(e)})") from e
     if not torch.equal(ours, theirs):
         raise UnsupportedModel(f"{type(hf_model).__name__}: its forward does more than embed -> rotary -> layers -> "
                                f"norm -> linear head (logits differ by {(ours - theirs).abs().max().item():.3g}); "
@@ -602,9 +644,9 @@ class TransformersSpec:
         rest = {k: v for k, v in self.config.items() if k != "model_type"}
         try:
             return AutoConfig.for_model(self.config["model_type"], **rest)
-        except (ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever transformers' config class raises is the answer
             raise UnsupportedModel(f"{self.where}: transformers cannot build a config of model_type "
-                                   f"{self.config['model_type']!r}: {e}") from None
+                                   f"{self.config['model_type']!r}: {first_line(e)}") from None
 
     def build(self, meta: bool = False) -> TransformersCausalLM:
         return build(self.hf_config(), meta=meta)

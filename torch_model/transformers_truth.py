@@ -104,7 +104,16 @@ def mask_window(mask_function) -> int:
 
 class _MaskProbe:
     """What the probe mask interface hands a layer instead of a mask: the window its mask
-    function describes, or why it describes none."""
+    function describes, or why it describes none. A layer that uses the mask itself (slices it,
+    reads its dtype) rather than handing it to its attention is told so."""
+
+    def __getattr__(self, name):
+        raise TypeError(f"its layer uses the attention mask itself (.{name}), not only through its attention "
+                        f"function, and this path builds no mask")
+
+    def __getitem__(self, index):
+        raise TypeError("its layer uses the attention mask itself (slices it), not only through its attention "
+                        "function, and this path builds no mask")
 
     def __init__(self, mask_function):
         try:
@@ -344,13 +353,19 @@ def check_truth(hf_model, model, layers) -> None:
                 hook.remove()
         return [s[-1] for s in seen], logits
 
-    with torch.no_grad():
-        ours_layers, ours_logits = outputs_of(lambda: model(row, positions=positions, segment_ids=segments))
-        theirs = []
-        with implementation(hf_model, "eager"):
-            for doc in docs:
-                theirs.append(outputs_of(lambda doc=doc: hf_model(input_ids=doc[None].to(device),
-                                                                   use_cache=False).logits))
+    try:
+        with torch.no_grad():
+            ours_layers, ours_logits = outputs_of(lambda: model(row, positions=positions, segment_ids=segments))
+            theirs = []
+            with implementation(hf_model, "eager"):
+                for doc in docs:
+                    theirs.append(outputs_of(lambda doc=doc: hf_model(input_ids=doc[None].to(device),
+                                                                       use_cache=False).logits))
+    except UnsupportedModel:
+        raise
+    except Exception as e:  # noqa: BLE001 - a forward failing on the packed documents is the answer
+        raise UnsupportedModel(f"{model_type}: a forward on two packed documents fails ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''})") from e
     tolerance = TRUTH_TOLERANCE if ours_logits.dtype == torch.float32 else 2e-2
     starts = [0, n]
 
