@@ -160,7 +160,8 @@ def test_a_layer_whose_attention_is_not_routed_is_refused(monkeypatch):
     hf.config._attn_implementation = transformers_lm.ATTENTION
     hf.model.layers[1].self_attn.config = copy.deepcopy(hf.config)
     hf.model.layers[1].self_attn.config._attn_implementation = "eager"
-    with pytest.raises(transformers_lm.UnsupportedModel, match="layer 1 "):
+    with pytest.raises(transformers_lm.UnsupportedModel, match="layer 1 .* does not call the function transformers' "
+                                                               "AttentionInterface names"):
         transformers_lm.TransformersCausalLM(hf)
 
 

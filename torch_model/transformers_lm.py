@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch_model import kv_cache, ops
 from torch_model.causal_lm import PAD_SEGMENT, CausalLMHead, DecoderShape
 from torch_model.transformers_truth import (IGNORED_ATTENTION_KWARGS, Described, UnsupportedModel, attention_module,
-                                            check_truth, describe_layers)
+                                            check_truth, describe_layers, first_line)
 
 ATTENTION = "torchlyra"
 # A sink logit that adds exactly nothing: exp(NO_SINK - max) underflows to 0 in float32 and bf16,
@@ -415,8 +415,8 @@ class TransformersCausalLM(CausalLMHead, nn.Module):
                 module.torchlyra_activation = expert_activation(module)
         for _, router in self.routers():       # how it weights its chosen experts (the parity suite forces choices)
             if not isinstance(getattr(router, "weight", None), nn.Parameter):
-                raise UnsupportedModel(f"{type(router).__name__}: a router without its own `weight` (the router this "
-                                       f"path keeps float32 and the parity suite re-weights is one linear map)")
+                raise UnsupportedModel(f"{type(router).__name__}: a router without its own `weight` matrix (how a "
+                                       f"router weights its experts is read from its own linear map)")
             if not router.weight.is_meta:
                 router.torchlyra_weighting = router_weighting(router)
         check_balance_loss(hf_model, self.cfg)
@@ -545,12 +545,6 @@ def _config_value(config, name: str, *default):
     except Exception as e:  # noqa: BLE001 - transformers' error for a value that differs per layer
         raise UnsupportedModel(f"{type(config).__name__}: no single {name} ({first_line(e)}); this path takes a "
                                f"decoder whose layers share one shape") from None
-
-
-def first_line(e: Exception) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _one_id(token_id) -> int | None:

@@ -51,6 +51,12 @@ class UnsupportedModel(ConfigError):
     ConfigError, so the command line reports it in one line."""
 
 
+def first_line(e: Exception) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 @dataclass(frozen=True)
 class LayerAttention:
     """What one layer's attention computes, as transformers' own model computes it."""
@@ -114,6 +120,12 @@ class _MaskProbe:
     def __getitem__(self, index):
         raise TypeError("its layer uses the attention mask itself (slices it), not only through its attention "
                         "function, and this path builds no mask")
+
+    def __add__(self, other):
+        raise TypeError("its attention adds the mask to its scores itself: it does not call the function "
+                        "transformers' AttentionInterface names, so no kernel of the registry would run it")
+
+    __radd__ = __add__
 
     def __init__(self, mask_function):
         try:
@@ -233,7 +245,7 @@ def describe_layers(hf_model, layers, rotary_emb) -> Described:
     except Exception as e:  # noqa: BLE001 - the family's own forward failing is the answer
         where = "" if rec.current is None else f" layer {rec.current} ({type(rec.layers[rec.current]).__name__})"
         raise UnsupportedModel(f"{model_type}{where}: transformers' own forward fails when run to read its layers "
-                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+                               f"({first_line(e)})") from e
     finally:
         _active = None
         for hook in hooks:
@@ -364,8 +376,7 @@ def check_truth(hf_model, model, layers) -> None:
     except UnsupportedModel:
         raise
     except Exception as e:  # noqa: BLE001 - a forward failing on the packed documents is the answer
-        raise UnsupportedModel(f"{model_type}: a forward on two packed documents fails ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''})") from e
+        raise UnsupportedModel(f"{model_type}: a forward on two packed documents fails ({first_line(e)})") from e
     tolerance = TRUTH_TOLERANCE if ours_logits.dtype == torch.float32 else 2e-2
     starts = [0, n]
 
