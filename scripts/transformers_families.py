@@ -52,7 +52,8 @@ def one(model_type: str) -> dict:
     if not result["cached_error"] <= 1e-5:
         return {"answer": "WRONG", "why": f"cached generation differs from transformers ({result['cached_error']:.3g})"}
     if result["optimizer"]:
-        return {"answer": "refused", "why": f"optimizer groups: {result['optimizer']}"}
+        return {"answer": "refused" if result["optimizer_one_line"] else "crash",
+                "why": f"optimizer groups: {result['optimizer']}"}
     windows = sorted(set(result["windows"]) - {0})
     return {"answer": "trains", "why": f"window {'/'.join(map(str, windows))}" if windows else ""}
 

@@ -114,11 +114,13 @@ def sweep_family(config: dict) -> dict:
     description without weights (what `plan` and a loader read) equal to the one with weights,
     one cached greedy step past the window against transformers' eager forward, and the
     optimizer's parameter groups. Returns {"verdict": TRAINS or the refusal's line,
-    "optimizer": None or its refusal, "cached_error": relative error of the cached logits,
-    "windows": per layer}."""
+    "optimizer": None or its error (and "optimizer_one_line": whether it is a one-line refusal),
+    "cached_error": relative error of the cached logits, "windows": per layer}."""
     import torch
 
+    from formats.errors import UserError
     from torch_model.causal_lm import linear_expert_stacks
+    from torch_model.config import ConfigError
     from torch_model.optim import plan_parameters
     from torch_model.transformers_lm import TransformersSpec, UnsupportedModel
 
@@ -137,6 +139,7 @@ def sweep_family(config: dict) -> dict:
         plan_parameters(list(model.named_parameters()), linear_stacks=linear_expert_stacks(model))
     except Exception as e:  # noqa: BLE001 - what the optimizer answers is the record
         result["optimizer"] = f"{type(e).__name__}: {e}"
+        result["optimizer_one_line"] = isinstance(e, (UserError, ConfigError))   # exit 2, not a traceback
     return result
 
 
