@@ -251,7 +251,7 @@ def describe_layers(hf_model, layers, rotary_emb) -> Described:
         for hook in hooks:
             hook.remove()
 
-    rope_keys = list(dict.fromkeys((args, kwargs) for args, kwargs, _ in rec.rope_calls))
+    rope_keys: list = []            # the distinct rotary calls the layers' position embeddings come from
     described, names = [], []
     for i, layer in enumerate(rec.layers):
         where = f"{model_type} layer {i} ({type(layer).__name__})"
@@ -270,6 +270,7 @@ def describe_layers(hf_model, layers, rotary_emb) -> Described:
 
 
 def _rope_of(rec: _Recorder, rope_keys: list, i: int, where: str) -> int:
+    """The index in `rope_keys` (appended to) of the rotary call whose output layer i was given."""
     given = rec.position_embeddings.get(i)
     for args, kwargs, output in rec.rope_calls:
         if given is output or (isinstance(given, tuple) and isinstance(output, tuple) and given
@@ -277,9 +278,11 @@ def _rope_of(rec: _Recorder, rope_keys: list, i: int, where: str) -> int:
             if not (isinstance(output, tuple) and len(output) == 2):
                 raise UnsupportedModel(f"{where}: its rotary embedding returns {type(output).__name__}, not the "
                                        f"(cos, sin) pair this path hands every layer")
-            if any(isinstance(v, torch.Tensor) for v in (*args, *(v for _, v in kwargs))):
-                raise UnsupportedModel(f"{where}: its rotary embedding is called with tensors besides x and the "
-                                       f"positions")
+            if not all(isinstance(v, (str, int, float, bool, type(None))) for v in (*args, *(v for _, v in kwargs))):
+                raise UnsupportedModel(f"{where}: its rotary embedding is called with more than x, the positions "
+                                       f"and plain values (a layer type)")
+            if (args, kwargs) not in rope_keys:
+                rope_keys.append((args, kwargs))
             return rope_keys.index((args, kwargs))
     raise UnsupportedModel(f"{where}: its position embeddings are not its model's rotary_emb output, which is "
                            f"what this path hands each layer")
