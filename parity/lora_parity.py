@@ -197,6 +197,7 @@ def run_lora_parity(model_cfg, spec: LoraSpec, state_dict=None, adapters=None, *
     n_adapter = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     report = Report(setup={"n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model,
                            "n_experts": model_cfg.n_experts, "model_config": model_cfg.to_dict(),
+                           "windows": [model_cfg.window_of_layer(i) for i in range(model_cfg.n_layers)],
                            "lora": str(spec), "adapter_parameters": n_adapter, "batch": batch, "seq_len": seq_len,
                            "seed": seed, "dtypes": [DTYPE], "planted_bug": planted_bug,
                            "ignored_labels": int((data.labels == IGNORE_INDEX).sum()),

@@ -64,6 +64,16 @@ class Row:
         return text + (f"  {self.message}" if self.message else "")
 
 
+def attention_summary(windows) -> str:
+    """The parity header's attention: each layer's window as the model describes it (0: full)."""
+    sliding = [w for w in windows if w]
+    if not sliding:
+        return "no sliding window"
+    counts = [f"{len(sliding)} sliding"] + ([f"{len(windows) - len(sliding)} full"] if len(sliding) < len(windows) else [])
+    sizes = sorted(set(sliding))
+    return f"window{'s' if len(sizes) > 1 else ''} {'/'.join(map(str, sizes))} on {' + '.join(counts)} layers"
+
+
 @dataclass
 class Report:
     setup: dict
@@ -92,12 +102,12 @@ class Report:
         """Per run: one summary line per check group (worst value and where), then every failing
         row in full (every row with verbose)."""
         s = self.setup
-        cfg = s.get("model_config", {})
-        cfg = cfg.get("transformers", cfg)          # a transformers model's record: its config
-        kinds = cfg.get("layer_types") or []
-        windows = [f"{kinds.count(k)} {k.split('_')[0]}" for k in ("sliding_attention", "full_attention") if k in kinds]
-        attention = (f"window {cfg.get('sliding_window')} on {' + '.join(windows)} layers"
-                     if "sliding_attention" in kinds else "no sliding window")
+        if "windows" in s:
+            attention = attention_summary(s["windows"])
+        else:                                       # a setup without per-layer windows: read the config's
+            cfg = s.get("model_config", {})
+            kinds = cfg.get("layer_types") or []
+            attention = attention_summary([cfg.get("sliding_window") if k == "sliding_attention" else 0 for k in kinds])
         lines = [f"parity: {s.get('source', 'model')} ({s['n_layers']} layers, d_model {s['d_model']}, "
                  f"{s['n_experts']} experts, {attention}), batch {s['batch']}, seq_len {s['seq_len']}, seed {s['seed']}, "
                  f"{s.get('ignored_labels', 0)} labels ignored, backend {s['backend']}; "

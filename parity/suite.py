@@ -175,7 +175,7 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
     segment_ids = data.model_inputs()["segment_ids"].numpy() if data.segmented else None
     report = Report(setup={
         "n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model, "n_experts": model_cfg.n_experts,
-        "model_config": model_cfg.to_dict(), "weights": "random (seeded)" if state_dict is None else "state dict",
+        "windows": [model_cfg.window_of_layer(i) for i in range(model_cfg.n_layers)], "model_config": model_cfg.to_dict(), "weights": "random (seeded)" if state_dict is None else "state dict",
         "batch": batch, "seq_len": seq_len, "seed": seed, "dtypes": list(dtypes),
         "ignored_labels": int((labels == IGNORE_INDEX).sum()), "segments": _segments_summary(segment_ids),
         "kernel_options": str(kernel_options or ""),

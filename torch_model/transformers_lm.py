@@ -16,39 +16,54 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
 from torch_model import kv_cache, ops
 from torch_model.causal_lm import PAD_SEGMENT, CausalLMHead, DecoderShape
-from torch_model.config import ConfigError
+from torch_model.transformers_truth import (IGNORED_ATTENTION_KWARGS, Described, UnsupportedModel, attention_module,
+                                            check_truth, describe_layers, first_line)
 
 ATTENTION = "torchlyra"
 # A sink logit that adds exactly nothing: exp(NO_SINK - max) underflows to 0 in float32 and bf16,
 # without the inf - inf of a -inf sink.
 NO_SINK = -1e30
-# Keywords transformers' layers hand the attention function that change nothing here: positions
-# enter through the rotary embedding, there is no cache in training; `output_*` flags ask for
-# recordings (router logits), not for another attention.
-_IGNORED_ATTENTION_KWARGS = ("position_ids", "use_cache", "cache_position")
-_routed_calls: list | None = None       # while `check_routing` runs: the modules that called the routed attention
 
 
-class UnsupportedModel(ConfigError):
-    """A model or feature this path cannot run as asked (the message names what and why); a
-    ConfigError, so the command line reports it in one line."""
+class LayerCall(NamedTuple):
+    """What the backbone hands a layer's attention for one call, through the attention module
+    itself (`torchlyra_call`), not through the layer's keyword arguments, which some families'
+    layers do not pass on (StableLM): the segment ids of packed rows, or the generation cache."""
+    segment_ids: torch.Tensor | None = None
+    static_cache: "StaticCache | None" = None
+
+
+@contextlib.contextmanager
+def layer_call(layer: nn.Module, call: LayerCall):
+    """Inside, the layer's attention module carries `call`; yields the layer's description."""
+    module = attention_module(layer)
+    module.torchlyra_call = call
+    try:
+        yield module.torchlyra_attention
+    finally:
+        module.torchlyra_call = None
 
 
 def routed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     sliding_window=None, s_aux=None, segment_ids=None, softcap=None, static_cache=None, **kwargs):
-    """transformers' attention-function signature -> the `attention` op (GQA, causal, sliding
-    window, sinks, segment ids), or with `static_cache` (generation: `StaticCache`, whose
-    `update` gave k/v) the `cached_attention` op over the cache's slots by token position.
-    q [B, Hq, T, D], k/v [B, Hkv, S, D]; returns ([B, T, Hq, D], None)."""
+                     sliding_window=None, s_aux=None, softcap=None, **kwargs):
+    """transformers' attention-function signature -> the `attention` op (GQA, causal, the
+    layer's window, sinks, segment ids), or during generation (the module's call carries a
+    `StaticCache`, whose `update` gave k/v) the `cached_attention` op over the cache's slots by
+    token position. The window, scale and sinks are the layer's description
+    (`module.torchlyra_attention`, read from transformers' own model by `describe_layers`); the
+    call's own arguments must still agree with it. q [B, Hq, T, D], k/v [B, Hkv, S, D]; returns
+    ([B, T, Hq, D], None)."""
     where = type(module).__name__
-    if _routed_calls is not None:
-        _routed_calls.append(module)
+    described = getattr(module, "torchlyra_attention", None)
+    if described is None:
+        raise UnsupportedModel(f"{where}: an attention module not described by transformers_lm.build")
     if attention_mask is not None:
         raise UnsupportedModel(f"{where}: an attention mask reached the routed attention; padding and packed "
                                f"documents are segment ids here")
@@ -58,17 +73,26 @@ def routed_attention(module, query, key, value, attention_mask, dropout: float =
     if softcap:
         raise UnsupportedModel(f"{where}: attention logit softcap {softcap} (no kernel expresses it)")
     unknown = sorted(k for k, v in kwargs.items()
-                     if v is not None and k not in _IGNORED_ATTENTION_KWARGS and not k.startswith("output_"))
+                     if v is not None and k not in IGNORED_ATTENTION_KWARGS and not k.startswith("output_"))
     if unknown:
         raise UnsupportedModel(f"{where}: attention feature(s) {', '.join(unknown)} (no kernel expresses them)")
-    sinks = s_aux if s_aux is not None else query.new_full((query.shape[1],), NO_SINK)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    if static_cache is not None:
-        out = ops.OPS["cached_attention"](query, key, value, sinks.to(query.dtype), static_cache.positions,
-                                          static_cache.key_positions[module.layer_idx], int(sliding_window or 0), scale)
+    if (int(sliding_window or 0), scale, s_aux is not None) != (described.window, described.scale, described.sinks):
+        raise UnsupportedModel(f"{where}: called with sliding_window={sliding_window}, scaling={scaling}, sinks "
+                               f"{'given' if s_aux is not None else 'none'}; described as {described.summary()} when "
+                               f"the model was built")
+    call = getattr(module, "torchlyra_call", None) or LayerCall()
+    sinks = s_aux if s_aux is not None else query.new_full((query.shape[1],), NO_SINK)
+    if call.static_cache is not None:
+        cache = call.static_cache
+        if module.layer_idx not in cache.key_positions:
+            raise UnsupportedModel(f"{where} (layer {module.layer_idx}): its keys and values did not reach the "
+                                   f"generation cache (its layer does not pass transformers' `cache` argument on)")
+        out = ops.OPS["cached_attention"](query, key, value, sinks.to(query.dtype), cache.positions,
+                                          cache.key_positions[module.layer_idx], described.window, described.scale)
         return out.transpose(1, 2), None
-    segments = () if segment_ids is None else (segment_ids,)
-    out = ops.OPS["attention"](query, key, value, sinks.to(query.dtype), int(sliding_window or 0), scale, *segments)
+    segments = () if call.segment_ids is None else (call.segment_ids,)
+    out = ops.OPS["attention"](query, key, value, sinks.to(query.dtype), described.window, described.scale, *segments)
     return out.transpose(1, 2), None
 
 
@@ -158,7 +182,11 @@ def router_weighting(router: nn.Module):
     hidden = router.weight.shape[-1]
     probe = torch.randn(16, hidden, generator=torch.Generator().manual_seed(0), device="cpu") * 3
     with torch.no_grad():
-        logits, weights, chosen = router(probe.to(router.weight.dtype))
+        try:
+            logits, weights, chosen = router(probe.to(router.weight.dtype))
+        except Exception as e:  # noqa: BLE001 - a router that needs more than the hidden states
+            raise UnsupportedModel(f"{type(router).__name__}: its router is not called as (hidden states) -> "
+                                   f"(logits, weights, chosen experts) ({first_line(e)})") from e
         for rule in (softmax_of_chosen, _softmax_gathered_normalized, _softmax_gathered):
             if torch.allclose(rule(logits, chosen).float(), weights.float(), rtol=1e-5, atol=1e-6):
                 return rule
@@ -194,12 +222,14 @@ def register_interfaces() -> None:
     ExpertsInterface.register(ATTENTION, routed_experts)
 
 
-def build(config, dtype=torch.float32, *, reference: bool = False, meta: bool = False) -> "TransformersCausalLM":
+def build(config, dtype=torch.float32, *, reference: bool = False, meta: bool = False,
+          described: Described | None = None) -> "TransformersCausalLM":
     """A transformers config (a `PretrainedConfig`) -> the model, weights initialised as
     transformers initialises them, attention routed. `reference`: the parity suite's ground truth
     instead, the same skeleton over transformers' own `eager` attention and experts (the model
     authors' code), packed rows given to it as attention masks (`reference_mask`). `meta`: the
-    parameters on the `meta` device (a loader fills them), the buffers computed on the host."""
+    parameters on the `meta` device (a loader fills them), the buffers computed on the host.
+    `described`: the layers' descriptions to take instead of reading them (`describe_layers`)."""
     from transformers import AutoModelForCausalLM
 
     register_interfaces()
@@ -212,10 +242,18 @@ def build(config, dtype=torch.float32, *, reference: bool = False, meta: bool = 
             implementation = "eager" if reference else ATTENTION
             hf = AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
                                                   experts_implementation=implementation, dtype=dtype)
-        except (ValueError, KeyError, TypeError) as e:
+        except KeyError as e:
+            if e.args == (implementation,):     # a family that looks its attention class up by name
+                raise UnsupportedModel(f"model_type {getattr(config, 'model_type', None)!r}: its modeling code has no "
+                                       f"attention for transformers' AttentionInterface (it looks up "
+                                       f"{implementation!r} among its own attention classes), so no kernel of the "
+                                       f"registry would run it") from e
             raise UnsupportedModel(f"transformers cannot build a causal LM from this config "
-                                   f"(model_type {getattr(config, 'model_type', None)!r}): {e}") from e
-        model = TransformersCausalLM(hf, reference=reference)
+                                   f"(model_type {getattr(config, 'model_type', None)!r}): KeyError {e}") from e
+        except Exception as e:  # noqa: BLE001 - whatever transformers' modeling code raises is the answer
+            raise UnsupportedModel(f"transformers cannot build a causal LM from this config "
+                                   f"(model_type {getattr(config, 'model_type', None)!r}): {first_line(e)}") from e
+        model = TransformersCausalLM(hf, reference=reference, described=described)
     if meta:
         _fill_buffers(hf)
     return model
@@ -261,9 +299,14 @@ def reference_mask(rows: int, length: int, window: int, segment_ids=None, dtype=
 
 class TransformersBackbone(nn.Module):
     """The decoder skeleton of transformers' decoders, over the family's own modules: embed
-    tokens, rotary embedding of the positions, the layers (each called with keyword arguments
-    as the family's forward calls it), final norm. The modules are the transformers model's,
-    so parameter names stay `model.embed_tokens.weight`, `model.layers.<i>.*`, `model.norm.weight`."""
+    tokens, the rotary embedding of the positions (called as the family's forward calls it:
+    once per distinct call, e.g. per layer type for Gemma 3), the layers (each called with
+    keyword arguments as the family's forward calls it, given the position embeddings its
+    description names), final norm. The modules are the transformers model's, so parameter
+    names stay `model.embed_tokens.weight`, `model.layers.<i>.*`, `model.norm.weight`.
+
+    The position embeddings travel between the layers stacked over the rotary calls: cos and
+    sin [R, B, T, D] for R distinct calls (R = 1 for most families); each layer takes its own."""
 
     def __init__(self, inner: nn.Module, router=None, reference: bool = False):
         """router: transformers' OutputRecorder of the family's router logits (its
@@ -271,19 +314,25 @@ class TransformersBackbone(nn.Module):
         layers run transformers' eager attention, given `reference_mask` instead of segment ids."""
         super().__init__()
         self._router, self.reference = router, reference
-        missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
+        missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if getattr(inner, a, None) is None]
         if missing:
             raise UnsupportedModel(f"{type(inner).__name__}: no {', '.join(missing)}; the decoder skeleton "
                                    f"(embed_tokens -> rotary_emb -> layers -> norm) is what this path runs")
         self.embed_tokens, self.layers, self.norm, self.rotary_emb = (
             inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb)
+        self.rope_calls: tuple = (((), ()),)        # (args, kwargs) after x and positions: set by describe
+
+    def position_embeddings(self, x, positions):
+        """(cos, sin), each [R, B, T, D]: the rotary module called as the family calls it."""
+        outs = [self.rotary_emb(x, positions, *args, **dict(kwargs)) for args, kwargs in self.rope_calls]
+        return torch.stack([cos for cos, _ in outs]), torch.stack([sin for _, sin in outs])
 
     def forward(self, input_ids, start_position: int = 0, positions=None, segment_ids=None):
         x = self.embed_tokens(input_ids)
         if positions is None:
             b, t = input_ids.shape
             positions = torch.arange(start_position, start_position + t, device=input_ids.device).expand(b, t)
-        cos, sin = self.rotary_emb(x, positions)
+        cos, sin = self.position_embeddings(x, positions)
         segments = () if segment_ids is None else (segment_ids,)
         x, stats = self.run_layers(x, cos, sin, *segments)
         return self.norm(x), stats
@@ -294,11 +343,12 @@ class TransformersBackbone(nn.Module):
         Each layer is called as in training, with transformers' `cache` argument: its attention
         hands its keys and values to `StaticCache.update`, then calls the routed attention."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(x, positions.clamp(min=0))
+        cos, sin = self.position_embeddings(x, positions.clamp(min=0))
         static = StaticCache(cache, positions, start, tuple(map(self.cfg.window_of_layer, range(len(self.layers)))))
         for layer in self.layers:
-            out = layer(x, attention_mask=None, position_embeddings=(cos, sin), use_cache=False, cache=static,
-                        static_cache=static)
+            with layer_call(layer, LayerCall(static_cache=static)) as described:
+                out = layer(x, attention_mask=None, position_embeddings=(cos[described.rope], sin[described.rope]),
+                            use_cache=False, cache=static)
             x = out[0] if isinstance(out, tuple) else out
         return self.norm(x), static.result()
 
@@ -311,20 +361,20 @@ class TransformersBackbone(nn.Module):
 
     def call_layer(self, layer, x, cos, sin, *segments):
         """One transformers decoder layer, called as its family's forward calls it (no mask: the
-        routed attention reads segment ids). Stats: the router's logits [N, E] (recorded as
-        transformers records them) and the real-token mask, or None for a dense layer."""
-        extra = {"segment_ids": segments[0]} if segments else {}
+        routed attention reads the segment ids its module carries). Stats: the router's logits
+        [N, E] (recorded as transformers records them) and the real-token mask, or None for a
+        dense layer."""
+        described = attention_module(layer).torchlyra_attention
+        extra = {"attention_mask": None}
         if self.reference:
-            window = getattr(getattr(layer, "self_attn", None), "sliding_window", None) or 0
-            extra = {"attention_mask": reference_mask(x.shape[0], x.shape[1], int(window), *segments, dtype=x.dtype,
-                                                      device=x.device)}
-        else:
-            extra["attention_mask"] = None
+            extra = {"attention_mask": reference_mask(x.shape[0], x.shape[1], described.window, *segments,
+                                                      dtype=x.dtype, device=x.device)}
         logits = []
         hooks = [m.register_forward_hook(lambda _, __, out: logits.append(out[self._router.index] if isinstance(
             out, tuple) else out)) for m in layer.modules() if self._router and isinstance(m, self._router.target_class)]
         try:
-            out = layer(x, position_embeddings=(cos, sin), use_cache=False, **extra)
+            with layer_call(layer, LayerCall(segment_ids=None if self.reference or not segments else segments[0])):
+                out = layer(x, position_embeddings=(cos[described.rope], sin[described.rope]), use_cache=False, **extra)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -333,22 +383,40 @@ class TransformersBackbone(nn.Module):
             return out, None
         return out, {"logits": logits[0], "real": (segments[0] != PAD_SEGMENT) if segments else None}
 
+    def describe(self, described: Described) -> None:
+        """Keep each layer's description on its attention module and the rotary calls here."""
+        for layer, name, attention in zip(self.layers, described.attention_names, described.layers):
+            layer.get_submodule(name).torchlyra_attention = attention
+        self.rope_calls = described.rope_calls
+
+    def described(self) -> Described:
+        """The descriptions as `describe` takes them (the reference twin takes its model's)."""
+        names = tuple(next(n for n, m in layer.named_modules() if m is attention_module(layer)) for layer in self.layers)
+        return Described(tuple(attention_module(layer).torchlyra_attention for layer in self.layers), names,
+                         self.rope_calls)
+
 
 class TransformersCausalLM(CausalLMHead, nn.Module):
     """A transformers `*ForCausalLM` behind the boundary: `model` is the skeleton over its own
     modules, `lm_head` its head (the embedding when tied: no `lm_head.weight` parameter then)."""
 
-    def __init__(self, hf_model: nn.Module, reference: bool = False):
+    def __init__(self, hf_model: nn.Module, reference: bool = False, described: Described | None = None):
+        """described: the layers' descriptions to take (the reference twin takes its model's);
+        otherwise read from transformers' own model (`describe_layers`)."""
         super().__init__()
         self.config = hf_model.config
         router = getattr(hf_model, "_can_record_outputs", None) or {}
         self.model = TransformersBackbone(hf_model.get_decoder(), router.get("router_logits"), reference)
         self.lm_head = hf_model.get_output_embeddings()
+        self.model.describe(described or describe_layers(hf_model, self.model.layers, self.model.rotary_emb))
         self.cfg = self.model.cfg = decoder_shape(self.config, self.model.layers)
         for module in self.modules():          # the experts' activation, found once, outside any trace
             if is_experts(module):
                 module.torchlyra_activation = expert_activation(module)
         for _, router in self.routers():       # how it weights its chosen experts (the parity suite forces choices)
+            if not isinstance(getattr(router, "weight", None), nn.Parameter):
+                raise UnsupportedModel(f"{type(router).__name__}: a router without its own `weight` matrix (how a "
+                                       f"router weights its experts is read from its own linear map)")
             if not router.weight.is_meta:
                 router.torchlyra_weighting = router_weighting(router)
         check_balance_loss(hf_model, self.cfg)
@@ -358,7 +426,8 @@ class TransformersCausalLM(CausalLMHead, nn.Module):
     def reference_twin(self) -> "TransformersCausalLM":
         """The same model (a copy of its weights) over transformers' own eager attention and
         experts: the parity suite's ground truth."""
-        twin = build(copy.deepcopy(self.config), reference=True)     # transformers writes the implementation into it
+        twin = build(copy.deepcopy(self.config), reference=True,     # transformers writes the implementation into it
+                     described=self.model.described())
         twin.load_state_dict(self.state_dict())
         return twin
 
@@ -433,33 +502,49 @@ def check_balance_loss(hf_model, shape: DecoderShape) -> None:
 
 def decoder_shape(config, layers) -> DecoderShape:
     """What the bridge reads of the model. Layer types are read from the layers themselves
-    (their parameters' names and shapes, and their attention window), so that any two layers the
-    bridge stacks into one scan have the same structure."""
-    heads = config.num_attention_heads
+    (their parameters' names and shapes, and their attention's description: window, scale,
+    sinks, rotary call), so that any two layers the bridge stacks into one scan have the same
+    structure and the same static behaviour."""
+    heads = _config_value(config, "num_attention_heads")
     kinds, names, windows = [], {}, []
     for layer in layers:
-        window = getattr(getattr(layer, "self_attn", None), "sliding_window", None) or 0
+        described = attention_module(layer).torchlyra_attention
         structure = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
-        base = f"{'sliding' if window else 'full'}_attention" + (
+        base = f"{'sliding' if described.window else 'full'}_attention" + (
             "+experts" if any(is_experts(m) for m in layer.modules()) else "")
-        if (window, structure) not in names:      # another structure under the same name gets a number
+        if (described, structure) not in names:      # another structure under the same name gets a number
             taken = sum(name.split(".")[0] == base for name in names.values())
-            names[(window, structure)] = base if not taken else f"{base}.{taken}"
-        kinds.append(names[(window, structure)])
-        windows.append(int(window))
+            names[(described, structure)] = base if not taken else f"{base}.{taken}"
+        kinds.append(names[(described, structure)])
+        windows.append(described.window)
     experts = [m for layer in layers for m in layer.modules() if is_experts(m)]
     # transformers adds the router loss only when the config asks for the router logits.
     aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(config, "output_router_logits", False) else 0.0
     return DecoderShape(
         vocab_size=config.vocab_size, d_model=config.hidden_size, n_layers=len(layers), n_heads=heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, layer_types=tuple(kinds),
+        n_kv_heads=_config_value(config, "num_key_value_heads", None) or heads,
+        head_dim=_config_value(config, "head_dim", None) or _config_value(config, "hidden_size") // heads,
+        layer_types=tuple(kinds),
         windows=tuple(windows), max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
         bos_token_id=_one_id(getattr(config, "bos_token_id", None)),
         eos_token_id=_one_id(getattr(config, "eos_token_id", None)),
         n_experts=experts[0].gate_up_proj.shape[0] if experts else 0,
         experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
         router_aux_loss_coef=aux if experts else 0.0)
+
+
+def _config_value(config, name: str, *default):
+    """config.<name> (or the default), refused by name when the config has no such value: a
+    composite config (a vision-language model's, whose decoder is its `text_config`), or one whose
+    value differs per layer."""
+    try:
+        return getattr(config, name, *default)
+    except AttributeError:
+        raise UnsupportedModel(f"{type(config).__name__}: no {name}; a composite config (a vision-language "
+                               f"model's?): this path takes a decoder's own config (its text_config)") from None
+    except Exception as e:  # noqa: BLE001 - transformers' error for a value that differs per layer
+        raise UnsupportedModel(f"{type(config).__name__}: no single {name} ({first_line(e)}); this path takes a "
+                               f"decoder whose layers share one shape") from None
 
 
 def _one_id(token_id) -> int | None:
@@ -470,31 +555,28 @@ def _one_id(token_id) -> int | None:
 
 
 def check_routing(hf_model: nn.Module, model: TransformersCausalLM, tokens: int = 8) -> None:
-    """Held by behaviour, on a few tokens of the model's own weights: every layer's attention
-    calls the routed function (once per layer), and the skeleton and head give the family's own
-    forward's logits exactly (a logit softcap or scaled head would not). A model on the meta device (no weights: `plan`) is checked when it is
-    built with weights."""
-    global _routed_calls
+    """Held by behaviour on the model's own weights: the skeleton and head give the family's
+    own forward's logits exactly on a few tokens, both routed (a logit softcap or scaled head
+    would not), and the routed model on packed documents gives transformers' own eager forward
+    on each document alone (`check_truth`: every layer, rows longer than the windows). A model
+    on the meta device (no weights: `plan`) is checked when it is built with weights."""
     if any(p.is_meta for p in model.parameters()):
         return
     ids = torch.arange(tokens).remainder(model.cfg.vocab_size)[None]
-    _routed_calls = []
     try:
         with torch.no_grad():
             theirs = hf_model(input_ids=ids, use_cache=False).logits
-            called = list(_routed_calls)
             ours = model(ids)
-    finally:
-        _routed_calls = None
-    for i, layer in enumerate(model.model.layers):
-        attn = [m for m in layer.modules() if any(m is c for c in called)]
-        if len(attn) != 1 or sum(c is attn[0] for c in called) != 1:
-            raise UnsupportedModel(f"layer {i} ({type(layer).__name__}): its attention does not call transformers' "
-                                   f"AttentionInterface once per forward, so no kernel of the registry would run it")
+    except UnsupportedModel:
+        raise
+    except Exception as e:  # noqa: BLE001 - the family's forward failing on its own weights is the answer
+        raise UnsupportedModel(f"{type(hf_model).__name__}: its forward fails on {tokens} tokens of its own weights "
+                               f"({first_line(e)})") from e
     if not torch.equal(ours, theirs):
         raise UnsupportedModel(f"{type(hf_model).__name__}: its forward does more than embed -> rotary -> layers -> "
                                f"norm -> linear head (logits differ by {(ours - theirs).abs().max().item():.3g}); "
                                f"this path would not compute the family's model")
+    check_truth(hf_model, model, model.model.layers)
 
 
 class TransformersSpec:
@@ -556,9 +638,9 @@ class TransformersSpec:
         rest = {k: v for k, v in self.config.items() if k != "model_type"}
         try:
             return AutoConfig.for_model(self.config["model_type"], **rest)
-        except (ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever transformers' config class raises is the answer
             raise UnsupportedModel(f"{self.where}: transformers cannot build a config of model_type "
-                                   f"{self.config['model_type']!r}: {e}") from None
+                                   f"{self.config['model_type']!r}: {first_line(e)}") from None
 
     def build(self, meta: bool = False) -> TransformersCausalLM:
         return build(self.hf_config(), meta=meta)
