@@ -102,9 +102,10 @@ EXPECTED = {
     "seed_oss": "no kernel applies dropout",
     "olmoe": "but transformers' own mask for the layer has no window",
 }
-# Families the optimizer's parameter groups (torch_model/optim.py) do not place yet: the other half
-# of issue 59 (branch families-commands) places them or refuses them in one line.
-OPTIMIZER_REFUSED = {"phi3", "glm4", "starcoder2", "qwen2_moe", "granitemoe", "apertus"}
+# Families whose parameters the optimizer's groups (torch_model/optim.py) refuse: none of the 29
+# (fused projections, shared experts, expert stacks under other names and scalar parameters are
+# placed by role and shape).
+OPTIMIZER_REFUSED: set[str] = set()
 
 
 def sweep_family(config: dict) -> dict:
@@ -119,7 +120,6 @@ def sweep_family(config: dict) -> dict:
     import torch
 
     from formats.errors import UserError
-    from torch_model.causal_lm import linear_expert_stacks
     from torch_model.config import ConfigError
     from torch_model.optim import plan_parameters
     from torch_model.transformers_lm import TransformersSpec, UnsupportedModel
@@ -136,7 +136,7 @@ def sweep_family(config: dict) -> dict:
     result = {"verdict": TRAINS, "windows": model.cfg.windows, "optimizer": None}
     result["cached_error"] = cached_step_error(model, spec.hf_config())
     try:
-        plan_parameters(list(model.named_parameters()), linear_stacks=linear_expert_stacks(model))
+        plan_parameters(model)
     except Exception as e:  # noqa: BLE001 - what the optimizer answers is the record
         result["optimizer"] = f"{type(e).__name__}: {e}"
         result["optimizer_one_line"] = isinstance(e, (UserError, ConfigError))   # exit 2, not a traceback
