@@ -45,14 +45,26 @@ def model_function(model: torch.nn.Module, method: str = "forward", call=None):
     def fn(params, *args):
         # Converted in each trace (a constant of that program; one kept across traces would leak
         # its tracer); a `meta` model's buffers (planning without weights) enter as zeros.
-        buffers = {prefix + n: jnp.zeros(b.shape, _abstract(b).dtype) if b.is_meta else env.t2j_copy(b.detach())
-                   for n, b in model.named_buffers()}
+        buffers = {prefix + n: _buffer_value(env, b) for n, b in model.named_buffers()}
         torch_params, torch_args = env.j2t_iso(({**buffers, **{prefix + k: v for k, v in params.items()}}, args))
         with env:
             out = torch.func.functional_call(module, torch_params, torch_args)
         return env.t2j_iso(out)
 
     return fn
+
+
+def _buffer_value(env, b: torch.Tensor):
+    """A buffer as the traced program takes it: the host tensor's value; inside an enclosing
+    model_function call (a decoder layer run by the layer stack inside the whole model's call),
+    the value that call already substituted (a torchax tensor, which reports the `meta` device:
+    read as meta, a layer's own buffers, such as Apertus's activation constants, went in as
+    zeros); zeros for a `meta` model's buffers (planning without weights)."""
+    from jax_bridge.torchax_compat import import_torchax
+
+    if isinstance(b, import_torchax().tensor.Tensor):
+        return env.t2j_iso(b)
+    return jnp.zeros(b.shape, _abstract(b).dtype) if b.is_meta else env.t2j_copy(b.detach())
 
 
 class _CallAsForward(torch.nn.Module):

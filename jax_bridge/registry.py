@@ -272,8 +272,9 @@ register_implementation("attention", "pallas", f"{_K}.attention:attention_pallas
                         description="flash attention (Mosaic TPU / Triton GPU; interpreted on CPU)")
 register_implementation("attention", "splash", f"{_K}.attention:attention_splash", platforms=("cpu", "tpu"),
                         description="jax-shipped splash attention (TPU; interpreted on CPU)")
-register_implementation("cross_entropy", "xla", f"{_K}.cross_entropy:linear_cross_entropy_reference", spmd="gspmd",
-                        description="plain JAX, materializes [N, V] logits")
+register_implementation("cross_entropy", "xla", f"{_K}.cross_entropy:linear_cross_entropy_xla", spmd="gspmd",
+                        description="plain JAX, the reference over token chunks of at most 1 GiB of float32 logits "
+                                    "(each formed again in the backward)")
 register_implementation("cross_entropy", "pallas", f"{_K}.cross_entropy:linear_cross_entropy_pallas",
                         description="vocab-tiled online log-sum-exp (Mosaic TPU / Triton GPU; interpreted on CPU)")
 register_implementation("moe", "xla", f"{_K}.moe:moe_experts_xla", spmd="gspmd",
