@@ -76,8 +76,14 @@ def compare_runs(ref: Run, got: Run, before: Mapping[str, np.ndarray], kernels: 
                     tol("grad_norm")))
     for name in names:
         if name in got.params_after:
-            metrics = compare.tensor_metrics(got.params_after[name], ref.params_after[name])
-            metrics.update(compare.update_metrics(got.params_after[name], ref.params_after[name], before[name]))
+            # Entries the gradient does not decide (rounding zeros: tolerances.ROUNDING_ZERO) left out.
+            keep = tolerances.decided_entries(ref.grads.get(name))
+            pick = (lambda a: np.asarray(a)) if keep is None else (lambda a: np.asarray(a)[keep])
+            got_after, ref_after = pick(got.params_after[name]), pick(ref.params_after[name])
+            metrics = compare.tensor_metrics(got_after, ref_after)
+            metrics.update(compare.update_metrics(got_after, ref_after, pick(before[name])))
+            if keep is not None:
+                metrics["rounding_zero_entries"] = int((~keep).sum())
             rows.append(Row(kernels, dtype, "param", name, metrics, tol("param")))
         else:
             rows.append(Row(kernels, dtype, "param", name, bounds=tol("param"), status=FAIL,
