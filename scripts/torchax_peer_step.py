@@ -64,8 +64,11 @@ def peer(spec, tokens, args, dtype):
     import jax.numpy as jnp
     import optax
     import torch
-    import torchax
     from transformers import AutoModelForCausalLM
+
+    from jax_bridge.torchax_compat import import_torchax
+
+    torchax = import_torchax()      # the project's torch 2.13 shim first (a bare `import torchax` fails)
 
     config = spec.hf_config()
     config._attn_implementation = "sdpa"
@@ -113,7 +116,6 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    import jax_bridge  # noqa: F401  (the torch 2.13 shim before torchax is imported)
     from torch_model.transformers_lm import TransformersSpec
 
     spec = TransformersSpec.from_file(args.model_config)
