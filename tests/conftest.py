@@ -62,11 +62,11 @@ def pytest_collection_modifyitems(config, items):
     it (one program holds a TPU at a time)."""
     if not ON_CHIP:
         skip = pytest.mark.skip(reason="needs a TPU: the hardware tier, `make test-tpu` on a TPU host")
-        for item in items:
-            if "tpu" in item.keywords:
+        for item in items:          # by marker: a parametrize id "tpu" is a keyword too
+            if item.get_closest_marker("tpu") is not None:
                 item.add_marker(skip)
         return
-    items.sort(key=lambda item: "own_processes" not in item.keywords)
+    items.sort(key=lambda item: item.get_closest_marker("own_processes") is None)
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@
 - the demo's run (`torchlyra train`, its defaults) reaching the CPU's validation bits per byte;
 - greedy generation, for our GPT-OSS (the demo's checkpoint) and a transformers Llama, giving eager
   PyTorch's tokens at the same compute dtype and matmul precision (float32, "highest");
-- a LoRA train step against eager peft, and a DPO step against eager torch (the CPU suite's tests,
-  collected here again to run on the chip).
+- a LoRA train step against eager peft, and a DPO step against eager torch (the CPU suite's checks,
+  called here on the chip).
 Skipped without a TPU (tests/conftest.py).
 """
 from __future__ import annotations
@@ -23,8 +23,6 @@ import numpy as np
 import pytest
 
 from helpers import prepare_play_corpus
-from test_dpo_step import test_lowered_dpo_step_matches_eager_torch  # noqa: F401  (run again, on the chip)
-from test_lora_train import lora_setup, test_lora_step_gradients_and_update_match_eager_peft  # noqa: F401
 
 pytestmark = pytest.mark.tpu
 REPO = Path(__file__).resolve().parents[1]
@@ -146,3 +144,21 @@ def test_transformers_llama_greedy_generation_on_the_chip_equals_eager_pytorch(t
     prompts = [rng.integers(1, VOCAB, n).tolist() for n in (5, 17, 30)]
     got = greedy_on_chip(model, prompts, 24)
     assert_greedy_like_eager(model, prompts, got, 24)
+
+
+def test_a_lora_step_on_the_chip_matches_eager_peft(tpu_device):
+    """tests/test_lora_train.py's check of the LoRA step (gradients, update, frozen base), on the chip."""
+    from jax_bridge.step import StepConfig, TrainStep
+    from test_lora_train import lora_model, test_lora_step_gradients_and_update_match_eager_peft as check
+    from torch_model.optim import OptimizerConfig
+
+    model = lora_model()
+    check((model, TrainStep(model, OptimizerConfig(), StepConfig(kernels="xla", compute_dtype="float32"))))
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_a_dpo_step_on_the_chip_matches_eager_torch(loss, tpu_device):
+    """tests/test_dpo_step.py's check of the lowered DPO step against eager torch, on the chip."""
+    from test_dpo_step import IPO, SIGMOID, test_lowered_dpo_step_matches_eager_torch as check
+
+    check(SIGMOID if loss == "sigmoid" else IPO)

@@ -31,8 +31,9 @@ def test_a_v5e_decode_step_reads_the_weights_once_and_writes_its_caches_in_place
         model = spec.build()
     mesh = sharding.make_mesh(None, [tpu_compile.device_of("v5e:2x2")])
     params = decoding.decoder_params(model, "bfloat16", mesh)
-    decoder = decoding.Decoder(model, kernels=decoding.generation_kernels("auto", "tpu", model), platform="tpu",
-                               compute_dtype="bfloat16", mesh=mesh, params=params, tpu_generation="v5e")
+    kernels = decoding.generation_kernels("cached_attention=pallas", "tpu", model)   # the rest auto
+    decoder = decoding.Decoder(model, kernels=kernels, platform="tpu", compute_dtype="bfloat16", mesh=mesh,
+                               params=params, tpu_generation="v5e")
     assert decoder.decode_kernels["cached_attention"] == "pallas"
     mode = SamplingMode(greedy=True, top_k=0, top_p=False, penalty=False)
     n_stop = decoding.stop_slots(1)

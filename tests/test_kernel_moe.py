@@ -446,13 +446,15 @@ def test_a_tpu_kernel_is_told_the_vmem_of_the_generation_it_compiles_for():
                                                                                     128 << 20, 64 << 20]
     assert vmem_capacity_bytes(None) is None and vmem_capacity_bytes("v99") is None
 
-    def kernel(x, *, platform, vmem_capacity_bytes=None):
+    def kernel(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha=1.702, limit=7.0, up_shift=1.0,
+               platform, vmem_capacity_bytes=None):        # the moe op's contract, and the target's keywords
         return platform, vmem_capacity_bytes
 
     impl = Implementation("moe", "probe", kernel)
-    assert impl.bind("tpu", {}, "v6e")(0) == ("tpu", 128 << 20)
-    assert impl.bind("tpu", {"vmem_capacity_bytes": 1 << 20}, "v6e")(0) == ("tpu", 1 << 20)
-    assert impl.bind("tpu", {}, None)(0) == ("tpu", None) and impl.bind("cpu", {}, "v6e")(0) == ("cpu", None)
+    call = lambda bound: bound(*[0] * 6)
+    assert call(impl.bind("tpu", {}, "v6e")) == ("tpu", 128 << 20)
+    assert call(impl.bind("tpu", {"vmem_capacity_bytes": 1 << 20}, "v6e")) == ("tpu", 1 << 20)
+    assert call(impl.bind("tpu", {}, None)) == ("tpu", None) and call(impl.bind("cpu", {}, "v6e")) == ("cpu", None)
     assert StepConfig(platform="tpu", tpu_generation="v5e").tpu_generation == "v5e"
     assert StepConfig(platform="cpu").tpu_generation is None
     with pytest.raises(ValueError, match="unknown TPU generation 'v99'"):
