@@ -315,3 +315,22 @@ def test_bench_kernels_tune_of_a_run_rejects_bad_arguments(argv, message, capsys
     monkeypatch.chdir(tmp_path)
     assert message in one_line_error(capsys, ["bench", "kernels", *argv])
     assert not (tmp_path / "T.json").exists()
+
+
+def test_kernel_speed_times_each_implementation_forward_and_backward_with_its_useful_flops():
+    """`bench kernels` on an accelerator host (train/bench/kernel_speed.py), run here on the CPU's
+    device: one row per (implementation, direction) with a time, the FLOPs every implementation
+    shares, the xla row as the base of the speed-ups, and the table."""
+    import types
+
+    from train.bench import kernel_speed
+
+    args = types.SimpleNamespace(dtype="float32", warmup=1, repeats=1)
+    rows = kernel_speed.run(args, ["tiny"], ["cross_entropy"], {"xla"})
+    assert [(r["impl"], r["direction"]) for r in rows] == [("xla", "fwd"), ("xla", "fwd+bwd")]
+    n, h, v = 2048, 256, 4096
+    assert [r["flops"] for r in rows] == [2.0 * n * h * v, 6.0 * n * h * v]
+    assert all(r["time_s"] > 0 and r["speedup_vs_xla"] == 1 and r["bytes"] > 0 and r["error"] is None for r in rows)
+    assert kernel_speed.visible_pairs(4, 0) == 10 and kernel_speed.visible_pairs(4, 2) == 7
+    table = kernel_speed.format_table(rows)
+    assert table.splitlines()[0].startswith("| op ") and "1 (base)" in table and table.count("\n") == 3

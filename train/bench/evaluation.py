@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from formats.errors import UserError
+from train.bench.table import markdown_table
 
 GOAL = 3.0          # our examples/s vs the hf backend's
 WORDS = ("the king queen night light love death sword crown blood heart soul fair foul sweet sorrow honour "
@@ -227,6 +228,4 @@ def format_table(rows: list[dict]) -> str:
     body = [[str(r["batch"]), f"{r['torchlyra_examples_per_s']:.1f}", f"{r['hf_examples_per_s']:.1f}",
              f"{r['ratio']:.2f}x", str(r["hf_threads"]), f"{r['compile_s']:.1f} ({r['buckets']})",
              f"{r['max_rel_difference']:.1e}", f"{100 * r['same_greedy']:.0f}%"] for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(b) for b in body])
+    return markdown_table(header, body)

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from formats.errors import UserError
+from train.bench.table import markdown_table
 
 GOAL = 3.0          # decode throughput vs transformers, at every batch size
 PATHS = ("ours", "ours-streaming", "hf", "no-cache")
@@ -246,9 +247,7 @@ def format_table(rows: list[dict]) -> str:
              "-" if r.get("floor_tokens_per_s") is None else f"{r['floor_tokens_per_s']:.0f}",
              "-" if r.get("share_of_floor") is None else f"{100 * r['share_of_floor']:.0f}%"]
             for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(HEADER)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-    return "\n".join([line(HEADER), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(b) for b in body])
+    return markdown_table(HEADER, body)
 
 
 def _ratio(value, inverse=False) -> str:

@@ -22,6 +22,7 @@ import sys
 import time
 
 from train.bench.kernel_cases import Case, concrete_inputs, float_positions, kernel_cases, make_fn, short_error
+from train.bench.table import markdown_table
 
 # Lyra's published v6e speed-ups over matched XLA (its README's kernel table), per (op, direction,
 # case): what our v5e rows are read beside. MoE: Lyra times the up projection + SwiGLU and the
@@ -182,10 +183,7 @@ def format_row(row: dict) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    body = [_cells(r) for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(HEADER)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-    return "\n".join([line(HEADER), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(b) for b in body])
+    return markdown_table(HEADER, [_cells(r) for r in rows])
 
 
 METHOD = ("time/call: median of --repeats samples, each a run of back-to-back calls of the compiled program on "

@@ -43,6 +43,7 @@ import time
 from train.bench.kernel_cases import (Case, abstract_inputs, concrete_inputs, kernel_cases, make_fn,
                                       short_error, time_calls)
 from train.bench.machine import machine_info
+from train.bench.table import markdown_table
 from formats.errors import UserError
 
 OPS = ("attention", "cross_entropy", "moe")       # the default --ops
@@ -325,12 +326,7 @@ TPU_HEADER = ["op", "shapes", "case", "dtype", "impl", "dir", "CPU-XLA temp (ana
 def format_table(rows: list[dict]) -> str:
     """A Markdown table (readable as plain text too)."""
     header = TPU_HEADER if rows and rows[0]["accounting"] == "tpu" else HEADER
-    body = [_cells(r) for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(b) for b in body]
-    return "\n".join(out)
+    return markdown_table(header, [_cells(r) for r in rows])
 
 
 def split_by_accounting(rows: list[dict]) -> tuple[list[dict], list[dict]]:

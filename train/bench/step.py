@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from train.bench.table import markdown_table
 from train.bench.torch_peers import KINDS, TORCH_PEERS, bench_tokens
 from formats.errors import UserError
 
@@ -352,15 +353,13 @@ def format_report(rep: dict) -> str:
                      _fmt(row.get("fwdbwd_mfu"), 100, 1, "%"), _fmt(row.get("step_mfu"), 100, 1, "%"),
                      _fmt(row.get("fwdbwd_ours_speedup"), 1, 2, "x"), _fmt(row.get("step_ours_speedup"), 1, 2, "x"),
                      _first_call(row)])
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"   # noqa: E731
     out = [f"bench step: {rep['preset']} (d_model {rep['model']['d_model']}, {rep['model']['n_layers']} layers, "
            f"{rep['model']['n_experts']} experts, vocab {rep['model']['vocab_size']}), batch {rep['batch_size']} x "
            f"{rep['seq_len']}, {rep['compute_dtype']} on {rep['device']}, {rep['rounds']} interleaved rounds (medians); "
            f"peak {rep['peak_flops'] / 1e9:,.1f} GFLOP/s ({rep['peak_source'].split(' (')[0]}); load average "
            f"{rep['load_average']['start']} -> "
            f"{rep['load_average']['end']}",
-           line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(b) for b in body), ""]
+           markdown_table(header, body), ""]
     out.append(f"ours step / (fwd+bwd + update alone) = {_fmt(rep['goals']['step_over_parts']['measured'], 1, 3)} "
                "(median of per-round ratios). 'ours faster' = peer time / ours time, paired per round "
                "(child peers through eager).")
