@@ -16,7 +16,6 @@ On a CPU host the timings run and the profile is skipped (no device ops to read)
 import glob
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -61,46 +60,24 @@ def timed(gen, cfg, batch, new, sampling, stream=None, repeats=3):
                 compile_s=[(c.program, round(c.seconds, 1)) for c in first.compilations], bucket=list(first.bucket))
 
 
-_EVENT = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
-_CONTROL = {"while", "conditional", "call"}     # an event spanning the ops it runs, which count on their own
-
-
-def _event_op(name: str):
-    """(instruction name, opcode) of a trace event named by its HLO text (opcode None if unread)."""
-    from jax_bridge import hlo_text
-
-    try:
-        ins = hlo_text.parse_instruction(name)
-    except (ValueError, IndexError):
-        ins = None
-    if ins is not None:
-        return ins.name, ins.opcode
-    found = _EVENT.match(name)
-    return (found.group(1) if found else name), None
-
-
 def device_ops(trace_dir):
-    """{op name: (total ns, count)} of the first TPU device's "XLA Ops" line (each event is named by
-    its HLO instruction's text: "%fusion.12 = bf16[...] fusion(...)"), and the modules' times."""
-    from jax.profiler import ProfileData
+    """{op name: [total ns, count]} of the traced programs' device ops (control ops, which span
+    their bodies' ops, left out), and each program run's (module, ns): the trace read by
+    train/run/profile_summary.py's reader."""
+    from jax_bridge import roofline
+    from train.run.profile_summary import read_trace
 
     path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
-    ops, modules = {}, []
-    for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:TPU:0"):
-            continue
-        for line in plane.lines:
-            if line.name == "XLA Ops":
-                for e in line.events:
-                    name, opcode = _event_op(e.name)
-                    if opcode in _CONTROL:
-                        continue
-                    t = ops.setdefault(name, [0, 0])
-                    t[0] += e.duration_ns
-                    t[1] += 1
-            elif line.name == "XLA Modules":
-                modules += [(e.name, e.duration_ns) for e in line.events]
-    return ops, modules
+    _, _, runs, _ = read_trace(Path(path))
+    ops = {}
+    for run in runs:
+        for e in run.ops:
+            if e.signature and e.signature[0] in roofline.CONTROL:
+                continue
+            t = ops.setdefault(e.name, [0, 0])
+            t[0] += e.duration_ns
+            t[1] += 1
+    return ops, [(run.module, run.duration_ns) for run in runs]
 
 
 def profile(gen, cfg, batch, new, generation):
