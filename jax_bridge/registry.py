@@ -242,6 +242,8 @@ def unhonoured(op: str, name: str, keyword: str, value=_GIVEN) -> ContractError:
     given = f"{keyword}={value!r}" if isinstance(value, numbers.Number) else f"{keyword} given"
     others = []
     for other, candidate in _TABLE[op].items():
+        if impl.trains and not candidate.trains:
+            continue                # a training call is offered what trains (not moe=decode)
         try:
             if candidate.takes(keyword):
                 others.append(other)
