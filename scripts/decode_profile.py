@@ -127,7 +127,6 @@ def profile(gen, cfg, batch, new, generation):
 def main(names):
     import jax
 
-    from jax_bridge import roofline
     from train.generation.generator import Generator
 
     out_dir = os.environ.get("OUT", "/tmp")

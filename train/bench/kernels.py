@@ -34,7 +34,6 @@ import dataclasses
 import datetime
 import inspect
 import json
-import os
 import re
 import signal
 import sys
