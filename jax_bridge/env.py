@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+from jax_bridge import accumulation
 from jax_bridge.torchax_compat import import_torchax
 
 
@@ -11,6 +12,7 @@ from jax_bridge.torchax_compat import import_torchax
 def get_env():
     # torch's int64 indices become int32 under JAX's default 32-bit mode, by design.
     warnings.filterwarnings("ignore", message="Explicitly requested dtype int64", category=UserWarning)
+    accumulation.install()    # bf16 gradients of broadcast parameters sum in float32
     torchax = import_torchax()
     import torch_model.ops  # noqa: F401  (registers torch.ops.torchlyra.* before routing)
     return torchax.default_env()

@@ -53,8 +53,9 @@ def compare_runs(ref: Run, got: Run, before: Mapping[str, np.ndarray], kernels: 
     flat = lambda d: np.concatenate([np.asarray(d[n], np.float64).ravel() for n in names])  # noqa: E731
     for name in names:
         if name in got.grads:
+            check = "grad_scalar" if np.size(ref.grads[name]) == 1 else "grad"
             rows.append(Row(kernels, dtype, "grad", name, compare.tensor_metrics(got.grads[name], ref.grads[name]),
-                            tol("grad")))
+                            tol(check)))
         else:
             rows.append(Row(kernels, dtype, "grad", name, bounds=tol("grad"), status=FAIL,
                             message="no gradient in the lowered run"))

@@ -147,7 +147,8 @@ def _within(metric, tolerance):
     return _ge(metric, 1 - tolerance), _le(metric, 1 + tolerance)
 
 
-# Checks, by compute dtype. Keys: logits, loss, grad (each parameter's gradient), grad_expert
+# Checks, by compute dtype. Keys: logits, loss, grad (each parameter's gradient), grad_scalar (the
+# gradient of a one-element parameter, see the note below the table), grad_expert
 # (each expert's slice of an expert tensor's gradient; bf16: expert_bounds by token count), grad_vector
 # (all gradients concatenated), grad_norm (the global gradient norm the optimizer clips with), param
 # (each parameter after one step), param_vector (all parameters after one step, concatenated),
@@ -158,6 +159,7 @@ TOLERANCES: dict[str, dict[str, tuple[Bound, ...]]] = {
         "logits": (_le("rel", 1e-5),),
         "loss": (_le("rel", 1e-5),),
         "grad": (_le("rel", 1e-4),),
+        "grad_scalar": (_le("rel", 1e-4),),
         "grad_expert": (_ge("slice_cos", 0.99999), *_within("slice_norm_ratio", 1e-4)),
         "grad_vector": (_le("rel", 1e-4),),
         "grad_norm": (_le("rel", 1e-4),),
@@ -173,6 +175,7 @@ TOLERANCES: dict[str, dict[str, tuple[Bound, ...]]] = {
         "logits": (_ge("top1", 0.95), _le("kl_excess", 1e-4)),
         "loss": (_le("rel", 5e-3),),
         "grad": (_ge("cos", 0.97), _le("rel", 0.3), *_within("norm_ratio", 0.06)),
+        "grad_scalar": (),             # reported, not bounded: see the note below the table
         "grad_expert": (_ge("slice_cos", 0.95), *_within("slice_norm_ratio", 0.05)),
         "grad_vector": (_ge("cos", 0.98),),
         "grad_norm": (_le("rel", 2e-2),),
@@ -184,6 +187,18 @@ TOLERANCES: dict[str, dict[str, tuple[Bound, ...]]] = {
 }
 
 DTYPES = tuple(TOLERANCES)
+
+# A one-element parameter's gradient (`grad_scalar`; Apertus's xIELU alpha_p / alpha_n) is one sum
+# over every token and feature with terms of both signs, so its bf16 error is set by the size of
+# the terms, not of the sum, and a sum that nearly cancels has no relative bound: measured on
+# Apertus's tiny config (parity inputs, seeds 0-5, the four alpha gradients), eager transformers
+# itself in bf16 (float32 sums) is off by up to rel 0.68 (a gradient of -3.0e-5 where the other
+# seeds' are 1e-4..2e-3) and the lowered bf16 step by up to 1.02 on that one; elsewhere both
+# stay within 0.14, each sometimes the worse one. So in bf16 it is reported, not bounded; float32
+# holds it to rel 1e-4, where a wrong formula shows, and bf16 still holds it inside the whole
+# gradient vector (cos >= 0.98). Before the float32 sums of broadcast gradients
+# (jax_bridge/accumulation.py) the lowered step's bf16 running sums added their own error (rel 0.31
+# on a gradient eager bf16 got within 0.02).
 
 # Per-expert slices in bf16 (see the calibration above): the bounds widen as the expert's token
 # count n shrinks; a slice of fewer than EXPERT_MIN_TOKENS tokens (none: no gradient) is reported.

@@ -1,4 +1,4 @@
-"""The torchax/torch 2.13 shim, the op registry and its op contracts."""
+"""The torchax/torch 2.13 shim, float32 sums of broadcast gradients, the op registry and its op contracts."""
 import inspect
 import pathlib
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from jax_bridge import registry, torchax_compat
+from jax_bridge import accumulation, registry, torchax_compat
 from jax_bridge.env import get_env
 from jax_bridge import op_contracts
 from jax_bridge.op_contracts import CONTRACTS, REQUIRED
@@ -50,6 +50,21 @@ def test_rng_state_round_trip_works_with_jax_as_accelerator():
     with freeze_rng_state():
         a = torch.rand(3)
     assert torch.rand(3).shape == a.shape
+
+
+def test_broadcast_gradients_of_narrow_floats_sum_in_float32():
+    """A bf16 parameter broadcast over 70,000 elements (implicitly, as torchax's elementwise ops do,
+    and through broadcast_to): its gradient is the float32 sum rounded once (70,144, the nearest
+    bf16), not the bf16 running sum XLA's CPU backend keeps (8,192)."""
+    get_env()
+    assert accumulation.installed()
+    ones = jnp.ones((70_000,), jnp.bfloat16)
+    for broadcast in (lambda a: a * ones, lambda a: jnp.broadcast_to(a, ones.shape) * ones):
+        for shape in ((1,), ()):
+            grad = jax.jit(jax.grad(lambda a: jnp.sum(broadcast(a).astype(jnp.float32))))(jnp.ones(shape, jnp.bfloat16))
+            assert grad.dtype == jnp.bfloat16 and float(grad.reshape(())) == 70_144.0
+    exact = jax.jit(lambda a: jax.lax.reduce_sum(a, (0,)))(jnp.arange(8, dtype=jnp.int32))   # other dtypes untouched
+    assert int(exact) == 28
 
 
 def test_kernel_spec_parsing_and_auto():

@@ -124,7 +124,7 @@ def test_metrics_of_identical_and_perturbed_tensors():
 
 
 def test_tolerances_are_stated_for_every_check_and_dtype():
-    checks = {"logits", "loss", "grad", "grad_expert", "grad_vector", "grad_norm", "param", "param_vector",
+    checks = {"logits", "loss", "grad", "grad_scalar", "grad_expert", "grad_vector", "grad_norm", "param", "param_vector",
               "routing", "hf"}
     lora_checks = {"lora_param", "lora_param_vector", "frozen"}          # LoRA parity runs in float32
     assert set(tolerances.TOLERANCES["float32"]) == checks | lora_checks
