@@ -268,8 +268,9 @@ def implementations(op: str) -> dict[str, Implementation]:
 
 # ---- the built-in table -----------------------------------------------------------------------
 _K = "pallas_kernels"
-register_implementation("attention", "xla", f"{_K}.attention:attention_reference", spmd="gspmd",
-                        description="plain JAX, materializes [T, T] scores")
+register_implementation("attention", "xla", f"{_K}.attention:attention_xla", spmd="gspmd",
+                        description="plain JAX, the reference over query chunks of at most 256 MiB of float32 "
+                                    "scores (each formed again in the backward)")
 register_implementation("attention", "pallas", f"{_K}.attention:attention_pallas",
                         description="flash attention (Mosaic TPU / Triton GPU; interpreted on CPU)")
 register_implementation("attention", "splash", f"{_K}.attention:attention_splash", platforms=("cpu", "tpu"),

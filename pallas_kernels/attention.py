@@ -50,6 +50,56 @@ def attention_over_positions(qg, k, v, sinks, q_positions, k_positions, *, slidi
     return jnp.einsum("bhgqk,bhkd->bhgqd", probs, v, precision=value_precision)
 
 
+# The float32 scores one query chunk of the `xla` implementation may form (256 MiB: small-o200k's
+# 16 rows x 8 heads x 2048 keys at 256 queries; every shape of the CPU suite is one chunk).
+XLA_CHUNK_BYTES = 1 << 28
+
+
+def attention_xla(q, k, v, sinks, *, sliding_window: int, scale: float, segment_ids=None,
+                  chunk_bytes: int = XLA_CHUNK_BYTES):
+    """The `xla` implementation: the reference over chunks of queries whose float32 scores
+    [B, Hq, rows, Tk] stay within `chunk_bytes`, each chunk formed again in the backward
+    (jax.checkpoint), so neither pass holds every layer's [T, T] scores and probabilities
+    (`small-o200k` at 16 x 2048: 2 GiB of float32 scores per layer and tensor). Per query the
+    same arithmetic as the reference (a query's softmax spans all its keys); one chunk is the
+    reference itself."""
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    rows = max(8, chunk_bytes // (4 * b * hq * tk) // 8 * 8)
+    if tq <= rows:
+        return attention_reference(q, k, v, sinks, sliding_window=sliding_window, scale=scale,
+                                   segment_ids=segment_ids)
+    if segment_ids is not None:
+        _check_segment_ids(segment_ids, b, tq, tk)
+    chunks = -(-tq // rows)
+    pad = chunks * rows - tq
+
+    def by_chunk(x, axis):
+        """[..., tq (axis), ...] -> [chunks, ..., rows, ...]; padded queries repeat the last one
+        (its position and segment: it sees its own key, so no score row is empty and no NaN
+        reaches the backward); their outputs are dropped, so they add no gradient."""
+        x = jnp.pad(x, [(0, pad) if i == axis else (0, 0) for i in range(x.ndim)], mode="edge")
+        x = x.reshape(*x.shape[:axis], chunks, rows, *x.shape[axis + 1:])
+        return jnp.moveaxis(x, axis, 0)
+
+    qg = by_chunk(q.reshape(b, hkv, hq // hkv, tq, d), 3)
+    q_positions = by_chunk(jnp.arange(tk - tq, tk)[None], 1)
+    q_segments = None if segment_ids is None else by_chunk(segment_ids, 1)
+    keys, values, k_positions = k.astype(q.dtype), v.astype(jnp.float32), jnp.arange(tk)[None]
+
+    @jax.checkpoint
+    def chunk(qc, positions, segments):
+        return attention_over_positions(qc, keys, values, sinks, positions, k_positions,
+                                        sliding_window=sliding_window, scale=scale,
+                                        score_precision=dot_precision(q.dtype),
+                                        value_precision=jax.lax.Precision.HIGHEST,
+                                        q_segments=segments, k_segments=segment_ids)
+
+    out = jax.lax.map(lambda args: chunk(*args), (qg, q_positions, q_segments))   # [chunks, B, Hkv, G, rows, D]
+    out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, hq // hkv, chunks * rows, d)[:, :, :, :tq]
+    return out.reshape(b, hq, tq, d).astype(q.dtype)
+
+
 # ==================================================================================================
 # Pallas flash attention (forward + backward), sinks, GQA, causal / sliding window.
 #

@@ -211,7 +211,10 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
     """Megablox's schedule as batched XLA ops: gather each work item's row tile and expert
     weights, one batched matmul per projection, mask rows outside the item's expert, and add the
     (at most E - 1 extra) partial tiles back with a sorted segment_sum. Costs ~(1 + E*t/M) x the
-    dense FLOPs instead of ragged_dot's E x on CPU. Gradients by autodiff."""
+    dense FLOPs instead of ragged_dot's E x on CPU. Gradients by autodiff, with the gathered tiles
+    and weights formed again in the backward (jax.checkpoint): held for it, they were ~1.9 GiB per
+    layer of `small-o200k` at 16 x 2048 (its `--kernels xla` step needed 16.97 GiB of a v5e's
+    15.75)."""
     m, hdim = x.shape
     num_groups, _, two_i = gate_up.shape
     if m == 0:
@@ -227,20 +230,23 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
     acc = jnp.float32
     prec = dot_precision(x.dtype)
 
-    xt = jnp.pad(x, ((0, mp - m), (0, 0))).reshape(num_tiles, tm, hdim)[meta.tile_ids]       # [W, t, H]
     rows = meta.tile_ids[:, None] * tm + jnp.arange(tm, dtype=jnp.int32)[None, :]          # [W, t]
     lo, hi = meta.offsets[meta.group_ids], meta.offsets[meta.group_ids + 1]
     live = (rows >= lo[:, None]) & (rows < hi[:, None])
     live &= (jnp.arange(num_items) < meta.num_active[0])[:, None]
 
-    gu = jnp.einsum("wth,whn->wtn", xt, gate_up[meta.group_ids], precision=prec, preferred_element_type=acc)
-    gu = gu + gate_up_bias.astype(acc)[meta.group_ids][:, None, :]   # cast first: bias grads sum in f32
-    h = clamped_swiglu(gu, alpha=alpha, limit=limit, up_shift=up_shift).astype(x.dtype)
-    y = jnp.einsum("wti,wih->wth", h, down[meta.group_ids], precision=prec, preferred_element_type=acc)
-    y = y + down_bias.astype(acc)[meta.group_ids][:, None, :]
-    y = jnp.where(live[..., None], y, 0.0)   # select, not multiply: no 0 * inf leaking through
-    y = jax.ops.segment_sum(y, meta.tile_ids, num_segments=num_tiles, indices_are_sorted=True)
-    return y.reshape(mp, hdim)[:m].astype(x.dtype)
+    @jax.checkpoint
+    def tiles(x, gate_up, gate_up_bias, down, down_bias):
+        xt = jnp.pad(x, ((0, mp - m), (0, 0))).reshape(num_tiles, tm, hdim)[meta.tile_ids]       # [W, t, H]
+        gu = jnp.einsum("wth,whn->wtn", xt, gate_up[meta.group_ids], precision=prec, preferred_element_type=acc)
+        gu = gu + gate_up_bias.astype(acc)[meta.group_ids][:, None, :]   # cast first: bias grads sum in f32
+        h = clamped_swiglu(gu, alpha=alpha, limit=limit, up_shift=up_shift).astype(x.dtype)
+        y = jnp.einsum("wti,wih->wth", h, down[meta.group_ids], precision=prec, preferred_element_type=acc)
+        y = y + down_bias.astype(acc)[meta.group_ids][:, None, :]
+        y = jnp.where(live[..., None], y, 0.0)   # select, not multiply: no 0 * inf leaking through
+        return jax.ops.segment_sum(y, meta.tile_ids, num_segments=num_tiles, indices_are_sorted=True)
+
+    return tiles(x, gate_up, gate_up_bias, down, down_bias).reshape(mp, hdim)[:m].astype(x.dtype)
 
 
 # =============================================================================================

@@ -240,7 +240,7 @@ def test_wrong_signatures_are_refused_at_registration_in_one_line():
     _refusal("attention", three_inputs)
     with pytest.raises(registry.ContractError):
         registry.register_implementation("attention", "xla", three_inputs)
-    assert registry.implementations("attention")["xla"].target == "pallas_kernels.attention:attention_reference"
+    assert registry.implementations("attention")["xla"].target == "pallas_kernels.attention:attention_xla"
     registry.register_implementation("attention", "test-string", "pallas_kernels.moe:moe_experts_reference")
     try:
         with pytest.raises(registry.ContractError, match=r"^attention=test-string \(pallas_kernels.moe:moe_experts_"

@@ -14,7 +14,7 @@ from jax import export
 
 from helpers import pallas_calls, rel_err
 from pallas_kernels.attention import (attention_grid, attention_pallas, attention_reference,
-                                      attention_splash, default_block_sizes)
+                                      attention_splash, attention_xla, default_block_sizes)
 
 
 def make_inputs(seed, b, hq, hkv, t, d, dtype):
@@ -105,6 +105,44 @@ def test_matches_eager_torch():
         assert rel_err(out, t_out.detach().numpy()) <= 1e-5
         for g, tg in zip(grads, (tq.grad, tk.grad, tv.grad, ts.grad)):
             assert rel_err(g, tg.numpy()) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_xla_implementation_in_query_chunks_equals_the_reference_forward_and_backward(dtype):
+    """`xla` bounds its float32 scores per chunk of queries (each formed again in the backward):
+    at chunks of 16 queries, 37 ragged tokens (3 chunks, the last padded) in three packed segments,
+    GQA, sinks and a window give the reference's outputs and gradients (float32: to summation
+    order; bf16: the same products, to the last rounding)."""
+    b, hq, hkv, t, d, window = 2, 4, 2, 37, 16, 9
+    q, k, v, sinks, dout = make_inputs(11, b, hq, hkv, t, d, dtype)
+    segments = jnp.asarray([[0] * 12 + [1] * 20 + [2] * 5, [3] * 31 + [4] * 6], jnp.int32)
+    chunk_bytes = 4 * b * hq * t * 16                      # 16 query rows per chunk
+    for window_ in (0, window):
+        for seg in (None, segments):
+            chunked = functools.partial(attention_xla, sliding_window=window_, scale=d ** -0.5, segment_ids=seg,
+                                        chunk_bytes=chunk_bytes)
+            whole = functools.partial(attention_reference, sliding_window=window_, scale=d ** -0.5, segment_ids=seg)
+            out, grads = out_and_grads(chunked)(q, k, v, sinks, dout)
+            ref_out, ref_grads = out_and_grads(whole)(q, k, v, sinks, dout)
+            tol = 1e-6 if dtype == jnp.float32 else 1e-2
+            assert out.dtype == dtype and out.shape == (b, hq, t, d) and rel_err(out, ref_out) <= tol
+            for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+                assert rel_err(g, r) <= tol, (name, window_, seg is not None, rel_err(g, r))
+
+
+def test_the_xla_implementation_saves_no_score_matrix_for_its_backward():
+    """Chunked (`chunk_bytes` below one [B, Hq, T, T] float32 matrix), `xla`'s vjp holds its inputs
+    and no scores or probabilities; the reference (one chunk) holds [T, T]-sized arrays."""
+    b, hq, hkv, t, d = 1, 2, 1, 64, 8
+    q, k, v, sinks, _ = make_inputs(2, b, hq, hkv, t, d, jnp.float32)
+    full = b * hq * t * t
+
+    def largest_saved(fn):
+        _, vjp = jax.vjp(functools.partial(fn, sliding_window=0, scale=0.3), q, k, v, sinks)
+        return max(leaf.size for leaf in jax.tree_util.tree_leaves(vjp))
+
+    assert largest_saved(functools.partial(attention_xla, chunk_bytes=4 * b * hq * t * 16)) <= q.size < full / 4
+    assert largest_saved(attention_reference) >= full
 
 
 def test_splash_matches_reference():
