@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import warnings
 
-from jax_bridge import accumulation
+from jax_bridge import accumulation, aten_overrides
 from jax_bridge.torchax_compat import import_torchax
 
 
@@ -15,4 +15,6 @@ def get_env():
     accumulation.install()    # bf16 gradients of broadcast parameters sum in float32
     torchax = import_torchax()
     import torch_model.ops  # noqa: F401  (registers torch.ops.torchlyra.* before routing)
-    return torchax.default_env()
+    env = torchax.default_env()
+    aten_overrides.install(env)    # aten.embedding's padding row without a scatter (sharded tables)
+    return env

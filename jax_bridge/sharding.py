@@ -23,36 +23,56 @@ from torch_model.lora import base_parameter_of
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
-# Logical dimensions of each parameter (per layer), by name; first full match wins.
+# Logical dimensions of each parameter (per layer), by name; first full match wins. A parameter no
+# name matches is placed by its shape (`_shape_axes`): a vector whole, a matrix [out, in] as
+# nn.Linear stores it split along its input over `fsdp`; an unnamed 3-D tensor is refused (an
+# expert stack must be known to the MoE dispatch). Placement never changes the arithmetic, only
+# what each device stores and gathers.
 PARAM_AXES: list[tuple[str, tuple]] = [
     (r"model\.embed_tokens\.weight|lm_head\.weight", ("vocab", "embed")),
     (r".*self_attn\.q_proj\.weight", ("heads", "embed")),
     (r".*self_attn\.[kv]_proj\.weight", ("kv_heads", "embed")),
     (r".*self_attn\.q_proj\.bias", ("heads",)),
     (r".*self_attn\.[kv]_proj\.bias", ("kv_heads",)),
+    (r".*self_attn\.qkv_proj\.weight", (None, "embed")),   # fused q, k, v (Phi-3): no head split
     (r".*self_attn\.o_proj\.weight", ("embed", "heads")),
     (r".*self_attn\.o_proj\.bias", (None,)),
     (r".*self_attn\.sinks", ("heads",)),
-    (r".*mlp\.router\.weight", (None, "embed")),
-    (r".*mlp\.router\.bias", (None,)),
+    (r".*\.router\.weight", (None, "embed")),           # ours, GraniteMoE's
+    (r".*\.router\.bias", (None,)),
     (r".*mlp\.gate\.weight", (None, "embed")),         # transformers' MoE routers
     # MXFP4 stacks ([E, out, in/2] bytes, [E, out, in/32] scales): stored split over their experts
     # (`tensor` too: blocked along their input, they have no width to split the tensor way), else
     # (an fsdp size that does not divide them) over their output rows; never along the blocked
     # input (32 values per scale byte). The dispatch gathers them over `fsdp` per expert.
-    (r".*mlp\.experts\.(gate_up|down)_proj_(blocks|scales)", ("exp_q", "embed_moe", None)),
-    (r".*mlp\.experts\.gate_up_proj", ("exp", "embed_moe", "mlp")),
-    (r".*mlp\.experts\.gate_up_proj_bias", ("exp", "mlp")),
-    (r".*mlp\.experts\.down_proj", ("exp", "mlp", "embed_moe")),
-    (r".*mlp\.experts\.down_proj_bias", ("exp", None)),
+    (r".*\.experts\.(gate_up|down)_proj_(blocks|scales)", ("exp_q", "embed_moe", None)),
+    (r".*\.experts\.gate_up_proj", ("exp", "embed_moe", "mlp")),      # mlp.experts, block_sparse_moe.experts
+    (r".*\.experts\.gate_up_proj_bias", ("exp", "mlp")),
+    (r".*\.experts\.down_proj", ("exp", "mlp", "embed_moe")),
+    (r".*\.experts\.down_proj_bias", ("exp", None)),
     (r".*mlp\.gate_up_proj", ("embed", "mlp")),          # the dense preset's MLP
     (r".*mlp\.gate_up_proj_bias", ("mlp",)),
     (r".*mlp\.down_proj", ("mlp", "embed")),
     (r".*mlp\.down_proj_bias", (None,)),
-    (r".*mlp\.(gate|up)_proj\.weight", ("mlp", "embed")),     # transformers' gated MLP (nn.Linear [out, in])
-    (r".*mlp\.down_proj\.weight", ("embed", "mlp")),
+    # transformers' MLPs (nn.Linear [out, in]), shared experts (Qwen2-MoE) included; fused gate_up
+    # (Phi-3, GLM-4) and StarCoder2's c_fc / c_proj
+    (r".*\.(gate|up|gate_up)_proj\.weight|.*mlp\.c_fc\.weight", ("mlp", "embed")),
+    (r".*mlp\.c_fc\.bias", ("mlp",)),
+    (r".*\.down_proj\.weight|.*mlp\.c_proj\.weight", ("embed", "mlp")),
     (r".*norm\.weight", (None,)),
 ]
+
+
+def _shape_axes(name: str, ndim: int) -> tuple:
+    """The placement of a parameter no name rule covers (see PARAM_AXES)."""
+    if ndim <= 1:
+        return (None,) * ndim
+    if ndim == 2:
+        return (None, "embed")
+    raise ConfigError(f"sharding: no rule for parameter {name!r} ({ndim} dims): a mesh places a tensor of more "
+                      f"than two dims only by name (jax_bridge/sharding.py PARAM_AXES: expert stacks as "
+                      f"`*.experts.gate_up_proj` / `down_proj`): this model trains on one device only")
+
 
 # Logical name -> candidate groups of mesh axes, best first (MaxText's logical_axis_rules). A
 # dimension takes the first candidate whose axes no earlier dimension of the array uses and
@@ -285,6 +305,9 @@ def param_axes(name: str, ndim: int, linear_stacks: frozenset[str] = frozenset()
     follows the experts'."""
     base, role = base_parameter_of(name)
     axes = _rule_axes(base, name)
+    if axes is None:              # by shape: an adapter's base is a Linear; a scanned stack adds `layers`
+        stacked = re.search(r"\.stack\d+\.", name) is not None
+        axes = _shape_axes(name, 2 if role is not None else ndim - stacked)
     if len(axes) == 3 and any(base.endswith(s) for s in linear_stacks):   # [E, out, in]: the rule names [E, in, out]
         axes = (axes[0], axes[2], axes[1])
     if role is not None:
@@ -302,12 +325,12 @@ def param_axes(name: str, ndim: int, linear_stacks: frozenset[str] = frozenset()
     return axes
 
 
-def _rule_axes(base: str, name: str) -> tuple:
+def _rule_axes(base: str, name: str) -> tuple | None:
+    """The axes PARAM_AXES names for `base`; None when no rule does."""
     for pattern, axes in PARAM_AXES:
         if re.fullmatch(pattern, base):
             return axes
-    raise ConfigError(f"sharding: no rule for parameter {name!r}: a mesh places parameters by name "
-                      f"(jax_bridge/sharding.py PARAM_AXES has none for it): this model trains on one device only")
+    return None
 
 
 def param_spec(name: str, shape, mesh: Mesh, linear_stacks: frozenset[str] = frozenset()) -> P:

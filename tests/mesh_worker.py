@@ -29,8 +29,8 @@ STEPS = 5
 CONFIG = dict(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=8, experts_per_token=2,
               expert_dim=32, vocab_size=512, sliding_window=8, router_aux_loss_coef=0.01, router_z_loss_coef=1e-3)
 KERNELS = {"xla": "xla", "pallas": "attention=pallas,cross_entropy=pallas,moe=pallas"}
-# A run named `<family>:<kernels>@<mesh>` trains that transformers family (tests/transformers_configs.py)
-# instead, against its own one-device reference.
+# A run named `<family>:<kernels>@<mesh>` trains that transformers family (tests/transformers_configs.py:
+# CONFIGS, else the sweep's `family_config`) instead, against its own one-device reference.
 
 
 def train(model, tokens, kernels: str, mesh, scan: bool = True, remat: str = "none"):
@@ -52,10 +52,11 @@ def reference(family: str | None):
     if family is None:
         model = GptOssForCausalLM(get_preset("tiny").replace(**CONFIG))
     else:
-        from tests.transformers_configs import CONFIGS
+        from tests.transformers_configs import CONFIGS, family_config
         from torch_model import transformers_lm
 
-        model = transformers_lm.build(CONFIGS[family]())
+        model = (transformers_lm.build(CONFIGS[family]()) if family in CONFIGS
+                 else transformers_lm.TransformersSpec(family_config(family)).build())
     tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (STEPS, 1, 8, 17)).astype(np.int32)
     _, ref_state, ref_losses = train(model, tokens, "xla", None, scan=False)
     return model, tokens, ref_losses, {n: np.asarray(v, np.float64) for n, v in ref_state.params.items()}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from jax_bridge import accumulation, registry, torchax_compat
+from jax_bridge import accumulation, aten_overrides, registry, torchax_compat
 from jax_bridge.env import get_env
 from jax_bridge import op_contracts
 from jax_bridge.op_contracts import CONTRACTS, REQUIRED
@@ -65,6 +65,29 @@ def test_broadcast_gradients_of_narrow_floats_sum_in_float32():
             assert grad.dtype == jnp.bfloat16 and float(grad.reshape(())) == 70_144.0
     exact = jax.jit(lambda a: jax.lax.reduce_sum(a, (0,)))(jnp.arange(8, dtype=jnp.int32))   # other dtypes untouched
     assert int(exact) == 28
+
+
+def test_embedding_with_a_padding_row_is_torchs_without_a_scatter():
+    """The lowering of aten.embedding (jax_bridge/aten_overrides.py): torch's forward (the padding
+    row's value looked up) and gradient (none into the padding row), ids repeating and hitting it;
+    installed in the env in place of torchax's (whose padding-row scatter XLA mis-partitions on a
+    vocab x hidden split table: tests/test_scale_out.py's Gemma on fsdp=2,tensor=2)."""
+    env = get_env()
+    assert env._ops[torch.ops.aten.embedding.default].is_user_defined
+    weight = torch.randn(10, 4, requires_grad=True)
+    ids = torch.tensor([[2, 5, 2, 9], [0, 2, 5, 5]])
+    cotangent = torch.randn(2, 4, 4)
+    for padding_idx in (2, None):
+        weight.grad = None
+        out = torch.nn.functional.embedding(ids, weight, padding_idx=padding_idx)
+        out.backward(cotangent)
+        lowered = lambda w: aten_overrides.embedding(w, jnp.asarray(ids.numpy()), -1 if padding_idx is None else padding_idx)  # noqa: E731
+        got, vjp = jax.vjp(lowered, jnp.asarray(weight.detach().numpy()))
+        np.testing.assert_allclose(np.asarray(got), out.detach().numpy())
+        np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(cotangent.numpy()))[0]), weight.grad.numpy(), rtol=1e-6, atol=1e-7)
+    assert float(np.abs(weight.grad.numpy()[2]).sum()) > 0        # without a padding row, row 2 has its gradient
+    with pytest.raises(NotImplementedError, match="scale_grad_by_freq=True"):
+        aten_overrides.embedding(jnp.ones((3, 2)), jnp.zeros((2,), jnp.int32), -1, True)
 
 
 def test_kernel_spec_parsing_and_auto():

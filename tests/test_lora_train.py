@@ -136,8 +136,11 @@ def test_rules_map_every_peft_name_to_its_base_weight():
     assert parse_lora_spec(str(spec)) == spec and spec.modules_to_save == ("embed_tokens", "lm_head")
     assert sharding.param_axes("model.layers.stack0.self_attn.v_proj.lora_A.default.weight", 3) == ("layers", None, "embed")
     assert base_parameter_of(layer + "mlp.experts.lora_A.default.weight") == (layer + "mlp.experts.down_proj", "A")
-    with pytest.raises(ValueError, match="no rule for parameter 'model.layers.0.mlp.w_proj.lora_A"):
-        sharding.param_axes("model.layers.0.mlp.w_proj.lora_A.default.weight", 2)
+    # a matrix no rule names is placed by shape (split along its input over fsdp), its adapters with it
+    assert sharding.param_axes("model.layers.0.mlp.w_proj.lora_A.default.weight", 2) == (None, "embed")
+    assert sharding.param_axes("model.layers.0.mlp.w_proj.lora_B.default.weight", 2) == (None, None)
+    with pytest.raises(ValueError, match="no rule for parameter 'model.layers.0.mlp.w_proj'"):
+        sharding.param_axes("model.layers.0.mlp.w_proj", 3)
     plan = plan_parameters(wrapped)
     assert set(plan) == {n for n, p in wrapped.named_parameters() if p.requires_grad}
     assert plan["base_model.model." + layer + "self_attn.q_proj.lora_B.default.weight"].kind == MUON
