@@ -16,8 +16,6 @@ import jax
 import jax.numpy as jnp
 import torch
 
-_installed_in: set[int] = set()
-
 
 def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False, sparse: bool = False):
     """aten.embedding(weight [V, H], indices [...], padding_idx, scale_grad_by_freq, sparse) in JAX."""
@@ -32,10 +30,7 @@ def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool =
 
 
 def install(env) -> None:
-    """Replace torchax's lowerings in `env` by the ones above (once per environment)."""
-    if id(env) in _installed_in:
-        return
+    """Replace torchax's lowerings in `env` by the ones above (`jax_bridge.env.get_env`, once)."""
     import torchax.interop as interop
 
     env.override_op_definition(torch.ops.aten.embedding.default, interop.torch_view(embedding))
-    _installed_in.add(id(env))

@@ -306,6 +306,7 @@ def param_axes(name: str, ndim: int, linear_stacks: frozenset[str] = frozenset()
     base, role = base_parameter_of(name)
     axes = _rule_axes(base, name)
     if axes is None:              # by shape: an adapter's base is a Linear; a scanned stack adds `layers`
+        # (named `model.layers.stack{k}.` by jax_bridge/layer_stack.py, which imports this module)
         stacked = re.search(r"\.stack\d+\.", name) is not None
         axes = _shape_axes(name, 2 if role is not None else ndim - stacked)
     if len(axes) == 3 and any(base.endswith(s) for s in linear_stacks):   # [E, out, in]: the rule names [E, in, out]

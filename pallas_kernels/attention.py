@@ -17,13 +17,22 @@ def attention_reference(q, k, v, sinks, *, sliding_window: int, scale: float, se
     hkv, tk = k.shape[1], k.shape[2]
     if segment_ids is not None:
         _check_segment_ids(segment_ids, b, tq, tk)
-    # Scores in float32 from the inputs' own dtype at its dot precision (bf16 products are exact).
-    out = attention_over_positions(q.reshape(b, hkv, hq // hkv, tq, d), k.astype(q.dtype), v.astype(jnp.float32),
-                                   sinks, jnp.arange(tk - tq, tk)[None], jnp.arange(tk)[None],
-                                   sliding_window=sliding_window, scale=scale, score_precision=dot_precision(q.dtype),
-                                   value_precision=jax.lax.Precision.HIGHEST, q_segments=segment_ids,
-                                   k_segments=segment_ids)
+    out = _at_reference_precision(q.reshape(b, hkv, hq // hkv, tq, d), k.astype(q.dtype), v.astype(jnp.float32),
+                                  sinks, jnp.arange(tk - tq, tk)[None], segment_ids, segment_ids,
+                                  sliding_window=sliding_window, scale=scale)
     return out.reshape(b, hq, tq, d).astype(q.dtype)
+
+
+def _at_reference_precision(qg, keys, values, sinks, q_positions, q_segments, k_segments, *, sliding_window: int,
+                            scale: float):
+    """`attention_over_positions` over all Tk keys as the reference computes it: scores in float32
+    from the queries' own dtype at its dot precision (bf16 products are exact; `keys` in that
+    dtype), the probabilities times float32 `values` at HIGHEST."""
+    return attention_over_positions(qg, keys, values, sinks, q_positions, jnp.arange(keys.shape[2])[None],
+                                    sliding_window=sliding_window, scale=scale,
+                                    score_precision=dot_precision(qg.dtype),
+                                    value_precision=jax.lax.Precision.HIGHEST, q_segments=q_segments,
+                                    k_segments=k_segments)
 
 
 def attention_over_positions(qg, k, v, sinks, q_positions, k_positions, *, sliding_window: int, scale: float,
@@ -85,15 +94,12 @@ def attention_xla(q, k, v, sinks, *, sliding_window: int, scale: float, segment_
     qg = by_chunk(q.reshape(b, hkv, hq // hkv, tq, d), 3)
     q_positions = by_chunk(jnp.arange(tk - tq, tk)[None], 1)
     q_segments = None if segment_ids is None else by_chunk(segment_ids, 1)
-    keys, values, k_positions = k.astype(q.dtype), v.astype(jnp.float32), jnp.arange(tk)[None]
+    keys, values = k.astype(q.dtype), v.astype(jnp.float32)
 
     @jax.checkpoint
     def chunk(qc, positions, segments):
-        return attention_over_positions(qc, keys, values, sinks, positions, k_positions,
-                                        sliding_window=sliding_window, scale=scale,
-                                        score_precision=dot_precision(q.dtype),
-                                        value_precision=jax.lax.Precision.HIGHEST,
-                                        q_segments=segments, k_segments=segment_ids)
+        return _at_reference_precision(qc, keys, values, sinks, positions, segments, segment_ids,
+                                       sliding_window=sliding_window, scale=scale)
 
     out = jax.lax.map(lambda args: chunk(*args), (qg, q_positions, q_segments))   # [chunks, B, Hkv, G, rows, D]
     out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, hq // hkv, chunks * rows, d)[:, :, :, :tq]
