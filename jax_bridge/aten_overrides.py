@@ -5,10 +5,12 @@ config's pad id): torchax zeroes the padding row's gradient with a scatter, `a_d
 .set(0)`, on the whole table. Under a mesh that splits the table along the vocabulary (`tensor`)
 and the hidden dimension (`fsdp`) at once, XLA's SPMD partitioner mis-places that scatter: the
 summed gradient of every padding token lands in the first row of the second vocabulary shard
-(Gemma's tiny config on fsdp=2,tensor=2: that row's gradient 5.3 where one device gives 0.11;
-every other gradient equal). Here the padding tokens' looked-up rows are cut from the gradient
-instead (`stop_gradient` where the id is the padding index), which is torch's arithmetic (the
-padding row's value in the forward, no gradient into it) with no scatter at a fixed row.
+(Gemma's tiny config on fsdp=2,tensor=2, first step, a session script comparing the lowered
+gradients with one device's: that row's gradient 5.3 where one device gives 0.11; every other
+gradient equal; tests/test_scale_out.py trains it). Here the padding tokens' looked-up rows are
+cut from the gradient instead (`stop_gradient` where the id is the padding index), which is
+torch's arithmetic (the padding row's value in the forward, no gradient into it) with no scatter
+at a fixed row.
 """
 from __future__ import annotations
 
