@@ -24,7 +24,7 @@ from pallas_kernels.platform import host_platform
 from parity import compare, planted, tolerances
 from parity.inputs import PARITY_BATCH, PARITY_LOSS, ParityBatch, build_model, parity_inputs, parity_shape
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
-from parity.report import ERROR, Report, Row, unmade_run_row
+from parity.report import ERROR, Report, Row, run_verdict, unmade_run_row
 from parity.runs import PARITY_MATMUL_PRECISION, capture_routing, forced_routing, kernel_options_for, to_numpy
 from torch_model import transformers_lm
 from torch_model.causal_lm import IGNORE_INDEX
@@ -231,5 +231,6 @@ def run_lora_parity(model_cfg, spec: LoraSpec, state_dict=None, adapters=None, *
             except Exception as e:  # noqa: BLE001 - a step that cannot run is a failed check
                 new_rows.append(unmade_run_row(label, DTYPE, e, "LoRA train step"))
         report.rows.extend(new_rows)
-        say(f"  {'FAIL' if any(r.failed for r in new_rows) else 'PASS'} {label}")
+        for line in run_verdict(label, DTYPE, new_rows):
+            say(line)
     return report

@@ -154,6 +154,20 @@ class Report:
                 "entries": [r.to_dict() for r in self.rows]}
 
 
+SHOWN_FAILURES = 12       # failing checks printed under a run's verdict as it finishes
+
+
+def run_verdict(kernels: str, dtype: str, rows: list[Row]) -> list[str]:
+    """The progress lines of one finished run: PASS / FAIL, then its failing checks (at most
+    SHOWN_FAILURES): a suite stopped early (a time limit, a later crash) still says what failed,
+    not only the table at the end."""
+    failing = [r for r in rows if r.failed]
+    lines = [f"  {'FAIL' if failing else 'PASS'} {kernels} | {dtype}"] + [r.line() for r in failing[:SHOWN_FAILURES]]
+    if len(failing) > SHOWN_FAILURES:
+        lines.append(f"  ... and {len(failing) - SHOWN_FAILURES} more failing checks (the final table lists them)")
+    return lines
+
+
 def unmade_run_row(kernels: str, dtype: str, error: BaseException, name: str = "kernel set", hint: str = "") -> Row:
     """The row of a run that could not be made: REFUSED (category `contract`) when an op contract
     refused an implementation, its one line as the message; ERROR otherwise, with the exception's

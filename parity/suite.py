@@ -63,7 +63,7 @@ from parity.checks import compare_runs
 from parity.inputs import (PARITY_BATCH, PARITY_IGNORE_FRACTION, PARITY_LOSS, ParityBatch, build_model,
                            parity_inputs, parity_shape, reference_model)
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
-from parity.report import ERROR, Report, Row, first_line, unmade_run_row
+from parity.report import ERROR, Report, Row, first_line, run_verdict, unmade_run_row
 from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
 from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.config import ModelConfig
@@ -212,7 +212,8 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
                 [experts for _, experts in reference.routing], segment_ids=segment_ids)
             new_rows = compare_runs(reference, run, before, resolved, dtype, router_names)
             report.rows.extend(new_rows)
-            say(f"  {'FAIL' if any(r.failed for r in new_rows) else 'PASS'} {resolved} | {dtype}")
+            for line in run_verdict(resolved, dtype, new_rows):
+                say(line)
     if include_hf:
         say("Hugging Face transformers comparison ...")
         state = {n: p.detach().clone() for n, p in model.named_parameters()}

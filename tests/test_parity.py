@@ -123,6 +123,20 @@ def test_metrics_of_identical_and_perturbed_tensors():
     assert routing["mismatch"] == 0.5            # expert order within the top-k is ignored
 
 
+def test_a_finished_runs_verdict_lists_its_failing_checks_at_once():
+    """The progress under each run names its failing checks (a suite cut short by a time limit
+    printed only FAIL on the chip), at most SHOWN_FAILURES of them."""
+    from parity.report import SHOWN_FAILURES, Row, run_verdict
+
+    ok = Row("attention=pallas", "float32", "grad", "w", status="PASS")
+    bad = [Row("attention=pallas", "float32", "param", f"layers.{i}.w", metrics={"rel": 2e-3}, status="FAIL")
+           for i in range(SHOWN_FAILURES + 2)]
+    assert run_verdict("attention=pallas", "float32", [ok]) == ["  PASS attention=pallas | float32"]
+    lines = run_verdict("attention=pallas", "float32", [ok, *bad])
+    assert lines[0] == "  FAIL attention=pallas | float32" and "layers.0.w" in lines[1]
+    assert len(lines) == SHOWN_FAILURES + 2 and lines[-1].startswith("  ... and 2 more failing checks")
+
+
 def test_tolerances_are_stated_for_every_check_and_dtype():
     checks = {"logits", "loss", "grad", "grad_scalar", "grad_expert", "grad_vector", "grad_norm", "param", "param_vector",
               "routing", "hf"}
