@@ -127,9 +127,11 @@ def test_lowered_dpo_step_matches_eager_torch(cfg):
     eager_loss, eager_metrics = dpo_loss_eager(model, cfg, torch_batch(ROWS), torch.tensor(reference))
     eager_loss.backward()
     eager = float(eager_loss.detach())
-    assert abs(float(loss) - eager) <= 1e-5 * max(1.0, abs(eager))
+    # The loss's inputs first (log-probabilities, rewards), so a failure names the stage at fault.
     for key, value in eager_metrics.items():
-        assert abs(float(out[key]) - float(value)) <= 1e-5 * max(1.0, abs(float(value))), key
+        assert abs(float(out[key]) - float(value)) <= 1e-5 * max(1.0, abs(float(value))), \
+            (key, float(out[key]), float(value))
+    assert abs(float(loss) - eager) <= 1e-5 * max(1.0, abs(eager)), (float(loss), eager, dict(eager_metrics))
     lowered = step.layer_params(grads)
     for name, p in model.named_parameters():
         assert rel_err(np.asarray(lowered[name]), p.grad.numpy()) <= 1e-4, (name, rel_err(np.asarray(lowered[name]),
