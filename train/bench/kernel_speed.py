@@ -152,11 +152,10 @@ def run(args, shapes: list[str], ops: list[str], keep: set | None) -> list[dict]
                             row["gbps"] = row["bytes"] / row["time_s"] / 1e9
                             row["flops_share"] = row["flops"] / row["time_s"] / peak_flops if peak_flops else None
                             row["hbm_share"] = row["bytes"] / row["time_s"] / bandwidth if bandwidth else None
-                        block.append(row)
-                        log(format_row(row))
-                    base = block[0]["time_s"]
-                    for row in block:
+                        base = (block[0] if block else row)["time_s"]      # xla's, measured first
                         row["speedup_vs_xla"] = base / row["time_s"] if base and row["time_s"] else None
+                        block.append(row)
+                        log(format_row(row))      # with its ratio: a run cut short keeps what it printed
                     rows.extend(block)
     return rows
 
