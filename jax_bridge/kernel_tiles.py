@@ -18,7 +18,8 @@ Where tables come from (`with_tables`, the one place that decides):
   - `--kernel-options tiles=off`: no committed table.
 Options given explicitly (`op.implementation.option=value`) override a table's, option by
 option. A call whose key is not in its table runs the kernel's default tiles and says so once on
-stderr (and `untuned` lists it, for a run's summary): never silently.
+stderr (and `untuned` lists it, for a run's summary): never silently. An attention call whose key
+differs from an entry's in the batch alone runs that entry's tiles, also said once (`batch_neighbour`).
 """
 from __future__ import annotations
 
@@ -244,18 +245,46 @@ def untuned(tables=None) -> list[dict]:
             for u in _UNTUNED if tables is None or u.table in tables]
 
 
+def batch_neighbour(op: str, key: str | None, entries: dict) -> str | None:
+    """For an attention call whose key the table lacks: the key of an entry that differs from it in
+    the batch alone (q's first dimension), the nearest batch first (ties: the larger). The batch
+    only lengthens the kernels' grid, whose tiles are chosen by sequence, heads, window and dtype,
+    so an entry tuned at batch 8 serves batch 2. None for other ops (their row tiles divide the
+    rows, which follow the batch) or when no such entry exists."""
+    if op != "attention" or key is None:
+        return None
+    fields = key_fields(key)
+    batch, *rest = key_dims(fields["q"])
+    found = []
+    for other in entries:
+        theirs = key_fields(other)
+        other_batch, *other_rest = key_dims(theirs["q"])
+        if other_rest == rest and {**theirs, "q": ""} == {**fields, "q": ""}:
+            found.append((abs(other_batch - batch), -other_batch, other))
+    return min(found)[2] if found else None
+
+
 def options_for(op: str, implementation: str, tuned: dict, key: str | None) -> dict:
-    """The tuned options of this call's key, or {} (said once per key on stderr: default tiles)."""
-    entry = tuned["entries"].get(key) if key is not None else None
+    """The tuned options of this call's key; else those of its batch neighbour (said once per key
+    on stderr); else {} (said once per key on stderr: default tiles)."""
+    entries = tuned["entries"]
+    entry = entries.get(key) if key is not None else None
+    neighbour = batch_neighbour(op, key, entries) if entry is None else None
+    if neighbour is not None:
+        entry = entries[neighbour]
     options = dict(entry["options"]) if entry is not None else None
     lookup = Lookup(op, implementation, key, tuned["path"], options)
     for lookups in _RECORDERS:
         lookups.append(lookup)
+    said = (tuned["path"], op, implementation, key)
+    if tuned["path"] is None or (options is not None and neighbour is None) or said in _REPORTED:
+        return options or {}
+    _REPORTED.add(said)
     if options is not None:
+        print(f"kernel tiles: {tuned['path']} has no entry for {op}={implementation} at {key}; the tiles tuned "
+              f"at {neighbour} run (the batch does not choose them)", file=sys.stderr, flush=True)
         return options
-    if tuned["path"] is not None and (tuned["path"], op, implementation, key) not in _REPORTED:
-        _REPORTED.add((tuned["path"], op, implementation, key))
-        _UNTUNED.append(lookup)
-        print(f"kernel tiles: {tuned['path']} has no entry for {op}={implementation} at {key}; "
-              f"its default tiles run", file=sys.stderr, flush=True)
+    _UNTUNED.append(lookup)
+    print(f"kernel tiles: {tuned['path']} has no entry for {op}={implementation} at {key}; "
+          f"its default tiles run", file=sys.stderr, flush=True)
     return {}

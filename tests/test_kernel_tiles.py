@@ -110,6 +110,32 @@ def test_a_step_for_v5e_runs_the_tables_tiles_and_says_which_shapes_it_lacks(tab
     assert len(stats.kernels) == 1
 
 
+def test_an_attention_shape_tuned_at_another_batch_takes_those_tiles_and_says_so(capsys):
+    """The Llama ran at batch 2 with tiles tuned at batch 8 in the table: the batch only lengthens
+    the grid, so the nearest batch's entry serves (said once); other fields must match, and the
+    row-tiled ops (cross-entropy, MoE) stay exact."""
+    table = kernel_tiles.new_table("tpu", "TPU v5 lite")
+    for batch, tiles in ((8, {"block_q": 1024, "block_kv": 1024}), (16, {"block_q": 512, "block_kv": 512})):
+        kernel_tiles.add_entry(table, "attention", "pallas", f"q={batch}x16x2048x128 kv_heads=8 window=0 dtype=bfloat16",
+                               tiles, 1e-3)
+    kernel_tiles.add_entry(table, "cross_entropy", "pallas", "hidden=16384x2048 vocab=4096 dtype=bfloat16",
+                           {"block_n": 512}, 1e-3)
+    tuned = {"path": "T.json", "entries": {}}
+    pick = lambda op, key: kernel_tiles.options_for(op, "pallas", {**tuned, "entries": table["entries"][op]["pallas"]},  # noqa: E731
+                                                    key)
+    key = "q=2x16x2048x128 kv_heads=8 window=0 dtype=bfloat16"
+    assert pick("attention", key) == {"block_q": 1024, "block_kv": 1024}
+    assert pick("attention", key) == {"block_q": 1024, "block_kv": 1024}
+    assert pick("attention", "q=12x16x2048x128 kv_heads=8 window=0 dtype=bfloat16") == {"block_q": 512, "block_kv": 512}
+    for other in ("q=2x16x2048x128 kv_heads=8 window=128 dtype=bfloat16", "q=2x16x1024x128 kv_heads=8 window=0 "
+                  "dtype=bfloat16", "q=2x16x2048x128 kv_heads=4 window=0 dtype=bfloat16"):
+        assert pick("attention", other) == {}
+    assert pick("cross_entropy", "hidden=4096x2048 vocab=4096 dtype=bfloat16") == {}
+    err = capsys.readouterr().err
+    assert err.count(f"at {key}; the tiles tuned at q=8x16x2048x128 kv_heads=8 window=0 dtype=bfloat16 run") == 1
+    assert "at q=2x16x1024x128 kv_heads=8 window=0 dtype=bfloat16; its default tiles run" in err
+
+
 def test_the_decoder_and_the_plan_report_take_the_table(tables_dir):
     import torch
 
