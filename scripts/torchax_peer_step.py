@@ -2,14 +2,16 @@
 """Our train step beside the torchax-documented peer, one transformers decoder, one batch, one run.
 
     python scripts/torchax_peer_step.py --model-config docs/models/llama-570m.json --batch-size 2 \
-        --seq-len 2048 [--steps 12] [--remat none|full|save-matmuls] [--kernels auto] [--json OUT]
+        --seq-len 2048 [--steps 12] [--remat none|full|save-matmuls] [--micro-batches 1] [--kernels auto] [--json OUT]
 
   ours  `train --model-config`'s step (jax_bridge.step.TrainStep): float32 master weights, bf16
         compute on an accelerator, Muon + AdamW, the op registry's kernels, scanned layers, remat.
   peer  what torchax's documentation does: `torchax.extract_jax(model)` of transformers' own
         module (attention `sdpa`, which torchax lowers to XLA), parameters and compute in bf16 on an
         accelerator (float32 on CPU), `optax.adamw`, loss and update in ONE `jax.jit` (state donated).
-Both take the same token batch (random ids, next-token loss over every position). Each is timed
+Both take the same token batch (random ids, next-token loss over every position) per optimizer
+step; ours may split it into `--micro-batches` (gradient accumulation, as `train --micro-batches`),
+the peer takes it whole. Each is timed
 over `--steps` calls after two warm-up calls (median seconds per step, after block_until_ready);
 tokens/s and the ratio ours / peer are printed, with the compile (first call) seconds apart. A
 contender that does not fit the device is reported as such, the other still timed.
@@ -49,9 +51,12 @@ def ours(spec, tokens, args):
     from torch_model.optim import OptimizerConfig
 
     model = spec.build()
-    step = TrainStep(model, OptimizerConfig(), StepConfig(kernels=args.kernels, remat=args.remat))
+    step = TrainStep(model, OptimizerConfig(), StepConfig(kernels=args.kernels, remat=args.remat,
+                                                            micro_batches=args.micro_batches))
     box = {"state": step.init_state()}
-    batch = tokens[None]
+    if len(tokens) % args.micro_batches:
+        raise SystemExit(f"--batch-size {len(tokens)} is not a multiple of --micro-batches {args.micro_batches}")
+    batch = tokens.reshape(args.micro_batches, len(tokens) // args.micro_batches, tokens.shape[1])
 
     def call():
         box["state"], metrics = step(box["state"], batch)
@@ -108,6 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--remat", default="none")
+    parser.add_argument("--micro-batches", type=int, default=1, help="ours only: the batch in this many parts")
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -126,6 +132,7 @@ def main(argv=None) -> int:
     try:
         (first, seconds), compute = ours(spec, tokens, args)
         rows["ours"] = dict(compile_s=first, step_s=seconds, tokens_per_s=n_tokens / seconds, compute=compute)
+        print(f"ours: {seconds * 1e3:.1f} ms/step (first call {first:.1f} s); the peer next", flush=True)
     except Exception as e:  # noqa: BLE001 - a contender that does not fit is reported, the other still timed
         rows["ours"] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         compute = "bfloat16" if jax.default_backend() != "cpu" else "float32"
@@ -135,7 +142,8 @@ def main(argv=None) -> int:
         rows["peer"] = dict(compile_s=first, step_s=seconds, tokens_per_s=n_tokens / seconds, compute=compute)
     except Exception as e:  # noqa: BLE001
         rows["peer"] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    print(f"{args.model_config}, batch {args.batch_size} x {args.seq_len}, remat {args.remat} (ours), "
+    print(f"{args.model_config}, batch {args.batch_size} x {args.seq_len}, remat {args.remat} and "
+          f"{args.micro_batches} micro-batches (ours), "
           f"kernels {args.kernels} (ours), on {jax.devices()[0].device_kind}")
     for name, row in rows.items():
         if "error" in row:

@@ -334,3 +334,22 @@ def test_kernel_speed_times_each_implementation_forward_and_backward_with_its_us
     assert kernel_speed.visible_pairs(4, 0) == 10 and kernel_speed.visible_pairs(4, 2) == 7
     table = kernel_speed.format_table(rows)
     assert table.splitlines()[0].startswith("| op ") and "1 (base)" in table and table.count("\n") == 3
+
+
+def test_torchax_peer_script_times_our_step_beside_the_peer(tmp_path, capsys):
+    """scripts/torchax_peer_step.py (issue 58's peer row) at a two-layer Llama on the CPU: our step
+    with two micro-batches and the torchax-documented step take the same batch; both are timed and
+    the ratio written. The chip's figures come from the same script."""
+    import runpy
+
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "max_position_embeddings": 128, "tie_word_embeddings": True}))
+    out = tmp_path / "peer.json"
+    script = runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "torchax_peer_step.py"))
+    assert script["main"](["--model-config", str(config), "--batch-size", "4", "--seq-len", "32", "--steps", "2",
+                           "--micro-batches", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ours"]["step_s"] > 0 and report["peer"]["step_s"] > 0 and report["ours_over_peer"] > 0, report
+    assert "2 micro-batches (ours)" in capsys.readouterr().out
