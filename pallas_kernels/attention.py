@@ -127,7 +127,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import index_math as ix
 from pallas_kernels.cost import cost_estimate
-from pallas_kernels.lanes import LANES, lanes_to_row
+from pallas_kernels.lanes import LANES, across_lanes, lanes_to_row
 from pallas_kernels.platform import (KernelMode, check_platform, dot_precision, kernel_mode, precision_name,
                                      with_matmul_precision)
 
@@ -420,9 +420,10 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
             m_prev = m_scr[g]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s - m_next[:, :1])
+            p = jnp.exp(s - across_lanes(m_next, s.shape[1]))
             l_scr[g] = alpha * l_scr[g] + jnp.sum(p, axis=1, keepdims=True)
-            acc_scr[g] = acc_scr[g] * alpha[:, :1] + _dot(p.astype(v.dtype), v, (1, 0), precision)
+            acc_scr[g] = acc_scr[g] * across_lanes(alpha, acc_scr.shape[-1]) + _dot(p.astype(v.dtype), v, (1, 0),
+                                                                                     precision)
             m_scr[g] = m_next
             return carry
 
@@ -435,7 +436,7 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
     def _finish():
         for g in range(group):
             l = l_scr[g]
-            o_ref[g] = (acc_scr[g] / l[:, :1]).astype(o_ref.dtype)
+            o_ref[g] = (acc_scr[g] / across_lanes(l, acc_scr.shape[-1])).astype(o_ref.dtype)
             lse_ref[g] = lanes_to_row(m_scr[g] + jnp.log(l))
 
 

@@ -8,6 +8,16 @@ from jax import lax
 LANES = 128  # TPU lane width
 
 
+def across_lanes(col, width: int):
+    """[rows, 128] lane-replicated per-row values -> [rows, width], to combine with a [rows, width]
+    tile: whole 128-lane copies of the vregs (splash's `jnp.tile`) where width is a multiple of
+    128, instead of broadcasting a [rows, 1] column into every lane of every vreg; the column's
+    broadcast otherwise (narrow tiles, CPU-sized blocks)."""
+    if width % LANES == 0:
+        return jnp.tile(col, (1, width // LANES))
+    return col[:, :1]
+
+
 def lanes_to_row(col):
     """[rows, 128] lane-replicated per-row values -> [1, rows] lane-dense row, 128 rows at a time
     (each square block's diagonal, summed down the sublanes: no transpose, exact). Statistics

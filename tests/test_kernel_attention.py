@@ -70,6 +70,7 @@ F32_CASES = [
     (1, 4, 2, 37, 32, 100, 16, 32),   # window larger than T (plain causal)
     (1, 4, 2, 130, 32, 40, 32, 16),   # window spanning several kv blocks, block_q > block_kv
     (2, 8, 1, 50, 32, 20, 16, 16),    # group 8 (gpt-oss-20b's ratio), ragged T, window
+    (1, 4, 2, 200, 128, 64, 128, 128),  # the TPU's 128-lane tiles (statistics tiled across lanes), ragged T
 ]
 
 
