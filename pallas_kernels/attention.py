@@ -127,7 +127,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import index_math as ix
 from pallas_kernels.cost import cost_estimate
-from pallas_kernels.lanes import LANES, across_lanes, lanes_to_row, row_to_lanes
+from pallas_kernels.lanes import LANES, across_lanes, lanes_to_row
 from pallas_kernels.platform import (KernelMode, check_platform, dot_precision, kernel_mode, precision_name,
                                      with_matmul_precision)
 
@@ -440,7 +440,7 @@ def _tpu_fwd_kernel(sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr
             lse_ref[g] = lanes_to_row(m_scr[g] + jnp.log(l))
 
 
-def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, lse_scr, delta_scr, *,
+def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, *,
                    cfg: _Cfg, precision, seg: _Segments | None = None):
     # As the forward: a GQA group's query heads per grid step, each K/V block read once per group.
     bi, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -452,10 +452,6 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_s
     @pl.when(j == 0)
     def _init():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
-        # The q block's row statistics turned into lane-replicated columns once, not at every kv step.
-        for g in range(q_ref.shape[0]):
-            lse_scr[g] = row_to_lanes(lse_ref[g])
-            delta_scr[g] = row_to_lanes(delta_ref[g])
 
     def step(masked: bool):
         k, v = k_ref[...], v_ref[...]
@@ -463,9 +459,9 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_s
 
         def head(g, carry):
             s = _head_scores(q_ref[g], k, mask, cfg, precision)
-            p = jnp.exp(s - across_lanes(lse_scr[g], s.shape[1]))          # lse includes the sink
+            p = jnp.exp(s - jnp.expand_dims(lse_ref[g][0], -1))          # lse includes the sink
             dp = _dot(do_ref[g], v, (1, 1), precision)
-            ds = p * (dp - across_lanes(delta_scr[g], s.shape[1]))
+            ds = p * (dp - jnp.expand_dims(delta_ref[g][0], -1))
             dq_scr[g] += _dot(ds.astype(k.dtype), k, (1, 0), precision)
             return carry
 
@@ -620,8 +616,7 @@ def _tpu_backward(cfg: _Cfg, q, k, v, do, lse4, delta, segs=None):
                   pl.BlockSpec((None, group, 1, bq), row_map)],
         out_specs=pl.BlockSpec((None, group, bq, d), q_map),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_shapes=[pltpu.VMEM((group, bq, d), jnp.float32), pltpu.VMEM((group, bq, LANES), jnp.float32),
-                        pltpu.VMEM((group, bq, LANES), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((group, bq, d), jnp.float32)],
         name="attention_dq", inputs=(q, k, v, do, lse4, delta4), cost=_costs(cfg, q)["dq"],
     )(q, k, v, do, lse4, delta4)
 

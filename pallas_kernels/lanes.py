@@ -30,9 +30,3 @@ def lanes_to_row(col):
         eye = lax.broadcasted_iota(jnp.int32, (width, width), 0) == lax.broadcasted_iota(jnp.int32, (width, width), 1)
         parts.append(jnp.sum(jnp.where(eye, col[r:r + width, :width], 0.0), axis=0, keepdims=True))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-
-
-def row_to_lanes(row):
-    """[1, rows] lane-dense row -> [rows, 128] lane-replicated per-row values (the inverse of
-    lanes_to_row): one relayout of the row into a column, broadcast across the lanes."""
-    return jnp.broadcast_to(jnp.expand_dims(row[0], -1), (row.shape[1], LANES))
