@@ -316,9 +316,14 @@ def _step_mask(i, kb, cfg: _Cfg, seg):
     return _tile_mask(i * cfg.block_q, kb * cfg.block_kv, (cfg.block_q, cfg.block_kv), cfg.window, seg)
 
 
+def _scaled(x, cfg: _Cfg):
+    """x times the softmax scale; nothing when the scale was folded into q (TPU kernels: 1.0)."""
+    return x if cfg.scale == 1.0 else x * cfg.scale
+
+
 def _head_scores(q, k, mask, cfg: _Cfg, precision):
     """One query head's scaled scores against a K block, masked where the tile needs it."""
-    s = _dot(q, k, (1, 1), precision) * cfg.scale
+    s = _scaled(_dot(q, k, (1, 1), precision), cfg)
     return s if mask is None else jnp.where(mask, s, _MASK_VALUE)
 
 
@@ -471,7 +476,7 @@ def _tpu_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_s
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
-        dq_ref[...] = (dq_scr[...] * cfg.scale).astype(dq_ref.dtype)
+        dq_ref[...] = _scaled(dq_scr[...], cfg).astype(dq_ref.dtype)
 
 
 def _tpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr, dv_scr, *,
@@ -491,7 +496,7 @@ def _tpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_
     def step(masked: bool):
         # Transposed tile (keys x queries) so lse/delta arrive as lane rows and no transpose is needed.
         q, do = q_ref[...], do_ref[...]
-        st = _dot(k_ref[...], q, (1, 1), precision) * cfg.scale
+        st = _scaled(_dot(k_ref[...], q, (1, 1), precision), cfg)
         if masked:
             st = jnp.where(_tile_mask(qb * cfg.block_q, j * cfg.block_kv, st.shape, cfg.window, seg,
                                       transposed=True), st, _MASK_VALUE)
@@ -505,7 +510,7 @@ def _tpu_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _finish():
-        dk_ref[...] = (dk_scr[...] * cfg.scale).astype(dk_ref.dtype)
+        dk_ref[...] = _scaled(dk_scr[...], cfg).astype(dk_ref.dtype)
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
@@ -956,6 +961,12 @@ def attention_pallas(q, k, v, sinks, *, sliding_window: int, scale: float, platf
     default_q, default_kv = default_block_sizes(t, d, platform)
     block_q, block_kv, tp = _plan_blocks(t, block_q or default_q, block_kv or default_kv, mode)
     window = 0 if sliding_window >= t else int(sliding_window)   # a window covering T is plain causal
+    if mode.family != "gpu":
+        # The TPU kernels take q already scaled (as splash does): one multiply of q per call, which
+        # XLA fuses into q's producer, instead of one per score in every tile of the forward, dq
+        # and dkv kernels (their VPU work, as the v5e compiler's LLO counts it). dq = dq' * scale
+        # comes from autodiff of this product. In bf16 q*scale is rounded once more.
+        q, scale = (q.astype(jnp.float32) * scale).astype(q.dtype), 1.0
     cfg = _Cfg(window, float(scale), block_q, block_kv, t, tp, mode, vmem_limit_bytes, segment_ids is not None)
     return _attention(cfg, q, k, v, sinks, segment_ids)
 
