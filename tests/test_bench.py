@@ -353,3 +353,23 @@ def test_torchax_peer_script_times_our_step_beside_the_peer(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["ours"]["step_s"] > 0 and report["peer"]["step_s"] > 0 and report["ours_over_peer"] > 0, report
     assert "2 micro-batches (ours)" in capsys.readouterr().out
+
+
+def test_mosaic_op_counts_counts_each_kernels_llo_by_unit(tmp_path, capsys):
+    """scripts/mosaic_op_counts.py: the attention kernels compiled for a v5e by the deviceless
+    compiler, each kernel's final LLO counted by unit, and the same counts shown against a
+    baseline (the static evidence a CPU host has for a kernel-body change)."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "mosaic_op_counts.py")
+    first, again = tmp_path / "a.json", tmp_path / "b.json"
+    for argv in (["--json", str(first)], ["--baseline", str(first), "--json", str(again)]):
+        proc = subprocess.run([sys.executable, script, "--op", "attention", "--shape", "tiny", *argv],
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = json.loads(first.read_text())["kernels"]
+    assert set(kernels) == {"attention_fwd", "attention_dq", "attention_dkv"}, set(kernels)
+    assert all(k["units"]["mxu"] > 0 and k["units"]["vpu"] > 0 and k["units"]["memory"] > 0 for k in kernels.values())
+    assert kernels["attention_fwd"]["units"]["xlu"] > 0          # its row max and sum reduce across lanes
+    assert json.loads(again.read_text())["kernels"] == kernels    # the compiler is deterministic
+    assert f"{kernels['attention_fwd']['units']['mxu']:>7d} -> " in proc.stdout
