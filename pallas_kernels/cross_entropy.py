@@ -16,7 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.cost import cost_estimate
-from pallas_kernels.lanes import LANES, lanes_to_row
+from pallas_kernels.lanes import LANES, across_lanes, lanes_to_row
 from pallas_kernels.platform import KernelMode, check_platform, dot_precision, kernel_mode
 
 
@@ -234,10 +234,11 @@ def _tpu_fwd_expectation_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, e_ref, 
             m_prev = m_sc[rows, :]
             m_next = jnp.maximum(m_prev, jnp.max(z, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(z - m_next[:, :1])
+            p = jnp.exp(z - across_lanes(m_next, z.shape[1]))
             l_sc[rows, :] = alpha * l_sc[rows, :] + jnp.sum(p, axis=1, keepdims=True)
-            t_sc[rows, :] += jnp.sum(jnp.where(vid == col_sc[rows, :1], z, 0.0), axis=1, keepdims=True)
-            e_ref[rows, :] = e_ref[rows, :] * alpha[:, :1] + lax.dot_general(
+            t_sc[rows, :] += jnp.sum(jnp.where(vid == across_lanes(col_sc[rows, :], z.shape[1]), z, 0.0), axis=1,
+                                     keepdims=True)
+            e_ref[rows, :] = e_ref[rows, :] * across_lanes(alpha, e_ref.shape[1]) + lax.dot_general(
                 p.astype(cdt), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
             m_sc[rows, :] = m_next
             return carry
@@ -250,7 +251,7 @@ def _tpu_fwd_expectation_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, e_ref, 
     def _finish():
         def chunk(c, carry):
             rows = pl.ds(pl.multiple_of(c * cn, cn), cn)
-            e_ref[rows, :] = e_ref[rows, :] / l_sc[rows, :1]
+            e_ref[rows, :] = e_ref[rows, :] / across_lanes(l_sc[rows, :], e_ref.shape[1])
             return carry
 
         lax.fori_loop(0, e_ref.shape[0] // cn, chunk, 0)

@@ -76,6 +76,8 @@ CASES = [
     (70, 32, 300, jnp.float32, "cpu", "tpu", 32, 128, 0, 16),
     # one token tile of 200 rows (not a multiple of 128: the per-token rows leave in two parts)
     (200, 32, 300, jnp.float32, "cpu", None, 200, 128, 0),
+    # H a multiple of the 128 lanes: the per-token statistics reach E's [rows, H] as lane copies
+    (70, 128, 300, jnp.float32, "cpu", None, 32, 128, 8),
 ]
 
 
