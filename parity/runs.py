@@ -12,8 +12,10 @@ choices: a forward hook on each `mlp.router` records its logits and top-k expert
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -186,13 +188,44 @@ class LoweredProbe:
                 (loss, _), grads = jax.value_and_grad(step.loss_and_metrics, has_aux=True)(params, ids, labels, packed)
         return logits, routing, loss, grads
 
-    def __call__(self, params, batch: ParityBatch, selector: int = 0, forced=None):
-        """`forced`: the eager run's routing [(router logits, experts [tokens, k])] per MoE layer."""
+    @staticmethod
+    def _arguments(params, batch: ParityBatch, selector: int, forced) -> tuple:
         experts = np.stack([np.asarray(ex) for _, ex in forced]) if forced else np.zeros((0, 1, 1))
         packed = tuple(jnp.asarray(x.numpy(), jnp.int32) for x in batch.model_inputs().values())
-        return self._jitted(params, jnp.asarray(batch.ids.numpy(), jnp.int32),
-                            jnp.asarray(batch.labels.numpy(), jnp.int32), jnp.int32(selector),
-                            jnp.asarray(experts, jnp.int32), packed)
+        return (params, jnp.asarray(batch.ids.numpy(), jnp.int32), jnp.asarray(batch.labels.numpy(), jnp.int32),
+                jnp.int32(selector), jnp.asarray(experts, jnp.int32), packed)
+
+    def lower(self, params, batch: ParityBatch, selector: int = 0, forced=None):
+        """Trace and lower the probe for these arguments now (in this thread: tracing is not
+        thread-safe); `compile` then compiles it, which may run beside other probes' compiles."""
+        self._lowered = self._jitted.lower(*self._arguments(params, batch, selector, forced))
+
+    def compile(self):
+        """Compile what `lower` lowered; the next call with those arguments runs it. An error is
+        kept and raised by that call, so a set that cannot compile fails as that set's row."""
+        try:
+            self._compiled = self._lowered.compile()
+        except Exception as e:  # noqa: BLE001 - raised again by __call__, inside the caller's handling
+            self._compile_error = e
+
+    def __call__(self, params, batch: ParityBatch, selector: int = 0, forced=None):
+        """`forced`: the eager run's routing [(router logits, experts [tokens, k])] per MoE layer."""
+        if getattr(self, "_compile_error", None) is not None:
+            raise self._compile_error
+        compiled = getattr(self, "_compiled", None)
+        return (compiled or self._jitted)(*self._arguments(params, batch, selector, forced))
+
+
+def compile_in_parallel(probes: list[LoweredProbe], say=None) -> None:
+    """Compile lowered probes at once, one thread per host core (XLA compiles outside the GIL):
+    each keeps its executable, or its error for its own run to report."""
+    if not probes:
+        return
+    workers = max(1, min(len(probes), os.cpu_count() or 1))
+    if say:
+        say(f"lowered runs: compiling {len(probes)} on {workers} thread{'s' if workers > 1 else ''} ...")
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(LoweredProbe.compile, probes))
 
 
 def kernel_options_for(kernels: Mapping[str, str], options) -> dict:

@@ -64,7 +64,7 @@ from parity.inputs import (PARITY_BATCH, PARITY_IGNORE_FRACTION, PARITY_LOSS, Pa
                            parity_inputs, parity_shape, reference_model)
 from parity.kernel_sets import default_kernel_sets, kernel_label, parse_kernel_sets
 from parity.report import ERROR, Report, Row, first_line, run_verdict, unmade_run_row
-from parity.runs import LoweredProbe, SharedLowered, eager_run, lowered_run, routers, to_numpy
+from parity.runs import LoweredProbe, SharedLowered, compile_in_parallel, eager_run, lowered_run, routers, to_numpy
 from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.config import ModelConfig
 from torch_model.optim import OptimizerConfig
@@ -191,29 +191,45 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
     router_names = [name for name, _ in routers(model)]
     shared = SharedLowered(model, opt_cfg, compiler_options)
     before = {n: to_numpy(p) for n, p in shared.params.items()}
+    # Every run's probe is traced first, one after the other, then all are compiled at once on
+    # the host's cores (XLA compiles outside the GIL; on a TPU host compiling is most of a run),
+    # then each runs and is compared in turn.
+    runs, made = [], []
     for choice in sets:
-        label = kernel_label(choice)
         for dtype in dtypes:
             if by_dtype is not None and choice not in by_dtype[dtype]:
                 continue
-            say(f"lowered {label} | {dtype} ...")
-            try:
-                probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options, compiler_options)
-                run = lowered_run(probe, shared, data, reference, full_step=full_step)
-            except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
-                hint = ""
-                if getattr(e, "keyword", None) == "segment_ids" and data.segmented:
-                    hint = "; the parity rows are packed by default: --no-segments runs plain rows"
-                report.rows.append(unmade_run_row(label, dtype, e, hint=hint))
-                continue
-            resolved = kernel_label(probe.kernels)
-            report.setup["coverage"][resolved] = coverage.describe(
-                probe.kernels, model_cfg, batch, seq_len, probe.step.cfg.kernel_options, labels.numpy(),
-                [experts for _, experts in reference.routing], segment_ids=segment_ids)
-            new_rows = compare_runs(reference, run, before, resolved, dtype, router_names)
-            report.rows.extend(new_rows)
-            for line in run_verdict(resolved, dtype, new_rows):
-                say(line)
+            runs.append((choice, dtype))
+    say(f"lowered runs: tracing {len(runs)} ...")
+    for choice, dtype in runs:
+        try:
+            probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options, compiler_options)
+            probe.lower(shared.params, data, forced=reference.routing)
+            made.append((choice, dtype, probe, None))
+        except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
+            made.append((choice, dtype, None, e))
+    compile_in_parallel([probe for _, _, probe, _ in made if probe is not None], say)
+    for choice, dtype, probe, error in made:
+        label = kernel_label(choice)
+        say(f"lowered {label} | {dtype} ...")
+        try:
+            if error is not None:
+                raise error
+            run = lowered_run(probe, shared, data, reference, full_step=full_step)
+        except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
+            hint = ""
+            if getattr(e, "keyword", None) == "segment_ids" and data.segmented:
+                hint = "; the parity rows are packed by default: --no-segments runs plain rows"
+            report.rows.append(unmade_run_row(label, dtype, e, hint=hint))
+            continue
+        resolved = kernel_label(probe.kernels)
+        report.setup["coverage"][resolved] = coverage.describe(
+            probe.kernels, model_cfg, batch, seq_len, probe.step.cfg.kernel_options, labels.numpy(),
+            [experts for _, experts in reference.routing], segment_ids=segment_ids)
+        new_rows = compare_runs(reference, run, before, resolved, dtype, router_names)
+        report.rows.extend(new_rows)
+        for line in run_verdict(resolved, dtype, new_rows):
+            say(line)
     if include_hf:
         say("Hugging Face transformers comparison ...")
         state = {n: p.detach().clone() for n, p in model.named_parameters()}

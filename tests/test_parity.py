@@ -137,6 +137,26 @@ def test_a_finished_runs_verdict_lists_its_failing_checks_at_once():
     assert len(lines) == SHOWN_FAILURES + 2 and lines[-1].startswith("  ... and 2 more failing checks")
 
 
+def test_a_probe_that_cannot_compile_fails_at_its_own_run():
+    """The suite compiles every run's probe at once (parity/runs.compile_in_parallel); a compile
+    error (a tile the TPU refuses, VMEM) is kept and raised by that probe's run, which the suite
+    reports as that set's ERROR row, while the others compile."""
+    import types
+
+    from parity.runs import LoweredProbe, compile_in_parallel
+
+    def refuse():
+        raise RuntimeError("RESOURCE_EXHAUSTED: scoped VMEM")
+
+    bad, good = LoweredProbe.__new__(LoweredProbe), LoweredProbe.__new__(LoweredProbe)
+    bad._lowered = types.SimpleNamespace(compile=refuse)
+    good._lowered = types.SimpleNamespace(compile=lambda: "executable")
+    compile_in_parallel([bad, good])
+    assert good._compiled == "executable"
+    with pytest.raises(RuntimeError, match="scoped VMEM"):
+        bad(None, None)
+
+
 def test_tolerances_are_stated_for_every_check_and_dtype():
     checks = {"logits", "loss", "grad", "grad_scalar", "grad_expert", "grad_vector", "grad_norm", "param", "param_vector",
               "routing", "hf"}
