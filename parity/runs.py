@@ -216,12 +216,15 @@ class LoweredProbe:
         return (compiled or self._jitted)(*self._arguments(params, batch, selector, forced))
 
 
+MAX_COMPILE_THREADS = 8     # each compile holds its own memory: a bound on a many-core host
+
+
 def compile_in_parallel(probes: list[LoweredProbe], say=None) -> None:
-    """Compile lowered probes at once, one thread per host core (XLA compiles outside the GIL):
-    each keeps its executable, or its error for its own run to report."""
+    """Compile lowered probes at once, one thread per host core up to MAX_COMPILE_THREADS (XLA
+    compiles outside the GIL): each keeps its executable, or its error for its own run to report."""
     if not probes:
         return
-    workers = max(1, min(len(probes), os.cpu_count() or 1))
+    workers = max(1, min(len(probes), os.cpu_count() or 1, MAX_COMPILE_THREADS))
     if say:
         say(f"lowered runs: compiling {len(probes)} on {workers} thread{'s' if workers > 1 else ''} ...")
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
