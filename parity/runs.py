@@ -166,6 +166,8 @@ class LoweredProbe:
     other kernels ignore it. `forced` (int32 [MoE layers, tokens, k]): the eager run's experts,
     which both forwards use (`forced_routing`); `routing` is the lowered router's own choice."""
 
+    _lowered = _compiled = _compile_error = None       # set by `lower` and `compile` (parity's suite)
+
     def __init__(self, model, opt_cfg: OptimizerConfig, kernels: Mapping[str, str], dtype: str,
                  kernel_options=None, compiler_options: dict | None = None):
         self.model = model
@@ -201,18 +203,19 @@ class LoweredProbe:
         self._lowered = self._jitted.lower(*self._arguments(params, batch, selector, forced))
 
     def compile(self):
-        """Compile what `lower` lowered; the next call with those arguments runs it. An error is
-        kept and raised by that call, so a set that cannot compile fails as that set's row."""
+        """Compile what `lower` lowered; the next call (with those arguments' shapes) runs it. An
+        error is kept and raised by that call, so a set that cannot compile fails as its own row."""
+        lowered, self._lowered = self._lowered, None
         try:
-            self._compiled = self._lowered.compile()
+            self._compiled = lowered.compile()
         except Exception as e:  # noqa: BLE001 - raised again by __call__, inside the caller's handling
             self._compile_error = e
 
     def __call__(self, params, batch: ParityBatch, selector: int = 0, forced=None):
         """`forced`: the eager run's routing [(router logits, experts [tokens, k])] per MoE layer."""
-        if getattr(self, "_compile_error", None) is not None:
+        if self._compile_error is not None:
             raise self._compile_error
-        compiled = getattr(self, "_compiled", None)
+        compiled, self._compiled = self._compiled, None      # once: later calls go through the jit
         return (compiled or self._jitted)(*self._arguments(params, batch, selector, forced))
 
 
