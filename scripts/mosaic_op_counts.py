@@ -54,13 +54,12 @@ def unit_of(name: str) -> str | None:
 
 def count_dump(dump_dir: str) -> dict[str, dict]:
     """{kernel name: {"ops": {op: n}, "units": {unit: n}}} of every kernel's final LLO in a
-    --xla_mosaic_dump_to directory (the kernel named by the first `name` attribute it carries)."""
+    --xla_mosaic_dump_to directory (a kernel is its module's `func.func @NAME`, the pallas_call's name)."""
     kernels = {}
     for path in sorted(glob.glob(os.path.join(dump_dir, "*post-finalize-llo.txt"))):
         text = Path(path).read_text()
-        found = re.search(r'"([A-Za-z_][\w]*)"', text[:4000])
-        named = re.search(r"(attention_\w+|cross_entropy_\w+|moe_\w+|[a-z_]+_(?:fwd|bwd|dq|dkv|dx|dw)\w*)", text)
-        name = named.group(1) if named else (found.group(1) if found else Path(path).name)
+        named = re.search(r"func\.func @([\w.]+)\(", text)
+        name = named.group(1) if named else Path(path).name
         ops = collections.Counter(re.findall(r"\bllo\.([a-z_0-9.]+)", text))
         units = collections.Counter()
         for op, n in ops.items():
