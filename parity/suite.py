@@ -194,12 +194,8 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
     # Every run's probe is traced first, one after the other, then all are compiled at once on
     # the host's cores (XLA compiles outside the GIL; on a TPU host compiling is most of a run),
     # then each runs and is compared in turn.
-    runs, made = [], []
-    for choice in sets:
-        for dtype in dtypes:
-            if by_dtype is not None and choice not in by_dtype[dtype]:
-                continue
-            runs.append((choice, dtype))
+    runs = [(choice, dtype) for choice in sets for dtype in dtypes if by_dtype is None or choice in by_dtype[dtype]]
+    made = []
     say(f"lowered runs: tracing {len(runs)} ...")
     for choice, dtype in runs:
         try:
