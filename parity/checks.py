@@ -79,7 +79,8 @@ def compare_runs(ref: Run, got: Run, before: Mapping[str, np.ndarray], kernels: 
         if name in got.params_after:
             # Entries the gradient does not decide (rounding zeros: tolerances.ROUNDING_ZERO) left out.
             keep = tolerances.decided_entries(ref.grads.get(name))
-            pick = (lambda a: np.asarray(a)) if keep is None else (lambda a: np.asarray(a)[keep])
+            # float64 once: tensor_metrics and update_metrics both read these
+            pick = (lambda a: compare.as_float64(a)) if keep is None else (lambda a: compare.as_float64(a)[keep])
             got_after, ref_after = pick(got.params_after[name]), pick(ref.params_after[name])
             metrics = compare.tensor_metrics(got_after, ref_after)
             metrics.update(compare.update_metrics(got_after, ref_after, pick(before[name])))
@@ -90,8 +91,9 @@ def compare_runs(ref: Run, got: Run, before: Mapping[str, np.ndarray], kernels: 
             rows.append(Row(kernels, dtype, "param", name, bounds=tol("param"), status=FAIL,
                             message="no parameter in the lowered run"))
     if all(n in got.params_after for n in names):
-        metrics = compare.tensor_metrics(flat(got.params_after), flat(ref.params_after))
-        metrics.update(compare.update_metrics(flat(got.params_after), flat(ref.params_after), flat(before)))
+        got_all, ref_all = flat(got.params_after), flat(ref.params_after)
+        metrics = compare.tensor_metrics(got_all, ref_all)
+        metrics.update(compare.update_metrics(got_all, ref_all, flat(before)))
         rows.append(Row(kernels, dtype, "param", VECTOR, metrics, tol("param_vector")))
     if len(got.routing) != len(router_names) or len(ref.routing) != len(router_names):
         rows.append(Row(kernels, dtype, "routing", "routers", bounds=tol("routing"), status=FAIL,
