@@ -355,12 +355,11 @@ def test_torchax_peer_script_times_our_step_beside_the_peer(tmp_path, capsys):
     assert "2 micro-batches (ours)" in capsys.readouterr().out
 
 
-def test_mosaic_op_counts_counts_each_kernels_llo_by_unit(tmp_path, capsys):
+def test_mosaic_op_counts_counts_each_kernels_llo_by_unit(tmp_path):
     """scripts/mosaic_op_counts.py: the attention kernels compiled for a v5e by the deviceless
     compiler, each kernel's final LLO counted by unit, and the same counts shown against a
-    baseline (the static evidence a CPU host has for a kernel-body change)."""
-    import subprocess
-
+    baseline (the static evidence a CPU host has for a kernel-body change). A child process:
+    libtpu reads the dump flag when it starts, which in this one it has."""
     script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "mosaic_op_counts.py")
     first, again = tmp_path / "a.json", tmp_path / "b.json"
     for argv in (["--json", str(first)], ["--baseline", str(first), "--json", str(again)]):
