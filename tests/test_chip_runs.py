@@ -99,7 +99,8 @@ def test_parity_command_passes_on_the_chip(dtype, tmp_path, tpu_device, capsys):
     with capsys.disabled():       # the summary line, for the record of the tier's run
         print(f"\n[parity --preset tiny --dtype {dtype}] " + next((line for line in out.splitlines()
                                                                     if line.startswith("parity: ")), "no summary line"))
-    assert code == 0, out[-6000:]
+    failing = "\n".join(line for line in out.splitlines() if line.startswith(("  FAIL", "  ERROR", "  REFUSED", "  ...")))
+    assert code == 0, f"{failing[:8000]}\n{out[-1500:]}"   # every failing check, then the summary
     assert "parity: PASS" in out
 
 
