@@ -317,6 +317,21 @@ def test_bench_kernels_tune_of_a_run_rejects_bad_arguments(argv, message, capsys
     assert not (tmp_path / "T.json").exists()
 
 
+def test_tune_of_a_run_keeps_only_the_ops_asked_for_on_a_tpu(monkeypatch):
+    """On a v5e every op left on "auto" runs Pallas and looks its tiles up too: `--ops
+    cross_entropy` must still tune cross-entropy alone (on the chip it tuned attention and MoE first)."""
+    import types
+
+    from jax_bridge import step
+    from train.bench import tune
+
+    monkeypatch.setattr(step, "target_generation", lambda platform, generation: "v5e" if platform == "tpu" else None)
+
+    args = types.SimpleNamespace(preset="tiny", model_config=None, seq_len=256, batch_size=2)
+    keys = tune.run_keys(tune.run_model(args), ["cross_entropy"], "tpu", 2, 256, "bfloat16")
+    assert list(keys) == ["cross_entropy"] and keys["cross_entropy"] == ["hidden=512x256 vocab=4096 dtype=bfloat16"]
+
+
 def test_kernel_speed_times_each_implementation_forward_and_backward_with_its_useful_flops():
     """`bench kernels` on an accelerator host (train/bench/kernel_speed.py), run here on the CPU's
     device: one row per (implementation, direction) with a time, the FLOPs every implementation

@@ -157,6 +157,8 @@ def run_keys(model, ops: list[str], platform: str, batch: int, seq_len: int, com
         jax.eval_shape(lambda p, t: step.loss_and_metrics(p, t[:, :-1], t[:, 1:])[0], params, tokens)
     keys: dict = {}
     for u in lookups:
+        if u.op not in tunable:     # the ops left on "auto" (Pallas on a TPU) are looked up too
+            continue
         if u.key not in keys.setdefault(u.op, []):
             keys[u.op].append(u.key)
     return keys
