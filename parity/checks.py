@@ -75,10 +75,13 @@ def compare_runs(ref: Run, got: Run, before: Mapping[str, np.ndarray], kernels: 
                         tol("grad_vector")))
     rows.append(Row(kernels, dtype, "grad", GRAD_NORM, compare.tensor_metrics(got.grad_norm, ref.grad_norm),
                     tol("grad_norm")))
+    # Entries the gradient does not decide (rounding zeros, entries inside the two runs' gradient
+    # difference: tolerances.decided_entries) are left out of both post-step checks.
+    decided = {name: tolerances.decided_entries(ref.grads.get(name), got.grads.get(name) if dtype == "float32" else None)
+               for name in names}
     for name in names:
         if name in got.params_after:
-            # Entries the gradient does not decide (rounding zeros: tolerances.ROUNDING_ZERO) left out.
-            keep = tolerances.decided_entries(ref.grads.get(name))
+            keep = decided[name]
             # float64 once: tensor_metrics and update_metrics both read these
             pick = (lambda a: compare.as_float64(a)) if keep is None else (lambda a: compare.as_float64(a)[keep])
             got_after, ref_after = pick(got.params_after[name]), pick(ref.params_after[name])
@@ -91,9 +94,13 @@ def compare_runs(ref: Run, got: Run, before: Mapping[str, np.ndarray], kernels: 
             rows.append(Row(kernels, dtype, "param", name, bounds=tol("param"), status=FAIL,
                             message="no parameter in the lowered run"))
     if all(n in got.params_after for n in names):
-        got_all, ref_all = flat(got.params_after), flat(ref.params_after)
+        keep_all = np.concatenate([np.ones(np.size(ref.params_after[n]), bool) if decided[n] is None
+                                   else decided[n].ravel() for n in names])
+        got_all, ref_all, before_all = (flat(d)[keep_all] for d in (got.params_after, ref.params_after, before))
         metrics = compare.tensor_metrics(got_all, ref_all)
-        metrics.update(compare.update_metrics(got_all, ref_all, flat(before)))
+        metrics.update(compare.update_metrics(got_all, ref_all, before_all))
+        if not keep_all.all():
+            metrics["rounding_zero_entries"] = int((~keep_all).sum())
         rows.append(Row(kernels, dtype, "param", VECTOR, metrics, tol("param_vector")))
     if len(got.routing) != len(router_names) or len(ref.routing) != len(router_names):
         rows.append(Row(kernels, dtype, "routing", "routers", bounds=tol("routing"), status=FAIL,

@@ -137,6 +137,48 @@ def test_a_finished_runs_verdict_lists_its_failing_checks_at_once():
     assert len(lines) == SHOWN_FAILURES + 2 and lines[-1].startswith("  ... and 2 more failing checks")
 
 
+def test_float32_post_step_checks_leave_out_entries_inside_the_gradients_noise():
+    """AdamW's first step is sign-like, g / (|g| + eps): the chip's float32 gradient noise (a
+    bias's entries off by up to 1.3e-7, rel 1.4e-5) set the updates of the entries no larger than
+    it and failed the post-step checks (rel 2.4e-3). Those entries are left out of both post-step
+    checks in float32 and counted; a wrong update of any other entry still fails."""
+    from parity.checks import compare_runs
+    from parity.runs import Run
+
+    rng = np.random.default_rng(0)
+    lr, eps = 3e-3, 1e-8
+    grad = rng.normal(scale=1e-3, size=512)
+    grad[:12] = rng.normal(scale=3e-8, size=12)                       # near eps
+    weight = rng.normal(size=(64, 64))
+    weight_grad = rng.normal(scale=1e-3, size=(64, 64))
+    before = {"bias": np.zeros(512), "w": weight}
+
+    def run(bias_grad, w_update_scale=1.0):
+        step = lambda p, g: p - lr * g / (np.abs(g) + eps)             # noqa: E731  (Adam's first step)
+        grads = {"bias": bias_grad, "w": weight_grad}
+        after = {"bias": step(before["bias"], bias_grad), "w": weight - w_update_scale * lr * np.sign(weight_grad)}
+        return Run(np.zeros((2, 3)), 1.0, grads, 1.0, after, [])
+
+    ref = run(grad)
+    noisy = run(grad + rng.uniform(-1.3e-7, 1.3e-7, size=512))
+    rows = {r.name: r for r in compare_runs(ref, noisy, before, "xla", "float32", []) if r.category == "param"}
+    assert not any(r.failed for r in rows.values()), [r.line() for r in rows.values()]
+    assert rows["bias"].metrics["rounding_zero_entries"] >= 12
+    assert rows["<all parameters>"].metrics["rounding_zero_entries"] == rows["bias"].metrics["rounding_zero_entries"]
+    # without the rule (the rounding zeros alone) those entries fail the bias, as on the chip
+    kept = tolerances.decided_entries(grad)
+    assert kept is None or kept[:12].sum() > 0
+    # a decided entry updated wrongly, or another tensor's update 0.5% large, still fails
+    flipped = noisy.params_after | {"bias": noisy.params_after["bias"] * np.where(np.arange(512) == 100, -1, 1)}
+    wrong = [Run(noisy.logits, 1.0, noisy.grads, 1.0, flipped, []), run(grad, w_update_scale=1.005)]
+    assert rows_failing(compare_runs(ref, wrong[0], before, "xla", "float32", [])) == {"bias", "<all parameters>"}
+    assert "w" in rows_failing(compare_runs(ref, wrong[1], before, "xla", "float32", []))
+
+
+def rows_failing(rows) -> set[str]:
+    return {r.name for r in rows if r.category == "param" and r.failed}
+
+
 def test_a_probe_that_cannot_compile_fails_at_its_own_run():
     """The suite compiles every run's probe at once (parity/runs.compile_in_parallel); a compile
     error (a tile the TPU refuses, VMEM) is kept and raised by that probe's run, which the suite
