@@ -42,13 +42,17 @@ test: $(STAMP)
 # The hardware tier, on a TPU host: tests/test_chip_*.py (marked `tpu`, skipped by `make test`), in ONE process
 # (one program holds a chip at a time: no workers), on the chip (TORCHLYRA_TEST_TPU=1 lifts the
 # suite's JAX_PLATFORMS=cpu). A host whose Python already has the stack (no venv, no index) runs
-# `make test-tpu TPU_SETUP= PYTEST="python3 -m pytest"`.
+# `make test-tpu TPU_SETUP= PYTEST="python3 -m pytest"`. TPU_TESTS picks files (e.g. one at a time,
+# under a time limit per command). The tier's programs go to a fresh compilation cache of its own, so
+# a program compiled once (the SIGKILL test's three runs of one config) is loaded, not recompiled.
 TPU_SETUP ?= $(STAMP)
 PYTEST ?= $(VENV)/bin/pytest
+TPU_TESTS ?= tests/test_chip_*.py
 test-tpu: $(TPU_SETUP)
-	@start=$$(date +%s); TORCHLYRA_TEST_TPU=1 $(PYTEST) -q -rs -p no:cacheprovider -p no:xdist -m tpu \
-	  --durations=15 tests/test_chip_*.py; \
-	rc=$$?; echo "make test-tpu: the tier took $$(( $$(date +%s) - start )) s wall"; exit $$rc
+	@start=$$(date +%s); cache=$$(mktemp -d); TORCHLYRA_TEST_TPU=1 JAX_COMPILATION_CACHE_DIR=$$cache \
+	  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 $(PYTEST) -q -rs -p no:cacheprovider -p no:xdist -m tpu \
+	  --durations=15 $(TPU_TESTS); \
+	rc=$$?; rm -rf $$cache; echo "make test-tpu: the tier took $$(( $$(date +%s) - start )) s wall"; exit $$rc
 
 clean-runs:
 	rm -rf runs
