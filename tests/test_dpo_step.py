@@ -26,6 +26,13 @@ from torch_model.preference import PreferenceConfig, dpo_loss_eager, parse_prefe
 ROW = 41
 SIGMOID = PreferenceConfig(beta=0.1, loss="sigmoid", label_smoothing=0.1)
 IPO = PreferenceConfig(beta=0.1, loss="ipo")
+# The loss's bound. TPU float32's log is not correctly rounded. Measured on the v5e (session 29,
+# against float64): log_sigmoid and softplus were off by up to rel 2.6e-4 (4,008 ulps, at |x| =
+# 1.21), log1p by up to 2.6e-4, log by up to 9.6e-5. Its exp was within 5.9e-6. The sigmoid loss
+# is two log_sigmoid values per pair, so on a TPU it is held to 3e-4. Its inputs, the log-probabilities
+# and rewards, stay at 1e-5, and the gradients at 1e-4. On the chip in session 28 the loss was off
+# by 2.0e-5 (CPU: 6e-8), and IPO, which takes no log, passed.
+LOSS_BOUND = {"tpu": 3e-4}
 
 
 def tiny_model(seed=1):
@@ -131,7 +138,8 @@ def test_lowered_dpo_step_matches_eager_torch(cfg):
     for key, value in eager_metrics.items():
         assert abs(float(out[key]) - float(value)) <= 1e-5 * max(1.0, abs(float(value))), \
             (key, float(out[key]), float(value))
-    assert abs(float(loss) - eager) <= 1e-5 * max(1.0, abs(eager)), (float(loss), eager, dict(eager_metrics))
+    bound = LOSS_BOUND.get(jax.default_backend(), 1e-5)
+    assert abs(float(loss) - eager) <= bound * max(1.0, abs(eager)), (float(loss), eager, dict(eager_metrics))
     lowered = step.layer_params(grads)
     for name, p in model.named_parameters():
         assert rel_err(np.asarray(lowered[name]), p.grad.numpy()) <= 1e-4, (name, rel_err(np.asarray(lowered[name]),
