@@ -2,7 +2,7 @@
 """Our train step beside the torchax-documented peer, one transformers decoder, one batch, one run.
 
     python scripts/torchax_peer_step.py --model-config docs/models/llama-570m.json --batch-size 2 \
-        --seq-len 2048 [--steps 12] [--remat none|full|save-matmuls] [--micro-batches 1] [--kernels auto] [--json OUT]
+        --seq-len 2048 [--steps 12] [--remat none|full|save-matmuls] [--micro-batches 1] [--kernels auto] [--ns-dtype float32] [--json OUT]
 
   ours  `train --model-config`'s step (jax_bridge.step.TrainStep): float32 master weights, bf16
         compute on an accelerator, Muon + AdamW, the op registry's kernels, scanned layers, remat.
@@ -51,7 +51,7 @@ def ours(spec, tokens, args):
     from torch_model.optim import OptimizerConfig
 
     model = spec.build()
-    step = TrainStep(model, OptimizerConfig(), StepConfig(kernels=args.kernels, remat=args.remat,
+    step = TrainStep(model, OptimizerConfig(ns_dtype=args.ns_dtype), StepConfig(kernels=args.kernels, remat=args.remat,
                                                             micro_batches=args.micro_batches))
     box = {"state": step.init_state()}
     if len(tokens) % args.micro_batches:
@@ -115,6 +115,8 @@ def main(argv=None) -> int:
     parser.add_argument("--remat", default="none")
     parser.add_argument("--micro-batches", type=int, default=1, help="ours only: the batch in this many parts")
     parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--ns-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="ours only: Muon's Newton-Schulz dtype (as `train --ns-dtype`)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 

@@ -364,8 +364,9 @@ def test_torchax_peer_script_times_our_step_beside_the_peer(tmp_path, capsys):
     out = tmp_path / "peer.json"
     script = runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "torchax_peer_step.py"))
     assert script["main"](["--model-config", str(config), "--batch-size", "4", "--seq-len", "32", "--steps", "2",
-                           "--micro-batches", "2", "--json", str(out)]) == 0
+                           "--micro-batches", "2", "--ns-dtype", "bfloat16", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["args"]["ns_dtype"] == "bfloat16"
     assert report["ours"]["step_s"] > 0 and report["peer"]["step_s"] > 0 and report["ours_over_peer"] > 0, report
     assert "2 micro-batches (ours)" in capsys.readouterr().out
 
