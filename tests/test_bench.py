@@ -371,6 +371,77 @@ def test_torchax_peer_script_times_our_step_beside_the_peer(tmp_path, capsys):
     assert "2 micro-batches (ours)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("op", ["attention", "moe", "cross_entropy"])
+def test_tokamax_peers_solve_the_benchmark_problem(op):
+    """`bench kernels`' tokamax rows (train/bench/kernel_peers.py) run the op's problem in
+    tokamax's layout: here its plain-XLA implementations, on the peer's converted inputs, equal
+    our references (attention without sinks; cross-entropy's loss summed), forward and input
+    gradients. On a TPU the same wrappers take its Mosaic kernels (tests/test_tpu_compile.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    from helpers import rel_err
+    from jax_bridge import registry
+    from train.bench import kernel_peers
+    from train.bench.kernel_cases import concrete_inputs, float_positions, kernel_cases
+
+    assert kernel_peers.version() == "0.0.12"
+    peer = kernel_peers.peer_of(op)
+    reference = registry.implementations(op)["xla"].load()
+    for case in kernel_cases(op, "tiny")[:2]:
+        inputs = concrete_inputs(case)
+        if op == "attention":       # no sinks: a sink logit of -inf takes no probability
+            inputs[3] = jnp.full_like(inputs[3], -jnp.inf)
+
+        def ours(*args):
+            out = reference(*args, **case.kwargs)
+            return jnp.sum(out[0]) if op == "cross_entropy" else out
+
+        theirs = peer.build(case, kernel_peers.implementation(op, "cpu"))
+        peer_inputs = peer.prepare(case, inputs)
+        floats, peer_floats = float_positions(case), peer.floats(case)
+        got, got_vjp = jax.vjp(lambda *f: theirs(*[dict(zip(peer_floats, f)).get(i, x) for i, x in
+                                                   enumerate(peer_inputs)], **case.kwargs),
+                               *[peer_inputs[i] for i in peer_floats])
+        want, want_vjp = jax.vjp(lambda *f: ours(*[dict(zip(floats, f)).get(i, x) for i, x in enumerate(inputs)]),
+                                 *[inputs[i] for i in floats])
+        if op == "attention":       # [B, T, H, D] back to ours
+            got = got.transpose(0, 2, 1, 3)
+        assert rel_err(got, want) < 1e-5, (case.label, rel_err(got, want))
+        cot = jax.random.normal(jax.random.PRNGKey(2), want.shape, want.dtype)
+        grads_got = got_vjp(cot.transpose(0, 2, 1, 3) if op == "attention" else cot)
+        grads_want = want_vjp(cot)
+        if op == "attention":
+            grads_got = [g.transpose(0, 2, 1, 3) for g in grads_got]
+        if op == "cross_entropy":   # the peer's weight gradient is [H, V]
+            grads_got = [grads_got[0], grads_got[1].T]
+        for g, w in zip(grads_got, grads_want):     # attention: q, k, v (the sinks' gradient is ours alone)
+            assert rel_err(g, w) < 1e-4, (case.label, rel_err(g, w))
+
+
+def test_kernel_speed_adds_the_tokamax_rows_on_a_tpu(monkeypatch):
+    """On a TPU host `bench kernels` times tokamax beside the registered implementations, its row
+    noting what it leaves out. Here on the CPU's device, with the host taken for a v5e and
+    tokamax's XLA implementations standing in for its Mosaic ones."""
+    import types
+
+    from jax_bridge import tpu_compile
+    from pallas_kernels import platform as kernel_platform
+    from train.bench import kernel_peers, kernel_speed
+
+    monkeypatch.setattr(kernel_platform, "host_platform", lambda: "tpu")
+    monkeypatch.setattr(tpu_compile, "generation", lambda device: "v5e")
+    monkeypatch.setattr(kernel_peers, "implementation", lambda op, platform: "xla")
+    args = types.SimpleNamespace(dtype="float32", warmup=1, repeats=1)
+    rows = kernel_speed.run(args, ["tiny"], ["cross_entropy"], {"xla", "tokamax"})
+    assert [(r["impl"], r["direction"]) for r in rows] == [("xla", "fwd"), ("tokamax", "fwd"), ("xla", "fwd+bwd"),
+                                                          ("tokamax", "fwd+bwd")]
+    peer = [r for r in rows if r["impl"] == "tokamax"]
+    assert all(r["error"] is None and r["speedup_vs_xla"] > 0 and r["note"] == "loss summed; weight [H, V]"
+               for r in peer), peer
+    assert "loss summed" in kernel_speed.format_table(rows)
+
+
 def test_mosaic_op_counts_counts_each_kernels_llo_by_unit(tmp_path):
     """scripts/mosaic_op_counts.py: the attention kernels compiled for a v5e by the deviceless
     compiler, each kernel's final LLO counted by unit, and the same counts shown against a

@@ -77,6 +77,33 @@ def test_kernel_compiles_for_tpu_forward_and_backward(topology, shape, op, impl)
         assert stats.temp_bytes < 32 * MiB, f"{stats.temp_bytes / MiB:.1f} MiB of HBM temporaries"
 
 
+def test_tokamax_peers_compile_with_its_mosaic_kernels_for_v5e():
+    """`bench kernels`' tokamax rows on a TPU (train/bench/kernel_peers.py): each wrapper takes
+    tokamax's Mosaic kernels, forward and backward, at the tiny shapes; its attention refuses a
+    sliding window (that row records the refusal). tokamax checks the default device, so the
+    compile-only v5e is made the default while tracing."""
+    from train.bench import kernel_peers
+    from train.bench.kernel_cases import concrete_inputs
+
+    device = tpu_compile.device_of("v5e:2x2")
+    for op in ("attention", "moe", "cross_entropy"):
+        peer = kernel_peers.peer_of(op)
+        for case in kernel_cases(op, "tiny", dtype="bfloat16"):
+            fn = peer.build(case, kernel_peers.implementation(op, "tpu"))
+            inputs = jax.eval_shape(lambda: peer.prepare(case, concrete_inputs(case)))
+            op_fn = functools.partial(fn, **case.kwargs)
+            with jax.default_device(device):
+                if op == "attention" and case.dims["window"]:
+                    with pytest.raises(NotImplementedError, match="k_start"):
+                        jax.eval_shape(op_fn, *inputs)
+                    continue
+                outs = jax.tree.leaves(jax.eval_shape(op_fn, *inputs))
+                vjp = vjp_program(op_fn, peer.floats(case), n_inputs=len(inputs))
+                specs = list(inputs) + [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+                _, stats = tpu_compile.compile_for(vjp, specs, device)
+            assert len(stats.kernels) >= 2, (op, case.label, stats.kernels)
+
+
 def test_bf16_attention_compiles_under_the_steps_highest_precision():
     """Issue 14's bug: the step ran its forward under jax.default_matmul_precision("highest"); the
     kernels' bf16 dots inherited it and Mosaic refused them ("Bad lhs type"), so a TPU run with

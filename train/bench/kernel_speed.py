@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+from train.bench import kernel_peers
 from train.bench.kernel_cases import Case, concrete_inputs, float_positions, kernel_cases, make_fn, short_error
 from train.bench.table import markdown_table
 
@@ -58,13 +59,13 @@ def useful_flops(case: Case, direction: str) -> float:
     return fwd * (3 if direction == "fwd+bwd" else 1)
 
 
-def least_bytes(inputs, outputs, case: Case, direction: str) -> int:
-    """Inputs and outputs once; forward+backward adds the output cotangents and the float inputs'
-    gradients."""
+def least_bytes(inputs, outputs, floats: tuple[int, ...], direction: str) -> int:
+    """Inputs and outputs once; forward+backward adds the output cotangents and the gradients of
+    the float inputs (at positions `floats`)."""
     size = lambda a: math.prod(a.shape) * a.dtype.itemsize
     total = sum(size(x) for x in inputs) + sum(size(o) for o in outputs)
     if direction == "fwd+bwd":
-        total += sum(size(o) for o in outputs) + sum(size(inputs[i]) for i in float_positions(case))
+        total += sum(size(o) for o in outputs) + sum(size(inputs[i]) for i in floats)
     return total
 
 
@@ -89,13 +90,16 @@ def time_per_call(compiled, inputs, warmup: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def measure(fn, case: Case, direction: str, kernel_kwargs: dict, inputs, warmup: int, repeats: int) -> dict:
+def measure(fn, case: Case, direction: str, kernel_kwargs: dict, inputs, warmup: int, repeats: int,
+            floats: tuple[int, ...] | None = None) -> dict:
     """One row's figures (time, FLOP/s, bytes/s, temp bytes) or its error, compiled for and run on
-    the default device."""
+    the default device. `floats`: the inputs that take gradients (default: the case's float
+    inputs; a peer in its own layout gives its own)."""
     import jax
 
     from jax.tree_util import tree_leaves
 
+    floats = float_positions(case) if floats is None else floats
     row = dict(time_s=None, temp_bytes=None, flops=useful_flops(case, direction), bytes=None, error=None)
     try:
         forward = make_fn(fn, case, "fwd", kernel_kwargs)
@@ -106,13 +110,13 @@ def measure(fn, case: Case, direction: str, kernel_kwargs: dict, inputs, warmup:
 
             key = jax.random.PRNGKey(1)
             args += [jax.random.normal(key, o.shape, "float32").astype(o.dtype) for o in outputs]
-            program = vjp_program(forward, float_positions(case), n_inputs=len(inputs))
+            program = vjp_program(forward, floats, n_inputs=len(inputs))
         else:
             program = forward
         compiled = jax.jit(program).lower(*args).compile()
         memory = compiled.memory_analysis()
         row["temp_bytes"] = int(memory.temp_size_in_bytes) if memory is not None else None
-        row["bytes"] = least_bytes(inputs, outputs, case, direction)
+        row["bytes"] = least_bytes(inputs, outputs, floats, direction)
         row["time_s"] = time_per_call(compiled, args, warmup, repeats)
     except Exception as e:  # noqa: BLE001 - a row records its failure (out of HBM, a refused tile)
         row["error"] = short_error(e)
@@ -131,22 +135,27 @@ def run(args, shapes: list[str], ops: list[str], keep: set | None) -> list[dict]
     generation = tpu_compile.generation(device) if platform == "tpu" else None
     peak_flops, bandwidth = roofline.device_peaks(generation) if generation in roofline.CHIPS else (None, None)
     log = lambda s: print(s, file=sys.stderr, flush=True)
+    peers = platform == "tpu" and (keep is None or kernel_peers.LIBRARY in keep)
+    if peers and kernel_peers.version() is None:
+        log(f"{kernel_peers.LIBRARY} does not import here: its peer rows are left out")
+        peers = False
     rows = []
     for op in ops:
         impls = {n: i for n, i in registry.implementations(op).items()
                  if i.trains and registry.runs_on(op, n, platform) and (keep is None or n in keep)}
         impls = {"xla": impls["xla"], **{n: i for n, i in impls.items() if n != "xla"}}   # the base first
+        peer = kernel_peers.peer_of(op) if peers else None
         for shape in shapes:
             for case in kernel_cases(op, shape, dtype=args.dtype):
                 inputs = concrete_inputs(case)
+                peer_inputs = None if peer is None else peer.prepare(case, inputs)
                 for direction in ("fwd", "fwd+bwd"):
                     block = []
-                    for name, impl in impls.items():
-                        fn = impl.honouring_contract(impl.load())
-                        kwargs = registry.target_keywords(fn, platform, generation)
+
+                    def add(name, figures, note=""):
                         row = dict(op=op, shape=shape, case=case.label, dtype=case.dtype, impl=name,
-                                   direction=direction, device=device.device_kind, lyra_v6e=lyra_figure(case, direction),
-                                   **measure(fn, case, direction, kwargs, inputs, args.warmup, args.repeats))
+                                   direction=direction, device=device.device_kind,
+                                   lyra_v6e=lyra_figure(case, direction), note=note, **figures)
                         if row["time_s"]:
                             row["tflops"] = row["flops"] / row["time_s"] / 1e12
                             row["gbps"] = row["bytes"] / row["time_s"] / 1e9
@@ -156,6 +165,15 @@ def run(args, shapes: list[str], ops: list[str], keep: set | None) -> list[dict]
                         row["speedup_vs_xla"] = base / row["time_s"] if base and row["time_s"] else None
                         block.append(row)
                         log(format_row(row))      # with its ratio: a run cut short keeps what it printed
+
+                    for name, impl in impls.items():
+                        fn = impl.honouring_contract(impl.load())
+                        kwargs = registry.target_keywords(fn, platform, generation)
+                        add(name, measure(fn, case, direction, kwargs, inputs, args.warmup, args.repeats))
+                    if peer is not None:
+                        fn = peer.build(case, kernel_peers.implementation(op, platform))
+                        add(peer.name, measure(fn, case, direction, {}, peer_inputs, args.warmup, args.repeats,
+                                               floats=peer.floats(case)), note=peer.note)
                     rows.extend(block)
     return rows
 
@@ -167,14 +185,15 @@ HEADER = ["op", "shapes", "case", "dtype", "impl", "dir", "time/call", "TFLOP/s"
 def _cells(row: dict) -> list[str]:
     head = [row["op"], row["shape"], row["case"], row["dtype"], row["impl"], row["direction"]]
     if row["time_s"] is None:
-        return head + ["-"] * 6 + [row["lyra_v6e"], "-", "ERROR: " + (row["error"] or "")[:160]]
+        note = row.get("note", "")
+        return head + ["-"] * 6 + [row["lyra_v6e"], "-", (f"{note}; " if note else "") + "ERROR: " + (row["error"] or "")[:160]]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
     speed = row.get("speedup_vs_xla")
     temp = row["temp_bytes"]
     return head + [f"{row['time_s'] * 1e3:.3f} ms", f"{row['tflops']:.1f}", pct(row.get("flops_share")),
                    f"{row['gbps']:.0f}", pct(row.get("hbm_share")),
                    "1 (base)" if row["impl"] == "xla" else ("-" if speed is None else f"{speed:.2f}x"),
-                   row["lyra_v6e"], "-" if temp is None else f"{temp / (1 << 20):.1f} MiB", ""]
+                   row["lyra_v6e"], "-" if temp is None else f"{temp / (1 << 20):.1f} MiB", row.get("note", "")]
 
 
 def format_row(row: dict) -> str:

@@ -351,8 +351,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ops", default=",".join(OPS),
                         help=f"comma-separated ops of {','.join(ALL_OPS)} (default: {','.join(OPS)})")
     parser.add_argument("--impls", default=None,
-                        help="comma-separated implementation names to keep (default: all registered; "
-                             "xla is always kept as the baseline)")
+                        help="comma-separated implementation names to keep (default: all registered, and on a TPU "
+                             "tokamax's kernels beside them: train/bench/kernel_peers.py; xla is always kept as the "
+                             "baseline)")
     parser.add_argument("--platform", choices=["cpu", "tpu"], default=None,
                         help="tpu: also compile every program with the real TPU compiler (libtpu, deviceless) "
                              "and judge the goals on its figures; cpu: the CPU's XLA. Default: this host's: on a "
