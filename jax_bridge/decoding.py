@@ -373,7 +373,9 @@ class Decoder:
         """The prefill of `batch` prompt rows; with `repeat` G, each continued G times: the
         program's state has batch x G rows (prompt i's at i*G .. i*G + G - 1)."""
         def build():
-            fn = jax.jit(lambda *a: self._prefill(*a, length=length, mode=mode, repeat=repeat))
+            def prefill(*a):        # named: the program is jit_prefill in HLO and profiles
+                return self._prefill(*a, length=length, mode=mode, repeat=repeat)
+            fn = jax.jit(prefill)
             params = self.params_for(self.layout("prefill", batch * prompt))
             rows, whole = self._sharding(self._split_prompts(batch)), self._sharding(False)
             key = jax.random.key_data(jax.random.key(0))
@@ -393,7 +395,9 @@ class Decoder:
 
     def decode_program(self, batch: int, length: int, mode: SamplingMode, n_stop: int, state_spec):
         def build():
-            fn = jax.jit(lambda *a: self._decode(*a, mode=mode), donate_argnums=(1,))
+            def decode_loop(*a):    # named: the program is jit_decode_loop in HLO and profiles
+                return self._decode(*a, mode=mode)
+            fn = jax.jit(decode_loop, donate_argnums=(1,))
             params = self.params_for(self.layout("decode", batch))
             whole = self._sharding(False)
             values = _values_spec(n_stop, self.cfg.vocab_size, whole)

@@ -139,6 +139,25 @@ def test_samples_per_prompt_share_one_prefill_and_equal_the_prompts_repeated(tra
     assert len(sampled) == 6 and any(sampled[2 * i] != sampled[2 * i + 1] for i in range(3))
 
 
+def test_a_decode_profile_gives_a_decode_steps_time_by_op_category(generator, tmp_path, capsys):
+    """`generate --profile DIR` (train/generation/cli.py): the second generate call traced, the
+    decode loop's program saved beside the trace with the iterations it ran, and the profile
+    summary per iteration; prefill is another program in the trace, not counted."""
+    from train.generation.cli import DecodeProfiler
+
+    prompts, sampling = [[3, 5, 7]], SamplingConfig(max_new_tokens=12, temperature=0)
+    generator.generate(prompts, sampling)            # compiled and loaded before the trace, as the command does
+    profiler = DecodeProfiler(tmp_path)
+    result = generator.generate(prompts, sampling)
+    profiler.finish(generator, result)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["module"], summary["runs"], summary["loop_steps"]) == ("jit_decode_loop", 1, 11)
+    assert summary["per_step_ms"]["ops"] > 0 and any(r["measured_ms"] > 0 for r in summary["rows"])
+    assert "jit_prefill" in {o["module"] for o in summary["other_programs"]}
+    printed = capsys.readouterr().err
+    assert "11 loop iterations in all" in printed and "per iteration" in printed
+
+
 def test_streaming_delivers_every_token_once_in_order(generator):
     chunks = []
     result = generator.generate(prompts_around_the_window()[:3], GREEDY, on_tokens=chunks.append, stream_every=5)

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import io
 import sys
+from pathlib import Path
 
 from formats.errors import UserError
 from jax_bridge.compile_cache import HELP as COMPILE_CACHE_HELP
@@ -44,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache", default=None, help=COMPILE_CACHE_HELP)
     parser.add_argument("--timings", action="store_true",
                         help="print load, compile, prefill and decode times, and the decode's HBM floor (on TPU)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="generate once untimed (compiles), then again under jax.profiler into DIR, and print "
+                             "where a decode step's time goes, op category by category beside the roofline "
+                             "(`torchlyra profile DIR` prints it again)")
     parser.add_argument("--chat", action="store_true",
                         help="harmony chat format (o200k_harmony models): each --prompt is a user message; "
                              "stops on <|return|> or <|call|>")
@@ -103,8 +108,13 @@ def _run(args) -> int:
     if streaming:
         stream = chat.ReplyStream(tokenizer) if args.chat else TextStream(tokenizer, skip=hidden)
         print(f"--- prompt: {labels[0]!r}\n" + ("" if args.chat else labels[0]), end="", flush=True)
+    if args.profile:              # every program compiled and loaded before the trace starts
+        generator.generate(prompts, sampling, stream_every=args.stream_every if streaming else None)
+        profiler = DecodeProfiler(args.profile)
     result = generator.generate(prompts, sampling, on_tokens=(lambda new: stream(new[0])) if streaming else None,
                                 stream_every=args.stream_every if streaming else None)
+    if args.profile:
+        profiler.finish(generator, result)
     if streaming:
         stream.close()
         print("\n")
@@ -116,6 +126,39 @@ def _run(args) -> int:
     if args.timings:
         print(format_timings(result, generator.load_seconds), file=sys.stderr)
     return 0
+
+
+class DecodeProfiler:
+    """`generate --profile DIR`: a jax.profiler trace of one generate call and, beside it, the
+    decode loop's compiled program with the loop iterations the trace holds, so the profile
+    summary (train/run/profile_summary.py) gives a decode step's time per op category beside
+    the roofline's prediction for one iteration."""
+
+    def __init__(self, directory):
+        import jax
+
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(self.directory))
+
+    def finish(self, generator, result) -> None:
+        import jax
+
+        from train.run import profile_summary
+
+        jax.profiler.stop_trace()       # generate returned host tokens: the device work is done
+        decoder = generator.decoder
+        batch, length = result.bucket[0], result.bucket[2]
+        programs = [p for bucket, p in decoder.decode_programs().items() if bucket[:2] == (batch, length)]
+        if len(programs) != 1:
+            raise UserError(f"generate --profile: {len(programs)} decode programs of batch {batch}, length {length}")
+        profile_summary.save_program(self.directory, programs[0], platform=decoder.platform,
+                                     generation=decoder.tpu_generation, loop_steps=result.decode_steps,
+                                     compiled_note="the decode loop the generate call ran (compiled before the trace)",
+                                     bucket=list(result.bucket))
+        summary, path = profile_summary.write_summary(self.directory)
+        print(profile_summary.format_summary(summary), file=sys.stderr)
+        print(f"profile: {path}", file=sys.stderr)
 
 
 def chat_conversations(args) -> list[list]:

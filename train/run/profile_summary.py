@@ -76,15 +76,26 @@ def save_step_program(directory: Path, step, state, tokens, lr_scale, **meta) ->
         _compiles["listening"] = True
     before, start = len(_compiles["programs"]), time.perf_counter()
     compiled = step.compiled(state, tokens, lr_scale)
+    module = module_name(roofline.module_text(compiled))    # jit_NAME, which jax's compile events call jit(NAME)
+    again = [s for name, s in _compiles["programs"][before:] if name == f"jit({module.removeprefix('jit_')})"]
+    return save_program(directory, compiled, platform=step.platform, generation=step.cfg.tpu_generation,
+                        compiled_note=(f"compiled again in {sum(again):.1f} s (jax.jit's cache did not hold the step)"
+                                       if again else "the executable the steps ran, from jax.jit's cache: no second "
+                                                     "compile"),
+                        seconds=round(time.perf_counter() - start, 2), **meta)
+
+
+def save_program(directory: Path, compiled, *, platform: str, generation: str | None, compiled_note: str,
+                 **meta) -> dict:
+    """A compiled program the trace ran, written beside it: its optimized HLO (STEP_HLO) and
+    STEP_META (module name, platform, TPU generation, libtpu's cost analysis, `meta`). A
+    program that loops (generation's decode) gives `loop_steps`, the iterations the trace holds
+    in all: the summary is then per iteration. Returns the meta."""
     text = roofline.module_text(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    module = module_name(text)          # jit_NAME, which jax's compile events call jit(NAME)
-    again = [s for name, s in _compiles["programs"][before:] if name == f"jit({module.removeprefix('jit_')})"]
-    record = {"module": module, "hlo": STEP_HLO, "platform": step.platform, "generation": step.cfg.tpu_generation,
-              "compiled": (f"compiled again in {sum(again):.1f} s (jax.jit's cache did not hold the step)" if again
-                           else "the executable the steps ran, from jax.jit's cache: no second compile"),
-              "seconds": round(time.perf_counter() - start, 2),
+    record = {"module": module_name(text), "hlo": STEP_HLO, "platform": platform, "generation": generation,
+              "compiled": compiled_note,
               "cost": {k: float(v) for k, v in dict(cost or {}).items() if "{" not in k}, **meta}   # the totals
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -250,7 +261,7 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
     if not steps:
         raise UserError(f"{trace}: no run of {module} in the trace (programs: "
                         f"{', '.join(sorted({r.module for r in runs})) or 'none'})")
-    n = len(steps)
+    n = int(meta.get("loop_steps") or len(steps))     # per step: per train step, or per loop iteration
     comps, _ = hlo.parse_module(text)
     index = {ins.name: ins for _, lines in comps.values() for ins in map(hlo.parse_instruction, lines) if ins}
 
@@ -320,7 +331,8 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
             other["ms"] += run.duration_ns / 1e6
     return {
         "trace": str(trace.relative_to(directory)), "hlo": STEP_HLO, "plane": plane, "platform": platform,
-        "module": module, "generation": meta.get("generation"), "steps": meta.get("steps"), "runs": n,
+        "module": module, "generation": meta.get("generation"), "steps": meta.get("steps"), "runs": len(steps),
+        "loop_steps": meta.get("loop_steps"),
         "compiled": meta.get("compiled"),
         "per_step_ms": {"wall": sum(wall) / n / 1e6, "ops": op_ns / n / 1e6, "busy": sum(busy) / n / 1e6,
                         "idle_in_program": (sum(wall) - sum(busy)) / n / 1e6,
@@ -363,8 +375,10 @@ def format_summary(s: dict) -> str:
     per = s["per_step_ms"]
     predicted = "none" not in s["prediction"]
     steps = s.get("steps")
+    loop = s.get("loop_steps")
     lines = [f"profile: {s['runs']} run(s) of {s['module']}" + (f" (steps {steps[0]}-{steps[1]})" if steps else "")
-             + f" on {s['plane']}, per step: measured op time (exclusive)"
+             + (f", {loop} loop iterations in all" if loop else "")
+             + f" on {s['plane']}, per {'iteration' if loop else 'step'}: measured op time (exclusive)"
              + (f" beside the roofline at {s['generation']}'s peaks ({s['prediction']['peak_tflops']:.0f} TFLOP/s, "
                 f"{s['prediction']['hbm_gbps']:.0f} GB/s)" if predicted else f"; {s['prediction']['none']}"),
              f"  {'category':36} {'measured':>11}" + (f" {'predicted':>11} {'difference':>11}" if predicted else "")
@@ -388,7 +402,7 @@ def format_summary(s: dict) -> str:
     lines.append(f"  the step's wall time on the device {per['wall']:.2f} ms: ops busy {per['busy']:.2f} ms, idle inside "
                  f"the program {per['idle_in_program']:.2f} ms; between steps "
                  + (f"{gap:.2f} ms (nothing of the step running: dispatch, data, metrics, other programs)"
-                    if gap is not None else "- (one step traced)"))
+                    if gap is not None else "- (one run traced)"))
     if s["platform"] == "cpu" and per["ops"] > per["busy"] * 1.05:
         lines.append(f"  (XLA:CPU runs thunks on several threads at once: their sum is {per['ops'] / per['busy']:.2f}x "
                      f"the busy time; read the shares)")
