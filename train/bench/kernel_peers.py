@@ -75,11 +75,10 @@ def _attention(case: Case, impl: str):
     tokamax = _tokamax()
     window = case.dims["window"]
 
-    def fn(q, k, v, **_):
-        out = tokamax.dot_product_attention(q, k, v, scale=case.kwargs["scale"], is_causal=True,
-                                            local_window_size=(window - 1, 0) if window else None,
-                                            implementation=impl)
-        return out
+    def fn(q, k, v, **_):       # our window W: keys i-W+1..i, tokamax's (left, right) = (W-1, 0)
+        return tokamax.dot_product_attention(q, k, v, scale=case.kwargs["scale"], is_causal=True,
+                                             local_window_size=(window - 1, 0) if window else None,
+                                             implementation=impl)
     return fn
 
 
