@@ -16,5 +16,5 @@ def get_env():
     torchax = import_torchax()
     import torch_model.ops  # noqa: F401  (registers torch.ops.torchlyra.* before routing)
     env = torchax.default_env()
-    aten_overrides.install(env)    # aten.embedding's padding row without a scatter (sharded tables)
+    aten_overrides.install(env)    # aten.embedding without a scatter (sharded tables), aten.topk unsorted again
     return env

@@ -90,6 +90,32 @@ def test_embedding_with_a_padding_row_is_torchs_without_a_scatter():
         aten_overrides.embedding(jnp.ones((3, 2)), jnp.zeros((2,), jnp.int32), -1, True)
 
 
+def test_topk_is_torchs_with_one_top_k_and_no_sort():
+    """The lowering of aten.topk (jax_bridge/aten_overrides.py): torch's values and indices (ties,
+    another dim, smallest first) with jax.lax.top_k alone; torchax's sorted and argsorted its
+    already sorted result again (two sorts, a reverse, a gather: 12 of the 426 ops of a v5e decode
+    step). Installed in the env, so a router's torch.topk lowers to it."""
+    env = get_env()                 # the torch 2.13 shim first: a bare torchax import fails
+    from torchax.ops import jaten
+
+    assert env._ops[torch.ops.aten.topk.default].is_user_defined
+    distinct = torch.randn(6, 7, generator=torch.Generator().manual_seed(0))
+    ties = torch.tensor([[0.5, 2.0, 2.0, -1.0, 0.3], [1.0, 1.0, 1.0, 1.0, 0.0]])
+    for dim, k, largest in ((-1, 2, True), (-1, 3, False), (0, 1, True), (1, 5, True)):
+        want = torch.topk(distinct, k, dim=dim, largest=largest)       # torch breaks ties its own way
+        values, indices = aten_overrides.topk(jnp.asarray(distinct.numpy()), k, dim, largest)
+        np.testing.assert_array_equal(np.asarray(values), want.values.numpy())
+        np.testing.assert_array_equal(np.asarray(indices), want.indices.numpy())
+        before = jaten._aten_topk(jnp.asarray(ties.numpy()), k, dim, largest)   # torchax's: the same, ties too
+        for a, b in zip(aten_overrides.topk(jnp.asarray(ties.numpy()), k, dim, largest), before):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with env:
+        jaxpr = jax.make_jaxpr(lambda h: env.t2j_iso(torch.topk(env.j2t_iso(h) * 2.0, 2, dim=-1).indices))(
+            jnp.ones((4, 8)))
+    primitives = [str(e.primitive) for e in jaxpr.jaxpr.eqns]
+    assert primitives.count("top_k") == 1 and "sort" not in primitives, primitives
+
+
 def test_kernel_spec_parsing_and_auto():
     assert registry.parse_kernel_spec("attention=pallas") == {"attention": "pallas", "cross_entropy": "auto",
                                                                "moe": "auto"}
