@@ -84,16 +84,23 @@ def moe_experts_reference(x, group_sizes, gate_up, gate_up_bias, down, down_bias
                           limit: float = 7.0, up_shift: float = 1.0):
     """Plain JAX/XLA: two `jax.lax.ragged_dot` grouped GEMMs around the activation; the `xla`
     implementation. (Tests also check it against a per-row loop and the eager torch op.)"""
+    return experts_around_grouped_matmuls(jax.lax.ragged_dot, x, group_sizes, gate_up, gate_up_bias, down, down_bias,
+                                          alpha=alpha, limit=limit, up_shift=up_shift)
+
+
+def experts_around_grouped_matmuls(ragged_dot, x, group_sizes, gate_up, gate_up_bias, down, down_bias, *,
+                                   alpha: float, limit: float, up_shift: float = 1.0):
+    """The expert MLP as two grouped GEMMs `ragged_dot(lhs, rhs, group_sizes, precision=,
+    preferred_element_type=)` (jax.lax.ragged_dot's signature) around the biases and the activation
+    in plain JAX: the reference's body, and `bench kernels`' tokamax peer with tokamax's GEMM."""
     group_sizes = group_sizes.astype(jnp.int32)
     rows = x.shape[0]
     expert = expert_of_rows(group_sizes, rows)
     prec = dot_precision(x.dtype)   # explicit: on TPU ragged_dot is a Mosaic kernel (no HIGHEST for bf16)
-    h = jax.lax.ragged_dot(x, gate_up, group_sizes, precision=prec,
-                           preferred_element_type=jnp.float32)
+    h = ragged_dot(x, gate_up, group_sizes, precision=prec, preferred_element_type=jnp.float32)
     h = clamped_swiglu(h + gate_up_bias[expert].astype(jnp.float32), alpha=alpha, limit=limit,
                        up_shift=up_shift).astype(x.dtype)
-    y = jax.lax.ragged_dot(h, down, group_sizes, precision=prec,
-                           preferred_element_type=jnp.float32)
+    y = ragged_dot(h, down, group_sizes, precision=prec, preferred_element_type=jnp.float32)
     return (y + down_bias[expert].astype(jnp.float32)).astype(x.dtype)
 
 

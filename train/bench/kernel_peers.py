@@ -83,23 +83,12 @@ def _attention(case: Case, impl: str):
 
 
 def _moe(case: Case, impl: str):
-    import jax.numpy as jnp
+    import functools
 
-    from pallas_kernels.moe import clamped_swiglu, expert_of_rows
-    from pallas_kernels.platform import dot_precision
+    from pallas_kernels.moe import experts_around_grouped_matmuls
 
-    tokamax = _tokamax()
-
-    def fn(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, alpha, limit, **_):
-        expert = expert_of_rows(group_sizes, x.shape[0])
-        prec = dot_precision(x.dtype)
-        h = tokamax.ragged_dot(x, gate_up, group_sizes, precision=prec, preferred_element_type=jnp.float32,
-                               implementation=impl)
-        h = clamped_swiglu(h + gate_up_bias[expert].astype(jnp.float32), alpha=alpha, limit=limit).astype(x.dtype)
-        y = tokamax.ragged_dot(h, down, group_sizes, precision=prec, preferred_element_type=jnp.float32,
-                               implementation=impl)
-        return (y + down_bias[expert].astype(jnp.float32)).astype(x.dtype)
-    return fn
+    grouped_matmul = functools.partial(_tokamax().ragged_dot, implementation=impl)
+    return functools.partial(experts_around_grouped_matmuls, grouped_matmul)     # the reference's body
 
 
 def _cross_entropy_inputs(case: Case, inputs):
