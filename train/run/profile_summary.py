@@ -76,9 +76,10 @@ def save_step_program(directory: Path, step, state, tokens, lr_scale, **meta) ->
         _compiles["listening"] = True
     before, start = len(_compiles["programs"]), time.perf_counter()
     compiled = step.compiled(state, tokens, lr_scale)
-    module = module_name(roofline.module_text(compiled))    # jit_NAME, which jax's compile events call jit(NAME)
+    text = roofline.module_text(compiled)
+    module = module_name(text)          # jit_NAME, which jax's compile events call jit(NAME)
     again = [s for name, s in _compiles["programs"][before:] if name == f"jit({module.removeprefix('jit_')})"]
-    return save_program(directory, compiled, platform=step.platform, generation=step.cfg.tpu_generation,
+    return save_program(directory, compiled, text=text, platform=step.platform, generation=step.cfg.tpu_generation,
                         compiled_note=(f"compiled again in {sum(again):.1f} s (jax.jit's cache did not hold the step)"
                                        if again else "the executable the steps ran, from jax.jit's cache: no second "
                                                      "compile"),
@@ -86,12 +87,12 @@ def save_step_program(directory: Path, step, state, tokens, lr_scale, **meta) ->
 
 
 def save_program(directory: Path, compiled, *, platform: str, generation: str | None, compiled_note: str,
-                 **meta) -> dict:
-    """A compiled program the trace ran, written beside it: its optimized HLO (STEP_HLO) and
-    STEP_META (module name, platform, TPU generation, libtpu's cost analysis, `meta`). A
-    program that loops (generation's decode) gives `loop_steps`, the iterations the trace holds
-    in all: the summary is then per iteration. Returns the meta."""
-    text = roofline.module_text(compiled)
+                 text: str | None = None, **meta) -> dict:
+    """A compiled program the trace ran, written beside it: its optimized HLO (STEP_HLO; `text`
+    when the caller has it already) and STEP_META (module name, platform, TPU generation, libtpu's
+    cost analysis, `meta`). A program that loops (generation's decode) gives `loop_steps`, the
+    iterations the trace holds in all: the summary is then per iteration. Returns the meta."""
+    text = roofline.module_text(compiled) if text is None else text
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     record = {"module": module_name(text), "hlo": STEP_HLO, "platform": platform, "generation": generation,
