@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Where a decode step's time goes on the chip: `torchlyra generate`'s decode program (one model,
-random weights, bf16) timed at several batch sizes and sampling modes, then traced once with
-jax.profiler and its device ops summed by the roofline's categories (jax_bridge/roofline.py),
-measured beside predicted. Reads the trace with jax's own ProfileData: no xprof needed. The ops'
-times overlap (asynchronous weight prefetches run beside the compute): their sum exceeds the
-step's wall time; read the shares.
+random weights, bf16) timed at several batch sizes and sampling modes, then traced once per batch
+by `generate --profile`'s DecodeProfiler (train/generation/cli.py), whose profile summary
+(train/run/profile_summary.py) sums the device ops by the roofline's categories, measured beside
+predicted, per decode step. The ops' times overlap (asynchronous weight prefetches run beside the
+compute): their sum exceeds the step's wall time; read the shares.
 
     python scripts/decode_profile.py [MODEL ...]    MODEL: a preset (tiny, small-o200k, ...) or a
                                                     transformers config JSON (docs/models/*.json)
@@ -13,7 +13,6 @@ step's wall time; read the shares.
 Writes $OUT/decode_profile_<model>.json (OUT defaults to /tmp) and prints a table per model.
 On a CPU host the timings run and the profile is skipped (no device ops to read).
 """
-import glob
 import json
 import os
 import statistics
@@ -60,68 +59,27 @@ def timed(gen, cfg, batch, new, sampling, stream=None, repeats=3):
                 compile_s=[(c.program, round(c.seconds, 1)) for c in first.compilations], bucket=list(first.bucket))
 
 
-def device_ops(trace_dir):
-    """{op name: [total ns, count]} of the traced programs' device ops (control ops, which span
-    their bodies' ops, left out), and each program run's (module, ns): the trace read by
-    train/run/profile_summary.py's reader."""
-    from jax_bridge import roofline
-    from train.run.profile_summary import read_trace
-
-    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
-    _, _, runs, _ = read_trace(Path(path))
-    ops = {}
-    for run in runs:
-        for e in run.ops:
-            if e.signature and e.signature[0] in roofline.CONTROL:
-                continue
-            t = ops.setdefault(e.name, [0, 0])
-            t[0] += e.duration_ns
-            t[1] += 1
-    return ops, [(run.module, run.duration_ns) for run in runs]
-
-
-def profile(gen, cfg, batch, new, generation):
-    """Measured device time per roofline category of the decode program, per step."""
-    import jax
-
-    from jax_bridge import roofline
+def profile(gen, cfg, batch, new):
+    """The decode program's device time per roofline category, per step, measured beside
+    predicted: `generate --profile`'s DecodeProfiler (train/generation/cli.py) and the profile
+    summary (train/run/profile_summary.py)."""
+    from train.generation.cli import DecodeProfiler
     from train.generation.sampling import SamplingConfig
 
     s = SamplingConfig(max_new_tokens=new, temperature=0)
     prompts = prompts_for(cfg, batch)
     gen.generate(prompts, s)
-    trace = f"/tmp/decode_trace_{os.getpid()}_{batch}"
-    jax.profiler.start_trace(trace)
+    profiler = DecodeProfiler(f"/tmp/decode_trace_{os.getpid()}_{batch}")
     result = gen.generate(prompts, s)
-    jax.profiler.stop_trace()
-    ops, modules = device_ops(trace)
-    if not ops:
-        return None
-    (bucket, program), = [(b, p) for b, p in gen.decoder.decode_programs().items() if b[0] == result.bucket[0]
-                          and b[1] == result.bucket[2] and not b[2].top_k][:1]
-    text = roofline.module_text(program)
-    hlo_ops, _, _ = roofline.collect_ops(text, roofline.xla_cost_fn())
-    by_name = {o.name: o for o in hlo_ops}
-    peak, bandwidth = roofline.device_peaks(generation)
-    steps = result.decode_steps
-    rows = {}
-    for name, (ns, count) in ops.items():
-        op = by_name.get(name)
-        category = op.category if op else "not in the decode program"
-        row = rows.setdefault(category, dict(measured_us=0.0, events=0, predicted_us=0.0))
-        row["measured_us"] += ns / 1e3 / steps
-        row["events"] += count / steps
-    for op in hlo_ops:
-        if op.name in ops:
-            seconds, _ = roofline.op_seconds(op, peak, bandwidth)
-            rows[op.category]["predicted_us"] += seconds * 1e6 * op.trips
-    top = sorted(((ns / steps / 1e3, count / steps, name, by_name[name].category if name in by_name else "-")
-                  for name, (ns, count) in ops.items()), reverse=True)[:40]
-    return dict(steps=steps, wall_ms_per_step=result.decode_seconds / steps * 1e3,
-                device_ops_us_per_step=sum(ns for ns, _ in ops.values()) / steps / 1e3,
-                modules_ms=[(name, round(ns / 1e6, 3)) for name, ns in modules][:20],
-                categories={k: {kk: round(vv, 2) for kk, vv in v.items()} for k, v in rows.items()},
-                top_ops=[dict(us_per_step=round(a, 2), per_step=round(b, 2), name=c, category=d) for a, b, c, d in top])
+    summary = profiler.finish(gen, result, s)
+    return dict(steps=result.decode_steps, wall_ms_per_step=result.decode_seconds / result.decode_steps * 1e3,
+                device_ops_us_per_step=summary["per_step_ms"]["ops"] * 1e3,
+                other_programs=summary["other_programs"],
+                categories={r["row"]: dict(measured_us=round(r["measured_ms"] * 1e3, 2), events=r["events_per_step"],
+                                           predicted_us=None if r["predicted_ms"] is None
+                                           else round(r["predicted_ms"] * 1e3, 2)) for r in summary["rows"]},
+                top_ops=[dict(us_per_step=round(o["measured_ms"] * 1e3, 2), per_step=o["events_per_step"],
+                              name=o["name"], category=o["row"]) for o in summary["top"]])
 
 
 def main(names):
@@ -156,7 +114,7 @@ def main(names):
         if on_tpu:
             for batch in batches:
                 try:
-                    p = profile(gen, model.cfg, batch, new, "v5e")
+                    p = profile(gen, model.cfg, batch, new)
                 except Exception as e:  # noqa: BLE001
                     p = dict(error=repr(e)[:300])
                 report["profiles"][batch] = p

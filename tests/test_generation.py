@@ -149,7 +149,7 @@ def test_a_decode_profile_gives_a_decode_steps_time_by_op_category(generator, tm
     generator.generate(prompts, sampling)            # compiled and loaded before the trace, as the command does
     profiler = DecodeProfiler(tmp_path)
     result = generator.generate(prompts, sampling)
-    profiler.finish(generator, result)
+    profiler.finish(generator, result, sampling)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["module"], summary["runs"], summary["loop_steps"]) == ("jit_decode_loop", 1, 11)
     assert summary["per_step_ms"]["ops"] > 0 and any(r["measured_ms"] > 0 for r in summary["rows"])

@@ -114,7 +114,7 @@ def _run(args) -> int:
     result = generator.generate(prompts, sampling, on_tokens=(lambda new: stream(new[0])) if streaming else None,
                                 stream_every=args.stream_every if streaming else None)
     if args.profile:
-        profiler.finish(generator, result)
+        profiler.finish(generator, result, sampling)
     if streaming:
         stream.close()
         print("\n")
@@ -141,24 +141,26 @@ class DecodeProfiler:
         self.directory.mkdir(parents=True, exist_ok=True)
         jax.profiler.start_trace(str(self.directory))
 
-    def finish(self, generator, result) -> None:
+    def finish(self, generator, result: Generation, sampling: SamplingConfig) -> dict:
+        """Stop the trace after `result` (a generate call with `sampling`), save its decode program
+        beside it and print the summary; returns the summary."""
         import jax
 
+        from jax_bridge.decoding import stop_slots
         from train.run import profile_summary
 
         jax.profiler.stop_trace()       # generate returned host tokens: the device work is done
         decoder = generator.decoder
-        batch, length = result.bucket[0], result.bucket[2]
-        programs = [p for bucket, p in decoder.decode_programs().items() if bucket[:2] == (batch, length)]
-        if len(programs) != 1:
-            raise UserError(f"generate --profile: {len(programs)} decode programs of batch {batch}, length {length}")
-        profile_summary.save_program(self.directory, programs[0], platform=decoder.platform,
+        key = (result.bucket[0], result.bucket[2], sampling.mode(generator.cfg.vocab_size),
+               stop_slots(len(sampling.stop_tokens)))      # the bucket decode_program compiled it under
+        profile_summary.save_program(self.directory, decoder.decode_programs()[key], platform=decoder.platform,
                                      generation=decoder.tpu_generation, loop_steps=result.decode_steps,
                                      compiled_note="the decode loop the generate call ran (compiled before the trace)",
                                      bucket=list(result.bucket))
         summary, path = profile_summary.write_summary(self.directory)
         print(profile_summary.format_summary(summary), file=sys.stderr)
         print(f"profile: {path}", file=sys.stderr)
+        return summary
 
 
 def chat_conversations(args) -> list[list]:
