@@ -222,7 +222,7 @@ DTYPES = tuple(TOLERANCES)
 #   largest difference between the two runs' gradients of that tensor. With |g| >= 10 |dg| an entry's
 #   update moves by at most lr * eps / (|g| + eps) / 10 (a tenth of lr where |g| is near eps, far
 #   less above), so its sign and size are the gradient's. On a v5e in float32 (TPU's float32 exp,
-#   log and tanh are 80-4000 ulps from the truth, `.tpu`'s probe, issue 57) the gradients carry
+#   log and tanh are 80-4000 ulps from the truth, scripts/float32_accuracy.py on the chip) the gradients carry
 #   ~1e-5 relative noise, 30x the CPU's: `tiny`'s layer-2 down_proj_bias gradient was off by at
 #   most 1.3e-7 (rel 1.4e-5, within 1e-4), its post-step tensor by rel 2.4e-3 (bound 1e-3; max_abs
 #   3.2e-4 = 0.11 adam_lr) and the whole vector by 2.1e-5 (bound 2e-5), with attention=pallas and

@@ -459,3 +459,20 @@ def test_mosaic_op_counts_counts_each_kernels_llo_by_unit(tmp_path):
     assert kernels["attention_fwd"]["units"]["xlu"] > 0          # its row max and sum reduce across lanes
     assert json.loads(again.read_text())["kernels"] == kernels    # the compiler is deterministic
     assert f"{kernels['attention_fwd']['units']['mxu']:>7d} -> " in proc.stdout
+
+
+def test_scripts_of_session_29s_figures_run_here(capsys):
+    """The commands beside BENCHMARKS' session-29 figures: scripts/float32_accuracy.py (every row
+    printed; on this CPU within a few ulps) and scripts/decode_loop_ops.py (the decode loop body
+    priced for a v5e, deviceless: small-o200k at one row reads about its 206 MB output matrix)."""
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(__file__))
+    runpy.run_path(os.path.join(root, "scripts", "float32_accuracy.py"), run_name="float32_accuracy")
+    printed = capsys.readouterr().out
+    assert printed.count("max rel") == 9 and "matmul f32 HIGHEST mosaic" in printed
+    script = runpy.run_path(os.path.join(root, "scripts", "decode_loop_ops.py"))
+    assert script["main"](["--kernels", "moe=pallas"]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| moe=pallas")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert 200 < float(cells[1].split()[0]) < 260 and int(cells[3]) < 426, cells

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""A preset's decode loop as the real TPU compiler builds it for one v5e chip (deviceless: nothing
+runs, the weights are never made): per generated token, the HBM bytes and roofline time of the
+loop body (jax_bridge/roofline.py) and how many ops the body runs, per kernel choice. At one row a
+small model's decode is bound by the fixed cost of its ops as much as by its bytes
+(BENCHMARKS.md, session 29).
+
+    python3 scripts/decode_loop_ops.py [--preset small-o200k] [--rows 1] [--kernels moe=pallas;moe=decode]
+"""
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def loop_body(preset: str, rows: int, kernels: str, length: int = 256):
+    """(the decode loop body's costed ops, the decode kernels chosen) for one program."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jax_bridge import decoding, hlo_text, roofline, sharding, tpu_compile
+    from jax_bridge.sampling import SamplingMode
+    from torch_model.config import get_preset
+    from torch_model.model import GptOssForCausalLM
+
+    with torch.device("meta"):
+        model = GptOssForCausalLM(get_preset(preset))
+    mesh = sharding.make_mesh(None, [tpu_compile.device_of("v5e:1x1")])
+    params = decoding.decoder_params(model, "bfloat16", mesh)
+    decoder = decoding.Decoder(model, kernels=decoding.generation_kernels(kernels, "tpu", model), platform="tpu",
+                               compute_dtype="bfloat16", mesh=mesh, params=params, tpu_generation="v5e")
+    mode = SamplingMode(greedy=True, top_k=0, top_p=False, penalty=False)
+    n_stop = decoding.stop_slots(1)
+    values = decoding._values_spec(n_stop, model.cfg.vocab_size)
+    key = jax.random.key_data(jax.random.key(0))
+    inputs = (jax.ShapeDtypeStruct((rows, 32), jnp.int32), jax.ShapeDtypeStruct((rows, 32), jnp.int32),
+              jax.ShapeDtypeStruct((rows,), jnp.bool_), values, jax.ShapeDtypeStruct(key.shape, key.dtype))
+    state = jax.eval_shape(lambda p, *a: decoder._prefill(p, *a, length=length, mode=mode), params, *inputs)
+    whole = NamedSharding(mesh, PartitionSpec())
+    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=whole), state)
+    text = roofline.module_text(decoder.decode_program(rows, length, mode, n_stop, state))
+    ops, _, _ = roofline.collect_ops(text, roofline.xla_cost_fn())
+    comps, entry = hlo_text.parse_module(text)
+    prologue = {ins.name for ins in map(hlo_text.parse_instruction, comps[entry][1]) if ins is not None}
+    return [op for op in ops if op.name not in prologue], dict(decoder.decode_kernels)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small-o200k")
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--kernels", default="moe=pallas;moe=decode", help="';'-separated kernel specs to compare")
+    args = parser.parse_args(argv)
+    from jax_bridge import roofline
+
+    peak, bandwidth = roofline.device_peaks("v5e")
+    print(f"{args.preset}, {args.rows} row(s), one v5e chip (deviceless), per generated token:")
+    print("| kernels | HBM bytes | roofline | ops in the loop body | of them fusions | most bytes |")
+    print("|---|---|---|---|---|---|")
+    for spec in args.kernels.split(";"):
+        loop, chosen = loop_body(args.preset, args.rows, spec)
+        hbm = sum(op.hbm_bytes * op.trips for op in loop)
+        seconds = sum(roofline.op_seconds(op, peak, bandwidth)[0] * op.trips for op in loop)
+        opcodes = collections.Counter(op.opcode for op in loop)
+        top = max(loop, key=lambda op: op.hbm_bytes)
+        print(f"| {spec} | {hbm / 1e6:.1f} MB | {seconds * 1e3:.3f} ms | {sum(op.trips for op in loop)} | "
+              f"{opcodes['fusion']} | {top.name} {top.hbm_bytes / 1e6:.1f} MB |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
