@@ -27,9 +27,10 @@ from helpers import prepare_play_corpus
 pytestmark = pytest.mark.tpu
 REPO = Path(__file__).resolve().parents[1]
 # `make demo`'s validation bits per byte on the 2-core CPU host (float32), the demo's defaults
-# (tiny, 300 steps, batch 8 x 256): 2.1439 (issue 57; 2.144 in session 25's fresh-clone demo). The
-# chip trains in bf16; the issue's bound is 0.01.
-CPU_DEMO_BPB, DEMO_BOUND = 2.1439, 0.01
+# (tiny, 300 steps, batch 8 x 256): 2.1399 since the MoE dispatch's sorts (5f09741: the losses equal
+# for 3 steps, then differ by 1e-7, float32 rounding; 2.1439 before, which the chip matched with
+# 2.1440 in sessions 29-30). The chip trains in bf16; the issue's bound is 0.01.
+CPU_DEMO_BPB, DEMO_BOUND = 2.1399, 0.01
 MICRO = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "n_experts": 4,
                    "expert_dim": 32, "sliding_window": 8, "vocab_size": 320},
          "batch_size": 4, "seq_len": 32, "steps": 40, "warmup_steps": 5, "log_every": 1, "eval_every": 40,
