@@ -175,3 +175,14 @@ def test_the_step_program_is_the_one_the_calls_ran_or_says_it_compiled_again(tmp
     assert json.loads((tmp_path / ps.STEP_META).read_text())["module"] == "jit__step"
     again = ps.save_step_program(tmp_path, step(False), state, [1.0, 2.0, 3.0], 0.5)
     assert again["compiled"].startswith("compiled again in ")
+
+
+def test_an_async_ops_halves_match_whichever_way_they_are_printed():
+    """XLA prints a wrapped slice's halves as slice-start / slice-done (syntax sugar, our HLO) or as
+    async-start / async-done: the same instruction either way; another shape is another one."""
+    start = "((bf16[16,8]), bf16[4,8], s32[])"
+    assert ps._async_neutral(("slice-done", "bf16[4,8]")) == ps._async_neutral(("async-done", "bf16[4,8]"))
+    assert ps._async_neutral(("slice-start", start)) == ps._async_neutral(("async-start", start))
+    assert ps._async_neutral(("slice-done", "bf16[4,8]")) != ps._async_neutral(("async-done", "bf16[4,9]"))
+    assert ps._async_neutral(("slice-done", "bf16[4,8]")) != ps._async_neutral(("async-start", "bf16[4,8]"))
+    assert ps._async_neutral(("add", "f32[7]")) == ("add", "f32[7]")
