@@ -327,6 +327,15 @@ def collect_ops(text: str, cost_fn) -> tuple[list[Op], list[str], list[str]]:
     return ops, unknown, unpriced
 
 
+def loop_ops(ops: list[Op], text: str) -> list[Op]:
+    """The ops of `ops` (collect_ops of `text`) that run inside the program's loops: all but the
+    entry computation's own. A decode program's per-token work; the rest, its prologue, runs once
+    per call."""
+    comps, entry = hlo.parse_module(text)
+    prologue = {ins.name for ins in map(hlo.parse_instruction, comps[entry][1]) if ins is not None}
+    return [op for op in ops if op.name not in prologue]
+
+
 def xla_cost_fn():
     """The generic (platform-independent) HLO cost analysis, through the CPU client."""
     import jax

@@ -17,12 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def loop_body(preset: str, rows: int, kernels: str, length: int = 256):
     """(the decode loop body's costed ops, the decode kernels chosen) for one program."""
-    import jax
-    import jax.numpy as jnp
     import torch
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from jax_bridge import decoding, hlo_text, roofline, sharding, tpu_compile
+    from jax_bridge import decoding, roofline, sharding, tpu_compile
     from jax_bridge.sampling import SamplingMode
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
@@ -35,18 +32,10 @@ def loop_body(preset: str, rows: int, kernels: str, length: int = 256):
                                compute_dtype="bfloat16", mesh=mesh, params=params, tpu_generation="v5e")
     mode = SamplingMode(greedy=True, top_k=0, top_p=False, penalty=False)
     n_stop = decoding.stop_slots(1)
-    values = decoding._values_spec(n_stop, model.cfg.vocab_size)
-    key = jax.random.key_data(jax.random.key(0))
-    inputs = (jax.ShapeDtypeStruct((rows, 32), jnp.int32), jax.ShapeDtypeStruct((rows, 32), jnp.int32),
-              jax.ShapeDtypeStruct((rows,), jnp.bool_), values, jax.ShapeDtypeStruct(key.shape, key.dtype))
-    state = jax.eval_shape(lambda p, *a: decoder._prefill(p, *a, length=length, mode=mode), params, *inputs)
-    whole = NamedSharding(mesh, PartitionSpec())
-    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=whole), state)
-    text = roofline.module_text(decoder.decode_program(rows, length, mode, n_stop, state))
+    prefill = decoder.prefill_program(rows, 32, length, mode, n_stop)
+    text = roofline.module_text(decoder.decode_program(rows, length, mode, n_stop, prefill.out_info))
     ops, _, _ = roofline.collect_ops(text, roofline.xla_cost_fn())
-    comps, entry = hlo_text.parse_module(text)
-    prologue = {ins.name for ins in map(hlo_text.parse_instruction, comps[entry][1]) if ins is not None}
-    return [op for op in ops if op.name not in prologue], dict(decoder.decode_kernels)
+    return roofline.loop_ops(ops, text), dict(decoder.decode_kernels)
 
 
 def main(argv=None) -> int:

@@ -50,17 +50,15 @@ def decode_roofline(topology: str, layers: int, batch: int, mxfp4: bool):
 def per_token_bytes(compiled) -> dict:
     """HBM bytes of the decode program's ops: those of its while loop (per token) and of the
     prologue (once per call), and the MoE kernels' share of the loop's."""
-    from jax_bridge import hlo_text, roofline
+    from jax_bridge import roofline
 
     text = roofline.module_text(compiled)
     ops, unknown, _ = roofline.collect_ops(text, roofline.xla_cost_fn())
     if not unknown:
         raise RuntimeError("the decode loop's trip count was read: its body would not be counted once per token")
-    comps, entry = hlo_text.parse_module(text)
-    prologue = {ins.name for ins in map(hlo_text.parse_instruction, comps[entry][1]) if ins is not None}
-    loop = [op for op in ops if op.name not in prologue]
+    loop = roofline.loop_ops(ops, text)
     return {"per_token": sum(op.hbm_bytes for op in loop),
-            "prologue": sum(op.hbm_bytes for op in ops if op.name in prologue),
+            "prologue": sum(op.hbm_bytes for op in ops) - sum(op.hbm_bytes for op in loop),
             "moe_per_token": sum(op.hbm_bytes for op in loop if op.kernel.startswith(("moe_fused", "moe_mxfp4")))}
 
 

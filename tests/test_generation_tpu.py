@@ -6,7 +6,7 @@ import pytest
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_bridge import decoding, hlo_text, roofline, sharding, tpu_compile
+from jax_bridge import decoding, roofline, sharding, tpu_compile
 from jax_bridge.sampling import SamplingMode
 from torch_model.transformers_lm import TransformersSpec
 
@@ -49,9 +49,7 @@ def test_a_v5e_decode_step_reads_the_weights_once_and_writes_its_caches_in_place
     text = roofline.module_text(program)
     ops, unknown, _ = roofline.collect_ops(text, roofline.xla_cost_fn())
     assert unknown, "the decode loop's trip count is a runtime value: its body counts once, per token"
-    comps, entry = hlo_text.parse_module(text)
-    prologue = {ins.name for ins in map(hlo_text.parse_instruction, comps[entry][1]) if ins is not None}
-    loop = [op for op in ops if op.name not in prologue]
+    loop = roofline.loop_ops(ops, text)
     weights = sum(a.size * a.dtype.itemsize for a in params.values())
     cache = 2 * 2 * ROWS * 8 * LENGTH * 128 * 2            # keys and values of two layers
     per_token = sum(op.hbm_bytes for op in loop)
