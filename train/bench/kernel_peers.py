@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from train.bench.kernel_cases import Case
+from train.bench.kernel_cases import Case, float_positions
 
 LIBRARY = "tokamax"
 # tokamax's implementation of each op on a TPU; other platforms run its plain-XLA one.
@@ -109,7 +109,7 @@ PEERS = {
     "attention": Peer("attention", LIBRARY, "no sinks (tokamax has none)", _attention_inputs,
                       lambda case: (0, 1, 2), _attention),
     "moe": Peer("moe", LIBRARY, "2 tokamax ragged_dots, biases and SwiGLU in XLA", lambda case, inputs: list(inputs),
-                lambda case: (0, 2, 3, 4, 5), _moe),
+                float_positions, _moe),           # our inputs as they are
     "cross_entropy": Peer("cross_entropy", LIBRARY, "loss summed; weight [H, V]", _cross_entropy_inputs,
                           lambda case: (0, 1), _cross_entropy),
 }
