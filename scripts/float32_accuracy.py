@@ -21,14 +21,19 @@ ref = {"exp": np.exp(np.clip(x64, -80, 80)), "log(|x|+2)": np.log(np.abs(x64) + 
 fns = {"exp": lambda a: jnp.exp(jnp.clip(a, -80, 80)), "log(|x|+2)": lambda a: jnp.log(jnp.abs(a) + 2),
        "log1p(|x|)": lambda a: jnp.log1p(jnp.abs(a)), "log_sigmoid": jax.nn.log_sigmoid, "sigmoid": jax.nn.sigmoid,
        "softplus": jax.nn.softplus, "tanh": jnp.tanh}
+
+
+def report(label, got, want, points):
+    """The largest relative error (and where), the largest and median error in float32 ulps."""
+    rel = np.abs(got - want) / np.maximum(np.abs(want), 1e-30)
+    ulp = np.abs(got - want) / np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    i = int(np.argmax(rel))
+    print(f"{label} max rel {rel.max():.3e} at x={points[i]:.4f}; max ulps {ulp.max():.1f}; median ulps {np.median(ulp):.2f}")
+
+
 print("device", jax.devices()[0].device_kind)
 for name, fn in fns.items():
-    got = np.asarray(jax.jit(fn)(jnp.asarray(x)), np.float64)
-    r = ref[name]
-    rel = np.abs(got - r) / np.maximum(np.abs(r), 1e-30)
-    ulp = np.abs(got - r) / np.spacing(np.abs(r).astype(np.float32)).astype(np.float64)
-    i = int(np.argmax(rel))
-    print(f"{name:14s} max rel {rel.max():.3e} at x={x[i]:.4f}; max ulps {ulp.max():.1f}; median ulps {np.median(ulp):.2f}")
+    report(f"{name:14s}", np.asarray(jax.jit(fn)(jnp.asarray(x)), np.float64), ref[name], x)
 
 # The same functions inside a Pallas (Mosaic) kernel: the attention and cross-entropy kernels' exp and log.
 from jax.experimental import pallas as pl
@@ -40,12 +45,8 @@ for name, fn in mosaic.items():
         o_ref[...] = fn(x_ref[...])
     got = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(xs.shape, jnp.float32), interpret=interpret)(
         jnp.asarray(xs)), np.float64).ravel()
-    x64 = xs.astype(np.float64).ravel()
-    r = np.exp(x64) if name == "exp" else np.log(np.abs(x64) + 2)
-    rel = np.abs(got - r) / np.maximum(np.abs(r), 1e-30)
-    ulp = np.abs(got - r) / np.spacing(np.abs(r).astype(np.float32)).astype(np.float64)
-    i = int(np.argmax(rel))
-    print(f"mosaic {name:12s} max rel {rel.max():.3e} at x={x64[i]:.4f}; max ulps {ulp.max():.1f}; median ulps {np.median(ulp):.2f}")
+    points = xs.astype(np.float64).ravel()
+    report(f"mosaic {name:12s}", got, np.exp(points) if name == "exp" else np.log(np.abs(points) + 2), points)
 
 # float32 matmuls at HIGHEST: XLA's and Mosaic's (the kernels' dot_precision for float32), against float64.
 rng = np.random.default_rng(0)
