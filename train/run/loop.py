@@ -51,11 +51,12 @@ def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict
             while trainer.done < cfg.steps:
                 profiler.before(trainer.done + 1)
                 metrics = trainer.train_step(trainer.next_batch())
+                trainer.write_pending_log()      # the previous log step's record, this step queued behind it
                 traced = profiler.after(trainer.done, metrics)
                 if traced is not None:
                     trainer.profiled(traced)
                 if trainer.is_log_step():
-                    trainer.log(metrics)
+                    trainer.queue_log(metrics)
                 if trainer.done % cfg.eval_every == 0 or trainer.done == cfg.steps:
                     trainer.evaluate()
                 if trainer.done % cfg.checkpoint_every == 0:

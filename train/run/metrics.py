@@ -132,11 +132,14 @@ class StepTimer:
         finally:
             self._excluded += time.perf_counter() - begin
 
-    def lap(self) -> float | None:
-        """Seconds per step since the last lap (None before any timed step); call after a sync."""
-        if self._mark is None or self._steps == 0:
+    def lap(self, running: int = 0) -> float | None:
+        """Seconds per step since the last lap (None before any timed step); call once the step
+        that ends the lap is done. `running`: steps counted after it, still on the device; they
+        belong to the next lap, which starts now (when the lap's last step ended)."""
+        done = self._steps - running
+        if self._mark is None or done <= 0:
             return None
         now = time.perf_counter()
-        per_step = (now - self._mark - self._excluded) / self._steps
-        self._mark, self._excluded, self._steps = now, 0.0, 0
+        per_step = (now - self._mark - self._excluded) / done
+        self._mark, self._excluded, self._steps = now, 0.0, running
         return per_step
