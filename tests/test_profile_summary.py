@@ -143,6 +143,22 @@ def test_profile_command_rewrites_the_summary_and_refuses_a_run_without_profile(
     assert main(["profile", str(tmp_path)]) == 2
 
 
+def test_a_run_that_began_before_the_trace_is_left_out_and_said(tpu_profile, tmp_path):
+    """The trace ends after step B, so runs beyond B - A + 1 are the first ones: a step still
+    running when the trace began (session 31 on the chip: 3 runs for steps 10-11)."""
+    import shutil
+
+    root, _, costed = tpu_profile
+    shutil.copytree(root / "profile", tmp_path / "profile")
+    meta = json.loads((tmp_path / "profile" / ps.STEP_META).read_text())
+    (tmp_path / "profile" / ps.STEP_META).write_text(json.dumps({**meta, "steps": [6, 6]}))
+    s = ps.summarize(tmp_path)
+    assert (s["runs"], s["partial_runs_left_out"]) == (1, 1)
+    assert s["per_step_ms"]["ops"] == pytest.approx(costed * 10.0 / 1e3)    # the second run's ops only
+    assert s["unmatched"]["instructions"] == 0 and s["per_step_ms"]["between_steps"] is None
+    assert "1 earlier run left out: it began before the trace" in ps.format_summary(s)
+
+
 def test_the_step_program_is_the_one_the_calls_ran_or_says_it_compiled_again(tmp_path):
     """save_step_program takes the step's executable from jax.jit's caches; where they miss, the
     compile is counted and said (the real TrainStep: tests/test_training_loop.py)."""

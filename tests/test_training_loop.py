@@ -156,6 +156,24 @@ def test_reference_run_writes_checkpoints_metrics_plots_and_tensorboard(referenc
     assert main(["profile", str(out)]) == 0        # `torchlyra profile RUN` reads it again
 
 
+def test_the_trace_starts_once_the_steps_before_it_are_done(tmp_path, monkeypatch):
+    """With metrics fetched a step late, step A-1 may still run when step A is about to be traced:
+    its tail in the trace made a third, partial run of steps 10-11 on the chip (session 31)."""
+    import jax
+
+    from train.run.profiling import StepProfiler
+
+    calls = []
+    monkeypatch.setattr(jax, "block_until_ready", lambda tree: calls.append(("wait", tree)))
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda directory: calls.append(("trace", directory)))
+    profiler = StepProfiler("3:4", tmp_path, 10)
+    profiler.before(2, "state after 1")
+    profiler.before(3, "state after 2")
+    profiler.before(4, "state after 3")                    # inside the trace: no wait
+    assert calls == [("wait", "state after 2"), ("trace", str(tmp_path))]
+    profiler.active = False                                # (nothing was traced: no stop_trace)
+
+
 @pytest.mark.parametrize("spec", ["3", "5:2", "0:4", "50:70"])
 def test_profile_steps_out_of_range_are_one_line_errors(root, spec):
     with pytest.raises(UserError, match="profile_steps"):

@@ -49,7 +49,7 @@ def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict
             if trainer.done == 0:
                 trainer.evaluate()
             while trainer.done < cfg.steps:
-                profiler.before(trainer.done + 1)
+                profiler.before(trainer.done + 1, trainer.state)
                 metrics = trainer.train_step(trainer.next_batch())
                 trainer.write_pending_log()      # the previous log step's record, this step queued behind it
                 traced = profiler.after(trainer.done, metrics)

@@ -275,6 +275,13 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
     if not steps:
         raise UserError(f"{trace}: no run of {module} in the trace (programs: "
                         f"{', '.join(sorted({r.module for r in runs})) or 'none'})")
+    traced = meta.get("steps")
+    partial = 0
+    if traced and not meta.get("loop_steps") and len(steps) > traced[1] - traced[0] + 1:
+        # The trace ends after step B and nothing runs after it: the runs beyond B - A + 1 come
+        # first, a step that was still running when the trace began (its tail only).
+        partial = len(steps) - (traced[1] - traced[0] + 1)
+        steps = steps[partial:]
     n = int(meta.get("loop_steps") or len(steps))     # per step: per train step, or per loop iteration
     comps, _ = hlo.parse_module(text)
     index = {ins.name: ins for _, lines in comps.values() for ins in map(hlo.parse_instruction, lines) if ins}
@@ -346,7 +353,7 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
     return {
         "trace": str(trace.relative_to(directory)), "hlo": STEP_HLO, "plane": plane, "platform": platform,
         "module": module, "generation": meta.get("generation"), "steps": meta.get("steps"), "runs": len(steps),
-        "loop_steps": meta.get("loop_steps"),
+        "loop_steps": meta.get("loop_steps"), "partial_runs_left_out": partial,
         "compiled": meta.get("compiled"),
         "per_step_ms": {"wall": sum(wall) / n / 1e6, "ops": op_ns / n / 1e6, "busy": sum(busy) / n / 1e6,
                         "idle_in_program": (sum(wall) - sum(busy)) / n / 1e6,
@@ -392,6 +399,8 @@ def format_summary(s: dict) -> str:
     loop = s.get("loop_steps")
     lines = [f"profile: {s['runs']} run(s) of {s['module']}" + (f" (steps {steps[0]}-{steps[1]})" if steps else "")
              + (f", {loop} loop iterations in all" if loop else "")
+             + (f" ({s['partial_runs_left_out']} earlier run left out: it began before the trace, only its tail"
+                f" is in it)" if s.get("partial_runs_left_out") else "")
              + f" on {s['plane']}, per {'iteration' if loop else 'step'}: measured op time (exclusive)"
              + (f" beside the roofline at {s['generation']}'s peaks ({s['prediction']['peak_tflops']:.0f} TFLOP/s, "
                 f"{s['prediction']['hbm_gbps']:.0f} GB/s)" if predicted else f"; {s['prediction']['none']}"),
