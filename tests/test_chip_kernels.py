@@ -130,15 +130,18 @@ MOE = [(300, 256, 256, 8, "random", dict(block_m=128, block_i=128)),
 
 
 @DTYPES
-@pytest.mark.parametrize("impl", ["pallas", "megablox"])
+@pytest.mark.parametrize("impl", ["pallas", "pallas-interleaved", "megablox"])
 @pytest.mark.parametrize("case", MOE, ids=lambda c: "M{}-H{}-I{}-E{}-{}".format(*c[:5]))
 def test_moe_kernels_on_the_chip_match_the_reference(case, impl, dtype):
+    """`pallas` takes gate_up in the blocked layout at these tiles (one I tile, a multiple of 128);
+    `pallas-interleaved` de-interleaves in the kernels (lane rolls and pair matmuls)."""
     m, h, i, e, kind, tiles = case
     args, dy = moe_inputs(m + e, m, h, i, e, kind, dtype)
     up = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
     y_ref, g_ref = value_and_grads(moe_experts_reference, up, dy.astype(jnp.float32))
-    if impl == "pallas":
-        fn = functools.partial(moe_experts_pallas, platform="tpu", **tiles)
+    if impl.startswith("pallas"):
+        layout = "interleaved" if impl == "pallas-interleaved" else "blocked"
+        fn = functools.partial(moe_experts_pallas, platform="tpu", gate_up_layout=layout, **tiles)
     else:
         fn = functools.partial(moe_experts_megablox, platform="tpu", block_m=tiles.get("block_m"))
     y, grads = value_and_grads(fn, args, dy)
