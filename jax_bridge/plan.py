@@ -458,9 +458,10 @@ def kernel_tiles(kernels: dict, options, cfg, seq_len: int, tokens: int, whole_e
             block_n, block_v = cross_entropy.default_block_sizes(tokens, cfg.d_model, cfg.vocab_size, "tpu")
             mine = {"block_n": block_n, "block_v": block_v, **mine}
         elif (op, name) == ("moe", "pallas") and whole_experts and getattr(cfg, "experts_per_token", 0):
-            given_tiles = {k: mine[k] for k in ("block_m", "block_i", "block_m_dw", "block_i_dw", "vmem_capacity_bytes")
-                           if k in mine}         # as the registry binds the kernel: the options over the target's
+            given_tiles = {k: mine[k] for k in ("block_m", "block_i", "block_m_dw", "block_i_dw", "vmem_capacity_bytes",
+                                                "gate_up_layout") if k in mine}   # as the registry binds the kernel: the options over the target's
             mine = moe.fused_tiles(tokens * cfg.experts_per_token, cfg.d_model, cfg.expert_dim, jnp.bfloat16,
+                                   num_experts=cfg.n_experts,
                                    **{**registry.target_keywords(moe.fused_tiles, "tpu", generation), **given_tiles})
         elif (op, name) == ("moe", "pallas"):
             block_m, block_i = moe.DEFAULT_FUSED_TILES["tpu"]

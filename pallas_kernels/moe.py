@@ -322,7 +322,7 @@ def store_rows(out_ref, val, offsets, gids, tiles, w, tm: int, axis: int = 0):
 # [H, 2ti] block holds the tile's gate and up as two lane-aligned halves. The SwiGLU then runs on
 # [tm, ti] (not at every lane of [tm, 2ti]) and no pair matmul remains. At small H those matmuls
 # are a large share: 17% / 23% more MXU work at small-o200k (H = 512, ti = 128), against a
-# permuted copy of 17 MB per layer and call.
+# permuted copy of 17 MB per layer and call, which a decode step's few rows do not amortize.
 #
 # HBM traffic: x/dy row tiles are read once per I tile; weight blocks are re-fetched for every
 # work item when there are several I tiles (once per expert when ti = I), less the one block
@@ -793,11 +793,21 @@ def _resolve_fused_tiling(block_m, block_i, platform: str, m: int, hdim: int, id
 GATE_UP_LAYOUTS = ("interleaved", "blocked")
 
 
-def _gate_up_layout(requested: str | None, ti: int, ti_w: int, platform: str) -> str:
+# Rows from which the blocked layout's per-call copy of gate_up (E x H x 2I, written and read
+# again, forward and dW) costs less than the pair matmuls it saves (forward, dx and dW: ~3 x 4 ti I
+# FLOPs a row): m ti >= _BLOCKED_ROWS_FACTOR x E H itemsize, at ~250 FLOP per HBM byte (v5e's
+# peaks), rounded down. Training steps are far above it (small-o200k: 65,536 rows, 8,192 needed);
+# decoding (a few rows a step) is far below.
+_BLOCKED_ROWS_FACTOR = 128
+
+
+def _gate_up_layout(requested: str | None, ti: int, ti_w: int, platform: str, rows: int, experts: int,
+                    hdim: int, itemsize: int) -> str:
     """The layout the kernels take gate_up in (section comment above): blocked where the row
-    kernels and the dW kernel share one I tile (one permuted copy serves all three) and, on TPU,
-    that tile is a multiple of the 128 lanes (its gate and up halves lane-aligned); else
-    interleaved. Asked for blocked where that does not hold: refused, naming why."""
+    kernels and the dW kernel share one I tile (one permuted copy serves all three), on TPU a
+    multiple of the 128 lanes (its gate and up halves lane-aligned), and the rows amortize the
+    copy (_BLOCKED_ROWS_FACTOR); else interleaved. Asked for blocked where the tiles do not allow
+    it: refused, naming why."""
     if requested not in (None, *GATE_UP_LAYOUTS):
         raise ValueError(f"moe_experts_pallas: gate_up_layout must be one of {', '.join(GATE_UP_LAYOUTS)}, "
                          f"found {requested!r}")
@@ -807,19 +817,22 @@ def _gate_up_layout(requested: str | None, ti: int, ti_w: int, platform: str) ->
         raise ValueError(f"moe_experts_pallas: gate_up_layout='blocked' needs one I tile for all three kernels, "
                          f"a multiple of 128 on TPU: {why}; set block_i (and block_i_dw) accordingly, or use "
                          f"'interleaved'")
-    return requested or ("interleaved" if why else "blocked")
+    amortized = rows * ti >= _BLOCKED_ROWS_FACTOR * experts * hdim * itemsize
+    return requested or ("blocked" if not why and amortized else "interleaved")
 
 
 def fused_tiles(m: int, hdim: int, idim: int, dtype, platform: str = "tpu", block_m: int | None = None,
                 block_i: int | None = None, block_i_dw: int | None = None, block_m_dw: int | None = None,
-                vmem_capacity_bytes: int | None = None, gate_up_layout: str | None = None) -> dict:
-    """The tiles `moe_experts_pallas` runs with for x [m, hdim] and experts of width idim (the
+                vmem_capacity_bytes: int | None = None, gate_up_layout: str | None = None,
+                num_experts: int = 1) -> dict:
+    """The tiles `moe_experts_pallas` runs with for x [m, hdim] and num_experts experts of width idim (the
     defaults after their VMEM-budget shrink, or the options given): block_m, block_i (forward and
     dx), block_m_dw, block_i_dw (dW), the gate_up layout and the padded I when it had to be padded."""
     tm, ti, tm_w, ti_w, ip = _resolve_fused_tiling(block_m, block_i, platform, m, hdim, idim, dtype, block_i_dw,
                                                    block_m_dw, vmem_capacity_bytes)
     return {"block_m": tm, "block_i": ti, "block_m_dw": tm_w, "block_i_dw": ti_w,
-            "gate_up_layout": _gate_up_layout(gate_up_layout, ti, ti_w, platform),
+            "gate_up_layout": _gate_up_layout(gate_up_layout, ti, ti_w, platform, m, num_experts, hdim,
+                                              jnp.dtype(dtype).itemsize),
             **({"padded_i": ip} if ip != idim else {})}
 
 
@@ -862,7 +875,8 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
         est = max(_fused_vmem_bytes(tm_w, hdim, ti_w, itemsize), _fused_rows_vmem_bytes(tm, hdim, ti, itemsize))
         cap = _fused_vmem_limits(vmem_capacity_bytes)[1]
         vmem = int(min(cap, max(32 * 2**20, round_up(est * 5 // 4, 2**20))))
-    blocked = _gate_up_layout(gate_up_layout, ti, ti_w, platform) == "blocked"
+    blocked = _gate_up_layout(gate_up_layout, ti, ti_w, platform, m, num_groups, hdim,
+                              jnp.dtype(x.dtype).itemsize) == "blocked"
     cfg = _FusedConfig(tm, ti, tm_w, ti_w, float(alpha), float(limit), float(up_shift), mode, vmem, blocked)
     dtype = x.dtype
     w1, b1 = gate_up.astype(dtype), gate_up_bias.reshape(num_groups, 1, two_i)

@@ -204,7 +204,8 @@ IMPLS = {
     "loop": lambda tiling: functools.partial(moe_experts_loop, block_m=tiling and tiling[0],
                                              block_m_tail=tiling and tiling[2]),
     "pallas": lambda tiling: functools.partial(moe_experts_pallas, block_m=tiling and tiling[0],
-                                               block_i=tiling and tiling[2], platform="cpu"),   # blocked
+                                               block_i=tiling and tiling[2], platform="cpu",
+                                               gate_up_layout="blocked"),    # (too few rows for its default)
     "pallas-interleaved": lambda tiling: functools.partial(moe_experts_pallas, block_m=tiling and tiling[0],
                                                            block_i=tiling and tiling[2], platform="cpu",
                                                            gate_up_layout="interleaved"),
@@ -374,13 +375,16 @@ def test_fused_pallas_with_its_own_dw_tiles(block_i, block_i_dw, block_m_dw):
 
 def test_the_gate_up_layout_is_blocked_where_one_lane_aligned_i_tile_serves_all_three_kernels():
     """Blocked ([gate | up] per I tile, no pair matmuls) needs the row kernels' and the dW
-    kernel's I tile equal and, on TPU, a multiple of 128; elsewhere interleaved; asked for where
-    it cannot be: refused, naming why."""
-    tiles = lambda **kw: fused_tiles(65536, 512, 1024, jnp.bfloat16, **kw)["gate_up_layout"]
-    assert tiles(block_m=512, block_i=128, block_m_dw=512) == "blocked"        # small-o200k's v5e tiles
+    kernel's I tile equal, on TPU a multiple of 128, and rows enough to amortize its copy of
+    gate_up; elsewhere interleaved; asked for where the tiles forbid it: refused, naming why."""
+    tiles = lambda m=65536, **kw: fused_tiles(m, 512, 1024, jnp.bfloat16, num_experts=8, **kw)["gate_up_layout"]
+    assert tiles(block_m=512, block_i=128, block_m_dw=512) == "blocked"        # small-o200k's step, v5e tiles
+    assert tiles(m=64, block_i=128) == "interleaved"                            # a decode step: the copy dominates
+    assert tiles(m=64, block_i=128, gate_up_layout="blocked") == "blocked"      # allowed when asked
     assert fused_tiles(65536, 512, 384, jnp.bfloat16, block_i=192)["gate_up_layout"] == "interleaved"  # 192 lanes
     assert tiles(block_i=128, block_i_dw=256) == "interleaved"                   # two I tiles
-    assert fused_tiles(40, 128, 192, jnp.float32, platform="cpu", block_i=64)["gate_up_layout"] == "blocked"
+    assert fused_tiles(4096, 128, 192, jnp.float32, platform="cpu", block_i=64,
+                       num_experts=3)["gate_up_layout"] == "blocked"
     with pytest.raises(ValueError, match=r"gate_up_layout='blocked'.*I tile \(128\) differs from the dW kernel's \(256\)"):
         tiles(block_i=128, block_i_dw=256, gate_up_layout="blocked")
     with pytest.raises(ValueError, match="gate_up_layout must be one of interleaved, blocked, found 'split'"):

@@ -274,7 +274,7 @@ def test_plan_roofline_of_the_tiny_step(tiny_step_plan):
     assert r["tiles"]["attention.pallas"] == {"block_q": 128, "block_kv": 128}
     # the fused MoE's tiles as the kernel resolves them for this chip's rows (2 x 256 tokens x top-k)
     assert r["tiles"]["moe.pallas"] == fused_tiles(2 * 256 * cfg.experts_per_token, cfg.d_model, cfg.expert_dim,
-                                                   jnp.bfloat16)
+                                                   jnp.bfloat16, num_experts=cfg.n_experts)
     assert "MFU ceiling" in printed and "Muon Newton-Schulz:" in printed and "agree within 1%" in printed
 
 
