@@ -189,6 +189,13 @@ def active_item_flops(assumed: GroupMetadata, tm: int, hdim: int, idim: int, pas
     return active_items(assumed) * tm * hdim * idim * 2 * passes
 
 
+def pair_matmul_flops(assumed: GroupMetadata, tm: int, ti: int, idim: int, products: int) -> int:
+    """The interleaved layout's 0/1 pair matmuls per active work item: `products` of
+    [tm, 2ti] x [2ti, ti] (or its transpose) per I tile (the forward's compact: 1; dx's spread:
+    2 in 16-bit, hi and lo, else 1; dW's spread and compact: 3, or 2)."""
+    return active_items(assumed) * tm * ti * idim * 4 * products
+
+
 def round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
@@ -512,7 +519,8 @@ def _fused_forward(meta: GroupMetadata, xp, w1, b1, w2, b2, cfg: _FusedConfig):
         compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
         name="moe_fused_fwd",
         cost_estimate=cost_estimate(grid, in_specs, (xp, w1, b1, w2, b2), out_spec, out_shape,
-                                    flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 3),
+                                    flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 3)
+                                    + (0 if cfg.blocked else pair_matmul_flops(assumed, tm, ti, w2.shape[1], 1)),
                                     transcendentals=active_items(assumed) * tm * w2.shape[1] * 2,
                                     prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
@@ -527,6 +535,7 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
     nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
     assumed = cost_metadata(m, w1.shape[0], tm)
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
+    spread = 1 if jnp.dtype(dtype) == jnp.float32 else 2     # _spread_pairs' passes (interleaved)
 
     def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, acc_ref):
         w, j = pl.program_id(0), pl.program_id(1)
@@ -564,7 +573,8 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
         compiler_params=_fused_params(cfg, ("arbitrary", "arbitrary")),
         name="moe_fused_dx",
         cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), row, out_shape,
-                                    flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 5),
+                                    flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 5)
+                                    + (0 if cfg.blocked else pair_matmul_flops(assumed, tm, ti, w2.shape[1], spread)),
                                     transcendentals=active_items(assumed) * tm * w2.shape[1] * 2,
                                     prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
@@ -582,6 +592,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
     assumed = cost_metadata(m, num_groups, tm, visit_empty=True)
     nj, num_items = w2.shape[1] // ti, meta_all.group_ids.shape[0]
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
+    spread = 1 if jnp.dtype(dtype) == jnp.float32 else 2     # _spread_pairs' passes (interleaved)
 
     def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref,
                dw1_ref, db1_ref, dw2_ref, db2_ref, acc1, accb1, acc2, accb2):
@@ -642,7 +653,8 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
         compiler_params=_fused_params(cfg, ("parallel", "arbitrary")),
         name="moe_fused_dw",
         cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), out_specs, out_shape,
-                                    flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 6),
+                                    flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 6)
+                                    + (0 if cfg.blocked else pair_matmul_flops(assumed, tm, ti, w2.shape[1], spread + 1)),
                                     transcendentals=active_items(assumed) * tm * w2.shape[1] * 2,
                                     prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
