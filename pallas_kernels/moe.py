@@ -347,27 +347,32 @@ def _pair_partner(v):
     return jnp.where(from_a, a, b)
 
 
-def _swiglu_pairs(pre, cfg: _FusedConfig, dh2=None):
-    """Clamped SwiGLU (cfg's alpha, limit, up_shift) on an interleaved [rows, 2n] float32 block,
-    evaluated at every lane (both lanes of a pair hold the pair's h). With dh2 (d loss / d h, at
-    both lanes of each pair) also returns d loss / d pre, interleaved: d/dgate at even lanes,
-    d/dup at odd lanes."""
+def _swiglu_parts(g_raw, u_raw, cfg: "_FusedConfig", dh=None):
+    """Clamped SwiGLU (cfg's alpha, limit, up_shift) of float32 gate and up pre-activations of one
+    shape: h and, with dh (d loss / d h), (d/dgate, d/dup); the clamps' gradients are 0 at the
+    limit itself (the convention of clamped_swiglu_grad)."""
     alpha, limit, up_shift = cfg.alpha, cfg.limit, cfg.up_shift
-    partner = _pair_partner(pre)
-    even = jnp.bitwise_and(jax.lax.broadcasted_iota(jnp.int32, pre.shape, 1), 1) == 0
-    g_raw = jnp.where(even, pre, partner)
-    u_raw = jnp.where(even, partner, pre)
     gate = jnp.minimum(g_raw, limit)
     up = jnp.clip(u_raw, -limit, limit)
     sig = jax.nn.sigmoid(alpha * gate)
     glu = gate * sig
-    h2 = (up + up_shift) * glu
-    if dh2 is None:
-        return h2, None
+    h = (up + up_shift) * glu
+    if dh is None:
+        return h, None
     dglu = sig + alpha * gate * sig * (1.0 - sig)
-    dgate = jnp.where(g_raw < limit, dh2 * (up + up_shift) * dglu, 0.0)
-    dup = jnp.where((u_raw > -limit) & (u_raw < limit), dh2 * glu, 0.0)
-    return h2, jnp.where(even, dgate, dup)
+    dgate = jnp.where(g_raw < limit, dh * (up + up_shift) * dglu, 0.0)
+    dup = jnp.where((u_raw > -limit) & (u_raw < limit), dh * glu, 0.0)
+    return h, (dgate, dup)
+
+
+def _swiglu_pairs(pre, cfg: _FusedConfig, dh2=None):
+    """Clamped SwiGLU on an interleaved [rows, 2n] float32 block, evaluated at every lane (both
+    lanes of a pair hold the pair's h). With dh2 (d loss / d h, at both lanes of each pair) also
+    returns d loss / d pre, interleaved: d/dgate at even lanes, d/dup at odd lanes."""
+    partner = _pair_partner(pre)
+    even = jnp.bitwise_and(jax.lax.broadcasted_iota(jnp.int32, pre.shape, 1), 1) == 0
+    h2, grads = _swiglu_parts(jnp.where(even, pre, partner), jnp.where(even, partner, pre), cfg, dh2)
+    return h2, None if grads is None else jnp.where(even, *grads)
 
 
 def _pair_matrix(n: int, dtype, *, spread: bool):
@@ -405,22 +410,10 @@ def _spread_pairs(v, dtype):
 
 def _swiglu_halves(pre, cfg: "_FusedConfig", dh=None):
     """The blocked layout's clamped SwiGLU: pre [rows, 2n] float32 is [gate | up]; returns h
-    [rows, n] and, with dh (d loss / d h, [rows, n]), d loss / d pre as [dgate | dup]. The same
-    formulas and clamp conventions as _swiglu_pairs."""
-    alpha, limit, up_shift = cfg.alpha, cfg.limit, cfg.up_shift
+    [rows, n] and, with dh (d loss / d h, [rows, n]), d loss / d pre as [dgate | dup]."""
     n = pre.shape[1] // 2
-    g_raw, u_raw = pre[:, :n], pre[:, n:]
-    gate = jnp.minimum(g_raw, limit)
-    up = jnp.clip(u_raw, -limit, limit)
-    sig = jax.nn.sigmoid(alpha * gate)
-    glu = gate * sig
-    h = (up + up_shift) * glu
-    if dh is None:
-        return h, None
-    dglu = sig + alpha * gate * sig * (1.0 - sig)
-    dgate = jnp.where(g_raw < limit, dh * (up + up_shift) * dglu, 0.0)
-    dup = jnp.where((u_raw > -limit) & (u_raw < limit), dh * glu, 0.0)
-    return h, jnp.concatenate([dgate, dup], axis=1)
+    h, grads = _swiglu_parts(pre[:, :n], pre[:, n:], cfg, dh)
+    return h, None if grads is None else jnp.concatenate(grads, axis=1)
 
 
 def _activation(pre, cfg: "_FusedConfig", dtype):
