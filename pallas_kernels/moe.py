@@ -324,12 +324,13 @@ def store_rows(out_ref, val, offsets, gids, tiles, w, tm: int, axis: int = 0):
 # on which way the hardware rotates.
 #
 # Blocked layout (gate_up_layout="blocked", the default where the three kernels share one I tile
-# that is a multiple of the 128 lanes): gate_up is permuted once per call to [gate tile j | up
-# tile j] per I tile (`_blocked`, a transpose of the weights: its gradient is the inverse), so a
-# [H, 2ti] block holds the tile's gate and up as two lane-aligned halves. The SwiGLU then runs on
-# [tm, ti] (not at every lane of [tm, 2ti]) and no pair matmul remains. At small H those matmuls
-# are a large share: 17% / 23% more MXU work at small-o200k (H = 512, ti = 128), against a
-# permuted copy of 17 MB per layer and call, which a decode step's few rows do not amortize.
+# that is a multiple of the 128 lanes and the rows amortize the copy: _gate_up_layout): gate_up
+# is permuted once per call to [gate tile j | up tile j] per I tile (`_blocked`, a transpose of
+# the weights: its gradient is the inverse), so a [H, 2ti] block holds the tile's gate and up as
+# two lane-aligned halves. The SwiGLU then runs on [tm, ti] (not at every lane of [tm, 2ti]) and
+# no pair matmul remains. At small H those matmuls are a large share: 17% / 23% more MXU work at
+# small-o200k (H = 512, ti = 128), against a permuted copy of 17 MB per layer and call, which a
+# decode step's few rows do not amortize.
 #
 # HBM traffic: x/dy row tiles are read once per I tile; weight blocks are re-fetched for every
 # work item when there are several I tiles (once per expert when ti = I), less the one block
@@ -394,6 +395,11 @@ def _compact_pairs(h2, dtype):
     return out.astype(dtype)
 
 
+def _spread_passes(dtype) -> int:
+    """The matmuls _spread_pairs takes: one for float32, two (hi and lo) for 16-bit dtypes."""
+    return 1 if jnp.dtype(dtype) == jnp.float32 else 2
+
+
 def _spread_pairs(v, dtype):
     """float32 [rows, n] -> float32 [rows, 2n] with v[:, c] at lanes 2c and 2c+1. Exact for
     float32 (HIGHEST); for 16-bit dtypes a hi + lo split in that dtype (~16 mantissa bits), far
@@ -402,7 +408,7 @@ def _spread_pairs(v, dtype):
     mat = _pair_matrix(n, dtype, spread=True)
     hi = v.astype(dtype)
     out = jnp.dot(hi, mat, precision=dot_precision(dtype), preferred_element_type=_F32)
-    if jnp.dtype(dtype) != jnp.float32:
+    if _spread_passes(dtype) == 2:
         lo = (v - hi.astype(_F32)).astype(dtype)
         out = out + jnp.dot(lo, mat, precision=dot_precision(dtype), preferred_element_type=_F32)
     return out
@@ -528,7 +534,6 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
     nj, num_items = w2.shape[1] // ti, meta.group_ids.shape[0]
     assumed = cost_metadata(m, w1.shape[0], tm)
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
-    spread = 1 if jnp.dtype(dtype) == jnp.float32 else 2     # _spread_pairs' passes (interleaved)
 
     def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, acc_ref):
         w, j = pl.program_id(0), pl.program_id(1)
@@ -567,7 +572,8 @@ def _fused_dx(meta: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig):
         name="moe_fused_dx",
         cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), row, out_shape,
                                     flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 5)
-                                    + (0 if cfg.blocked else pair_matmul_flops(assumed, tm, ti, w2.shape[1], spread)),
+                                    + (0 if cfg.blocked else pair_matmul_flops(assumed, tm, ti, w2.shape[1],
+                                                                               _spread_passes(dtype))),
                                     transcendentals=active_items(assumed) * tm * w2.shape[1] * 2,
                                     prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
@@ -585,7 +591,6 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
     assumed = cost_metadata(m, num_groups, tm, visit_empty=True)
     nj, num_items = w2.shape[1] // ti, meta_all.group_ids.shape[0]
     dtype, prec = xp.dtype, dot_precision(xp.dtype)
-    spread = 1 if jnp.dtype(dtype) == jnp.float32 else 2     # _spread_pairs' passes (interleaved)
 
     def kernel(offsets, gids, tiles, nact, x_ref, dy_ref, w1_ref, b1_ref, w2_ref,
                dw1_ref, db1_ref, dw2_ref, db2_ref, acc1, accb1, acc2, accb2):
@@ -647,7 +652,8 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
         name="moe_fused_dw",
         cost_estimate=cost_estimate(grid, in_specs, (xp, dy, w1, b1, w2), out_specs, out_shape,
                                     flops=active_item_flops(assumed, tm, hdim, w2.shape[1], 6)
-                                    + (0 if cfg.blocked else pair_matmul_flops(assumed, tm, ti, w2.shape[1], spread + 1)),
+                                    + (0 if cfg.blocked else pair_matmul_flops(assumed, tm, ti, w2.shape[1],
+                                                                               _spread_passes(dtype) + 1)),
                                     transcendentals=active_items(assumed) * tm * w2.shape[1] * 2,
                                     prefetch=assumed),
         interpret=cfg.mode.pallas_interpret(),
@@ -851,8 +857,8 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
     exist only as VMEM tiles, in forward and backward. Backward (custom_vjp) recomputes them in
     a dx kernel and an expert-major dW/db kernel. gate_up_layout: 'blocked' (gate_up permuted
     once per call to [gate | up] per I tile) or 'interleaved' (no copy; the kernels de-interleave
-    with lane rolls and pair matmuls); None: blocked where the tiles allow it (_gate_up_layout;
-    the section comment says what each costs).
+    with lane rolls and pair matmuls); None: blocked where the tiles allow it and the rows amortize
+    the copy (_gate_up_layout; the section comment says what each costs).
 
     platform (pallas_kernels.platform): 'tpu' -> Mosaic; 'cpu' -> the same kernels in the
     generic interpreter; there is no GPU kernel. interpret: None, 'generic' or 'tpu' (the
