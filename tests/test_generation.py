@@ -97,12 +97,13 @@ def test_greedy_batch_equals_eager_pytorch_without_cache_and_transformers_genera
     assert np.median([m for row in margins for m in row]) > 0.05
 
 
-def test_the_pallas_cached_attention_generates_the_eager_greedy_tokens(trained):
-    """cached_attention=pallas (TPU's default; interpreted here) in prefill and decode: the eager
-    model's greedy tokens, prompts longer than the sliding window included (the ring's chunk)."""
+def test_the_pallas_cached_attention_and_moe_generate_the_eager_greedy_tokens(trained):
+    """cached_attention=pallas and moe=pallas (TPU's defaults; interpreted here) in prefill and
+    decode, where the expert biases enter the loop in the kernels' [E, 1, N]: the eager model's
+    greedy tokens, prompts longer than the sliding window included (the ring's chunk)."""
     _, _, model = trained
     prompts = prompts_around_the_window()
-    result = Generator(model, kernels="cached_attention=pallas").generate(prompts, GREEDY)
+    result = Generator(model, kernels="cached_attention=pallas,moe=pallas").generate(prompts, GREEDY)
     assert result.compilations and all(c.program in ("prefill", "decode") for c in result.compilations)
     assert_greedy_equal(result.tokens, *eager_greedy(model, prompts, NEW))
 
