@@ -143,10 +143,11 @@ def test_bench_generate_runs_every_path_side_by_side(tmp_path, capsys, monkeypat
     use_micro_tiny(monkeypatch, vocab_size=256, max_seq_len=16)
     out = tmp_path / "generate.json"
     assert main(["bench", "generate", "--batches", "2", "--prompt-len", "5", "--new-tokens", "6", "--repeats", "1",
-                 "--warmup", "0", "--hf-threads", "1", "--json", str(out)]) == 0
+                 "--warmup", "0", "--hf-threads", "1", "--json", str(out), "--kernel-options", "moe.pallas.block_m=16"]) == 0
     printed = capsys.readouterr().out
     assert "goal: ours >= 3x transformers' decode tokens/s" in printed
     report = json.loads(out.read_text())
+    assert " --kernel-options moe.pallas.block_m=16 " in report["command"]
     rows = {r["path"]: r for r in report["rows"]}
     assert set(rows) == {"ours", "ours-streaming", "hf", "no-cache"}
     for r in rows.values():

@@ -100,12 +100,20 @@ def test_greedy_batch_equals_eager_pytorch_without_cache_and_transformers_genera
 def test_the_pallas_cached_attention_and_moe_generate_the_eager_greedy_tokens(trained):
     """cached_attention=pallas and moe=pallas (TPU's defaults; interpreted here) in prefill and
     decode, where the expert biases enter the loop in the kernels' [E, 1, N]: the eager model's
-    greedy tokens, prompts longer than the sliding window included (the ring's chunk)."""
+    greedy tokens, prompts longer than the sliding window included (the ring's chunk). A kernel
+    option (`generate --kernel-options`) reaches the programs over the defaults."""
     _, _, model = trained
     prompts = prompts_around_the_window()
-    result = Generator(model, kernels="cached_attention=pallas,moe=pallas").generate(prompts, GREEDY)
+    generator = Generator(model, kernels="cached_attention=pallas,moe=pallas", kernel_options="moe.pallas.block_m=16")
+    assert generator.decoder.kernel_options["moe"]["pallas"]["block_m"] == 16
+    result = generator.generate(prompts, GREEDY)
     assert result.compilations and all(c.program in ("prefill", "decode") for c in result.compilations)
     assert_greedy_equal(result.tokens, *eager_greedy(model, prompts, NEW))
+
+
+def test_a_kernel_option_the_implementation_does_not_take_is_refused_by_name(trained):
+    with pytest.raises(UserError, match="moe.pallas.nonsense not accepted by moe=pallas"):
+        Generator(trained[2], kernel_options="moe.pallas.nonsense=1")
 
 
 def test_one_compilation_per_bucket_whatever_the_lengths(generator):

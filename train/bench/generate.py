@@ -60,15 +60,18 @@ def add_arguments(parser) -> None:
                         help=f"generate: comma-separated subset of {','.join(PATHS)} (default: all)")
     parser.add_argument("--kernels", default="auto",
                         help="generate: our paths' kernels, as `torchlyra generate --kernels` (e.g. cached_attention=xla)")
+    parser.add_argument("--kernel-options", default=None,
+                        help="generate: our paths' kernel options, as `torchlyra generate --kernel-options`")
 
 
 # ---- the paths ----------------------------------------------------------------------------------
 class Ours:
     name = "ours"
 
-    def __init__(self, model=None, *, generator=None, stream_every: int | None = None, kernels="auto"):
+    def __init__(self, model=None, *, generator=None, stream_every: int | None = None, kernels="auto",
+                 kernel_options=None):
         from train.generation.generator import Generator
-        self.generator = generator or Generator(model, kernels=kernels)
+        self.generator = generator or Generator(model, kernels=kernels, kernel_options=kernel_options)
         self.stream_every = stream_every
         self.last = None            # the last Generation: its HBM floor (the same every repetition)
 
@@ -315,7 +318,7 @@ def run(args) -> int:
                             f"max_position_embeddings ({cfg.max_position_embeddings})")
         paths = {}
         if "ours" in names or "ours-streaming" in names:
-            ours = Ours(model, kernels=args.kernels)
+            ours = Ours(model, kernels=args.kernels, kernel_options=args.kernel_options)
             if "ours" in names:
                 paths["ours"] = ours
             if "ours-streaming" in names:
@@ -398,6 +401,8 @@ def _command_line(args) -> str:
         parts += ["--paths", args.paths]
     if args.kernels != "auto":
         parts += ["--kernels", args.kernels]
+    if args.kernel_options:
+        parts += ["--kernel-options", args.kernel_options]
     if args.hf_threads != "auto":
         parts += ["--hf-threads", args.hf_threads]
     if args.json:

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fsdp runs as tensor as far as the heads divide; the batch is padded to a multiple "
                              "of the devices it is split over)")
     parser.add_argument("--decode-kernels", default=None, help="kernels of the decode loop alone (default: --kernels)")
+    parser.add_argument("--kernel-options", default=None,
+                        help="per-implementation options or a tile table, as for train (e.g. moe.pallas.block_i=256)")
     parser.add_argument("--no-stream", dest="stream", action="store_false",
                         help="print each result at the end instead of streaming a single prompt")
     parser.add_argument("--stream-every", type=int, default=8, help="tokens per streamed chunk (default 8)")
@@ -95,7 +97,8 @@ def _run(args) -> int:
     stops = tuple(t for t in (*stops, *(args.stop or ())) if t is not None)
     sampling = dataclasses.replace(sampling, stop_tokens=stops)
     generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
-                          compile_cache=args.compile_cache, tokenizer=tokenizer, mesh=mesh, weights=weights)
+                          compile_cache=args.compile_cache, tokenizer=tokenizer, mesh=mesh, weights=weights,
+                          kernel_options=args.kernel_options)
     if weights is not None:         # every process says what it read (stdout is process 0's alone)
         import jax
 

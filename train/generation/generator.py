@@ -75,11 +75,14 @@ class Generator:
     holds on `meta`, each device's block read onto it (formats/mesh_loader.py) in `load_seconds`. `params`: the
     parameters by the model's names as arrays instead (e.g. a train state's, left on its devices;
     cast and placed as `set_params` does). `compute_dtype`: "float32" or "bfloat16" (None: the
-    platform's, float32 on CPU and bf16 on accelerators; float32 decodes at "highest" precision)."""
+    platform's, float32 on CPU and bf16 on accelerators; float32 decodes at "highest" precision).
+    `kernel_options`: per-implementation options or a tile table, as for training (over the
+    committed table of the TPU generation it runs on)."""
 
     def __init__(self, model, *, kernels: str | dict | None = "auto", decode_kernels: str | dict | None = None,
                  compile_cache: str | os.PathLike | None = None, tokenizer=None, mesh=None, weights=None,
-                 params: dict | None = None, compute_dtype: str | None = None):
+                 params: dict | None = None, compute_dtype: str | None = None,
+                 kernel_options: str | dict | None = None):
         import jax
         import numpy as np
 
@@ -116,7 +119,8 @@ class Generator:
                     placed = jax.block_until_ready(mesh_loader.place_model(model, weights, placed, mesh))
                     self.load_seconds = time.perf_counter() - started
             self.decoder = Decoder(model, kernels=generation_kernels(kernels, platform, model),
-                                   decode_kernels=decode_kernels, mesh=mesh, params=placed, compute_dtype=dtype)
+                                   decode_kernels=decode_kernels, mesh=mesh, params=placed, compute_dtype=dtype,
+                                   kernel_options=kernel_options)
             if params is not None:
                 self.decoder.set_params(params)
         except registry.KernelError as e:
