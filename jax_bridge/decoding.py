@@ -347,12 +347,13 @@ class Decoder:
     def place_inputs(self, ids, positions, active, values: SamplingValues, key):
         """The prefill program's inputs on the devices, as it was compiled for them."""
         rows, whole = self._sharding(self._split_prompts(ids.shape[0])), self._sharding(False)
-        put = (lambda x, s: jnp.asarray(x)) if self.mesh is None else jax.device_put
+        # Host arrays are transferred as they are: no conversion program runs on the devices.
+        put = (lambda x, s: jax.device_put(x)) if self.mesh is None else jax.device_put
         return (put(ids, rows), put(positions, rows), put(active, rows), jax.tree.map(lambda v: put(v, whole), values),
                 put(key, whole))
 
     def place_limit(self, limit: int):
-        return jnp.int32(limit) if self.mesh is None else jax.device_put(np.int32(limit), self._sharding(False))
+        return jax.device_put(np.int32(limit), None if self.mesh is None else self._sharding(False))
 
     def last_logits(self, ids, positions):
         """The last position's float32 logits of a left-padded prompt batch (ids, positions [B, T]
@@ -516,8 +517,9 @@ def _values_spec(n_stop: int, vocab_size: int, placement=None) -> SamplingValues
 
 def sampling_values(temperature: float, top_p: float, penalty: float, stop_ids: tuple[int, ...], n_stop: int,
                     allowed: np.ndarray):
-    """The traced sampling values; `allowed` [V] bool marks the ids that may be chosen."""
+    """The traced sampling values, as host arrays (Decoder.place_inputs puts them on the devices);
+    `allowed` [V] bool marks the ids that may be chosen."""
     stops = np.full(n_stop, -1, np.int32)
     stops[:len(stop_ids)] = stop_ids
-    return SamplingValues(jnp.float32(temperature), jnp.float32(top_p), jnp.float32(penalty), jnp.asarray(stops),
-                          jnp.asarray(allowed, jnp.bool_))
+    return SamplingValues(np.float32(temperature), np.float32(top_p), np.float32(penalty), stops,
+                          np.asarray(allowed, np.bool_))
