@@ -109,8 +109,10 @@ def experts_around_grouped_matmuls(ragged_dot, x, group_sizes, gate_up, gate_up_
 # =============================================================================================
 # Rows are cut into tiles of `tm`. A "work item" is one (row tile, expert) pair that overlaps; a
 # tile straddling a group boundary is visited once per group in it. In the row-sorted layout
-# there are at most num_tiles + E - 1 such pairs, so every grid/batch has that STATIC length;
-# items past the real count (`num_active`) repeat the last real item and do nothing.
+# there are at most num_tiles + G - 1 such pairs, G the groups that hold rows: at most E, and at
+# most the M rows themselves (a decode step's 2 rows reach 2 of E experts). Every grid/batch has
+# that STATIC length; items past the real count (`num_active`) repeat the last real item and do
+# nothing, but each still costs its grid steps (~0.35 us each on a TPU).
 
 
 class GroupMetadata(NamedTuple):
@@ -120,13 +122,16 @@ class GroupMetadata(NamedTuple):
     num_active: jax.Array  # [1] int32: work items that do real work
 
 
-def group_metadata(group_sizes, num_tiles: int, tm: int, *, visit_empty: bool = False, xp=jnp) -> GroupMetadata:
+def group_metadata(group_sizes, num_tiles: int, tm: int, *, visit_empty: bool = False, rows: int | None = None,
+                   xp=jnp) -> GroupMetadata:
     """Work items in (expert, tile) order. `visit_empty` gives each empty group one item (the
-    transposed GEMM must still write that expert's zero gradient). `xp` is jax.numpy inside a
-    program, or NumPy for sizes known on the host (no tiny programs compiled per op)."""
+    transposed GEMM must still write that expert's zero gradient). `rows`: the rows the groups
+    share (static), which bounds how many groups hold any. `xp` is jax.numpy inside a program,
+    or NumPy for sizes known on the host (no tiny programs compiled per op)."""
     gs = group_sizes.astype(xp.int32)
     num_groups = gs.shape[0]
-    num_items = num_tiles + num_groups - 1
+    holding = num_groups if visit_empty or rows is None else max(1, min(num_groups, rows))
+    num_items = num_tiles + holding - 1
     ends = xp.cumsum(gs)
     starts = ends - gs
     first = xp.minimum(starts // tm, num_tiles - 1)   # an empty group at row M may point past the end
@@ -174,7 +179,7 @@ def cost_metadata(m: int, num_groups: int, tm: int, *, visit_empty: bool = False
     else:
         sizes = np.full(num_groups, m // num_groups, np.int32)
         sizes[:m % num_groups] += 1
-    return group_metadata(sizes, -(-m // tm), tm, visit_empty=visit_empty, xp=np)
+    return group_metadata(sizes, -(-m // tm), tm, visit_empty=visit_empty, rows=m, xp=np)
 
 
 def active_items(assumed: GroupMetadata) -> int:
@@ -239,7 +244,7 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
     num_tiles = -(-m // tm)
     mp = num_tiles * tm
     gs = group_sizes.astype(jnp.int32)
-    meta = group_metadata(gs, num_tiles, tm)
+    meta = group_metadata(gs, num_tiles, tm, rows=m)
     num_items = meta.group_ids.shape[0]
     acc = jnp.float32
     prec = dot_precision(x.dtype)
@@ -663,7 +668,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _moe_fused_core(xp, group_sizes, w1, b1, w2, b2, cfg: _FusedConfig):
-    meta = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm), cfg.tm)
+    meta = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm), cfg.tm, rows=xp.shape[0])
     return _fused_forward(meta, xp, w1, b1, w2, b2, cfg)
 
 
@@ -674,7 +679,7 @@ def _moe_fused_core_fwd(xp, group_sizes, w1, b1, w2, b2, cfg):
 
 def _moe_fused_core_bwd(cfg, res, dy):
     xp, group_sizes, w1, b1, w2, b2 = res
-    meta = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm), cfg.tm)
+    meta = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm), cfg.tm, rows=xp.shape[0])
     meta_all = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm_w), cfg.tm_w, visit_empty=True)
     dy = dy.astype(xp.dtype)
     dx = _fused_dx(meta, xp, dy, w1, b1, w2, cfg)

@@ -65,7 +65,8 @@ def test_a_v5e_decode_step_reads_the_weights_once_and_writes_its_caches_in_place
 def test_a_v5e_moe_decode_step_takes_the_expert_biases_without_a_copy_per_token():
     """The fused MoE kernels take each expert bias as [E, 1, N]: made once before the decode loop,
     not relaid out by a copy per layer and token inside it (2 per MoE layer, about 14 us a token at
-    small-o200k by the compiler's estimate)."""
+    small-o200k by the compiler's estimate). And their grids have 2 work items, as many as the 2
+    rows (1 prompt, top-2) can reach experts, not one per expert: each item costs grid steps."""
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
 
@@ -74,6 +75,7 @@ def test_a_v5e_moe_decode_step_takes_the_expert_biases_without_a_copy_per_token(
         model = GptOssForCausalLM(cfg)
     loop, _, decoder = v5e_decode_loop(model, "auto", rows=1, length=64)
     assert decoder.decode_kernels["moe"] == "pallas"
-    assert any(op.kernel.startswith("moe_fused") for op in loop)
+    kernels = [op for op in loop if op.kernel.startswith("moe_fused")]
+    assert kernels and all(op.operands[1] == "s32[2]" for op in kernels), [op.operands[:4] for op in kernels]
     biases = {f"bf16[{cfg.n_experts},1,{2 * cfg.expert_dim}]", f"bf16[{cfg.n_experts},1,{cfg.d_model}]"}
     assert not [op.name for op in loop if op.opcode in ("copy", "copy-start") and op.shape in biases]

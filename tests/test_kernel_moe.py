@@ -159,16 +159,20 @@ def test_reference_matches_torch_op():
 
 
 def test_group_metadata_enumerates_tile_expert_pairs():
+    """Every (expert, row tile) pair with rows, in order, then the last one repeated; as many items
+    as the rows allow: at most num_tiles + G - 1, G the groups that can hold rows (all E where
+    empty groups are visited; else at most M: a decode step's 2 rows, 2 items of 8 experts)."""
     rng = np.random.default_rng(4)
-    meta_fn = jax.jit(group_metadata, static_argnums=(1, 2), static_argnames="visit_empty")
+    meta_fn = jax.jit(group_metadata, static_argnums=(1, 2), static_argnames=("visit_empty", "rows"))
     for tm, e, m, kind in [(1, 3, 7, "random"), (3, 5, 20, "random"), (8, 6, 37, "random"), (8, 4, 32, "random"),
-                           (8, 6, 37, "one"), (8, 4, 32, "one"), (4, 1, 9, "one")] * 3:
+                           (8, 6, 37, "one"), (8, 4, 32, "one"), (4, 1, 9, "one"), (16, 8, 2, "random"),
+                           (16, 8, 3, "one"), (8, 6, 4, "random"), (2, 8, 5, "random")] * 3:
         gs = make_group_sizes(rng, m, e, kind)
         num_tiles = -(-m // tm)
         for visit_empty in (False, True):
-            meta = jax.tree.map(np.asarray, meta_fn(jnp.asarray(gs), num_tiles, tm, visit_empty=visit_empty))
+            meta = jax.tree.map(np.asarray, meta_fn(jnp.asarray(gs), num_tiles, tm, visit_empty=visit_empty, rows=m))
             # The host's NumPy version (the cost estimates' layout) gives the same items.
-            on_host = group_metadata(np.asarray(gs), num_tiles, tm, visit_empty=visit_empty, xp=np)
+            on_host = group_metadata(np.asarray(gs), num_tiles, tm, visit_empty=visit_empty, rows=m, xp=np)
             for field, a, b in zip(meta._fields, meta, on_host):
                 assert b.dtype == np.int32 and np.array_equal(a, b), f"{field}: NumPy {b} vs JAX {a}"
             starts = np.concatenate([[0], np.cumsum(gs)])
@@ -179,7 +183,7 @@ def test_group_metadata_enumerates_tile_expert_pairs():
                 elif visit_empty:
                     want.append((g, min(starts[g] // tm, num_tiles - 1)))
             n = int(meta.num_active[0])
-            assert meta.group_ids.shape == (num_tiles + e - 1,)
+            assert meta.group_ids.shape == (num_tiles + (e if visit_empty else min(e, m)) - 1,)
             assert list(zip(meta.group_ids[:n], meta.tile_ids[:n])) == want
             # Padding items repeat the last real one (same blocks, no extra work or writes).
             assert (meta.group_ids[n:] == meta.group_ids[n - 1]).all()
@@ -197,6 +201,7 @@ CASES = [
     ("m64-e1-f32", 2, 64, 32, 48, 1, "one", jnp.float32, (8, 16, 16)),
     ("m64-e3-one-group-bf16", 3, 64, 64, 16, 3, "one", jnp.bfloat16, None),
     ("m200-e8-bf16", 4, 200, 64, 48, 8, "random", jnp.bfloat16, (16, 32, 16)),
+    ("m3-e8-decode-bf16", 5, 3, 64, 48, 8, "random", jnp.bfloat16, None),       # fewer rows than experts
 ]
 
 IMPLS = {

@@ -84,12 +84,14 @@ def test_inputs_hit_both_clamps():
 
 
 # (m, h, i, e, tiles): ragged groups with empty ones; several I and H tiles; a row tile that
-# overhangs M; hidden sizes (160: 80 lanes of bytes, 5 blocks) that no lane tile divides.
+# overhangs M; hidden sizes (160: 80 lanes of bytes, 5 blocks) that no lane tile divides; a
+# decode step's few rows.
 CASES = [
     ("one-tile", 37, 64, 32, 3, {}),
     ("many-tiles", 200, 96, 64, 5, dict(block_m=64, block_i=16, block_h=32)),
     ("overhang", 130, 160, 96, 4, dict(block_i=32, block_h=64)),
     ("one-expert", 50, 64, 64, 4, dict(block_m=16, block_i=32, block_h=32)),
+    ("decode", 3, 64, 32, 8, {}),           # fewer rows than experts: 3 work items, not 8
 ]
 
 
