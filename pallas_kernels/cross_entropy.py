@@ -202,11 +202,13 @@ def _tpu_fwd_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, m_sc, l_sc, t_sc, *
         lse_ref[...] = jnp.where(valid, lse, 0.0)
 
 
-def _tpu_fwd_expectation_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, e_ref, m_sc, l_sc, t_sc, col_sc, *,
-                                v, bv, cn, ignore_index, cdt, precision):
-    """The forward's nll and lse, and E = softmax(z) @ W per token (e_ref: [bn, H] float32, the
-    accumulator itself: its block stays in VMEM across the vocab axis). Natural [tokens, vocab]
-    orientation, per-token running max / sum / target logit lane-replicated [bn, 128]."""
+def _tpu_fwd_expectation_kernel(h_ref, w_ref, lse_ref, e_ref, m_sc, l_sc, *, v, bv, cn, cdt, precision):
+    """The forward's lse of every token, and E = softmax(z) @ W per token (e_ref: [bn, H] float32,
+    the accumulator itself: its block stays in VMEM across the vocab axis). Natural [tokens, vocab]
+    orientation, per-token running max / sum lane-replicated [bn, 128]. The target logit is not
+    picked here (_lce_fwd forms it from W_y, which dh needs anyway): per logit that would be a
+    compare, a select and a third reduction across lanes beside the max and the sum, where this
+    kernel's VPU and XLU work, not its MXU's, sets its pace at small H."""
     j = pl.program_id(1)
     nj = pl.num_programs(1)
 
@@ -214,10 +216,7 @@ def _tpu_fwd_expectation_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, e_ref, 
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        t_sc[...] = jnp.zeros(t_sc.shape, jnp.float32)
         e_ref[...] = jnp.zeros(e_ref.shape, jnp.float32)
-        # The labels as a column, once per token tile (float32: exact below 2^24; V is checked).
-        col_sc[...] = jnp.broadcast_to(lab_ref[0].astype(jnp.float32)[:, None], col_sc.shape)
 
     def run(masked: bool):
         def chunk(c, carry):
@@ -228,16 +227,14 @@ def _tpu_fwd_expectation_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, e_ref, 
                 w = jnp.where(wid < v, w, jnp.zeros_like(w))
             z = lax.dot_general(h_ref[rows, :].astype(cdt), w, _NT,
                                 preferred_element_type=jnp.float32, precision=precision)  # [cn, bv]
-            vid = (j * bv + lax.broadcasted_iota(jnp.int32, z.shape, 1)).astype(jnp.float32)
             if masked:   # vocabulary tile 0 always holds real columns, so m stays finite
+                vid = j * bv + lax.broadcasted_iota(jnp.int32, z.shape, 1)
                 z = jnp.where(vid < v, z, -jnp.inf)
             m_prev = m_sc[rows, :]
             m_next = jnp.maximum(m_prev, jnp.max(z, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
             p = jnp.exp(z - across_lanes(m_next, z.shape[1]))
             l_sc[rows, :] = alpha * l_sc[rows, :] + jnp.sum(p, axis=1, keepdims=True)
-            t_sc[rows, :] += jnp.sum(jnp.where(vid == across_lanes(col_sc[rows, :], z.shape[1]), z, 0.0), axis=1,
-                                     keepdims=True)
             e_ref[rows, :] = e_ref[rows, :] * across_lanes(alpha, e_ref.shape[1]) + lax.dot_general(
                 p.astype(cdt), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
             m_sc[rows, :] = m_next
@@ -255,10 +252,7 @@ def _tpu_fwd_expectation_kernel(lab_ref, h_ref, w_ref, nll_ref, lse_ref, e_ref, 
             return carry
 
         lax.fori_loop(0, e_ref.shape[0] // cn, chunk, 0)
-        lse = m_sc[...] + jnp.log(l_sc[...])
-        valid = col_sc[...] != float(ignore_index)
-        nll_ref[...] = lanes_to_row(jnp.where(valid, lse - t_sc[...], 0.0))
-        lse_ref[...] = lanes_to_row(jnp.where(valid, lse, 0.0))
+        lse_ref[...] = lanes_to_row(m_sc[...] + jnp.log(l_sc[...]))
 
 
 def _tpu_dw_kernel(lab_ref, lse_ref, ca_ref, cb_ref, h_ref, w_ref, dw_ref, acc_sc, *,
@@ -312,34 +306,37 @@ class _Tiles(NamedTuple):
 
 def _tpu_forward(hidden, weight, lab_row, *, ignore_index, tiles: _Tiles, mode: KernelMode,
                  expectation: bool = False):
-    """(nll [1, N], lse [1, N]), and with `expectation` E [N, H] float32 too (the forward that
-    serves dh): token tiles in parallel, vocab tiles in order."""
+    """(nll [1, N], lse [1, N]); with `expectation` instead (lse [1, N] of every token, ignored
+    ones too, E [N, H] float32): the forward that serves dh. Token tiles in parallel, vocab tiles
+    in order."""
     n, h = hidden.shape
     v = weight.shape[0]
     bn, bv = tiles.bn, tiles.bv
     cdt = jnp.promote_types(hidden.dtype, weight.dtype)
     row = pl.BlockSpec((1, bn), lambda i, j: (0, i))
     grid = (pl.cdiv(n, bn), pl.cdiv(v, bv))
-    in_specs = [row, pl.BlockSpec((bn, h), lambda i, j: (i, 0)), pl.BlockSpec((bv, h), lambda i, j: (j, 0))]
-    out_specs, out_shape = [row, row], [jax.ShapeDtypeStruct((1, n), jnp.float32)] * 2
-    common = dict(v=v, bv=bv, ignore_index=ignore_index, cdt=cdt, precision=dot_precision(cdt))
+    matrices = [pl.BlockSpec((bn, h), lambda i, j: (i, 0)), pl.BlockSpec((bv, h), lambda i, j: (j, 0))]
+    common = dict(v=v, bv=bv, cdt=cdt, precision=dot_precision(cdt))
     if expectation:
         kernel = functools.partial(_tpu_fwd_expectation_kernel, cn=_chunks(bn, tiles.compute)[0], **common)
-        out_specs.append(pl.BlockSpec((bn, h), lambda i, j: (i, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((n, h), jnp.float32))
-        scratch, name, flops = [pltpu.VMEM((bn, LANES), jnp.float32)] * 4, "cross_entropy_fwd_e", 4 * n * v * h
+        inputs, in_specs = (hidden, weight), matrices
+        out_specs = [row, pl.BlockSpec((bn, h), lambda i, j: (i, 0))]
+        out_shape = [jax.ShapeDtypeStruct((1, n), jnp.float32), jax.ShapeDtypeStruct((n, h), jnp.float32)]
+        scratch, name, flops = [pltpu.VMEM((bn, LANES), jnp.float32)] * 2, "cross_entropy_fwd_e", 4 * n * v * h
     else:
-        kernel = functools.partial(_tpu_fwd_kernel, cv=_chunks(bv, tiles.compute)[0], **common)
+        kernel = functools.partial(_tpu_fwd_kernel, cv=_chunks(bv, tiles.compute)[0], ignore_index=ignore_index,
+                                   **common)
+        inputs, in_specs = (lab_row, hidden, weight), [row, *matrices]
+        out_specs, out_shape = [row, row], [jax.ShapeDtypeStruct((1, n), jnp.float32)] * 2
         scratch, name, flops = [pltpu.VMEM((1, bn), jnp.float32)] * 3, "cross_entropy_fwd", 2 * n * v * h
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
         compiler_params=_tpu_compiler_params(("parallel", "arbitrary"), bn, bv, h, jnp.dtype(cdt).itemsize,
                                              tiles.compute, tiles.vmem_limit),
         name=name,
-        cost_estimate=cost_estimate(grid, in_specs, (lab_row, hidden, weight), out_specs, out_shape,
-                                    flops=flops, transcendentals=n * v),
+        cost_estimate=cost_estimate(grid, in_specs, inputs, out_specs, out_shape, flops=flops, transcendentals=n * v),
         interpret=mode.pallas_interpret(),
-    )(lab_row, hidden, weight)
+    )(*inputs)
 
 
 def _tpu_dw(hidden, weight, lab_row, lse_row, ca_row, cb_row, *, tiles: _Tiles, mode: KernelMode):
@@ -522,15 +519,28 @@ def _lce(hidden, weight, labels, ignore_index, tiles: _Tiles, mode: KernelMode):
 
 
 def _lce_fwd(hidden, weight, labels, ignore_index, tiles: _Tiles, mode: KernelMode):
-    """Differentiated: on TPU the forward also accumulates E for dh (see the math above)."""
+    """Differentiated: on TPU the forward also accumulates E for dh (see the math above), and the
+    target logits z_ry = h_r . W_y come from a gather of the target rows W_y [N, H] (as dh's) and
+    one fused [N, H] product, instead of a one-hot pick in every logit. W_y is gathered again in
+    the backward rather than kept: fused into its consumers either way, it never takes memory."""
     n = hidden.shape[0]
     if mode.family == "gpu":
         nll, lse = _lce(hidden, weight, labels, ignore_index, tiles, mode)
         return (nll, lse), (hidden, weight, labels, lse, None)
-    nll, lse, expectation = _tpu_forward(hidden, weight, labels.reshape(1, n), ignore_index=ignore_index,
-                                         tiles=tiles, mode=mode, expectation=True)
-    nll, lse = nll.reshape(n), lse.reshape(n)
+    lse, expectation = _tpu_forward(hidden, weight, labels.reshape(1, n), ignore_index=ignore_index, tiles=tiles,
+                                    mode=mode, expectation=True)
+    valid = labels != ignore_index
+    # In float32, as the kernels form logits: bf16 products are exact there; one fused pass.
+    target = jnp.sum(hidden.astype(jnp.float32) * _target_rows(weight, labels, valid), axis=-1)
+    lse = lse.reshape(n)
+    nll, lse = jnp.where(valid, lse - target, 0.0), jnp.where(valid, lse, 0.0)
     return (nll, lse), (hidden, weight, labels, lse, expectation)
+
+
+def _target_rows(weight, labels, valid):
+    """W_y [N, H] in float32, each token's target row (row 0 for ignored tokens): gathered in the
+    weight's dtype, widened by its consumer."""
+    return jnp.take(weight, jnp.where(valid, labels, 0), axis=0).astype(jnp.float32)
 
 
 def _lce_bwd(ignore_index, tiles, mode, res, g):
@@ -545,8 +555,7 @@ def _lce_bwd(ignore_index, tiles, mode, res, g):
     if mode.family == "gpu":
         dh, dw = _gpu_backward(hidden, weight, labels, lse_b, ca, cb, bn=tiles.bn, bv=tiles.bv, mode=mode)
         return dh, dw, None
-    target_rows = jnp.take(weight, jnp.where(valid, labels, 0), axis=0).astype(jnp.float32)   # W_y, [N, H]
-    dh = (ca[:, None] * expectation - cb[:, None] * target_rows).astype(hidden.dtype)
+    dh = (ca[:, None] * expectation - cb[:, None] * _target_rows(weight, labels, valid)).astype(hidden.dtype)
     n = hidden.shape[0]
     dw = _tpu_dw(hidden, weight, *(x.reshape(1, n) for x in (labels, lse_b, ca, cb)), tiles=tiles, mode=mode)
     return dh, dw, None
@@ -582,8 +591,6 @@ def linear_cross_entropy_pallas(hidden, weight, labels, *, ignore_index: int = -
         bn, bv = min(bn, n), min(bv, v)  # a tile as large as the array is always legal
         if platform == "tpu":
             _check_tpu_blocks(n, v, bn, bv)
-        if v >= 1 << 24:
-            raise ValueError(f"vocabulary {v} too large: labels travel as float32 in the forward's E kernel (< 2^24)")
     compute = block_compute or _DEFAULT_COMPUTE
     if compute % 8:
         raise ValueError(f"block_compute must be a multiple of 8; got {compute}")
