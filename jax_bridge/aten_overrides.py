@@ -21,6 +21,11 @@ gradients' scatters. Here `jax.lax.top_k` alone: the same values and indices. Al
 dimension (at most ROUTER_TOP_K_MAX experts) its gradient compares each entry with the chosen
 indices instead of scattering into the input, which a TPU does element by element (2 x 0.89 ms
 of `small-o200k`'s 266 ms step on a v5e for [32768, 8], session 30's profile).
+
+`aten.fmod`: torchax divides in float32 and truncates (a division, floor, ceil, a select, a
+multiply and a subtraction, with casts), which for integers is exact only below 2^24. Here
+`jnp.fmod`, which for integers is `lax.rem`, C's truncated remainder, as torch's: one op. The KV
+cache's ring slots take it in every decode step (torch_model/kv_cache.py).
 """
 from __future__ import annotations
 
@@ -76,9 +81,17 @@ def topk(values, k: int, dim: int = -1, largest: bool = True, sorted: bool = Tru
     return jnp.moveaxis(top, -1, dim), jnp.moveaxis(indices, -1, dim)
 
 
+def fmod(x, other):
+    """aten.fmod(input, other) in JAX (.Scalar and .Tensor): the remainder truncated toward zero,
+    with the dividend's sign; torch's and JAX's type promotion agree for a Python scalar."""
+    return jnp.fmod(x, other)
+
+
 def install(env) -> None:
     """Replace torchax's lowerings in `env` by the ones above (`jax_bridge.env.get_env`, once)."""
     import torchax.interop as interop
 
     env.override_op_definition(torch.ops.aten.embedding.default, interop.torch_view(embedding))
     env.override_op_definition(torch.ops.aten.topk.default, interop.torch_view(topk))
+    for overload in (torch.ops.aten.fmod.Scalar, torch.ops.aten.fmod.Tensor):
+        env.override_op_definition(overload, interop.torch_view(fmod))

@@ -126,6 +126,23 @@ def test_topk_is_torchs_with_one_top_k_and_no_sort():
         assert "scatter" not in str(jax.make_jaxpr(ours)(x))
 
 
+def test_fmod_is_torchs_in_one_op_and_exact_past_2_24():
+    """The lowering of aten.fmod (jax_bridge/aten_overrides.py): torch's values for integers of
+    both signs (exact past 2^24, where torchax's float32 division was not) and for floats, as one
+    `rem` where torchax ran eleven ops; installed in the env."""
+    env = get_env()
+    assert env._ops[torch.ops.aten.fmod.Scalar].is_user_defined
+    ints = torch.tensor([0, 5, 127, 128, 129, -1, -130, 2**24 + 3, 2**30 + 7], dtype=torch.int32)
+    floats = torch.tensor([0.5, -2.75, 7.0, 1e6 + 0.25])
+    with env:
+        for x, other in ((ints, 128), (ints, -7), (floats, 2.5), (ints, torch.tensor(9, dtype=torch.int32))):
+            lowered = env.j2t_iso(jnp.asarray(other.numpy())) if isinstance(other, torch.Tensor) else other
+            got = env.t2j_iso(torch.fmod(env.j2t_iso(jnp.asarray(x.numpy())), lowered))
+            np.testing.assert_array_equal(np.asarray(got), torch.fmod(x, other).numpy())
+        jaxpr = str(jax.make_jaxpr(lambda i: env.t2j_iso(torch.fmod(env.j2t_iso(i), 128)))(jnp.arange(4, dtype=jnp.int32)))
+    assert jaxpr.count("rem") == 1 and "floor" not in jaxpr and "div" not in jaxpr, jaxpr
+
+
 def test_kernel_spec_parsing_and_auto():
     assert registry.parse_kernel_spec("attention=pallas") == {"attention": "pallas", "cross_entropy": "auto",
                                                                "moe": "auto"}

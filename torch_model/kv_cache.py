@@ -62,7 +62,9 @@ def write_slots(start, num_new: int, num_slots: int, device=None):
     tensor, the rest are Python ints (static shapes)."""
     first = max(0, num_new - num_slots)
     index = torch.arange(first, num_new, dtype=torch.int64, device=device)
-    return first, torch.remainder(index + start, num_slots)
+    # fmod, not remainder: the indices are never negative, and remainder's sign fix-up is a chain
+    # of ~10 small ops in every step of a compiled decode loop (fmod lowers to one: aten_overrides).
+    return first, torch.fmod(index + start, num_slots)
 
 
 def write(buffer: torch.Tensor, new: torch.Tensor, start, dim: int) -> torch.Tensor:
