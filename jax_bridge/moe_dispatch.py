@@ -44,16 +44,9 @@ def mix_experts(grouped: Callable, x, experts, weights, *stacks, first_expert=No
     if first_expert is not None:                  # other experts' rows sort last, past the groups
         key = key - first_expert
         key = jnp.where((key >= 0) & (key < e_local), key, e_local)
-    flat = jnp.arange(key.shape[0], dtype=jnp.int32)
-    # One sort orders the copies and carries their routing weights along (the backward's weights in
-    # sorted order); a second inverts the permutation. A TPU runs a scatter, or a gather of single
-    # values, element by element: as `bincount`, `.at[order].set` and `weights[order]` they took
-    # about 8 ms of `small-o200k`'s 266 ms step on a v5e (session 30's profile); sorts and
-    # comparisons run vectorised.
-    _, order, weights_sorted = jax.lax.sort((key, flat, jax.lax.stop_gradient(weights).reshape(-1)), num_keys=1,
-                                            is_stable=True)
+    order, weights_sorted, copies = stable_order(key, jax.lax.stop_gradient(weights).reshape(-1))
     group_sizes = (key[:, None] == jnp.arange(e_local, dtype=key.dtype)).sum(0, dtype=jnp.int32)
-    copies = unsort(order, flat).reshape(rows, k)
+    copies = copies.reshape(rows, k)
     sorted_rows = sort_rows(x, order, copies)
     live = None
     if first_expert is not None:
@@ -65,6 +58,35 @@ def mix_experts(grouped: Callable, x, experts, weights, *stacks, first_expert=No
     if live is not None:
         out = jnp.where(live, out, 0)
     return combine_rows(out, weights, order, copies, weights_sorted)
+
+
+# Up to this many (row, choice) copies the grouping is found by comparing every pair (an [n, n]
+# pass) rather than by two sorts: a decode step's few rows, where each sort is an op of its own in
+# every step of the loop (small-o200k at 1 prompt: 345 -> 337 ops per token). Past it the pass
+# grows as n^2 (the v5e roofline already prices 128 copies' above the sorts').
+COMPARED_COPIES = 64
+
+
+def stable_order(key, weights):
+    """(order, weights in sorted order, copies) of the copies' expert keys [n] sorted stably:
+    order[p] is the copy at sorted position p, copies[i] the position of copy i (the inverse
+    permutation). One sort orders the copies and carries their routing weights along (the
+    backward's weights in sorted order); a second inverts the permutation. A TPU runs a scatter,
+    or a gather of single values, element by element: as `bincount`, `.at[order].set` and
+    `weights[order]` they took about 8 ms of `small-o200k`'s 266 ms step on a v5e (session 30's
+    profile); sorts and comparisons run vectorised."""
+    n = key.shape[0]
+    flat = jnp.arange(n, dtype=jnp.int32)
+    if n > COMPARED_COPIES:
+        _, order, weights_sorted = jax.lax.sort((key, flat, weights), num_keys=1, is_stable=True)
+        return order, weights_sorted, unsort(order, flat)
+    # copy i's position: the copies of smaller keys, and of its key earlier (stable)
+    earlier = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (flat[None, :] < flat[:, None]))
+    copies = earlier.sum(1, dtype=jnp.int32)
+    lands = copies[None, :] == flat[:, None]                       # [p, i]: copy i sits at position p
+    order = jnp.where(lands, flat[None, :], 0).sum(1, dtype=jnp.int32)
+    weights_sorted = jnp.where(lands, weights[None, :], jnp.zeros((), weights.dtype)).sum(1).astype(weights.dtype)
+    return order, weights_sorted, copies
 
 
 def unsort(order, values):

@@ -479,7 +479,7 @@ def test_scripts_of_session_29s_figures_and_the_decode_head_bench_run_here(capsy
     assert script["main"](["--kernels", "moe=pallas"]) == 0
     [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| moe=pallas")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert 200 < float(cells[1].split()[0]) < 260 and int(cells[3]) < 360, cells
+    assert 200 < float(cells[1].split()[0]) < 260 and int(cells[3]) < 345, cells
     head = runpy.run_path(os.path.join(root, "scripts", "decode_head_bench.py"))
     assert head["main"](["--vocab", "1000", "--hidden", "128", "--rows", "1,3", "--blocks", "256", "--iters", "2",
                          "--repeats", "1"]) == 0

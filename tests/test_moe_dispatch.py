@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_bridge.moe_dispatch import mix_experts
+from jax_bridge import moe_dispatch
+from jax_bridge.moe_dispatch import mix_experts, stable_order
 
 
 def grouped_linear(rows, group_sizes, w, b, *, alpha, limit, up_shift):
@@ -38,10 +39,13 @@ CASES = [  # rows, hidden, out, experts held, k, first_expert (None: all held), 
 ]
 
 
+@pytest.mark.parametrize("grouping", ["sorts", "comparisons"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,hidden,out,held,k,first_expert,n_experts", CASES)
 def test_dispatch_matches_dense_reference_forward_and_backward(rows, hidden, out, held, k, first_expert,
-                                                                  n_experts, dtype):
+                                                                  n_experts, dtype, grouping, monkeypatch):
+    """Both groupings: by sorts, and by comparisons (up to moe_dispatch.COMPARED_COPIES copies)."""
+    monkeypatch.setattr(moe_dispatch, "COMPARED_COPIES", 0 if grouping == "sorts" else 10**6)
     rng = np.random.default_rng(rows * 31 + held)
     dt = jnp.dtype(dtype)
     x = jnp.asarray(rng.normal(size=(rows, hidden)), dt)
@@ -68,6 +72,24 @@ def test_dispatch_matches_dense_reference_forward_and_backward(rows, hidden, out
         scale = float(jnp.abs(r.astype(jnp.float32)).max()) or 1.0
         err = float(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32)).max()) / scale
         assert err < tol, f"d{name}: max error {err:.2e} of its largest entry (tolerance {tol})"
+
+
+def test_the_grouping_by_comparisons_is_the_stable_sorts():
+    """stable_order of a few copies (comparisons) gives the permutation, its inverse and the
+    weights in sorted order that the sorts give, ties kept in their order (stable)."""
+    rng = np.random.default_rng(3)
+    for n, experts in ((1, 4), (2, 8), (7, 3), (64, 8), (100, 33)):
+        key = jnp.asarray(rng.integers(0, experts, n), jnp.int32)
+        weights = jnp.asarray(rng.random(n), jnp.float32)
+        compared = stable_order(key, weights)
+        _, order, weights_sorted = jax.lax.sort((key, jnp.arange(n, dtype=jnp.int32), weights), num_keys=1,
+                                                is_stable=True)
+        np.testing.assert_array_equal(compared[0], order)
+        np.testing.assert_array_equal(compared[1], weights_sorted)
+        np.testing.assert_array_equal(np.asarray(compared[2])[np.asarray(order)], np.arange(n))
+        assert compared[0].dtype == jnp.int32 and compared[1].dtype == weights.dtype
+    jaxpr = str(jax.make_jaxpr(stable_order)(jnp.zeros(8, jnp.int32), jnp.zeros(8, jnp.float32)))
+    assert "sort" not in jaxpr and "scatter" not in jaxpr and "gather" not in jaxpr, jaxpr
 
 
 def test_dispatch_moves_rows_with_gathers_only():
