@@ -42,6 +42,7 @@ from jax_bridge.step import (COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params,
                              in_compute_dtype, replace_params, target_generation)
 from torch_model import kv_cache
 from torch_model.lora import tracing_scope
+from torch_model.model import has_mxfp4_experts
 
 PROMPT_MULTIPLE = 32      # prompt lengths are padded up to a multiple of this
 LENGTH_MULTIPLE = 64      # and the total (prompt bucket + new tokens) to a multiple of this
@@ -297,7 +298,7 @@ class Decoder:
 
         def step(s: DecodeState):
             start = s.prompt_len + s.step - 1          # sequence index of the token fed now
-            step_params = {**params, **{k: b.reshape(b.shape[0], b.shape[-1]) for k, b in held.items()}}
+            step_params = {**params, **{k: b.reshape(b.shape[0], -1) for k, b in held.items()}}
             logits, cache = self._forward_cached(step_params, s.last[:, None], s.positions[:, None], s.cache, start,
                                                  self.decode_kernels, self.layout("decode", s.last.shape[0]))
             token, key = next_token(logits, s.seen, s.key, mode, values)
@@ -317,15 +318,19 @@ class Decoder:
         return jax.lax.while_loop(running, step, state)
 
     def _expert_biases_as_blocks(self, params) -> dict:
-        """The bf16 expert stacks' biases [E, N] as [E, 1, N], made once before the decode loop
-        where its MoE runs the `pallas` kernels, whose bias operand that is: reshaped inside the
+        """The expert biases [E, N] in the operand shape of the MoE kernel the decode loop runs,
+        made once before the loop, where that kernel is a fused Pallas one: reshaped inside the
         loop, the TPU compiler relays each bias out with a copy per layer and token (8 of
         `small-o200k`'s 363 ops per token, about 14 us by its estimate; scripts/decode_loop_ops.py).
-        The loop reshapes them back, which XLA cancels against the kernels' own reshape."""
-        if self.decode_kernels.get("moe") != "pallas" or not self.expert_weights:
+        The loop reshapes them back, which XLA cancels against the kernel's own reshape."""
+        from pallas_kernels import moe, moe_mxfp4
+
+        op = "moe_mxfp4" if has_mxfp4_experts(self.model) else "moe"
+        if self.decode_kernels.get(op) != "pallas":
             return {}
-        names = [w + "_bias" for w in self.expert_weights if w + "_bias" in params]
-        return {k: params[k].reshape(params[k].shape[0], 1, params[k].shape[-1]) for k in names}
+        operand = {"moe": moe.bias_operand, "moe_mxfp4": moe_mxfp4.bias_operand}[op]
+        return {k: operand(b) for k, b in params.items() if k.endswith(("experts.gate_up_proj_bias",
+                                                                          "experts.down_proj_bias"))}
 
     # ---- placement --------------------------------------------------------------------------------
     @property

@@ -837,6 +837,12 @@ def _gate_up_layout(requested: str | None, ti: int, ti_w: int, platform: str, ro
     return requested or ("blocked" if not why and amortized else "interleaved")
 
 
+def bias_operand(bias):
+    """An expert bias [E, N] as the fused kernels take it: [E, 1, N], a row per expert. (A decode
+    loop makes it once before the loop: jax_bridge/decoding.py.)"""
+    return bias.reshape(bias.shape[0], 1, bias.shape[-1])
+
+
 def fused_tiles(m: int, hdim: int, idim: int, dtype, platform: str = "tpu", block_m: int | None = None,
                 block_i: int | None = None, block_i_dw: int | None = None, block_m_dw: int | None = None,
                 vmem_capacity_bytes: int | None = None, gate_up_layout: str | None = None,
@@ -895,8 +901,8 @@ def moe_experts_pallas(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *
                               jnp.dtype(x.dtype).itemsize) == "blocked"
     cfg = _FusedConfig(tm, ti, tm_w, ti_w, float(alpha), float(limit), float(up_shift), mode, vmem, blocked)
     dtype = x.dtype
-    w1, b1 = gate_up.astype(dtype), gate_up_bias.reshape(num_groups, 1, two_i)
-    w2, b2 = down.astype(dtype), down_bias.reshape(num_groups, 1, hdim)
+    w1, b1 = gate_up.astype(dtype), bias_operand(gate_up_bias)
+    w2, b2 = down.astype(dtype), bias_operand(down_bias)
     if ip != idim:   # zero gate/up columns and down rows give h = 0 there: results unchanged
         w1 = jnp.pad(w1.reshape(num_groups, hdim, idim, 2),
                      ((0, 0), (0, 0), (0, ip - idim), (0, 0))).reshape(num_groups, hdim, 2 * ip)

@@ -417,6 +417,12 @@ def _join_columns(halves):
     return jnp.moveaxis(halves, 0, 2).reshape(m, 2 * half)
 
 
+def bias_operand(bias):
+    """An expert bias [E, N] as the kernels take it: [E, N, 1], a column per expert, added along
+    the transposed tiles' rows. (A decode loop makes it once before the loop: jax_bridge/decoding.py.)"""
+    return bias.reshape(bias.shape[0], bias.shape[-1], 1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _mx_core(x, group_sizes, w1b, w1s, b1, w2b, w2s, b2, cfg: _MxConfig):
     meta = group_metadata(group_sizes, -(-x.shape[0] // cfg.tm), cfg.tm, rows=x.shape[0])
@@ -490,8 +496,6 @@ def moe_mxfp4_pallas(x, group_sizes, gate_up_blocks, gate_up_scales, gate_up_bia
         vmem = _MXFP4_VMEM_LIMIT
     cfg = _MxConfig(tiles["block_m"], tiles["block_i"], tiles["block_h"], float(alpha), float(limit), float(up_shift),
                     mode, vmem)
-    # Biases as columns, added along the transposed tiles' rows.
-    b1 = jax.lax.stop_gradient(gate_up_bias).reshape(num_experts, 2 * idim, 1)
-    b2 = jax.lax.stop_gradient(down_bias).reshape(num_experts, hdim, 1)
+    b1, b2 = (bias_operand(jax.lax.stop_gradient(b)) for b in (gate_up_bias, down_bias))
     return _mx_core(x, group_sizes.astype(jnp.int32), gate_up_blocks, gate_up_scales, b1, down_blocks, down_scales,
                     b2, cfg)

@@ -62,20 +62,27 @@ def test_a_v5e_decode_step_reads_the_weights_once_and_writes_its_caches_in_place
     assert any(op.kernel == "cached_attention" for op in loop)
 
 
-def test_a_v5e_moe_decode_step_takes_the_expert_biases_without_a_copy_per_token():
-    """The fused MoE kernels take each expert bias as [E, 1, N]: made once before the decode loop,
-    not relaid out by a copy per layer and token inside it (2 per MoE layer, about 14 us a token at
-    small-o200k by the compiler's estimate). And their grids have 2 work items, as many as the 2
-    rows (1 prompt, top-2) can reach experts, not one per expert: each item costs grid steps."""
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_a_v5e_moe_decode_step_takes_the_expert_biases_without_a_copy_per_token(experts):
+    """The fused MoE kernels take each expert bias reshaped ([E, 1, N]; MXFP4's [E, N, 1]): made
+    once before the decode loop, not relaid out by a copy per layer and token inside it (2 per MoE
+    layer, about 14 us a token at small-o200k by the compiler's estimate). And their grids have 2
+    work items, as many as the 2 rows (1 prompt, top-2) can reach experts, not one per expert:
+    each item costs grid steps."""
     from torch_model.config import get_preset
-    from torch_model.model import GptOssForCausalLM
+    from torch_model.model import GptOssForCausalLM, mxfp4_expert_modules
 
     cfg = get_preset("tiny")
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg)
+        if experts == "mxfp4":
+            mxfp4_expert_modules(model)
     loop, _, decoder = v5e_decode_loop(model, "auto", rows=1, length=64)
-    assert decoder.decode_kernels["moe"] == "pallas"
-    kernels = [op for op in loop if op.kernel.startswith("moe_fused")]
-    assert kernels and all(op.operands[1] == "s32[2]" for op in kernels), [op.operands[:4] for op in kernels]
-    biases = {f"bf16[{cfg.n_experts},1,{2 * cfg.expert_dim}]", f"bf16[{cfg.n_experts},1,{cfg.d_model}]"}
-    assert not [op.name for op in loop if op.opcode in ("copy", "copy-start") and op.shape in biases]
+    op, kernel = ("moe", "moe_fused") if experts == "bf16" else ("moe_mxfp4", "moe_mxfp4")
+    assert decoder.decode_kernels[op] == "pallas"
+    kernels = [o for o in loop if o.kernel.startswith(kernel)]
+    assert kernels and all(o.operands[1] == "s32[2]" for o in kernels), [o.operands[:4] for o in kernels]
+    e, two_i, d = cfg.n_experts, 2 * cfg.expert_dim, cfg.d_model
+    biases = ({f"bf16[{e},1,{two_i}]", f"bf16[{e},1,{d}]"} if experts == "bf16" else
+              {f"bf16[{e},{two_i},1]", f"bf16[{e},{d},1]"})
+    assert not [o.name for o in loop if o.opcode in ("copy", "copy-start") and o.shape in biases]

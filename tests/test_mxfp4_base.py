@@ -254,10 +254,12 @@ def test_the_mxfp4_base_is_read_by_slice_as_stored(released):
 def test_generate_on_the_mxfp4_base_gives_the_decoded_bases_greedy_text(released, capsys):
     """`generate --base-dtype mxfp4` on the released directory and on a LoRA checkpoint trained on
     it: the experts' bytes on the device (placed by slice), the same greedy text as the base
-    decoded to float32."""
+    decoded to float32, by the CPU's MXFP4 decode kernel and by TPU's (interpreted)."""
     root, data = released
     text = generated(capsys, root / "hf", "--base-dtype", "mxfp4")
     assert text == generated(capsys, root / "hf") and "--- prompt: 'ROMEO'" in text
+    # TPU's kernel (interpreted), its expert biases made in its [E, N, 1] once before the decode loop
+    assert generated(capsys, root / "hf", "--base-dtype", "mxfp4", "--kernels", "moe_mxfp4=pallas") == text
     run = root / "mxfp4" if (root / "mxfp4").exists() else lora_run(root, data, root / "mxfp4", base_dtype="mxfp4")
     capsys.readouterr()
     adapted = generated(capsys, run, "--base-dtype", "mxfp4")
