@@ -352,13 +352,13 @@ class Decoder:
     def place_inputs(self, ids, positions, active, values: SamplingValues, key):
         """The prefill program's inputs on the devices, as it was compiled for them."""
         rows, whole = self._sharding(self._split_prompts(ids.shape[0])), self._sharding(False)
-        # Host arrays are transferred as they are: no conversion program runs on the devices.
-        put = (lambda x, s: jax.device_put(x)) if self.mesh is None else jax.device_put
+        # Host arrays transferred as they are (no conversion program runs on the devices).
+        put = jax.device_put
         return (put(ids, rows), put(positions, rows), put(active, rows), jax.tree.map(lambda v: put(v, whole), values),
                 put(key, whole))
 
     def place_limit(self, limit: int):
-        return jax.device_put(np.int32(limit), None if self.mesh is None else self._sharding(False))
+        return jax.device_put(np.int32(limit), self._sharding(False))
 
     def last_logits(self, ids, positions):
         """The last position's float32 logits of a left-padded prompt batch (ids, positions [B, T]
