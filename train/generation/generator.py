@@ -193,8 +193,8 @@ class Generator:
         while steps < n_new and not done:
             state = decode(decoder.params_for(decoder.layout("decode", batch)), state,
                            decoder.place_limit(min(steps + chunk, n_new)), args[3])
-            # One wait per chunk: the step, the rows' state and the tokens fetched together (each
-            # fetch of its own waited for a round trip: at 1 prompt a few percent of the decode).
+            # One wait per chunk: the step, the rows' state and the tokens fetched together (apart,
+            # each waited for a round trip of its own inside the timed decode).
             step, finished, tokens = _host((state.step, state.done, state.tokens))
             if on_tokens is not None:
                 ending = on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, int(step)))
