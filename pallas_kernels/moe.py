@@ -122,15 +122,15 @@ class GroupMetadata(NamedTuple):
     num_active: jax.Array  # [1] int32: work items that do real work
 
 
-def group_metadata(group_sizes, num_tiles: int, tm: int, *, visit_empty: bool = False, rows: int | None = None,
-                   xp=jnp) -> GroupMetadata:
-    """Work items in (expert, tile) order. `visit_empty` gives each empty group one item (the
-    transposed GEMM must still write that expert's zero gradient). `rows`: the rows the groups
-    share (static), which bounds how many groups hold any. `xp` is jax.numpy inside a program,
-    or NumPy for sizes known on the host (no tiny programs compiled per op)."""
+def group_metadata(group_sizes, rows: int, tm: int, *, visit_empty: bool = False, xp=jnp) -> GroupMetadata:
+    """Work items in (expert, tile) order over `rows` rows (static) cut into tiles of `tm`.
+    `visit_empty` gives each empty group one item (the transposed GEMM must still write that
+    expert's zero gradient); otherwise no more groups than rows can hold any. `xp` is jax.numpy
+    inside a program, or NumPy for sizes known on the host (no tiny programs compiled per op)."""
     gs = group_sizes.astype(xp.int32)
     num_groups = gs.shape[0]
-    holding = num_groups if visit_empty or rows is None else max(1, min(num_groups, rows))
+    num_tiles = -(-rows // tm)
+    holding = num_groups if visit_empty else max(1, min(num_groups, rows))
     num_items = num_tiles + holding - 1
     ends = xp.cumsum(gs)
     starts = ends - gs
@@ -179,7 +179,7 @@ def cost_metadata(m: int, num_groups: int, tm: int, *, visit_empty: bool = False
     else:
         sizes = np.full(num_groups, m // num_groups, np.int32)
         sizes[:m % num_groups] += 1
-    return group_metadata(sizes, -(-m // tm), tm, visit_empty=visit_empty, rows=m, xp=np)
+    return group_metadata(sizes, m, tm, visit_empty=visit_empty, xp=np)
 
 
 def active_items(assumed: GroupMetadata) -> int:
@@ -244,7 +244,7 @@ def moe_experts_xla(x, group_sizes, gate_up, gate_up_bias, down, down_bias, *, a
     num_tiles = -(-m // tm)
     mp = num_tiles * tm
     gs = group_sizes.astype(jnp.int32)
-    meta = group_metadata(gs, num_tiles, tm, rows=m)
+    meta = group_metadata(gs, m, tm)
     num_items = meta.group_ids.shape[0]
     acc = jnp.float32
     prec = dot_precision(x.dtype)
@@ -668,7 +668,7 @@ def _fused_dw(meta_all: GroupMetadata, xp, dy, w1, b1, w2, cfg: _FusedConfig, *,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _moe_fused_core(xp, group_sizes, w1, b1, w2, b2, cfg: _FusedConfig):
-    meta = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm), cfg.tm, rows=xp.shape[0])
+    meta = group_metadata(group_sizes, xp.shape[0], cfg.tm)
     return _fused_forward(meta, xp, w1, b1, w2, b2, cfg)
 
 
@@ -679,8 +679,8 @@ def _moe_fused_core_fwd(xp, group_sizes, w1, b1, w2, b2, cfg):
 
 def _moe_fused_core_bwd(cfg, res, dy):
     xp, group_sizes, w1, b1, w2, b2 = res
-    meta = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm), cfg.tm, rows=xp.shape[0])
-    meta_all = group_metadata(group_sizes, -(-xp.shape[0] // cfg.tm_w), cfg.tm_w, visit_empty=True)
+    meta = group_metadata(group_sizes, xp.shape[0], cfg.tm)
+    meta_all = group_metadata(group_sizes, xp.shape[0], cfg.tm_w, visit_empty=True)
     dy = dy.astype(xp.dtype)
     dx = _fused_dx(meta, xp, dy, w1, b1, w2, cfg)
     dw1, db1, dw2, db2 = _fused_dw(meta_all, xp, dy, w1, b1, w2, cfg, bias1_dtype=b1.dtype, bias2_dtype=b2.dtype)

@@ -425,7 +425,7 @@ def bias_operand(bias):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _mx_core(x, group_sizes, w1b, w1s, b1, w2b, w2s, b2, cfg: _MxConfig):
-    meta = group_metadata(group_sizes, -(-x.shape[0] // cfg.tm), cfg.tm, rows=x.shape[0])
+    meta = group_metadata(group_sizes, x.shape[0], cfg.tm)
     return _mx_forward(meta, _split_columns(x), w1b, w1s, b1, w2b, w2s, b2, cfg).T
 
 
@@ -435,7 +435,7 @@ def _mx_core_fwd(x, group_sizes, w1b, w1s, b1, w2b, w2s, b2, cfg):
 
 def _mx_core_bwd(cfg, res, dy):
     x, group_sizes, w1b, w1s, b1, w2b, w2s, b2 = res
-    meta = group_metadata(group_sizes, -(-x.shape[0] // cfg.tm), cfg.tm, rows=x.shape[0])
+    meta = group_metadata(group_sizes, x.shape[0], cfg.tm)
     dx = _mx_dx(meta, _split_columns(x), dy.astype(x.dtype).T, w1b, w1s, b1, w2b, w2s, cfg)
     # The base is frozen: weights and biases take no cotangent (the wrapper stops their gradients).
     return _join_columns(dx), None, None, None, None, None, None, None

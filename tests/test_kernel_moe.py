@@ -163,16 +163,16 @@ def test_group_metadata_enumerates_tile_expert_pairs():
     as the rows allow: at most num_tiles + G - 1, G the groups that can hold rows (all E where
     empty groups are visited; else at most M: a decode step's 2 rows, 2 items of 8 experts)."""
     rng = np.random.default_rng(4)
-    meta_fn = jax.jit(group_metadata, static_argnums=(1, 2), static_argnames=("visit_empty", "rows"))
+    meta_fn = jax.jit(group_metadata, static_argnums=(1, 2), static_argnames="visit_empty")
     for tm, e, m, kind in [(1, 3, 7, "random"), (3, 5, 20, "random"), (8, 6, 37, "random"), (8, 4, 32, "random"),
                            (8, 6, 37, "one"), (8, 4, 32, "one"), (4, 1, 9, "one"), (16, 8, 2, "random"),
                            (16, 8, 3, "one"), (8, 6, 4, "random"), (2, 8, 5, "random")] * 3:
         gs = make_group_sizes(rng, m, e, kind)
         num_tiles = -(-m // tm)
         for visit_empty in (False, True):
-            meta = jax.tree.map(np.asarray, meta_fn(jnp.asarray(gs), num_tiles, tm, visit_empty=visit_empty, rows=m))
+            meta = jax.tree.map(np.asarray, meta_fn(jnp.asarray(gs), m, tm, visit_empty=visit_empty))
             # The host's NumPy version (the cost estimates' layout) gives the same items.
-            on_host = group_metadata(np.asarray(gs), num_tiles, tm, visit_empty=visit_empty, rows=m, xp=np)
+            on_host = group_metadata(np.asarray(gs), m, tm, visit_empty=visit_empty, xp=np)
             for field, a, b in zip(meta._fields, meta, on_host):
                 assert b.dtype == np.int32 and np.array_equal(a, b), f"{field}: NumPy {b} vs JAX {a}"
             starts = np.concatenate([[0], np.cumsum(gs)])
