@@ -184,8 +184,7 @@ class Generator:
         emitted = 1
         if on_tokens is not None:
             ending = on_tokens(_new_tokens(tokens, rows, prompt_len, 0, 1))
-            state = _end_rows(state, ending)
-            first_done = first_done | _ended(first_done.shape, ending)
+            state, first_done = _end_rows(state, first_done, ending)
 
         started = time.perf_counter()
         steps, done = 1, bool(first_done.all())
@@ -198,8 +197,7 @@ class Generator:
             step, finished, tokens = _host((state.step, state.done, state.tokens))
             if on_tokens is not None:
                 ending = on_tokens(_new_tokens(tokens, rows, prompt_len, emitted, int(step)))
-                state = _end_rows(state, ending)
-                finished = finished | _ended(finished.shape, ending)
+                state, finished = _end_rows(state, finished, ending)
                 emitted = int(step)
             steps, done = int(step), bool(finished.all())
         decode_seconds = time.perf_counter() - started
@@ -256,14 +254,16 @@ def _ended(shape, rows):
     return ending
 
 
-def _end_rows(state, rows):
-    """The decode state with these rows marked done (a caller's verdict, e.g. a stop string), in
-    the placement the compiled decode program expects."""
+def _end_rows(state, done, rows):
+    """(the decode state with these rows marked done (a caller's verdict, e.g. a stop string), in
+    the placement the compiled decode program expects; the rows' done flags on the host). `done`:
+    the state's flags as last fetched."""
     import jax
 
     if not rows:
-        return state
-    return state._replace(done=jax.device_put(_host(state.done) | _ended(state.done.shape, rows), state.done.sharding))
+        return state, done
+    done = done | _ended(done.shape, rows)
+    return state._replace(done=jax.device_put(done, state.done.sharding)), done
 
 
 def _host(array):
