@@ -291,7 +291,7 @@ class Decoder:
                            jnp.int32(prompt), logps, entropy)
 
     def _decode(self, params, state: DecodeState, limit, values, *, mode: SamplingMode):
-        held = self._expert_biases_as_blocks(params)
+        held = self._expert_bias_operands(params)
 
         def running(s):
             return (s.step < limit) & ~jnp.all(s.done)
@@ -317,7 +317,7 @@ class Decoder:
 
         return jax.lax.while_loop(running, step, state)
 
-    def _expert_biases_as_blocks(self, params) -> dict:
+    def _expert_bias_operands(self, params) -> dict:
         """The expert biases [E, N] in the operand shape of the MoE kernel the decode loop runs,
         made once before the loop, where that kernel is a fused Pallas one: reshaped inside the
         loop, the TPU compiler relays each bias out with a copy per layer and token (8 of

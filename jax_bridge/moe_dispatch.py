@@ -70,9 +70,10 @@ COMPARED_COPIES = 64
 def stable_order(key, weights):
     """(order, weights in sorted order, copies) of the copies' expert keys [n] sorted stably:
     order[p] is the copy at sorted position p, copies[i] the position of copy i (the inverse
-    permutation). One sort orders the copies and carries their routing weights along (the
-    backward's weights in sorted order); a second inverts the permutation. A TPU runs a scatter,
-    or a gather of single values, element by element: as `bincount`, `.at[order].set` and
+    permutation). Past COMPARED_COPIES one sort orders the copies and carries their routing
+    weights along (the backward's weights in sorted order) and a second inverts the permutation;
+    up to it, comparisons of every pair give all three. Never a scatter or a gather of single
+    values, which a TPU runs element by element: as `bincount`, `.at[order].set` and
     `weights[order]` they took about 8 ms of `small-o200k`'s 266 ms step on a v5e (session 30's
     profile); sorts and comparisons run vectorised."""
     n = key.shape[0]

@@ -96,13 +96,15 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    from jax_bridge.kernel_tiles import generation_of
     from jax_bridge.roofline import device_peaks
     from pallas_kernels.platform import host_platform
 
     platform = host_platform()
     interpret = platform != "tpu"
     kind = jax.devices()[0].device_kind
-    bandwidth = device_peaks("v5e")[1] if "v5 lite" in kind.lower() else None
+    generation = generation_of(kind)
+    bandwidth = device_peaks(generation)[1] if generation else None
     key = jax.random.key(0)
     w = (jax.random.normal(key, (args.vocab, args.hidden), jnp.float32) * 0.02).astype(jnp.bfloat16)
     layouts = {"vd": w, "dv": jnp.asarray(w.T)}
