@@ -310,3 +310,25 @@ def test_every_docs_page_is_linked_from_the_readme():
     pages = {p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md")}
     assert pages, "docs/ holds no page"
     assert not pages - linked, f"docs pages the README does not link: {sorted(map(str, pages - linked))}"
+
+
+def test_chip_measurement_script_runs_only_real_commands(monkeypatch, tmp_path):
+    """scripts/chip_measure.sh (issue 58's jobs for a v5e chip, run where no test can) dry-run:
+    every job is known, and every command it would run parses with the CLI's parser or names a
+    script that exists."""
+    import subprocess
+
+    (tmp_path / "data" / "o200k").mkdir(parents=True)          # the carried data, as the script expects it
+    jobs = ["train", "decode", "decode-ab", "tier-runs", "tier-kernels"]
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "chip_measure.sh"), *jobs], cwd=tmp_path, text=True,
+                         capture_output=True, env={"PATH": "/usr/bin:/bin", "CHIP_DRY_RUN": "1", "OUT": str(tmp_path / "out")})
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [line[2:] for line in run.stdout.splitlines() if line.startswith("+ ")]
+    cli = [shlex.split(line)[1:] for line in lines if line.startswith("tl ")]
+    assert len(cli) >= 14 and not run.stderr, run.stdout + run.stderr
+    failures = [f"{' '.join(argv)}\n    {message}" for argv in cli if (message := parse(argv, monkeypatch))]
+    assert not failures, "chip_measure.sh runs commands that do not parse:\n" + "\n".join(failures)
+    for line in lines:
+        if line.startswith("python3 "):
+            assert (ROOT / shlex.split(line)[1]).is_file(), line
+    assert all(line.startswith(("tl ", "python3 ", "make test-tpu ")) for line in lines), lines

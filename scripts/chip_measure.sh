@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Issue 58's measurements on one TPU v5e chip, as jobs that each fit one `device` call (10 minutes).
+# Run from the checkout's root on the TPU host, through the bundle (`bash ../shared/tpu/bundle.sh`):
+#
+#   torchlyra prepare --tokenizer o200k_harmony --out data/o200k      # once, on the CPU host
+#   bash .tpu/host.sh 'bash scripts/chip_measure.sh train decode'      # carry: .tpu, data/o200k
+#
+# Jobs (wall on the chip, the install and the chip's opening included; compile dominates):
+#   train        small-o200k 16 x 2048 scanned and unrolled, profiled steps 10-11     ~250 s
+#   decode       GPT-OSS decode from train's checkpoint: 1/8/64 prompts, a profile,
+#                32 against 512 new tokens (the fixed cost of a call), the head bench ~200 s
+#   decode-ab    decode at MoE block_i 128/256/1024 and with cached_attention=pallas  ~150 s
+#   tier-runs    the hardware tier's runs file (parity, demo, generation, LoRA, DPO)   ~440 s
+#   tier-kernels the hardware tier's kernels file                                     ~230 s
+#
+# Every log, metrics file and summary goes to $OUT (the device tool's folder; /tmp/out elsewhere),
+# runs to /tmp/r. BUDGET=S (seconds, default 560) skips a step that would start past the budget,
+# saying so, so that what finished still comes back inside one call. CHIP_DRY_RUN=1 prints each
+# command instead of running it (tests/test_docs.py parses them with the CLI's parser).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; R=/tmp/r; mkdir -p "$OUT" "$R"
+BUDGET=${BUDGET:-560}; T0=$(date +%s)
+tl() { if command -v torchlyra >/dev/null; then torchlyra "$@"; else python3 -m train.cli "$@"; fi; }
+
+# step NAME NEEDS_S CMD...: runs CMD (output to $OUT/NAME.log, its tail echoed) if NEEDS_S fit the budget.
+step() {
+    local name=$1 needs=$2; shift 2
+    local used=$(( $(date +%s) - T0 ))
+    if (( used + needs > BUDGET )); then
+        echo "== $name: skipped, needs ~${needs} s with ${used} of ${BUDGET} s used"; return 0
+    fi
+    echo "== $name (at ${used} s): $*"
+    if [ -n "${CHIP_DRY_RUN:-}" ]; then "$@"; return 0; fi
+    local t=$(date +%s)
+    "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+    tail -n 25 "$OUT/$name.log"
+    echo "== $name: rc $rc in $(( $(date +%s) - t )) s"
+}
+
+# The median step of a run's own records (steps 4 on, the profiled steps left out), as BENCHMARKS reads it.
+summary() {
+    python3 - "$1" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
+steps = [r for r in rows if r.get("kind") == "train" and r["step"] >= 4 and r["step"] not in (10, 11) and r.get("mfu")]
+med = lambda key: statistics.median(r[key] for r in steps)
+print(f"{sys.argv[1]}: {len(steps)} steps, {med('step_time_s'):.4f} s/step, "
+      f"{med('tokens_per_s'):,.0f} tokens/s, MFU {100 * med('mfu'):.1f}%")
+EOF
+}
+
+data() {   # small-o200k's data, prepared on the CPU host and carried: the TPU host cannot fetch the corpus
+    [ -d data/o200k ] || { echo "chip_measure: no data/o200k; on the CPU host run \`torchlyra prepare" \
+        "--tokenizer o200k_harmony --out data/o200k\` and carry it" >&2; return 2; }
+    echo data/o200k
+}
+
+train_o200k() {   # train_o200k RUN [FLAGS...]: the 14-step run of BENCHMARKS' headline, profiled at 10-11
+    local run=$1 data; shift
+    data=$(data) || return 2
+    tl train --preset small-o200k --data "$data" --batch-size 16 --seq-len 2048 --steps 14 --eval-every 1000 \
+        --log-every 1 --samples 0 --profile-steps 10:11 --out "$R/$run" "$@" \
+      && tl profile --top 12 "$R/$run" && summary "$R/$run" && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl"
+}
+
+checkpoint() {   # decode's checkpoint: train's scanned run, trained here if this host has not kept it
+    [ -f "$R/o200k/metrics.jsonl" ] && return 0
+    local data; data=$(data) || return 2
+    tl train --preset small-o200k --data "$data" --batch-size 16 --seq-len 2048 --steps 14 --eval-every 1000 --log-every 1 --samples 0 --out "$R/o200k"
+}
+
+generate_timed() {   # generate_timed TOKENS [FLAGS...]: one greedy prompt, not streamed, with timings
+    local tokens=$1; shift
+    tl generate --checkpoint "$R/o200k" --prompt "ROMEO:" --max-tokens "$tokens" --temperature 0 --no-stream --timings "$@"
+}
+
+decode_profile() {   # where a decode step goes: the trace of one 128-token call, summarised per op
+    generate_timed 128 --profile "$R/gprof" && tl profile --top 60 "$R/gprof" && cp "$R/gprof/summary.json" "$OUT/decode_profile.json"
+}
+
+job_train() {
+    step o200k_scanned 130 train_o200k o200k
+    step o200k_unrolled 140 train_o200k o200k_noscan --no-scan-layers
+}
+
+job_decode() {
+    step checkpoint 110 checkpoint
+    step decode_bench 90 tl bench generate --checkpoint "$R/o200k" --batches 1,8,64 --new-tokens 128 --paths ours \
+        --json "$OUT/decode_bench.json"
+    step decode_profile 45 decode_profile
+    step decode_32 25 generate_timed 32
+    step decode_512 30 generate_timed 512
+    step head_bench 60 python3 scripts/decode_head_bench.py
+}
+
+job_decode_ab() {
+    step checkpoint 110 checkpoint
+    local option
+    for option in 128 256 1024; do
+        step "decode_block_i_$option" 40 tl bench generate --checkpoint "$R/o200k" --batches 1,8 --new-tokens 128 \
+            --paths ours --kernel-options "moe.pallas.block_i=$option"
+    done
+    step decode_cached_attention_pallas 40 tl bench generate --checkpoint "$R/o200k" --batches 1,8 --new-tokens 128 \
+        --paths ours --kernels cached_attention=pallas
+}
+
+tier() {   # tier FILE: the hardware tier's file, in this host's Python (no venv)
+    make test-tpu TPU_SETUP= PYTEST="python3 -m pytest -vv" TPU_TESTS="tests/$1"
+}
+
+job_tier_runs() { step tier_runs 440 tier test_chip_runs.py; }
+job_tier_kernels() { step tier_kernels 230 tier test_chip_kernels.py; }
+
+if [ -n "${CHIP_DRY_RUN:-}" ]; then
+    tl() { echo "+ tl $*"; }; python3() { echo "+ python3 $*"; }; make() { echo "+ make $*"; }
+    summary() { :; }; cp() { :; }
+fi
+[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+for job in "$@"; do
+    declare -F "job_${job//-/_}" >/dev/null || { echo "chip_measure: no job '$job' (train, decode, decode-ab, tier-runs, tier-kernels)"; exit 2; }
+done
+for job in "$@"; do "job_${job//-/_}"; done
+echo "chip_measure: done in $(( $(date +%s) - T0 )) s; results in $OUT"
