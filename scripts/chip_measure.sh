@@ -74,8 +74,9 @@ generate_timed() {   # generate_timed TOKENS [FLAGS...]: one greedy prompt, not 
     tl generate --checkpoint "$R/o200k" --prompt "ROMEO:" --max-tokens "$tokens" --temperature 0 --no-stream --timings "$@"
 }
 
-decode_profile() {   # where a decode step goes: the trace of one 128-token call, summarised per op
-    generate_timed 128 --profile "$R/gprof" && tl profile --top 60 "$R/gprof" && cp "$R/gprof/summary.json" "$OUT/decode_profile.json"
+decode_profile() {   # where a decode step goes: one 128-token call's trace, every op of the loop body
+    # measured beside its roofline (summary.json's "top"): the data for a per-op fixed cost in the roofline
+    generate_timed 128 --profile "$R/gprof" && tl profile --top 400 "$R/gprof" && cp "$R/gprof/summary.json" "$OUT/decode_profile.json"
 }
 
 job_train() {
