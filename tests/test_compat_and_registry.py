@@ -436,3 +436,28 @@ def test_kernels_never_ask_jax_for_the_backend():
         uses = text.count("jax.default_backend()")
         allowed = {"platform.py": 2, "memory.py": 1}.get(path.name, 0)   # host_platform (+ docstring); a printout
         assert uses <= allowed, f"{path.name} reads jax.default_backend()"
+
+
+def test_index_copy_is_torchs_without_the_negative_wrap():
+    """The lowering of aten.index_copy (jax_bridge/aten_overrides.py): torch's values for indices
+    in range along any dimension (the KV cache's writes); an index outside [0, size) writes
+    nothing, a negative one included (torch raises; torchax wrapped it to the end), and the
+    program holds no wrap (no compare with 0); installed in the env."""
+    env = get_env()
+    assert env._ops[torch.ops.aten.index_copy.default].is_user_defined
+    x = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
+    with env:
+        def lowered(dim, index, source):
+            return np.asarray(env.t2j_iso(env.j2t_iso(jnp.asarray(x.numpy())).index_copy(
+                dim, env.j2t_iso(jnp.asarray(index)), env.j2t_iso(jnp.asarray(source.numpy())))))
+
+        for dim, index in ((1, [4, 0]), (2, [1]), (-1, [2, 0]), (0, [1])):
+            shape = list(x.shape)
+            shape[dim] = len(index)
+            source = -torch.ones(shape)
+            expected = x.index_copy(dim, torch.tensor(index), source).numpy()
+            np.testing.assert_array_equal(lowered(dim, np.array(index, np.int32), source), expected)
+        np.testing.assert_array_equal(lowered(1, np.array([-1, 5], np.int32), -torch.ones(2, 2, 3)), x.numpy())
+        jaxpr = str(jax.make_jaxpr(lambda i: env.t2j_iso(env.j2t_iso(jnp.zeros((2, 8))).index_copy(
+            1, env.j2t_iso(i), env.j2t_iso(jnp.ones((2, 1))))))(jnp.zeros((1,), jnp.int32)))
+    assert "lt" not in jaxpr.split() and "select_n" not in jaxpr, jaxpr
