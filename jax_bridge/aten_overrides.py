@@ -25,7 +25,8 @@ of `small-o200k`'s 266 ms step on a v5e for [32768, 8], session 30's profile).
 `aten.fmod`: torchax divides in float32 and truncates (a division, floor, ceil, a select, a
 multiply and a subtraction, with casts), which for integers is exact only below 2^24. Here
 `jnp.fmod`, which for integers is `lax.rem`, C's truncated remainder, as torch's: one op. The KV
-cache's ring slots take it in every decode step (torch_model/kv_cache.py).
+cache's rings of other than a power-of-two size take it in every decode step
+(torch_model/kv_cache.py).
 
 `aten.index_copy`: torchax writes `x.at[..., index, ...].set(source)`, which wraps a negative
 index to the end of the dimension (an add, a compare and a select per index array). torch raises

@@ -79,6 +79,17 @@ def test_a_prompt_longer_than_the_window_leaves_its_last_positions_at_pos_mod_w(
     assert all(cache.keys[i].shape[2] == WINDOW for i in sliding) and all(cache.keys[i].shape[2] == 16 for i in full)
 
 
+@pytest.mark.parametrize("slots", [4, 6, 16, 1])
+def test_write_slots_are_the_sequence_indices_mod_the_ring_and_keep_the_last_ones(slots):
+    """A ring of a power-of-two size takes the index's low bits, any other its remainder: the
+    same slots; a chunk longer than the ring keeps its last `slots` tokens."""
+    for start in (0, 3, 17, torch.tensor(29, dtype=torch.int32)):
+        for num_new in (1, 5, 9):
+            first, got = kv_cache.write_slots(start, num_new, slots)
+            assert first == max(0, num_new - slots)
+            assert got.tolist() == [(int(start) + i) % slots for i in range(first, num_new)]
+
+
 def test_left_padding_positions_follow_transformers_cumulative_mask():
     ids, positions = kv_cache.left_pad([[5, 6, 7], [9]], length=4, pad_id=0)
     assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 9]]

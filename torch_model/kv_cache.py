@@ -62,9 +62,13 @@ def write_slots(start, num_new: int, num_slots: int, device=None):
     tensor, the rest are Python ints (static shapes)."""
     first = max(0, num_new - num_slots)
     index = torch.arange(first, num_new, dtype=torch.int64, device=device)
-    # fmod, not remainder: the indices are never negative, and remainder's sign fix-up is a chain
-    # of ~10 small ops in every step of a compiled decode loop (fmod lowers to one: aten_overrides).
-    return first, torch.fmod(index + start, num_slots)
+    # The indices are never negative, so no sign fix-up: remainder's is a chain of ~10 small ops in
+    # every step of a compiled decode loop, and even fmod's truncated `rem` is ~6 on a TPU. A ring
+    # of a power-of-two size (windows, most buckets) takes the low bits instead: one op.
+    index = index + start
+    if num_slots & (num_slots - 1) == 0:
+        return first, torch.bitwise_and(index, num_slots - 1)
+    return first, torch.fmod(index, num_slots)
 
 
 def write(buffer: torch.Tensor, new: torch.Tensor, start, dim: int) -> torch.Tensor:
