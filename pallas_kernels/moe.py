@@ -133,19 +133,25 @@ def group_metadata(group_sizes, rows: int, tm: int, *, visit_empty: bool = False
     holding = num_groups if visit_empty else max(1, min(num_groups, rows))
     num_items = num_tiles + holding - 1
     ends = xp.cumsum(gs)
-    starts = ends - gs
-    first = xp.minimum(starts // tm, num_tiles - 1)   # an empty group at row M may point past the end
-    last = (ends - 1) // tm
-    counts = xp.where(gs > 0, last - first + 1, 1 if visit_empty else 0)
+    if num_tiles == 1:      # all rows in one tile (a decode step's): each group's item is tile 0
+        counts = xp.where(gs > 0, 1, 1 if visit_empty else 0)
+    else:
+        starts = ends - gs
+        first = xp.minimum(starts // tm, num_tiles - 1)   # an empty group at row M may point past the end
+        last = (ends - 1) // tm
+        counts = xp.where(gs > 0, last - first + 1, 1 if visit_empty else 0)
     cum = xp.cumsum(counts)
     num_active = cum[-1]
     w = xp.clip(xp.arange(num_items, dtype=xp.int32), 0, xp.maximum(num_active - 1, 0))
     gid = xp.sum(w[:, None] >= cum[None, :], axis=1)
-    # first[gid] + (w - (cum - counts)[gid]) as a one-hot select over experts: the TPU compiler
-    # turns a gather from an [E] vector into E scalar slices, each in its own 16 KiB slot of HBM
-    # (0.6 MiB of temporaries at E = 16, more than the whole rest of the fused MoE keeps).
-    mine = gid[:, None] == xp.arange(num_groups, dtype=xp.int32)[None, :]
-    tile = xp.sum(xp.where(mine, first[None, :] - (cum - counts)[None, :], 0), axis=1) + w
+    if num_tiles == 1:      # (the arithmetic below gives 0 there, in four ops a layer of every decode step)
+        tile = xp.zeros_like(w)
+    else:
+        # first[gid] + (w - (cum - counts)[gid]) as a one-hot select over experts: the TPU compiler
+        # turns a gather from an [E] vector into E scalar slices, each in its own 16 KiB slot of HBM
+        # (0.6 MiB of temporaries at E = 16, more than the whole rest of the fused MoE keeps).
+        mine = gid[:, None] == xp.arange(num_groups, dtype=xp.int32)[None, :]
+        tile = xp.sum(xp.where(mine, first[None, :] - (cum - counts)[None, :], 0), axis=1) + w
     offsets = xp.concatenate([xp.zeros((1,), xp.int32), ends])
     return GroupMetadata(*(a.astype(xp.int32) for a in (offsets, gid, tile, num_active[None])))
 

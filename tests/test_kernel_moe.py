@@ -161,12 +161,14 @@ def test_reference_matches_torch_op():
 def test_group_metadata_enumerates_tile_expert_pairs():
     """Every (expert, row tile) pair with rows, in order, then the last one repeated; as many items
     as the rows allow: at most num_tiles + G - 1, G the groups that can hold rows (all E where
-    empty groups are visited; else at most M: a decode step's 2 rows, 2 items of 8 experts)."""
+    empty groups are visited; else at most M: a decode step's 2 rows, 2 items of 8 experts). Rows
+    in one tile (a decode step's) take a shorter path: every item is tile 0."""
     rng = np.random.default_rng(4)
     meta_fn = jax.jit(group_metadata, static_argnums=(1, 2), static_argnames="visit_empty")
     for tm, e, m, kind in [(1, 3, 7, "random"), (3, 5, 20, "random"), (8, 6, 37, "random"), (8, 4, 32, "random"),
                            (8, 6, 37, "one"), (8, 4, 32, "one"), (4, 1, 9, "one"), (16, 8, 2, "random"),
-                           (16, 8, 3, "one"), (8, 6, 4, "random"), (2, 8, 5, "random")] * 3:
+                           (16, 8, 3, "one"), (8, 6, 4, "random"), (2, 8, 5, "random"),
+                           (8, 4, 8, "random"), (4, 5, 1, "one")] * 3:        # the last 5: all rows one tile
         gs = make_group_sizes(rng, m, e, kind)
         num_tiles = -(-m // tm)
         for visit_empty in (False, True):
