@@ -55,18 +55,21 @@ data() {   # small-o200k's data, prepared on the CPU host and carried: the TPU h
     echo data/o200k
 }
 
-train_o200k() {   # train_o200k RUN [FLAGS...]: the 14-step run of BENCHMARKS' headline, profiled at 10-11
+run_o200k() {   # run_o200k RUN [FLAGS...]: BENCHMARKS' headline run of small-o200k, 14 steps of 16 x 2048
     local run=$1 data; shift
     data=$(data) || return 2
     tl train --preset small-o200k --data "$data" --batch-size 16 --seq-len 2048 --steps 14 --eval-every 1000 \
-        --log-every 1 --samples 0 --profile-steps 10:11 --out "$R/$run" "$@" \
-      && tl profile --top 12 "$R/$run" && summary "$R/$run" && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl"
+        --log-every 1 --samples 0 --out "$R/$run" "$@"
+}
+
+train_o200k() {   # train_o200k RUN [FLAGS...]: the headline run profiled at steps 10-11, summarised
+    local run=$1
+    run_o200k "$@" --profile-steps 10:11 && tl profile --top 12 "$R/$run" && summary "$R/$run" \
+      && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl"
 }
 
 checkpoint() {   # decode's checkpoint: train's scanned run, trained here if this host has not kept it
-    [ -f "$R/o200k/metrics.jsonl" ] && return 0
-    local data; data=$(data) || return 2
-    tl train --preset small-o200k --data "$data" --batch-size 16 --seq-len 2048 --steps 14 --eval-every 1000 --log-every 1 --samples 0 --out "$R/o200k"
+    [ -f "$R/o200k/metrics.jsonl" ] || run_o200k o200k
 }
 
 generate_timed() {   # generate_timed TOKENS [FLAGS...]: one greedy prompt, not streamed, with timings
