@@ -13,8 +13,8 @@
 #   tier-runs    the hardware tier's runs file (parity, demo, generation, LoRA, DPO)   ~440 s
 #   tier-kernels the hardware tier's kernels file                                     ~230 s
 #
-# Every log, metrics file and summary goes to $OUT (the device tool's folder; /tmp/out elsewhere),
-# runs to /tmp/r. BUDGET=S (seconds, default 560) skips a step that would start past the budget,
+# Every log, metrics file and summary goes to $OUT (the device tool's folder; /tmp/out elsewhere;
+# packed into $OUT/results.tgz past 8 files, the most the tool brings back), runs to /tmp/r. BUDGET=S (seconds, default 560) skips a step that would start past the budget,
 # saying so, so that what finished still comes back inside one call. CHIP_DRY_RUN=1 prints each
 # command instead of running it (tests/test_docs.py parses them with the CLI's parser).
 set -uo pipefail
@@ -30,7 +30,14 @@ step() {
         echo "== $name: skipped, needs ~${needs} s with ${used} of ${BUDGET} s used"; return 0
     fi
     echo "== $name (at ${used} s): $*"
-    if [ -n "${CHIP_DRY_RUN:-}" ]; then "$@"; return 0; fi
+    pack_out() {   # the device tool brings back at most 8 files from $OUT: more go into one archive, results.tgz
+    [ -n "${CHIP_DRY_RUN:-}" ] && return 0
+    local files; files=$(cd "$OUT" && ls -A)
+    (( $(echo "$files" | wc -w) <= 8 )) && return 0
+    (cd "$OUT" && tar czf results.tgz $files && rm -f $files) && echo "chip_measure: $OUT/results.tgz holds $(echo $files)"
+}
+
+if [ -n "${CHIP_DRY_RUN:-}" ]; then "$@"; return 0; fi
     local t=$(date +%s)
     "$@" > "$OUT/$name.log" 2>&1; local rc=$?
     tail -n 25 "$OUT/$name.log"
@@ -115,6 +122,13 @@ tier() {   # tier FILE: the hardware tier's file, in this host's Python (no venv
 job_tier_runs() { step tier_runs 440 tier test_chip_runs.py; }
 job_tier_kernels() { step tier_kernels 230 tier test_chip_kernels.py; }
 
+pack_out() {   # the device tool brings back at most 8 files from $OUT: more go into one archive, results.tgz
+    [ -n "${CHIP_DRY_RUN:-}" ] && return 0
+    local files; files=$(cd "$OUT" && ls -A)
+    (( $(echo "$files" | wc -w) <= 8 )) && return 0
+    (cd "$OUT" && tar czf results.tgz $files && rm -f $files) && echo "chip_measure: $OUT/results.tgz holds $(echo $files)"
+}
+
 if [ -n "${CHIP_DRY_RUN:-}" ]; then
     tl() { echo "+ tl $*"; }; python3() { echo "+ python3 $*"; }; make() { echo "+ make $*"; }
     summary() { :; }; cp() { :; }
@@ -124,4 +138,5 @@ for job in "$@"; do
     declare -F "job_${job//-/_}" >/dev/null || { echo "chip_measure: no job '$job' (train, decode, decode-ab, tier-runs, tier-kernels)"; exit 2; }
 done
 for job in "$@"; do "job_${job//-/_}"; done
+pack_out
 echo "chip_measure: done in $(( $(date +%s) - T0 )) s; results in $OUT"
