@@ -3,7 +3,7 @@
 The optimized HLO of a (deviceless) TPU compile is split into single-instruction modules; XLA's
 generic cost analysis prices each one (FLOPs, transcendentals, bytes per operand) and our Pallas
 kernels' `pl.CostEstimate` prices theirs. Each op's roofline time is max(FLOPs / peak, HBM bytes /
-bandwidth); ops are grouped by category (XLA matmuls, each kernel, elementwise, copies and layout,
+bandwidth), plus the fixed cost of one op where it was measured on the chip (OP_COST_S); ops are grouped by category (XLA matmuls, each kernel, elementwise, copies and layout,
 collectives, the optimizer's Newton-Schulz and the rest of its update). Private XLA bindings
 (`HloModule.to_string`, `hlo_module_from_text`, `hlo_module_cost_analysis`) are used: see
 tests/test_roofline.py, which fails loudly if they change.
@@ -25,6 +25,11 @@ from jax_bridge import hlo_text as hlo
 # v4 device gets half of each figure.
 CHIPS = {"v4": (275e12, 1200e9, 0.5), "v5e": (197e12, 819e9, 1.0), "v5p": (459e12, 2765e9, 1.0),
          "v6e": (918e12, 1638e9, 1.0)}
+# The fixed cost of one op on the chip, beyond its FLOPs and bytes: the median measured time of the
+# ops the roofline prices at ~0 in a profiled decode loop (BENCHMARKS, session 34: v5e, 225 of the
+# loop's 313 ops, median 0.28 us). Without it the decode step, ~300 ops, was predicted at 0.291 ms
+# against the chip's 0.397 ms; with it, 0.379 ms. A generation not measured has none.
+OP_COST_S = {"v5e": 0.28e-6}
 CATEGORIES = ("matmul (XLA)", "kernel", "elementwise / fusions", "copies / layout", "collectives",
               "optimizer: Newton-Schulz", "optimizer: other")
 OPTIMIZER_SCOPE = "optimizer_update"     # the jax.named_scope of the step's update (jax_bridge/step.py)
@@ -44,6 +49,11 @@ def device_peaks(generation: str) -> tuple[float, float]:
         raise ValueError(f"no published peaks for TPU generation {generation!r}; known: {', '.join(CHIPS)}")
     flops, bandwidth, share = CHIPS[generation]
     return flops * share, bandwidth * share
+
+
+def op_cost(generation: str) -> float:
+    """The fixed seconds of one op on a TPU generation (OP_COST_S; 0 where not measured)."""
+    return OP_COST_S.get(generation, 0.0)
 
 
 def _hbm_share(shape: str | None) -> float:
@@ -378,6 +388,7 @@ class Roofline:
     generation: str
     peak_flops: float
     hbm_bandwidth: float
+    op_cost: float               # seconds added to each op (OP_COST_S)
     rows: list
     flops: float
     hbm_bytes: float
@@ -424,10 +435,10 @@ class Roofline:
             self.model_mfu_ceiling = model_flops / (model_part * self.peak_flops) if model_part > 0 else None
 
 
-def op_seconds(op: Op, peak_flops: float, bandwidth: float) -> tuple[float, bool]:
-    """(roofline seconds of one run, memory-bound?)."""
+def op_seconds(op: Op, peak_flops: float, bandwidth: float, fixed: float = 0.0) -> tuple[float, bool]:
+    """(roofline seconds of one run, memory-bound?); `fixed`: the generation's op_cost."""
     compute, memory = op.flops * op.mxu_passes / peak_flops, op.hbm_bytes / bandwidth
-    return max(compute, memory), memory > compute
+    return max(compute, memory) + fixed, memory > compute
 
 
 def roofline(compiled, generation: str, *, tiles: dict | None = None, top: int = 5) -> Roofline:
@@ -449,11 +460,12 @@ def roofline_of_ops(collected: tuple, text: str, cost: dict, generation: str, *,
                     tiles: dict | None = None, top: int = 5) -> Roofline:
     """The same from collect_ops' result for that text (a caller that also needs each op's time)."""
     peak, bandwidth = device_peaks(generation)
+    fixed = op_cost(generation)
     cost_fn = cost_fn or xla_cost_fn()
     ops, unknown, unpriced = collected
     rows, timed = {}, []
     for op in ops:
-        seconds, memory_bound = op_seconds(op, peak, bandwidth)
+        seconds, memory_bound = op_seconds(op, peak, bandwidth, fixed)
         key = row_name(op.category, op.kernel)
         row = rows.setdefault(key, Row(key, 0, 0.0, 0.0, 0.0, 0.0, 0.0))
         row.ops += 1
@@ -479,7 +491,7 @@ def roofline_of_ops(collected: tuple, text: str, cost: dict, generation: str, *,
     kernel_bytes = sum(op.hbm_bytes for op in ops if op.category == "kernel")
     timed.sort(key=lambda t: -t[0])
     result = Roofline(
-        generation=generation, peak_flops=peak, hbm_bandwidth=bandwidth, rows=ordered,
+        generation=generation, peak_flops=peak, hbm_bandwidth=bandwidth, op_cost=fixed, rows=ordered,
         flops=sum(r.flops for r in ordered), hbm_bytes=sum(r.hbm_bytes for r in ordered), seconds=total,
         memory_bound_share=sum(r.memory_bound_seconds for r in ordered if r.category != "collectives") / total
         if total else 0.0,
@@ -507,7 +519,9 @@ def _si(x: float, unit: str) -> str:
 
 def format_roofline(r: Roofline) -> str:
     lines = [f"roofline on one {r.generation} device: {r.peak_flops / 1e12:.1f} TFLOP/s bf16, "
-             f"{r.hbm_bandwidth / 1e9:.0f} GB/s HBM (published peaks); per op max(FLOPs/peak, HBM bytes/bandwidth)",
+             f"{r.hbm_bandwidth / 1e9:.0f} GB/s HBM (published peaks); per op max(FLOPs/peak, HBM bytes/bandwidth)"
+             + (f" + {r.op_cost * 1e6:.2f} us (one op's fixed cost, measured on a {r.generation})" if r.op_cost else
+                " (no fixed cost per op measured for this generation)"),
              f"  {'category':36} {'ops':>5} {'FLOPs':>12} {'HBM bytes':>12} {'time':>10} {'share':>6} {'mem-bound':>9}"]
     for row in r.rows:
         share = row.seconds / r.seconds if r.seconds else 0.0

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     for spec in args.kernels.split(";"):
         loop, chosen = loop_body(args.preset, args.rows, spec)
         hbm = sum(op.hbm_bytes * op.trips for op in loop)
-        seconds = sum(roofline.op_seconds(op, peak, bandwidth)[0] * op.trips for op in loop)
+        seconds = sum(roofline.op_seconds(op, peak, bandwidth, roofline.op_cost("v5e"))[0] * op.trips for op in loop)
         opcodes = collections.Counter(op.opcode for op in loop)
         top = max(loop, key=lambda op: op.hbm_bytes)
         print(f"| {spec} | {hbm / 1e6:.1f} MB | {seconds * 1e3:.3f} ms | {sum(op.trips for op in loop)} | "

@@ -50,7 +50,7 @@ def main() -> None:
     ops, _, _ = roofline.collect_ops(text, roofline.xla_cost_fn())
     peak, bandwidth = roofline.device_peaks(captured["generation"])
     prefixes = tuple(args.categories.split(","))
-    chosen = [(roofline.op_seconds(op, peak, bandwidth)[0] * op.trips, op) for op in ops
+    chosen = [(roofline.op_seconds(op, peak, bandwidth, roofline.op_cost(captured["generation"]))[0] * op.trips, op) for op in ops
               if op.category.startswith(prefixes)]
     groups, counts = collections.defaultdict(float), collections.Counter()
     for seconds, op in chosen:

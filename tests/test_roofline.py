@@ -68,6 +68,21 @@ def test_roofline_counts_every_trip_of_a_loop_and_sums_to_the_program(compiled):
     assert "matmul (XLA)" in roofline.format_roofline(r)
 
 
+def test_each_op_pays_the_fixed_cost_measured_on_its_generation(compiled):
+    """v5e's measured fixed cost per op (OP_COST_S) is added to every run of every op, loop trips
+    included; a generation without a measurement (v6e) prices bytes and FLOPs alone, and says so."""
+    text = roofline.module_text(compiled)
+    ops, _, _ = roofline.collect_ops(text, roofline.xla_cost_fn())
+    runs = sum(op.trips for op in ops if op.category != "collectives")
+    bare, costed = roofline.roofline(compiled, "v6e"), roofline.roofline(compiled, "v5e")
+    assert bare.op_cost == 0.0 and costed.op_cost == roofline.OP_COST_S["v5e"] > 0
+    peak, bandwidth = roofline.device_peaks("v5e")
+    unfixed = sum(roofline.op_seconds(op, peak, bandwidth)[0] * op.trips for op in ops if op.category != "collectives")
+    assert costed.seconds == pytest.approx(unfixed + runs * costed.op_cost)
+    assert "0.28 us (one op's fixed cost, measured on a v5e)" in roofline.format_roofline(costed)
+    assert "no fixed cost per op measured" in roofline.format_roofline(bare)
+
+
 def test_hbm_bytes_skip_vmem_and_count_tile_padding():
     """Operands the compiler placed in VMEM (S(1)) move no HBM bytes; arrays in HBM move their
     padded tiles (a 64-wide minor dimension in 128-lane tiles moves twice its logical bytes)."""
