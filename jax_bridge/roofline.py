@@ -3,10 +3,11 @@
 The optimized HLO of a (deviceless) TPU compile is split into single-instruction modules; XLA's
 generic cost analysis prices each one (FLOPs, transcendentals, bytes per operand) and our Pallas
 kernels' `pl.CostEstimate` prices theirs. Each op's roofline time is max(FLOPs / peak, HBM bytes /
-bandwidth), plus the fixed cost of one op where it was measured on the chip (OP_COST_S); ops are grouped by category (XLA matmuls, each kernel, elementwise, copies and layout,
-collectives, the optimizer's Newton-Schulz and the rest of its update). Private XLA bindings
-(`HloModule.to_string`, `hlo_module_from_text`, `hlo_module_cost_analysis`) are used: see
-tests/test_roofline.py, which fails loudly if they change.
+bandwidth), plus one op's fixed cost where the chip measured it (OP_COST_S); ops are grouped by
+category (XLA matmuls, each kernel, elementwise, copies and layout, collectives, the optimizer's
+Newton-Schulz and the rest of its update). Private XLA bindings (`HloModule.to_string`,
+`hlo_module_from_text`, `hlo_module_cost_analysis`) are used: see tests/test_roofline.py, which
+fails loudly if they change.
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ CHIPS = {"v4": (275e12, 1200e9, 0.5), "v5e": (197e12, 819e9, 1.0), "v5p": (459e1
          "v6e": (918e12, 1638e9, 1.0)}
 # The fixed cost of one op on the chip, beyond its FLOPs and bytes: the median measured time of the
 # ops the roofline prices at ~0 in a profiled decode loop (BENCHMARKS, session 34: v5e, 225 of the
-# loop's 313 ops, median 0.28 us). Without it the decode step, ~300 ops, was predicted at 0.291 ms
-# against the chip's 0.397 ms; with it, 0.379 ms. A generation not measured has none.
+# loop's 313 ops, median 0.28 us). Without it `small-o200k`'s decode step (289 ops deviceless) was
+# predicted at 0.290 ms against the chip's 0.397 ms of ops; with it, 0.371 ms. A generation not
+# measured has none.
 OP_COST_S = {"v5e": 0.28e-6}
 CATEGORIES = ("matmul (XLA)", "kernel", "elementwise / fusions", "copies / layout", "collectives",
               "optimizer: Newton-Schulz", "optimizer: other")
