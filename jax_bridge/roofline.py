@@ -437,7 +437,7 @@ class Roofline:
             self.model_mfu_ceiling = model_flops / (model_part * self.peak_flops) if model_part > 0 else None
 
 
-def op_seconds(op: Op, peak_flops: float, bandwidth: float, fixed: float = 0.0) -> tuple[float, bool]:
+def op_seconds(op: Op, peak_flops: float, bandwidth: float, fixed: float) -> tuple[float, bool]:
     """(roofline seconds of one run, memory-bound?); `fixed`: the generation's op_cost."""
     compute, memory = op.flops * op.mxu_passes / peak_flops, op.hbm_bytes / bandwidth
     return max(compute, memory) + fixed, memory > compute

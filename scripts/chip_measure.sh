@@ -14,8 +14,9 @@
 #   tier-kernels the hardware tier's kernels file                                     ~230 s
 #
 # Every log, metrics file and summary goes to $OUT (the device tool's folder; /tmp/out elsewhere;
-# packed into $OUT/results.tgz past 8 files, the most the tool brings back), runs to /tmp/r. BUDGET=S (seconds, default 560) skips a step that would start past the budget,
-# saying so, so that what finished still comes back inside one call. CHIP_DRY_RUN=1 prints each
+# packed into $OUT/results.tgz past 8 files, the most the tool brings back), runs to /tmp/r.
+# BUDGET=S (seconds, default 560) skips a step that would start past the budget, saying so, so
+# that what finished still comes back inside one call. CHIP_DRY_RUN=1 prints each
 # command instead of running it (tests/test_docs.py parses them with the CLI's parser).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; R=/tmp/r; mkdir -p "$OUT" "$R"
@@ -34,7 +35,8 @@ step() {
     [ -n "${CHIP_DRY_RUN:-}" ] && return 0
     local files; files=$(cd "$OUT" && ls -A)
     (( $(echo "$files" | wc -w) <= 8 )) && return 0
-    (cd "$OUT" && tar czf results.tgz $files && rm -f $files) && echo "chip_measure: $OUT/results.tgz holds $(echo $files)"
+    (cd "$OUT" && tar czf results.tgz $files && rm -f $files) \
+      && echo "chip_measure: $OUT/results.tgz holds $(echo $files)"
 }
 
 if [ -n "${CHIP_DRY_RUN:-}" ]; then "$@"; return 0; fi
@@ -87,8 +89,8 @@ generate_timed() {   # generate_timed TOKENS [FLAGS...]: one greedy prompt, not 
 decode_profile() {   # where a decode step goes: one 128-token call's trace, every op of the loop body
     # measured beside its roofline (summary.json's "top"): the data for a per-op fixed cost in the roofline
     # and the raw trace, whose host planes say where the call's ~1.3 ms outside the loop program go
-    generate_timed 128 --profile "$R/gprof" && tl profile --top 400 "$R/gprof" && cp "$R/gprof/summary.json" "$OUT/decode_profile.json" \
-      && tar czf "$OUT/decode_trace.tgz" -C "$R/gprof" plugins
+    generate_timed 128 --profile "$R/gprof" && tl profile --top 400 "$R/gprof" \
+      && cp "$R/gprof/summary.json" "$OUT/decode_profile.json" && tar czf "$OUT/decode_trace.tgz" -C "$R/gprof" plugins
 }
 
 job_train() {
@@ -128,14 +130,15 @@ pack_out() {   # the device tool brings back at most 8 files from $OUT: more go 
     [ -n "${CHIP_DRY_RUN:-}" ] && return 0
     local files; files=$(cd "$OUT" && ls -A)
     (( $(echo "$files" | wc -w) <= 8 )) && return 0
-    (cd "$OUT" && tar czf results.tgz $files && rm -f $files) && echo "chip_measure: $OUT/results.tgz holds $(echo $files)"
+    (cd "$OUT" && tar czf results.tgz $files && rm -f $files) \
+      && echo "chip_measure: $OUT/results.tgz holds $(echo $files)"
 }
 
 if [ -n "${CHIP_DRY_RUN:-}" ]; then
     tl() { echo "+ tl $*"; }; python3() { echo "+ python3 $*"; }; make() { echo "+ make $*"; }
     summary() { :; }; cp() { :; }; tar() { :; }
 fi
-[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 2; }   # the header above
 for job in "$@"; do
     declare -F "job_${job//-/_}" >/dev/null || { echo "chip_measure: no job '$job' (train, decode, decode-ab, tier-runs, tier-kernels)"; exit 2; }
 done

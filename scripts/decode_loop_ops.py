@@ -47,13 +47,14 @@ def main(argv=None) -> int:
     from jax_bridge import roofline
 
     peak, bandwidth = roofline.device_peaks("v5e")
+    fixed = roofline.op_cost("v5e")
     print(f"{args.preset}, {args.rows} row(s), one v5e chip (deviceless), per generated token:")
     print("| kernels | HBM bytes | roofline | ops in the loop body | of them fusions | most bytes |")
     print("|---|---|---|---|---|---|")
     for spec in args.kernels.split(";"):
         loop, chosen = loop_body(args.preset, args.rows, spec)
         hbm = sum(op.hbm_bytes * op.trips for op in loop)
-        seconds = sum(roofline.op_seconds(op, peak, bandwidth, roofline.op_cost("v5e"))[0] * op.trips for op in loop)
+        seconds = sum(roofline.op_seconds(op, peak, bandwidth, fixed)[0] * op.trips for op in loop)
         opcodes = collections.Counter(op.opcode for op in loop)
         top = max(loop, key=lambda op: op.hbm_bytes)
         print(f"| {spec} | {hbm / 1e6:.1f} MB | {seconds * 1e3:.3f} ms | {sum(op.trips for op in loop)} | "

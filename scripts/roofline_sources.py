@@ -49,8 +49,9 @@ def main() -> None:
             source[defined.group(1)] = found.group(1) if found else ""
     ops, _, _ = roofline.collect_ops(text, roofline.xla_cost_fn())
     peak, bandwidth = roofline.device_peaks(captured["generation"])
+    fixed = roofline.op_cost(captured["generation"])
     prefixes = tuple(args.categories.split(","))
-    chosen = [(roofline.op_seconds(op, peak, bandwidth, roofline.op_cost(captured["generation"]))[0] * op.trips, op) for op in ops
+    chosen = [(roofline.op_seconds(op, peak, bandwidth, fixed)[0] * op.trips, op) for op in ops
               if op.category.startswith(prefixes)]
     groups, counts = collections.defaultdict(float), collections.Counter()
     for seconds, op in chosen:

@@ -75,7 +75,8 @@ def test_a_v5e_moe_decode_step_takes_the_expert_biases_without_a_copy_per_token(
     each item costs grid steps. At one row a step's time is mostly the fixed cost of its ops
     (~0.4 us each on the chip, BENCHMARKS.md): the loop body holds no more of them than it did
     when each was accounted for (session 33: the dispatch's gathers and the KV cache's writes
-    without the negative-index wrap, the ring slots as low bits, one-tile MoE metadata: bf16 387 -> 322, MXFP4 367 -> 324)."""
+    without the negative-index wrap, the ring slots as low bits, one-tile MoE metadata: bf16
+    387 -> 322, MXFP4 367 -> 324)."""
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM, mxfp4_expert_modules
 

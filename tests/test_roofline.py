@@ -77,7 +77,8 @@ def test_each_op_pays_the_fixed_cost_measured_on_its_generation(compiled):
     bare, costed = roofline.roofline(compiled, "v6e"), roofline.roofline(compiled, "v5e")
     assert bare.op_cost == 0.0 and costed.op_cost == roofline.OP_COST_S["v5e"] > 0
     peak, bandwidth = roofline.device_peaks("v5e")
-    unfixed = sum(roofline.op_seconds(op, peak, bandwidth)[0] * op.trips for op in ops if op.category != "collectives")
+    unfixed = sum(roofline.op_seconds(op, peak, bandwidth, 0.0)[0] * op.trips for op in ops
+                  if op.category != "collectives")
     assert costed.seconds == pytest.approx(unfixed + runs * costed.op_cost)
     assert "0.28 us (one op's fixed cost, measured on a v5e)" in roofline.format_roofline(costed)
     assert "no fixed cost per op measured" in roofline.format_roofline(bare)

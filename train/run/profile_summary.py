@@ -382,8 +382,8 @@ def _prediction(meta: dict, text: str, platform: str, cost_fn) -> tuple[dict, di
     r = roofline.roofline_of_ops(collected, text, meta.get("cost", {}), generation, cost_fn=cost_fn)
     per_op = {}
     for op in collected[0]:
-        per_op[op.name] = per_op.get(op.name, 0.0) + roofline.op_seconds(op, r.peak_flops, r.hbm_bandwidth, r.op_cost)[0] \
-            * op.trips * 1e3
+        seconds = roofline.op_seconds(op, r.peak_flops, r.hbm_bandwidth, r.op_cost)[0]
+        per_op[op.name] = per_op.get(op.name, 0.0) + seconds * op.trips * 1e3
     return per_op, {"rows": {row.category: row.seconds * 1e3 for row in r.rows}, "generation": generation,
                     "peak_tflops": r.peak_flops / 1e12, "hbm_gbps": r.hbm_bandwidth / 1e9,
                     "step_ms": r.seconds * 1e3, "memory_bound_share": r.memory_bound_share,
