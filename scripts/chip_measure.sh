@@ -31,15 +31,7 @@ step() {
         echo "== $name: skipped, needs ~${needs} s with ${used} of ${BUDGET} s used"; return 0
     fi
     echo "== $name (at ${used} s): $*"
-    pack_out() {   # the device tool brings back at most 8 files from $OUT: more go into one archive, results.tgz
-    [ -n "${CHIP_DRY_RUN:-}" ] && return 0
-    local files; files=$(cd "$OUT" && ls -A)
-    (( $(echo "$files" | wc -w) <= 8 )) && return 0
-    (cd "$OUT" && tar czf results.tgz $files && rm -f $files) \
-      && echo "chip_measure: $OUT/results.tgz holds $(echo $files)"
-}
-
-if [ -n "${CHIP_DRY_RUN:-}" ]; then "$@"; return 0; fi
+    if [ -n "${CHIP_DRY_RUN:-}" ]; then "$@"; return 0; fi
     local t=$(date +%s)
     "$@" > "$OUT/$name.log" 2>&1; local rc=$?
     tail -n 25 "$OUT/$name.log"
