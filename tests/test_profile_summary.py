@@ -2,7 +2,7 @@
 program's real optimized HLO (compiled for this CPU) and a device plane written as the TPU's
 profiler writes one ("XLA Modules", "XLA Ops" named by each instruction's text), through
 jax.profiler.ProfileData's own text-proto reader. The CPU path runs on the reference run of
-tests/test_training_loop.py."""
+tests/test_training_loop.py, and its grouping of ops into runs on a synthetic host plane here."""
 import json
 
 import pytest
@@ -202,3 +202,35 @@ def test_an_async_ops_halves_match_whichever_way_they_are_printed():
     assert ps._async_neutral(("slice-done", "bf16[4,8]")) != ps._async_neutral(("async-done", "bf16[4,9]"))
     assert ps._async_neutral(("slice-done", "bf16[4,8]")) != ps._async_neutral(("async-start", "bf16[4,8]"))
     assert ps._async_neutral(("add", "f32[7]")) == ("add", "f32[7]")
+
+
+def test_host_runs_are_grouped_by_their_run_id_however_dispatch_and_execution_interleave(tmp_path):
+    """XLA:CPU dispatches asynchronously: run 1's ops may start after run 2 was dispatched (a
+    loaded host). Its ops carry their execution's run_id, so each run keeps its own ops; split at
+    the dispatches, run 1 had none and the test of the reference run counted 2 runs of 3."""
+    from jax.profiler import ProfileData
+
+    dispatches = [0.0, 1.0, 2.0]                         # us: PjitFunction(f) on the Python thread
+    ops = [("dot.1", 1.5, 1.0, 11), ("add.2", 2.6, 0.2, 11),     # run 11: starts after the second dispatch
+           ("dot.1", 3.0, 1.0, 12), ("add.2", 4.0, 0.2, 12), ("dot.1", 4.5, 1.0, 13), ("add.2", 5.5, 0.2, 13)]
+    names = ["PjitFunction(f)", "dot.1", "add.2"]
+    meta = "".join(f"  event_metadata {{ key: {k + 1} value {{ id: {k + 1} name: {json.dumps(n)} }} }}\n"
+                   for k, n in enumerate(names))
+    stats = "".join(f"  stat_metadata {{ key: {k + 1} value {{ id: {k + 1} name: {json.dumps(n)} }} }}\n"
+                    for k, n in enumerate(["hlo_op", "hlo_module", "run_id"]))
+    python = "".join(f"events {{ metadata_id: 1 offset_ps: {int(t * US)} duration_ps: {int(0.1 * US)} }} "
+                     for t in dispatches)
+    thunks = "".join(
+        f"events {{ metadata_id: {names.index(op) + 1} offset_ps: {int(t * US)} duration_ps: {int(d * US)} "
+        f"stats {{ metadata_id: 1 str_value: {json.dumps(op)} }} stats {{ metadata_id: 2 str_value: \"jit_f\" }} "
+        f"stats {{ metadata_id: 3 int64_value: {run} }} }} " for op, t, d, run in ops)
+    text = (f'planes {{\n  id: 1\n  name: "/host:CPU"\n'
+            f'  lines {{ id: 1 name: "python" timestamp_ns: 0 {python}}}\n'
+            f'  lines {{ id: 2 name: "tf_XLAEigen" timestamp_ns: 0 {thunks}}}\n{meta}{stats}}}\n')
+    path = tmp_path / "host.xplane.pb"
+    path.write_bytes(ProfileData.text_proto_to_serialized_xspace(text))
+    plane, platform, runs, _ = ps.read_trace(path)
+    assert (plane, platform) == ("/host:CPU", "cpu")
+    assert [[(e.name, e.start_ns) for e in run.ops] for run in runs] == \
+        [[(op, t * 1e3) for op, t, _, r in ops if r == run] for run in (11, 12, 13)]
+    assert [run.duration_ns for run in runs] == pytest.approx([1300.0, 1200.0, 1200.0])

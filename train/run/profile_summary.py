@@ -204,9 +204,13 @@ def _async_neutral(signature: tuple) -> tuple:
 
 
 def _host_runs(plane) -> tuple[list[ProgramRun], int]:
-    """XLA:CPU: thunk events (stats hlo_op, hlo_module) on any thread, split into runs at the
-    module's dispatches (the outermost `PjitFunction(NAME)` events of module jit_NAME)."""
+    """XLA:CPU: thunk events (stats hlo_op, hlo_module) on any thread, grouped into runs by their
+    `run_id` stat (one per execution). Without one, split at the module's dispatches (the outermost
+    `PjitFunction(NAME)` events of module jit_NAME): dispatch is asynchronous, so a run whose first
+    op starts after the next dispatch lands in the next run (a test counted 2 runs of 3, now and
+    then, on a loaded host)."""
     ops: dict[str, list[OpEvent]] = {}
+    by_run: dict[tuple[str, int], list[OpEvent]] = {}
     dispatches: dict[str, list[float]] = {}
     for line in plane.lines:
         open_until = {}                      # a dispatch's name -> the end of the outermost one open
@@ -224,20 +228,25 @@ def _host_runs(plane) -> tuple[list[ProgramRun], int]:
                 continue
             stats = dict(e.stats)
             if "hlo_op" in stats:
-                ops.setdefault(str(stats.get("hlo_module", "")), []).append(
-                    OpEvent(str(stats["hlo_op"]), e.start_ns, e.duration_ns))
-    runs = []
+                module, op = str(stats.get("hlo_module", "")), OpEvent(str(stats["hlo_op"]), e.start_ns, e.duration_ns)
+                if "run_id" in stats:
+                    by_run.setdefault((module, int(stats["run_id"])), []).append(op)
+                else:
+                    ops.setdefault(module, []).append(op)
+    runs = [_run_of(module, events) for (module, _), events in by_run.items()]
     for module, events in ops.items():
         starts = sorted(dispatches.get(module, [])) or [min(e.start_ns for e in events)]
-        split = [ProgramRun(module, 0.0, 0.0, []) for _ in starts]
+        split: list[list[OpEvent]] = [[] for _ in starts]
         for e in events:
-            split[max(bisect.bisect_right(starts, e.start_ns) - 1, 0)].ops.append(e)
-        for run in split:
-            if run.ops:
-                run.start_ns = min(e.start_ns for e in run.ops)
-                run.duration_ns = max(e.start_ns + e.duration_ns for e in run.ops) - run.start_ns
-                runs.append(run)
+            split[max(bisect.bisect_right(starts, e.start_ns) - 1, 0)].append(e)
+        runs += [_run_of(module, run) for run in split if run]
     return sorted(runs, key=lambda r: r.start_ns), 0
+
+
+def _run_of(module: str, ops: list[OpEvent]) -> ProgramRun:
+    """A run spanning its ops' events."""
+    start = min(e.start_ns for e in ops)
+    return ProgramRun(module, start, max(e.start_ns + e.duration_ns for e in ops) - start, ops)
 
 
 def _busy_ns(events) -> float:
