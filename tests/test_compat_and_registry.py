@@ -1,4 +1,4 @@
-"""The torchax/torch 2.13 shim, float32 sums of broadcast gradients, the op registry and its op contracts."""
+"""The torchax/torch 2.13 shim and its faster argument walks, float32 sums of broadcast gradients, the op registry and its op contracts."""
 import inspect
 import pathlib
 
@@ -41,6 +41,41 @@ def test_placeholder_only_for_named_tensor_overloads():
                 placeholder()
         with pytest.raises(AttributeError):
             torch.ops.aten.prod.no_such_overload
+
+
+def test_torchax_walks_op_arguments_as_torchs_pytree_does():
+    """jax_bridge/torchax_pytree.py: tuples, lists and dicts walked directly, every other node type
+    of torch's pytree (namedtuple, torch.Size, torch.return_types, OrderedDict, deque) handed to
+    torch: the same leaves, specs and mapped trees, node type for node type."""
+    import collections
+    import torch.utils._pytree as torch_pytree
+
+    from jax_bridge import torchax_pytree as fast
+
+    get_env()
+    import torchax.tensor
+
+    assert torchax.tensor.torch_pytree.tree_map_only is fast.tree_map_only
+    Pair = collections.namedtuple("Pair", "a b")
+    t = torch.ones(2)
+    trees = [t, None, 3, (t, [1, 2.5, None], {"z": t, "a": (slice(0, 2), torch.float32)}), [],
+             (torch.Size([2, 3]), Pair(t, [t, 4]), torch.max(torch.ones(2, 3), dim=1)),
+             collections.OrderedDict(b=t, a=[t]), {"q": collections.deque([t, 1])}, ((), {}, [[]])]
+    double = lambda x: x * 2
+    for tree in trees:
+        assert all(a is b for a, b in zip(fast.tree_leaves(tree), torch_pytree.tree_leaves(tree), strict=True))
+        leaves, spec = fast.tree_flatten(tree)
+        want_leaves, want_spec = torch_pytree.tree_flatten(tree)
+        assert spec == want_spec and fast.tree_flatten(tree)[1] == want_spec
+        assert len(leaves) == len(want_leaves) and all(a is b for a, b in zip(leaves, want_leaves))
+        for mapped, want in [(fast.tree_map_only(torch.Tensor, double, tree),
+                              torch_pytree.tree_map_only(torch.Tensor, double, tree)),
+                             (fast.tree_map(lambda x: ("leaf", x), tree), torch_pytree.tree_map(lambda x: ("leaf", x), tree))]:
+            assert torch_pytree.tree_flatten(mapped)[1] == torch_pytree.tree_flatten(want)[1]
+            got_leaves, want_leaves = torch_pytree.tree_leaves(mapped), torch_pytree.tree_leaves(want)
+            assert len(got_leaves) == len(want_leaves)
+            for a, b in zip(got_leaves, want_leaves):
+                assert type(a) is type(b) and (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
 
 
 def test_rng_state_round_trip_works_with_jax_as_accelerator():
