@@ -151,7 +151,8 @@ def test_samples_per_prompt_share_one_prefill_and_equal_the_prompts_repeated(tra
 def test_a_decode_profile_gives_a_decode_steps_time_by_op_category(generator, tmp_path, capsys):
     """`generate --profile DIR` (train/generation/cli.py): the second generate call traced, the
     decode loop's program saved beside the trace with the iterations it ran, and the profile
-    summary per iteration; prefill is another program in the trace, not counted."""
+    summary per iteration; prefill is another program in the trace, not counted. The call's decode
+    time on the host stands beside the program's run: what is left is outside the program."""
     from train.generation.cli import DecodeProfiler
 
     prompts, sampling = [[3, 5, 7]], SamplingConfig(max_new_tokens=12, temperature=0)
@@ -163,8 +164,11 @@ def test_a_decode_profile_gives_a_decode_steps_time_by_op_category(generator, tm
     assert (summary["module"], summary["runs"], summary["loop_steps"]) == ("jit_decode_loop", 1, 11)
     assert summary["per_step_ms"]["ops"] > 0 and any(r["measured_ms"] > 0 for r in summary["rows"])
     assert "jit_prefill" in {o["module"] for o in summary["other_programs"]}
+    call = summary["call"]        # the decode time generate measured, beside the program's run in the trace
+    assert call["host_ms"] == pytest.approx(result.decode_seconds * 1e3)
+    assert 0 < call["program_ms"] <= call["host_ms"] and call["outside_ms"] == pytest.approx(call["host_ms"] - call["program_ms"])
     printed = capsys.readouterr().err
-    assert "11 loop iterations in all" in printed and "per iteration" in printed
+    assert "11 loop iterations in all" in printed and "per iteration" in printed and "outside the program" in printed
 
 
 def test_streaming_delivers_every_token_once_in_order(generator):

@@ -159,7 +159,7 @@ class DecodeProfiler:
         profile_summary.save_program(self.directory, decoder.decode_programs()[key], platform=decoder.platform,
                                      generation=decoder.tpu_generation, loop_steps=result.decode_steps,
                                      compiled_note="the decode loop the generate call ran (compiled before the trace)",
-                                     bucket=list(result.bucket))
+                                     bucket=list(result.bucket), host_seconds=result.decode_seconds)
         summary, path = profile_summary.write_summary(self.directory)
         print(profile_summary.format_summary(summary), file=sys.stderr)
         print(f"profile: {path}", file=sys.stderr)

@@ -372,10 +372,21 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
                       "ms": sum(unmatched.values()) / n / 1e6,
                       "examples": sorted(unmatched, key=lambda k: -unmatched[k])[:5]},
         "ops_outside_runs": outside,
+        "call": _call(meta, wall),
         "other_programs": sorted(others.values(), key=lambda o: -o["ms"]),
         "prediction": {k: v for k, v in prediction.items() if k != "rows"},
         "top": per_op[:top],
     }
+
+
+def _call(meta: dict, wall: list[float]) -> dict | None:
+    """A traced call that timed itself on the host (generate's decode, `host_seconds`): that time
+    beside its program's runs on the device, and what is left outside them (dispatch, transfers,
+    fetching the results). None for the train step's profile."""
+    if meta.get("host_seconds") is None:
+        return None
+    host, program = meta["host_seconds"] * 1e3, sum(wall) / 1e6
+    return {"host_ms": host, "program_ms": program, "outside_ms": host - program}
 
 
 def _prediction(meta: dict, text: str, platform: str, cost_fn) -> tuple[dict, dict]:
@@ -446,6 +457,11 @@ def format_summary(s: dict) -> str:
         lines.append(f"  {unmatched['instructions']} traced op(s) not matched to the step's HLO ("
                      f"{unmatched['another_instruction']} of them named there for another instruction: was the HLO "
                      f"written by this run?), e.g. " + ", ".join(unmatched["examples"]))
+    call = s.get("call")
+    if call:
+        lines.append(f"  the call: {call['host_ms']:.2f} ms on the host's clock, the program's run on the device "
+                     f"{call['program_ms']:.2f} ms of it: {call['outside_ms']:.2f} ms outside the program (dispatch, "
+                     f"transfers, fetching the results)")
     if s["other_programs"]:
         lines.append("  other programs in the trace: " + "; ".join(
             f"{o['module']} x{o['runs']} {o['ms']:.2f} ms" for o in s["other_programs"]))
