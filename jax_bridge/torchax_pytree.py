@@ -2,8 +2,9 @@
 
 torchax dispatches every torch op through `Environment.dispatch`, which walks the op's arguments
 and results five times with `torch.utils._pytree` (find the tensors, unwrap views, torch -> jax,
-jax -> torch): about a fifth of the time it takes to lower a step (the `tiny` train step: 1.19 ->
-0.95 s), paid on every compile of every program. Ops take a few tensors and numbers in tuples,
+jax -> torch), on every lowering of every program: walked here, the 2-layer `tiny` step lowers
+1.43x faster with the xla kernels and 1.14x with the Pallas ones (BENCHMARKS.md, session 35;
+`scripts/compile_time.py --compare-walks`). Ops take a few tensors and numbers in tuples,
 lists and dicts; those are walked here directly, and any other container torch's pytree knows
 (namedtuples, torch.Size, torch.return_types, OrderedDict, ...) is handed to torch's own function,
 so the results are torch's, node type for node type (tests/test_compat_and_registry.py).

@@ -459,9 +459,9 @@ def format_summary(s: dict) -> str:
                      f"written by this run?), e.g. " + ", ".join(unmatched["examples"]))
     call = s.get("call")
     if call:
-        lines.append(f"  the call: {call['host_ms']:.2f} ms on the host's clock, the program's run on the device "
-                     f"{call['program_ms']:.2f} ms of it: {call['outside_ms']:.2f} ms outside the program (dispatch, "
-                     f"transfers, fetching the results)")
+        lines.append(f"  the call: {call['host_ms']:.2f} ms on the host's clock, the program's {s['runs']} run(s) on "
+                     f"the device {call['program_ms']:.2f} ms of it: {call['outside_ms']:.2f} ms outside the program "
+                     f"(dispatch, transfers, fetching the results)")
     if s["other_programs"]:
         lines.append("  other programs in the trace: " + "; ".join(
             f"{o['module']} x{o['runs']} {o['ms']:.2f} ms" for o in s["other_programs"]))
