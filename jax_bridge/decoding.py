@@ -196,6 +196,7 @@ class Decoder:
         self._layouts: dict[Layout, dict] = {}
         self._forward = model_function(model, "forward_cached")
         self._programs: dict[tuple, object] = {}
+        self._limits: dict[int, jax.Array] = {}
         self.compilations: list[Compilation] = []
 
     def set_params(self, params: dict) -> None:
@@ -358,7 +359,12 @@ class Decoder:
                 put(key, whole))
 
     def place_limit(self, limit: int):
-        return jax.device_put(np.int32(limit), self._sharding(False))
+        """The decode loop's step limit on the devices, placed once per value and kept (the
+        programs never donate it): a call's decode then starts without a transfer to the
+        devices."""
+        if limit not in self._limits:
+            self._limits[limit] = jax.device_put(np.int32(limit), self._sharding(False))
+        return self._limits[limit]
 
     def last_logits(self, ids, positions):
         """The last position's float32 logits of a left-padded prompt batch (ids, positions [B, T]

@@ -179,6 +179,32 @@ def test_streaming_delivers_every_token_once_in_order(generator):
         assert sum((c[row] for c in chunks), []) == result.tokens[row]
 
 
+def test_a_repeated_request_places_no_step_limit_on_the_device_again(generator, monkeypatch):
+    """Each chunk's step limit (an int32 scalar) is placed on the device once and kept: streaming
+    the same request again transfers the prompt and its sampling values, and nothing per chunk (a
+    transfer to the device per call was part of decoding's fixed cost per call)."""
+    import jax
+
+    put, limits = jax.device_put, []
+
+    def counted(x, *args, **kwargs):
+        if np.ndim(x) == 0 and np.asarray(x).dtype == np.int32:
+            limits.append(int(x))
+        return put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", counted)
+    placed = []
+    for _ in range(2):
+        limits.clear()
+        chunks = []
+        generator.generate(prompts_around_the_window()[:3], GREEDY, on_tokens=chunks.append, stream_every=7)
+        placed.append(list(limits))
+    assert [len(c[0]) for c in chunks] == [1, 7, 7, 7, 2]
+    # The decode calls' limits 8, 15, 22 and 24 (24 = NEW and 0, the first run's, where no earlier
+    # test placed them), the first time only.
+    assert {8, 15, 22} <= set(placed[0]) <= {0, 8, 15, 22, 24} and placed[1] == [], placed
+
+
 def test_a_stop_token_ends_its_row_and_the_others_continue(generator):
     prompts = prompts_around_the_window()[:3]
     free = generator.generate(prompts, GREEDY).tokens

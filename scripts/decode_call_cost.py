@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""The fixed cost of a `generate` call's decode, apart from its steps: the median decode time of
+calls that decode 1 step and of calls that decode N steps (one prompt, greedy, random weights),
+interleaved in one run; the line through the two gives the cost per step and per call.
+
+With --compare-limit-transfer, calls that transfer the decode loop's step limit to the device on
+every call (the decoder before session 36, which now keeps each limit it placed) run interleaved
+beside them, and the ratio of the two fixed costs is printed.
+
+    python scripts/decode_call_cost.py [--preset tiny] [--steps 16] [--repeats 40] [--compare-limit-transfer]
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps of the longer call")
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--compare-limit-transfer", action="store_true")
+    args = parser.parse_args(argv)
+    if args.steps < 2 or args.repeats < 1:
+        parser.error("--steps must be >= 2 and --repeats >= 1")
+
+    import jax
+    import numpy as np
+    import torch
+
+    from jax_bridge import decoding
+    from torch_model.config import get_preset
+    from torch_model.model import GptOssForCausalLM
+    from train.generation.generator import Generator
+    from train.generation.sampling import SamplingConfig
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(get_preset(args.preset)).eval()
+    generator = Generator(model, kernels="auto")
+    prompt = np.random.default_rng(0).integers(1, model.cfg.vocab_size, (1, 32)).tolist()
+    kept = decoding.Decoder.place_limit
+
+    def transferred(decoder, limit):
+        return jax.device_put(np.int32(limit), decoder._sharding(False))
+
+    variants = {"limit kept": kept}
+    if args.compare_limit_transfer:
+        variants["limit transferred per call"] = transferred
+    # Same bucket for both lengths (one pair of programs), compiled before timing.
+    calls = {steps: SamplingConfig(max_new_tokens=steps + 1, temperature=0) for steps in (1, args.steps)}
+    times = {(name, steps): [] for name in variants for steps in calls}
+    for sampling in calls.values():
+        generator.generate(prompt, sampling)
+    for _ in range(args.repeats):
+        for name, place_limit in variants.items():
+            decoding.Decoder.place_limit = place_limit
+            for steps, sampling in calls.items():
+                result = generator.generate(prompt, sampling)
+                assert result.decode_steps == steps, (result.decode_steps, steps)
+                times[name, steps].append(result.decode_seconds)
+    decoding.Decoder.place_limit = kept
+
+    print(f"{args.preset}, 1 prompt, greedy, on {jax.devices()[0].platform}: medians of {args.repeats} interleaved "
+          f"calls")
+    print("| variant | 1 step | {n} steps | per step | per call (fixed) |".format(n=args.steps))
+    print("|---|---|---|---|---|")
+    fixed = {}
+    for name in variants:
+        one, many = (statistics.median(times[name, s]) * 1e3 for s in calls)
+        step = (many - one) / (args.steps - 1)
+        fixed[name] = one - step
+        print(f"| {name} | {one:.3f} ms | {many:.3f} ms | {step:.3f} ms | {fixed[name]:.3f} ms |")
+    if args.compare_limit_transfer:
+        saved = fixed["limit transferred per call"] - fixed["limit kept"]
+        print(f"keeping the limit: {saved:.3f} ms less per call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
