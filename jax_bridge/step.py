@@ -209,10 +209,11 @@ class TrainStep:
         self._check_frozen_stack()
         # Every layer stacked into one array has the same rule: take the first one's.
         self.plan = self.layer_layout.stack(self.layer_plan, stack=lambda rules: rules[0])
-        self.forward = layered_forward(model, self.layer_layout, remat=step_cfg.remat, mesh=mesh)
+        self.compute_dtype = COMPUTE_DTYPES[step_cfg.compute_dtype]
+        self.forward = layered_forward(model, self.layer_layout, remat=step_cfg.remat, mesh=mesh,
+                                       compute_dtype=self.compute_dtype)
         self.update = optimizer_function(self.plan, opt_cfg, matmul_precision=step_cfg.matmul_precision, **(
             {} if mesh is None else {"orthogonalize": sharded_ops.orthogonalizer(mesh)}))
-        self.compute_dtype = COMPUTE_DTYPES[step_cfg.compute_dtype]
         self.frozen: dict = {}
         self.trace_count = 0
         self.objective = None
@@ -353,7 +354,8 @@ class TrainStep:
     def _answer_forward(self, remat: str, mesh, method: str = "answer_logps"):
         """The model's `answer_logps` (or `token_logps`) as fn(params, *args), traced as
         `loss_and_metrics` traces the forward (compute dtype, kernels, precision)."""
-        forward = layered_forward(self.model, self.layer_layout, remat=remat, mesh=mesh, method=method)
+        forward = layered_forward(self.model, self.layer_layout, remat=remat, mesh=mesh, method=method,
+                                  compute_dtype=self.compute_dtype)
 
         def fn(params, *args):
             with self.routing():
