@@ -48,6 +48,8 @@ def saves_all_but_float32_elementwise(prim, *avals, **params) -> bool:
     gpt-oss-600m 41.45 -> 25.01 GiB."""
     wide = params.get("new_dtype") == np.float32 or any(getattr(a, "dtype", None) == np.float32 for a in avals)
     return not (wide and prim.name in _ELEMENTWISE)
+
+
 _PER_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _STACKED = re.compile(r"model\.layers\.stack(\d+)\.(.+)")
 
