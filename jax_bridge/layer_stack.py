@@ -35,17 +35,24 @@ _ELEMENTWISE = frozenset({
     "log1p", "sqrt", "rsqrt", "pow", "integer_pow", "square", "tanh", "logistic", "erf", "sin", "cos", "clamp",
     "select_n", "eq", "ne", "lt", "gt", "le", "ge", "and", "or", "not", "broadcast_in_dim", "reshape", "squeeze",
     "expand_dims", "transpose", "concatenate", "slice", "iota", "copy", "copy_p"})
+# What a custom-VJP function that only moves data runs: gathers and their index arithmetic.
+_DATA_MOVEMENT = frozenset({"gather", "dynamic_slice", "slice", "div", "reshape", "broadcast_in_dim",
+                            "convert_element_type", "squeeze", "expand_dims", "iota", "concatenate", "transpose"})
 
 
 def saves_all_but_float32_elementwise(prim, *avals, **params) -> bool:
     """The remat policy of scanned layers without remat under bf16 compute: every value the
     backward needs is saved but those that elementwise ops compute in, from or into float32 (a
-    norm's or a softmax's float32 intermediates), which the backward computes again from the saved
-    compute-dtype values and statistics. A scan stacks each saved value of every layer; unrolled
-    layers keep such values inside fusions, and XLA never writes them out. On `small-o200k` at 16
-    x 2048 for a v5e (deviceless, `torchlyra plan --roofline`): 12 float32 stacks of [2, 16,
-    2048, 512] per step gone, temporaries 4.61 -> 3.34 GiB, the step's roofline 204.60 -> 203.78 ms;
-    gpt-oss-600m 41.45 -> 25.01 GiB."""
+    norm's or a softmax's float32 intermediates) and the outputs of custom-VJP functions that only
+    move data (the MoE dispatch's gather of each row's copies, moe_dispatch.sort_rows); the
+    backward computes them again from the saved compute-dtype values, statistics and indices. A
+    scan stacks each saved value of every layer (and JAX rounds it, a pass of its own where a
+    custom call made it); unrolled layers keep such values inside fusions, or leave the gathered
+    rows where they lie. On `small-o200k` at 16 x 2048 for a v5e (deviceless, `torchlyra plan
+    --roofline`): temporaries 4.61 -> 2.86 GiB, the step's roofline 204.60 -> 201.67 ms (looped:
+    196.23); gpt-oss-600m 41.45 -> 21.88 GiB."""
+    if prim.name == "custom_vjp_call":
+        return not all(eqn.primitive.name in _DATA_MOVEMENT for eqn in params["call_jaxpr"].jaxpr.eqns)
     wide = params.get("new_dtype") == np.float32 or any(getattr(a, "dtype", None) == np.float32 for a in avals)
     return not (wide and prim.name in _ELEMENTWISE)
 

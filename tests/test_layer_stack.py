@@ -92,3 +92,29 @@ def test_scanned_bf16_layers_recompute_float32_intermediates_instead_of_stacking
     for name, g in grads.items():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(want_grads[name]), err_msg=name)
     assert temps["recomputed"] < 0.9 * temps["saved"], temps
+
+
+def test_the_scanned_policy_recomputes_float32_elementwise_values_and_the_moe_row_gather_only():
+    """Saved: the compute dtype's values, reductions, products and every custom call that
+    computes (a kernel, the MoE's weighted sum of rows); recomputed: float32 elementwise values and
+    the MoE dispatch's gather of rows (a custom-VJP function that only moves data)."""
+    import jax.numpy as jnp
+
+    from jax_bridge import moe_dispatch
+    from jax_bridge.layer_stack import saves_all_but_float32_elementwise as saves
+
+    def saved(fn, *args):
+        """{primitive name: whether the policy saves its output} over fn's top-level equations."""
+        return {e.primitive.name: saves(e.primitive, *(v.aval for v in e.invars), **e.params)
+                for e in jax.make_jaxpr(fn)(*args).eqns}
+
+    rows, order, copies = jnp.ones((4, 8), jnp.bfloat16), jnp.arange(8), jnp.arange(8).reshape(4, 2)
+    assert saved(moe_dispatch.sort_rows, rows, order, copies) == {"custom_vjp_call": False}
+    weights = jnp.ones((4, 2), jnp.float32)
+    combined = saved(lambda *a: moe_dispatch.combine_rows(*a), jnp.ones((8, 8), jnp.bfloat16), weights, order,
+                     copies, weights.reshape(-1))
+    assert combined == {"custom_vjp_call": True}
+    x = jnp.ones((4, 8), jnp.bfloat16)
+    assert saved(lambda x: (x.astype(jnp.float32) * 2).sum(), x) == {"convert_element_type": False, "mul": False,
+                                                                     "reduce_sum": True}
+    assert saved(lambda x: x * 2 @ x.T, x) == {"mul": True, "transpose": True, "dot_general": True}
