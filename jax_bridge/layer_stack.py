@@ -29,15 +29,15 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,                    # keep only each layer's input
     "save-matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,   # keep projections' outputs
 }
-# Elementwise and layout primitives: cheap to run again in the backward from what they read.
-_ELEMENTWISE = frozenset({
+# Layout primitives, and elementwise ones: cheap to run again in the backward from what they read.
+_LAYOUT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "concatenate", "slice",
+                     "iota", "copy", "copy_p"})
+_ELEMENTWISE = _LAYOUT | {
     "convert_element_type", "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log",
     "log1p", "sqrt", "rsqrt", "pow", "integer_pow", "square", "tanh", "logistic", "erf", "sin", "cos", "clamp",
-    "select_n", "eq", "ne", "lt", "gt", "le", "ge", "and", "or", "not", "broadcast_in_dim", "reshape", "squeeze",
-    "expand_dims", "transpose", "concatenate", "slice", "iota", "copy", "copy_p"})
+    "select_n", "eq", "ne", "lt", "gt", "le", "ge", "and", "or", "not"}
 # What a custom-VJP function that only moves data runs: gathers and their index arithmetic.
-_DATA_MOVEMENT = frozenset({"gather", "dynamic_slice", "slice", "div", "reshape", "broadcast_in_dim",
-                            "convert_element_type", "squeeze", "expand_dims", "iota", "concatenate", "transpose"})
+_DATA_MOVEMENT = _LAYOUT | {"gather", "dynamic_slice", "div", "convert_element_type"}
 
 
 def saves_all_but_float32_elementwise(prim, *avals, **params) -> bool:

@@ -5,7 +5,7 @@ interleaved in one run; the line through the two gives the cost per step and per
 
 With --compare-limit-transfer, calls that transfer the decode loop's step limit to the device on
 every call (the decoder before session 36, which now keeps each limit it placed) run interleaved
-beside them, and the ratio of the two fixed costs is printed.
+beside them, and the difference of the two fixed costs is printed.
 
     python scripts/decode_call_cost.py [--preset tiny] [--steps 16] [--repeats 40] [--compare-limit-transfer]
 """
@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     prompt = np.random.default_rng(0).integers(1, model.cfg.vocab_size, (1, 32)).tolist()
     kept = decoding.Decoder.place_limit
 
-    def transferred(decoder, limit):
-        return jax.device_put(np.int32(limit), decoder._sharding(False))
+    def transferred(decoder, limit):          # placed again on every call, where the kept one lies
+        return jax.device_put(np.int32(limit), kept(decoder, limit).sharding)
 
     variants = {"limit kept": kept}
     if args.compare_limit_transfer:
