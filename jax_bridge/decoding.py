@@ -21,6 +21,7 @@ batch axes and the kernels run as they do in training under that mesh.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -112,6 +113,14 @@ class DecodeState(NamedTuple):
     logps: jax.Array        # [B, L] float32: each generated token's log-probability under softmax(z / T)
                             # over the whole vocabulary ([B, 1] unless SamplingMode.logprobs)
     entropy: jax.Array      # [B, L] float32: that distribution's entropy at each generated token
+
+
+class FirstTokens(NamedTuple):
+    """The prefill's first sampled tokens apart from its decode state: the decode program
+    donates the state, so a call can queue the decode loop behind the prefill and still fetch
+    these afterwards."""
+    tokens: jax.Array       # [B] int32: each row's first generated token (-1 for batch padding)
+    done: jax.Array         # [B] bool: the state's done flags after it
 
 
 class Compilation(NamedTuple):
@@ -288,8 +297,9 @@ class Decoder:
         if mode.logprobs:
             lp, ent = token_logprob(logits, token, values.temperature)
             logps, entropy = logps.at[:, prompt].set(lp), entropy.at[:, prompt].set(ent)
-        return DecodeState(tokens, cache, token, positions[:, -1] + 1, jnp.int32(1), done, seen, key,
-                           jnp.int32(prompt), logps, entropy)
+        state = DecodeState(tokens, cache, token, positions[:, -1] + 1, jnp.int32(1), done, seen, key,
+                            jnp.int32(prompt), logps, entropy)
+        return state, FirstTokens(tokens[:, prompt], done)
 
     def _decode(self, params, state: DecodeState, limit, values, *, mode: SamplingMode):
         held = self._expert_bias_operands(params)
@@ -351,12 +361,14 @@ class Decoder:
         return prompt_rows % self.batch_shards == 0
 
     def place_inputs(self, ids, positions, active, values: SamplingValues, key):
-        """The prefill program's inputs on the devices, as it was compiled for them."""
+        """The prefill program's inputs on the devices, as it was compiled for them: host arrays
+        transferred as they are (no conversion program runs on the devices), all in one
+        device_put (one at a time, each paid the host's dispatch anew: ~7 of them a call)."""
+        inputs = (ids, positions, active, values, key)
+        if self.mesh is None:
+            return jax.device_put(inputs)
         rows, whole = self._sharding(self._split_prompts(ids.shape[0])), self._sharding(False)
-        # Host arrays transferred as they are (no conversion program runs on the devices).
-        put = jax.device_put
-        return (put(ids, rows), put(positions, rows), put(active, rows), jax.tree.map(lambda v: put(v, whole), values),
-                put(key, whole))
+        return jax.device_put(inputs, (rows, rows, rows, whole, whole))
 
     def place_limit(self, limit: int):
         """The decode loop's step limit on the devices, placed once per value and kept (the
@@ -397,7 +409,8 @@ class Decoder:
     def prefill_program(self, batch: int, prompt: int, length: int, mode: SamplingMode, n_stop: int,
                         repeat: int = 1):
         """The prefill of `batch` prompt rows; with `repeat` G, each continued G times: the
-        program's state has batch x G rows (prompt i's at i*G .. i*G + G - 1)."""
+        program's state has batch x G rows (prompt i's at i*G .. i*G + G - 1). It returns
+        (DecodeState, FirstTokens); the decode program takes its `out_info[0]`."""
         def build():
             def prefill(*a):        # named: the program is jit_prefill in HLO and profiles
                 return self._prefill(*a, length=length, mode=mode, repeat=repeat)
@@ -440,10 +453,20 @@ class Decoder:
         rows = np.zeros(prompt_rows, bool)
         args = self.place_inputs(np.zeros((prompt_rows, prompt), np.int32), np.full((prompt_rows, prompt), -1, np.int32),
                                  rows, values, jax.random.PRNGKey(0))
-        state = prefill(self.params_for(self.layout("prefill", prompt_rows * prompt)), *args)
+        state, _ = prefill(self.params_for(self.layout("prefill", prompt_rows * prompt)), *args)
         state = decode(self.params_for(self.layout("decode", state.last.shape[0])), state, self.place_limit(0), args[3])
         jax.block_until_ready(state)
         return time.perf_counter() - started
+
+    @functools.cached_property
+    def _lookup_tables(self) -> frozenset:
+        """The names of the embeddings not tied to a Linear (a step reads only its rows' rows of
+        them), found once: the walk over the modules was most of the 1.2 ms step_bytes took in a
+        traced generate call on the chip's host, paid by every call."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        tied = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Linear)}
+        return frozenset(names[id(m.weight)] for m in self.model.modules()
+                         if isinstance(m, torch.nn.Embedding) and id(m.weight) not in tied)
 
     def step_bytes(self, rows: int, kv_tokens) -> tuple[float, float]:
         """(weight bytes, KV cache bytes) a decode step of `rows` rows must read at the least,
@@ -457,14 +480,10 @@ class Decoder:
         cfg = self.cfg
         experts, k = getattr(cfg, "n_experts", 0), getattr(cfg, "experts_per_token", 0)
         reached = experts * (1 - (1 - k / experts) ** rows) if experts else 0.0
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        tied = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Linear)}
-        lookups = {names[id(m.weight)] for m in self.model.modules()
-                   if isinstance(m, torch.nn.Embedding) and id(m.weight) not in tied}
         weights = 0.0
         for name, a in self.params.items():
             size = sharding.held_bytes(a) if self.mesh is not None else math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
-            if name in lookups:
+            if name in self._lookup_tables:
                 size *= min(rows, a.shape[0]) / a.shape[0]
             elif experts and "experts." in name and a.shape and a.shape[0] == experts:
                 size *= reached / experts

@@ -345,7 +345,7 @@ def plan_rollout(update: Plan, model, step, shape: RolloutShape, devices, device
     if prefill is None:
         return out
     out.decode, decode = _compiled_memory(lambda: decoder.decode_program(batch, length, mode, n_stop,
-                                                                         prefill.out_info))
+                                                                         prefill.out_info[0]))
     if decode is None:
         return out
     out.__dict__.update(decoding.loop_collectives(decode))

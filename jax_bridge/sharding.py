@@ -367,6 +367,14 @@ def place(tree, shardings):
     return jax.tree.map(put, tree, shardings)
 
 
+def start_host_copies(tree) -> None:
+    """Start copying the arrays this process holds whole to the host, without waiting: a later
+    to_host finds them there or on their way, while the devices run what was queued since."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and x.is_fully_addressable:
+            x.copy_to_host_async()
+
+
 def to_host(tree):
     """numpy copies of (possibly sharded, possibly multi-process) arrays; every process must
     call this together when an array spans processes."""

@@ -34,7 +34,7 @@ def loop_body(preset: str, rows: int, kernels: str, length: int = 256):
     mode = SamplingMode(greedy=True, top_k=0, top_p=False, penalty=False)
     n_stop = decoding.stop_slots(1)
     prefill = decoder.prefill_program(rows, 32, length, mode, n_stop)
-    text = roofline.module_text(decoder.decode_program(rows, length, mode, n_stop, prefill.out_info))
+    text = roofline.module_text(decoder.decode_program(rows, length, mode, n_stop, prefill.out_info[0]))
     ops, _, _ = roofline.collect_ops(text, roofline.xla_cost_fn())
     loop = roofline.loop_ops(ops, text)
     inside = {id(op) for op in loop}

@@ -43,7 +43,7 @@ def decode_roofline(topology: str, layers: int, batch: int, mxfp4: bool):
     mode = SamplingMode(greedy=True, top_k=False, top_p=False, penalty=False, logprobs=False)
     n_stop = decoding.stop_slots(1)
     prefill = decoder.prefill_program(rows, prompt_len, length, mode, n_stop)
-    decode = decoder.decode_program(rows, length, mode, n_stop, prefill.out_info)
+    decode = decoder.decode_program(rows, length, mode, n_stop, prefill.out_info[0])
     return decode, dict(decoder.decode_kernels), rows
 
 

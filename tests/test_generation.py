@@ -152,7 +152,8 @@ def test_a_decode_profile_gives_a_decode_steps_time_by_op_category(generator, tm
     """`generate --profile DIR` (train/generation/cli.py): the second generate call traced, the
     decode loop's program saved beside the trace with the iterations it ran, and the profile
     summary per iteration; prefill is another program in the trace, not counted. The call's decode
-    time on the host stands beside the program's run: what is left is outside the program."""
+    time on the host stands beside the program's run, and the device's idle time after the
+    prefill beside them."""
     from train.generation.cli import DecodeProfiler
 
     prompts, sampling = [[3, 5, 7]], SamplingConfig(max_new_tokens=12, temperature=0)
@@ -166,9 +167,13 @@ def test_a_decode_profile_gives_a_decode_steps_time_by_op_category(generator, tm
     assert "jit_prefill" in {o["module"] for o in summary["other_programs"]}
     call = summary["call"]        # the decode time generate measured, beside the program's run in the trace
     assert call["host_ms"] == pytest.approx(result.decode_seconds * 1e3)
-    assert 0 < call["program_ms"] <= call["host_ms"] and call["outside_ms"] == pytest.approx(call["host_ms"] - call["program_ms"])
+    # Queued behind the prefill, the loop may run before the first token reaches the host: the
+    # difference is signed. The device's idle time before it is on the device's own clock.
+    assert call["program_ms"] > 0 and call["outside_ms"] == pytest.approx(call["host_ms"] - call["program_ms"])
+    assert call["previous_program"] == "jit_prefill" and call["idle_before_ms"] >= 0
     printed = capsys.readouterr().err
     assert "11 loop iterations in all" in printed and "per iteration" in printed and "outside the program" in printed
+    assert "between jit_prefill's end and the program's start" in printed
 
 
 def test_streaming_delivers_every_token_once_in_order(generator):
@@ -177,6 +182,35 @@ def test_streaming_delivers_every_token_once_in_order(generator):
     assert [len(c[0]) for c in chunks] == [1, 5, 5, 5, 5, 3]
     for row in range(3):
         assert sum((c[row] for c in chunks), []) == result.tokens[row]
+
+
+def test_an_unstreamed_call_queues_its_decode_loop_before_waiting_for_the_first_token(generator, monkeypatch):
+    """Unstreamed, the decode loop is dispatched behind the prefill before the host waits for the
+    first token, so the device runs the two back to back; streamed, the host sees the first
+    token first (its caller may end rows). Both give the same tokens, also when every row stops
+    at its first token and the queued loop runs no step."""
+    from train.generation import generator as module
+
+    prompts = prompts_around_the_window()[:3]
+    generator.generate(prompts, GREEDY)         # compiled and run once (first_run) before anything is logged
+    events, host, program = [], module._host, generator.decoder.decode_program
+    monkeypatch.setattr(module, "_host", lambda a: events.append("wait") or host(a))
+
+    def logged(*args, **kwargs):
+        compiled = program(*args, **kwargs)
+        return lambda *a: events.append("decode") or compiled(*a)
+
+    monkeypatch.setattr(generator.decoder, "decode_program", logged)
+    queued = generator.generate(prompts, GREEDY)
+    assert events == ["decode", "wait", "wait"], events
+    events.clear()
+    streamed = generator.generate(prompts, GREEDY, on_tokens=lambda new: None)
+    assert events == ["wait", "decode", "wait"], events
+    assert queued.tokens == streamed.tokens and queued.decode_steps == streamed.decode_steps == NEW - 1
+    firsts = tuple(dict.fromkeys(row[0] for row in queued.tokens))
+    stopped = generator.generate(prompts, SamplingConfig(max_new_tokens=NEW, temperature=0, stop_tokens=firsts))
+    assert stopped.tokens == [row[:1] for row in queued.tokens] and stopped.stopped == [True] * 3
+    assert stopped.decode_steps == 0
 
 
 def test_a_repeated_request_places_no_step_limit_on_the_device_again(generator, monkeypatch):
@@ -188,8 +222,7 @@ def test_a_repeated_request_places_no_step_limit_on_the_device_again(generator, 
     put, limits = jax.device_put, []
 
     def counted(x, *args, **kwargs):
-        if np.ndim(x) == 0 and np.asarray(x).dtype == np.int32:
-            limits.append(int(x))
+        limits.extend(int(a) for a in jax.tree.leaves(x) if np.ndim(a) == 0 and np.asarray(a).dtype == np.int32)
         return put(x, *args, **kwargs)
 
     monkeypatch.setattr(jax, "device_put", counted)

@@ -34,7 +34,7 @@ def v5e_decode_loop(model, kernels: str, rows: int, length: int):
     key = jax.random.key_data(jax.random.key(0))
     inputs = (jax.ShapeDtypeStruct((rows, 32), jnp.int32), jax.ShapeDtypeStruct((rows, 32), jnp.int32),
               jax.ShapeDtypeStruct((rows,), jnp.bool_), values, jax.ShapeDtypeStruct(key.shape, key.dtype))
-    state = jax.eval_shape(lambda p, *a: decoder._prefill(p, *a, length=length, mode=mode), params, *inputs)
+    state, _ = jax.eval_shape(lambda p, *a: decoder._prefill(p, *a, length=length, mode=mode), params, *inputs)
     whole = NamedSharding(mesh, PartitionSpec())
     state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=whole), state)
     text = roofline.module_text(decoder.decode_program(rows, length, mode, n_stop, state))

@@ -372,21 +372,28 @@ def summarize(path, *, top: int = 10, cost_fn=None) -> dict:
                       "ms": sum(unmatched.values()) / n / 1e6,
                       "examples": sorted(unmatched, key=lambda k: -unmatched[k])[:5]},
         "ops_outside_runs": outside,
-        "call": _call(meta, wall),
+        "call": _call(meta, wall, runs, steps[0]),
         "other_programs": sorted(others.values(), key=lambda o: -o["ms"]),
         "prediction": {k: v for k, v in prediction.items() if k != "rows"},
         "top": per_op[:top],
     }
 
 
-def _call(meta: dict, wall: list[float]) -> dict | None:
-    """A traced call that timed itself on the host (generate's decode, `host_seconds`): that time
-    beside its program's runs on the device, and what is left outside them (dispatch, transfers,
-    fetching the results). None for the train step's profile."""
+def _call(meta: dict, wall: list[float], runs: list[ProgramRun], first: ProgramRun) -> dict | None:
+    """A traced call that timed itself on the host (generate's decode, `host_seconds`, from the
+    first token on the host to the last): that time beside its program's runs on the device, the
+    difference (dispatch, transfers, fetching the results; negative where the program was queued
+    and ran before the first token reached the host), and the device's idle time between the
+    program run before it (the prefill) and its first run, on the device's own clock. None for
+    the train step's profile."""
     if meta.get("host_seconds") is None:
         return None
     host, program = meta["host_seconds"] * 1e3, sum(wall) / 1e6
-    return {"host_ms": host, "program_ms": program, "outside_ms": host - program}
+    before = [r for r in runs if r.start_ns + r.duration_ns <= first.start_ns]
+    previous = max(before, key=lambda r: r.start_ns + r.duration_ns) if before else None
+    return {"host_ms": host, "program_ms": program, "outside_ms": host - program,
+            "previous_program": previous.module if previous else None,
+            "idle_before_ms": (first.start_ns - previous.start_ns - previous.duration_ns) / 1e6 if previous else None}
 
 
 def _prediction(meta: dict, text: str, platform: str, cost_fn) -> tuple[dict, dict]:
@@ -459,9 +466,13 @@ def format_summary(s: dict) -> str:
                      f"written by this run?), e.g. " + ", ".join(unmatched["examples"]))
     call = s.get("call")
     if call:
-        lines.append(f"  the call: {call['host_ms']:.2f} ms on the host's clock, the program's {s['runs']} run(s) on "
-                     f"the device {call['program_ms']:.2f} ms of it: {call['outside_ms']:.2f} ms outside the program "
-                     f"(dispatch, transfers, fetching the results)")
+        lines.append(f"  the call: {call['host_ms']:.2f} ms on the host's clock (first token to last), the program's "
+                     f"{s['runs']} run(s) on the device {call['program_ms']:.2f} ms: "
+                     f"{call['outside_ms']:+.2f} ms outside the program (dispatch, transfers, fetching the results; "
+                     f"negative where it ran before the first token reached the host)")
+        if call.get("previous_program"):
+            lines.append(f"  the device idle {call['idle_before_ms']:.3f} ms between {call['previous_program']}'s end "
+                         f"and the program's start")
     if s["other_programs"]:
         lines.append("  other programs in the trace: " + "; ".join(
             f"{o['module']} x{o['runs']} {o['ms']:.2f} ms" for o in s["other_programs"]))
