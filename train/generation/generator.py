@@ -184,7 +184,9 @@ class Generator:
         # queued behind the prefill before the host waits, and the device runs the two back to back
         # (apart, it idled from the prefill's end until the first token's round trip and the loop's
         # dispatch were done: 1.47 ms in a 128-token call at one row on a v5e, 3% of its decode).
-        queued = on_tokens is None and n_new > 1
+        # Not where the first tokens span processes: gathering them is a program, which would
+        # wait for the whole loop.
+        queued = on_tokens is None and n_new > 1 and all(x.is_fully_addressable for x in first)
         decode_params = decoder.params_for(decoder.layout("decode", batch))
         if queued:
             start_host_copies(first)
