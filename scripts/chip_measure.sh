@@ -6,7 +6,8 @@
 #   bash .tpu/host.sh 'bash scripts/chip_measure.sh train decode'      # carry: .tpu, data/o200k
 #
 # Jobs (wall on the chip, the install and the chip's opening included; compile dominates):
-#   train        small-o200k 16 x 2048 scanned and unrolled, profiled steps 10-11     ~250 s
+#   train        small-o200k 16 x 2048 scanned and unrolled, profiled steps 10-11     ~270 s
+#                (each run's summary.json with every op comes back)
 #   decode       GPT-OSS decode from train's checkpoint: 1/8/64 prompts, a profile,
 #                32 against 512 new tokens (the fixed cost of a call), the head bench ~200 s
 #   decode-ab    decode at MoE block_i 128/256/1024 and with cached_attention=pallas  ~150 s
@@ -63,10 +64,13 @@ run_o200k() {   # run_o200k RUN [FLAGS...]: BENCHMARKS' headline run of small-o2
         --log-every 1 --samples 0 --out "$R/$run" "$@"
 }
 
-train_o200k() {   # train_o200k RUN [FLAGS...]: the headline run profiled at steps 10-11, summarised
+train_o200k() {   # train_o200k RUN [FLAGS...]: the headline run profiled at steps 10-11, summarised; its
+    # summary.json with every op (`top`) comes back, to set the scanned program's ops beside the unrolled's
     local run=$1
+    rm -rf "${R:?}/$run"        # a warm chip keeps /tmp/r: a run left there would refuse to start again
     run_o200k "$@" --profile-steps 10:11 && tl profile --top 12 "$R/$run" && summary "$R/$run" \
-      && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl"
+      && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl" \
+      && tl profile --top 5000 "$R/$run" > /dev/null && cp "$R/$run/profile/summary.json" "$OUT/$run.summary.json"
 }
 
 checkpoint() {   # decode's checkpoint: train's scanned run, trained here if this host has not kept it
@@ -86,8 +90,8 @@ decode_profile() {   # where a decode step goes: one 128-token call's trace, eve
 }
 
 job_train() {
-    step o200k_scanned 130 train_o200k o200k
-    step o200k_unrolled 140 train_o200k o200k_noscan --no-scan-layers
+    step o200k_scanned 145 train_o200k o200k
+    step o200k_unrolled 155 train_o200k o200k_noscan --no-scan-layers
 }
 
 job_decode() {
@@ -128,7 +132,7 @@ pack_out() {   # the device tool brings back at most 8 files from $OUT: more go 
 
 if [ -n "${CHIP_DRY_RUN:-}" ]; then
     tl() { echo "+ tl $*"; }; python3() { echo "+ python3 $*"; }; make() { echo "+ make $*"; }
-    summary() { :; }; cp() { :; }; tar() { :; }
+    summary() { :; }; cp() { :; }; tar() { :; }; rm() { :; }
 fi
 [ $# -gt 0 ] || { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 2; }   # the header above
 for job in "$@"; do
