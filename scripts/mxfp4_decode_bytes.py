@@ -28,8 +28,8 @@ def decode_roofline(topology: str, layers: int, batch: int, mxfp4: bool):
     from torch_model.model import GptOssForCausalLM, mxfp4_expert_modules
 
     prompt, new = 128, 128
-    cfg = get_preset("gpt-oss-20b").replace(n_layers=layers, max_seq_len=prompt + new,
-                                            layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    # the layer types re-derived: sliding and full alternating, as gpt-oss-20b's (any count, odd too)
+    cfg = get_preset("gpt-oss-20b").replace(n_layers=layers, max_seq_len=prompt + new)
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg)
         if mxfp4:
