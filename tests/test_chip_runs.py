@@ -107,12 +107,19 @@ def test_parity_command_passes_on_the_chip_in_both_dtypes(tmp_path, tpu_device, 
 
 
 def greedy_on_chip(model, prompts, new_tokens, **weights):
-    """Greedy tokens of the compiled decode loop on the chip at float32 / "highest"."""
+    """Greedy tokens of the compiled decode loop on the chip at float32 / "highest": unstreamed
+    (the loop queued behind the prefill, reading the prefill's first tokens after the loop took
+    its donated state) and streamed in chunks of 8 (the host waits for each) give the same."""
     from train.generation.generator import Generator
     from train.generation.sampling import SamplingConfig
 
     generator = Generator(model, compute_dtype="float32", **weights)
-    return generator.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, temperature=0)).tokens
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=0)
+    queued = generator.generate(prompts, sampling).tokens
+    chunks = []
+    streamed = generator.generate(prompts, sampling, on_tokens=chunks.append, stream_every=8).tokens
+    assert streamed == queued and [sum((c[row] for c in chunks), []) for row in range(len(prompts))] == queued
+    return queued
 
 
 def assert_greedy_like_eager(model, prompts, got, new_tokens):
