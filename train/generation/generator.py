@@ -195,7 +195,7 @@ class Generator:
         prefill_seconds = time.perf_counter() - started
         emitted = 1
         if on_tokens is not None:
-            ending = on_tokens([[int(t)] if t >= 0 else [] for t in first_tokens[:rows]])
+            ending = on_tokens(_new_tokens(first_tokens[:, None], rows, 0, 0, 1))     # a one-column token array
             state, first_done = _end_rows(state, first_done, ending)
 
         started = time.perf_counter()
