@@ -234,3 +234,33 @@ def test_host_runs_are_grouped_by_their_run_id_however_dispatch_and_execution_in
     assert [[(e.name, e.start_ns) for e in run.ops] for run in runs] == \
         [[(op, t * 1e3) for op, t, _, r in ops if r == run] for run in (11, 12, 13)]
     assert [run.duration_ns for run in runs] == pytest.approx([1300.0, 1200.0, 1200.0])
+
+
+def test_two_summaries_side_by_side_by_category_and_op_group(tpu_profile, tmp_path, capsys):
+    """`profile RUN --against OTHER`: summary.json files (what the chip sends back) or runs, per
+    category and per (category, opcode, shape), the largest differences first."""
+    root, _, _ = tpu_profile
+    a = ps.summarize(root, top=1000)
+    b = json.loads(json.dumps(a))
+    slow = b["top"][0]
+    slow["measured_ms"] += 5.0
+    next(r for r in b["rows"] if r["row"] == slow["row"])["measured_ms"] += 5.0
+    b["per_step_ms"]["wall"] += 5.0
+    b["top"].append({**slow, "name": "extra.1", "opcode": "copy", "shape": "bf16[7,3]", "row": "copies / layout",
+                     "measured_ms": 1.0, "events_per_step": 2.0})
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    c = ps.compare(a, ps.read_summary(tmp_path / "b.json"), top=2)
+    assert c["wall_ms"][1] - c["wall_ms"][0] == pytest.approx(5.0)
+    assert c["listed_ms"][0] == pytest.approx(a["per_step_ms"]["ops"] - a["unmatched"]["ms"])   # every matched op
+    first, second = c["ops"]
+    assert (first["row"], first["opcode"], first["shape"]) == (slow["row"], slow["opcode"], slow["shape"])
+    assert first["b_ms"] - first["a_ms"] == pytest.approx(5.0)
+    assert (second["shape"], second["a_ms"], second["b_ms"], second["b_events"]) == ("bf16[7,3]", 0.0, 1.0, 2.0)
+    row = next(r for r in c["rows"] if r["row"] == slow["row"])
+    assert row["b_ms"] - row["a_ms"] == pytest.approx(5.0)
+    assert main(["profile", str(root), "--against", str(tmp_path / "b.json"), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "(A - B -5.00 ms)" in out and "bf16[7,3]" in out
+    (tmp_path / "bad.json").write_text('{"rows": []}')
+    with pytest.raises(UserError, match="bad.json: not a profile summary .*no top, per_step_ms"):
+        ps.read_summary(tmp_path / "bad.json")

@@ -494,16 +494,94 @@ def write_summary(path, *, top: int = 10, cost_fn=None) -> tuple[dict, Path]:
     return summary, out
 
 
+# ---- two summaries side by side ------------------------------------------------------------------
+
+def read_summary(path) -> dict:
+    """A summary.json, or a profiled run (or its profile/) summarised now with every op listed."""
+    path = Path(path)
+    if path.is_file():
+        try:
+            s = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path}: not a profile summary ({e})") from None
+        missing = [k for k in ("rows", "top", "per_step_ms") if k not in s]
+        if missing:
+            raise UserError(f"{path}: not a profile summary written by `torchlyra profile` (no {', '.join(missing)})")
+        return s
+    return summarize(path, top=1 << 30)
+
+
+def compare(a: dict, b: dict, top: int = 20) -> dict:
+    """Where summary `a`'s step differs from `b`'s (e.g. scanned against unrolled layers): per row,
+    and per op group (row, opcode, output shape: instruction names differ between two programs),
+    measured ms and events per step in each, the largest differences first. `listed` says how
+    much of each step the summaries' `top` lists hold (a summary written with a small --top
+    lists only its ops furthest over their prediction)."""
+    def groups(s):
+        out = {}
+        for o in s["top"]:
+            g = out.setdefault((o["row"], o["opcode"], o["shape"]), {"ms": 0.0, "events": 0.0})
+            g["ms"] += o["measured_ms"]
+            g["events"] += o["events_per_step"]
+        return out
+
+    def side(row, key):
+        return row.get(key) if row else None
+
+    rows_a, rows_b = ({r["row"]: r for r in s["rows"]} for s in (a, b))
+    rows = [{"row": name, "a_ms": side(rows_a.get(name), "measured_ms") or 0.0,
+             "b_ms": side(rows_b.get(name), "measured_ms") or 0.0,
+             "a_predicted_ms": side(rows_a.get(name), "predicted_ms"), "b_predicted_ms": side(rows_b.get(name), "predicted_ms"),
+             "a_events": side(rows_a.get(name), "events_per_step") or 0.0,
+             "b_events": side(rows_b.get(name), "events_per_step") or 0.0}
+            for name in list(rows_a) + [n for n in rows_b if n not in rows_a]]
+    ga, gb = groups(a), groups(b)
+    zero = {"ms": 0.0, "events": 0.0}
+    ops = [{"row": k[0], "opcode": k[1], "shape": k[2], "a_ms": ga.get(k, zero)["ms"], "b_ms": gb.get(k, zero)["ms"],
+            "a_events": ga.get(k, zero)["events"], "b_events": gb.get(k, zero)["events"]}
+           for k in list(ga) + [k for k in gb if k not in ga]]
+    ops.sort(key=lambda o: -abs(o["a_ms"] - o["b_ms"]))
+    return {"wall_ms": (a["per_step_ms"]["wall"], b["per_step_ms"]["wall"]),
+            "ops_ms": (a["per_step_ms"]["ops"], b["per_step_ms"]["ops"]),
+            "listed_ms": (sum(g["ms"] for g in ga.values()), sum(g["ms"] for g in gb.values())),
+            "rows": rows, "ops": ops[:top]}
+
+
+def format_comparison(c: dict, a_name: str, b_name: str) -> str:
+    wa, wb = c["wall_ms"]
+    lines = [f"A = {a_name}, B = {b_name}: the step's wall time on the device {wa:.2f} against {wb:.2f} ms "
+             f"(A - B {wa - wb:+.2f} ms)",
+             f"  {'category':36} {'A':>11} {'B':>11} {'A - B':>11} {'events A/B':>13}"]
+    for r in sorted(c["rows"], key=lambda r: -abs(r["a_ms"] - r["b_ms"])):
+        lines.append(f"  {r['row'][:36]:36} {r['a_ms']:8.2f} ms {r['b_ms']:8.2f} ms {r['a_ms'] - r['b_ms']:+8.2f} ms "
+                     f"{r['a_events']:6g}/{r['b_events']:<6g}")
+    (la, lb), (oa, ob) = c["listed_ms"], c["ops_ms"]
+    lines.append(f"  op groups (category, opcode, output shape) furthest apart; the summaries list {la:.2f} of "
+                 f"{oa:.2f} ms (A) and {lb:.2f} of {ob:.2f} ms (B) of their ops:")
+    for o in c["ops"]:
+        lines.append(f"    {o['a_ms'] - o['b_ms']:+8.3f} ms  {o['row'][:24]:24} {o['opcode'][:14]:14} {o['shape'][:60]:60} "
+                     f"A {o['a_ms']:.3f} ms x{o['a_events']:g}, B {o['b_ms']:.3f} ms x{o['b_events']:g}")
+    return "\n".join(lines)
+
+
 # ---- command line -------------------------------------------------------------------------------
 
 def add_arguments(parser) -> None:
-    parser.add_argument("run", help="a run directory profiled with `train --profile-steps A:B` (or its profile/)")
+    parser.add_argument("run", help="a run directory profiled with `train --profile-steps A:B` (or its profile/; "
+                                    "with --against, also a summary.json)")
     parser.add_argument("--top", type=int, default=10, help="ops listed by measured - predicted time (default: 10)")
+    parser.add_argument("--against", metavar="OTHER",
+                        help="set RUN's step beside OTHER's, per category and op group (each a profiled run or a "
+                             "summary.json it wrote; one written with a small --top lists only some ops)")
 
 
 def run(args) -> int:
     if args.top < 0:
         raise UserError(f"--top must be >= 0, found {args.top}")
+    if args.against:
+        print(format_comparison(compare(read_summary(args.run), read_summary(args.against), top=args.top),
+                                args.run, args.against))
+        return 0
     summary, out = write_summary(args.run, top=args.top)
     print(format_summary(summary))
     print(f"wrote {out}")
