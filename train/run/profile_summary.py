@@ -514,7 +514,7 @@ def read_summary(path) -> dict:
 def compare(a: dict, b: dict, top: int = 20) -> dict:
     """Where summary `a`'s step differs from `b`'s (e.g. scanned against unrolled layers): per row,
     and per op group (row, opcode, output shape: instruction names differ between two programs),
-    measured ms and events per step in each, the largest differences first. `listed` says how
+    measured ms and events per step in each, the largest differences first. `listed_ms` says how
     much of each step the summaries' `top` lists hold (a summary written with a small --top
     lists only its ops furthest over their prediction)."""
     def groups(s):
@@ -525,22 +525,20 @@ def compare(a: dict, b: dict, top: int = 20) -> dict:
             g["events"] += o["events_per_step"]
         return out
 
-    def side(row, key):
-        return row.get(key) if row else None
-
     rows_a, rows_b = ({r["row"]: r for r in s["rows"]} for s in (a, b))
-    rows = [{"row": name, "a_ms": side(rows_a.get(name), "measured_ms") or 0.0,
-             "b_ms": side(rows_b.get(name), "measured_ms") or 0.0,
-             "a_predicted_ms": side(rows_a.get(name), "predicted_ms"), "b_predicted_ms": side(rows_b.get(name), "predicted_ms"),
-             "a_events": side(rows_a.get(name), "events_per_step") or 0.0,
-             "b_events": side(rows_b.get(name), "events_per_step") or 0.0}
-            for name in list(rows_a) + [n for n in rows_b if n not in rows_a]]
+    rows = [{"row": name, "a_ms": rows_a.get(name, {}).get("measured_ms", 0.0),
+             "b_ms": rows_b.get(name, {}).get("measured_ms", 0.0),
+             "a_events": rows_a.get(name, {}).get("events_per_step", 0.0),
+             "b_events": rows_b.get(name, {}).get("events_per_step", 0.0)}
+            for name in rows_a | rows_b]
     ga, gb = groups(a), groups(b)
     zero = {"ms": 0.0, "events": 0.0}
     ops = [{"row": k[0], "opcode": k[1], "shape": k[2], "a_ms": ga.get(k, zero)["ms"], "b_ms": gb.get(k, zero)["ms"],
             "a_events": ga.get(k, zero)["events"], "b_events": gb.get(k, zero)["events"]}
-           for k in list(ga) + [k for k in gb if k not in ga]]
-    ops.sort(key=lambda o: -abs(o["a_ms"] - o["b_ms"]))
+           for k in ga | gb]
+    apart = lambda o: -abs(o["a_ms"] - o["b_ms"])
+    rows.sort(key=apart)
+    ops.sort(key=apart)
     return {"wall_ms": (a["per_step_ms"]["wall"], b["per_step_ms"]["wall"]),
             "ops_ms": (a["per_step_ms"]["ops"], b["per_step_ms"]["ops"]),
             "listed_ms": (sum(g["ms"] for g in ga.values()), sum(g["ms"] for g in gb.values())),
@@ -552,7 +550,7 @@ def format_comparison(c: dict, a_name: str, b_name: str) -> str:
     lines = [f"A = {a_name}, B = {b_name}: the step's wall time on the device {wa:.2f} against {wb:.2f} ms "
              f"(A - B {wa - wb:+.2f} ms)",
              f"  {'category':36} {'A':>11} {'B':>11} {'A - B':>11} {'events A/B':>13}"]
-    for r in sorted(c["rows"], key=lambda r: -abs(r["a_ms"] - r["b_ms"])):
+    for r in c["rows"]:
         lines.append(f"  {r['row'][:36]:36} {r['a_ms']:8.2f} ms {r['b_ms']:8.2f} ms {r['a_ms'] - r['b_ms']:+8.2f} ms "
                      f"{r['a_events']:6g}/{r['b_events']:<6g}")
     (la, lb), (oa, ob) = c["listed_ms"], c["ops_ms"]
@@ -569,7 +567,8 @@ def format_comparison(c: dict, a_name: str, b_name: str) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("run", help="a run directory profiled with `train --profile-steps A:B` (or its profile/; "
                                     "with --against, also a summary.json)")
-    parser.add_argument("--top", type=int, default=10, help="ops listed by measured - predicted time (default: 10)")
+    parser.add_argument("--top", type=int, default=10, help="ops listed by measured - predicted time (default: 10); "
+                                                             "with --against, the op groups listed")
     parser.add_argument("--against", metavar="OTHER",
                         help="set RUN's step beside OTHER's, per category and op group (each a profiled run or a "
                              "summary.json it wrote; one written with a small --top lists only some ops)")
