@@ -36,7 +36,7 @@ def add_arguments(parser) -> None:
                              "';'-separated. Default: all-xla plus every other registered implementation of each op")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=list(tolerances.DTYPES),
                         help="compute dtype(s) of the lowered run (default: both)")
-    parser.add_argument("--batch", type=int, default=PARITY_BATCH)
+    parser.add_argument("--batch", type=int, default=PARITY_BATCH, help=f"rows per batch (default {PARITY_BATCH})")
     parser.add_argument("--seq-len", type=int, default=None,
                         help=f"tokens per row (default: {PARITY_SEQ_LEN} on CPU, {TPU_PARITY_SEQ_LEN} on TPU; longer "
                              "than the window and several of the platform's tiles)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 
 # subcommand -> (module with add_arguments/run, help)
 COMMANDS = {
@@ -27,11 +28,23 @@ COMMANDS = {
 }
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, without breaking a line inside a hyphenated word (--no-scan-layers, lyra-small)."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text, width, indent):
+        return textwrap.fill(self._whitespace_matcher.sub(" ", text).strip(), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchlyra", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="torchlyra", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
         p.set_defaults(_module=module)
         try:
             importlib.import_module(module).add_arguments(p)

@@ -9,10 +9,13 @@ import sys
 from formats.errors import UserError
 
 DEFAULT_HOST_TIMEOUT_S = 30
+MULTI_HOST = "multi-host"           # the title of the cluster flags' group, and its description:
+MULTI_HOST_HELP = "one command per host; not needed on a TPU pod or under SLURM"
 
 
-def add_arguments(parser) -> None:
-    cluster = parser.add_argument_group("multi-host (one command per host; not needed on a TPU pod or under SLURM)")
+def add_arguments(parser, group=None) -> None:
+    """The cluster flags, in `group` (a command's own multi-host group) or a group of their own."""
+    cluster = group if group is not None else parser.add_argument_group(MULTI_HOST, MULTI_HOST_HELP)
     cluster.add_argument("--coordinator", help="HOST:PORT of process 0, which every process connects to")
     cluster.add_argument("--num-processes", type=int, help="number of processes (hosts) in the run")
     cluster.add_argument("--process-id", type=int, help="this process's rank, 0 .. num-processes - 1")

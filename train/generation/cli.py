@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=40, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats; 1 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--stop", type=int, action="append", default=None,
                         help="extra stop token id (repeatable; the model's eos always stops)")
     parser.add_argument("--kernels", default="auto",

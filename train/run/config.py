@@ -8,6 +8,9 @@ from pathlib import Path
 from formats.errors import UserError
 from formats.jsonfile import read_json
 
+REMATS = ("none", "full", "save-matmuls")          # per layer: what the backward keeps (jax_bridge/layer_stack.py)
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -73,7 +76,7 @@ class TrainConfig:
                 raise UserError(f"config: {name} must be a number > 0, found {value!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise UserError(f"config: min_lr_ratio must be in [0, 1], found {self.min_lr_ratio!r}")
-        if self.remat not in ("none", "full", "save-matmuls"):
+        if self.remat not in REMATS:
             raise UserError(f"config: remat must be none, full or save-matmuls, found {self.remat!r}")
         if not isinstance(self.scan_layers, bool):
             raise UserError(f"config: scan_layers must be true or false, found {self.scan_layers!r}")
@@ -88,7 +91,7 @@ class TrainConfig:
 
         if self.ns_dtype not in NS_DTYPES:
             raise UserError(f"config: ns_dtype must be {' or '.join(NS_DTYPES)}, found {self.ns_dtype!r}")
-        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
+        if self.compute_dtype not in COMPUTE_DTYPES:
             raise UserError(f"config: compute_dtype must be auto, float32 or bfloat16, found {self.compute_dtype!r}")
 
     def _check_model_config(self) -> None:

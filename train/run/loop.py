@@ -12,9 +12,15 @@ import argparse
 import json
 from pathlib import Path
 
-from train.cluster import join
-from train.run.config import TrainConfig, load_config_file
 from formats.errors import UserError
+from formats.mxfp4 import BASE_DTYPES
+from torch_model.config import PRESETS
+from torch_model.lora import LoraSpec
+from torch_model.optim import ADAPTER_OPTIMIZERS, NS_DTYPES
+from torch_model.preference import LOSSES as DPO_LOSSES, PreferenceConfig
+from train.cluster import join
+from train.run.config import COMPUTE_DTYPES, REMATS, TrainConfig, load_config_file
+from train.run.flags import BOOLEAN, REPEATED, SWITCH, Flag, add_flags, field_defaults, given, spec_defaults
 
 
 def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progress: bool = True) -> dict:
@@ -70,41 +76,138 @@ def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict
 
 
 # ---- command line -------------------------------------------------------------------------------
-_FLAGS = {"preset": str, "data": str, "out": str, "steps": int, "batch_size": int, "seq_len": int,
-          "micro_batches": int, "lr": float, "adam_lr": float, "warmup_steps": int, "kernels": str,
-          "kernel_options": str, "compute_dtype": str, "seed": int, "eval_every": int, "eval_batches": int, "eval_tasks": str, "eval_tasks_limit": int, "samples": int,
-          "log_every": int, "checkpoint_every": int, "keep_checkpoints": int, "init_from": str,
-          "max_consecutive_skips": int, "host_timeout_s": int, "mesh": str, "remat": str, "lora": str,
-          "adapter_optimizer": str, "ns_dtype": str, "base_dtype": str, "dpo": str, "profile_steps": str,
-          "model_config": str}
-_SWITCHES = {"resume": "continue the run in --out from its newest complete checkpoint",
-             "tensorboard": "also write TensorBoard event files to OUT/tensorboard",
-             "truncate": "chat data: cut a conversation longer than a row to one row (default: drop it)"}
-_BOOLEANS = {"scan_layers": "decoder layers as one lax.scan over stacked parameters (default), or a loop",
-             "document_masking": "each document (conversation) its own segment: attention stays inside it and "
-                                 "positions restart (default: on for chat data, off for text)"}
+# One row per flag of TrainConfig: `--field-name` (dest: the field) in its group, with its help; the
+# default shown is the field's (flags.py). Adding a flag is adding a row (and the field).
+_DEFAULTS = field_defaults(TrainConfig)
+_GROUPS = {
+    "model": "what trains: a preset, a transformers config, or the model of a checkpoint",
+    "data": "prepared data (torchlyra prepare) and the rows cut from it",
+    "optimization": "Muon for the hidden weight matrices, AdamW for embeddings, head, routers and vectors; "
+                    "linear warm-up, then cosine decay",
+    "parallelism and kernels": None,
+    "evaluation and samples": None,
+    "checkpoints": "OUT holds checkpoints/, metrics.jsonl, plots/, train_config.json and summary.json",
+    "fine-tuning": "LoRA, frozen parameters and DPO, on the model of --init-from",
+    "profiling and logging": None,
+    join.MULTI_HOST: join.MULTI_HOST_HELP,
+}
+_FLAGS = {
+    # model
+    "preset": Flag("model", f"model preset: {', '.join(PRESETS)}; with --init-from the checkpoint's model trains "
+                            "(a --preset given beside it must have its shapes)"),
+    "model_config": Flag("model", "train the model of this transformers config.json instead of a preset "
+                                  "(torch_model/transformers_lm.py)", metavar="CONFIG.json", unset="the --preset"),
+    "init_from": Flag("model", "start from this checkpoint's parameters with a fresh optimizer state: a run, its "
+                               "checkpoints/ or a step directory, or a Hugging Face directory (read straight onto "
+                               "the mesh)", metavar="DIR", unset="a new model, randomly initialized"),
+    # data
+    "data": Flag("data", "prepared data directory: text (next-token loss), conversations (prepare --chat: the "
+                         "weighted tokens train) or preference pairs (prepare --preferences: needs --dpo)",
+                 metavar="DIR"),
+    "batch_size": Flag("data", "rows per micro-batch, over all devices (the global batch)", int, metavar="ROWS"),
+    "seq_len": Flag("data", "tokens per row", int, metavar="TOKENS"),
+    "seed": Flag("data", "seed of the data order, the initial weights (and LoRA adapters) and the samples", int),
+    "document_masking": Flag("data", "each document (conversation) its own segment: attention stays inside it and "
+                                     "positions restart; --no-document-masking: rows attend across documents",
+                             kind=BOOLEAN, unset="on for chat data, off for text"),
+    "truncate": Flag("data", "chat data: cut a conversation longer than a row to one row instead of dropping it",
+                     kind=SWITCH),
+    # optimization
+    "steps": Flag("optimization", "optimizer steps in all (with --resume, a larger number extends the run)", int),
+    "micro_batches": Flag("optimization", "gradient accumulation: each step sums the gradients of this many "
+                                          "micro-batches of --batch-size rows, in one compiled step", int),
+    "lr": Flag("optimization", "peak learning rate of Muon (the hidden weight matrices)", float),
+    "adam_lr": Flag("optimization", "peak learning rate of AdamW (embeddings, head, routers, norms, biases)", float),
+    "warmup_steps": Flag("optimization", "steps of linear warm-up to the peak learning rates; then cosine decay to "
+                                         f"{_DEFAULTS['min_lr_ratio']:g} of the peak at --steps (min_lr_ratio in a "
+                                         "--config file)", int),
+    "ns_dtype": Flag("optimization", "dtype of Muon's Newton-Schulz iteration (bfloat16: slightly faster on TPU)",
+                     choices=NS_DTYPES),
+    "max_consecutive_skips": Flag("optimization", "a step with a non-finite loss or gradient norm skips its "
+                                                  "update; this many in a row stop the run, with a checkpoint", int),
+    # parallelism and kernels
+    "mesh": Flag("parallelism and kernels", "device mesh: axis=size,... over data, fsdp, tensor, expert (one size "
+                                            "may be -1: the remaining devices), e.g. data=2,fsdp=4",
+                 metavar="AXIS=SIZE,...", unset="every device on fsdp; on one device no mesh"),
+    "kernels": Flag("parallelism and kernels", "implementation of each op (attention, cross_entropy, moe): auto "
+                                               "(per op the best that runs here), one name for every op (e.g. "
+                                               "xla), or op=name,... such as attention=pallas,moe=xla "
+                                               "(docs/kernels.md)", metavar="SPEC"),
+    "kernel_options": Flag("parallelism and kernels", "per-implementation options op.name.option=value,... (e.g. "
+                                                      "attention.pallas.block_q=256), a tile table FILE.json "
+                                                      "(bench kernels --tune), or tiles=off",
+                           metavar="SPEC", unset="on a TPU its generation's committed tile table, else each "
+                                                 "kernel's default tiles"),
+    "compute_dtype": Flag("parallelism and kernels", "dtype of the step's matmuls and activations (the master "
+                                                     "weights stay float32); auto: bfloat16 on TPU and GPU, float32 "
+                                                     "on CPU", choices=COMPUTE_DTYPES),
+    "remat": Flag("parallelism and kernels", "per layer, what the backward recomputes: none (every activation "
+                                             "kept), full (only each layer's input kept), save-matmuls (the "
+                                             "projections' outputs kept)", choices=REMATS),
+    "scan_layers": Flag("parallelism and kernels", "the decoder layers as one lax.scan over stacked parameters; "
+                                                   "--no-scan-layers: a loop (longer compile)", kind=BOOLEAN),
+    # evaluation and samples
+    "eval_every": Flag("evaluation and samples", "steps between evaluations of validation loss and bits per byte "
+                                                 "(also before the first step and after the last)", int),
+    "eval_batches": Flag("evaluation and samples", "validation batches per evaluation", int),
+    "eval_tasks": Flag("evaluation and samples", "also score these log-likelihood tasks at each evaluation, as "
+                                                 "eval --tasks: core (CORE-6), one of its tasks, or FILE.jsonl",
+                       metavar="TASKS", unset="none"),
+    "eval_tasks_limit": Flag("evaluation and samples", "the first N examples of each --eval-tasks task", int,
+                             metavar="N"),
+    "samples": Flag("evaluation and samples", "texts sampled from the trained model at the end, 0: none (each "
+                                              f"up to {_DEFAULTS['sample_tokens']} tokens at temperature "
+                                              f"{_DEFAULTS['temperature']:g}, top-k {_DEFAULTS['top_k']}: "
+                                              "sample_tokens, temperature, top_k in a --config file)", int),
+    # checkpoints
+    "out": Flag("checkpoints", "run directory", metavar="DIR"),
+    "resume": Flag("checkpoints", "continue the run in --out from its newest complete checkpoint; flags beside "
+                                  "it may change the length, the cadences, evaluation, samples, kernels, mesh, "
+                                  "remat and profiling, nothing else", kind=SWITCH),
+    "checkpoint_every": Flag("checkpoints", "steps between checkpoints (the last step is always saved)", int),
+    "keep_checkpoints": Flag("checkpoints", "the newest N checkpoints are kept, older ones deleted", int,
+                             metavar="N"),
+    # fine-tuning
+    "lora": Flag("fine-tuning", "train peft LoRA adapters, the base frozen: keys r, alpha, dropout, targets "
+                                "(all-linear, attention, experts, module names, joined by +) and modules_to_save, "
+                                "e.g. r=16,alpha=32,targets=all-linear+experts (keys left out: "
+                                f"{spec_defaults(LoraSpec)})", metavar="SPEC", unset="off"),
+    "adapter_optimizer": Flag("fine-tuning", "optimizer of the LoRA adapters of linear layers (the experts' "
+                                             "adapters always take AdamW)", choices=ADAPTER_OPTIMIZERS),
+    "base_dtype": Flag("fine-tuning", "a LoRA run's frozen experts: compute (in the compute dtype) or mxfp4 (as "
+                                      "gpt-oss releases them; --init-from a released gpt-oss directory)",
+                       choices=BASE_DTYPES),
+    "freeze": Flag("fine-tuning", "leave the parameters whose names match this shell-style pattern untrained "
+                                  "(repeatable), e.g. '*.mlp.router.*' or 'model.embed_tokens.weight'",
+                   kind=REPEATED, metavar="PATTERN", unset="none"),
+    "dpo": Flag("fine-tuning", "DPO on preference pairs (prepare --preferences), the --init-from model the "
+                               f"reference: keys beta, loss ({' or '.join(DPO_LOSSES)}), label_smoothing (keys left "
+                               f"out: {spec_defaults(PreferenceConfig)})", metavar="SPEC", unset="off"),
+    # profiling and logging
+    "log_every": Flag("profiling and logging", "steps between metric records in OUT/metrics.jsonl (the first and "
+                                               "last step are logged too)", int),
+    "tensorboard": Flag("profiling and logging", "also write TensorBoard event files to OUT/tensorboard",
+                        kind=SWITCH),
+    "profile_steps": Flag("profiling and logging", "a jax.profiler trace of train steps A to B (counted from 1) "
+                                                   "into OUT/profile, summarised per op category (torchlyra "
+                                                   "profile OUT)", metavar="A:B", unset="no trace"),
+    # multi-host
+    "host_timeout_s": Flag(join.MULTI_HOST, "seconds a peer may stay silent before it counts as lost; the other "
+                                            "hosts then stop (exit 75)", int, metavar="SECONDS"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="JSON file of training settings (flags override it)")
-    for name, kind in _FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
-    for name, help_text in _SWITCHES.items():
-        parser.add_argument("--" + name, dest=name, action="store_const", const=True, default=None, help=help_text)
-    for name, help_text in _BOOLEANS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, action=argparse.BooleanOptionalAction,
-                            default=None, help=help_text)
-    parser.add_argument("--freeze", dest="freeze", action="append", default=None, metavar="PATTERN",
-                        help="leave the parameters whose names match this shell-style pattern untrained "
-                             "(repeatable), e.g. '*.mlp.router.*' or 'model.embed_tokens.weight'")
-    join.add_arguments(parser)
+    parser.add_argument("--config", metavar="FILE.json",
+                        help="JSON file of training settings, any TrainConfig field (flags override it)")
+    groups = add_flags(parser, _FLAGS, TrainConfig, _GROUPS)
+    join.add_arguments(parser, groups[join.MULTI_HOST])
 
 
 def config_from_args(args) -> tuple[TrainConfig, dict]:
     """(config, the settings given explicitly by the config file and flags)."""
     explicit = load_config_file(args.config) if args.config else {}
-    explicit.update({k: getattr(args, k) for k in (*_FLAGS, *_SWITCHES, *_BOOLEANS, "freeze")
-                     if getattr(args, k, None) is not None})
+    explicit.update(given(args, _FLAGS))
     try:
         return TrainConfig(**explicit), explicit
     except TypeError as e:
@@ -113,7 +216,6 @@ def config_from_args(args) -> tuple[TrainConfig, dict]:
 
 def run(args) -> int:
     from jax_bridge import distributed
-    from torch_model.config import PRESETS
 
     cfg, explicit = config_from_args(args)
     code = join.join(args, "train", out=cfg.out, host_timeout_s=cfg.host_timeout_s)

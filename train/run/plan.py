@@ -15,6 +15,7 @@ from formats.errors import UserError
 def add_arguments(parser) -> None:
     from formats.mxfp4 import BASE_DTYPES
     from torch_model.optim import NS_DTYPES
+    from train.run.config import COMPUTE_DTYPES, REMATS
 
     parser.add_argument("--preset", default="lyra-small", help="model preset (default: lyra-small)")
     parser.add_argument("--model-config", metavar="CONFIG.json", default=None,
@@ -31,11 +32,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps (default: 1)")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                         help="decoder layers as one lax.scan over stacked parameters (default), or a loop")
-    parser.add_argument("--remat", default="none", choices=["none", "full", "save-matmuls"],
+    parser.add_argument("--remat", default="none", choices=REMATS,
                         help="per-layer rematerialization, as for train (default: none)")
     parser.add_argument("--kernels", default="auto", help="kernel choice, as for train (default: auto)")
     parser.add_argument("--kernel-options", default=None, help="per-implementation options, as for train")
-    parser.add_argument("--compute-dtype", default=None, choices=["auto", "float32", "bfloat16"],
+    parser.add_argument("--compute-dtype", default=None, choices=COMPUTE_DTYPES,
                         help="compute dtype (default: auto = bfloat16 on TPU)")
     parser.add_argument("--layers", type=int, default=None,
                         help="plan with this many layers instead of the preset's (compile time grows with depth)")
