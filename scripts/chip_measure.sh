@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
-# Issue 58's measurements on one TPU v5e chip, as jobs that each fit one `device` call (10 minutes).
-# Run from the checkout's root on the TPU host, through the bundle (`bash ../shared/tpu/bundle.sh`):
+# The measurements of one TPU v5e chip (BENCHMARKS.md: training, decoding, the hardware tier), as jobs
+# that each end within about 10 minutes, for TPU hosts that limit the time of each command. Run from
+# the checkout's root on the TPU host, in a Python that holds the stack (as `make test-tpu TPU_SETUP=`):
 #
-#   torchlyra prepare --tokenizer o200k_harmony --out data/o200k      # once, on the CPU host
-#   bash .tpu/host.sh 'bash scripts/chip_measure.sh train decode'      # carry: .tpu, data/o200k
+#   torchlyra prepare --tokenizer o200k_harmony --out data/o200k      # once, on any host; copy it along
+#   bash scripts/chip_measure.sh train decode                          # one command per job or two
 #
-# Jobs (wall on the chip, the install and the chip's opening included; compile dominates):
+# Jobs (wall on the chip, the chip's opening included; compile dominates):
 #   train        small-o200k 16 x 2048 scanned and unrolled, profiled steps 10-11     ~270 s
-#                (each run's summary.json with every op comes back)
+#                (each run's summary.json with every op is kept)
 #   decode       GPT-OSS decode from train's checkpoint: 1/8/64 prompts, a profile,
 #                32 against 512 new tokens (the fixed cost of a call), the head bench ~200 s
 #   decode-ab    decode at MoE block_i 128/256/1024 and with cached_attention=pallas  ~150 s
 #   tier-runs    the hardware tier's runs file (parity, demo, generation, LoRA, DPO)   ~440 s
 #   tier-kernels the hardware tier's kernels file                                     ~230 s
 #
-# Every log, metrics file and summary goes to $OUT (the device tool's folder; /tmp/out elsewhere;
-# packed into $OUT/results.tgz past 8 files, the most the tool brings back), runs to /tmp/r.
+# Every log, metrics file and summary goes to the output folder $OUT (default /tmp/chip_out; packed
+# into $OUT/results.tgz past 8 files, for hosts that copy back only a few), runs to /tmp/r.
 # BUDGET=S (seconds, default 560) skips a step that would start past the budget, saying so, so
-# that what finished still comes back inside one call. CHIP_DRY_RUN=1 prints each
+# that what finished is written before the host's time limit. CHIP_DRY_RUN=1 prints each
 # command instead of running it (tests/test_docs.py parses them with the CLI's parser).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; R=/tmp/r; mkdir -p "$OUT" "$R"
+OUT=${OUT:-/tmp/chip_out}; R=/tmp/r; mkdir -p "$OUT" "$R"
 BUDGET=${BUDGET:-560}; T0=$(date +%s)
 tl() { if command -v torchlyra >/dev/null; then torchlyra "$@"; else python3 -m train.cli "$@"; fi; }
 
@@ -51,9 +52,9 @@ print(f"{sys.argv[1]}: {len(steps)} steps, {med('step_time_s'):.4f} s/step, "
 EOF
 }
 
-data() {   # small-o200k's data, prepared on the CPU host and carried: the TPU host cannot fetch the corpus
-    [ -d data/o200k ] || { echo "chip_measure: no data/o200k; on the CPU host run \`torchlyra prepare" \
-        "--tokenizer o200k_harmony --out data/o200k\` and carry it" >&2; return 2; }
+data() {   # small-o200k's data, prepared on any host and copied here: a TPU host may not fetch the corpus
+    [ -d data/o200k ] || { echo "chip_measure: no data/o200k; on any host run \`torchlyra prepare" \
+        "--tokenizer o200k_harmony --out data/o200k\` and copy it here" >&2; return 2; }
     echo data/o200k
 }
 
@@ -65,9 +66,9 @@ run_o200k() {   # run_o200k RUN [FLAGS...]: BENCHMARKS' headline run of small-o2
 }
 
 train_o200k() {   # train_o200k RUN [FLAGS...]: the headline run profiled at steps 10-11, summarised; its
-    # summary.json with every op (`top`) comes back, to set the scanned program's ops beside the unrolled's
+    # summary.json with every op (`top`) is kept, to set the scanned program's ops beside the unrolled's
     local run=$1
-    rm -rf "${R:?}/$run"        # a warm chip keeps /tmp/r: a run left there would refuse to start again
+    rm -rf "${R:?}/$run"        # a host that ran an earlier job keeps /tmp/r: a run left there would refuse to start again
     run_o200k "$@" --profile-steps 10:11 && tl profile --top 12 "$R/$run" && summary "$R/$run" \
       && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl" \
       && tl profile --top 5000 "$R/$run" > /dev/null && cp "$R/$run/profile/summary.json" "$OUT/$run.summary.json"
@@ -122,7 +123,7 @@ tier() {   # tier FILE: the hardware tier's file, in this host's Python (no venv
 job_tier_runs() { step tier_runs 440 tier test_chip_runs.py; }
 job_tier_kernels() { step tier_kernels 230 tier test_chip_kernels.py; }
 
-pack_out() {   # the device tool brings back at most 8 files from $OUT: more go into one archive, results.tgz
+pack_out() {   # more than 8 files in $OUT go into one archive, results.tgz, for hosts that copy back a few
     [ -n "${CHIP_DRY_RUN:-}" ] && return 0
     local files; files=$(cd "$OUT" && ls -A)
     (( $(echo "$files" | wc -w) <= 8 )) && return 0

@@ -1,5 +1,5 @@
 """Peak anonymous memory (RssAnon) per process of torchlyra commands on a synthetic released-layout
-gpt-oss directory, one process or several forming a cluster, against the bound issue 34 sets: half
+gpt-oss directory, one process or several forming a cluster, against the bound the loader holds to: half
 (or 1/N) of the parameters' bytes in the compute dtype + 0.5 GiB above the interpreter's baseline.
 
     python scripts/command_memory.py WORKDIR [--layers 2] [--experts 32] [--vocab 201088] [--processes 2]

@@ -4,10 +4,10 @@ calls that decode 1 step and of calls that decode N steps (one prompt, greedy, r
 interleaved in one run; the line through the two gives the cost per step and per call.
 
 With --compare-limit-transfer, calls that transfer the decode loop's step limit to the device on
-every call (the decoder before session 36, which now keeps each limit it placed) run interleaved
+every call (the decoder before 726e4df, which keeps each limit it placed) run interleaved
 beside them, and the difference of the two fixed costs is printed. With --compare-first-token-wait,
 calls that wait for the first token before dispatching the decode loop (a streamed call with one
-chunk, as every call did before session 37 queued the loop behind the prefill) run beside them;
+chunk, as every call did before the loop was queued behind the prefill) run beside them;
 the time to first token and the whole call (prefill and decode) are printed too, since queuing
 moves time between the two.
 

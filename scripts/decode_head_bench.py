@@ -5,8 +5,9 @@ this device side by side: XLA as the decoder runs it (W in the model's [V, D] la
 double-buffered block specs. Each is timed as a loop of dependent products inside one program (the device's
 time per product, no dispatch), in GB/s of W read and as a share of the chip's HBM bandwidth, with
 ratios against the first. At one prompt `small-o200k`'s head is 206 of the 238 MB a token reads;
-on the v5e its product took 0.273 ms, 92% of the bandwidth (BENCHMARKS.md, session 30): whether a
-kernel reads it faster decides whether decoding at one prompt can reach 70% of the HBM floor.
+on the v5e its product took 0.273 ms, 92% of the bandwidth (BENCHMARKS.md, "Decoding on one TPU v5e
+chip"): whether a kernel reads it faster decides whether decoding at one prompt can reach 70% of
+the HBM floor.
 
     python3 scripts/decode_head_bench.py [--vocab 201088] [--hidden 512] [--rows 1,8]
                                          [--blocks 4096,8192,16384] [--iters 50] [--repeats 5]

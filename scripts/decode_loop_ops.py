@@ -3,7 +3,7 @@
 runs, the weights are never made): per generated token, the HBM bytes and roofline time of the
 loop body (jax_bridge/roofline.py) and how many ops the body runs, per kernel choice. At one row a
 small model's decode is bound by the fixed cost of its ops as much as by its bytes
-(BENCHMARKS.md, session 29).
+(BENCHMARKS.md, "Decoding on one TPU v5e chip").
 
     python3 scripts/decode_loop_ops.py [--preset small-o200k] [--rows 1] [--kernels moe=pallas;moe=decode]
 """

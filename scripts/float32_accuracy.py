@@ -2,8 +2,8 @@
 """float32 arithmetic of this host's device against float64 NumPy: exp, log, log1p, log_sigmoid,
 sigmoid, softplus and tanh over 200,001 points in [-30, 30] (XLA), exp and log inside a Pallas
 kernel (Mosaic on a TPU, interpreted elsewhere), and a float32 matmul at HIGHEST (XLA and Mosaic).
-Prints the largest relative error, ulps and median ulps of each. On the v5e (BENCHMARKS.md, session
-29) log_sigmoid was off by up to 4,008 ulps: why the DPO test bounds its loss apart on a TPU.
+Prints the largest relative error, ulps and median ulps of each. On the v5e (BENCHMARKS.md, "TPU
+float32 arithmetic") log_sigmoid was off by up to 4,008 ulps: why the DPO test bounds its loss apart on a TPU.
 
     python3 scripts/float32_accuracy.py
 """

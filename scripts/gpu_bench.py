@@ -5,11 +5,11 @@ the whole train step against eager PyTorch CUDA and torch.compile on the same GP
 This process imports only jax, pallas_kernels/* and parity/compare.py (the GPU image has no torchax, no
 array_record). The train-step part needs torch and torchax: it runs `torchlyra bench step --device gpu`
 (train/bench/step.py) in child processes, so the torchax and array_record wheels (the CLI's parser
-imports the data modules) must be carried to the machine and put on PYTHONPATH (see the device tool's
-README). One run of about 6 minutes on one H200:
+imports the data modules) must be on the GPU machine and on PYTHONPATH. One run of about 6 minutes
+on one H200:
 
     python scripts/gpu_bench.py                  # kernels at Lyra Small shapes + step (small-o200k), bf16
-                                                 #   -> $OUT/gpu_bench.json
+                                                 #   -> gpu_bench.json in the folder OUT names, else here
     python scripts/gpu_bench.py /path/out.json   # or a path of your choice
     python scripts/gpu_bench.py --smoke          # CPU: tiny shapes, kernels interpreted, a micro step
                                                  #   (float32) against the torch peers (is it broken?)
@@ -279,7 +279,7 @@ def step_part(smoke: bool, budget: float, report: dict, save) -> bool:
         print("step: " + " ".join(cmd[1:]), flush=True)
         step = dict(command=" ".join(cmd[1:]), error=None)
         # its own process group, so that a timeout also ends its child of torch peers
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, process_group=0)
         try:
             printed, _ = proc.communicate(timeout=budget)
             print(printed, flush=True)
@@ -301,7 +301,7 @@ def step_part(smoke: bool, budget: float, report: dict, save) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", nargs="?", help="JSON path (default $OUT/gpu_bench.json, else ./gpu_bench.json)")
+    p.add_argument("out", nargs="?", help="JSON path (default gpu_bench.json in the folder the OUT variable names, else ./gpu_bench.json)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels (runs on CPU)")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     p.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 10; smoke 2)")

@@ -1,6 +1,6 @@
 """Bits per byte of a checkpoint on whole text files, each tokenized with the checkpoint's own
 tokenizer, in non-overlapping windows of 256 predicted tokens led by BOS (eager torch, CPU), so
-models with different tokenizers compare. Used for the demo before/after in BENCHMARKS.md:
+models with different tokenizers compare. Used for BENCHMARKS.md's "Whole documents in the demo corpus":
 
     python scripts/heldout_bpb.py runs/tiny/checkpoint PLAY.txt [PLAY.txt ...]
 """

@@ -2,8 +2,8 @@
 the linear cross-entropy (differentiated: the forward that accumulates E, and dW; plain: the
 forward) at Lyra Small's and gpt-oss-20b's shapes with the default TPU tiles, from their cost
 estimates (the block-plan count of pallas_kernels/cost.py), priced at one chip's published peaks
-(jax_bridge/roofline.py). Jaxprs only, nothing compiled (BENCHMARKS.md "Attention: a GQA group per
-grid step", "The LM head's logits formed twice"). Run it at two commits to compare.
+(jax_bridge/roofline.py). Jaxprs only, nothing compiled (BENCHMARKS.md "Kernel cost estimates and
+instruction counts"). Run it at two commits to compare.
 
     python scripts/kernel_costs.py [--generation v6e]
 """

@@ -1,5 +1,5 @@
-"""Temporaries of compiled programs on a mesh of simulated CPU devices against one device (issue 34,
-BENCHMARKS "Every command loads slice by slice"): what XLA:CPU holds beside the parameters.
+"""Temporaries of compiled programs on a mesh of simulated CPU devices against one device
+(BENCHMARKS "Host memory of each command"): what XLA:CPU holds beside the parameters.
 
     python scripts/mesh_temporaries.py step [--layers 2] [--dense] [--remat none] [--mesh fsdp=2] \\
         [--default-scheduler] [--run]

@@ -4,8 +4,8 @@
 `score` asks a checkpoint each held-out question in the harmony chat format (greedy) and prints
 its accuracy (exact title); `pairs` turns the built items into preference pairs (TRL's
 prompt / chosen / rejected: chosen the right title, rejected another of the six) for DPO, the
-training items' pairs apart from the held-out items' pairs. Used for BENCHMARKS.md's "SFT: a
-measured effect" (issue 21) and "DPO: a measured effect" (issue 33):
+training items' pairs apart from the held-out items' pairs. Used for BENCHMARKS.md's "Post-training
+effects" (SFT, DPO, RL):
 
     python scripts/play_task.py build --out data/play-task-src
     python scripts/play_task.py score --checkpoint runs/tiny --items data/play-task-src/heldout.jsonl

@@ -3,7 +3,7 @@ for transformers by `torchlyra export`), the same prompt records, G samples per 
 temperature 1 with no top-k / top-p, at most --max-new-tokens each, stopping at the harmony stop
 tokens. One timed run each after one untimed (ours: compiled then; transformers: warm caches).
 Tokens/s counts each completion's tokens up to and including its stop. Used for BENCHMARKS.md's
-"RL: a measured effect"; prints one table and writes --json.
+"RL on the play-naming task"; prints one table and writes --json.
 
     python scripts/rl_rollout_speed.py --checkpoint runs/tiny-sft --prompts rl_prompts.jsonl --json speed.json
 """

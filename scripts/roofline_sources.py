@@ -1,6 +1,6 @@
-"""Which source ops a compiled step's roofline time comes from (issue 36, BENCHMARKS "Roofline,
-session 19"): runs `torchlyra plan ... --roofline` and sums the roofline time of every op of the
-chosen categories by the `op_name` its HLO metadata gives (the torch op or JAX primitive it
+"""Which source ops a compiled step's roofline time comes from (BENCHMARKS "`plan --roofline`:
+how fast could it run?"): runs `torchlyra plan ... --roofline` and sums the roofline time of every
+op of the chosen categories by the `op_name` its HLO metadata gives (the torch op or JAX primitive it
 lowers from), loop trips included. `plan --roofline` itself lists only the five costliest ops.
 
     python scripts/roofline_sources.py [--categories elementwise,copies] [--match REGEX] [--top 40] \\

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Where the lowered train step spends its time: the experiments behind BENCHMARKS.md's log of
-attempts (issue 12). Each prints medians of interleaved rounds and per-round ratios.
+"""Where the lowered train step spends its time: the experiments behind BENCHMARKS.md's "What
+was tried on the CPU step". Each prints medians of interleaved rounds and per-round ratios.
 
     python scripts/step_experiments.py cost PRESET            # XLA's FLOPs/bytes per program vs model FLOPs
     python scripts/step_experiments.py step PRESET [ROUNDS]   # step vs fwd+bwd + update; no-scan / no-select variants
