@@ -5,7 +5,7 @@ config's pad id): torchax zeroes the padding row's gradient with a scatter, `a_d
 .set(0)`, on the whole table. Under a mesh that splits the table along the vocabulary (`tensor`)
 and the hidden dimension (`fsdp`) at once, XLA's SPMD partitioner mis-places that scatter: the
 summed gradient of every padding token lands in the first row of the second vocabulary shard
-(Gemma's tiny config on fsdp=2,tensor=2, first step, a session script comparing the lowered
+(Gemma's tiny config on fsdp=2,tensor=2, first step, a one-off script comparing the lowered
 gradients with one device's: that row's gradient 5.3 where one device gives 0.11; every other
 gradient equal; tests/test_scale_out.py trains it). Here the padding tokens' looked-up rows are
 cut from the gradient instead (`stop_gradient` where the id is the padding index), which is
@@ -20,7 +20,7 @@ decode step (deviceless compile), and every train step's routers carried them an
 gradients' scatters. Here `jax.lax.top_k` alone: the same values and indices. Along a router's
 dimension (at most ROUTER_TOP_K_MAX experts) its gradient compares each entry with the chosen
 indices instead of scattering into the input, which a TPU does element by element (2 x 0.89 ms
-of `small-o200k`'s 266 ms step on a v5e for [32768, 8], session 30's profile).
+of `small-o200k`'s 266 ms step on a v5e for [32768, 8], profiled 2026-12-06).
 
 `aten.fmod`: torchax divides in float32 and truncates (a division, floor, ceil, a select, a
 multiply and a subtraction, with casts), which for integers is exact only below 2^24. Here

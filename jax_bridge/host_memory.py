@@ -2,10 +2,10 @@
 
 XLA:CPU compiles on its own threads, and glibc keeps what they free mapped in their arenas: after
 the two-layer LoRA step of the small released shape on fsdp=2 each process held 0.35 GiB more
-for the rest of the run, which the memory bound of issue 34 counts (RssAnon). `malloc_trim`
-returns it. Only compiles of at least MIN_SECONDS trim: the many small programs a run compiles
-free little, a trim walks every arena, and the next compile faults the pages back in (the test
-suite compiles hundreds of programs over 0.5 s)."""
+for the rest of the run, which the per-process memory bound counts (RssAnon,
+tests/test_command_memory.py). `malloc_trim` returns it. Only compiles of at least MIN_SECONDS
+trim: the many small programs a run compiles free little, a trim walks every arena, and the next
+compile faults the pages back in (the test suite compiles hundreds of programs over 0.5 s)."""
 from __future__ import annotations
 
 import ctypes

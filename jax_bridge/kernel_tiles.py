@@ -6,7 +6,7 @@ A table is JSON:
     {"format": "torchlyra-kernel-tiles", "version": 1, "platform": "tpu", "device_kind": "TPU v6e",
      "entries": {op: {implementation: {call key: {"options": {...}, "seconds": s}}}}}
 A call key names the shapes that decide a kernel's tiles (see `call_key`), so a table serves
-every run whose per-device calls have those shapes. Tiles change the speed, not the result
+every run whose calls on each device have those shapes. Tiles change the speed, not the result
 beyond float rounding.
 
 Where tables come from (`with_tables`, the one place that decides):

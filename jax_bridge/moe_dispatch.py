@@ -74,8 +74,8 @@ def stable_order(key, weights):
     weights along (the backward's weights in sorted order) and a second inverts the permutation;
     up to it, comparisons of every pair give all three. Never a scatter or a gather of single
     values, which a TPU runs element by element: as `bincount`, `.at[order].set` and
-    `weights[order]` they took about 8 ms of `small-o200k`'s 266 ms step on a v5e (session 30's
-    profile); sorts and comparisons run vectorised."""
+    `weights[order]` they took about 8 ms of `small-o200k`'s 266 ms step on a v5e (profiled
+    2026-12-06); sorts and comparisons run vectorised."""
     n = key.shape[0]
     flat = jnp.arange(n, dtype=jnp.int32)
     if n > COMPARED_COPIES:

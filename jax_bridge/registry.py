@@ -58,7 +58,7 @@ GENERATION_OPS = ("cached_attention",)           # used only by the KV-cache for
 QUANTIZED_OPS = ("moe_mxfp4",)
 # What `auto` picks, best first, per platform; per op it takes the first that is registered for
 # that platform (MoE has no GPU Pallas kernel, so GPU gets moe=xla; only the MoE ops have a
-# `loop`: for `moe` the CPU's fastest grouped GEMM, BENCHMARKS.md, issue 12; for `moe_mxfp4` the
+# `loop`: for `moe` the CPU's fastest grouped GEMM, BENCHMARKS.md's train step; for `moe_mxfp4` the
 # one that decodes an expert at a time in training too).
 AUTO_PREFERENCE = {"tpu": ("pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("loop", "xla")}
 # Where one op's `auto` differs from its platform's: the Pallas cached attention has passed the TPU

@@ -27,7 +27,7 @@ from jax_bridge import hlo_text as hlo
 CHIPS = {"v4": (275e12, 1200e9, 0.5), "v5e": (197e12, 819e9, 1.0), "v5p": (459e12, 2765e9, 1.0),
          "v6e": (918e12, 1638e9, 1.0)}
 # The fixed cost of one op on the chip, beyond its FLOPs and bytes: the median measured time of the
-# ops the roofline prices at ~0 in a profiled decode loop (BENCHMARKS, session 34: v5e, 225 of the
+# ops the roofline prices at ~0 in a profiled decode loop (BENCHMARKS, 2026-12-06: v5e, 225 of the
 # loop's 313 ops, median 0.28 us). Without it `small-o200k`'s decode step (289 ops deviceless) was
 # predicted at 0.290 ms against the chip's 0.397 ms of ops; with it, 0.371 ms. A generation not
 # measured has none.

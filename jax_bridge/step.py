@@ -29,7 +29,7 @@ from torch_model.preference import PreferenceConfig
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MATMUL_PRECISIONS = ("default", "high", "highest")
-# Per-platform defaults (issue 12): accelerators compute in bf16 (float32 master weights); the CPU
+# Per-platform defaults: accelerators compute in bf16 (float32 master weights); the CPU
 # computes in float32, where its matmuls are real float32 and parity with eager torch holds.
 DEFAULT_COMPUTE_DTYPE = {"cpu": "float32", "gpu": "bfloat16", "tpu": "bfloat16"}
 
@@ -404,7 +404,8 @@ class TrainStep:
         """The parameters the forward takes in the compute dtype, those `copied` only. The step
         writes them in the optimizer update's own pass over each parameter and takes them back
         at the next step, instead of casting every float32 master again (a read of 4 bytes and a
-        write of 2 per parameter, in a pass of its own: issue 36). Traced or eager."""
+        write of 2 per parameter, in a pass of its own: BENCHMARKS.md, the roofline). Traced or
+        eager."""
         return self._constrain({n: p.astype(self.compute_dtype) for n, p in params.items()
                                 if self.copied(n, p.dtype)})
 

@@ -3,7 +3,7 @@
 torchax dispatches every torch op through `Environment.dispatch`, which walks the op's arguments
 and results five times with `torch.utils._pytree` (find the tensors, unwrap views, torch -> jax,
 jax -> torch), on every lowering of every program: walked here, the 2-layer `tiny` step lowers
-1.43x faster with the xla kernels and 1.14x with the Pallas ones (BENCHMARKS.md, session 35;
+1.43x faster with the xla kernels and 1.14x with the Pallas ones (BENCHMARKS.md, 2026-12-07;
 `scripts/compile_time.py --compare-walks`). Ops take a few tensors and numbers in tuples,
 lists and dicts; those are walked here directly, and any other container torch's pytree knows
 (namedtuples, torch.Size, torch.return_types, OrderedDict, ...) is handed to torch's own function,

@@ -709,13 +709,13 @@ DEFAULT_FUSED_TILES = {
 # The row kernels' row tile when I does not fit VMEM whole (TPU): they then stream an expert's
 # weights once per row tile, so fewer, taller tiles read them fewer times. gpt-oss-20b on v6e
 # (~512 rows per expert per chip): forward 93.7 -> 52.2 ms, dx 48.2 -> 35.5 ms (BENCHMARKS.md,
-# issue 36, session 20). The dW kernel keeps DEFAULT_FUSED_TILES' rows: its row tiles are
+# the roofline, 2026-12-05). The dW kernel keeps DEFAULT_FUSED_TILES' rows: its row tiles are
 # re-read once per I tile, and taller ones leave its weight-sized accumulators less VMEM.
 _TILED_I_ROWS_TPU = 512
 # Tiles are shrunk until the estimate fits the budget (TPU only). The dW kernel re-reads x and dy
 # once per I tile, so its tile is worth the VMEM: it starts from all of I and takes the largest
 # tile that fits. At 56 MiB gpt-oss-20b's dW takes I in 9 tiles, not 15 (71.6 instead of 88.2 ms
-# per v6e step), Lyra Small's in one (BENCHMARKS.md, issue 36, session 19). Told the target's VMEM
+# per v6e step), Lyra Small's in one (BENCHMARKS.md, the roofline, 2026-12-05). Told the target's VMEM
 # (`vmem_capacity_bytes`, which the registry fills from the TPU generation compiled for), the
 # budget is 7/8 of it: 112 MiB on v5e and v6e (gpt-oss-20b's dW in 5 tiles), 14 MiB on v4.
 _FUSED_VMEM_BUDGET = 56 * 2**20

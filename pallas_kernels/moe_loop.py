@@ -15,7 +15,7 @@ iteration's tiles; here the forward keeps the pre-activation of every row ([M, 2
 recomputed) and the backward accumulates each expert's weight gradients in float32 in the
 loop's carry, so dW is never materialized per tile and summed afterwards.
 
-Measured against the batched `xla` schedule in BENCHMARKS.md (issue 12): faster on CPU, where
+Measured against the batched `xla` schedule in BENCHMARKS.md (the train step): faster on CPU, where
 XLA runs small batched matmuls well below its 2-D GEMM rate; on accelerators the batched or
 Pallas paths are the ones to use.
 """
@@ -36,7 +36,7 @@ _F32 = jnp.float32
 def default_tiles(m: int, num_groups: int) -> tuple[int, int]:
     """(block_m, block_m_tail): whole tiles as `moe_experts_xla`'s (`default_block_m`), tails of
     a quarter of that (at least 8): 128 / 32 at 4,096 rows and 8 experts, faster than 64 / 16,
-    256 / 32, 256 / 64 and 512 / 32 at `small` or `tiny` (BENCHMARKS.md, issue 12)."""
+    256 / 32, 256 / 64 and 512 / 32 at `small` or `tiny` (BENCHMARKS.md, the train step)."""
     tm = default_block_m(m, num_groups)
     return tm, max(8, round_up(tm // 4, 8))
 

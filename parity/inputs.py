@@ -6,7 +6,7 @@ sequence and kernel tiles that give every kernel several tiles on the platform t
 for (`parity_shape`: 80 tokens and small tiles on CPU, PARITY_SEQ_LEN / PARITY_TILES; 320 tokens
 and the 128-row tiles Mosaic accepts on TPU, TPU_PARITY_SEQ_LEN / TPU_PARITY_TILES), one label in
 ten at the ignore index, non-zero router balance, router z-loss and LM z-loss coefficients
-(PARITY_LOSS), and packed rows (issue 21): each row holds segments of different lengths (3 in even
+(PARITY_LOSS), and packed rows: each row holds segments of different lengths (3 in even
 rows; 2 and a padded tail in odd rows; `SEGMENT_CUTS`) with positions restarting at each, as the
 SFT / document-masking loader packs.
 """

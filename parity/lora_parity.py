@@ -30,7 +30,7 @@ from torch_model import transformers_lm
 from torch_model.causal_lm import IGNORE_INDEX
 from torch_model.lora import LoraSpec, apply_lora, is_adapter_parameter, swapping_parametrized_tensors
 
-DTYPE = "float32"          # the LoRA rows compare float32 paths (the brief's bounds)
+DTYPE = "float32"          # the LoRA rows compare float32 paths (the bounds above)
 
 
 def base_of(peft_model):

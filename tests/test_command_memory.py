@@ -1,4 +1,4 @@
-"""Issue 34's bound on what a process holds, measured as scripts/command_memory.py measures it: a
+"""The bound on what a process holds, measured as scripts/command_memory.py measures it: a
 two-process run (one CPU device per process) on a released-layout directory of ~1 GiB (hidden
 2880, 4 experts, a 32k vocabulary, 2 layers: 1.64 GiB in float32) peaks at most half the
 parameters' bytes in the compute dtype + 0.5 GiB of anonymous memory (RssAnon, sampled every

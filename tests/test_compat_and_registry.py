@@ -444,7 +444,7 @@ def test_a_kernel_with_kwargs_takes_every_keyword_of_the_version_it_was_written_
 
 
 def test_step_defaults_follow_the_platform():
-    """Issue 12's backend defaults: bf16 compute with float32 master weights on accelerators,
+    """The backend defaults: bf16 compute with float32 master weights on accelerators,
     float32 on CPU; the model's own matmuls at 'highest' only where compute is float32."""
     from jax_bridge.step import StepConfig
 

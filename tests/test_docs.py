@@ -1,7 +1,8 @@
 """The documentation names only real things: every `torchlyra` command line in README.md, docs/*.md
 and BENCHMARKS.md parses with the CLI's own parser (lm-eval's for `torchlyra lm-eval`), every
 repository path and module they name exists, every link lands on a file and heading that exist,
-and every page under docs/ is linked from the README. Parsing only: no command runs.
+and every page under docs/ is linked from the README. Parsing only: no command runs. And no tracked
+text file speaks of how the work on the project was organised (NOT_OF_THE_PRODUCT).
 
 What counts as a command line:
 - in a code block (no language, or bash/sh/shell/console; a ```text block is program output): a
@@ -313,12 +314,12 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 
 def test_chip_measurement_script_runs_only_real_commands(monkeypatch, tmp_path):
-    """scripts/chip_measure.sh (issue 58's jobs for a v5e chip, run where no test can) dry-run:
+    """scripts/chip_measure.sh (the measurement jobs for a v5e chip, run where no test can) dry-run:
     every job is known, and every command it would run parses with the CLI's parser or names a
     script that exists."""
     import subprocess
 
-    (tmp_path / "data" / "o200k").mkdir(parents=True)          # the carried data, as the script expects it
+    (tmp_path / "data" / "o200k").mkdir(parents=True)          # the o200k data, where the script expects it
     jobs = ["train", "decode", "decode-ab", "tier-runs", "tier-kernels"]
     run = subprocess.run(["bash", str(ROOT / "scripts" / "chip_measure.sh"), *jobs], cwd=tmp_path, text=True,
                          capture_output=True, env={"PATH": "/usr/bin:/bin", "CHIP_DRY_RUN": "1", "OUT": str(tmp_path / "out")})
@@ -332,3 +333,42 @@ def test_chip_measurement_script_runs_only_real_commands(monkeypatch, tmp_path):
         if line.startswith("python3 "):
             assert (ROOT / shlex.split(line)[1]).is_file(), line
     assert all(line.startswith(("tl ", "python3 ", "make test-tpu ")) for line in lines), lines
+
+
+# Words about how the work on the project was organised, which the product never says of itself:
+# a figure is known by its date, commit, machine and command, a goal by what it is. Each is written
+# with one letter in brackets so that this file does not match itself.
+NOT_OF_THE_PRODUCT = re.compile(
+    r"\bsess[i]ons?\b|\biss[u]es? #?\d+|the devic[e] tool|`devic[e]` tool|devic[e] call"
+    r"|devic[e]: carry|farm-stud[i]o|duplicates -[-]change", re.IGNORECASE)
+# Python's and pytest's own identifiers, exact substrings: the line is checked without them.
+THEIR_OWN_WORDS = ('scope="session"',      # pytest's fixture scope
+                   "scope='session'",
+                   "start_new_session")     # subprocess.Popen's argument
+
+
+def test_the_project_speaks_of_itself_only():
+    """No tracked text file (code, tests, docs, build files) speaks of how the work on the project
+    was organised: no numbered work period or ticket as the name of a figure or goal, no tool of the
+    workplace (NOT_OF_THE_PRODUCT), each hit named by file and line."""
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    hits = []
+    for name in filter(None, listed.decode().split("\0")):
+        path = ROOT / name
+        if not path.is_file():       # deleted in the working tree, not yet committed
+            continue
+        data = path.read_bytes()
+        if b"\0" in data:            # binary
+            continue
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            for allowed in THEIR_OWN_WORDS:
+                line = line.replace(allowed, "")
+            if match := NOT_OF_THE_PRODUCT.search(line):
+                hits.append(f"{name}:{number}: {match.group(0)!r}: {line.strip()[:120]}")
+    assert not hits, f"{len(hits)} lines speak of how the work was organised:\n" + "\n".join(hits)

@@ -1,4 +1,4 @@
-"""The DPO objective in the lowered train step (issue 33): at the first step (policy = reference)
+"""The DPO objective in the lowered train step: at the first step (policy = reference)
 TRL's losses are log 2 (sigmoid) and 1 / (4 beta^2) (IPO); against the eager torch oracle beside
 the model (torch_model/preference.py: full logits and log_softmax, not the fused cross-entropy)
 the loss and every gradient match on packed rows of pairs with padding; micro-batches give the
@@ -26,11 +26,11 @@ from torch_model.preference import PreferenceConfig, dpo_loss_eager, parse_prefe
 ROW = 41
 SIGMOID = PreferenceConfig(beta=0.1, loss="sigmoid", label_smoothing=0.1)
 IPO = PreferenceConfig(beta=0.1, loss="ipo")
-# The loss's bound. TPU float32's log is not correctly rounded. Measured on the v5e (session 29,
+# The loss's bound. TPU float32's log is not correctly rounded. Measured on a v5e (2026-12-06,
 # against float64): log_sigmoid and softplus were off by up to rel 2.6e-4 (4,008 ulps, at |x| =
 # 1.21), log1p by up to 2.6e-4, log by up to 9.6e-5. Its exp was within 5.9e-6. The sigmoid loss
 # is two log_sigmoid values per pair, so on a TPU it is held to 3e-4. Its inputs, the log-probabilities
-# and rewards, stay at 1e-5, and the gradients at 1e-4. On the chip in session 28 the loss was off
+# and rewards, stay at 1e-5, and the gradients at 1e-4. On the chip (2026-12-06) the loss was off
 # by 2.0e-5 (CPU: 6e-8), and IPO, which takes no log, passed.
 LOSS_BOUND = {"tpu": 3e-4}
 

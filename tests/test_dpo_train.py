@@ -1,4 +1,4 @@
-"""DPO through the commands (issue 33): `prepare --preferences` (TRL's conversational records,
+"""DPO through the commands: `prepare --preferences` (TRL's conversational records,
 malformed ones named in one line each), `train --dpo` with LoRA (rewards metrics, held-out pairs,
 plots; the adapter exported for peft loads onto the exported base with our logits) and with
 full fine-tuning (the reference log-probabilities stored beside the data; a stale file refused

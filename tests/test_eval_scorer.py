@@ -81,7 +81,7 @@ def shared_requests(model, seed: int) -> list[LoglikelihoodRequest]:
 
 
 def logprob_close(got: float, want: float) -> bool:
-    """float32 agreement of two log-likelihoods: 1e-4 relative (the issue's bound against transformers),
+    """float32 agreement of two log-likelihoods: 1e-4 relative (the bound against transformers),
     1e-4 absolute near zero. Over 40 seeds of these requests the compiled scorer differed from the eager
     one by at most 1.0e-5 relative (2.5e-5 absolute per token): a pure 1e-5 relative bound failed in CI.
     A wrong position or cache row is off by more than 0.01."""
@@ -101,7 +101,7 @@ def scorer(model):
 @pytest.mark.parametrize("precision", ["highest", "default"])
 def test_the_head_matmul_takes_the_programs_precision(precision):
     """The scoring head runs outside the model forward's precision scope in the shared-context
-    programs (issue 57: there it ran at the platform's default, one bf16 pass on TPU, in a float32
+    programs (it once ran there at the platform's default, one bf16 pass on TPU, in a float32
     run): request_scores takes the precision as an argument, whatever scope it is traced in."""
     import jax
     import jax.numpy as jnp

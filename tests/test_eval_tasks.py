@@ -314,8 +314,8 @@ def test_a_second_eval_process_loads_every_scoring_program_from_the_persistent_c
 
 
 # ---- CORE-6 from the BIG-bench archive -----------------------------------------------------------
-# The user's cache as the process started, read at collection: the session's `cache_dir` fixture
-# (conftest) may point $TORCHLYRA_CACHE at a temporary directory later.
+# The user's cache as the process started, read at collection: the `cache_dir` fixture (conftest,
+# one per pytest run) may point $TORCHLYRA_CACHE at a temporary directory later.
 USER_CACHE = str(pinned_download.cache_dir())
 
 

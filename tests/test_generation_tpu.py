@@ -74,7 +74,7 @@ def test_a_v5e_moe_decode_step_takes_the_expert_biases_without_a_copy_per_token(
     work items, as many as the 2 rows (1 prompt, top-2) can reach experts, not one per expert:
     each item costs grid steps. At one row a step's time is mostly the fixed cost of its ops
     (~0.4 us each on the chip, BENCHMARKS.md): the loop body holds no more of them than it did
-    when each was accounted for (session 33: the dispatch's gathers and the KV cache's writes
+    when each was accounted for (2026-12-06: the dispatch's gathers and the KV cache's writes
     without the negative-index wrap, the ring slots as low bits, one-tile MoE metadata: bf16
     387 -> 322, MXFP4 367 -> 324)."""
     from torch_model.config import get_preset

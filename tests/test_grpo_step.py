@@ -1,4 +1,4 @@
-"""The GRPO objective in the lowered train step (issue 32) against the eager torch oracle beside
+"""The GRPO objective in the lowered train step against the eager torch oracle beside
 the model (torch_model/policy_gradient.py: each completion run alone through the full logits and
 log_softmax, TRL's formulas on a [completions x length] layout): loss within 1e-5 and every
 gradient within 1e-4 (float32, CPU) on packed rows of prompts, completions and padding, for each

@@ -102,8 +102,8 @@ def test_lowered_update_matches_eager_with_wide_expert_matrices():
 
 
 def test_every_dot_of_a_lowered_update_carries_the_steps_precision(setup):
-    """Issue 57: the parity suite jitted the optimizer with no precision scope, so on TPU its float32
-    Newton-Schulz products ran as one bf16 pass (post-step parameters off by 2e-3). The lowered
+    """A past bug: the parity suite jitted the optimizer with no precision scope, so on TPU its
+    float32 Newton-Schulz products ran as one bf16 pass (post-step parameters off by 2e-3). The lowered
     update carries the precision it is given (optimizer_function), whoever traces it: the parity
     suite's shared update, jitted bare, and the whole float32 step (model, backward and update)
     have every dot at 'highest'. (Tracing the optimizer costs ~2 s a program: two programs.)"""

@@ -231,7 +231,7 @@ def test_newton_schulz_gram_form_matches_the_plain_iteration(shape):
 def test_newton_schulz_updates_the_iterate_by_products_only(shape):
     """Each iteration's a x + B x is one product (a I + B) x: a separate elementwise pass over the
     [m, n] iterate is memory traffic that XLA does not fuse into the matmul on TPU (BENCHMARKS.md,
-    issue 36, session 19: 11.8 ms of Lyra Small's v6e step)."""
+    the roofline, 2026-12-05: 11.8 ms of Lyra Small's v6e step)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from torch_model.optim import newton_schulz

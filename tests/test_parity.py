@@ -210,7 +210,7 @@ def test_tolerances_are_stated_for_every_check_and_dtype():
 
 
 def test_bf16_compute_keeps_the_router_in_float32_in_both_paths():
-    """The router's logits, top-k and softmax run in float32 under bf16 compute (issue 25): the
+    """The router's logits, top-k and softmax run in float32 under bf16 compute: the
     lowered step leaves its parameters float32 (per-layer and stacked names) and the model
     upcasts the router's input, so eager bf16 and eager float32 route alike."""
     import jax.numpy as jnp
@@ -308,7 +308,7 @@ def test_mask_coverage_counts_skipped_windowed_diagonal_and_full_tiles():
 
 
 def test_each_platform_has_its_parity_shape_and_on_tpu_every_tile_case_is_exercised():
-    """Issue 57: the CPU's small tiles broke Mosaic's block rules on a TPU. The suite picks per
+    """The CPU's small tiles once broke Mosaic's block rules on a TPU. The suite picks per
     platform (parity.inputs.parity_shape; what is given explicitly wins): the CPU keeps 80 tokens
     in tiles of 16/32; the TPU takes 320 tokens in tiles of 128, where the coverage lines (computed
     here, without a TPU) still show several tiles per kernel, window and causal skips, a partial

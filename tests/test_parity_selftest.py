@@ -72,7 +72,7 @@ def test_specific_bugs_are_named_precisely(result, weights):
 
 
 def test_trained_weights_are_sharp_and_route_unevenly(result):
-    """The trained case is the one users bring (issue 25): sharper logits, uneven expert loads."""
+    """The trained case is the one users bring: sharper logits, uneven expert loads."""
     (random_ref, *_), (trained_ref, *_) = (result.controls[w, "float32"] for w in (RANDOM, TRAINED))
     assert np.abs(trained_ref.logits).max() > 5 * np.abs(random_ref.logits).max()
     assert trained_ref.loss < random_ref.loss - 2.0

@@ -94,9 +94,9 @@ def tpu_profile(tmp_path_factory):
         clock += 50.0
     ops.append(("%copy.99 = f32[] copy(f32[] %p)", clock + 500.0, 1.0))     # outside every run
     root = tmp_path_factory.mktemp("tpu_profile")
-    session = root / "profile" / "plugins" / "profile" / "2026_01_01_00_00_00"
-    session.mkdir(parents=True)
-    (session / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(text_proto(modules, ops)))
+    trace_dir = root / "profile" / "plugins" / "profile" / "2026_01_01_00_00_00"
+    trace_dir.mkdir(parents=True)
+    (trace_dir / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(text_proto(modules, ops)))
     (root / "profile" / ps.STEP_HLO).write_text(text)
     (root / "profile" / ps.STEP_META).write_text(json.dumps(
         {"module": "jit_f", "platform": "tpu", "generation": "v5e", "steps": [5, 6], "compiled": "test"}))
@@ -145,7 +145,7 @@ def test_profile_command_rewrites_the_summary_and_refuses_a_run_without_profile(
 
 def test_a_run_that_began_before_the_trace_is_left_out_and_said(tpu_profile, tmp_path):
     """The trace ends after step B, so runs beyond B - A + 1 are the first ones: a step still
-    running when the trace began (session 31 on the chip: 3 runs for steps 10-11)."""
+    running when the trace began (on a v5e, 2026-12-06: 3 runs for steps 10-11)."""
     import shutil
 
     root, _, costed = tpu_profile

@@ -1,4 +1,4 @@
-"""`torchlyra rl` end to end (issue 32) on a tiny chat model: LoRA with beta > 0 and mu = 2,
+"""`torchlyra rl` end to end on a tiny chat model: LoRA with beta > 0 and mu = 2,
 metrics (rewards, clip fractions, KL, entropy, sampler-vs-trainer difference), plots, checkpoints,
 exact resume (2 steps = 1 step + resume 1 step, parameters equal), the adapter exported for peft;
 a bad prompt file and an unknown reward exit 2 with one line."""

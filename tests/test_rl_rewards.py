@@ -1,4 +1,4 @@
-"""Rewards and prompt records for `rl` (issue 32): the built-ins, a user's python: function with
+"""Rewards and prompt records for `rl`: the built-ins, a user's python: function with
 the record's other fields, weights with None left out (TRL's nansum) and all None -> 0 counted; a
 reward that raises names the record; an unknown reward, a module that does not load and a bad
 prompt file are one line each (UserError: the CLI's exit 2)."""

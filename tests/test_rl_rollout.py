@@ -1,4 +1,4 @@
-"""Rollouts from the compiled decode loop (issue 32): each sampled token's log-probability under
+"""Rollouts from the compiled decode loop: each sampled token's log-probability under
 softmax(z / T) over the whole vocabulary and its entropy, against eager torch and against the
 train step's `token_logps` (the sampler-vs-trainer difference: at most 2e-5 in float32 on CPU);
 new parameters handed in as arrays reuse the compiled programs; a LoRA policy decodes unmerged."""

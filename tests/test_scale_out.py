@@ -20,7 +20,7 @@ RUNS = ["xla@data=8", "xla@data=2,fsdp=4@full", "xla@fsdp=2,tensor=2,expert=2@sa
         "qwen3_moe:pallas@fsdp=2,tensor=2,expert=2",       # family:...: a transformers model
         # on the 4 devices of fsdp=2,expert=2: a dense model (its batch splits over both axes) and
         # a MoE (GraniteMoE: its experts' names the rules once lacked, placed by shape now; it
-        # stands for Qwen3-MoE there too, which ran beside it until session 36: the same mesh,
+        # stands for Qwen3-MoE there too, which ran beside it until 34c9c56: the same mesh,
         # kernels and expert split). Phi-3's fused projections and an embedding with a padding
         # row (torchax's scatter mis-partitioned on fsdp x tensor; Gemma and Apertus share it).
         # Every family's placement: test_every_family_the_sweep_trains_is_split_by_the_rules.

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning's step (issue 21): packed rows train exactly like their conversations
+"""Supervised fine-tuning's step: packed rows train exactly like their conversations
 one by one, weight-0 labels never reach a gradient, and accumulation equals one big batch.
 
 Float32 on CPU; router loss coefficients 0 where whole batches are compared with their parts

@@ -1,4 +1,4 @@
-"""`torchlyra train` on chat data end to end (issue 21): packed conversations, weighted loss,
+"""`torchlyra train` on chat data end to end: packed conversations, weighted loss,
 accumulation, the packing report, metrics of trained tokens, validation on held-out
 conversations, `--document-masking` refusals, then `generate --chat` on the result."""
 import json

@@ -105,7 +105,7 @@ def test_tokamax_peers_compile_with_its_mosaic_kernels_for_v5e():
 
 
 def test_bf16_attention_compiles_under_the_steps_highest_precision():
-    """Issue 14's bug: the step ran its forward under jax.default_matmul_precision("highest"); the
+    """A past bug: the step ran its forward under jax.default_matmul_precision("highest"); the
     kernels' bf16 dots inherited it and Mosaic refused them ("Bad lhs type"), so a TPU run with
     attention=pallas (what `auto` picks) could not start. Kernels now choose their dots'
     precision; jax-shipped kernels (splash) and ragged_dot (a Mosaic kernel on TPU) run at the
@@ -178,7 +178,7 @@ def parity_kernel_programs(dtype: str):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_tiles_parity_picks_for_tpu_pass_mosaic_at_the_parity_shapes(dtype):
-    """Issue 57: the CPU's parity tiles (blocks of 16 and 32) broke Mosaic's block rules on the
+    """A past bug: the CPU's parity tiles (blocks of 16 and 32) broke Mosaic's block rules on the
     chip, so `torchlyra parity` errored before checking a kernel. The tiles it picks for TPU, at
     its TPU sequence, compile for a v5e chip (v5e:1x1): its Pallas kernels (parity_kernel_programs),
     forward and backward, in both compute dtypes, under the probes' ambient precision ("highest").
@@ -293,7 +293,7 @@ def test_topology_errors_are_one_line():
 
 
 def test_single_chip_topologies_are_one_host_of_one_chip():
-    """libtpu's default hosts hold 2x2x1 chips and refused v5e:1x1 (issue 57): a slice they do not
+    """libtpu's default hosts hold 2x2x1 chips and refused v5e:1x1: a slice they do not
     divide is given hosts of its own size; the others keep libtpu's default layout."""
     assert tpu_compile.host_bounds("v5e:1x1") == tpu_compile.host_bounds("v6e:1x1") == {
         "chips_per_host_bounds": (1, 1, 1)}
@@ -312,7 +312,7 @@ def test_ordinary_runs_stay_on_cpu_and_hbm_is_the_compilers():
 
 
 def test_segment_masked_attention_compiles_for_tpu():
-    """Packed rows (issue 21): the segment-masked kernels, forward and backward, through Mosaic
+    """Packed rows: the segment-masked kernels, forward and backward, through Mosaic
     for v6e (pallas: per-row block bounds as scalar-prefetch arguments; splash: its SegmentIds),
     one small case each at a length with two 128-wide tiles per side."""
     b, hq, hkv, t, d = 2, 4, 2, 256, 64

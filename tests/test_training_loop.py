@@ -158,7 +158,7 @@ def test_reference_run_writes_checkpoints_metrics_plots_and_tensorboard(referenc
 
 def test_the_trace_starts_once_the_steps_before_it_are_done(tmp_path, monkeypatch):
     """With metrics fetched a step late, step A-1 may still run when step A is about to be traced:
-    its tail in the trace made a third, partial run of steps 10-11 on the chip (session 31)."""
+    its tail in the trace made a third, partial run of steps 10-11 on a v5e chip (2026-12-06)."""
     import jax
 
     from train.run.profiling import StepProfiler

@@ -1,4 +1,4 @@
-"""Every decoder family of the named sweep (tests/transformers_configs.py: issue 59's 29 families)
+"""Every decoder family of the named sweep (tests/transformers_configs.py: 29 families)
 trains as transformers computes it or is refused in one line, checked eagerly in this one process:
 each family's tiny config built (each layer described from transformers' own model, the routed
 forward held to transformers' eager forward on two packed documents longer than the window, each

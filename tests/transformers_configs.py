@@ -72,7 +72,7 @@ def tiny_config(model_type: str, vocab: int = VOCAB, window: int = 8, **override
     return config
 
 
-# The named sweep (issue 59's 29 families): each family's changes to tiny_config (`"sliding_window":
+# The named sweep (29 families): each family's changes to tiny_config (`"sliding_window":
 # True`: the sweep's window, for a family whose default config has none) and what the product must
 # answer: TRAINS, or refused with the reason's words.
 TRAINS = "trains"

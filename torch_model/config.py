@@ -136,7 +136,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(router_aux_loss_coef=1e-2),
     # Same shape, dense MLP of the same active width (2 experts x 256), for like-for-like runs.
     "dense": ModelConfig(n_experts=0, experts_per_token=0, dense_dim=512),
-    # The step benchmark's d_model >= 512 MoE preset (issue 12), big enough for the matmuls to
+    # The step benchmark's d_model >= 512 MoE preset (`bench step`), big enough for the matmuls to
     # matter: ~55M parameters (~21M active), the bundled 4,096-token vocabulary so the embedding does
     # not dominate on CPU. `small-o200k` is the same body with the o200k_harmony vocabulary, for
     # accelerators (scripts/gpu_bench.py).

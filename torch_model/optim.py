@@ -258,7 +258,7 @@ def _newton_schulz_on_gram(x: torch.Tensor, steps: int, a: float, b: float, c: f
     x_k = Q_k x_0 with Q_k a polynomial in A_0 = x_0 x_0^T, so with B_k = b A_k + c A_k^2:
     Q_{k+1} = (a I + B_k) Q_k and A_{k+1} = (a I + B_k)^2 A_k (the factors commute); x_0 is
     multiplied once at the end. Equal to the plain form in exact arithmetic; in float32 its error
-    against a float64 run is 1.3-1.5x the plain form's (BENCHMARKS.md, issue 12)."""
+    against a float64 run is 1.3-1.5x the plain form's (BENCHMARKS.md, the train step)."""
     gram = x @ x.mT
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     q = None

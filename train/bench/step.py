@@ -33,7 +33,7 @@ from formats.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD_PEERS = ("compiled", "hf", "hf_compiled")
-# The goals of issue 12 (ratios are "ours is N x faster"): checked on every run and printed.
+# The step's speed goals (ratios are "ours is N x faster"): checked on every run and printed.
 GOALS = {
     "fwdbwd_vs_hf": ("forward+backward >= 2x transformers eager", 2.0),
     "fwdbwd_vs_hf_compiled": ("forward+backward >= 1.5x torch.compile (transformers)", 1.5),

@@ -126,15 +126,15 @@ def profile_directory(path) -> Path:
 
 def find_trace(directory: Path) -> Path:
     """The newest trace's .xplane.pb (this host's, when several hosts wrote one)."""
-    sessions = sorted(p for p in (directory / "plugins" / "profile").iterdir() if p.is_dir())
-    files = sorted(sessions[-1].glob("*.xplane.pb")) if sessions else []
+    runs = sorted(p for p in (directory / "plugins" / "profile").iterdir() if p.is_dir())
+    files = sorted(runs[-1].glob("*.xplane.pb")) if runs else []
     if len(files) == 1:
         return files[0]
     mine = [f for f in files if f.name == f"{socket.gethostname()}.xplane.pb"]
     if mine:
         return mine[0]
     raise UserError(f"{directory}: {'no .xplane.pb trace' if not files else 'one trace per host'} in "
-                    f"{sessions[-1] if sessions else directory / 'plugins' / 'profile'}"
+                    f"{runs[-1] if runs else directory / 'plugins' / 'profile'}"
                     + (f" ({', '.join(f.name for f in files)}): summarise on the host that wrote the one wanted"
                        if files else ""))
 
@@ -193,8 +193,8 @@ def _instruction_of(text: str) -> tuple[str, tuple | None]:
 def _async_neutral(signature: tuple) -> tuple:
     """(opcode, shape) with an asynchronous op's opcode as `async-start` / `-update` / `-done`: one
     printer writes a wrapped slice's halves as `slice-start` and `slice-done` (XLA's syntax sugar,
-    as `roofline.module_text` does), another as `async-start` and `async-done`. Session 30's v5e
-    profile of `small-o200k` left 436 traced ops unmatched as "another instruction" (1.5 ms a
+    as `roofline.module_text` does), another as `async-start` and `async-done`. A v5e profile of
+    `small-o200k` (2026-12-06) left 436 traced ops unmatched as "another instruction" (1.5 ms a
     step), as many as its step's asynchronous halves, all named slice-done.N or slice-start.N."""
     opcode, shape = signature
     for half in ("-start", "-update", "-done"):

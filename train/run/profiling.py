@@ -39,7 +39,7 @@ class StepProfiler:
         """`step` is about to run; `running`: what the steps already dispatched produce (the train
         state). The trace starts once they are done: the loop fetches metrics a step late
         (Trainer.queue_log), so an earlier step may still run, and its tail in the trace would
-        count as a third, partial run of the traced steps (session 31 on the chip: 3 runs for
+        count as a third, partial run of the traced steps (on a v5e chip, 2026-12-06: 3 runs for
         steps 10-11, a per-step time 15% short)."""
         import jax
 
