@@ -1,10 +1,11 @@
 """`torchlyra export`: a checkpoint -> Hugging Face files. A whole-model checkpoint goes through
 formats/hf_export.py (ours, as transformers' GptOss) or formats/transformers_export.py (a
-`train --model-config` run, in its family's own layout); a LoRA checkpoint is written merged (default: base + adapters, any --dtype)
+`train --model-config` run, in its family's own layout) or formats/module_export.py (a `train
+--module` run, in the module's own names); a LoRA checkpoint is written merged (default: base + adapters, any --dtype)
 or, with --adapter, as peft's own adapter files (formats/lora_export.py)."""
 from __future__ import annotations
 
-from formats import hf_export, lora_export, transformers_export
+from formats import hf_export, lora_export, module_export, transformers_export
 from formats.errors import UserError
 
 
@@ -27,6 +28,8 @@ def run(args) -> int:
         if args.adapter or args.base_model:
             raise UserError(f"--adapter: checkpoint {args.checkpoint} holds no LoRA adapters (a whole model: "
                             f"export it without --adapter)")
+        if module_export.holds_module_model(args.checkpoint):
+            return hf_export.run(args, export=module_export.export_checkpoint)
         if transformers_export.holds_transformers_model(args.checkpoint):
             return hf_export.run(args, export=transformers_export.export_checkpoint)
         return hf_export.run(args)

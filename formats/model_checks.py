@@ -1,7 +1,8 @@
 """The tensors a model record implies (names and shapes, from the model built on `meta`), the check
 that a set of tensors matches them, a record read from JSON and the model built from it: shared by
 the checkpoint loader and the Hugging Face mapping, kept apart so neither imports the other. A
-record is our ModelConfig or a transformers model's TransformersSpec (torch_model/transformers_lm.py)."""
+record is our ModelConfig, a transformers model's TransformersSpec (torch_model/transformers_lm.py)
+or a plain module's ModuleSpec (torch_model/module_lm.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,16 +10,32 @@ import contextlib
 import torch
 
 from torch_model.config import ConfigError, ModelConfig
+from torch_model.module_lm import ModuleSpec
 from torch_model.transformers_lm import TransformersSpec
 from formats.errors import UserError
+
+# A module run's record names the SPEC that built it; a command given `--module` builds that
+# instead (a run made from a module instance in Python records none, a run taken to another
+# machine may find its file elsewhere): take_module_from sets it for the process.
+_module_given: tuple[str, dict | None] | None = None
+
+
+def take_module_from(spec: str | None, args: dict | None = None) -> None:
+    """Build a module run's model from `spec` (and `args`, default the run's) instead of the
+    SPEC its record names; None: the record's."""
+    global _module_given
+    _module_given = (spec, args) if spec else None
 
 
 def build_model(cfg, *, meta: bool = False):
     """The torch model a record names, with fresh weights: our decoder for a ModelConfig, the
-    transformers model for a TransformersSpec. `meta`: its parameters on the `meta` device, for a
-    loader to fill (formats/mesh_loader.py); buffers, which checkpoints do not hold, computed."""
+    transformers model for a TransformersSpec, the module behind the boundary for a ModuleSpec.
+    `meta`: its parameters on the `meta` device, for a loader to fill (formats/mesh_loader.py);
+    buffers, which checkpoints do not hold, computed."""
     if isinstance(cfg, TransformersSpec):
         return cfg.build(meta=meta)
+    if isinstance(cfg, ModuleSpec):
+        return build_module_model(cfg, meta=meta)
     from torch_model.model import GptOssForCausalLM
 
     with torch.device("meta") if meta else contextlib.nullcontext():
@@ -65,11 +82,45 @@ def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
         raise UserError(f"{where}: tensor {listed}{more}")
 
 
+def build_module_model(record: ModuleSpec, *, meta: bool = False, new_run: bool = False):
+    """A module record's model: its SPEC (or the one `take_module_from` gave) called with its
+    arguments, probed and wrapped (jax_bridge/module_probe.py). The module must still have the
+    facts the record holds; `new_run`: the record is a new run's (`module_record`), whose facts the
+    model's own replace (the blocks checked on its weights)."""
+    from jax_bridge.distributed import say
+    from jax_bridge.module_probe import wrap
+    from torch_model.module_lm import instantiate, source_hash
+
+    spec, args = record.spec, record.args
+    if _module_given is not None:
+        spec, args = _module_given[0], record.args if _module_given[1] is None else _module_given[1]
+    if not spec:
+        raise UserError("this run's model is a module given from Python: name its code with --module "
+                        "path/to/file.py:NAME (and --module-args, if it takes arguments)")
+    if not new_run and record.source and spec == record.spec and source_hash(spec) != record.source:
+        say(f"--module {spec}: its source changed since the run recorded it (the recorded facts are checked)")
+    module = instantiate(spec, args, meta=meta)
+    return wrap(module, max_seq_len=record.max_seq_len, recorded=None if new_run else record.facts,
+                where=f"--module {spec}", bos_token_id=record.bos_token_id, eos_token_id=record.eos_token_id)
+
+
+def module_record(spec: str, args: dict, max_seq_len: int) -> ModuleSpec:
+    """A new run's record of the module SPEC builds from `args` (probed on `meta`: no weights)."""
+    from jax_bridge.module_probe import probe
+    from torch_model.module_lm import instantiate, source_hash
+
+    facts = probe(instantiate(spec, args, meta=True))
+    return ModuleSpec(spec, args, source_hash(spec), facts, max_seq_len)
+
+
 def config_from_dict(d, where: str):
     """ModelConfig from a JSON object, with errors as UserError naming the field; a
-    transformers model's record ({"transformers": config}) gives its TransformersSpec."""
+    transformers model's record ({"transformers": config}) gives its TransformersSpec, a
+    module's ({"module": ...}) its ModuleSpec."""
     if TransformersSpec.is_spec_dict(d):
         return TransformersSpec.from_dict(d, where)
+    if ModuleSpec.is_spec_dict(d):
+        return ModuleSpec.from_dict(d, where)
     if not isinstance(d, dict):
         raise UserError(f"{where}: expected an object of ModelConfig fields, found {type(d).__name__}")
     try:

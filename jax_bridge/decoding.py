@@ -130,11 +130,12 @@ class Compilation(NamedTuple):
     from_cache: bool        # the persistent compilation cache held the executable
 
 
-def empty_cache(env, cfg, rows: int, slots: int, dtype) -> kv_cache.KVCache:
-    """An empty KV cache of `rows` rows and `slots` positions as JAX arrays in `dtype` (inside a
-    traced program: the model's own `kv_cache.init_cache`, through the torchax env)."""
+def empty_cache(env, model, rows: int, slots: int, dtype):
+    """An empty generation cache of `rows` rows and `slots` positions as JAX arrays in `dtype`
+    (inside a traced program: the model's own `new_cache`, through the torchax env; the static KV
+    cache of torch_model/kv_cache.py, or a module model's tokens)."""
     with env:
-        cache = kv_cache.init_cache(cfg, rows, slots, dtype=getattr(torch, jnp.dtype(dtype).name), device="jax")
+        cache = model.new_cache(rows, slots, dtype=getattr(torch, jnp.dtype(dtype).name), device="jax")
     return env.t2j_iso(cache)
 
 
@@ -266,8 +267,8 @@ class Decoder:
                 jax.default_matmul_precision(self.matmul_precision), tracing_scope(self.model):
             return self._forward(params, ids, positions, cache, start)
 
-    def _empty_cache(self, batch: int, length: int) -> kv_cache.KVCache:
-        return empty_cache(self.env, self.cfg, batch, length, COMPUTE_DTYPES[self.compute_dtype])
+    def _empty_cache(self, batch: int, length: int):
+        return empty_cache(self.env, self.model, batch, length, COMPUTE_DTYPES[self.compute_dtype])
 
     def _prefill(self, params, ids, positions, active, values, key, *, length: int, mode: SamplingMode,
                  repeat: int = 1):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import warnings
 
-from jax_bridge import accumulation, aten_overrides
+from jax_bridge import accumulation, aten_overrides, module_ops
 from jax_bridge.torchax_compat import import_torchax
 
 
@@ -17,4 +17,5 @@ def get_env():
     import torch_model.ops  # noqa: F401  (registers torch.ops.torchlyra.* before routing)
     env = torchax.default_env()
     aten_overrides.install(env)    # aten.embedding without a scatter (sharded tables), aten.topk unsorted again
+    module_ops.install(env)        # a plain module's SDPA calls to the attention op, torch._grouped_mm lowered
     return env

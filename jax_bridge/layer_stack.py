@@ -93,6 +93,7 @@ class LayerLayout:
 
     @classmethod
     def for_config(cls, cfg, stacked: bool) -> "LayerLayout":
+        stacked = stacked and cfg.n_layers > 0          # a module model whose blocks run unrolled has none
         return cls(cfg.n_layers, stacked, layer_groups(cfg.layer_types) if stacked else ())
 
     @property
@@ -189,24 +190,23 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
         raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, found {remat!r}")
     env = get_env()
     backbone = model.model
+    layers = layer_modules(backbone) if layout.n_layers else []
     # One function per stacked slot (the first layer of its place in its group), else per layer.
-    templates = ([backbone.layers[start + place] for start, _, _, place in layout.slots()] if layout.stacked
-                 else list(backbone.layers))
-    layer_fns = [model_function(layer, call=backbone.call_layer) for layer in templates]
+    templates = [layers[start + place] for start, _, _, place in layout.slots()] if layout.stacked else layers
     policy = REMAT_POLICIES[remat]
     if policy is None and layout.stacked and compute_dtype is not None and np.dtype(compute_dtype).itemsize < 4:
         policy = saves_all_but_float32_elementwise
-    if policy is not None:
-        layer_fns = [jax.checkpoint(f, policy=policy, prevent_cse=not layout.stacked) for f in layer_fns]
+    layer_fns = [_layer_call(model_function(layer, call=backbone.call_layer), policy, prevent_cse=not layout.stacked)
+                 for layer in templates]
     whole = model_function(model, method)
     activation = ("batch", None, None)
 
-    def run(layer_params, h, cos, sin, *segments):        # segments: () or (segment_ids,)
+    def run(layer_params, h, *extras):      # extras: what each layer takes besides h (ours: cos, sin, segments)
         h = sharding.constrain(h, mesh, activation)
         if not layout.stacked:
             stats = []
             for i, layer_fn in enumerate(layer_fns):
-                h, st = layer_fn(_params_of(layer_params, f"{LAYERS}{i}."), h, cos, sin, *segments)
+                h, st = layer_fn(_params_of(layer_params, f"{LAYERS}{i}."), h, *extras)
                 h = sharding.constrain(h, mesh, activation)
                 stats.append(st)
             return h, stats
@@ -218,7 +218,7 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
             def one_period(h, slot_params, fns=fns):
                 outs = []
                 for layer_fn, p in zip(fns, slot_params):
-                    h, st = layer_fn(p, h, cos, sin, *segments)
+                    h, st = layer_fn(p, h, *extras)
                     h = sharding.constrain(h, mesh, activation)
                     outs.append(st)
                 return h, outs
@@ -234,8 +234,8 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
         layer_params = {n: v for n, v in params.items() if n.startswith(LAYERS)}
         others = {n: v for n, v in params.items() if not n.startswith(LAYERS)}
 
-        def run_layers(x, cos, sin, *segments):        # called by the torch Backbone with torchax tensors
-            return env.j2t_iso(run(layer_params, *env.t2j_iso((x, cos, sin, *segments))))
+        def run_layers(x, *extras):        # called by the torch backbone with torchax tensors
+            return env.j2t_iso(run(layer_params, *env.t2j_iso((x, *extras))))
 
         backbone.run_layers = run_layers
         try:
@@ -248,3 +248,29 @@ def layered_forward(model, layout: LayerLayout, *, remat: str = "none", mesh=Non
 
 def _params_of(params: dict, prefix: str) -> dict:
     return {n[len(prefix):]: v for n, v in params.items() if n.startswith(prefix)}
+
+
+def layer_modules(backbone) -> list:
+    """The backbone's layers in order (`model.layers`: a ModuleList, or a ModuleDict keyed 0..N-1)."""
+    layers = backbone.layers
+    return list(layers.values()) if hasattr(layers, "values") else list(layers)
+
+
+def _layer_call(fn, policy, prevent_cse: bool):
+    """fn(params, h, *extras) under the remat `policy` (None: as it is). What the layer takes
+    besides h may hold leaves that are not arrays (a module's Python flags, None, ints): they stay
+    constants of the layer's function, since jax.checkpoint takes arrays only."""
+    if policy is None:
+        return fn
+
+    def call(params, h, *extras):
+        leaves, tree = jax.tree.flatten(extras)
+        arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+        def layer(params, h, values):
+            full = list(leaves)
+            for i, value in zip(arrays, values):
+                full[i] = value
+            return fn(params, h, *jax.tree.unflatten(tree, full))
+        return jax.checkpoint(layer, policy=policy, prevent_cse=prevent_cse)(params, h, [leaves[i] for i in arrays])
+    return call

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from torch_model.config import ConfigError
+from torch_model.causal_lm import declared_role
 from torch_model.lora import base_parameter_of
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -61,6 +62,15 @@ PARAM_AXES: list[tuple[str, tuple]] = [
     (r".*\.down_proj\.weight|.*mlp\.c_proj\.weight", ("embed", "mlp")),
     (r".*norm\.weight", (None,)),
 ]
+
+
+# What each role a model declares (torch_model.causal_lm.ROLES) names its dimensions; an expert stack
+# stored [E, out, in] takes its name's rule with the last two swapped.
+ROLE_AXES = {
+    "embedding": ("vocab", "embed"), "head": ("vocab", "embed"), "router": (None, "embed"),
+    "experts_hidden_first": ("exp", "embed_moe", "mlp"), "experts_hidden_last": ("exp", "mlp", "embed_moe"),
+    "widens": ("mlp", "embed"), "narrows": ("embed", "mlp"),
+}
 
 
 def _shape_axes(name: str, ndim: int) -> tuple:
@@ -297,20 +307,22 @@ def logical_spec(mesh: Mesh, axes: Iterable, shape: Iterable[int] | None = None)
     return P(*out)
 
 
-def param_axes(name: str, ndim: int, linear_stacks: frozenset[str] = frozenset()) -> tuple:
-    """Logical dimension names of a parameter; a stacked one gets a leading `layers`. peft's
-    names map to the base model's (torch_model.lora.base_parameter_of); a LoRA adapter takes its
-    base weight's axes: A [r, in] shares `in`'s, B [out, r] `out`'s. Expert adapters ([r*E, in],
-    [out, r*E]) leave the r*E axis whole: peft orders B's columns rank-major, so no split of it
-    follows the experts'."""
+def param_axes(name: str, ndim: int, roles: dict | None = None) -> tuple:
+    """Logical dimension names of a parameter; a stacked one gets a leading `layers`. The role the
+    model declares for it (`roles`: torch_model.causal_lm.parameter_roles) decides first, then its
+    name (PARAM_AXES), then its shape. peft's names map to the base model's
+    (torch_model.lora.base_parameter_of); a LoRA adapter takes its base weight's axes: A [r, in]
+    shares `in`'s, B [out, r] `out`'s. Expert adapters ([r*E, in], [out, r*E]) leave the r*E axis
+    whole: peft orders B's columns rank-major, so no split of it follows the experts'."""
     base, role = base_parameter_of(name)
-    axes = _rule_axes(base, name)
+    declared = declared_role(roles or {}, base)
+    axes = ROLE_AXES.get(declared) or _rule_axes(base, name)
+    if declared == "experts_out_in" and axes is not None and len(axes) == 3:   # [E, out, in]: the rule names [E, in, out]
+        axes = (axes[0], axes[2], axes[1])
     if axes is None:              # by shape: an adapter's base is a Linear; a scanned stack adds `layers`
         # (named `model.layers.stack{k}.` by jax_bridge/layer_stack.py, which imports this module)
         stacked = re.search(r"\.stack\d+\.", name) is not None
         axes = _shape_axes(name, 2 if role is not None else ndim - stacked)
-    if len(axes) == 3 and any(base.endswith(s) for s in linear_stacks):   # [E, out, in]: the rule names [E, in, out]
-        axes = (axes[0], axes[2], axes[1])
     if role is not None:
         if len(axes) == 3:                   # experts, x @ W[e]: [E, in, out]
             in_axis, out_axis = axes[1], axes[2]
@@ -334,8 +346,8 @@ def _rule_axes(base: str, name: str) -> tuple | None:
     return None
 
 
-def param_spec(name: str, shape, mesh: Mesh, linear_stacks: frozenset[str] = frozenset()) -> P:
-    return logical_spec(mesh, param_axes(name, len(shape), linear_stacks), shape)
+def param_spec(name: str, shape, mesh: Mesh, roles: dict | None = None) -> P:
+    return logical_spec(mesh, param_axes(name, len(shape), roles), shape)
 
 
 def _leaf_name(path) -> str | None:
@@ -344,14 +356,14 @@ def _leaf_name(path) -> str | None:
     return next((k for k in reversed(keys) if isinstance(k, str) and "." in k), None)
 
 
-def state_shardings(state, mesh: Mesh, linear_stacks: frozenset[str] = frozenset()):
+def state_shardings(state, mesh: Mesh, roles: dict | None = None):
     """NamedSharding of every leaf of a train state (params, and optimizer state mirroring them
     by name; anything not named after a parameter, like the step count, is replicated).
-    linear_stacks: the model's expert stacks stored [E, out, in] (causal_lm.linear_expert_stacks)."""
+    roles: what the model declares (torch_model.causal_lm.parameter_roles)."""
 
     def spec(path, leaf):
         name = _leaf_name(path)
-        return NamedSharding(mesh, param_spec(name, leaf.shape, mesh, linear_stacks) if name else P())
+        return NamedSharding(mesh, param_spec(name, leaf.shape, mesh, roles) if name else P())
 
     return jax.tree_util.tree_map_with_path(spec, state)
 

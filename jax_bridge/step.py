@@ -22,7 +22,7 @@ from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform, vmem_capacity_bytes
 from torch_model.lora import is_adapted, tracing_scope, unwrap
-from torch_model.causal_lm import keeps_float32, linear_expert_stacks
+from torch_model.causal_lm import keeps_float32, parameter_roles
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 from torch_model.policy_gradient import PolicyGradientConfig
 from torch_model.preference import PreferenceConfig
@@ -204,8 +204,8 @@ class TrainStep:
         self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
         self.layout = self.layer_layout.tag     # how state.params are stored (formats/checkpoint.py LAYOUTS)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
-        self.linear_stacks = linear_expert_stacks(model)   # expert stacks stored [E, out, in]
-        self.layer_plan = plan_parameters(model, adapters=opt_cfg.adapter_optimizer)
+        self.roles = parameter_roles(model)   # what the model declares beyond names (expert stacks' layouts, ...)
+        self.layer_plan = plan_parameters(model, adapters=opt_cfg.adapter_optimizer, optimizer=opt_cfg.optimizer)
         self._check_frozen_stack()
         # Every layer stacked into one array has the same rule: take the first one's.
         self.plan = self.layer_layout.stack(self.layer_plan, stack=lambda rules: rules[0])
@@ -326,7 +326,7 @@ class TrainStep:
                             self.state_shardings(tree))
 
     def state_shardings(self, state):
-        return None if self.mesh is None else sharding.state_shardings(state, self.mesh, self.linear_stacks)
+        return None if self.mesh is None else sharding.state_shardings(state, self.mesh, self.roles)
 
     def layer_params(self, params: dict) -> dict:
         """Parameters under the torch model's own per-layer names (unstacked if stacked)."""

@@ -101,7 +101,7 @@ def test_every_family_the_sweep_trains_is_split_by_the_rules(mesh_shape):
     from jax_bridge import sharding
     from tests.transformers_configs import EXPECTED, TRAINS, family_config
     from torch_model import transformers_lm
-    from torch_model.causal_lm import linear_expert_stacks
+    from torch_model.causal_lm import parameter_roles
 
     mesh = AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
     families = [family for family, expected in EXPECTED.items() if expected == TRAINS]
@@ -110,7 +110,7 @@ def test_every_family_the_sweep_trains_is_split_by_the_rules(mesh_shape):
         with torch.device("meta"):
             model = transformers_lm.TransformersSpec(family_config(family)).build()
         params = {name: jax.ShapeDtypeStruct(tuple(p.shape), np.float32) for name, p in model.named_parameters()}
-        placed = sharding.state_shardings(params, mesh, linear_expert_stacks(model))
+        placed = sharding.state_shardings(params, mesh, parameter_roles(model))
         held = {name: sharding.held_bytes(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed[name]))
                 for name, a in params.items()}
         whole = [name for name, a in params.items() if a.ndim >= 2 and held[name] == sharding.held_bytes(a)]

@@ -170,19 +170,20 @@ def test_expert_stacks_stored_as_linear_weights_are_read_so_by_muon_and_the_shar
     [E, in, out]. Same names, so the layout comes from the experts module (is_transposed)."""
     from formats.hf_mapping import build_hf_config
     from jax_bridge.sharding import param_axes
-    from torch_model.causal_lm import linear_expert_stacks
+    from torch_model.causal_lm import parameter_roles
     from torch_model.config import get_preset
     from torch_model.optim import MUON, ParamPlan, plan_parameters
 
     moe, reference = models("qwen3_moe")
-    stacks = linear_expert_stacks(moe)
-    assert stacks == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} == linear_expert_stacks(reference)
+    roles = parameter_roles(moe)      # gate_up [E, 2I, H], down [E, H, I]: one nn.Linear weight per expert
+    assert roles == {"mlp.experts.gate_up_proj": "experts_out_in",
+                     "mlp.experts.down_proj": "experts_out_in"} == parameter_roles(reference)
     plan = plan_parameters(moe)
     assert plan["model.layers.0.mlp.experts.gate_up_proj"] == ParamPlan(MUON, in_axis=-1, out_axis=-2)
-    assert param_axes("model.layers.stack0.mlp.experts.down_proj", 4, stacks) == ("layers", "exp", "embed_moe", "mlp")
+    assert param_axes("model.layers.stack0.mlp.experts.down_proj", 4, roles) == ("layers", "exp", "embed_moe", "mlp")
     assert param_axes("model.layers.0.mlp.experts.down_proj", 3) == ("exp", "mlp", "embed_moe")   # [E, in, out]
     gpt_oss = transformers_lm.build(build_hf_config(get_preset("tiny").replace(n_layers=2, vocab_size=VOCAB)))
-    assert linear_expert_stacks(gpt_oss) == frozenset()
+    assert parameter_roles(gpt_oss) == {}
 
 
 def test_a_qwen3_moe_step_with_pallas_kernels_compiles_for_v5e():

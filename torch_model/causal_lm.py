@@ -22,11 +22,12 @@ is what the sharding and optimizer rules read by role.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
-from torch_model import ops
+from torch_model import kv_cache, ops
 
 IGNORE_INDEX = -100
 PAD_SEGMENT = 0     # the segment id of padding in packed rows (train/data/loader.py uses the same)
@@ -47,17 +48,52 @@ def keeps_float32(name: str) -> bool:
     return any(fragment in name for fragment in FLOAT32_PARAMETERS)
 
 
-def linear_expert_stacks(model) -> frozenset[str]:
-    """The expert stacks a model stores as one nn.Linear weight per expert, [E, out, in]
-    (transformers' `is_transposed=False`: Qwen3-MoE, Mixtral), as names relative to their layer
-    (`mlp.experts.gate_up_proj`); ours and gpt-oss's are [E, in, out]. The optimizer (Muon's
-    fan-in and fan-out) and the sharding rules read a stack's axes from this."""
-    found = set()
-    for prefix, module in model.named_modules():
+# Roles a model declares for parameters by structure rather than by name (jax_bridge/sharding.py
+# places them; torch_model/optim.py groups a module model's): the token embedding and the head
+# [V, H]; a router [E, H]; a module model's expert stack by where its hidden (model) dimension
+# lies, first [E, H, N] or last [E, N, H]; a transformers expert stack stored one nn.Linear weight
+# per expert, [E, out, in], where its name's rule assumes [E, in, out]; an nn.Linear [out, in] of
+# a block that widens the hidden state (into attention's heads or an MLP's width) or narrows back.
+ROLES = ("embedding", "head", "router", "experts_hidden_first", "experts_hidden_last", "experts_out_in", "widens",
+         "narrows")
+LAYER_NAME = re.compile(r"model\.layers\.(?:\d+|stack\d+)\.")
+
+
+def layer_relative(name: str) -> str:
+    """A layer's parameter name without its layer (`model.layers.3.mlp.x` -> `mlp.x`, stacked too)."""
+    return LAYER_NAME.sub("", name, count=1) if LAYER_NAME.match(name) else name
+
+
+def parameter_roles(model) -> dict[str, str]:
+    """Parameter name -> role (ROLES) for what a model declares beyond its names: the expert stacks
+    that transformers stores one nn.Linear weight per expert ([E, out, in]: `is_transposed` False,
+    Qwen3-MoE and Mixtral; the name rules assume [E, in, out]), and a module model's roles found by
+    structure (`roles()`, torch_model/module_lm.py). A layer's parameters are keyed relative to
+    their layer (`mlp.experts.gate_up_proj`): every layer shares them, per-layer or stacked."""
+    roles = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
         if getattr(module, "is_transposed", True) is False:
-            rest = prefix.split(".", 3)[-1] if prefix.startswith("model.layers.") else prefix
-            found |= {f"{rest}.{name}" for name, p in module.named_parameters(recurse=False) if p.dim() == 3}
-    return frozenset(found)
+            for p in module.parameters(recurse=False):
+                if p.dim() == 3 and id(p) in names:
+                    roles[layer_relative(names[id(p)])] = "experts_out_in"
+    if hasattr(model, "roles"):
+        roles.update({layer_relative(name): role for name, role in model.roles().items()})
+    return roles
+
+
+def declared_role(roles: dict, name: str) -> str | None:
+    """The role `roles` (parameter_roles) gives parameter `name` (per-layer, stacked or not in a layer)."""
+    return roles.get(layer_relative(name))
+
+
+def mean_attended(seq_len: int, window: int) -> float:
+    """Mean number of keys a query attends to over positions 0..T-1: causal full attention
+    (window 0) sees i + 1 keys, (T + 1) / 2 on average; a sliding layer at most `window`."""
+    t = seq_len
+    if window <= 0 or window >= t:
+        return (t + 1) / 2
+    return (window * (window + 1) / 2 + (t - window) * window) / t
 
 
 @dataclass(frozen=True)
@@ -110,6 +146,11 @@ class CausalLMHead:
         if loss_weights is None:
             return self.loss(hidden, labels, stats)
         return self.weighted_loss(hidden, labels, stats, loss_weights, loss_denominator, router_loss_scale)
+
+    def new_cache(self, batch: int, max_len: int, dtype=torch.float32, device=None):
+        """An empty generation cache for `batch` rows of at most `max_len` tokens: the static KV
+        cache (torch_model/kv_cache.py) of the model's shape."""
+        return kv_cache.init_cache(self.cfg, batch, max_len, dtype=dtype, device=device)
 
     def forward_cached(self, input_ids, positions, cache, start):
         """Generation step: T new tokens through the backbone's `forward_cached` (a static KV

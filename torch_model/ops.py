@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 
 NAMESPACE = "torchlyra"
+# A sink logit that adds exactly nothing (attention without sinks): exp(NO_SINK - max) underflows to 0
+# in float32 and bf16, without the inf - inf of a -inf sink.
+NO_SINK = -1e30
 
 
 # ---------------------------------------------------------------------------------------------

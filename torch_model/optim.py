@@ -28,6 +28,7 @@ from torch_model.lora import base_parameter_of, is_expert_adapter, unwrap
 
 MUON, ADAMW = "muon", "adamw"
 ADAPTER_OPTIMIZERS = (MUON, ADAMW)      # what LoRA adapters of linear layers may take
+OPTIMIZERS = (MUON, ADAMW)              # muon: Muon + AdamW by role; adamw: AdamW for every parameter
 NS_DTYPES = ("float32", "bfloat16")     # Newton-Schulz dtypes: bfloat16 is faster on TPU
 
 
@@ -46,8 +47,11 @@ class OptimizerConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0          # global-norm clipping; 0 disables
     adapter_optimizer: str = MUON       # LoRA adapters of linear layers: muon | adamw (experts': adamw)
+    optimizer: str = MUON               # adamw: AdamW (at adam_lr) for every parameter, Muon for none
 
     def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"OptimizerConfig.optimizer must be 'muon' or 'adamw', found {self.optimizer!r}")
         if self.adapter_optimizer not in ADAPTER_OPTIMIZERS:
             raise ValueError(f"OptimizerConfig.adapter_optimizer must be 'muon' or 'adamw', "
                              f"found {self.adapter_optimizer!r}")
@@ -85,11 +89,12 @@ class UnplacedParameter(ConfigError):
     """A parameter that no rule of the optimizer's groups places (the message names it)."""
 
 
-def plan_parameters(model, adapters: str = MUON) -> dict[str, ParamPlan]:
-    """How each trainable parameter of `model` (ours or a transformers model behind the model
-    boundary, wrapped by peft or not) is optimized, decided by its role (the module holding it,
-    the boundary's embedding, head and routers) and its shape; no family is named (a fused
-    projection is known by transformers' name for its role):
+def plan_parameters(model, adapters: str = MUON, optimizer: str = MUON) -> dict[str, ParamPlan]:
+    """How each trainable parameter of `model` (any model behind the model boundary, wrapped by
+    peft or not) is optimized, decided by its role (the module holding it, the boundary's
+    embedding, head and routers, a module model's roles found by structure) and its shape; no
+    family is named (a fused projection is known by transformers' name for its role). With
+    `optimizer` "adamw", every parameter takes AdamW. Otherwise:
 
     - AdamW: the token embedding and the head (the boundary's `model.embed_tokens` and
       `lm_head`, peft's trained copies included, and any nn.Embedding); the routers (the
@@ -100,8 +105,9 @@ def plan_parameters(model, adapters: str = MUON) -> dict[str, ParamPlan]:
     - Muon, each matrix on its own: an nn.Linear weight [out, in] (a fused `qkv_proj` or
       `gate_up_proj` split into its parts along `out`: `fused_parts`); an experts module's stack
       [E, ., .], one matrix per expert, [E, out, in] when its `is_transposed` is False
-      (transformers' flag) else [E, in, out]; a 2-D weight of another module that declares how it
-      is applied by the same flag (our dense MLP's x @ W).
+      (transformers' flag) else [E, in, out], as a module model's expert stacks (x @ W[e], as
+      `torch._grouped_mm` multiplies); a 2-D weight of another module that declares how it is
+      applied by the same flag (our dense MLP's x @ W).
     - LoRA adapters (peft's lora_A [r, in] / lora_B [out, r]) take `adapters`; expert adapters,
       stored by peft as one [r*E, in] / [out, r*E] matrix, always take AdamW: orthogonalizing the
       stack whole would mix the experts.
@@ -109,6 +115,10 @@ def plan_parameters(model, adapters: str = MUON) -> dict[str, ParamPlan]:
     A parameter none of these places is refused by name (`UnplacedParameter`, one line)."""
     if adapters not in ADAPTER_OPTIMIZERS:
         raise ValueError(f"optimizer: adapters must be one of {ADAPTER_OPTIMIZERS}, found {adapters!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: must be one of {OPTIMIZERS}, found {optimizer!r}")
+    if optimizer == ADAMW:
+        return {name: _ADAMW for name, p in model.named_parameters() if p.requires_grad}
     inner = unwrap(model)
     roles, shape = _roles(inner), getattr(inner, "cfg", None)
     plan = {}
@@ -136,6 +146,11 @@ def _roles(model) -> dict[str, tuple[str, object]]:
             prefix = paths[id(module)]
             for n, _ in module.named_parameters():
                 special[base_parameter_of(f"{prefix}.{n}" if prefix else n)[0]] = (role, module)
+    declared = {"embedding": "embedding", "head": "embedding", "router": "router",
+                "experts_hidden_first": "stack", "experts_hidden_last": "stack"}
+    for name, role in (model.roles() if hasattr(model, "roles") else {}).items():
+        if role in declared:
+            special[name] = (declared[role], None)
     roles = {}
     for path, module in model.named_modules():
         kind = ("embedding" if isinstance(module, nn.Embedding) else "experts" if _is_experts(module)
@@ -169,6 +184,10 @@ def _plan_of(name: str, shape: tuple, role: str, module, model_shape) -> ParamPl
     long_axes = sum(n > 1 for n in shape)
     if role in ("embedding", "router") or long_axes < 2:
         return _ADAMW
+    if role == "stack":
+        if len(shape) != 3:
+            refuse("a module model's expert stack is [E, ., .]")
+        return _X_AT_W                      # [E, in, out]: x @ W[e]
     if role == "experts":
         if len(shape) == 2:
             return _ADAMW                   # [E, n]: a vector per expert (biases)
@@ -331,7 +350,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig = OptimizerConfig()):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # frozen: no state
-        self.plan = plan_parameters(model, cfg.adapter_optimizer)
+        self.plan = plan_parameters(model, cfg.adapter_optimizer, cfg.optimizer)
         self.cfg = cfg
         self.names = {id(p): n for n, p in named}
         groups = [{"params": [p for n, p in named if self.plan[n].kind == kind], "kind": kind}

@@ -22,14 +22,12 @@ import torch
 import torch.nn as nn
 
 from torch_model import kv_cache, ops
+from torch_model.ops import NO_SINK
 from torch_model.causal_lm import PAD_SEGMENT, CausalLMHead, DecoderShape
 from torch_model.transformers_truth import (IGNORED_ATTENTION_KWARGS, Described, UnsupportedModel, attention_module,
                                             check_truth, describe_layers, first_line)
 
 ATTENTION = "torchlyra"
-# A sink logit that adds exactly nothing: exp(NO_SINK - max) underflows to 0 in float32 and bf16,
-# without the inf - inf of a -inf sink.
-NO_SINK = -1e30
 
 
 class LayerCall(NamedTuple):

@@ -123,7 +123,7 @@ class ContextPrograms:
         from jax_bridge.decoding import empty_cache
 
         s = self.scorer
-        empty = empty_cache(s.env, s.cfg, context_ids.shape[0], slots, s.compute_dtype)
+        empty = empty_cache(s.env, s.model, context_ids.shape[0], slots, s.compute_dtype)
         _, cache = self._run(params, context_ids, context_positions, empty, jnp.int32(0))
         return (cache, *self._score(params, cache, *rows, jnp.int32(context_ids.shape[1])))
 

@@ -51,6 +51,9 @@ class TrainConfig:
     top_k: int = 40
     model: dict = field(default_factory=dict)      # ModelConfig overrides
     model_config: str | None = None   # a transformers config.json: that model instead of a preset (torch_model/transformers_lm.py)
+    module: str | None = None      # path/to/file.py:NAME or package.module:NAME: a plain nn.Module (torch_model/module_lm.py)
+    module_args: dict = field(default_factory=dict)   # the keyword arguments NAME is called with
+    optimizer: str = "muon"        # muon: Muon + AdamW by role; adamw: AdamW (at adam_lr) for every parameter
     document_masking: bool | None = None   # segment ids per document; None: on for chat data, off for text
     truncate: bool = False         # chat: a conversation longer than a row is cut to one row (default: dropped)
     lora: str = ""                 # peft LoRA on the --init-from model, e.g. "r=16,alpha=32,dropout=0,targets=all-linear+experts"
@@ -87,6 +90,7 @@ class TrainConfig:
         self._check_lora()
         self._check_dpo()
         self._check_model_config()
+        self._check_module()
         from torch_model.optim import NS_DTYPES
 
         if self.ns_dtype not in NS_DTYPES:
@@ -104,6 +108,31 @@ class TrainConfig:
         if self.init_from:
             raise UserError(f"config: init_from with model_config: the run takes its model from the checkpoint "
                             f"{self.init_from}; drop model_config (--model-config)")
+
+    def _check_module(self) -> None:
+        """A module model comes from --module (or, for --init-from and --resume, from its run's
+        record: --module then only says where its code is); never beside a preset's overrides or a
+        transformers config."""
+        from torch_model.optim import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"config: optimizer must be {' or '.join(OPTIMIZERS)}, found {self.optimizer!r}")
+        if not isinstance(self.module_args, dict):
+            raise UserError(f"config: module_args must be a JSON object of keyword arguments, found "
+                            f"{self.module_args!r}")
+        if self.module_args and not self.module:
+            raise UserError("config: module_args are the keyword arguments of --module; give --module")
+        if not self.module:
+            return
+        if not isinstance(self.module, str):
+            raise UserError(f"config: module must be a string such as 'examples/gpt.py:GPT', found {self.module!r}")
+        if self.model_config or self.model:
+            raise UserError("config: --module names the model; drop "
+                            + ("--model-config" if self.model_config else "the model overrides (its --module-args "
+                                                                          "shape it)"))
+        if self.document_masking:
+            raise UserError("config: a module model takes tokens only (no segment ids): document masking is refused; "
+                            "train it on text data with --no-document-masking")
 
     def _check_lora(self) -> None:
         from torch_model.config import ConfigError
@@ -164,7 +193,8 @@ class TrainConfig:
 # run would not continue the same training (model, data, batch, sequence, optimizer, schedule).
 CHANGEABLE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "eval_tasks", "eval_tasks_limit", "checkpoint_every", "keep_checkpoints",
                         "tensorboard", "max_consecutive_skips", "host_timeout_s", "samples", "sample_tokens", "temperature", "top_k",
-                        "kernels", "kernel_options", "mesh", "remat", "profile_steps", "out", "resume", "init_from")
+                        "kernels", "kernel_options", "mesh", "remat", "profile_steps", "module", "out", "resume",
+                        "init_from")
 
 
 def resumed_config(saved: dict, explicit: dict, where: str) -> TrainConfig:

@@ -24,6 +24,19 @@ class Flag:
     required: bool = False     # the run needs it, from the flag or the --config file
 
 
+def json_object(text: str) -> dict:
+    """A flag's value that is a JSON object (argparse type): one line naming what is wrong otherwise."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, found {type(value).__name__}: {text!r}")
+    return value
+
+
 def field_defaults(config_type: type) -> dict:
     """field name -> its default in the dataclass (a default_factory called)."""
     return {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -31,7 +44,7 @@ def field_defaults(config_type: type) -> dict:
 
 
 def is_empty(value) -> bool:
-    return value is None or (isinstance(value, (str, list, tuple)) and not value)
+    return value is None or (isinstance(value, (str, list, tuple, dict)) and not value)
 
 
 def spec_defaults(spec_type: type) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import time
 
+from torch_model.causal_lm import mean_attended
 from torch_model.config import ModelConfig
 
 # Published dense peak per chip, FLOP/s: (bfloat16, float32). TPUs publish no float32 figure
@@ -29,15 +30,6 @@ GPU_PEAKS = {
 }
 
 
-def mean_attended(seq_len: int, window: int) -> float:
-    """Mean number of keys a query attends to over positions 0..T-1: causal full attention
-    (window 0) sees i + 1 keys, (T + 1) / 2 on average; a sliding layer at most `window`."""
-    t = seq_len
-    if window <= 0 or window >= t:
-        return (t + 1) / 2
-    return (window * (window + 1) / 2 + (t - window) * window) / t
-
-
 def active_matmul_params(cfg: ModelConfig) -> int:
     """Weights of the matmuls one token goes through: q, k, v, o, the router, its top-k experts'
     (or the dense MLP's) up and down projections, the LM head. Embedding lookups, biases, norms and
@@ -54,7 +46,10 @@ def active_matmul_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token at sequence length `seq_len`."""
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len` (a module
+    model counts its own, from the probe of its forward: torch_model/module_lm.py)."""
+    if hasattr(cfg, "training_flops_per_token"):
+        return cfg.training_flops_per_token(seq_len)
     attended = sum(mean_attended(seq_len, cfg.window_of_layer(i)) for i in range(cfg.n_layers))
     return 6.0 * active_matmul_params(cfg) + 12.0 * cfg.n_heads * cfg.head_dim * attended
 

@@ -16,11 +16,11 @@ from formats.errors import UserError
 from formats.mxfp4 import BASE_DTYPES
 from torch_model.config import PRESETS
 from torch_model.lora import LoraSpec
-from torch_model.optim import ADAPTER_OPTIMIZERS, NS_DTYPES
+from torch_model.optim import ADAPTER_OPTIMIZERS, NS_DTYPES, OPTIMIZERS
 from torch_model.preference import LOSSES as DPO_LOSSES, PreferenceConfig
 from train.cluster import join
 from train.run.config import COMPUTE_DTYPES, REMATS, TrainConfig, load_config_file
-from train.run.flags import BOOLEAN, REPEATED, SWITCH, Flag, add_flags, field_defaults, given, spec_defaults
+from train.run.flags import BOOLEAN, REPEATED, SWITCH, Flag, add_flags, field_defaults, given, json_object, spec_defaults
 
 
 def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progress: bool = True) -> dict:
@@ -80,7 +80,7 @@ def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict
 # default shown is the field's (flags.py). Adding a flag is adding a row (and the field).
 _DEFAULTS = field_defaults(TrainConfig)
 _GROUPS = {
-    "model": "what trains: a preset, a transformers config, or the model of a checkpoint",
+    "model": "what trains: a preset, a transformers config, your own nn.Module, or the model of a checkpoint",
     "data": "prepared data (torchlyra prepare) and the rows cut from it",
     "optimization": "Muon for the hidden weight matrices, AdamW for embeddings, head, routers and vectors; "
                     "linear warm-up, then cosine decay",
@@ -97,6 +97,12 @@ _FLAGS = {
                             "(a --preset given beside it must have its shapes)"),
     "model_config": Flag("model", "train the model of this transformers config.json instead of a preset "
                                   "(torch_model/transformers_lm.py)", metavar="CONFIG.json", unset="the --preset"),
+    "module": Flag("model", "train your own nn.Module: path/to/file.py:NAME or package.module:NAME, a class or "
+                            "function called with --module-args that returns a module whose forward(tokens [B, T]) "
+                            "gives the logits [B, T, V] (docs/own-model.md); with --init-from or --resume, where the "
+                            "run's module code is", metavar="SPEC", unset="a preset"),
+    "module_args": Flag("model", "the keyword arguments of --module's NAME, a JSON object, e.g. "
+                                 "'{\"vocab_size\": 4096, \"dim\": 256}'", json_object, metavar="JSON", unset="none"),
     "init_from": Flag("model", "start from this checkpoint's parameters with a fresh optimizer state: a run, its "
                                "checkpoints/ or a step directory, or a Hugging Face directory (read straight onto "
                                "the mesh)", metavar="DIR", unset="a new model, randomly initialized"),
@@ -121,6 +127,8 @@ _FLAGS = {
     "warmup_steps": Flag("optimization", "steps of linear warm-up to the peak learning rates; then cosine decay to "
                                          f"{_DEFAULTS['min_lr_ratio']:g} of the peak at --steps (min_lr_ratio in a "
                                          "--config file)", int),
+    "optimizer": Flag("optimization", "muon: Muon for the hidden weight matrices, AdamW for the rest; adamw: AdamW "
+                                      "for every parameter, at --adam-lr", choices=OPTIMIZERS),
     "ns_dtype": Flag("optimization", "dtype of Muon's Newton-Schulz iteration (bfloat16: slightly faster on TPU)",
                      choices=NS_DTYPES),
     "max_consecutive_skips": Flag("optimization", "a step with a non-finite loss or gradient norm skips its "

@@ -39,11 +39,16 @@ class Mxfp4Base:
 
 
 def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int, eos: int):
-    """The run's model record: the preset with its overrides, or the transformers config of
-    --model-config (torch_model/transformers_lm.py), with the tokenizer's special ids."""
+    """The run's model record: the preset with its overrides, the transformers config of
+    --model-config (torch_model/transformers_lm.py) or the module of --module (probed:
+    torch_model/module_lm.py), with the tokenizer's special ids."""
     from torch_model.config import ConfigError, get_preset
     from torch_model.transformers_lm import TransformersSpec
 
+    if cfg.module:
+        from formats.model_checks import module_record
+
+        return module_record(cfg.module, cfg.module_args, cfg.seq_len).replace(bos_token_id=bos, eos_token_id=eos)
     if cfg.model_config:      # its refusals are ConfigErrors, one line at the command line
         return TransformersSpec.from_file(cfg.model_config).replace(bos_token_id=bos, eos_token_id=eos,
                                                                     max_seq_len=cfg.seq_len)
@@ -61,7 +66,10 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
 
     if cfg.model_config and "preset" in explicit:
         raise UserError("--preset and --model-config name two models: give one")
-    build_model_config(cfg, vocab_size=0, bos=0, eos=0)   # a bad preset/model override fails first
+    if cfg.module and "preset" in explicit:
+        raise UserError("--preset and --module name two models: give one")
+    if not cfg.module:
+        build_model_config(cfg, vocab_size=0, bos=0, eos=0)   # a bad preset/model override fails first
     out = Path(cfg.out)
     root = out / "checkpoints"
     newest = checkpoint.step_dirs(root)[-1][0] if root.is_dir() and checkpoint.step_dirs(root) else None
@@ -139,7 +147,8 @@ class Trainer:
 
         from jax_bridge import registry
         from jax_bridge.step import StepConfig, TrainState, TrainStep
-        from formats.model_checks import build_model, load_weights
+        from formats.model_checks import build_model, build_module_model, load_weights, take_module_from
+        from torch_model.module_lm import ModuleSpec
         from torch_model.optim import OptimizerConfig
         from train.evaluation.validation import Evaluator, token_byte_lengths
         from train.data.loader import TokenLoader
@@ -155,16 +164,23 @@ class Trainer:
             raise UserError(str(e)) from None
         self.tokenizer = load_tokenizer(cfg.data)  # the data's: its special ids become the model's
         self.base_reference = None                 # a LoRA run's base (formats/lora_checkpoint.py)
+        if cfg.module:        # where a module run's code is (a new run's, or the run's it starts from or resumes)
+            take_module_from(cfg.module, cfg.module_args or None)
         self.model_cfg, init_state = self._model_config(meta, explicit or {})
         if self.tokenizer.n_vocab > self.model_cfg.vocab_size:
+            where = ("its --module-args" if isinstance(self.model_cfg, ModuleSpec) else "model.vocab_size")
             raise UserError(f"data vocabulary ({self.tokenizer.n_vocab}) is larger than the model's vocab_size "
-                            f"({self.model_cfg.vocab_size}); set model.vocab_size >= {self.tokenizer.n_vocab}")
+                            f"({self.model_cfg.vocab_size}); make it >= {self.tokenizer.n_vocab} ({where})")
         loader_args = dict(global_batch=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                            process_index=jax.process_index(), process_count=jax.process_count(),
                            vocab_size=self.model_cfg.vocab_size, document_masking=cfg.document_masking,
                            truncate=cfg.truncate, accepts_batch=True)
         self.train_data = TokenLoader(cfg.data, "train", **loader_args)
         val_data = TokenLoader(cfg.data, "val", **loader_args)
+        if isinstance(self.model_cfg, ModuleSpec) and self.train_data.yields_batch:
+            raise UserError(f"{cfg.data}: {'conversations' if self.train_data.chat else 'packed documents'} train as "
+                            f"packed rows (segment ids, positions), which a module model does not take (its forward "
+                            f"takes tokens only): train it on text data with --no-document-masking")
         self.preference = self._preference_config()
 
         torch.manual_seed(cfg.seed)
@@ -179,6 +195,10 @@ class Trainer:
             # The weights go from their files (or the resumed checkpoint) straight onto the mesh:
             # the host model is built on `meta` and never holds them (formats/mesh_loader.py).
             self.model = build_model(self.model_cfg, meta=True)
+        elif isinstance(self.model_cfg, ModuleSpec) and not meta and init_state is None:
+            # A new module run: its blocks are checked on the weights, and the record keeps the result.
+            self.model = build_module_model(self.model_cfg, new_run=True)
+            self.model_cfg = self.model_cfg.replace(facts=self.model.facts)
         else:
             self.model = build_model(self.model_cfg)
             if init_state is not None:
@@ -186,7 +206,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)     # adapters drawn alike however the base was built (on meta: no draws)
         self.peft_model = self._adapt(self.model)
         opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay,
-                                  adapter_optimizer=cfg.adapter_optimizer, ns_dtype=cfg.ns_dtype)
+                                  adapter_optimizer=cfg.adapter_optimizer, ns_dtype=cfg.ns_dtype,
+                                  optimizer=cfg.optimizer)
         self.mesh = build_mesh(cfg)
         try:
             self.step = TrainStep(self.model, opt_cfg, StepConfig(
@@ -341,6 +362,8 @@ class Trainer:
         came from (its config file, the checkpoint or directory it starts from or resumes)."""
         if self.cfg.model_config:
             return f"{self.model_cfg.model_type} ({self.cfg.model_config})"
+        if hasattr(self.model_cfg, "facts"):
+            return f"module {self.model_cfg.describe()}"
         if not isinstance(self.model_cfg, ModelConfig):
             return f"{self.model_cfg.model_type} (from {self.cfg.init_from or self.cfg.out})"
         if self.cfg.init_from and "preset" not in self.explicit:      # the checkpoint's shapes, not a preset's
@@ -378,9 +401,8 @@ class Trainer:
                 return model_cfg, state
             return model_cfg, weights
         bos, eos = bos_id(self.tokenizer), end_id(self.tokenizer)
-        wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos, eos)
         if not cfg.init_from:
-            return wanted, None
+            return build_model_config(cfg, self.tokenizer.n_vocab, bos, eos), None
         if cfg.base_dtype == "mxfp4":
             from formats.mxfp4_experts import check_released
 
@@ -391,6 +413,7 @@ class Trainer:
         self.base_reference = lora_checkpoint.base_reference(cfg.init_from, init_meta)
         model_cfg = init_cfg.replace(max_seq_len=cfg.seq_len, bos_token_id=bos, eos_token_id=eos)
         if {"preset", "model"} & set(explicit):
+            wanted = build_model_config(cfg, self.tokenizer.n_vocab, bos, eos)
             checkpoint.check_tensors(checkpoint.model_shapes(model_cfg), checkpoint.model_shapes(wanted),
                                      f"--init-from {cfg.init_from} (against the requested preset/model)")
         self._check_tokenizer(init_meta)
@@ -457,13 +480,17 @@ class Trainer:
               f"active); kernels: {registry.describe(self.step.kernels, self.step.platform)}{tuned}; compute "
               f"{self.step.cfg.compute_dtype}, matmul precision {self.step.cfg.matmul_precision}")
         print(f"devices: {distributed.describe()}; mesh: {sharding.describe(self.mesh) if self.mesh else 'none'}; "
-              f"layers {'scanned' if self.cfg.scan_layers else 'looped'}, remat {self.cfg.remat}")
+              f"layers {'scanned' if self.step.layer_layout.stacked else 'looped'}, remat {self.cfg.remat}")
+        routing = self.model.facts.report(self.step.kernels) if hasattr(self.model, "facts") else None
+        for line in routing or ():
+            print(line)
         writer.write({"kind": "resume" if meta else "run", "step": self.done, "from": str(resume_dir) if meta else None,
                       "preset": self.cfg.preset, "model_config": self.cfg.model_config, "kernels": self.step.kernels,
                       "kernel_tiles": tables, "params": counts["total"],
                       "active_params": counts["active"], "config": self.cfg.to_dict(), "model": self.model_cfg.to_dict(),
                       "flops_per_token": flops.flops_per_token(self.model_cfg, self.cfg.seq_len),
-                      "peak_flops": self.peak, "peak_source": self.peak_source})
+                      "peak_flops": self.peak, "peak_source": self.peak_source,
+                      **({"routing": routing} if routing else {})})
         return writer
 
     # ---- one step -------------------------------------------------------------------------------
