@@ -10,7 +10,10 @@ from formats.errors import UserError
 
 
 def add_arguments(parser) -> None:
+    from formats.model_checks import add_module_arguments
+
     hf_export.add_arguments(parser)
+    add_module_arguments(parser)
     parser.add_argument("--adapter", action="store_true",
                         help="a LoRA checkpoint's adapters as peft files (adapter_config.json, "
                              "adapter_model.safetensors) for PeftModel.from_pretrained on transformers' GptOss "
@@ -22,7 +25,9 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from formats.lora_inference import lora_meta
+    from formats.model_checks import take_module_from_args
 
+    take_module_from_args(args)
     meta = lora_meta(args.checkpoint)
     if meta is None:
         if args.adapter or args.base_model:

@@ -16,15 +16,40 @@ from formats.errors import UserError
 
 # A module run's record names the SPEC that built it; a command given `--module` builds that
 # instead (a run made from a module instance in Python records none, a run taken to another
-# machine may find its file elsewhere): take_module_from sets it for the process.
-_module_given: tuple[str, dict | None] | None = None
+# machine may find its file elsewhere), and `train_module` hands the module itself:
+# take_module_from sets either for the process.
+_module_given: tuple[str, dict | None] | torch.nn.Module | None = None
 
 
-def take_module_from(spec: str | None, args: dict | None = None) -> None:
+def add_module_arguments(parser) -> None:
+    """--module and --module-args of a command that reads a checkpoint: where a module run's code is."""
+    from formats.jsonfile import json_object
+
+    parser.add_argument("--module", metavar="SPEC", default=None,
+                        help="a module run's code, path/to/file.py:NAME or package.module:NAME, where it is not "
+                             "where the run recorded it (another machine; a run made from Python records none) "
+                             "(default: the run's)")
+    parser.add_argument("--module-args", type=json_object, default=None, metavar="JSON",
+                        help="with --module: the keyword arguments of NAME, a JSON object (default: the run's)")
+
+
+def take_module_from_args(args) -> None:
+    """What add_module_arguments parsed, taken (take_module_from)."""
+    if getattr(args, "module_args", None) and not getattr(args, "module", None):
+        raise UserError("--module-args: the keyword arguments of --module; give --module")
+    take_module_from(getattr(args, "module", None), getattr(args, "module_args", None))
+
+
+def take_module_from(spec, args: dict | None = None) -> None:
     """Build a module run's model from `spec` (and `args`, default the run's) instead of the
-    SPEC its record names; None: the record's."""
+    SPEC its record names, or from `spec` itself when it is an nn.Module; None: the record's."""
     global _module_given
-    _module_given = (spec, args) if spec else None
+    _module_given = spec if isinstance(spec, torch.nn.Module) else (spec, args) if spec else None
+
+
+def given_module() -> torch.nn.Module | None:
+    """The module instance take_module_from was given (train_module's), or None."""
+    return _module_given if isinstance(_module_given, torch.nn.Module) else None
 
 
 def build_model(cfg, *, meta: bool = False):
@@ -88,9 +113,12 @@ def build_module_model(record: ModuleSpec, *, meta: bool = False, new_run: bool 
     facts the record holds; `new_run`: the record is a new run's (`module_record`), whose facts the
     model's own replace (the blocks checked on its weights)."""
     from jax_bridge.distributed import say
-    from jax_bridge.module_probe import wrap
-    from torch_model.module_lm import instantiate, source_hash
+    from jax_bridge.module_probe import build_record, wrap
+    from torch_model.module_lm import source_hash
 
+    if given_module() is not None:
+        return wrap(given_module(), max_seq_len=record.max_seq_len, recorded=None if new_run else record.facts,
+                    where="the module given", bos_token_id=record.bos_token_id, eos_token_id=record.eos_token_id)
     spec, args = record.spec, record.args
     if _module_given is not None:
         spec, args = _module_given[0], record.args if _module_given[1] is None else _module_given[1]
@@ -99,16 +127,17 @@ def build_module_model(record: ModuleSpec, *, meta: bool = False, new_run: bool 
                         "path/to/file.py:NAME (and --module-args, if it takes arguments)")
     if not new_run and record.source and spec == record.spec and source_hash(spec) != record.source:
         say(f"--module {spec}: its source changed since the run recorded it (the recorded facts are checked)")
-    module = instantiate(spec, args, meta=meta)
-    return wrap(module, max_seq_len=record.max_seq_len, recorded=None if new_run else record.facts,
-                where=f"--module {spec}", bos_token_id=record.bos_token_id, eos_token_id=record.eos_token_id)
+    return build_record(record, meta=meta, new_run=new_run, spec=spec, args=args)
 
 
-def module_record(spec: str, args: dict, max_seq_len: int) -> ModuleSpec:
-    """A new run's record of the module SPEC builds from `args` (probed on `meta`: no weights)."""
+def module_record(spec: str | None, args: dict, max_seq_len: int) -> ModuleSpec:
+    """A new run's record of the module SPEC builds from `args` (probed on `meta`: no weights), or
+    (spec None) of the module take_module_from was given, which records no SPEC."""
     from jax_bridge.module_probe import probe
     from torch_model.module_lm import instantiate, source_hash
 
+    if spec is None:
+        return ModuleSpec(None, {}, None, probe(given_module()), max_seq_len)
     facts = probe(instantiate(spec, args, meta=True))
     return ModuleSpec(spec, args, source_hash(spec), facts, max_seq_len)
 

@@ -47,8 +47,15 @@ def model_function(model: torch.nn.Module, method: str = "forward", call=None):
         # its tracer); a `meta` model's buffers (planning without weights) enter as zeros.
         buffers = {prefix + n: _buffer_value(env, b) for n, b in model.named_buffers()}
         torch_params, torch_args = env.j2t_iso(({**buffers, **{prefix + k: v for k, v in params.items()}}, args))
-        with env:
-            out = torch.func.functional_call(module, torch_params, torch_args)
+        # functional_call puts a buffer of a module shared under several paths (one rotary module for
+        # every layer) back under one of them only: the traced value must not outlive the trace.
+        held = [(m, dict(m._buffers)) for m in model.modules() if m._buffers]
+        try:
+            with env:
+                out = torch.func.functional_call(module, torch_params, torch_args)
+        finally:
+            for m, buffers_before in held:
+                m._buffers.update(buffers_before)
         return env.t2j_iso(out)
 
     return fn

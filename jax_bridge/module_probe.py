@@ -53,7 +53,7 @@ def probe(module: nn.Module, *, seq_len: int = PROBE_TOKENS) -> ModuleFacts:
             hooks.append(sub.register_forward_hook(
                 lambda m, args, out: events.append(("call", paths[id(m)], (m, args[0] if args else None, out)))))
         if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
-            for child in (sub.values() if isinstance(sub, nn.ModuleDict) else sub):
+            for child in _children(sub):
                 hooks.append(child.register_forward_pre_hook(
                     lambda m, args: events.append(("enter", paths[id(m)], None))))
                 hooks.append(child.register_forward_hook(
@@ -141,14 +141,16 @@ def _head(calls, logits, vocab: int) -> tuple[str | None, str]:
 
 
 def _children(container) -> list:
-    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+    """A ModuleList's or ModuleDict's modules (a None placeholder, which some libraries keep, left out)."""
+    children = container.values() if isinstance(container, nn.ModuleDict) else container
+    return [c for c in children if c is not None]
 
 
 def _blocks(module, events) -> tuple[str | None, str]:
     """(the path of the container run as layers, "") or (None, why none is)."""
     best, reasons = None, []
     for path, container in module.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or not len(container):
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or not _children(container):
             continue
         reason = _chain_problem(container, path, events)
         size = sum(p.numel() for p in container.parameters())
@@ -166,6 +168,10 @@ def _blocks(module, events) -> tuple[str | None, str]:
 
 def _chain_problem(container, path: str, events) -> str | None:
     children = _children(container)
+    if len(children) < 2:
+        return "fewer than two blocks"
+    if isinstance(container, nn.ModuleDict) and list(container.keys()) != [str(i) for i in range(len(container))]:
+        return "its keys are not 0, 1, ..., as layers are numbered"
     shapes = [[(n, tuple(p.shape)) for n, p in c.named_parameters()] for c in children]
     if any(type(c) is not type(children[0]) or s != shapes[0] for c, s in zip(children, shapes)):
         return "its children are not structurally identical"
@@ -308,3 +314,16 @@ def wrap(module: nn.Module, *, max_seq_len: int = 0, recorded: ModuleFacts | Non
         if recorded.blocks is None:
             facts = replace(facts, blocks=None, block_types=(), blocks_reason=recorded.blocks_reason)
     return ModuleCausalLM(module, facts, max_seq_len, bos_token_id, eos_token_id)
+
+
+def build_record(record, *, meta: bool = False, new_run: bool = False, spec: str | None = None,
+                 args: dict | None = None) -> ModuleCausalLM:
+    """The model of a module record (torch_model.module_lm.ModuleSpec): its SPEC (or `spec`) called
+    with its arguments (or `args`), wrapped; it must still have the facts the record holds, unless
+    the record is a new run's (`new_run`: the blocks are then checked on the weights)."""
+    from torch_model.module_lm import instantiate
+
+    spec = spec or record.spec
+    module = instantiate(spec, record.args if args is None else args, meta=meta)
+    return wrap(module, max_seq_len=record.max_seq_len, recorded=None if new_run else record.facts,
+                where=f"--module {spec}", bos_token_id=record.bos_token_id, eos_token_id=record.eos_token_id)

@@ -147,8 +147,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
          lora: str | None = None, rl=None, rollout: RolloutShape | None = None, model_record=None,
          base_dtype: str = "compute", moe_routing: str = "even") -> Plan:
     """Compile `preset`'s train step for TPU `topology` and report one chip's memory; `model_record`: a
-    transformers model's record (torch_model.transformers_lm.TransformersSpec) planned instead
-    (then `preset` only names it in the report; seq_len is required).
+    transformers model's or a module's record (TransformersSpec, ModuleSpec) planned instead (then
+    `preset` only names it in the report; seq_len is required).
     mesh: None = one chip, replicated state; a --mesh spec ("" = every chip on fsdp) = the sharded
     step over every chip. model_overrides: ModelConfig fields (e.g. {"n_layers": 2}); seq_len
     defaults to the preset's. A program that does not fit is reported (fits=False, temp_bytes from
@@ -203,7 +203,14 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
     if base_dtype == "mxfp4" and (not lora or model_record is not None or rl is not None):
         raise ValueError("base_dtype mxfp4 is planned for a gpt-oss LoRA step (give lora; not rl or a transformers model)")
     with torch.device("meta"):
-        model = GptOssForCausalLM(cfg) if model_record is None else cfg.build()
+        if model_record is None:
+            model = GptOssForCausalLM(cfg)
+        elif hasattr(cfg, "facts"):             # a module model (torch_model/module_lm.py)
+            from jax_bridge.module_probe import build_record
+
+            model = build_record(cfg, meta=True)
+        else:
+            model = cfg.build()
         if base_dtype == "mxfp4":
             from torch_model.model import mxfp4_expert_modules
             mxfp4_expert_modules(model)

@@ -23,6 +23,7 @@ from pallas_kernels.platform import host_platform
 from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.config import ModelConfig
 from torch_model.model import GptOssForCausalLM
+from torch_model.module_lm import ModuleSpec
 from torch_model.transformers_lm import TransformersCausalLM, TransformersSpec
 from formats.errors import UserError
 
@@ -244,6 +245,11 @@ def build_model(model_cfg, state_dict: Mapping | None, seed: int):
     if isinstance(model_cfg, TransformersSpec):
         torch.manual_seed(seed)
         model = model_cfg.build()
+    elif isinstance(model_cfg, ModuleSpec):      # the module's own init, seeded
+        from formats.model_checks import build_module_model
+
+        torch.manual_seed(seed)
+        model = build_module_model(model_cfg, new_run=state_dict is None)
     else:
         model = GptOssForCausalLM(model_cfg)
         if state_dict is None:
@@ -255,9 +261,10 @@ def build_model(model_cfg, state_dict: Mapping | None, seed: int):
 
 def reference_model(model):
     """The eager ground truth of `model`: itself (ours: eager PyTorch with the ops' references),
-    or for a transformers model the same weights over transformers' own eager attention and
-    experts (the model authors' code, torch_model.transformers_lm.build(reference=True))."""
-    return model.reference_twin() if isinstance(model, TransformersCausalLM) else model
+    or the same weights run by the model authors' code: for a transformers model over
+    transformers' own eager attention and experts (torch_model.transformers_lm.build(reference=True)),
+    for a module its own forward and its logits' cross-entropy (ModuleCausalLM.reference_twin)."""
+    return model.reference_twin() if hasattr(model, "reference_twin") else model
 
 
 def load_state_dict(model, state_dict: Mapping) -> None:
@@ -274,4 +281,6 @@ def load_state_dict(model, state_dict: Mapping) -> None:
         if tuple(tensors[name].shape) != tuple(p.shape):
             raise UserError(f"state dict: {name} has shape {tuple(tensors[name].shape)}, "
                             f"the model expects {tuple(p.shape)}")
-    model.load_state_dict(tensors, strict=True)
+    from formats.model_checks import load_weights
+
+    load_weights(model, tensors)        # strict; a tied or aliased tensor's other names filled

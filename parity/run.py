@@ -19,6 +19,7 @@ from torch_model.config import ConfigError, ModelConfig, get_preset
 from torch_model.lora import parse_lora_spec
 from formats.lora_inference import lora_meta
 from formats.errors import UserError
+from train.run.flags import json_object
 
 
 def add_arguments(parser) -> None:
@@ -31,6 +32,12 @@ def add_arguments(parser) -> None:
     source.add_argument("--model-config", metavar="CONFIG.json",
                         help="a transformers model (as `train --model-config`), random weights seeded by --seed: "
                              "its reference is transformers' own eager attention and experts")
+    source.add_argument("--module", metavar="SPEC",
+                        help="your own nn.Module (as `train --module`: path/to/file.py:NAME or package.module:NAME), "
+                             "its own init seeded by --seed: its reference is its own eager forward and the plain "
+                             "cross-entropy of its logits; rows unsegmented (a module takes tokens only)")
+    parser.add_argument("--module-args", type=json_object, default=None, metavar="JSON",
+                        help="with --module: the keyword arguments of NAME, a JSON object (default: none)")
     parser.add_argument("--kernels", action="append", metavar="SET",
                         help="kernel set, e.g. 'attention=pallas,moe=xla' (unnamed ops run xla); repeatable or "
                              "';'-separated. Default: all-xla plus every other registered implementation of each op")
@@ -134,6 +141,8 @@ def run(args) -> int:
                         "base decoded to float32 by tests/test_mxfp4_base.py, the moe_mxfp4 kernels to their "
                         "reference by tests/test_kernel_moe_mxfp4.py; parity --checkpoint DIR compares the decoded "
                         "base")
+    if args.module_args and not args.module:
+        raise UserError("--module-args: the keyword arguments of --module; give --module")
     if args.selftest or args.trajectory:
         code = 0
         if args.selftest and args.model_config:      # a transformers model: random weights, no LoRA rows
@@ -176,6 +185,13 @@ def run(args) -> int:
         from torch_model.transformers_lm import TransformersSpec
 
         model_cfg, state_dict, source = TransformersSpec.from_file(args.model_config), None, args.model_config
+    elif args.module:
+        from formats.model_checks import module_record
+
+        model_cfg, state_dict, source = module_record(args.module, args.module_args or {}, 0), None, args.module
+        if args.segments:
+            say("--module: a module takes tokens only, so the rows are unsegmented (--no-segments)")
+            args.segments = False
     else:
         try:
             model_cfg = get_preset(args.preset)

@@ -88,7 +88,7 @@ def test_the_help_shows_each_config_fields_real_default(commands, command, confi
         if action.dest not in fields or isinstance(action, argparse._StoreConstAction):
             continue                 # --config, the cluster flags; a switch is off unless given
         value = field_default(config_type, action.dest)
-        if value is None or value in ("", []):
+        if value is None or value in ("", [], {}):
             assert re.search(r"\((default: [^)]+|required)\)$", action.help), \
                 f"{command} {action.option_strings[0]}: no default stated: {action.help!r}"
         else:

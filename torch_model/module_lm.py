@@ -24,6 +24,7 @@ under `module.`. `own_names` maps them back: exports and `state_dict()` speak th
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import importlib
@@ -287,6 +288,7 @@ class ModuleBackbone(nn.Module):
             self.layers = module.get_submodule(facts.blocks)
         object.__setattr__(self, "_module", module)        # not registered here: ModuleCausalLM holds it
         self._direct = False
+        self.truth = False          # ModuleCausalLM.reference_twin: the module's own forward, nothing stood in
 
     def _blocks(self) -> list[nn.Module]:
         layers = self.layers
@@ -294,6 +296,8 @@ class ModuleBackbone(nn.Module):
 
     def forward(self, input_ids, positions=None, segment_ids=None):
         """(the final hidden state [B, T, H] when the head is fused, else the logits, stats)."""
+        if self.truth:
+            return output_logits(self._module(input_ids), self.facts.output), [None] * self.facts.n_layers
         if positions is not None or segment_ids is not None:
             raise UnsupportedModel("a module model takes tokens only: packed rows (positions, segment ids) are "
                                    "refused (train with --no-document-masking on text data)")
@@ -376,9 +380,11 @@ class ModuleCausalLM(CausalLMHead, nn.Module):
     """A plain module behind the boundary (see the module docstring)."""
 
     def __init__(self, module: nn.Module, facts: ModuleFacts, max_seq_len: int = 0, bos_token_id=None,
-                 eos_token_id=None):
+                 eos_token_id=None, truth: bool = False):
+        """truth: run the module as its author wrote it (see `reference_twin`)."""
         super().__init__()
         self.model = ModuleBackbone(module, facts)
+        self.truth = self.model.truth = truth
         if facts.head:
             self.lm_head = module.get_submodule(facts.head)
         self.module = module
@@ -387,10 +393,19 @@ class ModuleCausalLM(CausalLMHead, nn.Module):
 
     @property
     def fused_head(self) -> bool:
-        return self.facts.head is not None
+        return self.facts.head is not None and not self.truth
+
+    def reference_twin(self) -> "ModuleCausalLM":
+        """The same module and weights, run as its author wrote it: its own forward, its logits'
+        plain cross-entropy (no stand-in for the blocks, no fused op): the parity suite's ground truth."""
+        twin = copy.deepcopy(self)
+        twin.truth = twin.model.truth = True
+        return twin
 
     def forward(self, input_ids, labels=None, positions=None, segment_ids=None, loss_weights=None,
                 loss_denominator=None, router_loss_scale: float = 1.0):
+        if self.truth and labels is None:
+            return output_logits(self.module(input_ids), self.facts.output)
         if labels is None and not self.fused_head:
             return self.model(input_ids, positions, segment_ids)[0]
         return super().forward(input_ids, labels, positions, segment_ids, loss_weights, loss_denominator,
@@ -399,6 +414,12 @@ class ModuleCausalLM(CausalLMHead, nn.Module):
     def forward_cached(self, input_ids, positions, cache, start):
         out, cache = self.model.forward_cached(input_ids, positions, cache, start)
         return (self.lm_head(out[:, -1]) if self.fused_head else out[:, -1]), cache
+
+    def routers(self) -> list:
+        """The boundary's routers, which return (logits, weights, chosen experts): a module's own
+        router is its code's, with no such protocol (its role, for sharding and the optimizer,
+        comes from `roles`); the routing checks of the parity suite do not apply."""
+        return []
 
     def new_cache(self, batch: int, max_len: int, dtype=torch.float32, device=None) -> ModuleCache:
         return ModuleCache(torch.zeros((batch, max_len), dtype=torch.int32, device=device))

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from train.bench.table import markdown_table
 from train.bench.torch_peers import KINDS, TORCH_PEERS, bench_tokens
 from formats.errors import UserError
@@ -57,8 +59,14 @@ class OursContender:
         from jax_bridge.step import StepConfig, TrainStep
         from torch_model.model import GptOssForCausalLM
 
-        model = GptOssForCausalLM(cfg)
-        model.reset_parameters(seed)
+        if hasattr(cfg, "facts"):          # a module (train --module): its own init at `seed`, as the peers'
+            from formats.model_checks import build_module_model
+
+            torch.manual_seed(seed)
+            model = build_module_model(cfg, new_run=True)
+        else:
+            model = GptOssForCausalLM(cfg)
+            model.reset_parameters(seed)
         self.jax = jax
         self.step = TrainStep(model, opt_cfg, StepConfig(kernels=kernels, compute_dtype=compute_dtype,
                                                          kernel_options=kernel_options))
@@ -318,7 +326,9 @@ def summarize(s: BenchSettings, rounds: list[dict], peaks: list[float], compile_
         met = None if value is None else (value <= target if key == "step_over_parts" else value >= target)
         goals[key] = {"goal": text, "target": target, "measured": value, "met": met}
     return dict(
-        preset=s.preset, model=s.cfg.to_dict(), batch_size=s.batch_size, seq_len=s.seq_len, rounds=s.rounds,
+        preset=s.preset, model=s.cfg.to_dict(), shape={k: getattr(s.cfg, k) for k in ("d_model", "n_layers", "n_experts",
+                                                                                    "vocab_size")},
+        batch_size=s.batch_size, seq_len=s.seq_len, rounds=s.rounds,
         tokens_per_step=tokens, flops_per_token=per_token, peak_flops=peak, peak_rounds=peaks,
         compute_dtype=compute_dtype, device=s.device,
         peak_source=peak_source or f"median over rounds of the best of 4 jitted {s.peak_n}^3 {compute_dtype} matmuls "
@@ -353,8 +363,9 @@ def format_report(rep: dict) -> str:
                      _fmt(row.get("fwdbwd_mfu"), 100, 1, "%"), _fmt(row.get("step_mfu"), 100, 1, "%"),
                      _fmt(row.get("fwdbwd_ours_speedup"), 1, 2, "x"), _fmt(row.get("step_ours_speedup"), 1, 2, "x"),
                      _first_call(row)])
-    out = [f"bench step: {rep['preset']} (d_model {rep['model']['d_model']}, {rep['model']['n_layers']} layers, "
-           f"{rep['model']['n_experts']} experts, vocab {rep['model']['vocab_size']}), batch {rep['batch_size']} x "
+    shape = rep["shape"]
+    out = [f"bench step: {rep['preset']} (d_model {shape['d_model']}, {shape['n_layers']} layers, "
+           f"{shape['n_experts']} experts, vocab {shape['vocab_size']}), batch {rep['batch_size']} x "
            f"{rep['seq_len']}, {rep['compute_dtype']} on {rep['device']}, {rep['rounds']} interleaved rounds (medians); "
            f"peak {rep['peak_flops'] / 1e9:,.1f} GFLOP/s ({rep['peak_source'].split(' (')[0]}); load average "
            f"{rep['load_average']['start']} -> "
@@ -393,7 +404,15 @@ def parse_model_overrides(text: str | None) -> dict:
 
 
 def add_arguments(parser) -> None:
+    from train.run.flags import json_object
+
     parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    parser.add_argument("--module", metavar="SPEC", default=None,
+                        help="time your own nn.Module instead (as train --module: path/to/file.py:NAME or "
+                             "package.module:NAME); its torch peers run the module's own forward and loss "
+                             "(eager, compiled), the transformers peers do not apply")
+    parser.add_argument("--module-args", type=json_object, default=None, metavar="JSON",
+                        help="with --module: the keyword arguments of NAME, a JSON object (default: none)")
     parser.add_argument("--model", default=None, metavar="FIELD=VALUE,...",
                         help="override ModelConfig fields of the preset, e.g. d_model=64,n_layers=2")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per step (default: 8)")
@@ -426,6 +445,24 @@ def settings_from_args(args) -> BenchSettings:
     bad = [p for p in peers if p not in TORCH_PEERS]
     if bad:
         raise UserError(f"--peers: unknown peer(s) {', '.join(bad)}; choose from {', '.join(TORCH_PEERS)}")
+    if args.module_args and not args.module:
+        raise UserError("--module-args: the keyword arguments of --module; give --module")
+    if args.module:
+        if args.model:
+            raise UserError("--module: --model overrides a preset's fields; a module's shape is its --module-args")
+        given_peers = args.peers != ",".join(TORCH_PEERS)
+        hf = [p for p in peers if p.startswith("hf")]
+        if hf and given_peers:
+            raise UserError(f"--peers {','.join(hf)}: transformers' GptOss is a peer of our preset, not of a module")
+        peers = tuple(p for p in peers if not p.startswith("hf"))
+        from formats.model_checks import module_record
+
+        seq_len = args.seq_len or 256
+        cfg = module_record(args.module, args.module_args or {}, seq_len)
+        return BenchSettings(preset=args.module, cfg=cfg, batch_size=args.batch_size, seq_len=seq_len,
+                             rounds=args.rounds, peers=peers, kernels=args.kernels, kernel_options=args.kernel_options,
+                             compile_backend=args.compile_backend, seed=args.seed, device=args.device,
+                             peak_n=args.peak_n or (8192 if args.device == "gpu" else 1024))
     try:
         cfg = get_preset(args.preset)
         seq_len = args.seq_len or cfg.max_seq_len

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 # name -> what it is (the table's legend)
 TORCH_PEERS = {
-    "eager": "our torch model, eager, + the same Muon+AdamW",
+    "eager": "our torch model (a --module: the module's own forward and loss), eager, + the same Muon+AdamW",
     "compiled": "torch.compile of `eager` (model and optimizer step)",
     "hf": "transformers GptOssForCausalLM, eager, + torch.optim.AdamW",
     "hf_compiled": "torch.compile of `hf` (model and optimizer step)",
@@ -78,12 +78,22 @@ def build_torch_contender(name: str, cfg, tokens: np.ndarray, *, opt_cfg=None, d
     if name not in TORCH_PEERS:
         raise ValueError(f"unknown torch contender {name!r}; choose from {', '.join(TORCH_PEERS)}")
     opt_cfg = opt_cfg or OptimizerConfig()
-    torch.manual_seed(seed)
-    ours = GptOssForCausalLM(cfg)
-    ours.reset_parameters(seed)
     ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     backend = compile_backend if name.endswith("compiled") else None
+    torch.manual_seed(seed)
+    if hasattr(cfg, "facts"):         # a module: as its author runs it (ModuleCausalLM.reference_twin)
+        from torch_model.module_lm import ModuleCausalLM, instantiate
+
+        if name.startswith("hf"):
+            raise ValueError(f"{name}: transformers' GptOss is no peer of a module")
+        model = ModuleCausalLM(instantiate(cfg.spec, cfg.args), cfg.facts, cfg.max_seq_len, truth=True)
+        model = model.to(device).train()
+        optimizer = MuonAdamW(model, opt_cfg)
+        return TorchContender(name, model, optimizer, lambda: model(inputs, labels)["loss"], device, autocast_dtype,
+                              backend)
+    ours = GptOssForCausalLM(cfg)
+    ours.reset_parameters(seed)
     if name in ("eager", "compiled"):
         model = ours.to(device).train()
         optimizer = MuonAdamW(model, opt_cfg)
@@ -131,6 +141,7 @@ def time_round(contenders: dict) -> dict:
 def child_main() -> int:
     """Serve the parent: spec on the first stdin line, then "round" lines, then "quit"."""
     from torch_model.config import ModelConfig
+    from torch_model.module_lm import ModuleSpec
     from torch_model.optim import OptimizerConfig
 
     answer = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
@@ -138,7 +149,8 @@ def child_main() -> int:
     spec = json.loads(sys.stdin.readline())
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    cfg = ModelConfig.from_dict(spec["model"])
+    cfg = (ModuleSpec.from_dict(spec["model"], "bench step") if ModuleSpec.is_spec_dict(spec["model"])
+           else ModelConfig.from_dict(spec["model"]))
     tokens = bench_tokens(cfg.vocab_size, spec["batch_size"], spec["seq_len"], spec["seed"])
     autocast = getattr(torch, spec["autocast_dtype"]) if spec.get("autocast_dtype") else None
     contenders, compile_info = {}, {}

@@ -16,7 +16,10 @@ from train.evaluation import validation
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from formats.model_checks import add_module_arguments
+
     validation.add_arguments(parser)
+    add_module_arguments(parser)
     parser.add_argument("--tasks", help="comma-separated: core (CORE-6, BIG-bench JSON), one of its tasks, humaneval, "
                                         "or FILE.jsonl (a task file); without it, validation loss and bits per byte")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N examples of each task")
@@ -116,6 +119,9 @@ def run(args) -> int:
     code = join.join(args, "eval")
     if code is not None:          # this process supervised the others
         return code
+    from formats.model_checks import take_module_from_args
+
+    take_module_from_args(args)
     import jax
 
     if jax.process_count() > 1 and not args.tasks:

@@ -20,9 +20,12 @@ from train.cluster import join
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from formats.model_checks import add_module_arguments
+
     parser.add_argument("--checkpoint", required=True,
                         help="checkpoint directory written by `torchlyra train` or `import`, or a Hugging Face "
                              "GptOss directory (gpt-oss as released: MXFP4 or bf16)")
+    add_module_arguments(parser)
     parser.add_argument("--prompt", action="append", default=None, help="prompt text (repeat for a batch)")
     parser.add_argument("--max-tokens", type=int, default=200, help="new tokens per prompt at most")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -67,6 +70,9 @@ def run(args) -> int:
     code = join.join(args, "generate")
     if code is not None:          # this process supervised the others
         return code
+    from formats.model_checks import take_module_from_args
+
+    take_module_from_args(args)
     import jax
 
     # Every process runs the same calls (streamed chunks included: a stop string ends rows on all);

@@ -8,6 +8,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from formats.jsonfile import json_object  # noqa: F401 (flags' JSON-object type, as the tables use it)
+
 VALUE, SWITCH, BOOLEAN, REPEATED = "value", "switch", "boolean", "repeated"
 
 
@@ -22,19 +24,6 @@ class Flag:
     metavar: str | None = None
     unset: str = ""            # what an empty default ("", None, []) means, e.g. "every device on fsdp"
     required: bool = False     # the run needs it, from the flag or the --config file
-
-
-def json_object(text: str) -> dict:
-    """A flag's value that is a JSON object (argparse type): one line naming what is wrong otherwise."""
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, found {type(value).__name__}: {text!r}")
-    return value
 
 
 def field_defaults(config_type: type) -> dict:

@@ -36,6 +36,28 @@ def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progres
         return _train(cfg, explicit, show_progress)
 
 
+def train_module(module, **settings) -> dict:
+    """Train `module`, a plain torch.nn.Module a notebook holds (forward(tokens [B, T]) -> logits
+    [B, T, V], as docs/own-model.md describes), as `torchlyra train --module` trains one: `settings`
+    are TrainConfig fields (data, out, steps, batch_size, seq_len, mesh, resume, ...). The run
+    records no SPEC, so its later commands take `--module path/to/file.py:NAME` (and
+    `--module-args`) to build it again; a resumed run is given the module again here. The
+    module's own weights are the initial ones. Returns the run's summary (see `run_training`)."""
+    from formats.model_checks import take_module_from
+
+    if settings.get("module") or settings.get("model_config"):
+        raise UserError("train_module: the module is the model; give no module or model_config setting")
+    try:
+        cfg = TrainConfig(**settings)
+    except TypeError as e:
+        raise UserError(f"train_module: {e}") from None
+    take_module_from(module)
+    try:
+        return run_training(cfg, explicit=dict(settings))
+    finally:
+        take_module_from(None)
+
+
 def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict:
     from train.cluster.preemption import StopSignals
     from train.run.profiling import StepProfiler

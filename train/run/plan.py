@@ -14,12 +14,18 @@ from formats.errors import UserError
 
 def add_arguments(parser) -> None:
     from formats.mxfp4 import BASE_DTYPES
+    from train.run.flags import json_object
     from torch_model.optim import NS_DTYPES
     from train.run.config import COMPUTE_DTYPES, REMATS
 
     parser.add_argument("--preset", default="lyra-small", help="model preset (default: lyra-small)")
     parser.add_argument("--model-config", metavar="CONFIG.json", default=None,
                         help="plan this transformers model (a config.json) instead of a preset; needs --seq-len")
+    parser.add_argument("--module", metavar="SPEC", default=None,
+                        help="plan your own nn.Module instead (as train --module: path/to/file.py:NAME or "
+                             "package.module:NAME), built on the meta device; needs --seq-len")
+    parser.add_argument("--module-args", type=json_object, default=None, metavar="JSON",
+                        help="with --module: the keyword arguments of NAME, a JSON object (default: none)")
     parser.add_argument("--topology", default="v5e:2x2",
                         help="TPU slice, e.g. v5e:1x1 (one chip), v6e:1x1, v5e:2x2, v6e:2x2, v4:2x2x1, v5p:2x2x1, v5e:4x4 "
                              "(default: v5e:2x2)")
@@ -139,10 +145,23 @@ def run(args) -> int:
 
 
 def _model_record(args):
-    """The transformers model of --model-config (None: the --preset, checked here)."""
+    """The transformers model of --model-config or the module of --module (None: the --preset,
+    checked here)."""
     from torch_model.config import ConfigError, get_preset
     from torch_model.transformers_lm import TransformersSpec
 
+    if args.module_args and not args.module:
+        raise UserError("--module-args: the keyword arguments of --module; give --module")
+    if args.module is not None:
+        if args.model_config is not None:
+            raise UserError("--module and --model-config name two models: give one")
+        if not args.seq_len:
+            raise UserError("--module: give --seq-len (a module records no training length)")
+        if args.layers:
+            raise UserError("--module: --layers is not built for modules (set the depth in --module-args)")
+        from formats.model_checks import module_record
+
+        return module_record(args.module, args.module_args or {}, args.seq_len)
     if args.model_config is None:
         try:
             get_preset(args.preset)

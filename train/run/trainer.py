@@ -45,9 +45,9 @@ def build_model_config(cfg: TrainConfig, vocab_size: int, bos: int, eos: int):
     from torch_model.config import ConfigError, get_preset
     from torch_model.transformers_lm import TransformersSpec
 
-    if cfg.module:
-        from formats.model_checks import module_record
+    from formats.model_checks import given_module, module_record
 
+    if cfg.module or given_module() is not None:     # --module, or the module train_module was given
         return module_record(cfg.module, cfg.module_args, cfg.seq_len).replace(bos_token_id=bos, eos_token_id=eos)
     if cfg.model_config:      # its refusals are ConfigErrors, one line at the command line
         return TransformersSpec.from_file(cfg.model_config).replace(bos_token_id=bos, eos_token_id=eos,
@@ -68,7 +68,9 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
         raise UserError("--preset and --model-config name two models: give one")
     if cfg.module and "preset" in explicit:
         raise UserError("--preset and --module name two models: give one")
-    if not cfg.module:
+    from formats.model_checks import given_module
+
+    if not cfg.module and given_module() is None:
         build_model_config(cfg, vocab_size=0, bos=0, eos=0)   # a bad preset/model override fails first
     out = Path(cfg.out)
     root = out / "checkpoints"
