@@ -188,8 +188,9 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
     check_export_options(dtype, shard_size_bytes)
     cfg, meta, params = checkpoint.iter_params(checkpoint_dir)
     if not isinstance(cfg, checkpoint.ModelConfig):
-        raise UserError(f"checkpoint {checkpoint_dir} holds a transformers {cfg.model_type} model: "
-                        f"formats.transformers_export writes it")
+        kind = "module" if hasattr(cfg, "facts") else "transformers"
+        raise UserError(f"checkpoint {checkpoint_dir} holds a {kind} model ({cfg.model_type}), not our GPT-OSS: "
+                        f"formats.{kind}_export writes it (`torchlyra export`)")
     return write_hf_dir(cfg, params, out_dir, step=meta.get("step", 0), enc=checkpoint_encoding(checkpoint_dir, meta),
                         dtype=dtype, shard_size_bytes=shard_size_bytes, overwrite=overwrite, progress=progress)
 

@@ -59,6 +59,7 @@ def export_adapter(peft_model, out_dir, *, base_model: str | None = None, overwr
         missing = [f for f in ADAPTER_FILES if not (tmp / f).is_file()]
         if missing:
             raise UserError(f"{out_dir}: peft's save_pretrained wrote no {', '.join(missing)}")
+        _in_module_names(peft_model, tmp / "adapter_model.safetensors")
         config_path = tmp / "adapter_config.json"
         config = json.loads(config_path.read_text())
         config.pop("auto_mapping", None)
@@ -72,6 +73,27 @@ def export_adapter(peft_model, out_dir, *, base_model: str | None = None, overwr
     n_params = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)   # modules_to_save too
     return {"out": str(out_dir), "files": list(ADAPTER_FILES) + ["README.md"], "n_adapter_params": n_params,
             "base_model": base_model, **settings}
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def _in_module_names(peft_model, path: Path) -> None:
+    """A module model's adapter tensors keyed by the module's own paths (`blocks.0.attention.wq`),
+    as peft keys them on the user's module, instead of the boundary's (`model.layers.0...`)."""
+    from safetensors.torch import load_file, save_file
+
+    from torch_model.lora import unwrap
+
+    model = unwrap(peft_model)
+    if not hasattr(model, "own_module_path"):
+        return
+    renamed = {}
+    for key, tensor in load_file(str(path)).items():
+        rest = key.removeprefix(PEFT_PREFIX)
+        module, found, leaf = rest.rpartition(".lora_")      # peft: <module>.lora_A.weight, <module>.lora_B.weight
+        renamed[f"{PEFT_PREFIX}{model.own_module_path(module)}.lora_{leaf}" if found else key] = tensor
+    save_file(renamed, str(path), metadata={"format": "pt"})
 
 
 def merged_params(peft_model):
@@ -95,6 +117,11 @@ def export_merged(peft_model, cfg, out_dir, *, step: int = 0, enc=None, dtype: s
     note = (f"\nLoRA merged: {describe(settings)}"
             + (" (MXFP4 rounds away the part of the adapter's change below each block's grid step)"
                if dtype == "mxfp4" else "") + ".\n")
+    if hasattr(cfg, "facts"):                     # a module model: its own names
+        from formats.module_export import write_module_dir
+
+        return write_module_dir(cfg, dict(merged), out_dir, step=step, enc=enc, dtype=dtype,
+                                shard_size_bytes=shard_size_bytes, overwrite=overwrite)
     if not isinstance(cfg, ModelConfig):          # a transformers model: its family's own layout
         from formats.transformers_export import write_transformers_dir
 

@@ -48,6 +48,16 @@ def holds_module_model(checkpoint_dir) -> bool:
 def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_size_bytes: int,
                       overwrite: bool = False, progress: bool = False) -> dict:
     """Write `out_dir` (see the module docstring) from the newest checkpoint of a module run."""
+    state, record, meta = checkpoint.load_checkpoint(checkpoint_dir, transformers_ok=True)
+    return write_module_dir(record, state, out_dir, step=meta.get("step", 0),
+                            enc=checkpoint_encoding(checkpoint_dir, meta), dtype=dtype,
+                            shard_size_bytes=shard_size_bytes, overwrite=overwrite)
+
+
+def write_module_dir(record, state: dict, out_dir, *, step: int = 0, enc=None, dtype: str = "float32",
+                     shard_size_bytes: int, overwrite: bool = False) -> dict:
+    """Write `out_dir` for the module `record` builds, holding `state` (the boundary's parameter
+    names, any of a tied tensor's: a LoRA run's merged weights too)."""
     from safetensors.torch import save_model
 
     from formats.model_checks import build_model, load_weights
@@ -56,13 +66,11 @@ def export_checkpoint(checkpoint_dir, out_dir, *, dtype: str = "float32", shard_
     if dtype == "mxfp4":
         raise UserError("--dtype mxfp4: the MXFP4 layout is gpt-oss's release format; a module exports as "
                         "float32 or bfloat16")
-    state, record, meta = checkpoint.load_checkpoint(checkpoint_dir, transformers_ok=True)
     model = build_model(record)
-    load_weights(model, state)
+    names = {n for n, _ in model.named_parameters()}
+    load_weights(model, {n: torch.as_tensor(v) for n, v in state.items() if n in names})
     module = model.module.to(DTYPES[dtype])
     n_params = sum(p.numel() for p in module.parameters())
-    enc = checkpoint_encoding(checkpoint_dir, meta)
-    step = meta.get("step", 0)
     with staged_dir(out_dir, replace="always" if overwrite else "never") as tmp:
         if _is_transformers_model(module):
             module.save_pretrained(tmp, max_shard_size=shard_size_bytes)

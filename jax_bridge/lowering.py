@@ -47,14 +47,16 @@ def model_function(model: torch.nn.Module, method: str = "forward", call=None):
         # its tracer); a `meta` model's buffers (planning without weights) enter as zeros.
         buffers = {prefix + n: _buffer_value(env, b) for n, b in model.named_buffers()}
         torch_params, torch_args = env.j2t_iso(({**buffers, **{prefix + k: v for k, v in params.items()}}, args))
-        # functional_call puts a buffer of a module shared under several paths (one rotary module for
-        # every layer) back under one of them only: the traced value must not outlive the trace.
-        held = [(m, dict(m._buffers)) for m in model.modules() if m._buffers]
+        # functional_call puts a tensor of a module reachable under several paths (one rotary module
+        # for every layer, a module model's blocks under the boundary's names and its own) back under
+        # one of them only: the traced values must not outlive the trace.
+        held = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules() if m._parameters or m._buffers]
         try:
             with env:
                 out = torch.func.functional_call(module, torch_params, torch_args)
         finally:
-            for m, buffers_before in held:
+            for m, params_before, buffers_before in held:
+                m._parameters.update(params_before)
                 m._buffers.update(buffers_before)
         return env.t2j_iso(out)
 

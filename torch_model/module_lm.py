@@ -379,6 +379,8 @@ class ModuleBackbone(nn.Module):
 class ModuleCausalLM(CausalLMHead, nn.Module):
     """A plain module behind the boundary (see the module docstring)."""
 
+    kv_cache = False        # generation recomputes each row's tokens (ModuleCache): no context to share
+
     def __init__(self, module: nn.Module, facts: ModuleFacts, max_seq_len: int = 0, bos_token_id=None,
                  eos_token_id=None, truth: bool = False):
         """truth: run the module as its author wrote it (see `reference_twin`)."""
@@ -439,6 +441,13 @@ class ModuleCausalLM(CausalLMHead, nn.Module):
         for own, tensor in self.module.state_dict(keep_vars=True).items():
             out.setdefault(boundary[id(tensor)], []).append(own)
         return {n: owns[0] for n, owns in out.items()}
+
+    def own_module_path(self, path: str) -> str:
+        """A submodule's path under the boundary's names -> its path in the module
+        (`model.layers.0.attention.wq` -> `blocks.0.attention.wq`), for files keyed by module path
+        (peft's adapters)."""
+        target = self.get_submodule(path)
+        return next(own for own, m in self.module.named_modules(remove_duplicate=False) if m is target)
 
     def roles(self) -> dict[str, str]:
         """Boundary parameter name -> its role (causal_lm.ROLES), for the parameters the probe gave one."""

@@ -112,6 +112,12 @@ def exported_model(args, workdir: Path, task_dir: Path) -> tuple[Path, str]:
 
     if args.checkpoint:
         checkpoint, source = Path(args.checkpoint), f"checkpoint {args.checkpoint}"
+        from formats.checkpoint import find_checkpoint, read_meta
+
+        if hasattr(read_meta(find_checkpoint(checkpoint))[1], "facts"):
+            raise UserError(f"--checkpoint {checkpoint}: a module model (train --module); bench eval scores our "
+                            f"backend beside lm-eval's hf backend on the same transformers GptOss weights, which a "
+                            f"module has not: score it with `torchlyra eval --tasks` or `torchlyra lm-eval`")
     else:
         try:
             cfg = get_preset(args.preset)

@@ -310,6 +310,15 @@ def run(args) -> int:
         raise UserError(f"--new-tokens: decode speed needs at least 2 tokens, found {new_tokens}")
     log = lambda s: print(s, file=sys.stderr, flush=True)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
+    if "hf" in names and args.checkpoint:
+        from formats import checkpoint as checkpoints
+
+        if not isinstance(checkpoints.read_meta(checkpoints.find_checkpoint(args.checkpoint))[1],
+                          checkpoints.ModelConfig):
+            if args.paths != ",".join(PATHS):
+                raise UserError(f"--paths hf: transformers' GptOss generates our GPT-OSS checkpoints only; "
+                                f"{args.checkpoint} holds another model: --paths ours,ours-streaming,no-cache")
+            names = [n for n in names if n != "hf"]
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
         model, hf_dir, source = _load(args, Path(tmp), export="hf" in names)
         cfg = model.cfg

@@ -7,7 +7,8 @@ already starts with it, its first token. `add_bos_token=True` prepends BOS to ev
 Model arguments: checkpoint (run, step or Hugging Face dir; required), kernels (default auto),
 mesh (axes joined by ':', e.g. fsdp=4:tensor=2), max_length, add_bos_token, prefix_token_id,
 compile_cache (a directory or off; default as for generate: jax_bridge/compile_cache.py), merge
-and base_dtype (as `eval --merge --base-dtype`). Any other argument is refused by name, and so are
+and base_dtype (as `eval --merge --base-dtype`), module (a module run's code, as `eval --module`;
+its arguments are the run's). Any other argument is refused by name, and so are
 lm-eval's `--device` given another value than its default and `--max_batch_size` (the backend runs
 on JAX's devices, in batches of `--batch_size` rows).
 """
@@ -31,7 +32,7 @@ LM_EVAL_OPTIONS = {"device": "the backend runs on JAX's devices (the model argum
                    "max_batch_size": "batches are --batch_size rows (a number; auto is refused)"}
 LM_EVAL_DEFAULT_DEVICE = "cuda:0"
 MODEL_ARGUMENTS = ("checkpoint", "kernels", "mesh", "max_length", "add_bos_token", "prefix_token_id", "max_gen_toks",
-                   "compile_cache", "merge", "base_dtype")
+                   "compile_cache", "merge", "base_dtype", "module")
 
 
 def check_unknown_arguments(unknown: dict) -> None:
@@ -52,7 +53,8 @@ class TorchlyraLM(TemplateLM):
     def __init__(self, checkpoint: str | None = None, kernels: str = "auto", mesh: str | None = None,
                  max_length: int | None = None, add_bos_token: bool = False, prefix_token_id: int | None = None,
                  batch_size: int | str | None = 16, max_gen_toks: int = 256, compile_cache: str | None = None,
-                 merge: bool = False, base_dtype: str = "compute", **unknown):
+                 merge: bool = False, base_dtype: str = "compute", module: str | None = None, **unknown):
+        from formats.model_checks import take_module_from
         from jax_bridge import compile_cache as compile_cache_module
         from formats.mxfp4 import BASE_DTYPES
         from train.evaluation.scorer import load_scorer
@@ -68,6 +70,7 @@ class TorchlyraLM(TemplateLM):
         if not isinstance(merge, bool):
             raise UserError(f"lm-eval --model_args merge: expected True or False, found {merge!r}")
         compile_cache_module.enable(compile_cache)
+        take_module_from(module)
         try:
             rows = int(16 if batch_size is None else batch_size)
         except ValueError:

@@ -19,13 +19,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from torch_model.lora import tracing_scope, trained_copy_name
+from torch_model.lora import tracing_scope
 from formats.errors import UserError
 from train.evaluation.requests import (GenerationRequest, GenerationResult, Loglikelihood, LoglikelihoodRequest,
                                        window)
 from train.evaluation.shared_context import (ContextPrograms, continuation_bucket, continuation_inputs,
                                              plan_batches, prefill_inputs)
-from train.evaluation.target_logprobs import Compilation, HiddenStates, positions_tile, request_scores
+from train.evaluation.target_logprobs import Compilation, HiddenStates, head_name, positions_tile, request_scores
 
 MIN_LENGTH = 16                  # shortest length bucket (positions per row)
 MIN_SCORED = 8                   # fewest scored positions per row a program takes
@@ -111,9 +111,7 @@ class CompiledScorer:
         self.compute_dtype = COMPUTE_DTYPES[self.step_cfg.compute_dtype]
         self.layout = LayerLayout.for_config(cfg, scan_layers)
         self.forward = layered_forward(HiddenStates(model), self.layout, mesh=mesh)
-        # A head trained whole by peft (modules_to_save) is read under its own name.
-        trained_head = trained_copy_name("lm_head", "weight")
-        self.head_name = trained_head if trained_head in dict(model.named_parameters()) else "lm_head.weight"
+        self.head_name = head_name(model)
         self.compilations: list[Compilation] = []
         self._programs: dict[tuple, object] = {}
         self.weights = weights          # the source of what the model holds on `meta` (formats/mesh_loader.py)
@@ -127,7 +125,7 @@ class CompiledScorer:
         if share_contexts and mesh is not None:
             raise UserError("scorer: share_contexts is not built under a mesh (leave it unset there)")
         self.context_programs = None
-        if share_contexts or (share_contexts is None and mesh is None):
+        if share_contexts or (share_contexts is None and mesh is None and getattr(model, "kv_cache", True)):
             try:
                 self.context_programs = ContextPrograms(self, model)
             except (registry.KernelError, ValueError) as e:
@@ -201,7 +199,8 @@ class CompiledScorer:
                 jax.default_matmul_precision(self.step_cfg.matmul_precision), tracing_scope(self.model):
             hidden = sharding.constrain(self.forward(params, inputs), self.mesh, ("batch", None, None))
             picked = jnp.take_along_axis(hidden, index[..., None], axis=1)            # [B, K, H]
-            return request_scores(picked, params[self.head_name], jnp.take_along_axis(targets, index, 1), scored,
+            head = params[self.head_name] if self.head_name else None
+            return request_scores(picked, head, jnp.take_along_axis(targets, index, 1), scored,
                                   tile, self.step_cfg.matmul_precision)
 
     def _batch_specs(self, rows: int, positions: int, scored: int):

@@ -135,7 +135,8 @@ class ContextPrograms:
         hidden, _ = self._run(params, ids, positions, row_cache, start)
         tile = positions_tile(*ids.shape, s.cfg.vocab_size, 1)
         # Outside _run's scope: the head's matmul takes the step's precision as an argument.
-        return request_scores(hidden, params[s.head_name], targets, scored, tile, s.step_cfg.matmul_precision)
+        head = params[s.head_name] if s.head_name else None
+        return request_scores(hidden, head, targets, scored, tile, s.step_cfg.matmul_precision)
 
     def prefill_and_score(self, context_ids: np.ndarray, context_positions: np.ndarray, slots: int, *rows):
         """(the contexts' KV cache of `slots` slots, on device; summed log-probability [rows];

@@ -18,14 +18,17 @@ class Compilation(NamedTuple):
 
 
 class HiddenStates(torch.nn.Module):
-    """The model's final (normed) hidden states [B, T, H] under the model's own parameter names:
-    the scoring programs apply the head themselves, a slice of positions at a time. `forward`:
-    one full forward; `forward_cached`: `Backbone.forward_cached` (hidden states, updated cache)."""
+    """The model's final (normed) hidden states [B, T, H] under the model's own parameter names
+    (its children are this module's): the scoring programs apply the head themselves, a slice of
+    positions at a time; a module model whose head is not fused gives its logits instead (its
+    `head_name` is None). `forward`: one full forward; `forward_cached`: `Backbone.forward_cached`
+    (hidden states, updated cache)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.cfg = model.cfg
-        self.model, self.lm_head = model.model, model.lm_head
+        for name, child in model.named_children():
+            setattr(self, name, child)
 
     def forward(self, input_ids):
         return self.model(input_ids)[0]
@@ -42,9 +45,22 @@ def positions_tile(rows: int, positions: int, vocab: int, shards: int) -> int:
     return max(fitting, default=1)
 
 
+def head_name(model) -> str | None:
+    """The parameter the scoring programs form logits with: the head's weight (a head trained
+    whole by peft's modules_to_save under its own name), or None when the model's forward gives
+    the logits itself (a module model whose head is not fused)."""
+    from torch_model.lora import trained_copy_name
+
+    if getattr(model, "fused_head", True) is False:
+        return None
+    trained_head = trained_copy_name("lm_head", "weight")
+    return trained_head if trained_head in dict(model.named_parameters()) else "lm_head.weight"
+
+
 def target_scores(hidden, head, targets, tile: int, precision: str):
     """(log p(target) [B, T] float32, target is the argmax [B, T]) from hidden states [B, T, H]
-    and the head [V, H], forming logits for `tile` positions of every row at a time; the head's
+    and the head [V, H] (None: `hidden` are the logits [B, T, V]), forming logits for `tile`
+    positions of every row at a time; the head's
     matmul at `precision` (the program's matmul precision, "default" | "high" | "highest"): given
     here, not left to the caller's scope, which the program's model forward alone may hold."""
     import jax
@@ -55,7 +71,8 @@ def target_scores(hidden, head, targets, tile: int, precision: str):
 
     def one(args):
         states, labels = args
-        logits = jnp.einsum("bth,vh->btv", states, head, preferred_element_type=jnp.float32, precision=precision)
+        logits = (states.astype(jnp.float32) if head is None else
+                  jnp.einsum("bth,vh->btv", states, head, preferred_element_type=jnp.float32, precision=precision))
         picked = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
         return picked - jax.nn.logsumexp(logits, -1), jnp.argmax(logits, -1) == labels
 

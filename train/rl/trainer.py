@@ -81,6 +81,10 @@ class RLTrainer:
             raise UserError(f"--init-from {cfg.init_from}: a LoRA checkpoint; start from its base, or export it merged")
         # The weights go from their files onto the mesh (formats/mesh_loader.py): nothing whole on the host.
         model_cfg, init_meta, weights = mesh_loader.open_weights(cfg.init_from)
+        if hasattr(model_cfg, "facts"):
+            raise UserError(f"--init-from {cfg.init_from}: a module model (train --module); rl trains on packed "
+                            f"rollouts (segment ids, per-row positions), which a module's forward (tokens only) "
+                            f"does not take")
         if weights is None:
             raise UserError(f"--init-from {cfg.init_from}: its layout needs a conversion that is not read slice by "
                             f"slice; `torchlyra import` it first")

@@ -180,9 +180,11 @@ class Trainer:
         self.train_data = TokenLoader(cfg.data, "train", **loader_args)
         val_data = TokenLoader(cfg.data, "val", **loader_args)
         if isinstance(self.model_cfg, ModuleSpec) and self.train_data.yields_batch:
-            raise UserError(f"{cfg.data}: {'conversations' if self.train_data.chat else 'packed documents'} train as "
-                            f"packed rows (segment ids, positions), which a module model does not take (its forward "
-                            f"takes tokens only): train it on text data with --no-document-masking")
+            what = ("preference pairs (DPO)" if self.train_data.pairs else "conversations" if self.train_data.chat
+                    else "documents with document masking")
+            raise UserError(f"{cfg.data}: {what} train as packed rows (segment ids, positions), which a module model "
+                            f"does not take (its forward takes tokens only): a module trains on text data with "
+                            f"--no-document-masking")
         self.preference = self._preference_config()
 
         torch.manual_seed(cfg.seed)
