@@ -36,11 +36,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_bridge import compile_cache, kernel_tiles, registry, sharding
 from jax_bridge.env import get_env
-from jax_bridge.lowering import abstract_params, model_function, params_to_jax
+from jax_bridge.lowering import model_function, params_to_jax
+from jax_bridge.model_on_mesh import ModelOnMesh
 from pallas_kernels.platform import check_platform, host_platform
 from jax_bridge.sampling import SamplingMode, SamplingValues, is_stop, mark_seen, next_token, token_logprob
 from jax_bridge.step import (COMPUTE_DTYPES, DEFAULT_COMPUTE_DTYPE, cast_params, default_matmul_precision, host_array,
-                             in_compute_dtype, replace_params, target_generation)
+                             replace_params, target_generation)
 from torch_model import kv_cache
 from torch_model.lora import tracing_scope
 from torch_model.model import has_mxfp4_experts
@@ -141,16 +142,10 @@ def empty_cache(env, model, rows: int, slots: int, dtype):
 
 def decoder_params(model: torch.nn.Module, compute_dtype, mesh=None) -> dict:
     """The parameters as a Decoder holds them, without weights: shapes, dtypes (the compute dtype
-    where `in_compute_dtype` says so) and, with a mesh, shardings. The model may be on `meta`:
-    for compiling without weights, or for a loader to fill (formats/mesh_loader.py)."""
-    compute = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
-    flat = {n: jax.ShapeDtypeStruct(a.shape, compute if in_compute_dtype(n, a.dtype) else a.dtype)
-            for n, a in abstract_params(model).items()}
-    if mesh is None:
-        return flat
-    sharding.check_model_fits(model.cfg, mesh)      # before any weight is read
-    placed = sharding.state_shardings(flat, mesh)
-    return {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed[n]) for n, a in flat.items()}
+    where `in_compute_dtype` says so) and, with a mesh, shardings (ModelOnMesh.parameter_specs).
+    The model may be on `meta`: for compiling without weights, or for a loader to fill
+    (formats/mesh_loader.py)."""
+    return ModelOnMesh(model, mesh).parameter_specs(compute_dtype)
 
 
 class Decoder:
@@ -184,16 +179,15 @@ class Decoder:
         self.matmul_precision = matmul_precision or default_matmul_precision(self.compute_dtype)
         self.compiler_options = {**sharding.compiler_options(mesh), **(compiler_options or {})}
         self.mesh = mesh
+        self.on_mesh = ModelOnMesh(model, mesh)
         compute = COMPUTE_DTYPES[self.compute_dtype]
-        if mesh is not None:
-            sharding.check_model_fits(self.cfg, mesh)
         if params is not None:
             self.params = dict(params)
         elif mesh is None:
             self.params = cast_params(params_to_jax(model), compute)
         else:       # from the host straight into shards: no device ever holds a whole model
-            host = cast_params({n: host_array(p) for n, p in model.named_parameters()}, compute)
-            self.params = sharding.place(host, sharding.state_shardings(host, mesh))
+            self.params = self.on_mesh.place(cast_params({n: host_array(p) for n, p in model.named_parameters()},
+                                                         compute))
         # Tuples in model order, never sets: the traced program (hence the persistent cache key)
         # must not depend on the process's string hashing.
         # A tied head's weight is the embedding's (named once, as the embedding): it keeps its layout.
@@ -215,7 +209,7 @@ class Decoder:
         update. The compiled programs take the parameters as arguments: same shapes, no recompile.
         A LoRA model's adapters stay apart from the base (unmerged), as the step holds them."""
         # A frozen base already in the compute dtype on these shardings is shared with the train step.
-        shardings = None if self.mesh is None else sharding.state_shardings(self.params, self.mesh)
+        shardings = self.on_mesh.shardings(self.params)
         self.params = replace_params(params, self.params, COMPUTE_DTYPES[self.compute_dtype], shardings,
                                      "Decoder.set_params")
         self._layouts = {}

@@ -156,8 +156,9 @@ def vocab_parallel_cross_entropy(fn, hidden, weight, labels, *, ignore_index: in
     return jnp.where(valid, lse - target, 0.0), jnp.where(valid, lse, 0.0)
 
 
-def orthogonalizer(mesh):
-    """Muon's orthogonalization for the torch optimizer under a mesh. A batch of matrices
+def orthogonalizer(on_mesh):
+    """Muon's orthogonalization for the torch optimizer of a model on a mesh
+    (jax_bridge/model_on_mesh.py). A batch of matrices
     (stacked layers, experts) is flattened to one batch axis and spread over the devices along
     it, whole matrices per device, so the Newton-Schulz iteration needs no communication (split
     by the rules, each matrix's rows or columns would be gathered at every iteration); the
@@ -166,6 +167,8 @@ def orthogonalizer(mesh):
     from torchax.interop import call_jax
 
     from torch_model.optim import newton_schulz
+
+    mesh = on_mesh.mesh
 
     def place(t, spec):
         return call_jax(lambda a: jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec)), t)
@@ -176,7 +179,7 @@ def orthogonalizer(mesh):
         spread = sharding.whole_matrices_spec(mesh, (math.prod(shape[:-2]), *shape[-2:]))  # representable
         if spread is None:
             return newton_schulz(u, steps, coeffs, eps, dtype)
-        home = sharding.param_spec(name, shape, mesh)
+        home = on_mesh.spec(name, shape)
         home = tuple(home) + (None,) * (len(shape) - len(home))
         split = [i for i, axes in enumerate(home[:-2]) if axes]
         if len(split) == 1 and not any(home[-2:]):

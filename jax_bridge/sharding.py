@@ -198,7 +198,7 @@ def check_model_fits(cfg, mesh: Mesh) -> None:
         raise ValueError(f"mesh expert={expert} must divide the number of experts ({cfg.n_experts})")
 
 
-def inference_mesh(mesh: Mesh | None, cfg, params: dict) -> Mesh | None:
+def inference_mesh(mesh: Mesh | None, cfg, params: dict, roles: dict | None = None) -> Mesh | None:
     """The mesh a command that only runs a model (generate, eval, lm-eval) places it on: `mesh`'s
     devices with `fsdp` folded into `tensor` as far as the attention heads divide, unless the
     weights (`params`: name -> shape and dtype) would then hold more bytes per device than fsdp
@@ -215,14 +215,15 @@ def inference_mesh(mesh: Mesh | None, cfg, params: dict) -> Mesh | None:
         return mesh
     data, expert = mesh.shape["data"], mesh.shape["expert"]
     folded = Mesh(mesh.devices.reshape(data, fsdp // fold, fold * tensor, expert), MESH_AXES)
-    held, gathered = param_bytes_per_device(params, mesh)
-    return folded if param_bytes_per_device(params, folded)[0] <= held + gathered else mesh
+    held, gathered = param_bytes_per_device(params, mesh, roles)
+    return folded if param_bytes_per_device(params, folded, roles)[0] <= held + gathered else mesh
 
 
-def param_bytes_per_device(params: dict, mesh: Mesh) -> tuple[int, int]:
+def param_bytes_per_device(params: dict, mesh: Mesh, roles: dict | None = None) -> tuple[int, int]:
     """Bytes of `params` (name -> shape and dtype) each device holds under the rules (the largest
-    shard), and the most that gathering one of them whole adds."""
-    placed = state_shardings(params, mesh)
+    shard; `roles`: what the model declares, causal_lm.parameter_roles), and the most that
+    gathering one of them whole adds."""
+    placed = state_shardings(params, mesh, roles)
     size = {n: math.prod(a.shape) * np.dtype(a.dtype).itemsize for n, a in params.items()}
     held = {n: held_bytes(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed[n])) for n, a in params.items()}
     return sum(held.values()), max((size[n] - held[n] for n in params), default=0)

@@ -18,11 +18,12 @@ import torch
 
 from jax_bridge import kernel_tiles, policy_gradient, preference, registry, sharded_ops, sharding
 from jax_bridge.env import get_env
-from jax_bridge.layer_stack import REMAT_POLICIES, LayerLayout, layered_forward
+from jax_bridge.layer_stack import REMAT_POLICIES, layered_forward
+from jax_bridge.model_on_mesh import ModelOnMesh
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform, vmem_capacity_bytes
 from torch_model.lora import is_adapted, tracing_scope, unwrap
-from torch_model.causal_lm import keeps_float32, parameter_roles
+from torch_model.causal_lm import keeps_float32
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 from torch_model.policy_gradient import PolicyGradientConfig
 from torch_model.preference import PreferenceConfig
@@ -199,12 +200,10 @@ class TrainStep:
         self.kernels = registry.resolve(step_cfg.kernels, self.platform, ops=registry.model_ops(model))
         registry.check_trainable(self.kernels)
         registry.check_options(step_cfg.kernel_options)
-        if mesh is not None:
-            sharding.check_model_fits(model.cfg, mesh)
-        self.layer_layout = LayerLayout.for_config(model.cfg, step_cfg.scan_layers)
+        self.on_mesh = ModelOnMesh(model, mesh, scan_layers=step_cfg.scan_layers)
+        self.layer_layout = self.on_mesh.layers
         self.layout = self.layer_layout.tag     # how state.params are stored (formats/checkpoint.py LAYOUTS)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
-        self.roles = parameter_roles(model)   # what the model declares beyond names (expert stacks' layouts, ...)
         self.layer_plan = plan_parameters(model, adapters=opt_cfg.adapter_optimizer, optimizer=opt_cfg.optimizer)
         self._check_frozen_stack()
         # Every layer stacked into one array has the same rule: take the first one's.
@@ -213,7 +212,7 @@ class TrainStep:
         self.forward = layered_forward(model, self.layer_layout, remat=step_cfg.remat, mesh=mesh,
                                        compute_dtype=self.compute_dtype)
         self.update = optimizer_function(self.plan, opt_cfg, matmul_precision=step_cfg.matmul_precision, **(
-            {} if mesh is None else {"orthogonalize": sharded_ops.orthogonalizer(mesh)}))
+            {} if mesh is None else {"orthogonalize": sharded_ops.orthogonalizer(self.on_mesh)}))
         self.frozen: dict = {}
         self.trace_count = 0
         self.objective = None
@@ -326,7 +325,7 @@ class TrainStep:
                             self.state_shardings(tree))
 
     def state_shardings(self, state):
-        return None if self.mesh is None else sharding.state_shardings(state, self.mesh, self.roles)
+        return self.on_mesh.shardings(state)
 
     def layer_params(self, params: dict) -> dict:
         """Parameters under the torch model's own per-layer names (unstacked if stacked)."""

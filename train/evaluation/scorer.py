@@ -73,7 +73,8 @@ class CompiledScorer:
 
         from jax_bridge import registry, sharding
         from jax_bridge.env import get_env
-        from jax_bridge.layer_stack import LayerLayout, layered_forward
+        from jax_bridge.layer_stack import layered_forward
+        from jax_bridge.model_on_mesh import ModelOnMesh
         from jax_bridge.step import COMPUTE_DTYPES, StepConfig
 
         cfg = model.cfg
@@ -94,22 +95,20 @@ class CompiledScorer:
                 mesh = sharding.make_mesh(mesh)
             except ValueError as e:
                 raise UserError(str(e)) from None
-        if mesh is not None and weights is not None:      # only run here: split for inference
-            from jax_bridge.decoding import decoder_params
-
-            mesh = sharding.inference_mesh(mesh, cfg, decoder_params(model, self.step_cfg.compute_dtype))
-        if mesh is not None:
-            try:
-                sharding.check_model_fits(cfg, mesh)
-            except ValueError as e:
-                raise UserError(f"--mesh: {e}") from None
+        try:
+            self.on_mesh = ModelOnMesh(model, mesh, scan_layers=scan_layers)
+            if weights is not None:          # only run here: split for inference
+                self.on_mesh = self.on_mesh.for_inference(self.step_cfg.compute_dtype)
+        except ValueError as e:
+            raise UserError(f"--mesh: {e}") from None
+        mesh = self.on_mesh.mesh
         self.cfg, self.mesh, self.batch_size, self.progress = cfg, mesh, batch_size, progress
         self.model, self.tokenizer, self.kernel_spec = model, tokenizer, kernels
         self._generator = None          # generate()'s GreedyGenerator, built on first use
         self.shards = 1 if mesh is None else sharding.batch_shards(mesh)
         self.env = get_env()
         self.compute_dtype = COMPUTE_DTYPES[self.step_cfg.compute_dtype]
-        self.layout = LayerLayout.for_config(cfg, scan_layers)
+        self.layout = self.on_mesh.layers
         self.forward = layered_forward(HiddenStates(model), self.layout, mesh=mesh)
         self.head_name = head_name(model)
         self.compilations: list[Compilation] = []
@@ -138,20 +137,8 @@ class CompiledScorer:
         host = {name: host_array(p) for name, p in model.named_parameters()}
         return self.layout.stack(cast_params(host, self.compute_dtype))
 
-    def _param_shardings(self, params: dict):
-        from jax_bridge import sharding
-
-        return None if self.mesh is None else sharding.state_shardings(params, self.mesh)
-
     def _place(self, model) -> dict:
-        import jax
-
-        from jax_bridge import sharding
-
-        params = self._host_params(model)
-        if self.mesh is None:
-            return jax.device_put(params, sharding.one_device())
-        return sharding.place(params, self._param_shardings(params))
+        return self.on_mesh.place(self._host_params(model))
 
     def set_params(self, params: dict) -> None:
         """New values for every parameter, named as this scorer's layout stacks them (a train
@@ -175,7 +162,7 @@ class CompiledScorer:
         flat = {n: jax.ShapeDtypeStruct(a.shape, self.compute_dtype if in_compute_dtype(n, a.dtype) else a.dtype)
                 for n, a in abstract_params(model).items()}
         stacked = self.layout.stack(flat, stack=lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype))
-        shardings = self._param_shardings(stacked)
+        shardings = self.on_mesh.shardings(stacked)
         if shardings is None:
             return stacked
         return {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings[n]) for n, a in stacked.items()}

@@ -23,7 +23,7 @@ def plan_scoring(preset: str, topology: str, *, mesh: str = "", rows: int = 8, p
     import torch
 
     from jax_bridge import sharding
-    from jax_bridge.decoding import decoder_params
+    from jax_bridge.model_on_mesh import ModelOnMesh
     from jax_bridge.step import DEFAULT_COMPUTE_DTYPE
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
@@ -34,8 +34,8 @@ def plan_scoring(preset: str, topology: str, *, mesh: str = "", rows: int = 8, p
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg)
     # The split `eval` and `lm-eval` run over (their scorer reads its own weights).
-    device_mesh = sharding.inference_mesh(sharding.make_mesh(mesh or None, devices), cfg,
-                                          decoder_params(model, DEFAULT_COMPUTE_DTYPE["tpu"]))
+    device_mesh = ModelOnMesh(model, sharding.make_mesh(mesh or None, devices)).for_inference(
+        DEFAULT_COMPUTE_DTYPE["tpu"]).mesh
     scorer = CompiledScorer(model, kernels=kernels, mesh=device_mesh, batch_size=rows, max_length=positions,
                             platform="tpu", progress=False)
     params = scorer.abstract_params(model)

@@ -108,9 +108,9 @@ class Generator:
                 from jax_bridge.decoding import decoder_params
 
                 if weights is not None and params is None:     # only run here: split for inference
-                    from jax_bridge.sharding import inference_mesh
+                    from jax_bridge.model_on_mesh import ModelOnMesh
 
-                    mesh = inference_mesh(mesh, model.cfg, decoder_params(model, dtype))
+                    mesh = ModelOnMesh(model, mesh).for_inference(dtype).mesh
                 placed = decoder_params(model, dtype, mesh)
                 if weights is not None:
                     from formats import mesh_loader
