@@ -12,6 +12,7 @@ from formats.atomic import staged_dir
 from formats.errors import UserError
 from formats.model_checks import model_shapes
 from torch_model.config import ModelConfig
+from torch_model.lora import unwrap
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -63,7 +64,9 @@ def export_adapter(peft_model, out_dir, *, base_model: str | None = None, overwr
         config_path = tmp / "adapter_config.json"
         config = json.loads(config_path.read_text())
         config.pop("auto_mapping", None)
-        config.update(task_type="CAUSAL_LM", base_model_name_or_path=base_model, inference_mode=True)
+        # A module model's adapter loads on the module itself: plain PeftModel (no transformers task).
+        task = None if hasattr(unwrap(peft_model), "own_module_path") else "CAUSAL_LM"
+        config.update(task_type=task, base_model_name_or_path=base_model, inference_mode=True)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         base_note = (f"`{base_model}`." if base_model else
                      "not recorded: load the base this adapter was trained on (`torchlyra export` of its "
@@ -82,8 +85,6 @@ def _in_module_names(peft_model, path: Path) -> None:
     """A module model's adapter tensors keyed by the module's own paths (`blocks.0.attention.wq`),
     as peft keys them on the user's module, instead of the boundary's (`model.layers.0...`)."""
     from safetensors.torch import load_file, save_file
-
-    from torch_model.lora import unwrap
 
     model = unwrap(peft_model)
     if not hasattr(model, "own_module_path"):

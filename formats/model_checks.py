@@ -72,12 +72,16 @@ def build_model(cfg, *, meta: bool = False):
 
 def load_weights(model, state: dict) -> None:
     """Load `state` (the model's named_parameters names, as checkpoints store them: a tied weight
-    once) into `model`, strictly: a tied head's other name is filled with the weight it shares."""
+    once) into `model`, strictly: a tied head's other name is filled with the weight it shares,
+    and a persistent buffer (which checkpoints do not hold) keeps the value the model computed."""
     owner = {id(p): n for n, p in model.named_parameters()}
+    buffers = {id(b) for b in model.buffers()}
     full = dict(state)
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name not in full and owner.get(id(tensor)) in state:
             full[name] = state[owner[id(tensor)]]
+        elif name not in full and id(tensor) in buffers:
+            full[name] = tensor.detach()
     model.load_state_dict(full)
 
 

@@ -77,11 +77,24 @@ def probe(module: nn.Module, *, seq_len: int = PROBE_TOKENS) -> ModuleFacts:
     except UnsupportedModel:
         raise
     except Exception as e:  # noqa: BLE001 - what torchax cannot lower is the answer, in one line
-        raise UnsupportedModel(f"the module's forward cannot be lowered through torchax: {first_line(e)}") from None
+        op = _failing_op(e)
+        raise UnsupportedModel(f"the module's forward cannot be lowered through torchax"
+                               f"{f' at {op}' if op else ''}: {first_line(e)}") from None
     finally:
         for h in hooks:
             h.remove()
     return _facts(module, events, kinds, tokens_seen["tokens"], jaxpr, seq_len)
+
+
+def _failing_op(error: Exception) -> str | None:
+    """The torch op torchax was lowering when `error` was raised (its dispatch's innermost frame)."""
+    op, tb = None, error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "dispatch" and "torchax" in frame.f_code.co_filename and "func" in frame.f_locals:
+            op = str(frame.f_locals["func"])
+        tb = tb.tb_next
+    return op
 
 
 def _facts(module, events, kinds, tokens, jaxpr, seq_len) -> ModuleFacts:

@@ -98,10 +98,13 @@ def source_hash(spec: str) -> str:
 
 
 def instantiate(spec: str, args: dict, *, meta: bool = False) -> nn.Module:
-    """The module SPEC's factory makes from the keyword arguments `args` (on `meta`: no weights)."""
+    """The module SPEC's factory makes from the keyword arguments `args`. `meta`: its parameters on
+    the `meta` device (no weights: a loader or a plan fills them), its buffers computed as the
+    module computes them (a rotary table), which checkpoints do not hold (accelerate's
+    init_empty_weights, buffers kept)."""
     factory = import_factory(spec)
     try:
-        with torch.device("meta") if meta else contextlib.nullcontext():
+        with _parameters_on_meta() if meta else contextlib.nullcontext():
             module = factory(**args)
     except Exception as e:  # noqa: BLE001
         raise UnsupportedModel(f"--module {spec}: {getattr(factory, '__name__', spec)}(**{json.dumps(args)}) "
@@ -110,6 +113,12 @@ def instantiate(spec: str, args: dict, *, meta: bool = False) -> nn.Module:
         raise UnsupportedModel(f"--module {spec}: the factory returned a {type(module).__name__}, expected a "
                                f"torch.nn.Module")
     return module
+
+
+def _parameters_on_meta():
+    from accelerate import init_empty_weights
+
+    return init_empty_weights(include_buffers=False)
 
 
 @dataclass(frozen=True)
