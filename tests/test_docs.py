@@ -54,7 +54,7 @@ SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
 # The repository's top-level folders and files: a path in the docs that starts with one is checked
 # (others, such as runs/tiny or data/chats, are what commands write).
 PACKAGES = ("torch_model", "pallas_kernels", "jax_bridge", "formats", "train", "parity")
-FOLDERS = (*PACKAGES, "scripts", "tests", "docs", ".ci")
+FOLDERS = (*PACKAGES, "scripts", "tests", "docs", ".ci", "examples")
 FILES = ("Makefile", "pyproject.toml", "requirements.lock", "BENCHMARKS.md", "README.md")
 FILE_SUFFIXES = {"json", "jsonl", "md", "png", "txt", "py"}     # `parity.json` is a file, not a module
 
@@ -178,7 +178,8 @@ def argv_of(command: Command) -> list[str]:
             unknown.append(word)
         return PLACEHOLDERS.get(word, word)
 
-    text = re.sub(rf"{QUOTED}|(?<![\w$])\$?[A-Z][A-Z0-9_]*(?!\w)|\.\.\.|[][<>|]", fill, command.text)
+    # A module's class named after a file (`--module examples/gpt.py:GPT`) is no placeholder.
+    text = re.sub(rf"{QUOTED}|(?<![\w$])(?<!\.py:)\$?[A-Z][A-Z0-9_]*(?!\w)|\.\.\.|[][<>|]", fill, command.text)
     if unknown:
         raise ValueError(f"placeholder(s) {', '.join(unknown)} not in tests/test_docs.py's PLACEHOLDERS")
     if syntax:
