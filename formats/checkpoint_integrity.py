@@ -51,8 +51,22 @@ def write_manifest(step_dir: Path) -> int:
     return sum(e["bytes"] for e in entries.values())
 
 
+# Seconds this process spent verifying manifests (hashing files): a command's start says them.
+HASHING = {"seconds": 0.0, "bytes": 0}
+
+
 def verify_manifest(step_dir: Path) -> None:
     """CheckpointDamaged naming the first missing, resized or altered file (or the absent manifest)."""
+    import time
+
+    started = time.perf_counter()
+    try:
+        _verify(step_dir)
+    finally:
+        HASHING["seconds"] += time.perf_counter() - started
+
+
+def _verify(step_dir: Path) -> None:
     path = step_dir / MANIFEST_FILE
     if not path.is_file():
         raise CheckpointDamaged(f"checkpoint {step_dir} is incomplete (no {MANIFEST_FILE}: the process "
@@ -70,6 +84,7 @@ def verify_manifest(step_dir: Path) -> None:
             raise CheckpointDamaged(f"checkpoint {step_dir} is damaged: file {rel} has {file.stat().st_size} "
                                     f"bytes, expected {size}")
     rels = sorted(expected)
+    HASHING["bytes"] += sum(size for size, _ in expected.values())
     for rel, found in zip(rels, _hash_all([step_dir / r for r in rels])):
         if found != expected[rel][1]:
             raise CheckpointDamaged(f"checkpoint {step_dir} is damaged: file {rel} fails its sha256 "

@@ -83,6 +83,9 @@ def add_arguments(parser) -> None:
                         help="with --lora or a LoRA checkpoint: also N LoRA train steps (TrainStep) against eager "
                              "peft + MuonAdamW: adapters rel <= 2e-5 together (each 1e-4), the frozen base "
                              "bit-identical (default 2; 0: off)")
+    from jax_bridge.compile_cache import HELP as COMPILE_CACHE_HELP
+
+    parser.add_argument("--compile-cache", default=None, help=COMPILE_CACHE_HELP)
     parser.add_argument("--json", metavar="OUT", help="write every check (metrics, tolerance, pass/fail) as JSON")
     parser.add_argument("--verbose", action="store_true", help="print every check, not only the failing ones")
 
@@ -134,7 +137,17 @@ def check_fits_host(checkpoint) -> None:
 
 def run(args) -> int:
     """Run the suite from parsed arguments; print the table; 0 if every check passed, else 1."""
+    from jax_bridge import compile_cache
+
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    cache, before = compile_cache.enable(args.compile_cache), compile_cache.events()
+    try:
+        return _run(args, say)
+    finally:
+        say(compile_cache.describe(cache, before))
+
+
+def _run(args, say) -> int:
     if args.base_dtype == "mxfp4":
         raise UserError("--base-dtype mxfp4: the parity suite has no rows for an MXFP4 expert base (its experts are "
                         "frozen bytes: no gradient to compare); a LoRA run, generate and eval on it are held to the "

@@ -71,7 +71,9 @@ def run(args) -> int:
     if code is not None:          # this process supervised the others
         return code
     from formats.model_checks import take_module_from_args
+    from train.startup import Startup
 
+    startup = Startup()       # where the start goes (--timings)
     take_module_from_args(args)
     import jax
 
@@ -79,16 +81,17 @@ def run(args) -> int:
     # only process 0's output is shown.
     with join.together("generate"), (contextlib.redirect_stdout(io.StringIO()) if jax.process_index()
                                      else contextlib.nullcontext()):
-        return _run(args)
+        return _run(args, startup)
 
 
-def _run(args) -> int:
+def _run(args, startup) -> int:
     sampling = SamplingConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     if (args.system or args.messages) and not args.chat:
         raise UserError("--system and --messages need --chat")
     mesh = join.command_mesh(args.mesh)
     model, tokenizer, weights = open_for_generation(args.checkpoint, merge=args.merge, base_dtype=args.base_dtype)
+    startup.mark("opening the checkpoint")
     cfg = model.cfg
     if args.chat:
         conversations = chat_conversations(args)
@@ -105,6 +108,7 @@ def _run(args) -> int:
     generator = Generator(model, kernels=args.kernels, decode_kernels=args.decode_kernels,
                           compile_cache=args.compile_cache, tokenizer=tokenizer, mesh=mesh, weights=weights,
                           kernel_options=args.kernel_options)
+    startup.mark("reading and placing the parameters")
     if weights is not None:         # every process says what it read (stdout is process 0's alone)
         import jax
 
@@ -133,7 +137,9 @@ def _run(args) -> int:
                 label + tokenizer.decode([t for t in ids if t not in hidden])
             print(f"--- prompt: {label!r}\n{text}\n")
     if args.timings:
+        startup.mark("compiling and generating")
         print(format_timings(result, generator.load_seconds), file=sys.stderr)
+        print(startup.line(generator.compile_cache), file=sys.stderr)
     return 0
 
 

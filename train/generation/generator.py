@@ -96,7 +96,7 @@ class Generator:
         self.allowed = (np.ones(model.cfg.vocab_size, bool) if tokenizer is None
                         else decodable_ids(tokenizer, model.cfg.vocab_size))
 
-        compile_cache_module.enable(compile_cache)
+        self.compile_cache = compile_cache_module.enable(compile_cache)     # its directory, or None: off
         self.load_seconds: float | None = None      # reading `weights` onto the devices
         try:
             platform = host_platform()

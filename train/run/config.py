@@ -63,6 +63,8 @@ class TrainConfig:
     base_dtype: str = "compute"    # a LoRA run's frozen experts: compute (the compute dtype) | mxfp4 (as released)
     dpo: str = ""                  # DPO on preference pairs, e.g. "beta=0.1,loss=sigmoid,label_smoothing=0"
     profile_steps: str = ""        # "A:B": a jax.profiler trace of steps A..B into OUT/profile (train/run/profiling.py)
+    compile_cache: str = ""        # persistent compilation cache directory, or "off"; "": $TORCHLYRA_COMPILE_CACHE or
+                                   # ~/.cache/torchlyra/jax-compile (jax_bridge/compile_cache.py)
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "micro_batches", "eval_every", "eval_tasks_limit", "log_every", "checkpoint_every",
@@ -193,8 +195,8 @@ class TrainConfig:
 # run would not continue the same training (model, data, batch, sequence, optimizer, schedule).
 CHANGEABLE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "eval_tasks", "eval_tasks_limit", "checkpoint_every", "keep_checkpoints",
                         "tensorboard", "max_consecutive_skips", "host_timeout_s", "samples", "sample_tokens", "temperature", "top_k",
-                        "kernels", "kernel_options", "mesh", "remat", "profile_steps", "module", "out", "resume",
-                        "init_from")
+                        "kernels", "kernel_options", "mesh", "remat", "profile_steps", "compile_cache", "module", "out",
+                        "resume", "init_from")
 
 
 def resumed_config(saved: dict, explicit: dict, where: str) -> TrainConfig:

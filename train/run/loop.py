@@ -59,18 +59,24 @@ def train_module(module, **settings) -> dict:
 
 
 def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict:
+    from jax_bridge import compile_cache
     from train.cluster.preemption import StopSignals
     from train.run.profiling import StepProfiler
     from train.run.trainer import Trainer, resume_point
+    from train.startup import Startup
 
     from jax_bridge.distributed import say
 
+    startup = Startup()             # where the start goes: printed and recorded at the first step
+    cache = compile_cache.enable(cfg.compile_cache or None)
     cfg, resume_dir, meta = resume_point(cfg, explicit or {})
+    startup.mark("finding the checkpoint")
     if meta and meta["step"] >= cfg.steps:
         say(f"{cfg.out}: the run already reached step {meta['step']} (--steps {cfg.steps}); nothing to do "
               f"(pass a larger --steps to extend it)")
         return {"steps": meta["step"], "already_finished": True, "checkpoint": str(resume_dir)}
-    trainer = Trainer(cfg, resume_dir, meta, explicit=explicit, show_progress=show_progress)
+    trainer = Trainer(cfg, resume_dir, meta, explicit=explicit, show_progress=show_progress,
+                      startup=(startup, cache))
     profiler = StepProfiler(cfg.profile_steps, trainer.out / "profile", cfg.steps)
     try:
         with StopSignals() as stop:
@@ -218,6 +224,10 @@ _FLAGS = {
                                                "last step are logged too)", int),
     "tensorboard": Flag("profiling and logging", "also write TensorBoard event files to OUT/tensorboard",
                         kind=SWITCH),
+    "compile_cache": Flag("profiling and logging", "persistent compilation cache directory, or off: a second run "
+                                                   "(or a --resume) of the same step loads its programs instead of "
+                                                   "compiling them", metavar="DIR",
+                          unset="$TORCHLYRA_COMPILE_CACHE, else ~/.cache/torchlyra/jax-compile"),
     "profile_steps": Flag("profiling and logging", "a jax.profiler trace of train steps A to B (counted from 1) "
                                                    "into OUT/profile, summarised per op category (torchlyra "
                                                    "profile OUT)", metavar="A:B", unset="no trace"),

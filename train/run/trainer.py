@@ -143,9 +143,13 @@ def build_mesh(cfg: TrainConfig):
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume_dir: Path | None = None, meta: dict | None = None, *,
-                 explicit: dict | None = None, show_progress: bool = True):
-        """A new run (meta None) or one resumed from `resume_dir` (see resume_point)."""
+                 explicit: dict | None = None, show_progress: bool = True, startup=None):
+        """A new run (meta None) or one resumed from `resume_dir` (see resume_point). startup:
+        (train.startup.Startup, the compilation cache directory or None) to mark the start's phases
+        in, printed and recorded at the first step (None: a Startup of its own)."""
         import jax
+
+        from train.startup import Startup
 
         from jax_bridge import registry
         from jax_bridge.step import StepConfig, TrainState, TrainStep
@@ -157,6 +161,7 @@ class Trainer:
         from formats.tokenizer import load_tokenizer
 
         self.out, self.primary, self.cfg, self.explicit = Path(cfg.out), jax.process_index() == 0, cfg, explicit or {}
+        self.startup, self.compile_cache = startup or (Startup(), None)
         if meta:
             say(f"resuming from {resume_dir} (step {meta['step']})")
         try:
@@ -169,6 +174,7 @@ class Trainer:
         if cfg.module:        # where a module run's code is (a new run's, or the run's it starts from or resumes)
             take_module_from(cfg.module, cfg.module_args or None)
         self.model_cfg, init_state = self._model_config(meta, explicit or {})
+        self.startup.mark("model record")
         if self.tokenizer.n_vocab > self.model_cfg.vocab_size:
             where = ("its --module-args" if isinstance(self.model_cfg, ModuleSpec) else "model.vocab_size")
             raise UserError(f"data vocabulary ({self.tokenizer.n_vocab}) is larger than the model's vocab_size "
@@ -186,6 +192,7 @@ class Trainer:
                             f"does not take (its forward takes tokens only): a module trains on text data with "
                             f"--no-document-masking")
         self.preference = self._preference_config()
+        self.startup.mark("data")
 
         torch.manual_seed(cfg.seed)
         streamed = mesh_loader.is_weights(init_state)
@@ -209,6 +216,7 @@ class Trainer:
                 load_weights(self.model, init_state)
         torch.manual_seed(cfg.seed)     # adapters drawn alike however the base was built (on meta: no draws)
         self.peft_model = self._adapt(self.model)
+        self.startup.mark("model")
         opt_cfg = OptimizerConfig(lr=cfg.lr, adam_lr=cfg.adam_lr, weight_decay=cfg.weight_decay,
                                   adapter_optimizer=cfg.adapter_optimizer, ns_dtype=cfg.ns_dtype,
                                   optimizer=cfg.optimizer)
@@ -224,6 +232,7 @@ class Trainer:
             raise UserError(str(e)) from None
         if self.step.frozen_names:
             self._report_trainable()
+        self.startup.mark("train step")
         if streamed:
             started = time.perf_counter()
             self.state = jax.block_until_ready(mesh_loader.init_state(self.step, init_state,
@@ -241,6 +250,8 @@ class Trainer:
             self.state = TrainState(**restored)
             self.train_data.load_state_dict(meta["loader"])
             self.done, self.counters = meta["step"], dict(meta.get("counters", self.counters))
+        jax.block_until_ready(self.state)
+        self.startup.mark("parameters")
         self.reference_source, self.reference = None, None     # DPO, full fine-tuning: stored log-probabilities
         if self.step.reference_in_batch:
             self._load_reference(meta, val_data)
@@ -268,6 +279,8 @@ class Trainer:
         self.profile_summary: str | None = None     # profile/summary.json, once the traced steps are summarised
         self._loader_state = None        # set while a read is in flight (see next_batch)
         self.metrics = self._open_metrics(resume_dir, meta)
+        self.startup.mark("evaluators and metrics")
+        self._starting = True           # until the first step has run (report_start)
         if self.train_data.yields_batch:
             self._report_packing()
         self.bar = tqdm(total=cfg.steps, initial=self.done, desc="train", dynamic_ncols=True,
@@ -523,6 +536,8 @@ class Trainer:
         self.state, metrics = self.step(self.state, batch, self.scale)
         self.last_batch = batch            # what a profiled run's step program is looked up with
         self.done += 1
+        if self._starting:
+            self._report_start(metrics)
         if not self.timer.started:
             self.timer.start()                 # after the first dispatch: compilation is not timed
         self.timer.count()
@@ -533,6 +548,18 @@ class Trainer:
         self.bar.update(1)
         self._stop_if_diverged()
         return metrics
+
+    def _report_start(self, metrics) -> None:
+        """The first step has been dispatched: once it has run, where the start went, printed in one
+        line and recorded in the metrics (train/startup.py)."""
+        import jax
+
+        jax.block_until_ready(metrics["loss"])
+        self.startup.mark("first step")
+        self._starting = False
+        self.write_record({"kind": "startup", "step": self.done, **self.startup.record()})
+        if self.primary:
+            self.bar.write(self.startup.line(self.compile_cache))
 
     def _count_skip(self, step: int, flag) -> None:
         c = self.counters
@@ -615,6 +642,8 @@ class Trainer:
             result = self.evaluator(self.step.full_params(self.state.params))
             if self.task_evaluator is not None:
                 result.update(self._task_scores())
+        if self._starting:
+            self.startup.mark("first evaluation")
         self.write_record({"kind": "eval", "step": self.done, **result})
         if self.done and self.primary and self.preference is not None:
             self.bar.write(f"step {self.done}: held-out pairs {result['val_pairs']}: DPO loss {result['val_loss']:.4f}, "

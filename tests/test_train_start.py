@@ -1,0 +1,73 @@
+"""A training run's start: where it goes (one line, and a "startup" record in metrics.jsonl), and
+the persistent compilation cache `--compile-cache` keeps for train as for generate: a second process
+of the same run loads its programs (compiles none), a changed kernel option compiles its programs
+again, and a cache that cannot be made, or entries that cannot be read, are said in one line while
+the run goes on."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import prepare_play_corpus
+from tests.worker_env import ROOT, worker_env
+
+# One MoE layer of `tiny`, narrow: a step of its own programs, compiled in a few seconds.
+MODEL = {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "n_experts": 4,
+         "experts_per_token": 2, "expert_dim": 32, "vocab_size": 320}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_start")
+    data = prepare_play_corpus(root)
+    config = root / "run.json"
+    config.write_text(json.dumps({"model": MODEL, "data": data, "steps": 2, "batch_size": 2, "seq_len": 32,
+                                  "samples": 0, "eval_every": 2, "eval_batches": 1, "kernels": "moe=xla"}))
+    return root, config
+
+
+def train(setup, out: str, *extra, cache: str = "cache") -> tuple[dict, str]:
+    """A run in a process of its own (the suite's own cache left out of it): its startup record and
+    what it printed."""
+    root, config = setup
+    env = {k: v for k, v in worker_env().items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    proc = subprocess.run([sys.executable, "-m", "train.cli", "train", "--config", str(config), "--out", str(root / out),
+                           "--compile-cache", str(root / cache), *extra], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (root / out / "metrics.jsonl").read_text().splitlines()]
+    (start,) = [r for r in records if r["kind"] == "startup"]
+    return start, proc.stderr + proc.stdout
+
+
+def test_a_second_process_loads_the_steps_programs_and_says_where_the_start_went(setup):
+    first, _ = train(setup, "first")
+    assert first["programs_compiled"] > 0 and first["programs_loaded"] == 0
+    for phase in ("imports_s", "model_s", "parameters_s", "first_evaluation_s", "first_step_s", "compile_s",
+                  "trace_s", "hashing_s"):
+        assert first[phase] >= 0, phase
+    assert first["total_s"] >= first["first_step_s"] + first["imports_s"]
+    second, output = train(setup, "second")
+    assert second["programs_compiled"] == 0 and second["programs_loaded"] == first["programs_compiled"]
+    assert second["compile_s"] < first["compile_s"]
+    (start_line,) = [line for line in output.splitlines() if "imports" in line and "first step" in line]
+    assert f"{second['programs_loaded']} programs loaded, 0 compiled" in start_line
+
+
+def test_a_changed_kernel_option_or_a_damaged_entry_compiles_again(setup):
+    """Run after the cache holds the first test's programs (or its own first run's)."""
+    cache = setup[0] / "cache"
+    if not cache.is_dir() or not any(cache.iterdir()):
+        train(setup, "warm")
+    changed, _ = train(setup, "changed", "--kernel-options", "moe.xla.block_m=16")
+    assert changed["programs_compiled"] > 0
+    for entry in cache.iterdir():
+        entry.write_bytes(b"damaged")
+    damaged, output = train(setup, "damaged")
+    assert damaged["programs_loaded"] == 0 and damaged["programs_compiled"] > 0
+    assert sum("could not be read" in line for line in output.splitlines()) == 1, output[-2000:]
+    assert "Traceback" not in output and "UserWarning" not in output
+    (setup[0] / "not_a_dir").write_text("a file where the cache would be")
+    _, output = train(setup, "uncached", cache="not_a_dir")
+    assert sum("cannot be made" in line for line in output.splitlines()) == 1, output[-2000:]

@@ -1,0 +1,62 @@
+"""Where a command's start goes: the seconds from the process's start to its first step or token,
+phase by phase (imports, data, the model, hashing and placing the parameters, the first program
+runs), with what JAX spent tracing, lowering and compiling (or loading from the persistent
+compilation cache) inside them. Printed in one line and, for a training run, recorded in its
+metrics ({"kind": "startup"})."""
+from __future__ import annotations
+
+import os
+import time
+
+
+def process_age() -> float:
+    """Seconds since this process started (its imports, argument parsing, ...)."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process(os.getpid()).create_time())
+    except (ImportError, OSError):
+        return 0.0
+
+
+class Startup:
+    """Phases in the order they run: `mark(name)` gives the time since the previous mark (or since
+    this Startup was made) to `name`; the process's age when it is made counts as "imports"."""
+
+    def __init__(self):
+        from formats.checkpoint_integrity import HASHING
+        from jax_bridge import compile_cache
+
+        self.phases: dict[str, float] = {"imports": process_age()}
+        self._jax, self._hashing = compile_cache.events(), dict(HASHING)
+        self._cache = compile_cache
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def record(self) -> dict:
+        """The phases' seconds, then hashing's and JAX's (trace, lower, compile) inside them, and the
+        programs the persistent cache loaded and compiled, since this Startup was made."""
+        from formats.checkpoint_integrity import HASHING
+
+        now = self._cache.events()
+        out = {f"{name.replace(' ', '_')}_s": round(seconds, 3) for name, seconds in self.phases.items()}
+        out.update(total_s=round(sum(self.phases.values()), 3),
+                   hashing_s=round(HASHING["seconds"] - self._hashing["seconds"], 3),
+                   hashed_bytes=HASHING["bytes"] - self._hashing["bytes"],
+                   **{k: round(now[k] - self._jax[k], 3) for k in ("trace_s", "lower_s", "compile_s")},
+                   programs_loaded=now["hits"] - self._jax["hits"], programs_compiled=now["misses"] - self._jax["misses"])
+        return out
+
+    def line(self, cache_dir=None) -> str:
+        r = self.record()
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
+        cache = ("; compilation cache off" if cache_dir is None else
+                 f"; compilation cache {cache_dir}: {r['programs_loaded']} programs loaded, "
+                 f"{r['programs_compiled']} compiled")
+        return (f"start {r['total_s']:.1f} s: {phases}; inside them hashing {r['hashing_s']:.1f} s "
+                f"({r['hashed_bytes'] / 1e6:,.0f} MB), trace {r['trace_s']:.1f} s, lower {r['lower_s']:.1f} s, "
+                f"compile {r['compile_s']:.1f} s" + cache)
