@@ -202,6 +202,10 @@ class TrainStep:
         registry.check_options(step_cfg.kernel_options)
         self.on_mesh = ModelOnMesh(model, mesh, scan_layers=step_cfg.scan_layers)
         self.layer_layout = self.on_mesh.layers
+        if step_cfg.remat != "none" and not self.layer_layout.n_layers:
+            why = getattr(getattr(model, "facts", None), "blocks_reason", "")
+            raise ValueError(f"--remat {step_cfg.remat} recomputes each layer: this model has none the bridge runs "
+                             f"as layers{f' ({why})' if why else ''}; train it with --remat none")
         self.layout = self.layer_layout.tag     # how state.params are stored (formats/checkpoint.py LAYOUTS)
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
         self.layer_plan = plan_parameters(model, adapters=opt_cfg.adapter_optimizer, optimizer=opt_cfg.optimizer)

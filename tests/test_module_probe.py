@@ -243,3 +243,12 @@ def test_lora_on_a_module_run_loads_in_peft_onto_the_module_with_the_runs_logits
         folded = merged(tokens)
     assert rel_err(theirs, ours) <= 1e-5 and rel_err(folded, ours) <= 1e-5
     assert not math.isclose(float((theirs - plain).abs().max()), 0.0)      # the adapters moved it
+
+
+def test_remat_of_a_module_whose_blocks_run_unrolled_is_one_line(data, tmp_path, capsys):
+    """--remat recomputes the layers the bridge runs; x-transformers' blocks (norms, attention or
+    feed-forward, residual, each a different module) run unrolled, so it is refused, saying why."""
+    args = {"vocab_size": 320, "dim": 256, "depth": 1, "heads": 4, "kv_heads": 2, "max_seq_len": 64}
+    err = one_line_error(capsys, ["train", "--module", "examples/x_transformers_gpt.py:gpt", "--module-args",
+                                  json.dumps(args), "--data", data, "--remat", "full", "--out", str(tmp_path / "run")])
+    assert "--remat full recomputes each layer" in err and "not structurally identical" in err, err
