@@ -12,7 +12,11 @@
 #   decode       GPT-OSS decode from train's checkpoint: 1/8/64 prompts, a profile,
 #                32 against 512 new tokens (the fixed cost of a call), the head bench ~200 s
 #   decode-ab    decode at MoE block_i 128/256/1024 and with cached_attention=pallas  ~150 s
-#   tier-runs    the hardware tier's runs file (parity, demo, generation, LoRA, DPO)   ~440 s
+#   module       examples/gpt.py at llama-570m.json's shape, that config's recipe (BENCHMARKS'
+#                Llama row), beside the same config through --model-config             ~330 s
+#   moe          gpt-oss-20b's and Qwen3-30B-A3B's layer shapes (docs/models/*-layers.json) at
+#                131,072 tokens a step, Muon and AdamW                                  ~540 s
+#   tier-runs    the hardware tier's runs file (parity, demo, generation, LoRA, DPO)   ~460 s
 #   tier-kernels the hardware tier's kernels file                                     ~230 s
 #
 # Every log, metrics file and summary goes to the output folder $OUT (default /tmp/chip_out; packed
@@ -120,7 +124,40 @@ tier() {   # tier FILE: the hardware tier's file, in this host's Python (no venv
     make test-tpu TPU_SETUP= PYTEST="python3 -m pytest -vv" TPU_TESTS="tests/$1"
 }
 
-job_tier_runs() { step tier_runs 440 tier test_chip_runs.py; }
+shakespeare() {   # the bundled corpus (4096 ids): `prepare` reads it from the package, no index needed
+    [ -d data/shakespeare ] || tl prepare > /dev/null || return 2
+    echo data/shakespeare
+}
+
+train_4096() {   # train_4096 RUN STEPS [FLAGS...]: a run on the bundled corpus, its median step summarised
+    local run=$1 steps=$2 data; shift 2
+    data=$(shakespeare) || return 2
+    rm -rf "${R:?}/$run"
+    tl train --data "$data" --seq-len 2048 --steps "$steps" --eval-every 1000 --eval-batches 1 --log-every 1 \
+        --samples 0 --out "$R/$run" "$@" && summary "$R/$run" && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl"
+}
+
+GPT_570M='{"vocab_size": 4096, "dim": 2048, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "hidden": 5632, "tie_embeddings": true, "max_seq_len": 2048}'
+
+job_module() {
+    step module_570m 170 train_4096 module_570m 10 --module examples/gpt.py:GPT --module-args "$GPT_570M" \
+        --batch-size 2 --micro-batches 16 --remat save-matmuls
+    step llama_570m 160 train_4096 llama_570m 10 --model-config docs/models/llama-570m.json \
+        --batch-size 2 --micro-batches 16 --remat save-matmuls
+}
+
+job_moe() {
+    step gpt_oss_layers 170 train_4096 gpt_oss_layers 8 --model-config docs/models/gpt-oss-20b-layers.json \
+        --batch-size 4 --micro-batches 16 --remat full --ns-dtype bfloat16
+    step gpt_oss_layers_adamw 130 train_4096 gpt_oss_layers_adamw 8 --model-config docs/models/gpt-oss-20b-layers.json \
+        --batch-size 4 --micro-batches 16 --remat full --optimizer adamw
+    step qwen3_layers 130 train_4096 qwen3_layers 8 --model-config docs/models/qwen3-30b-a3b-layers.json \
+        --batch-size 4 --micro-batches 16 --remat full --ns-dtype bfloat16
+    step qwen3_layers_adamw 110 train_4096 qwen3_layers_adamw 8 --model-config docs/models/qwen3-30b-a3b-layers.json \
+        --batch-size 4 --micro-batches 16 --remat full --optimizer adamw
+}
+
+job_tier_runs() { step tier_runs 460 tier test_chip_runs.py; }
 job_tier_kernels() { step tier_kernels 230 tier test_chip_kernels.py; }
 
 pack_out() {   # more than 8 files in $OUT go into one archive, results.tgz, for hosts that copy back a few
@@ -137,7 +174,7 @@ if [ -n "${CHIP_DRY_RUN:-}" ]; then
 fi
 [ $# -gt 0 ] || { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 2; }   # the header above
 for job in "$@"; do
-    declare -F "job_${job//-/_}" >/dev/null || { echo "chip_measure: no job '$job' (train, decode, decode-ab, tier-runs, tier-kernels)"; exit 2; }
+    declare -F "job_${job//-/_}" >/dev/null || { echo "chip_measure: no job '$job' (train, decode, decode-ab, module, moe, tier-runs, tier-kernels)"; exit 2; }
 done
 for job in "$@"; do "job_${job//-/_}"; done
 pack_out

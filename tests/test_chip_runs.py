@@ -106,6 +106,22 @@ def test_parity_command_passes_on_the_chip_in_both_dtypes(tmp_path, tpu_device, 
     assert "parity: PASS" in out and "float32" in out and "bfloat16" in out
 
 
+def test_parity_of_the_example_module_passes_on_the_chip_in_both_dtypes(tpu_device, capsys):
+    """examples/gpt.py through `parity --module` on the chip: its SDPA calls and its head reach the
+    kernels the registry picks there (Mosaic), against its own eager forward on the host."""
+    from train.cli import main
+
+    args = '{"vocab_size": 512, "dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 256}'
+    code = main(["parity", "--module", "examples/gpt.py:GPT", "--module-args", args])
+    out = capsys.readouterr().out
+    with capsys.disabled():
+        print("\n[parity --module examples/gpt.py:GPT] " + next(
+            (line for line in out.splitlines() if line.startswith(("parity: PASS", "parity: FAIL"))), "no verdict line"))
+    failing = "\n".join(line for line in out.splitlines() if line.startswith(("  FAIL", "  ERROR", "  REFUSED")))
+    assert code == 0, f"{failing[:8000]}\n{out[-1500:]}"
+    assert "parity: PASS" in out and "float32" in out and "bfloat16" in out
+
+
 def greedy_on_chip(model, prompts, new_tokens, **weights):
     """Greedy tokens of the compiled decode loop on the chip at float32 / "highest": unstreamed
     (the loop queued behind the prefill, reading the prefill's first tokens after the loop took
