@@ -21,16 +21,20 @@ from formats.errors import UserError
 _module_given: tuple[str, dict | None] | torch.nn.Module | None = None
 
 
-def add_module_arguments(parser) -> None:
-    """--module and --module-args of a command that reads a checkpoint: where a module run's code is."""
+RUNS_MODULE = ("a module run's code, path/to/file.py:NAME or package.module:NAME, where it is not where the run "
+               "recorded it (another machine; a run made from Python records none) (default: the run's)")
+
+
+def add_module_arguments(parser, help: str = RUNS_MODULE, args_default: str = "the run's",  # noqa: A002
+                         group=None) -> None:
+    """--module SPEC (in `group`, e.g. a command's mutually exclusive sources, else `parser`) and
+    --module-args JSON: `help` says what the module is for the command (by default, as for the
+    commands that read a checkpoint: where a module run's code is)."""
     from formats.jsonfile import json_object
 
-    parser.add_argument("--module", metavar="SPEC", default=None,
-                        help="a module run's code, path/to/file.py:NAME or package.module:NAME, where it is not "
-                             "where the run recorded it (another machine; a run made from Python records none) "
-                             "(default: the run's)")
+    (group or parser).add_argument("--module", metavar="SPEC", default=None, help=help)
     parser.add_argument("--module-args", type=json_object, default=None, metavar="JSON",
-                        help="with --module: the keyword arguments of NAME, a JSON object (default: the run's)")
+                        help=f"with --module: the keyword arguments of NAME, a JSON object (default: {args_default})")
 
 
 def take_module_from_args(args) -> None:

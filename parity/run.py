@@ -19,7 +19,7 @@ from torch_model.config import ConfigError, ModelConfig, get_preset
 from torch_model.lora import parse_lora_spec
 from formats.lora_inference import lora_meta
 from formats.errors import UserError
-from train.run.flags import json_object
+from formats.model_checks import add_module_arguments
 
 
 def add_arguments(parser) -> None:
@@ -32,12 +32,10 @@ def add_arguments(parser) -> None:
     source.add_argument("--model-config", metavar="CONFIG.json",
                         help="a transformers model (as `train --model-config`), random weights seeded by --seed: "
                              "its reference is transformers' own eager attention and experts")
-    source.add_argument("--module", metavar="SPEC",
-                        help="your own nn.Module (as `train --module`: path/to/file.py:NAME or package.module:NAME), "
-                             "its own init seeded by --seed: its reference is its own eager forward and the plain "
-                             "cross-entropy of its logits; rows unsegmented (a module takes tokens only)")
-    parser.add_argument("--module-args", type=json_object, default=None, metavar="JSON",
-                        help="with --module: the keyword arguments of NAME, a JSON object (default: none)")
+    add_module_arguments(parser, "your own nn.Module (as `train --module`: path/to/file.py:NAME or "
+                                 "package.module:NAME), its own init seeded by --seed: its reference is its own eager "
+                                 "forward and the plain cross-entropy of its logits; rows unsegmented (a module takes "
+                                 "tokens only)", args_default="none", group=source)
     parser.add_argument("--kernels", action="append", metavar="SET",
                         help="kernel set, e.g. 'attention=pallas,moe=xla' (unnamed ops run xla); repeatable or "
                              "';'-separated. Default: all-xla plus every other registered implementation of each op")

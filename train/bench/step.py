@@ -404,15 +404,12 @@ def parse_model_overrides(text: str | None) -> dict:
 
 
 def add_arguments(parser) -> None:
-    from train.run.flags import json_object
+    from formats.model_checks import add_module_arguments
 
     parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
-    parser.add_argument("--module", metavar="SPEC", default=None,
-                        help="time your own nn.Module instead (as train --module: path/to/file.py:NAME or "
-                             "package.module:NAME); its torch peers run the module's own forward and loss "
-                             "(eager, compiled), the transformers peers do not apply")
-    parser.add_argument("--module-args", type=json_object, default=None, metavar="JSON",
-                        help="with --module: the keyword arguments of NAME, a JSON object (default: none)")
+    add_module_arguments(parser, "time your own nn.Module instead (as train --module: path/to/file.py:NAME or "
+                                 "package.module:NAME); its torch peers run the module's own forward and loss "
+                                 "(eager, compiled), the transformers peers do not apply", args_default="none")
     parser.add_argument("--model", default=None, metavar="FIELD=VALUE,...",
                         help="override ModelConfig fields of the preset, e.g. d_model=64,n_layers=2")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per step (default: 8)")

@@ -8,8 +8,6 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from formats.jsonfile import json_object  # noqa: F401 (flags' JSON-object type, as the tables use it)
-
 VALUE, SWITCH, BOOLEAN, REPEATED = "value", "switch", "boolean", "repeated"
 
 

@@ -20,7 +20,8 @@ from torch_model.optim import ADAPTER_OPTIMIZERS, NS_DTYPES, OPTIMIZERS
 from torch_model.preference import LOSSES as DPO_LOSSES, PreferenceConfig
 from train.cluster import join
 from train.run.config import COMPUTE_DTYPES, REMATS, TrainConfig, load_config_file
-from train.run.flags import BOOLEAN, REPEATED, SWITCH, Flag, add_flags, field_defaults, given, json_object, spec_defaults
+from formats.jsonfile import json_object
+from train.run.flags import BOOLEAN, REPEATED, SWITCH, Flag, add_flags, field_defaults, given, spec_defaults
 
 
 def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progress: bool = True) -> dict:

@@ -14,18 +14,15 @@ from formats.errors import UserError
 
 def add_arguments(parser) -> None:
     from formats.mxfp4 import BASE_DTYPES
-    from train.run.flags import json_object
+    from formats.model_checks import add_module_arguments
     from torch_model.optim import NS_DTYPES
     from train.run.config import COMPUTE_DTYPES, REMATS
 
     parser.add_argument("--preset", default="lyra-small", help="model preset (default: lyra-small)")
     parser.add_argument("--model-config", metavar="CONFIG.json", default=None,
                         help="plan this transformers model (a config.json) instead of a preset; needs --seq-len")
-    parser.add_argument("--module", metavar="SPEC", default=None,
-                        help="plan your own nn.Module instead (as train --module: path/to/file.py:NAME or "
-                             "package.module:NAME), built on the meta device; needs --seq-len")
-    parser.add_argument("--module-args", type=json_object, default=None, metavar="JSON",
-                        help="with --module: the keyword arguments of NAME, a JSON object (default: none)")
+    add_module_arguments(parser, "plan your own nn.Module instead (as train --module: path/to/file.py:NAME or "
+                                 "package.module:NAME), built on the meta device; needs --seq-len", args_default="none")
     parser.add_argument("--topology", default="v5e:2x2",
                         help="TPU slice, e.g. v5e:1x1 (one chip), v6e:1x1, v5e:2x2, v6e:2x2, v4:2x2x1, v5p:2x2x1, v5e:4x4 "
                              "(default: v5e:2x2)")
