@@ -24,6 +24,21 @@ from torch_model import sdpa
 # Traced SDPA calls of this process by where they went: "attention op", or "plain: REASON".
 ROUTED = collections.Counter()
 _recorder: list | None = None
+_torchax_sdpa = None        # torchax's own SDPA entry, which `install` replaces
+
+
+@contextlib.contextmanager
+def torchax_own_sdpa(env):
+    """Within: SDPA calls run torchax's own lowering, as a plain torchax program runs them (the
+    peer that scripts/torchax_peer_step.py times beside ours)."""
+    import torch.nn.functional as F
+
+    ours = env._ops[F.scaled_dot_product_attention]
+    env._ops[F.scaled_dot_product_attention] = _torchax_sdpa
+    try:
+        yield
+    finally:
+        env._ops[F.scaled_dot_product_attention] = ours
 
 
 @contextlib.contextmanager
@@ -75,5 +90,7 @@ def install(env) -> None:
     import torch.nn.functional as F
     import torchax.interop as interop
 
+    global _torchax_sdpa
+    _torchax_sdpa = env._ops.get(F.scaled_dot_product_attention)
     env.override_op_definition(F.scaled_dot_product_attention, scaled_dot_product_attention)
     env.override_op_definition(torch.ops.aten._grouped_mm.default, interop.torch_view(grouped_mm))

@@ -13,7 +13,8 @@
 #                32 against 512 new tokens (the fixed cost of a call), the head bench ~200 s
 #   decode-ab    decode at MoE block_i 128/256/1024 and with cached_attention=pallas  ~150 s
 #   module       examples/gpt.py at llama-570m.json's shape, that config's recipe (BENCHMARKS'
-#                Llama row), beside the same config through --model-config             ~330 s
+#                Llama row), beside the same config through --model-config, and the module
+#                beside torchax's own documented step (scripts/torchax_peer_step.py)   ~480 s
 #   moe          gpt-oss-20b's and Qwen3-30B-A3B's layer shapes (docs/models/*-layers.json) at
 #                131,072 tokens a step, Muon and AdamW                                  ~540 s
 #   tier-runs    the hardware tier's runs file (parity, demo, generation, LoRA, DPO)   ~460 s
@@ -144,6 +145,8 @@ job_module() {
         --batch-size 2 --micro-batches 16 --remat save-matmuls
     step llama_570m 160 train_4096 llama_570m 10 --model-config docs/models/llama-570m.json \
         --batch-size 2 --micro-batches 16 --remat save-matmuls
+    step module_peer 150 python3 scripts/torchax_peer_step.py --module examples/gpt.py:GPT --module-args "$GPT_570M" \
+        --batch-size 4 --micro-batches 2 --seq-len 2048 --steps 8 --remat save-matmuls --json "$OUT/module_peer.json"
 }
 
 job_moe() {
@@ -169,7 +172,8 @@ pack_out() {   # more than 8 files in $OUT go into one archive, results.tgz, for
 }
 
 if [ -n "${CHIP_DRY_RUN:-}" ]; then
-    tl() { echo "+ tl $*"; }; python3() { echo "+ python3 $*"; }; make() { echo "+ make $*"; }
+    # each word quoted as the shell would need it, so that the printed line parses back to the same words
+    tl() { echo "+ tl ${*@Q}"; }; python3() { echo "+ python3 ${*@Q}"; }; make() { echo "+ make ${*@Q}"; }
     summary() { :; }; cp() { :; }; tar() { :; }; rm() { :; }
 fi
 [ $# -gt 0 ] || { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 2; }   # the header above

@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
-"""Our train step beside the torchax-documented peer, one transformers decoder, one batch, one run.
+"""Our train step beside the torchax-documented peer, one transformers decoder or one module of your
+own, one batch, one run.
 
     python scripts/torchax_peer_step.py --model-config docs/models/llama-570m.json --batch-size 2 \
         --seq-len 2048 [--steps 12] [--remat none|full|save-matmuls] [--micro-batches 1] [--kernels auto] [--ns-dtype float32] [--json OUT]
+    python scripts/torchax_peer_step.py --module examples/gpt.py:GPT --module-args '{"dim": 2048, ...}' ...
+
+  A --module is taken as `train --module` takes it (ours) and as a user's own torchax step would
+  (peer: `torchax.extract_jax` of the module itself, its SDPA calls through torchax's own lowering).
 
   ours  `train --model-config`'s step (jax_bridge.step.TrainStep): float32 master weights, bf16
         compute on an accelerator, Muon + AdamW, the op registry's kernels, scanned layers, remat.
@@ -51,7 +56,12 @@ def ours(spec, tokens, args):
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.optim import OptimizerConfig
 
-    model = spec.build()
+    if hasattr(spec, "facts"):
+        from formats.model_checks import build_module_model
+
+        model = build_module_model(spec, new_run=True)
+    else:
+        model = spec.build()
     step = TrainStep(model, OptimizerConfig(ns_dtype=args.ns_dtype), StepConfig(kernels=args.kernels, remat=args.remat,
                                                             micro_batches=args.micro_batches))
     box = {"state": step.init_state()}
@@ -88,11 +98,46 @@ def peer(spec, tokens, args, dtype):
 
     torchax = import_torchax()      # the project's torch 2.13 shim first (a bare `import torchax` fails)
 
+    if hasattr(spec, "facts"):      # a module of your own, as it is
+        from jax_bridge import module_ops
+        from jax_bridge.env import get_env
+        from torch_model.module_lm import instantiate
+
+        with module_ops.torchax_own_sdpa(get_env()):
+            return _module_peer(torchax, instantiate(spec.spec, spec.args), tokens, args, dtype)
     config = spec.hf_config()
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if dtype == jnp.bfloat16
                                              else torch.float32)
     model.config.use_cache = False
+    return _step(torchax, model, lambda out: out.logits, tokens, args)
+
+
+def _module_peer(torchax, module, tokens, args, dtype):
+    import jax.numpy as jnp
+    import torch
+
+    module = module.to(torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32)
+    return _step(torchax, module, _logits_array, tokens, args)
+
+
+def _logits_array(out):
+    """The logits of an extracted forward's output (JAX arrays): the output itself, its first
+    element, or its `.logits`."""
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+def _step(torchax, model, logits_of, tokens, args):
+    """torchax's documented train step of `model`: its forward extracted as a JAX function, optax
+    AdamW, loss and update in one jit, the state donated; timed."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
     states, forward = torchax.extract_jax(model)
     params = {n: p for n, p in states.items() if n in dict(model.named_parameters())}
     buffers = {n: b for n, b in states.items() if n not in params}
@@ -100,7 +145,7 @@ def peer(spec, tokens, args, dtype):
     ids, labels = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
 
     def loss_fn(params):
-        logits = forward({**params, **buffers}, (ids,)).logits
+        logits = logits_of(forward({**params, **buffers}, (ids,)))
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
@@ -121,7 +166,10 @@ def peer(spec, tokens, args, dtype):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-config", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-config", help="a transformers config.json")
+    source.add_argument("--module", metavar="SPEC", help="your own nn.Module, as `train --module` takes it")
+    parser.add_argument("--module-args", default="{}", help="with --module: its keyword arguments, a JSON object")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
@@ -139,8 +187,13 @@ def main(argv=None) -> int:
 
     from torch_model.transformers_lm import TransformersSpec
 
-    spec = TransformersSpec.from_file(args.model_config)
-    tokens = np.random.default_rng(0).integers(0, spec.config["vocab_size"], (args.batch_size, args.seq_len + 1),
+    if args.module:
+        from formats.model_checks import module_record
+
+        spec = module_record(args.module, json.loads(args.module_args), args.seq_len)
+    else:
+        spec = TransformersSpec.from_file(args.model_config)
+    tokens = np.random.default_rng(0).integers(0, spec.vocab_size, (args.batch_size, args.seq_len + 1),
                                                dtype=np.int32)
     n_tokens = args.batch_size * args.seq_len
     rows = {}
@@ -159,7 +212,7 @@ def main(argv=None) -> int:
         rows["peer"] = dict(compile_s=first, step_s=seconds, tokens_per_s=n_tokens / seconds, compute=compute)
     except Exception as e:  # noqa: BLE001
         rows["peer"] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    print(f"{args.model_config}, batch {args.batch_size} x {args.seq_len}, remat {args.remat} and "
+    print(f"{args.model_config or args.module}, batch {args.batch_size} x {args.seq_len}, remat {args.remat} and "
           f"{args.micro_batches} micro-batches (ours), "
           f"kernels {args.kernels} (ours), on {jax.devices()[0].device_kind}")
     for name, row in rows.items():
