@@ -56,11 +56,20 @@ def model_function(model: torch.nn.Module, method: str = "forward", call=None):
                 out = torch.func.functional_call(module, torch_params, torch_args)
         finally:
             for m, params_before, buffers_before in held:
-                m._parameters.update(params_before)
-                m._buffers.update(buffers_before)
+                _put_back(m._parameters, params_before)
+                _put_back(m._buffers, buffers_before)
         return env.t2j_iso(out)
 
     return fn
+
+
+def _put_back(tensors: dict, before: dict) -> None:
+    """A module's tensors as they were before the call, where the call left another value; a name
+    the module no longer holds in that dict (a parametrization peft registered for the call and
+    left in place after a failure) stays as it is."""
+    for name, tensor in before.items():
+        if name in tensors and tensors[name] is not tensor:
+            tensors[name] = tensor
 
 
 def _buffer_value(env, b: torch.Tensor):

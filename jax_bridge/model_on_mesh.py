@@ -9,12 +9,22 @@ lives are decided here, once, so that every program places a model of any kind a
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jax_bridge import sharding
 from jax_bridge.layer_stack import LayerLayout
 from jax_bridge.lowering import abstract_params
-from torch_model.causal_lm import parameter_roles
+from torch_model.causal_lm import keeps_float32, parameter_roles
 from torch_model.lora import unwrap
+
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def in_compute_dtype(name: str, dtype) -> bool:
+    """Whether a parameter is held in the compute dtype: floating ones are, except those the model
+    keeps in float32 (torch_model.causal_lm.keeps_float32: the router); integer ones (an MXFP4
+    base's bytes) keep theirs."""
+    return jnp.issubdtype(dtype, jnp.floating) and not keeps_float32(name)
 
 
 class ModelOnMesh:
@@ -45,10 +55,8 @@ class ModelOnMesh:
 
     def parameter_specs(self, compute_dtype) -> dict:
         """The parameters as a program that only runs the model holds them, without weights: shapes,
-        dtypes (the compute dtype where `step.in_compute_dtype` says so) and, on a mesh, shardings.
+        dtypes (the compute dtype where `in_compute_dtype` says so) and, on a mesh, shardings.
         The model may be on `meta`: to compile without weights, or for a loader to fill."""
-        from jax_bridge.step import COMPUTE_DTYPES, in_compute_dtype
-
         compute = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)
         flat = {n: jax.ShapeDtypeStruct(a.shape, compute if in_compute_dtype(n, a.dtype) else a.dtype)
                 for n, a in abstract_params(self.model).items()}

@@ -25,6 +25,7 @@ from torch_model import sdpa
 ROUTED = collections.Counter()
 _recorder: list | None = None
 _torchax_sdpa = None        # torchax's own SDPA entry, which `install` replaces
+_env = None                 # the environment `install` overrode, entered around the attention op
 
 
 @contextlib.contextmanager
@@ -62,9 +63,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return query.new_zeros((*query.shape[:-1], value.shape[-1]))
     if reason is None:
         ROUTED["attention op"] += 1
-        from jax_bridge.env import get_env
-
-        with get_env():          # torchax calls this with its dispatch mode alone: the op needs its function mode
+        with _env:               # torchax calls this with its dispatch mode alone: the op needs its function mode
             return sdpa.attention_op(query, key, value, scale)
     ROUTED[f"plain: {reason}"] += 1
     from jax_bridge.torchax_compat import import_torchax
@@ -90,7 +89,7 @@ def install(env) -> None:
     import torch.nn.functional as F
     import torchax.interop as interop
 
-    global _torchax_sdpa
-    _torchax_sdpa = env._ops.get(F.scaled_dot_product_attention)
+    global _torchax_sdpa, _env
+    _torchax_sdpa, _env = env._ops.get(F.scaled_dot_product_attention), env
     env.override_op_definition(F.scaled_dot_product_attention, scaled_dot_product_attention)
     env.override_op_definition(torch.ops.aten._grouped_mm.default, interop.torch_view(grouped_mm))

@@ -19,16 +19,14 @@ import torch
 from jax_bridge import kernel_tiles, policy_gradient, preference, registry, sharded_ops, sharding
 from jax_bridge.env import get_env
 from jax_bridge.layer_stack import REMAT_POLICIES, layered_forward
-from jax_bridge.model_on_mesh import ModelOnMesh
+from jax_bridge.model_on_mesh import COMPUTE_DTYPES, ModelOnMesh, in_compute_dtype
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
 from pallas_kernels.platform import check_platform, host_platform, vmem_capacity_bytes
 from torch_model.lora import is_adapted, tracing_scope, unwrap
-from torch_model.causal_lm import keeps_float32
 from torch_model.optim import OptimizerConfig, init_state, plan_parameters
 from torch_model.policy_gradient import PolicyGradientConfig
 from torch_model.preference import PreferenceConfig
 
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MATMUL_PRECISIONS = ("default", "high", "highest")
 # Per-platform defaults: accelerators compute in bf16 (float32 master weights); the CPU
 # computes in float32, where its matmuls are real float32 and parity with eager torch holds.
@@ -126,13 +124,6 @@ def host_tensor(p: torch.Tensor) -> torch.Tensor:
 def host_array(p: torch.Tensor) -> np.ndarray:
     """host_tensor as numpy."""
     return host_tensor(p).numpy()
-
-
-def in_compute_dtype(name: str, dtype) -> bool:
-    """Whether a parameter is held in the compute dtype: floating ones are, except those the model
-    keeps in float32 (torch_model.causal_lm.keeps_float32: the router); integer ones (an MXFP4
-    base's bytes) keep theirs."""
-    return jnp.issubdtype(dtype, jnp.floating) and not keeps_float32(name)
 
 
 def cast_params(params: dict, dtype) -> dict:

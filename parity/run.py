@@ -139,10 +139,9 @@ def run(args) -> int:
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     cache, before = compile_cache.enable(args.compile_cache), compile_cache.events()
-    try:
-        return _run(args, say)
-    finally:
-        say(compile_cache.describe(cache, before))
+    code = _run(args, say)          # a refusal stays one line: the cache's line follows a run only
+    say(compile_cache.describe(cache, before))
+    return code
 
 
 def _run(args, say) -> int:
