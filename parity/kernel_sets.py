@@ -17,14 +17,19 @@ def kernel_label(choice: Mapping[str, str]) -> str:
     return ",".join(f"{op}={choice[op]}" for op in registry.OPS)
 
 
-def default_kernel_sets(platform: str | None = None) -> tuple[list[dict[str, str]], list[Row]]:
+def default_kernel_sets(platform: str | None = None, unrouted: dict[str, str] | None = None
+                        ) -> tuple[list[dict[str, str]], list[Row]]:
     """All-xla, then each other registered implementation of each op with the rest at xla.
     Implementations registered for other platforms only are returned as SKIP rows (listed in
-    the report, never dropped silently)."""
+    the report, never dropped silently), as is each op of `unrouted` (op -> why the model makes no
+    call of it: a module model's own experts, say), whose implementations would run nothing."""
     platform = platform or host_platform()
     base = {op: "xla" for op in registry.OPS}
-    sets, skipped = [dict(base)], []
-    for op in registry.OPS:
+    unrouted = unrouted or {}
+    sets = [dict(base)]
+    skipped = [Row(f"{op}=*", "-", "skip", "kernel set", status=SKIP, message=f"the model makes no {op} call: {why}")
+               for op, why in unrouted.items()]
+    for op in (op for op in registry.OPS if op not in unrouted):
         for name, impl in registry.implementations(op).items():
             if name == "xla":
                 continue

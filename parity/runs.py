@@ -8,7 +8,10 @@ one micro-batch this is the train step's math exactly, and the optimizer compile
 rather than once per kernel set. With `full_step=True`, `lowered_run` takes them from the
 compiled train step itself (`TrainStep.__call__`). Both runs take the batch's segment ids and
 positions (packed rows, `parity.inputs.ParityBatch`) when it has them. Routing is measured on each path's own
-choices: a forward hook on each `mlp.router` records its logits and top-k experts.
+choices: a forward hook on each `mlp.router` records its logits and top-k experts. A module model's
+routers (nn.Linear by the probe's roles) return logits only, its own code taking the top-k: the
+lowered run takes the eager run's router logits as their values (`forced_router_logits`), so its
+top-k chooses as the eager run chose, and their gradients flow through its own.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import contextlib
 import copy
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +45,7 @@ class Run:
     grad_norm: float
     params_after: dict[str, np.ndarray]
     routing: list[tuple[np.ndarray, np.ndarray]]     # per MoE layer: (router logits [N, E], experts [N, k])
+    router_logits: list[np.ndarray] = field(default_factory=list)   # per call of a module model's router
 
 
 def routers(model) -> list[tuple[str, torch.nn.Module]]:
@@ -86,6 +90,43 @@ def forced_routing(model, experts):
             h.remove()
 
 
+def logit_routers(model) -> list[torch.nn.Module]:
+    """A module model's routers in call order, which return their logits only (none for ours and
+    transformers' models, whose routers follow the `routers` protocol)."""
+    return [router for _, router in getattr(model, "logit_routers", list)()]
+
+
+@contextlib.contextmanager
+def capture_router_logits(model):
+    """Record the logits of every call of a module model's routers."""
+    captured = []
+    handles = [r.register_forward_hook(lambda mod, inputs, out: captured.append(out)) for r in logit_routers(model)]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def forced_router_logits(model, logits):
+    """While tracing the lowered run: the i-th router call of a module model gives `logits[i]` (the
+    eager run's, [N, E]) as its value and its own logits' gradient (the value of `own - own.detach()`
+    is zero), so that the module's own top-k chooses the eager run's experts with the eager weights
+    (see `forced_routing` for why); the gradient checks still measure the router's own arithmetic."""
+    calls = iter(range(len(logits)))
+
+    def force(module, inputs, out):
+        return logits[next(calls)].to(out.dtype) + (out - out.detach())
+
+    handles = [r.register_forward_hook(force) for r in logit_routers(model)] if len(logits) else []
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def to_numpy(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
@@ -96,7 +137,7 @@ def eager_run(model, batch: ParityBatch, opt_cfg: OptimizerConfig) -> Run:
     """Ground truth: eager float32 PyTorch on `batch` (its segment ids and positions, if packed).
     `model` is left unchanged (the step runs on a copy)."""
     ids, labels, packed = batch.ids, batch.labels, batch.model_inputs()
-    with torch.no_grad(), capture_routing(model) as captured:
+    with torch.no_grad(), capture_routing(model) as captured, capture_router_logits(model) as router_logits:
         logits = model(ids, **packed)
     routing = [(to_numpy(lg), to_numpy(ex)) for lg, ex in captured]
     trained = copy.deepcopy(model)
@@ -109,7 +150,8 @@ def eager_run(model, batch: ParityBatch, opt_cfg: OptimizerConfig) -> Run:
     optimizer.step()
     return Run(logits=to_numpy(logits), loss=float(out["loss"].item()), grads=grads,
                grad_norm=float(optimizer.last_stats["grad_norm"].item()),
-               params_after={n: to_numpy(p) for n, p in trained.named_parameters()}, routing=routing)
+               params_after={n: to_numpy(p) for n, p in trained.named_parameters()}, routing=routing,
+               router_logits=[to_numpy(lg) for lg in router_logits])
 
 
 # Parity compares against float32-exact eager torch: the lowered run's non-kernel matmuls (the
@@ -163,8 +205,9 @@ class LoweredProbe:
     compiled once: `probe(params, batch, selector, forced) -> (logits, routing, loss, grads)`; a
     packed batch's positions and segment ids are arguments (one more compile than unpacked).
     `selector` picks a planted bug when the kernel set is the planted one (parity/planted.py);
-    other kernels ignore it. `forced` (int32 [MoE layers, tokens, k]): the eager run's experts,
-    which both forwards use (`forced_routing`); `routing` is the lowered router's own choice."""
+    other kernels ignore it. `forced` (the eager `Run`): its experts, which both forwards use
+    (`forced_routing`; a module model's router logits, `forced_router_logits`); `routing` is the
+    lowered router's own choice."""
 
     _lowered = _compiled = _compile_error = None       # set by `lower` and `compile` (parity's suite)
 
@@ -177,27 +220,30 @@ class LoweredProbe:
         self.kernels = self.step.kernels
         self._jitted = jax.jit(self._probe, compiler_options=compiler_options)
 
-    def _probe(self, params, ids, labels, selector, forced, packed):
+    def _probe(self, params, ids, labels, selector, forced, forced_logits, packed):
         # packed: () or (positions, segment_ids) [B, T], the model's arguments after the labels.
         step = self.step
-        experts = step.env.j2t_iso(forced)
+        experts, router_logits = step.env.j2t_iso((forced, forced_logits))
+        forcing = lambda: forced_router_logits(self.model, router_logits)  # noqa: E731
         with planted.selected(selector):
-            with capture_routing(self.model) as captured, forced_routing(self.model, experts):
+            with capture_routing(self.model) as captured, forced_routing(self.model, experts), forcing():
                 with step.routing():
                     logits = step.forward(cast_params(params, step.compute_dtype), ids, None, *packed)
             routing = [step.env.t2j_iso(pair) for pair in captured]
-            with forced_routing(self.model, experts):
+            with forced_routing(self.model, experts), forcing():
                 (loss, _), grads = jax.value_and_grad(step.loss_and_metrics, has_aux=True)(params, ids, labels, packed)
         return logits, routing, loss, grads
 
     @staticmethod
-    def _arguments(params, batch: ParityBatch, selector: int, forced) -> tuple:
-        experts = np.stack([np.asarray(ex) for _, ex in forced]) if forced else np.zeros((0, 1, 1))
+    def _arguments(params, batch: ParityBatch, selector: int, forced: Run | None) -> tuple:
+        routing, router_logits = (forced.routing, forced.router_logits) if forced else ([], [])
+        experts = np.stack([np.asarray(ex) for _, ex in routing]) if routing else np.zeros((0, 1, 1))
+        logits = np.stack(router_logits) if router_logits else np.zeros((0, 1, 1), np.float32)
         packed = tuple(jnp.asarray(x.numpy(), jnp.int32) for x in batch.model_inputs().values())
         return (params, jnp.asarray(batch.ids.numpy(), jnp.int32), jnp.asarray(batch.labels.numpy(), jnp.int32),
-                jnp.int32(selector), jnp.asarray(experts, jnp.int32), packed)
+                jnp.int32(selector), jnp.asarray(experts, jnp.int32), jnp.asarray(logits), packed)
 
-    def lower(self, params, batch: ParityBatch, selector: int = 0, forced=None):
+    def lower(self, params, batch: ParityBatch, selector: int = 0, forced: Run | None = None):
         """Trace and lower the probe for these arguments now (in this thread: tracing is not
         thread-safe); `compile` then compiles it, which may run beside other probes' compiles."""
         self._lowered = self._jitted.lower(*self._arguments(params, batch, selector, forced))
@@ -211,8 +257,8 @@ class LoweredProbe:
         except Exception as e:  # noqa: BLE001 - raised again by __call__, inside the caller's handling
             self._compile_error = e
 
-    def __call__(self, params, batch: ParityBatch, selector: int = 0, forced=None):
-        """`forced`: the eager run's routing [(router logits, experts [tokens, k])] per MoE layer."""
+    def __call__(self, params, batch: ParityBatch, selector: int = 0, forced: Run | None = None):
+        """`forced`: the eager run, whose routing the lowered run takes."""
         if self._compile_error is not None:
             raise self._compile_error
         compiled, self._compiled = self._compiled, None      # once: later calls go through the jit
@@ -246,7 +292,7 @@ def lowered_run(probe: LoweredProbe, shared: SharedLowered, batch: ParityBatch, 
     """One lowered run on `batch`: the probe's forward and gradients, on the experts the eager
     `reference` chose, then one optimizer step on them (or, `full_step`, the compiled train step
     itself on `batch.step_tokens()`: its own routing; packed, its weighted loss)."""
-    logits, routing, loss, grads = probe(shared.params, batch, selector, reference.routing)
+    logits, routing, loss, grads = probe(shared.params, batch, selector, reference)
     if full_step:
         state, metrics = probe.step(probe.step.init_state(), batch.step_tokens())
         after, grad_norm = state.params, metrics["grad_norm"]

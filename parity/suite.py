@@ -67,6 +67,7 @@ from parity.report import ERROR, Report, Row, first_line, run_verdict, unmade_ru
 from parity.runs import LoweredProbe, SharedLowered, compile_in_parallel, eager_run, lowered_run, routers, to_numpy
 from torch_model.causal_lm import IGNORE_INDEX, PAD_SEGMENT
 from torch_model.config import ModelConfig
+from torch_model.module_lm import ModuleSpec
 from torch_model.optim import OptimizerConfig
 from formats.errors import UserError
 
@@ -91,6 +92,14 @@ def _hf_rows(model_cfg, state_dict, ids) -> list[Row]:
     metrics = {ours: float(result[theirs]) for theirs, ours in _HF_METRICS.items()}
     details = ", ".join(f"{k}={v}" for k, v in result.items() if k not in _HF_METRICS)
     return [Row(label, "float32", "hf", name, metrics, tolerances.bounds("float32", "hf"), message=details)]
+
+
+def _experts(model, model_cfg) -> int:
+    """Experts per MoE layer: the config's, or a module model's expert stacks' first dimension."""
+    if not isinstance(model_cfg, ModuleSpec):
+        return model_cfg.n_experts
+    params = dict(model.named_parameters())
+    return max((params[n].shape[0] for n, role in model.roles().items() if role.startswith("experts")), default=0)
 
 
 def _segments_summary(segment_ids) -> str:
@@ -160,7 +169,7 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
     if by_dtype is not None:
         sets, rows = list({kernel_label(c): c for per in by_dtype.values() for c in per}.values()), []
     elif kernel_sets is None:
-        sets, rows = default_kernel_sets()
+        sets, rows = default_kernel_sets(unrouted=model_cfg.unrouted_ops() if isinstance(model_cfg, ModuleSpec) else None)
     else:
         sets, rows = parse_kernel_sets(kernel_sets), []
     say = progress or (lambda msg: None)
@@ -174,7 +183,7 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
     ids, labels = data.ids, data.labels
     segment_ids = data.model_inputs()["segment_ids"].numpy() if data.segmented else None
     report = Report(setup={
-        "n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model, "n_experts": model_cfg.n_experts,
+        "n_layers": model_cfg.n_layers, "d_model": model_cfg.d_model, "n_experts": _experts(model, model_cfg),
         "windows": [model_cfg.window_of_layer(i) for i in range(model_cfg.n_layers)], "model_config": model_cfg.to_dict(), "weights": "random (seeded)" if state_dict is None else "state dict",
         "batch": batch, "seq_len": seq_len, "seed": seed, "dtypes": list(dtypes),
         "ignored_labels": int((labels == IGNORE_INDEX).sum()), "segments": _segments_summary(segment_ids),
@@ -200,7 +209,7 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
     for choice, dtype in runs:
         try:
             probe = LoweredProbe(model, opt_cfg, choice, dtype, kernel_options, compiler_options)
-            probe.lower(shared.params, data, forced=reference.routing)
+            probe.lower(shared.params, data, forced=reference)
             made.append((choice, dtype, probe, None))
         except Exception as e:  # noqa: BLE001 - a kernel set that cannot run is a failed check
             made.append((choice, dtype, None, e))

@@ -256,6 +256,17 @@ class ModuleSpec:
     def describe(self) -> str:
         return f"{self.spec} {json.dumps(self.args)}" if self.spec else "a module given from Python"
 
+    def unrouted_ops(self) -> dict[str, str]:
+        """The registry's ops this module never calls, each with why: its kernels would run nothing."""
+        out = {"moe": "a module's experts are its own code (3-D stacks through torch._grouped_mm, lowered to "
+                      "jax.lax.ragged_dot)"}
+        if not any(not a.unroutable for a in self.facts.attention):
+            out["attention"] = (f"none of its {len(self.facts.attention)} SDPA calls can take the op"
+                                if self.facts.attention else "it makes no SDPA call")
+        if not self.facts.head:
+            out["cross_entropy"] = f"its head is not fused ({self.facts.head_reason})"
+        return out
+
 
 # ---- the model behind the boundary ----------------------------------------------------------------
 def output_logits(out, how: str | None = None):
@@ -428,9 +439,16 @@ class ModuleCausalLM(CausalLMHead, nn.Module):
 
     def routers(self) -> list:
         """The boundary's routers, which return (logits, weights, chosen experts): a module's own
-        router is its code's, with no such protocol (its role, for sharding and the optimizer,
-        comes from `roles`); the routing checks of the parity suite do not apply."""
+        router is its code's, with no such protocol (see `logit_routers`); the routing checks of
+        the parity suite do not apply."""
         return []
+
+    def logit_routers(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of each module whose weight the probe found to be a router [E, H], in the
+        order the module runs its blocks: each returns router logits, its code taking the top-k
+        (the parity suite runs the lowered model on the eager run's logits, parity/runs.py)."""
+        owners = {name.rsplit(".", 1)[0] for name, role in self.roles().items() if role == "router"}
+        return [(name, m) for name, m in self.named_modules() if name in owners]
 
     def new_cache(self, batch: int, max_len: int, dtype=torch.float32, device=None) -> ModuleCache:
         return ModuleCache(torch.zeros((batch, max_len), dtype=torch.int32, device=device))
