@@ -2,10 +2,13 @@
 
 A checkpoints directory (`RUN/checkpoints`) is an Orbax `CheckpointManager` directory: one
 directory per step, written asynchronously to `<step>.orbax-checkpoint-tmp` and renamed when
-complete (atomic finalize), the last K kept. Each step directory holds three Orbax items:
-  state/      the train state pytree {"params": {name: array}, "opt_state": {...}} (or
-              {"params"} only, from `torchlyra import`: float32 or bfloat16, written one tensor
-              at a time by `params_writer`), saved and restored through shardings;
+complete (atomic finalize), the last K kept. Each step directory holds these Orbax items:
+  state/      the weights {"params": {name: array}} (and a --freeze run's "frozen"; float32, or
+              bfloat16 from `torchlyra import`, written one tensor at a time by `params_writer`),
+              saved and restored through shardings;
+  optimizer/  a training run's {"opt_state": {...}}, apart from the weights so that a reader of
+              the weights (generate, eval, export, --init-from) neither reads nor hashes it (steps
+              written before keep "opt_state" inside state/, and read as they are);
   meta/       JSON: format, version, step, contents, layout, model config, train config,
               kernels, tokenizer reference, loader state, counters;
   tokenizer/  the tokenizer files (`formats.tokenizer.save_tokenizer`);
@@ -42,7 +45,7 @@ from formats.jsonfile import read_json
 from formats.model_checks import check_tensors, config_from_dict, model_shapes  # noqa: F401 (also this module's API)
 
 FORMAT, VERSION = "torchlyra-checkpoint", 2
-STATE, META, TOKENIZER = "state", "meta", "tokenizer"
+STATE, META, TOKENIZER, OPTIMIZER = "state", "meta", "tokenizer", "optimizer"
 DAMAGED_DIR = "damaged"                  # damaged steps are moved here (not a step name for Orbax)
 TRAIN_STATE, PARAMS_ONLY = "train_state", "params"
 # State groups holding parameters: trained ones, and a --freeze run's frozen ones (a LoRA run
@@ -171,6 +174,7 @@ class CheckpointWriter:
         # compress: zstd, as checkpoints were written before (tests read such ones).
         handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
         handlers.add(STATE, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=compress))
+        handlers.add(OPTIMIZER, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=compress))
         handlers.add(META, ocp.args.JsonSave)
         handlers.add(TOKENIZER, _tokenizer_item()[0])
         self._manager = ocp.CheckpointManager(self.root, options=options, handler_registry=handlers)
@@ -188,8 +192,11 @@ class CheckpointWriter:
         arrays are copied off the devices, so the caller may donate them to the next step."""
         ocp = _orbax()
 
-        items = {STATE: ocp.args.PyTreeSave(state),
+        weights = {k: v for k, v in state.items() if k != "opt_state"}
+        items = {STATE: ocp.args.PyTreeSave(weights),
                  META: ocp.args.JsonSave(_meta(step, meta, state, tokenizer))}
+        if "opt_state" in state:
+            items[OPTIMIZER] = ocp.args.PyTreeSave({"opt_state": state["opt_state"]})
         if tokenizer is not None:
             items[TOKENIZER] = _tokenizer_item()[0](tokenizer)
         start = time.perf_counter()
@@ -343,16 +350,18 @@ def move_aside(step_dir: Path) -> Path:
     return dest
 
 
-def find_checkpoint(path: str | os.PathLike, *, move_damaged: bool = False,
+def find_checkpoint(path: str | os.PathLike, *, move_damaged: bool = False, resume: bool = False,
                     report: Callable[[str], None] | None = None) -> Path:
     """The newest complete, verified step directory named by `path`. Damaged or incomplete newer
     steps are reported in one line each (and moved aside when `move_damaged`: only the run that
     owns the directory should) and the previous step is used. A step directory named directly
-    must verify itself."""
+    must verify itself. Every file is hashed for a `resume`; any other reader reads the weights
+    only, and the optimizer state's files are checked for presence and size, not hashed."""
     report = report or (lambda line: print(line, file=sys.stderr))
+    unhashed = None if resume else OPTIMIZER
     root = checkpoints_root(path)
     if root is None:
-        verify_manifest(Path(path))
+        verify_manifest(Path(path), unhashed)
         return Path(path)
     steps = step_dirs(root)
     if not steps:
@@ -360,7 +369,7 @@ def find_checkpoint(path: str | os.PathLike, *, move_damaged: bool = False,
     problems = []
     for _, step_dir in reversed(steps):
         try:
-            verify_manifest(step_dir)
+            verify_manifest(step_dir, unhashed)
             return step_dir
         except CheckpointDamaged as e:
             problems.append(str(e))
@@ -392,12 +401,17 @@ def read_meta(step_dir: Path) -> tuple[dict, ModelConfig]:
 
 # ---- restoring ----------------------------------------------------------------------------------
 def stored_shapes(step_dir: Path) -> dict[tuple, tuple[tuple[int, ...], str]]:
-    """Flattened path -> (shape, dtype) of every array in the step's state item (no data read)."""
+    """Flattened path -> (shape, dtype) of every array of the step's weights and optimizer state
+    (no data read)."""
     ocp = _orbax()
 
-    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(Path(step_dir).absolute() / STATE)
-    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
-    return {k: (tuple(v.shape), str(v.dtype)) for k, v in _flatten(dict(tree)).items()}
+    out = {}
+    for item in (STATE, OPTIMIZER):
+        if item == STATE or (Path(step_dir) / item).is_dir():
+            meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(Path(step_dir).absolute() / item)
+            tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+            out.update({k: (tuple(v.shape), str(v.dtype)) for k, v in _flatten(dict(tree)).items()})
+    return out
 
 
 def _check_target(step_dir: Path, stored: dict, target: dict) -> None:
@@ -425,8 +439,12 @@ def restore_train_state(step_dir: str | os.PathLike, target: dict, *, layout: st
         raise UserError(f"checkpoint {step_dir} stores layout {meta['layout']!r}, this run uses {layout!r}")
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), target)
     _check_target(step_dir, stored_shapes(step_dir), {k: v.shape for k, v in _flatten(abstract).items()})
-    return ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
-        step_dir.absolute() / STATE, args=ocp.args.StandardRestore(abstract))
+    restore = lambda item, tree: ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(  # noqa: E731
+        step_dir.absolute() / item, args=ocp.args.StandardRestore(tree))
+    if not (step_dir / OPTIMIZER).is_dir():              # written before the optimizer item: one item
+        return restore(STATE, abstract)
+    weights = restore(STATE, {k: v for k, v in abstract.items() if k != "opt_state"})
+    return {**weights, **restore(OPTIMIZER, {"opt_state": abstract["opt_state"]})}
 
 
 def restore_params_to_host(step_dir: Path, stored: dict) -> dict[str, np.ndarray]:

@@ -55,18 +55,20 @@ def write_manifest(step_dir: Path) -> int:
 HASHING = {"seconds": 0.0, "bytes": 0}
 
 
-def verify_manifest(step_dir: Path) -> None:
-    """CheckpointDamaged naming the first missing, resized or altered file (or the absent manifest)."""
+def verify_manifest(step_dir: Path, unhashed: str | None = None) -> None:
+    """CheckpointDamaged naming the first missing, resized or altered file (or the absent manifest).
+    Files under the folder `unhashed` (one a caller will not read) are checked for presence and
+    size only."""
     import time
 
     started = time.perf_counter()
     try:
-        _verify(step_dir)
+        _verify(step_dir, unhashed)
     finally:
         HASHING["seconds"] += time.perf_counter() - started
 
 
-def _verify(step_dir: Path) -> None:
+def _verify(step_dir: Path, unhashed: str | None) -> None:
     path = step_dir / MANIFEST_FILE
     if not path.is_file():
         raise CheckpointDamaged(f"checkpoint {step_dir} is incomplete (no {MANIFEST_FILE}: the process "
@@ -83,8 +85,8 @@ def _verify(step_dir: Path) -> None:
         if file.stat().st_size != size:
             raise CheckpointDamaged(f"checkpoint {step_dir} is damaged: file {rel} has {file.stat().st_size} "
                                     f"bytes, expected {size}")
-    rels = sorted(expected)
-    HASHING["bytes"] += sum(size for size, _ in expected.values())
+    rels = sorted(rel for rel in expected if not (unhashed and rel.startswith(unhashed + "/")))
+    HASHING["bytes"] += sum(expected[rel][0] for rel in rels)
     for rel, found in zip(rels, _hash_all([step_dir / r for r in rels])):
         if found != expected[rel][1]:
             raise CheckpointDamaged(f"checkpoint {step_dir} is damaged: file {rel} fails its sha256 "

@@ -255,11 +255,32 @@ def test_resume_of_a_finished_run_says_so_and_a_larger_steps_extends_it(root, re
     run_training(config(root, run, resume=True, steps=64), explicit={"resume": True, "steps": 64}, show_progress=False)
     losses = train_losses(run)
     assert sorted(losses) == list(range(1, 65)) and all(losses[s] == reference[1][s] for s in range(1, 61))
+    # A step written before the optimizer state had an item of its own (inside state/) resumes alike.
+    legacy = tmp_path / "legacy"
+    shutil.copytree(reference[0], legacy)
+    _one_state_item(legacy / "checkpoints" / "60")
+    run_training(config(root, legacy, resume=True, steps=64), explicit={"resume": True, "steps": 64},
+                 show_progress=False)
+    assert train_losses(legacy) == losses
+
+
+def _one_state_item(step_dir: Path) -> None:
+    """Rewrite a step as steps were written before: weights and optimizer state in one state/ item."""
+    import orbax.checkpoint as ocp
+
+    from formats.checkpoint_integrity import write_manifest
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    whole = {**checkpointer.restore(step_dir / "state"), **checkpointer.restore(step_dir / "optimizer")}
+    shutil.rmtree(step_dir / "state")
+    shutil.rmtree(step_dir / "optimizer")
+    checkpointer.save(step_dir / "state", whole)
+    write_manifest(step_dir)
 
 
 # ---- damaged and mismatched checkpoints -------------------------------------------------------
-def _biggest_file(step_dir: Path) -> Path:
-    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+def _biggest_file(step_dir: Path, item: str = "state") -> Path:
+    return max((p for p in (step_dir / item).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
 def test_damaged_newest_checkpoint_is_reported_moved_aside_and_skipped(reference, tmp_path):
@@ -284,6 +305,29 @@ def test_damaged_newest_checkpoint_is_reported_moved_aside_and_skipped(reference
                                         r"\d+ bytes, expected \d+; 1 older ones too\)\. Restore .* or start a new run"):
         checkpoint.find_checkpoint(ckpts, report=lines.append)
     assert "40 is incomplete (no torchlyra_manifest.json" in lines[-1]
+
+
+def test_a_reader_hashes_the_weights_alone_and_a_resume_the_optimizer_state_too(reference, tmp_path):
+    """A reader of the weights (generate, eval, export, --init-from) neither reads nor hashes the
+    optimizer state's files (their presence and sizes are checked); --resume, which reads them,
+    finds one damaged there and takes the previous step."""
+    from formats.checkpoint_integrity import HASHING
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.copytree(reference[0] / "checkpoints", ckpts)
+    step = ckpts / "60"
+    damaged = _biggest_file(step, "optimizer")
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    weights = sum(p.stat().st_size for p in step.rglob("*") if p.is_file() and p.name != MANIFEST_FILE
+                  and p.relative_to(step).parts[0] != "optimizer")
+    before = HASHING["bytes"]
+    state, _, _ = checkpoint.load_checkpoint(tmp_path / "run")
+    assert HASHING["bytes"] - before == weights and state
+    lines = []
+    assert checkpoint.find_checkpoint(ckpts, resume=True, report=lines.append) == ckpts / "50"
+    assert len(lines) == 1 and "60 is damaged: file optimizer/" in lines[0], lines
 
 
 def test_a_checkpoint_of_another_model_shape_is_refused_naming_the_tensors(root, reference, capsys):

@@ -56,7 +56,7 @@ def newest_checkpoint(out: Path):
     dirs = checkpoint.step_dirs(root) if root.is_dir() else []
     if not dirs:
         return None
-    return checkpoint.find_checkpoint(root)
+    return checkpoint.find_checkpoint(root, resume=True)
 
 
 class RLTrainer:

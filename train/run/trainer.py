@@ -82,7 +82,8 @@ def resume_point(cfg: TrainConfig, explicit: dict) -> tuple[TrainConfig, Path | 
         return cfg, None, None
     def newest_complete():
         try:
-            return checkpoint.find_checkpoint(root, move_damaged=jax.process_index() == 0) if root.is_dir() else None
+            return (checkpoint.find_checkpoint(root, move_damaged=jax.process_index() == 0, resume=True)
+                    if root.is_dir() else None)
         except checkpoint.NoCheckpoint:
             return None
 
