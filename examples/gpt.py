@@ -8,6 +8,10 @@ examples/gpt.py:GPT` trains. Pre-norm blocks of grouped-query attention (rotary 
 
     model = GPT(vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=2)
     logits = model(torch.randint(0, 4096, (2, 64)))
+
+It also follows the decode cache protocol of docs/own-model.md (`init_cache`, `forward_cached`: a
+KV cache per block), which gives `torchlyra generate` the compiled decode loop; without those two
+methods it would recompute each row's tokens every step.
 """
 from __future__ import annotations
 
@@ -49,14 +53,28 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def _qkv(self, x, cos, sin):
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def forward(self, x, cos, sin):
+        q, k, v = self._qkv(x, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+    def forward_cached(self, x, cos, sin, slots, k_cache, v_cache, mask):
+        """x's keys and values written into the caches [B, kv_heads, L, D] at `slots` [B, T] (L: a
+        token not to keep), then attention over the cache under `mask` [B, T, L]."""
+        q, k, v = self._qkv(x, cos, sin)
+        index = slots[:, None, :, None].expand(-1, self.n_kv_heads, -1, self.head_dim)
+        k_cache, v_cache = (torch.cat([c, c[:, :, :1]], 2).scatter(2, index, new)[:, :, :-1]
+                            for c, new in ((k_cache, k.to(k_cache.dtype)), (v_cache, v.to(v_cache.dtype))))
+        out = F.scaled_dot_product_attention(q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=mask[:, None],
+                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).flatten(2)), k_cache, v_cache
 
 
 class MLP(nn.Module):
@@ -111,6 +129,12 @@ class Block(nn.Module):
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
+    def forward_cached(self, x, cos, sin, slots, k_cache, v_cache, mask):
+        out, k_cache, v_cache = self.attention.forward_cached(self.attention_norm(x), cos, sin, slots, k_cache, v_cache,
+                                                              mask)
+        x = x + out
+        return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
+
 
 class GPT(nn.Module):
     def __init__(self, vocab_size: int = 4096, dim: int = 256, n_layers: int = 4, n_heads: int = 8,
@@ -139,3 +163,29 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.head(self.norm(x))
+
+    # ---- the decode cache protocol (docs/own-model.md) ----------------------------------------
+    def init_cache(self, batch: int, max_len: int, dtype=torch.float32, device=None):
+        """(which slots hold a token [B, L], then each block's keys and values [B, kv_heads, L, D])."""
+        attention = self.blocks[0].attention
+        shape = (batch, attention.n_kv_heads, max_len, attention.head_dim)
+        kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * len(self.blocks))]
+        return (torch.zeros((batch, max_len), dtype=torch.bool, device=device), *kv)
+
+    def forward_cached(self, tokens, positions, cache):
+        """Logits [B, T, V] of new tokens at `positions` [B, T] (-1: padding, neither kept nor
+        attended to), each attending to its row's kept tokens up to its position; the cache with
+        them kept."""
+        filled, kv = cache[0], list(cache[1:])
+        length = filled.shape[1]
+        slots = torch.where(positions >= 0, positions, torch.full_like(positions, length)).long()
+        filled = torch.cat([filled, filled[:, :1]], 1).scatter(1, slots, torch.ones_like(slots, dtype=torch.bool))
+        filled = filled[:, :length]
+        at = positions.clamp(min=0).long()
+        mask = filled[:, None, :] & (torch.arange(length, device=tokens.device)[None, None, :] <= at[:, :, None])
+        mask = mask | ~mask.any(-1, keepdim=True)        # a padding token attends to anything: never NaN
+        cos, sin = self.cos[at][:, None], self.sin[at][:, None]             # [B, 1, T, D / 2]
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            x, kv[2 * i], kv[2 * i + 1] = block.forward_cached(x, cos, sin, slots, kv[2 * i], kv[2 * i + 1], mask)
+        return self.head(self.norm(x)), (filled, *kv)

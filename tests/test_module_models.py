@@ -118,10 +118,14 @@ def test_export_loads_strictly_into_the_module_with_the_runs_logits(run, tmp_pat
 
 
 def test_generate_gives_the_eager_modules_greedy_tokens(run):
+    """Left-padded prompts of two lengths, through the compiled decode loop: with the module's own
+    cache, or recomputing each row's tokens every step."""
     from train.generation.generator import Generator, generate
 
-    _, whole, _ = run
+    name, whole, _ = run
     model, record = run_model(whole)
+    # examples/gpt.py brings its own KV cache (the decode cache protocol); the others are recomputed.
+    assert model.follows_cache_protocol == name.startswith("gpt")
     prompts = [[record.bos_token_id, 40, 41, 42, 43, 44], [record.bos_token_id, 60]]
     ours = generate(Generator(model), prompts, max_new_tokens=8, temperature=0.0).tokens
     for prompt, tokens in zip(prompts, ours):

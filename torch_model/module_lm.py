@@ -399,7 +399,7 @@ class ModuleBackbone(nn.Module):
 class ModuleCausalLM(CausalLMHead, nn.Module):
     """A plain module behind the boundary (see the module docstring)."""
 
-    kv_cache = False        # generation recomputes each row's tokens (ModuleCache): no context to share
+    kv_cache = False        # the scorer shares no context: a module's cache holds whatever it keeps
 
     def __init__(self, module: nn.Module, facts: ModuleFacts, max_seq_len: int = 0, bos_token_id=None,
                  eos_token_id=None, truth: bool = False):
@@ -433,7 +433,16 @@ class ModuleCausalLM(CausalLMHead, nn.Module):
         return super().forward(input_ids, labels, positions, segment_ids, loss_weights, loss_denominator,
                                router_loss_scale)
 
+    @property
+    def follows_cache_protocol(self) -> bool:
+        """Whether the module brings its own decode cache (docs/own-model.md): `init_cache(batch,
+        max_len, dtype, device)` and `forward_cached(tokens, positions, cache) -> (logits, cache)`."""
+        return all(callable(getattr(self.module, name, None)) for name in ("init_cache", "forward_cached"))
+
     def forward_cached(self, input_ids, positions, cache, start):
+        if self.follows_cache_protocol:
+            out, cache = self.module.forward_cached(input_ids, positions, cache)
+            return output_logits(out)[:, -1], cache
         out, cache = self.model.forward_cached(input_ids, positions, cache, start)
         return (self.lm_head(out[:, -1]) if self.fused_head else out[:, -1]), cache
 
@@ -450,7 +459,10 @@ class ModuleCausalLM(CausalLMHead, nn.Module):
         owners = {name.rsplit(".", 1)[0] for name, role in self.roles().items() if role == "router"}
         return [(name, m) for name, m in self.named_modules() if name in owners]
 
-    def new_cache(self, batch: int, max_len: int, dtype=torch.float32, device=None) -> ModuleCache:
+    def new_cache(self, batch: int, max_len: int, dtype=torch.float32, device=None):
+        """The module's own cache (the protocol), else each row's tokens (ModuleCache)."""
+        if self.follows_cache_protocol:
+            return self.module.init_cache(batch, max_len, dtype, device)
         return ModuleCache(torch.zeros((batch, max_len), dtype=torch.int32, device=device))
 
     def _cross_entropy(self, hidden, flat_labels):
