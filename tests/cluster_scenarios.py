@@ -39,15 +39,17 @@ def loglikelihoods(root: Path, mesh) -> list[float]:
 def cli_runs(root: Path, name: str, mesh_args: list[str], process: str = "") -> None:
     """`eval --tasks`, `lm-eval` and `train --init-from --lora` through the CLI, each writing into
     ROOT/<command>-<name> (the eval JSON: <name><process>, to see which process writes it)."""
+    from tests.helpers import lm_eval_reads_only_the_included_tasks
     from train.cli import main
 
     hf = str(root / "hf")
     assert main(["eval", "--checkpoint", hf, "--tasks", str(root / "plays.jsonl"), "--json",
                  str(root / f"eval-{name}{process}.json"), "--no-progress", *mesh_args]) == 0
     lm_args = ",".join(filter(None, [f"checkpoint={hf}", *(f"mesh={a.replace(',', ':')}" for a in mesh_args[1:])]))
-    assert main(["lm-eval", "--model_args", lm_args, "--tasks", "tl_mc", "--include_path",
-                 str(root / "lm_tasks"), "--batch_size", "4", "--log_samples", "--output_path",
-                 str(root / f"lm-eval-{name}")]) == 0
+    with lm_eval_reads_only_the_included_tasks():
+        assert main(["lm-eval", "--model_args", lm_args, "--tasks", "tl_mc", "--include_path",
+                     str(root / "lm_tasks"), "--batch_size", "4", "--log_samples", "--output_path",
+                     str(root / f"lm-eval-{name}")]) == 0
     assert main(["train", "--init-from", hf, "--lora", LORA, "--data", str(root / "data"), "--out",
                  str(root / f"lora-{name}"), "--steps", "3", "--batch-size", "4", "--seq-len", "16",
                  "--log-every", "1", "--eval-every", "3", "--eval-batches", "1", "--samples", "0",

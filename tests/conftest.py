@@ -56,10 +56,27 @@ def cache_dir(tmp_path_factory):
         yield os.environ["TORCHLYRA_CACHE"]
 
 
+# The files that keep one worker busy longest, heaviest first (seconds of a worker on a 2-core host):
+# `--dist loadfile` hands whole files to the workers in collection order, so these start first and
+# the light ones fill in around them. xdist's own order (most tests first) left the heavy files
+# with few tests (processes of their own, long compiles) to the end, one worker running them alone.
+HEAVY_FIRST = ("test_scale_out.py", "test_cluster_inference.py", "test_command_memory.py", "test_tpu_compile.py",
+               "test_module_models.py", "test_transformers_train.py", "test_multihost.py", "test_mxfp4_base.py",
+               "test_parity.py", "test_lora_plan.py", "test_transformers_models.py", "test_parity_selftest.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False      # xdist: collection order (HEAVY_FIRST), not by test count
+
+
 def pytest_collection_modifyitems(config, items):
-    """The `tpu` tests run only in the hardware tier (skipped, never passed, elsewhere); in the tier
-    the tests that start processes of their own on the chip run first, before this process opens
-    it (one program holds a TPU at a time)."""
+    """The heavy files first (HEAVY_FIRST; a file's tests stay together, in their order). The `tpu`
+    tests run only in the hardware tier (skipped, never passed, elsewhere); in the tier the tests
+    that start processes of their own on the chip run first, before this process opens it (one
+    program holds a TPU at a time)."""
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))
     if not ON_CHIP:
         skip = pytest.mark.skip(reason="needs a TPU: the hardware tier, `make test-tpu` on a TPU host")
         for item in items:          # by marker: a parametrize id "tpu" is a keyword too

@@ -1,4 +1,6 @@
 """Shared test utilities."""
+import contextlib
+
 import numpy as np
 
 from parity.compare import rel_err  # noqa: F401  (the project's one relative-error metric)
@@ -22,6 +24,26 @@ def dot_precisions(lowered) -> list[str]:
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     return [m.group(1) if (m := re.search(r"precision = \[([A-Z, ]+)\]", line)) else "DEFAULT, DEFAULT"
             for line in dots]
+
+
+@contextlib.contextmanager
+def lm_eval_reads_only_the_included_tasks():
+    """While it lasts, lm-eval's TaskManager indexes only the --include_path directories (its own
+    `include_defaults=False`), not the ~26k YAML files of the tasks lm-eval ships (~6 s of CPU per
+    `lm-eval` run). For tests whose tasks all come from --include_path: what they run is the same."""
+    import lm_eval.tasks
+
+    shipped = lm_eval.tasks.TaskManager
+
+    class IncludedTasksOnly(shipped):
+        def __init__(self, *args, include_defaults=False, **kwargs):
+            super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+    lm_eval.tasks.TaskManager = IncludedTasksOnly     # lm-eval's CLI imports it from here when it runs
+    try:
+        yield
+    finally:
+        lm_eval.tasks.TaskManager = shipped
 
 
 PLAY_LINES = [

@@ -1,7 +1,7 @@
 """Runs in a subprocess with 8 simulated CPU devices (see test_scale_out.py): trains a reduced
 `tiny` for 5 steps on one device and on several meshes, and prints what the tests check as JSON.
 
-usage: python tests/mesh_worker.py KERNELS@MESH[@REMAT] ...   e.g. xla@data=8 pallas@fsdp=2,tensor=2,expert=2
+usage: python tests/mesh_worker.py KERNELS@MESH[@REMAT] ...   e.g. xla@data=2,fsdp=4 pallas@fsdp=2,tensor=2,expert=2
 A mesh of fewer than 8 devices (fsdp=2,expert=2) runs on the first ones.
 The one-device reference runs the plain layer loop; the mesh runs scan the layers.
 """

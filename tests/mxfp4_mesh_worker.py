@@ -1,7 +1,10 @@
 """Run by tests/test_mxfp4_base.py on 4 simulated CPU devices: the MXFP4 expert dispatch
 (`moe_mxfp4` under `shard_map`, experts split over `expert` and `tensor`, rows over `fsdp`)
-against one device, forward and the gradients of the rows and routing weights. Prints one JSON
-line."""
+against one device, forward and the gradients of the rows and routing weights, on each mesh
+given (one process for all: the one-device reference runs once). Prints one JSON line,
+{mesh: errors}.
+
+usage: python tests/mxfp4_mesh_worker.py MESH [MESH ...]"""
 import json
 import sys
 
@@ -15,7 +18,6 @@ from jax_bridge import moe_dispatch, sharding  # noqa: E402
 from pallas_kernels.moe_mxfp4 import moe_mxfp4_xla  # noqa: E402
 from test_kernel_moe_mxfp4 import make_inputs  # noqa: E402
 
-mesh = sharding.make_mesh(sys.argv[1])
 (x, _, w1b, w1s, b1, w2b, w2s, b2), _ = make_inputs(7, 32, 64, 32, 4)
 rng = np.random.default_rng(7)
 experts = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(32)]), jnp.int32)
@@ -31,6 +33,10 @@ def loss(routed):
 
 
 (_, one), (dx1, dw1) = loss(moe_dispatch.routed_experts(moe_mxfp4_xla))(x, weights)
-(_, many), (dxm, dwm) = loss(moe_dispatch.routed_experts(moe_mxfp4_xla, mesh=mesh, mxfp4=True))(x, weights)
-print(json.dumps({"forward": rel_err(many, one), "dx": rel_err(dxm, dx1), "dweights": rel_err(dwm, dw1),
-                  "devices": len(jax.devices())}))
+results = {}
+for spec in sys.argv[1:]:
+    mesh = sharding.make_mesh(spec)
+    (_, many), (dxm, dwm) = loss(moe_dispatch.routed_experts(moe_mxfp4_xla, mesh=mesh, mxfp4=True))(x, weights)
+    results[spec] = {"forward": rel_err(many, one), "dx": rel_err(dxm, dx1), "dweights": rel_err(dwm, dw1),
+                     "devices": len(jax.devices())}
+print(json.dumps(results))

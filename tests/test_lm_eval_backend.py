@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PLAY_LINES
+from tests.helpers import PLAY_LINES, lm_eval_reads_only_the_included_tasks
 from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
 from formats.errors import UserError
@@ -90,9 +90,10 @@ def test_our_backend_gives_the_hf_backends_results_example_by_example(exported, 
 
     hf_dir, tasks = exported
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    assert main(["lm-eval", "--model_args", f"checkpoint={hf_dir},max_length={MAX_LENGTH}", "--tasks",
-                 ",".join(TASKS), "--include_path", str(tasks), "--batch_size", "8", "--log_samples",
-                 "--output_path", str(tmp_path / "ours")]) == 0
+    with lm_eval_reads_only_the_included_tasks():
+        assert main(["lm-eval", "--model_args", f"checkpoint={hf_dir},max_length={MAX_LENGTH}", "--tasks",
+                     ",".join(TASKS), "--include_path", str(tasks), "--batch_size", "8", "--log_samples",
+                     "--output_path", str(tmp_path / "ours")]) == 0
     ours = logged_samples(tmp_path / "ours")
     results = json.loads(next((tmp_path / "ours").rglob("results_*.json")).read_text())["results"]
     theirs = lm_eval.simple_evaluate(

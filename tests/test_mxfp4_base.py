@@ -340,12 +340,12 @@ def test_mxfp4_stacks_are_split_over_experts_or_output_rows_never_inside_a_block
     assert spec(name, (6, 96, 80), mesh(expert=2, tensor=4)) == ("expert", None, None)
 
 
-@pytest.mark.parametrize("mesh", ["expert=2,fsdp=2", "fsdp=4", "tensor=2,expert=2", "fsdp=2,tensor=2"])
-def test_the_mxfp4_dispatch_on_a_mesh_equals_one_device(mesh):
-    """Under a mesh the MXFP4 stacks are gathered per expert and the rows dispatched per device
-    (tests/mxfp4_mesh_worker.py, 4 simulated CPU devices); under `tensor` the experts are split
-    over it and the outputs summed: output and the gradients of the rows and the routing weights
-    equal one device's."""
+MXFP4_MESHES = ["expert=2,fsdp=2", "fsdp=4", "tensor=2,expert=2", "fsdp=2,tensor=2"]
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dispatch_on_meshes():
+    """tests/mxfp4_mesh_worker.py on 4 simulated CPU devices, once for every mesh: {mesh: errors}."""
     import json
     import subprocess
     import sys
@@ -354,9 +354,18 @@ def test_the_mxfp4_dispatch_on_a_mesh_equals_one_device(mesh):
     from worker_env import worker_env
 
     worker = Path(__file__).parent / "mxfp4_mesh_worker.py"
-    proc = subprocess.run([sys.executable, str(worker), mesh], env=worker_env(4), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, str(worker), *MXFP4_MESHES], env=worker_env(4), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", MXFP4_MESHES)
+def test_the_mxfp4_dispatch_on_a_mesh_equals_one_device(mesh, mxfp4_dispatch_on_meshes):
+    """Under a mesh the MXFP4 stacks are gathered per expert and the rows dispatched per device
+    (tests/mxfp4_mesh_worker.py, 4 simulated CPU devices); under `tensor` the experts are split
+    over it and the outputs summed: output and the gradients of the rows and the routing weights
+    equal one device's."""
+    result = mxfp4_dispatch_on_meshes[mesh]
     assert result["devices"] == 4
     assert result["forward"] < 1e-6 and result["dx"] < 1e-6 and result["dweights"] < 1e-6, result

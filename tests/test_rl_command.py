@@ -1,7 +1,7 @@
 """`torchlyra rl` end to end on a tiny chat model: LoRA with beta > 0 and mu = 2,
 metrics (rewards, clip fractions, KL, entropy, sampler-vs-trainer difference), plots, checkpoints,
-exact resume (2 steps = 1 step + resume 1 step, parameters equal), the adapter exported for peft;
-a bad prompt file and an unknown reward exit 2 with one line."""
+exact resume (the 2-step run's parameters = its checkpoint of step 1 resumed for 1 step), the
+adapter exported for peft; a bad prompt file and an unknown reward exit 2 with one line."""
 import json
 
 import numpy as np
@@ -81,7 +81,11 @@ def test_rl_run_logs_resumes_exactly_and_exports_the_adapter(base, two_steps, tm
     assert summary["decoder_compilations"] == 4        # sampled and greedy: prefill + decode each, once
     assert summary["compile_count"] == 1       # the update step, once (sharding.one_device)
 
-    assert rl(base, tmp_path / "b", "--steps", "1") == 0
+    # The run as it stood after its checkpoint of step 1 (its later one gone), resumed to step 2.
+    import shutil
+
+    shutil.copytree(run, tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "2")
     assert main(["rl", "--out", str(tmp_path / "b"), "--resume", "--steps", "2"]) == 0
     a, b = adapters(run), adapters(tmp_path / "b")
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
