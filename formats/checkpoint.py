@@ -13,7 +13,7 @@ complete (atomic finalize), the last K kept. Each step directory holds these Orb
               kernels, tokenizer reference, loader state, counters;
   tokenizer/  the tokenizer files (`formats.tokenizer.save_tokenizer`);
 and, written after Orbax's rename, `torchlyra_manifest.json` (formats/checkpoint_integrity.py):
-size and sha256 of every file. A step is complete only when its manifest verifies.
+size and checksum of every file. A step is complete only when its manifest verifies.
 
 `load_checkpoint(path)` serves generate / export / parity / eval: it accepts a run directory,
 a checkpoints directory (newest complete step) or one step directory (or a Hugging Face GptOss

@@ -21,7 +21,7 @@ HF_HASHED_FILES = ("config.json", "model.safetensors.index.json")
 
 def base_reference(init_from: str | os.PathLike, init_meta: dict) -> dict:
     """The reference to the base a LoRA run starts from. Our checkpoint: its step directory and
-    the sha256 of its integrity manifest (which holds every file's sha256, so it hashes the whole
+    the sha256 of its integrity manifest (which holds every file's checksum, so it hashes the whole
     step). A Hugging Face directory: the sha256 of the names and sizes of its config, index and
     safetensors files (reading tens of GB to hash them would cost minutes; a changed size or file
     set is caught, an in-place edit of equal size is not)."""

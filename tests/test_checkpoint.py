@@ -10,7 +10,8 @@ from torch_model.config import get_preset
 from torch_model.model import GptOssForCausalLM
 from formats import atomic, checkpoint
 from formats.checkpoint import load_checkpoint, save_checkpoint
-from formats.checkpoint_integrity import MANIFEST_FILE
+from formats.atomic import sha256_file
+from formats.checkpoint_integrity import MANIFEST_FILE, write_manifest
 from formats.errors import UserError
 
 CFG = get_preset("tiny").replace(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
@@ -84,8 +85,18 @@ def test_every_file_is_in_the_hash_manifest(tmp_path, state):
     listed = json.loads((step_dir / MANIFEST_FILE).read_text())["files"]
     on_disk = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()} - {MANIFEST_FILE}
     assert set(listed) == on_disk and any(name.startswith("state/") for name in listed)
+    assert all(set(entry) == {"bytes", "xxh3_128"} for entry in listed.values())
+    # A manifest written before (sha256 per file) verifies as it is.
+    older = {rel: {"bytes": e["bytes"], "sha256": sha256_file(step_dir / rel)} for rel, e in listed.items()}
+    (step_dir / MANIFEST_FILE).write_text(json.dumps({"format": "torchlyra-checkpoint-manifest", "version": 1,
+                                                       "files": older}))
+    load_checkpoint(tmp_path / "ck" / "0")
     (step_dir / "meta" / "metadata").write_text((step_dir / "meta" / "metadata").read_text().replace('"step": 0', '"step": 9'))
-    with pytest.raises(UserError, match=r"is damaged: file meta/metadata fails its sha256"):
+    with pytest.raises(UserError, match=r"is damaged: file meta/metadata fails its checksum \(sha256: altered"):
+        load_checkpoint(tmp_path / "ck" / "0")
+    write_manifest(step_dir)
+    (step_dir / "meta" / "metadata").write_text((step_dir / "meta" / "metadata").read_text().replace('"step": 9', '"step": 8'))
+    with pytest.raises(UserError, match=r"is damaged: file meta/metadata fails its checksum \(xxh3_128: altered"):
         load_checkpoint(tmp_path / "ck" / "0")
 
 

@@ -309,8 +309,9 @@ def test_damaged_newest_checkpoint_is_reported_moved_aside_and_skipped(reference
 
 def test_a_reader_hashes_the_weights_alone_and_a_resume_the_optimizer_state_too(reference, tmp_path):
     """A reader of the weights (generate, eval, export, --init-from) neither reads nor hashes the
-    optimizer state's files (their presence and sizes are checked); --resume, which reads them,
-    finds one damaged there and takes the previous step."""
+    optimizer state's files (their presence and sizes are checked), and hashes the weights' once
+    however often it opens the step; --resume, which reads them, finds one damaged there and takes
+    the previous step."""
     from formats.checkpoint_integrity import HASHING
 
     ckpts = tmp_path / "run" / "checkpoints"
@@ -324,6 +325,7 @@ def test_a_reader_hashes_the_weights_alone_and_a_resume_the_optimizer_state_too(
                   and p.relative_to(step).parts[0] != "optimizer")
     before = HASHING["bytes"]
     state, _, _ = checkpoint.load_checkpoint(tmp_path / "run")
+    checkpoint.find_checkpoint(tmp_path / "run")        # opened again by the same command: hashed once
     assert HASHING["bytes"] - before == weights and state
     lines = []
     assert checkpoint.find_checkpoint(ckpts, resume=True, report=lines.append) == ckpts / "50"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from typing import NamedTuple
 
 import torch
@@ -577,6 +578,9 @@ def check_routing(hf_model: nn.Module, model: TransformersCausalLM, tokens: int 
     check_truth(hf_model, model, model.model.layers)
 
 
+_STRUCTURES: dict[str, TransformersCausalLM] = {}      # TransformersSpec.structure per config (JSON)
+
+
 class TransformersSpec:
     """A transformers model as a run records and rebuilds it (the counterpart of our
     `ModelConfig` in checkpoints and metrics): its config as a JSON object with `model_type`,
@@ -593,8 +597,6 @@ class TransformersSpec:
 
     @classmethod
     def from_file(cls, path) -> "TransformersSpec":
-        import json
-
         try:
             with open(path) as f:
                 config = json.load(f)
@@ -645,10 +647,14 @@ class TransformersSpec:
 
     def structure(self) -> TransformersCausalLM:
         """The model built once on the meta device (no weights): what its shape, parameter counts
-        and FLOPs are read from."""
+        and FLOPs are read from. Read only; one per config in a process (a command reads its
+        checkpoint's record in several places, each a spec of its own)."""
         if self._structure is None:
-            with torch.device("meta"):
-                self._structure = self.build()
+            key = json.dumps(self.config, sort_keys=True, default=str)
+            if key not in _STRUCTURES:
+                with torch.device("meta"):
+                    _STRUCTURES[key] = self.build()
+            self._structure = _STRUCTURES[key]
         return self._structure
 
     @property
