@@ -54,16 +54,23 @@ def routers(model) -> list[tuple[str, torch.nn.Module]]:
 
 
 @contextlib.contextmanager
-def capture_routing(model):
-    """Record (router logits, chosen experts) of every MoE layer, in layer order."""
-    captured = []
-    handles = [router.register_forward_hook(lambda mod, inputs, out: captured.append((out[0], out[2])))
-               for _, router in routers(model)]
+def forward_hooks(modules, hooks):
+    """`hooks[i]` registered as a forward hook of `modules[i]` while the block runs."""
+    handles = [m.register_forward_hook(hook) for m, hook in zip(modules, hooks)]
     try:
-        yield captured
+        yield
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def capture_routing(model):
+    """Record (router logits, chosen experts) of every MoE layer, in layer order."""
+    captured = []
+    modules = [router for _, router in routers(model)]
+    with forward_hooks(modules, [lambda mod, inputs, out: captured.append((out[0], out[2]))] * len(modules)):
+        yield captured
 
 
 @contextlib.contextmanager
@@ -81,13 +88,10 @@ def forced_routing(model, experts):
         return hook
 
     # Each family's router weights the chosen experts its own way (found by behaviour).
-    handles = [router.register_forward_hook(force(i, getattr(router, "torchlyra_weighting", softmax_of_chosen)))
-               for i, (_, router) in enumerate(routers(model))]
-    try:
+    modules = [router for _, router in routers(model)]
+    with forward_hooks(modules, [force(i, getattr(m, "torchlyra_weighting", softmax_of_chosen))
+                                 for i, m in enumerate(modules)]):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def logit_routers(model) -> list[torch.nn.Module]:
@@ -100,12 +104,9 @@ def logit_routers(model) -> list[torch.nn.Module]:
 def capture_router_logits(model):
     """Record the logits of every call of a module model's routers."""
     captured = []
-    handles = [r.register_forward_hook(lambda mod, inputs, out: captured.append(out)) for r in logit_routers(model)]
-    try:
+    modules = logit_routers(model)
+    with forward_hooks(modules, [lambda mod, inputs, out: captured.append(out)] * len(modules)):
         yield captured
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager
@@ -119,12 +120,9 @@ def forced_router_logits(model, logits):
     def force(module, inputs, out):
         return logits[next(calls)].to(out.dtype) + (out - out.detach())
 
-    handles = [r.register_forward_hook(force) for r in logit_routers(model)] if len(logits) else []
-    try:
+    modules = logit_routers(model) if len(logits) else []
+    with forward_hooks(modules, [force] * len(modules)):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def to_numpy(x) -> np.ndarray:
