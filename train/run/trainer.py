@@ -537,11 +537,14 @@ class Trainer:
         self.state, metrics = self.step(self.state, batch, self.scale)
         self.last_batch = batch            # what a profiled run's step program is looked up with
         self.done += 1
+        # The timer starts after the first dispatch (compilation is not timed) and before the start
+        # report waits for that step: started after the wait, the first lap held a step that had
+        # already run, and its tokens/s read hundreds of times too high.
+        if not self.timer.started:
+            self.timer.start()
+        self.timer.count()
         if self._starting:
             self._report_start(metrics)
-        if not self.timer.started:
-            self.timer.start()                 # after the first dispatch: compilation is not timed
-        self.timer.count()
         # Read the previous step's skip flag while this one runs (no stall of the device queue).
         previous, self._pending_skip = self._pending_skip, (self.done, metrics["skipped"])
         if previous is not None:
