@@ -459,11 +459,14 @@ def resolve(spec: str | dict | None, platform: str | None = None, ops: tuple[str
     return resolved
 
 
-def describe(resolved: dict[str, str], platform: str | None = None) -> str:
+def describe(resolved: dict[str, str], platform: str | None = None, uncalled=()) -> str:
+    """`op=name, ... on platform`; an op in `uncalled` (one the model never calls: a module's own
+    experts) is marked so, its implementation running nothing."""
     platform = platform or host_platform()
     mode = " (Pallas interpreted on CPU)" if platform == "cpu" and any(
-        n in ("pallas", "splash", "megablox") for n in resolved.values()) else ""
-    return ", ".join(f"{op}={name}" for op, name in resolved.items()) + f" on {platform}{mode}"
+        n in ("pallas", "splash", "megablox") for op, n in resolved.items() if op not in uncalled) else ""
+    return ", ".join(f"{op}={name}" + (" (not called)" if op in uncalled else "")
+                     for op, name in resolved.items()) + f" on {platform}{mode}"
 
 
 # ---- routing the torch ops --------------------------------------------------------------------

@@ -496,3 +496,13 @@ def test_index_copy_is_torchs_without_the_negative_wrap():
         jaxpr = str(jax.make_jaxpr(lambda i: env.t2j_iso(env.j2t_iso(jnp.zeros((2, 8))).index_copy(
             1, env.j2t_iso(i), env.j2t_iso(jnp.ones((2, 1))))))(jnp.zeros((1,), jnp.int32)))
     assert "lt" not in jaxpr.split() and "select_n" not in jaxpr, jaxpr
+
+
+def test_the_run_header_marks_an_op_the_model_never_calls():
+    """A module's own experts never reach the `moe` op: the header says its implementation runs
+    nothing, and an uncalled Pallas choice does not make the run read as interpreted Pallas."""
+    kernels = {"attention": "xla", "cross_entropy": "xla", "moe": "pallas"}
+    assert registry.describe(kernels, "cpu") == \
+        "attention=xla, cross_entropy=xla, moe=pallas on cpu (Pallas interpreted on CPU)"
+    assert registry.describe(kernels, "cpu", {"moe": "its experts are its own code"}) == \
+        "attention=xla, cross_entropy=xla, moe=pallas (not called) on cpu"
