@@ -9,6 +9,7 @@ a stacked tensor one chunk: there a read keeps what it decoded for the reads tha
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,15 @@ class CheckpointWeights:
         self._context = None
         self._held: _Held | None = None
         self._compressed: set[tuple] = set()    # stored arrays whose chunks are decoded whole
+        self._lock = threading.Lock()            # the handles and counters, for reads on several threads
+
+    def independent_reads(self) -> bool:
+        """Whether reads may run on several threads at once (`mesh_loader.place`): each copies its
+        own slice out of the mapped files (what we write). A compressed checkpoint's reads share
+        the chunks the last one decoded (`read_into`), so they run one at a time."""
+        for key in {ref.key for ref in self._where.values()}:
+            self._array(key)
+        return not self._compressed
 
     def stored_key(self, name: str) -> tuple:
         """The stored array `name` is read from (every layer of a stacked one shares it): reads
@@ -75,9 +85,11 @@ class CheckpointWeights:
         """The tensorstore handle of one stored array (opened once)."""
         import tensorstore as ts
 
-        if self._context is None:
-            self._context = ts.Context({"file_io_mode": {"mode": "memmap"}})
-        if key not in self._arrays:
+        with self._lock:
+            if self._context is None:
+                self._context = ts.Context({"file_io_mode": {"mode": "memmap"}})
+            if key in self._arrays:
+                return self._arrays[key]
             base = {"driver": "ocdbt", "base": f"file://{(self.dir / checkpoint.STATE).absolute()}",
                     "path": ".".join(key)}
             errors = []
@@ -87,12 +99,10 @@ class CheckpointWeights:
                                                 context=self._context).result()
                     if _compressed(self._arrays[key]):
                         self._compressed.add(key)
-                    break
+                    return self._arrays[key]
                 except ValueError as e:
                     errors.append(f"{driver}: {e}")
-            else:
-                raise UserError(f"checkpoint {self.dir}: tensor {'/'.join(key)} cannot be opened ({'; '.join(errors)})")
-        return self._arrays[key]
+            raise UserError(f"checkpoint {self.dir}: tensor {'/'.join(key)} cannot be opened ({'; '.join(errors)})")
 
     def read(self, name: str, index: tuple | None = None) -> np.ndarray:
         """The values of `name` (or of the slice `index`, a tuple of slices) in the stored dtype."""
@@ -116,14 +126,16 @@ class CheckpointWeights:
         index = normalize_index(index, self.entries[name].shape)
         stored = ((slice(ref.layer, ref.layer + 1),) if ref.layer is not None else ()) + index
         array = self._array(ref.key)
-        self.bytes_requested += int(np.prod(out.shape)) * array.dtype.numpy_dtype.itemsize
         region = _chunk_cover(stored, array.chunk_layout.read_chunk.shape, array.shape) \
             if ref.key in self._compressed else stored
+        with self._lock:
+            self.bytes_requested += int(np.prod(out.shape)) * array.dtype.numpy_dtype.itemsize
+            if region == stored:
+                self.reads += 1
         if region == stored:
             source = array[(ref.layer, *index)] if ref.layer is not None else array[index]
             if source.dtype.numpy_dtype != out.dtype:
                 source = ts.cast(source, out.dtype)
-            self.reads += 1
             ts.array(out, copy=False, write=True).write(source).result()
             return
         held = self._held

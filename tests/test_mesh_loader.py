@@ -3,6 +3,7 @@ a base on `meta` adapted by peft with the adapters a host base gets, and the tra
 places equal to the one built from a whole host model (LoRA, --freeze, full; layers scanned or
 looped), the trainer's host model never holding the base."""
 import json
+import threading
 
 import jax
 import ml_dtypes
@@ -63,13 +64,18 @@ def test_checkpoint_weights_read_any_slice_of_any_layout_reading_only_it(base, s
 
 
 @pytest.mark.parametrize("stored", ["stacked", "stacked_zstd"])
-def test_placing_a_model_reads_each_stored_chunk_once(base, stored):
+def test_placing_a_model_reads_each_stored_chunk_once(base, stored, monkeypatch):
     """generate places a model's parameters under their per-layer names (layer 0's, then layer
-    1's, ...). Uncompressed (what we write), each is one tensorstore read of its slice; from a
-    zstd checkpoint, whose stacks are each one chunk that any read decodes whole, the loader
-    reads each stored array once (its reads grouped by it) and lets go of it after."""
+    1's, ...). Uncompressed (what we write), each is one tensorstore read of its slice, several
+    at once on the loader's threads; from a zstd checkpoint, whose stacks are each one chunk that
+    any read decodes whole, the loader reads each stored array once (its reads grouped by it, one
+    at a time) and lets go of it after."""
     state, root = base
     _, _, weights = open_weights(root / stored)
+    threads = set()
+    real = CheckpointWeights.read_into
+    monkeypatch.setattr(CheckpointWeights, "read_into", lambda self, *args: threads.add(
+        threading.current_thread().name.split("_")[0]) or real(self, *args))
     model = build_model(CFG, meta=True)
     abstract = {n: jax.ShapeDtypeStruct(p.shape, np.float32) for n, p in model.named_parameters()}
     placed = mesh_loader.place_model(model, weights, abstract, None)
@@ -79,6 +85,7 @@ def test_placing_a_model_reads_each_stored_chunk_once(base, stored):
     assert len(stored_arrays) < len(state)               # a stack: one stored array for several layers
     assert weights.reads == (len(state) if stored == "stacked" else len(stored_arrays))
     assert weights._held is None
+    assert threads == ({"torchlyra-read"} if stored == "stacked" else {"MainThread"}), threads
 
 
 def test_a_meta_base_gets_the_adapters_a_host_base_gets_and_stays_on_meta():
