@@ -115,6 +115,24 @@ def test_bad_input_is_one_line_exit_2(base, tmp_path, capsys):
         assert len(err) == 1 and words in err[0], err
 
 
+def test_rl_keeps_its_programs_in_the_compilation_cache_it_is_given(base, tmp_path, monkeypatch):
+    """`--compile-cache` reaches the cache before anything compiles (as train's does: a second run
+    loads its programs, tests/test_train_start.py), and a resumed run may change it."""
+    from jax_bridge import compile_cache
+    from train.rl.config import CHANGEABLE_ON_RESUME
+
+    class Enabled(Exception):
+        pass
+
+    def enable(directory=None):
+        raise Enabled(directory)
+
+    monkeypatch.setattr(compile_cache, "enable", enable)
+    with pytest.raises(Enabled, match=str(tmp_path / "cache")):
+        rl(base, tmp_path / "run", "--steps", "1", "--compile-cache", str(tmp_path / "cache"))
+    assert "compile_cache" in CHANGEABLE_ON_RESUME
+
+
 def test_rl_config_file_takes_rl_fields_and_names_an_unknown_one(tmp_path):
     from formats.errors import UserError
     from train.rl.config import load_config_file

@@ -112,6 +112,10 @@ _FLAGS = {
     "log_every": Flag("logging", "steps between metric records in OUT/metrics.jsonl (the last step is logged "
                                  "too)", int),
     "tensorboard": Flag("logging", "also write TensorBoard event files to OUT/tensorboard", kind=SWITCH),
+    "compile_cache": Flag("logging", "persistent compilation cache directory, or off: a second run (or a "
+                                     "--resume) loads the update step's and the decode loop's programs instead "
+                                     "of compiling them", metavar="DIR",
+                          unset="$TORCHLYRA_COMPILE_CACHE, else ~/.cache/torchlyra/jax-compile"),
 }
 
 
@@ -153,8 +157,11 @@ def _config(explicit: dict) -> RLConfig:
 
 def run_rl(cfg: RLConfig) -> dict:
     from formats.checkpoint import read_meta
+    from jax_bridge import compile_cache
+    from jax_bridge.distributed import say
     from train.rl.trainer import RLTrainer, newest_checkpoint
 
+    cache, before = compile_cache.enable(cfg.compile_cache or None), compile_cache.events()
     out = Path(cfg.out)
     step_dir = newest_checkpoint(out)
     meta = None
@@ -178,9 +185,11 @@ def run_rl(cfg: RLConfig) -> dict:
                 trainer.evaluate()
             if trainer.done % cfg.checkpoint_every == 0:
                 trainer.save()
-        return trainer.finish()
+        result = trainer.finish()
     finally:
         trainer.close()
+    say(compile_cache.describe(cache, before))
+    return result
 
 
 def run(args) -> int:

@@ -47,6 +47,7 @@ class RLConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     tensorboard: bool = False
+    compile_cache: str = ""        # persistent compilation cache directory, or "off"; "": as train's
     resume: bool = False
     isolation: str = "auto"        # the humaneval reward's sandbox
 
@@ -98,7 +99,7 @@ class RLConfig:
 
 
 CHANGEABLE_ON_RESUME = ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "tensorboard",
-                        "kernels", "out", "resume", "eval_prompts", "isolation")
+                        "compile_cache", "kernels", "out", "resume", "eval_prompts", "isolation")
 
 
 def resumed_config(saved: dict, explicit: dict, where: str) -> RLConfig:
