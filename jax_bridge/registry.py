@@ -459,13 +459,13 @@ def resolve(spec: str | dict | None, platform: str | None = None, ops: tuple[str
     return resolved
 
 
-def describe(resolved: dict[str, str], platform: str | None = None, uncalled=()) -> str:
-    """`op=name, ... on platform`; an op in `uncalled` (one the model never calls: a module's own
-    experts) is marked so, its implementation running nothing."""
+def describe(resolved: dict[str, str], platform: str | None = None, unrouted=()) -> str:
+    """`op=name, ... on platform`; an op in `unrouted` (one the model never calls: a module's own
+    experts, `ModuleSpec.unrouted_ops`) is marked so, its implementation running nothing."""
     platform = platform or host_platform()
     mode = " (Pallas interpreted on CPU)" if platform == "cpu" and any(
-        n in ("pallas", "splash", "megablox") for op, n in resolved.items() if op not in uncalled) else ""
-    return ", ".join(f"{op}={name}" + (" (not called)" if op in uncalled else "")
+        n in ("pallas", "splash", "megablox") for op, n in resolved.items() if op not in unrouted) else ""
+    return ", ".join(f"{op}={name}" + (" (not called)" if op in unrouted else "")
                      for op, name in resolved.items()) + f" on {platform}{mode}"
 
 

@@ -494,8 +494,10 @@ class Trainer:
         from jax_bridge import distributed, kernel_tiles, registry, sharding
         tables = kernel_tiles.tables_in(self.step.cfg.kernel_options)
         tuned = f" (tuned tiles: {', '.join(tables)})" if tables else ""
-        uncalled = self.model_cfg.unrouted_ops() if hasattr(self.model_cfg, "unrouted_ops") else {}
-        kernels = registry.describe(self.step.kernels, self.step.platform, uncalled)
+        from torch_model.module_lm import ModuleSpec
+
+        unrouted = self.model_cfg.unrouted_ops() if isinstance(self.model_cfg, ModuleSpec) else {}
+        kernels = registry.describe(self.step.kernels, self.step.platform, unrouted)
         print(f"model {self.model_name}: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M "
               f"active); kernels: {kernels}{tuned}; compute "
               f"{self.step.cfg.compute_dtype}, matmul precision {self.step.cfg.matmul_precision}")
