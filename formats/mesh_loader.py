@@ -125,8 +125,8 @@ def source_names(layout, names) -> dict[str, list[str] | str]:
 
 READ_BYTES = 128 << 20       # a read's float32 values at most (an MXFP4 read decodes to float32, then transposes)
 # Parameters placed at once from a source whose reads are independent (at most one per core):
-# copying 2.3 GB out of the page cache took one thread 0.9-1.4 s on the 2-core CPU host, two
-# 0.33 s, four 0.38-0.59 s (BENCHMARKS.md, start-up of `generate`).
+# the 0.57 B Llama's 2.3 GB took one reader 1.4-1.5 s on the 2-core CPU host, two 0.8 s
+# (BENCHMARKS.md, start-up of `generate`).
 READERS = 4
 
 
