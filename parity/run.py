@@ -136,11 +136,13 @@ def check_fits_host(checkpoint) -> None:
 def run(args) -> int:
     """Run the suite from parsed arguments; print the table; 0 if every check passed, else 1."""
     from jax_bridge import compile_cache
+    from train.startup import Startup
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    cache, before = compile_cache.enable(args.compile_cache), compile_cache.events()
-    code = _run(args, say)          # a refusal stays one line: the cache's line follows a run only
-    say(compile_cache.describe(cache, before))
+    cache, startup = compile_cache.enable(args.compile_cache), Startup()     # where the command's time goes
+    code = _run(args, say)          # a refusal stays one line: the time's line follows a run only
+    startup.mark("the checks")
+    say(startup.line(cache, label="time"))
     return code
 
 

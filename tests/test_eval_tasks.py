@@ -280,6 +280,11 @@ def test_eval_tasks_end_to_end(tmp_path, capsys, checkpoints, tokenizer, model):
     assert "step 7, tokens seen 896" in text and "every example of each task" in text
     rows = [line for line in text.splitlines() if line.startswith(("| mc ", "| lm ", "| gen "))]
     assert len(rows) == 3 and f"{100 * got['mc']['score']:.1f}%" in rows[0] and "33.3%" in rows[0]
+    # Where the command's time went: loading the model, then scoring (its compiles inside).
+    import re
+
+    assert re.search(r"^  time [\d.]+ s: imports [\d.]+ s, loading the model [\d.]+ s, scoring [\d.]+ s; "
+                     r"inside them hashing .*compile [\d.]+ s; compilation cache", capsys.readouterr().out, re.M)
 
 
 def test_a_second_eval_process_loads_every_scoring_program_from_the_persistent_cache(tmp_path, checkpoints):

@@ -83,7 +83,9 @@ def logged_samples(output_path: Path) -> dict[str, list[dict]]:
             for name in TASKS}
 
 
-def test_our_backend_gives_the_hf_backends_results_example_by_example(exported, tmp_path, monkeypatch):
+def test_our_backend_gives_the_hf_backends_results_example_by_example(exported, tmp_path, monkeypatch, capsys):
+    import re
+
     from lm_eval.tasks import TaskManager
 
     from train.cli import main
@@ -94,6 +96,10 @@ def test_our_backend_gives_the_hf_backends_results_example_by_example(exported, 
         assert main(["lm-eval", "--model_args", f"checkpoint={hf_dir},max_length={MAX_LENGTH}", "--tasks",
                      ",".join(TASKS), "--include_path", str(tasks), "--batch_size", "8", "--log_samples",
                      "--output_path", str(tmp_path / "ours")]) == 0
+    # Where the command's time went: lm-eval's set-up and our model's loading, then the scoring.
+    assert re.search(r"^time [\d.]+ s: imports [\d.]+ s, lm-eval's set-up and loading the model [\d.]+ s, "
+                     r"lm-eval's tasks and scoring [\d.]+ s; inside them .*compile [\d.]+ s; compilation cache",
+                     capsys.readouterr().out, re.M)
     ours = logged_samples(tmp_path / "ours")
     results = json.loads(next((tmp_path / "ours").rglob("results_*.json")).read_text())["results"]
     theirs = lm_eval.simple_evaluate(

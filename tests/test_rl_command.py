@@ -76,6 +76,10 @@ def test_rl_run_logs_resumes_exactly_and_exports_the_adapter(base, two_steps, tm
     assert train[0]["logp_diff/sampler_vs_trainer_max"] <= 2e-5
     assert train[0]["completions"] == 6 and train[0]["entropy"] > 0
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]
+    # Where the start went, up to the first update: its phases, and JAX's compiling inside them.
+    (start,) = [r for r in records if r["kind"] == "startup"]
+    assert start["step"] == 1 and start["compile_s"] > 0 and start["total_s"] >= start["first_update_s"] > 0
+    assert {"parameters_s", "first_evaluation_s", "first_rollout_s"} <= set(start)
     assert (run / "plots" / "rewards.png").is_file()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["decoder_compilations"] == 4        # sampled and greedy: prefill + decode each, once

@@ -3,6 +3,7 @@ kind of corpus, checkpointed and resumed exactly; fine-tuned from its run with L
 `rl`), each adapter loading in peft onto transformers' model with our logits; what is not built
 is refused by name."""
 import json
+import re
 
 import pytest
 
@@ -371,6 +372,10 @@ def test_parity_of_the_run_against_transformers_eager_attention_and_experts(whol
     assert main(["parity", "--checkpoint", str(whole), "--kernels", "xla", "--dtype", "float32",
                  "--json", str(tmp_path / "parity.json")]) == 0
     report = json.loads((tmp_path / "parity.json").read_text())
-    assert "transformers eager attention and experts" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "transformers eager attention and experts" in err
+    # Where the command's time went: the phases, then JAX's share inside them.
+    assert re.search(r"^time [\d.]+ s: imports [\d.]+ s, the checks [\d.]+ s; inside them hashing [\d.]+ s .*, "
+                     r"compile [\d.]+ s; compilation cache", err, re.M), err[-2000:]
     assert report["passed"] and {r["category"] for r in report["entries"]} >= {"logits", "loss", "grad", "param",
                                                                                 "routing"}

@@ -1,8 +1,9 @@
 """Where a command's start goes: the seconds from the process's start to its first step or token,
 phase by phase (imports, data, the model, hashing and placing the parameters, the first program
 runs), with what JAX spent tracing, lowering and compiling (or loading from the persistent
-compilation cache) inside them. Printed in one line and, for a training run, recorded in its
-metrics ({"kind": "startup"})."""
+compilation cache) inside them. Printed in one line and, for a training or rl run, recorded in its
+metrics ({"kind": "startup"}); eval and parity, whose work is mostly compiling at these sizes,
+print the same line for the whole command."""
 from __future__ import annotations
 
 import os
@@ -19,11 +20,23 @@ def process_age() -> float:
         return 0.0
 
 
+_ACTIVE: "Startup | None" = None
+
+
+def mark(name: str) -> None:
+    """Mark `name` in the command's Startup (the newest one made in this process), if any: for
+    code a command hands control to, as lm-eval builds our backend."""
+    if _ACTIVE is not None:
+        _ACTIVE.mark(name)
+
+
 class Startup:
     """Phases in the order they run: `mark(name)` gives the time since the previous mark (or since
     this Startup was made) to `name`; the process's age when it is made counts as "imports"."""
 
     def __init__(self):
+        global _ACTIVE
+        _ACTIVE = self
         from formats.checkpoint_integrity import HASHING
         from jax_bridge import compile_cache
 
@@ -51,12 +64,14 @@ class Startup:
                    programs_loaded=now["hits"] - self._jax["hits"], programs_compiled=now["misses"] - self._jax["misses"])
         return out
 
-    def line(self, cache_dir=None) -> str:
+    def line(self, cache_dir=None, label: str = "start") -> str:
+        """One line: `label` (a command that runs to its end, as eval and parity, says "time"), the
+        total and each phase, then what hashing and JAX took inside them and what the cache did."""
         r = self.record()
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
         cache = ("; compilation cache off" if cache_dir is None else
                  f"; compilation cache {cache_dir}: {r['programs_loaded']} programs loaded, "
                  f"{r['programs_compiled']} compiled")
-        return (f"start {r['total_s']:.1f} s: {phases}; inside them hashing {r['hashing_s']:.1f} s "
+        return (f"{label} {r['total_s']:.1f} s: {phases}; inside them hashing {r['hashing_s']:.1f} s "
                 f"({r['hashed_bytes'] / 1e6:,.0f} MB), trace {r['trace_s']:.1f} s, lower {r['lower_s']:.1f} s, "
                 f"compile {r['compile_s']:.1f} s" + cache)

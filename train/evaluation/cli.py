@@ -58,7 +58,9 @@ def eager_generator(args, model, tokenizer):
                            max_length=args.max_length)
 
 
-def run_tasks(args) -> dict:
+def run_tasks(args, startup=None) -> dict:
+    """`startup` (train.startup.Startup), when given, is marked after the model loads and after
+    the scoring."""
     import jax
 
     from train.evaluation.report import print_summary, report_card, write_json
@@ -89,6 +91,8 @@ def run_tasks(args) -> dict:
         if args.max_length is not None and not 0 < args.max_length <= model.cfg.max_position_embeddings:
             raise UserError(f"--max-length must be in [1, {model.cfg.max_position_embeddings}], found {args.max_length}")
         scorer = EagerScorer(model, args.max_length)
+    if startup is not None:
+        startup.mark("loading the model")
     bos = scorer.model.cfg.bos_token_id
     generative = HUMANEVAL in names or any(t.settings.kind == "generative" for t in tasks)
     generator = None
@@ -96,6 +100,8 @@ def run_tasks(args) -> dict:
         generator = scorer.generator() if args.scorer == "compiled" else eager_generator(args, model, tokenizer)
     evaluation = run_suite(names, tasks, scorer=scorer, generator=generator, tokenizer=tokenizer,
                            bos=bos, limit=args.limit, progress=args.progress)
+    if startup is not None:
+        startup.mark("scoring")
     evaluation = {"model": info, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   "scorer": args.scorer, "limit": args.limit, "window": scorer.max_length, **evaluation}
     print(f"checkpoint {info['checkpoint']} (step {info['step']}):")
@@ -136,11 +142,14 @@ def _run(args) -> int:
         for flag in ("limit", "report", "max_length", "batch_size", "mesh", "scorer"):
             if getattr(args, flag) not in (None, ""):
                 raise UserError(f"--{flag.replace('_', '-')} needs --tasks (without it, eval measures validation loss)")
-    cache, before = compile_cache.enable(args.compile_cache), compile_cache.events()
+    from train.startup import Startup
+
+    cache, startup = compile_cache.enable(args.compile_cache), Startup()     # where the command's time goes
     if args.tasks:
-        run_tasks(args)
+        run_tasks(args, startup)
         code = 0
     else:
         code = validation.run(args)
-    print(f"  {compile_cache.describe(cache, before)}")
+        startup.mark("loading and scoring")
+    print(f"  {startup.line(cache, label='time')}")
     return code

@@ -83,6 +83,9 @@ class TorchlyraLM(TemplateLM):
                                                              batch_size=rows, max_length=max_length, merge=merge,
                                                              base_dtype=base_dtype)
         say_inference_mesh("lm-eval", placed, self.scorer.mesh)
+        from train import startup
+
+        startup.mark("lm-eval's set-up and loading the model")
         if self.tokenizer is None:
             raise UserError(f"checkpoint {checkpoint}: no tokenizer, and lm-eval sends text")
         self.cfg = self.scorer.cfg

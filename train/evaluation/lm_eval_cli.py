@@ -86,11 +86,14 @@ def run(args) -> int:
 
 
 def _run(lm_args: list[str]) -> int:
+    import jax
     from lm_eval.__main__ import cli_evaluate
 
     from train.evaluation.lm_eval_backend import register
+    from train.startup import Startup
 
     register()
+    startup = Startup()             # where the command's time goes; our backend marks its loading
     # lm-eval's bootstrap pool and its table writer start worker processes; forked from a process
     # that runs JAX (multithreaded) they may deadlock, so while lm-eval runs they come from a
     # fork server (a clean single-threaded process) instead.
@@ -102,4 +105,8 @@ def _run(lm_args: list[str]) -> int:
     finally:
         sys.argv = saved_argv
         multiprocessing.set_start_method(saved_method, force=True)
+    if any("loading the model" in phase for phase in startup.phases):      # our backend ran
+        startup.mark("lm-eval's tasks and scoring")
+        cache = jax.config.jax_compilation_cache_dir or None
+        print(startup.line(cache, label="time"))
     return 0

@@ -160,8 +160,10 @@ def run_rl(cfg: RLConfig) -> dict:
     from jax_bridge import compile_cache
     from jax_bridge.distributed import say
     from train.rl.trainer import RLTrainer, newest_checkpoint
+    from train.startup import Startup
 
     cache, before = compile_cache.enable(cfg.compile_cache or None), compile_cache.events()
+    startup = Startup()             # where the start goes: printed and recorded after the first update
     out = Path(cfg.out)
     step_dir = newest_checkpoint(out)
     meta = None
@@ -172,13 +174,20 @@ def run_rl(cfg: RLConfig) -> dict:
         meta["step_dir"] = str(step_dir)
         if meta["step"] >= cfg.steps:
             return {"steps": meta["step"], "already_finished": True, "checkpoint": str(step_dir)}
-    trainer = RLTrainer(cfg, step_dir, meta)
+    startup.mark("finding the checkpoint")
+    trainer = RLTrainer(cfg, step_dir, meta, startup)
     try:
-        if trainer.done == 0:
-            trainer.evaluate()
+        if trainer.done == 0 and trainer.evaluate() is not None:
+            startup.mark("first evaluation")
         while trainer.done < cfg.steps:
             batch, metrics = trainer.rollout()
+            if startup is not None:
+                startup.mark("first rollout")
             metrics.update(trainer.update(batch))
+            if startup is not None:
+                startup.mark("first update")
+                trainer.report_start(startup, cache)
+                startup = None
             if trainer.done % cfg.log_every == 0 or trainer.done == cfg.steps:
                 trainer.log(metrics)
             if trainer.done % cfg.eval_every == 0 or trainer.done == cfg.steps:

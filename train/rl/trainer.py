@@ -60,7 +60,9 @@ def newest_checkpoint(out: Path):
 
 
 class RLTrainer:
-    def __init__(self, cfg: RLConfig, resume_dir: Path | None = None, meta: dict | None = None):
+    def __init__(self, cfg: RLConfig, resume_dir: Path | None = None, meta: dict | None = None, startup=None):
+        """`startup` (train.startup.Startup), when given, is marked as the run's parts are built."""
+        mark = startup.mark if startup is not None else (lambda name: None)
         from jax_bridge import registry
         from jax_bridge.step import StepConfig, TrainState, TrainStep
         from torch_model.config import ConfigError
@@ -110,6 +112,7 @@ class RLTrainer:
             say(f"rl: {cut} of {len(self.prompts)} prompts longer than max_prompt_tokens ({cfg.max_prompt_tokens}) "
                 "were cut from the left")
         self.prompts_cut = cut
+        mark("opening the checkpoint and prompts")
 
         torch.manual_seed(cfg.seed)
         self.model = build_model(self.model_cfg, meta=True)
@@ -128,7 +131,9 @@ class RLTrainer:
             registry.check_segments(self.step.kernels)
         except (registry.KernelError, ValueError) as e:
             raise UserError(str(e)) from None
+        mark("model and train step")
         self.state = mesh_loader.init_state(self.step, weights, f"--init-from {cfg.init_from}")
+        mark("parameters")
         try:
             self.generator = Generator(unwrap(self.peft_model) if self.peft_model is not None else self.model,
                                        kernels=cfg.kernels, tokenizer=self.tokenizer, mesh=self.mesh,
@@ -158,6 +163,7 @@ class RLTrainer:
             self.order = PromptOrder(len(self.prompts), saved["seed"], saved["epoch"], saved["index"])
             self.done = meta["step"]
             say(f"resuming from {resume_dir} (step {self.done})")
+        mark("generator, reference and resumed state")
         self.checkpoints = checkpoint.CheckpointWriter(self.out / "checkpoints", keep=cfg.keep_checkpoints)
         self.last_saved = self.done if meta else None
         self.metrics = self._open_metrics(meta)
@@ -311,6 +317,11 @@ class RLTrainer:
         return out
 
     # ---- logging, evaluation, checkpoints -----------------------------------------------------
+    def report_start(self, startup, cache_dir) -> None:
+        """Where the start went, up to the first update: one line, and a {"kind": "startup"} record."""
+        self.metrics.write({"kind": "startup", "step": self.done, **startup.record()})
+        say(startup.line(cache_dir))
+
     def log(self, record: dict) -> None:
         record = {"kind": "train", "step": self.done, "elapsed_s": time.perf_counter() - self.start_time, **record}
         record["rollout_share"] = record["rollout_s"] / max(1e-9, record["rollout_s"] + record["update_s"])
