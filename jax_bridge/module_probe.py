@@ -35,7 +35,7 @@ import torch.nn as nn
 from jax_bridge import module_ops
 from jax_bridge.lowering import abstract_params, model_function
 from torch_model.module_lm import (AttentionCall, ModuleBackbone, ModuleCausalLM, ModuleFacts, output_kind,
-                                   output_logits, static_signature)
+                                   output_logits, static_signature, unused_outputs)
 from torch_model.transformers_truth import UnsupportedModel, first_line
 
 PROBE_ROWS, PROBE_TOKENS = 2, 16
@@ -64,7 +64,7 @@ def probe(module: nn.Module, *, seq_len: int = PROBE_TOKENS) -> ModuleFacts:
     def call(m, tokens):
         tokens_seen["tokens"] = tokens
         out = m(tokens)
-        kinds["output"] = output_kind(out)
+        kinds["output"], kinds["unused"] = output_kind(out), unused_outputs(out)
         logits = output_logits(out)
         kinds["logits"] = logits
         return logits
@@ -120,6 +120,7 @@ def _facts(module, events, kinds, tokens, jaxpr, seq_len) -> ModuleFacts:
     return ModuleFacts(vocab_size=vocab, d_model=int(d_model), output=kinds["output"], embedding=embedding, head=head,
                        head_reason=head_reason, blocks=blocks, blocks_reason=blocks_reason, block_types=block_types,
                        attention=attention_calls, roles=_roles(module, events, d_model, embedding, head),
+                       unused_outputs=kinds["unused"],
                        **_counts(module, dot_flops(jaxpr.jaxpr) / (PROBE_ROWS * seq_len), embedding, head))
 
 

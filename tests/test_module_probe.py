@@ -78,6 +78,18 @@ class Residuals(nn.Module):
         return self.head(total)
 
 
+class WithAuxLoss(nn.Module):
+    """examples/gpt.py's GPT returning (logits, a balance-loss-like scalar), as MoE code often does."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = example()
+
+    def forward(self, tokens):
+        logits = self.gpt(tokens)
+        return logits, logits.float().square().mean()
+
+
 def test_the_probe_reads_the_examples_facts_by_structure():
     from torch_model.causal_lm import mean_attended
 
@@ -119,6 +131,16 @@ def test_what_the_bridge_cannot_take_is_found_and_said(monkeypatch):
     biased = example()
     biased.head = nn.Linear(32, 96)
     assert "has a bias" in facts_of(biased).head_reason
+    # A balance loss returned beside the logits is not trained on, and the run's header says so.
+    from torch_model.module_lm import ModuleFacts
+
+    with_aux = facts_of(WithAuxLoss())
+    assert with_aux.output == "first" and with_aux.unused_outputs == ("item 1 (a scalar)",)
+    assert with_aux.report({"attention": "xla"})[-1] == ("outputs: the loss is the logits' cross-entropy alone; not "
+                                                         "added to it: item 1 (a scalar)")
+    assert ModuleFacts.from_dict(json.loads(json.dumps(with_aux.to_dict()))) == with_aux
+    plain = facts_of(example())
+    assert plain.unused_outputs == () and len(plain.report()) == 3
 
 
 def test_a_step_of_what_runs_plain_equals_the_eager_modules_loss(monkeypatch):

@@ -151,16 +151,19 @@ class ModuleFacts:
     matmul_flops_per_token: float        # forward matmul FLOPs per token, attention's scores aside
     params: int                          # parameters, a tied one once
     active_params: int                   # those a token goes through: the matmuls' (FLOPs / 2) and the embedding
+    unused_outputs: tuple[str, ...] = ()  # what the forward returns beside the logits (not in the loss)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["block_types"], d["attention"] = list(self.block_types), [dataclasses.asdict(a) for a in self.attention]
+        d["unused_outputs"] = list(self.unused_outputs)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModuleFacts":
         return cls(**{**d, "block_types": tuple(d["block_types"]),
-                      "attention": tuple(AttentionCall(**a) for a in d["attention"])})
+                      "attention": tuple(AttentionCall(**a) for a in d["attention"]),
+                      "unused_outputs": tuple(d.get("unused_outputs", ()))})
 
     @property
     def n_layers(self) -> int:
@@ -186,6 +189,9 @@ class ModuleFacts:
                      f"head: not fused, the plain loss on the logits ({self.head_reason})")
         lines.append(f"blocks: {self.blocks} ({self.n_layers} blocks) run as the layers" if self.blocks else
                      f"blocks: unrolled as the module runs them ({self.blocks_reason})")
+        if self.unused_outputs:     # an auxiliary loss the module returns is not trained on: said, not hidden
+            lines.append(f"outputs: the loss is the logits' cross-entropy alone; not added to it: "
+                         f"{', '.join(self.unused_outputs)}")
         return lines
 
 
@@ -285,6 +291,22 @@ def output_logits(out, how: str | None = None):
 def output_kind(out) -> str:
     output_logits(out)
     return "tensor" if isinstance(out, torch.Tensor) else "first" if isinstance(out, (tuple, list)) else "logits"
+
+
+def unused_outputs(out) -> tuple[str, ...]:
+    """What a module's forward returns beside the logits, which the loss does not take (an MoE
+    balance loss, a cache, hidden states): the other items of a tuple or list, the other set
+    fields of an output object, each as `name (shape)`."""
+    def described(name, value):
+        shape = f"[{', '.join(map(str, value.shape))}]" if isinstance(value, torch.Tensor) else type(value).__name__
+        return f"{name} ({'a scalar' if shape == '[]' else shape})"
+
+    if isinstance(out, (tuple, list)):
+        return tuple(described(f"item {i}", v) for i, v in enumerate(out) if i and v is not None)
+    if isinstance(out, torch.Tensor):
+        return ()
+    fields = out.items() if hasattr(out, "items") else vars(out).items()
+    return tuple(described(k, v) for k, v in fields if k != "logits" and v is not None and not k.startswith("_"))
 
 
 class ModuleCache(NamedTuple):
