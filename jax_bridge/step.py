@@ -18,6 +18,7 @@ import torch
 
 from jax_bridge import kernel_tiles, policy_gradient, preference, registry, sharded_ops, sharding
 from jax_bridge.env import get_env
+from jax_bridge.expert_layout import ExpertLayout
 from jax_bridge.layer_stack import REMAT_POLICIES, layered_forward
 from jax_bridge.model_on_mesh import COMPUTE_DTYPES, ModelOnMesh, in_compute_dtype
 from jax_bridge.lowering import abstract_optimizer_state, abstract_params, optimizer_function
@@ -198,6 +199,7 @@ class TrainStep:
             raise ValueError(f"--remat {step_cfg.remat} recomputes each layer: this model has none the bridge runs "
                              f"as layers{f' ({why})' if why else ''}; train it with --remat none")
         self.layout = self.layer_layout.tag     # how state.params are stored (formats/checkpoint.py LAYOUTS)
+        self.expert_layout = ExpertLayout.of(model)     # transformers' expert stacks: converted once a step
         self.frozen_names = [n for n, p in model.named_parameters() if not p.requires_grad]
         self.layer_plan = plan_parameters(model, adapters=opt_cfg.adapter_optimizer, optimizer=opt_cfg.optimizer)
         self._check_frozen_stack()
@@ -362,11 +364,17 @@ class TrainStep:
         """A DPO step whose batches carry the reference log-probabilities (full fine-tuning)."""
         return preference.REFERENCE_FIELD in self.float_fields
 
-    def _constrain(self, tree):
-        return tree if self.mesh is None else jax.lax.with_sharding_constraint(tree, self.state_shardings(tree))
+    def _constrain(self, tree, shardings: dict | None = None):
+        """`tree` (by parameter name) held as the state's rules place it, or as `shardings` says."""
+        if self.mesh is None:
+            return tree
+        placed = self.state_shardings(tree) if shardings is None else {n: shardings[n] for n in tree}
+        return jax.lax.with_sharding_constraint(tree, placed)
 
-    def _grads(self, params, tokens, denominator=None, router_loss_scale: float = 1.0, frozen=None):
-        """Gradients of the trainable `params` only; `frozen` enters the forward as inputs."""
+    def _grads(self, params, tokens, denominator=None, router_loss_scale: float = 1.0, frozen=None,
+               shardings: dict | None = None):
+        """Gradients of the trainable `params` only; `frozen` enters the forward as inputs.
+        `shardings`: where the gradients go, by name (default: the state's rules)."""
         frozen = frozen or {}
         if self.objective is not None:
             if not isinstance(tokens, dict):
@@ -376,7 +384,7 @@ class TrainStep:
                 return self.objective.loss({**trainable, **frozen}, tokens, denominator, router_loss_scale)
 
             (loss, out), grads = jax.value_and_grad(loss_of_pairs, has_aux=True)(params)
-            return (loss, out), self._constrain(_as_masters(grads))
+            return (loss, out), self._constrain(_as_masters(grads), shardings)
         if isinstance(tokens, dict):
             inputs, labels, packed = packed_inputs(tokens, denominator, router_loss_scale)
         else:
@@ -386,7 +394,7 @@ class TrainStep:
             return self.loss_and_metrics({**trainable, **frozen}, *args)
 
         (loss, out), grads = jax.value_and_grad(loss_of_trainable, has_aux=True)(params, inputs, labels, packed)
-        return (loss, out), self._constrain(_as_masters(grads))     # reduced straight into the parameters' sharding
+        return (loss, out), self._constrain(_as_masters(grads), shardings)   # reduced straight into their sharding
 
     # ---- the trainable parameters in the compute dtype, carried from step to step -------------
     def copied(self, name: str, dtype) -> bool:
@@ -423,8 +431,15 @@ class TrainStep:
         """(new state, its compute copy, metrics). compute: compute_copy(state.params), donated
         with the state."""
         self.trace_count += 1          # runs only while tracing (a program may compile again without it)
-        zeros = self._constrain(jax.tree.map(jnp.zeros_like, state.params))
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
         forward_params = {**state.params, **compute}
+        experts, grad_shardings = self.expert_layout, None
+        if experts is not None:        # expert stacks in the moe op's layout once, for every micro-batch
+            forward_params, zeros = experts.to_op(forward_params), experts.to_op(zeros)
+            frozen = experts.to_op(frozen) if frozen else frozen
+            if self.mesh is not None:
+                grad_shardings = experts.op_shardings(self.state_shardings(state.params), state.params)
+        zeros = self._constrain(zeros, grad_shardings)
         packed = isinstance(tokens, dict)
         micro = jax.tree.leaves(tokens)[0].shape[0]
         # Packed rows: every micro-batch's loss is its sum over trained tokens divided by the
@@ -434,10 +449,14 @@ class TrainStep:
             denominator = self.objective.step_denominator(tokens)
 
         def accumulate(grad_sum, micro_tokens):
-            (_, out), grads = self._grads(forward_params, micro_tokens, denominator, 1.0 / micro, frozen)
-            return self._constrain(jax.tree.map(jnp.add, grad_sum, grads)), _scalar_metrics(out)
+            with experts.taken_as_given() if experts is not None else contextlib.nullcontext():
+                (_, out), grads = self._grads(forward_params, micro_tokens, denominator, 1.0 / micro, frozen,
+                                              grad_shardings)
+            return self._constrain(jax.tree.map(jnp.add, grad_sum, grads), grad_shardings), _scalar_metrics(out)
 
         grad_sum, micro_metrics = jax.lax.scan(accumulate, zeros, tokens)
+        if experts is not None:        # their gradients back in the parameters' layout, once
+            grad_sum = self._constrain(experts.from_op(grad_sum))
         grads = grad_sum if packed else jax.tree.map(lambda g: g / micro, grad_sum)
         params, opt_state, stats = self._update(state.params, grads, state.opt_state, lr_scale)
         metrics = jax.tree.map(lambda m: m.mean(0), micro_metrics)

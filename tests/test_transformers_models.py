@@ -186,6 +186,57 @@ def test_expert_stacks_stored_as_linear_weights_are_read_so_by_muon_and_the_shar
     assert parameter_roles(gpt_oss) == {}
 
 
+def test_expert_stacks_go_to_the_moe_ops_layout_once_a_step_with_the_same_update():
+    """Qwen3-MoE's experts ([E, 2I, H], gate | up halves) in the moe op's layout ([E, H, 2I], gate
+    and up interleaved), as routed_experts converts them at every call: the step converts them once
+    before its micro-batches (jax_bridge/expert_layout.py) and their gradients back once, and its
+    state after two micro-batches is the state of the step that converts at every call. gpt-oss's
+    experts are the op's layout already; experts under LoRA are left to routed_experts."""
+    import jax
+
+    from formats.hf_mapping import build_hf_config
+    from jax_bridge.expert_layout import ExpertLayout
+    from torch_model.config import get_preset
+    from torch_model.lora import apply_lora, parse_lora_spec, unwrap
+
+    ours, _ = models("qwen3_moe")
+    layout = ExpertLayout.of(ours)
+    gate_up = np.random.default_rng(0).standard_normal((4, 64, 64)).astype(np.float32)    # [E, 2I, H]
+    down = np.random.default_rng(1).standard_normal((4, 64, 32)).astype(np.float32)       # [E, H, I]
+    norm = down[0, 0]
+    got = layout.to_op({"model.layers.2.mlp.experts.gate_up_proj": gate_up, "model.layers.2.mlp.experts.down_proj": down,
+                        "model.norm.weight": norm})
+    expected = transformers_lm._interleave(torch.from_numpy(gate_up).transpose(1, 2)).numpy()
+    assert np.array_equal(got["model.layers.2.mlp.experts.gate_up_proj"], expected)
+    assert np.array_equal(got["model.layers.2.mlp.experts.down_proj"], down.transpose(0, 2, 1))
+    assert got["model.norm.weight"] is norm
+    stacked = {"model.layers.stack0.mlp.experts.gate_up_proj": np.stack([gate_up, 2 * gate_up])}
+    back = layout.from_op(layout.to_op(stacked))
+    assert np.array_equal(back["model.layers.stack0.mlp.experts.gate_up_proj"], stacked["model.layers.stack0.mlp.experts.gate_up_proj"])
+
+    # The experts trained, and frozen beside LoRA adapters on the linear layers (converted as inputs).
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 1, SEQ + 1)).astype(np.int32)
+    beside_lora = apply_lora(models("qwen3_moe")[0], parse_lora_spec("r=2,alpha=4,targets=all-linear"))
+    for model in (ours, beside_lora):
+        after = []
+        for once in (True, False):
+            step = TrainStep(model, OptimizerConfig(), StepConfig(kernels="xla", compute_dtype="float32",
+                                                                  micro_batches=2))
+            assert step.expert_layout is not None
+            if not once:
+                step.expert_layout = None           # routed_experts converts at every call, as before
+            state, _ = step(step.init_state(), tokens)
+            after.append(jax.tree.map(np.asarray, state.params))
+        assert any("experts" in n for n in after[0]) == (model is ours)
+        for name, value in after[0].items():
+            np.testing.assert_allclose(value, after[1][name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+    gpt_oss = transformers_lm.build(build_hf_config(get_preset("tiny").replace(n_layers=2, vocab_size=VOCAB)))
+    assert ExpertLayout.of(gpt_oss) is None
+    on_experts = apply_lora(models("qwen3_moe")[0], parse_lora_spec("r=2,alpha=4,targets=all-linear+experts"))
+    assert ExpertLayout.of(unwrap(on_experts)) is None
+
+
 def test_a_qwen3_moe_step_with_pallas_kernels_compiles_for_v5e():
     """The real TPU compiler (deviceless v5e) takes the whole bf16 train step of a tiny Qwen3-MoE
     with our Mosaic kernels, the fused MoE kernel with SwiGLU's constants among them."""

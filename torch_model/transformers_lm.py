@@ -201,11 +201,13 @@ def routed_experts(module, hidden_states, top_k_index, top_k_weights):
     if activation is None:
         raise UnsupportedModel(f"{type(module).__name__}: experts not prepared by transformers_lm.build")
     gate_up, down = module.gate_up_proj, module.down_proj
-    if not module.is_transposed:                     # [E, 2I, H] / [E, H, I] -> x @ W layouts
+    # A train step converts the weights once before its micro-batches (jax_bridge/expert_layout.py).
+    converted = getattr(module, "torchlyra_op_layout", False)
+    if not module.is_transposed and not converted:   # [E, 2I, H] / [E, H, I] -> x @ W layouts
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     gate_up_bias = module.gate_up_proj_bias if module.has_bias else gate_up.new_zeros(gate_up.shape[0], gate_up.shape[2])
     down_bias = module.down_proj_bias if module.has_bias else down.new_zeros(down.shape[0], down.shape[2])
-    if module.is_concatenated:
+    if module.is_concatenated and not converted:
         gate_up, gate_up_bias = _interleave(gate_up), _interleave(gate_up_bias)
     return ops.OPS["moe"](hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), gate_up, gate_up_bias,
                           down, down_bias, *activation)
