@@ -50,6 +50,7 @@ class Plan:
     matmul_precision: str
     hbm_bytes: int               # what the compiler lets one device use
     ns_dtype: str = "float32"    # Muon's Newton-Schulz
+    optimizer: str = "muon"      # muon: Muon + AdamW by role; adamw: AdamW for every parameter
     moe_routing: str = "even"    # the routing the fused MoE kernels' cost estimates assume (roofline only)
     # Per chip, from the state's shapes and shardings (not the compiler): the shards one chip holds.
     param_bytes: int = 0         # float32 master weights
@@ -238,7 +239,8 @@ def plan(preset: str, topology: str, *, mesh: str | dict | None = None, seq_len:
                   params=cfg.param_counts()["total"], seq_len=seq_len, batch_size=batch_size, rows_per_chip=rows,
                   micro_batches=micro_batches, scan_layers=scan_layers, remat=remat, kernels=dict(step.kernels),
                   compute_dtype=step_cfg.compute_dtype, matmul_precision=step_cfg.matmul_precision,
-                  hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype, moe_routing=moe_routing,
+                  hbm_bytes=tpu_compile.hbm_bytes(device), ns_dtype=optimizer.ns_dtype, optimizer=optimizer.optimizer,
+                  moe_routing=moe_routing,
                   param_bytes=sharding.shard_bytes(state.params),
                   optimizer_bytes=sharding.shard_bytes(state.opt_state),
                   grad_bytes=sharding.shard_bytes(state.params),
@@ -517,7 +519,8 @@ def format_plan(p: Plan) -> str:
              f"micro-batch(es){' of packed rows (SFT: segment ids, loss weights)' if p.packed and not p.rl else ''}"
              f"{f' of packed rollouts (GRPO update: {p.rl}; per-token advantages and log-probabilities)' if p.rl else ''}; "
              f"layers {'scanned' if p.scan_layers else 'looped'}, remat {p.remat}; "
-             f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}, Newton-Schulz {p.ns_dtype}; "
+             f"{p.compute_dtype} compute, matmul precision {p.matmul_precision}, "
+             f"{f'Newton-Schulz {p.ns_dtype}' if p.optimizer == 'muon' else 'AdamW for every parameter'}; "
              f"kernels {kernels}"
              + (f" (their cost estimates: {p.moe_routing} routing)" if p.moe_routing != "even" else ""),
              f"  per chip, from the shardings: parameters {gib(p.param_bytes)}, optimizer {gib(p.optimizer_bytes)}, "

@@ -10,16 +10,19 @@ def test_plan_reports_a_step_that_does_not_fit_the_chip(tmp_path, capsys):
     """The all-xla kernel set's train step (2-layer tiny at sequence 8192, 64 rows per v5e chip,
     no remat) holds 20.6 GiB of activations: the TPU compiler refuses it for a 16 GiB chip, and
     the plan says so with the compiler's figure instead of failing. One chip, replicated state: it
-    holds every parameter."""
+    holds every parameter, and with `--optimizer adamw` two moments of each."""
     out = tmp_path / "plan.json"
     rc = main(["plan", "--preset", "tiny", "--layers", "2", "--topology", "v5e:2x2", "--mesh", "none",
-               "--seq-len", "8192", "--batch-size", "256", "--kernels", "xla", "--json", str(out)])
+               "--seq-len", "8192", "--batch-size", "256", "--kernels", "xla", "--optimizer", "adamw",
+               "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "DOES NOT FIT" in printed and "4 x TPU v5 lite" in printed and "64 rows per chip" in printed
     plan = json.loads(out.read_text())
     assert plan["fits"] is False and plan["kernels"] == {"attention": "xla", "cross_entropy": "xla", "moe": "xla"}
     assert plan["mesh"] == "none" and plan["param_bytes"] == plan["grad_bytes"] == 4 * plan["params"]
+    assert plan["optimizer"] == "adamw" and "AdamW for every parameter" in printed
+    assert 2 * plan["param_bytes"] <= plan["optimizer_bytes"] < 2 * plan["param_bytes"] + 4096   # + step counts
     assert plan["temp_bytes"] > plan["hbm_bytes"] > 15 << 30
     assert "exceeds available HBM" in plan["error"]
 

@@ -15,7 +15,7 @@ from formats.errors import UserError
 def add_arguments(parser) -> None:
     from formats.mxfp4 import BASE_DTYPES
     from formats.model_checks import add_module_arguments
-    from torch_model.optim import NS_DTYPES
+    from torch_model.optim import NS_DTYPES, OPTIMIZERS
     from train.run.config import COMPUTE_DTYPES, REMATS
 
     parser.add_argument("--preset", default="lyra-small", help="model preset (default: lyra-small)")
@@ -48,6 +48,9 @@ def add_arguments(parser) -> None:
                              "one chip), with every chip "
                              "on fsdp and one sequence per chip, until one fits: the smallest slice that trains the "
                              "preset (full fine-tune, Muon + AdamW)")
+    parser.add_argument("--optimizer", default="muon", choices=OPTIMIZERS,
+                        help="muon: Muon for the hidden weight matrices, AdamW for the rest (default); adamw: AdamW "
+                             "for every parameter, as train's --optimizer")
     parser.add_argument("--ns-dtype", default="float32", choices=NS_DTYPES,
                         help="dtype of Muon's Newton-Schulz iteration (default: float32, the optimizer's default)")
     parser.add_argument("--roofline", action="store_true",
@@ -122,7 +125,7 @@ def run(args) -> int:
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
                       scan_layers=scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
-                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype), packed=args.packed, lora=args.lora, rl=rl,
+                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype, optimizer=args.optimizer), packed=args.packed, lora=args.lora, rl=rl,
                       rollout=rollout, model_record=model, base_dtype=args.base_dtype,
                       moe_routing=args.moe_routing)
     except tpu_compile.TopologyError as e:
@@ -184,7 +187,7 @@ def find_slice(args, overrides: dict, model=None) -> int:
         plans = smallest_slice(args.preset, args.find_slice, seq_len=args.seq_len, micro_batches=args.micro_batches,
                                scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels,
                                kernel_options=args.kernel_options, compute_dtype=args.compute_dtype,
-                               model_overrides=overrides, optimizer=OptimizerConfig(ns_dtype=args.ns_dtype),
+                               model_overrides=overrides, optimizer=OptimizerConfig(ns_dtype=args.ns_dtype, optimizer=args.optimizer),
                                packed=args.packed, lora=args.lora, model_record=model, base_dtype=args.base_dtype,
                                **({"mesh": args.mesh} if args.mesh.strip() else {}),
                                report=lambda p: print(format_plan(p) if p.device_kind else
