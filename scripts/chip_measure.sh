@@ -16,7 +16,7 @@
 #                Llama row), beside the same config through --model-config, and the module
 #                beside torchax's own documented step (scripts/torchax_peer_step.py)   ~480 s
 #   moe          gpt-oss-20b's and Qwen3-30B-A3B's layer shapes (docs/models/*-layers.json) at
-#                131,072 tokens a step, Muon and AdamW                                  ~540 s
+#                131,072 tokens a step, Muon, and AdamW with fewer experts (*-adamw.json) ~540 s
 #   tier-runs    the hardware tier's runs file (parity, demo, generation, LoRA, DPO)   ~460 s
 #   tier-kernels the hardware tier's kernels file                                     ~230 s
 #
@@ -152,11 +152,13 @@ job_module() {
 job_moe() {
     step gpt_oss_layers 170 train_4096 gpt_oss_layers 8 --model-config docs/models/gpt-oss-20b-layers.json \
         --batch-size 4 --micro-batches 16 --remat full --ns-dtype bfloat16
-    step gpt_oss_layers_adamw 130 train_4096 gpt_oss_layers_adamw 8 --model-config docs/models/gpt-oss-20b-layers.json \
+    # AdamW keeps two moments a parameter: the same shapes do not fit one v5e (plan: 16.65 GiB of
+    # temporaries, 16.44 GiB); the -adamw configs take fewer experts at the same active fraction.
+    step gpt_oss_layers_adamw 130 train_4096 gpt_oss_layers_adamw 8 --model-config docs/models/gpt-oss-20b-layers-adamw.json \
         --batch-size 4 --micro-batches 16 --remat full --optimizer adamw
     step qwen3_layers 130 train_4096 qwen3_layers 8 --model-config docs/models/qwen3-30b-a3b-layers.json \
         --batch-size 4 --micro-batches 16 --remat full --ns-dtype bfloat16
-    step qwen3_layers_adamw 110 train_4096 qwen3_layers_adamw 8 --model-config docs/models/qwen3-30b-a3b-layers.json \
+    step qwen3_layers_adamw 110 train_4096 qwen3_layers_adamw 8 --model-config docs/models/qwen3-30b-a3b-layers-adamw.json \
         --batch-size 4 --micro-batches 16 --remat full --optimizer adamw
 }
 
