@@ -305,7 +305,7 @@ def unused_outputs(out) -> tuple[str, ...]:
         return tuple(described(f"item {i}", v) for i, v in enumerate(out) if i and v is not None)
     if isinstance(out, torch.Tensor):
         return ()
-    fields = out.items() if hasattr(out, "items") else vars(out).items()
+    fields = out.items() if hasattr(out, "items") else getattr(out, "__dict__", {}).items()
     return tuple(described(k, v) for k, v in fields if k != "logits" and v is not None and not k.startswith("_"))
 
 
