@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STARTUP = ROOT / "tests" / "startup"
 PYTHONPATH = f"{ROOT}{os.pathsep}{STARTUP}"
 SHARED = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-          "JAX_COMPILATION_CACHE_MAX_SIZE", "OMP_NUM_THREADS")
+          "JAX_COMPILATION_CACHE_MAX_SIZE", "JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "OMP_NUM_THREADS")
 
 
 def worker_env(devices: int | None = None) -> dict[str, str]:
