@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from dataclasses import dataclass
 
 import jax
@@ -65,11 +66,9 @@ def _from_op(kind: _Kind, x):
 
 
 def _is_peft_layer(module) -> bool:
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return False
-    return isinstance(module, BaseTunerLayer)
+    # A model holding peft's layers has imported peft; importing it here would cost every step 1-3 s.
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return tuners is not None and isinstance(module, tuners.BaseTunerLayer)
 
 
 class ExpertLayout:
@@ -88,6 +87,8 @@ class ExpertLayout:
 
         kinds, modules = {}, []
         named = dict(model.named_modules())
+        if not any(is_experts(m) for m in named.values()):
+            return None
         adapted = [path for path, m in named.items() if _is_peft_layer(m)]
         for path, module in named.items():
             if not is_experts(module) or not hasattr(module, "torchlyra_activation") or \
