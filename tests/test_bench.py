@@ -467,7 +467,7 @@ def test_float32_accuracy_decode_loop_ops_and_decode_head_bench_scripts_run_here
     scripts/float32_accuracy.py (every row printed; on this CPU within a few ulps) and
     scripts/decode_loop_ops.py (the decode loop body priced for a v5e, deviceless: small-o200k at
     one row reads about its 206 MB output matrix, in fewer ops since the expert biases enter the loop
-    in the kernels' layout); and
+    in the kernels' layout; a transformers config's model too); and
     scripts/decode_head_bench.py at small shapes (its Pallas kernel interpreted, a ragged last block
     and two streams included: the products equal XLA's)."""
     import runpy
@@ -481,6 +481,11 @@ def test_float32_accuracy_decode_loop_ops_and_decode_head_bench_scripts_run_here
     [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| moe=pallas")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert 200 < float(cells[1].split()[0]) < 260 and int(cells[3]) < 345, cells
+    # A transformers config's decode loop (Qwen3-MoE's, tiny): its own row.
+    assert script["main"](["--model-config", os.path.join(root, "docs", "models", "qwen3-moe-tiny.json"),
+                           "--kernels", "moe=pallas"]) == 0
+    printed = capsys.readouterr().out
+    assert "qwen3-moe-tiny.json, 1 row(s)" in printed and printed.count("| moe=pallas") == 1, printed
     head = runpy.run_path(os.path.join(root, "scripts", "decode_head_bench.py"))
     assert head["main"](["--vocab", "1000", "--hidden", "128", "--rows", "1,3", "--blocks", "256", "--iters", "2",
                          "--repeats", "1"]) == 0
