@@ -203,16 +203,15 @@ def test_expert_stacks_go_to_the_moe_ops_layout_once_a_step_with_the_same_update
     layout = ExpertLayout.of(ours)
     gate_up = np.random.default_rng(0).standard_normal((4, 64, 64)).astype(np.float32)    # [E, 2I, H]
     down = np.random.default_rng(1).standard_normal((4, 64, 32)).astype(np.float32)       # [E, H, I]
-    norm = down[0, 0]
-    got = layout.to_op({"model.layers.2.mlp.experts.gate_up_proj": gate_up, "model.layers.2.mlp.experts.down_proj": down,
-                        "model.norm.weight": norm})
+    norm, experts = down[0, 0], "model.layers.2.mlp.experts"
+    got = layout.to_op({f"{experts}.gate_up_proj": gate_up, f"{experts}.down_proj": down, "model.norm.weight": norm})
     expected = transformers_lm._interleave(torch.from_numpy(gate_up).transpose(1, 2)).numpy()
-    assert np.array_equal(got["model.layers.2.mlp.experts.gate_up_proj"], expected)
-    assert np.array_equal(got["model.layers.2.mlp.experts.down_proj"], down.transpose(0, 2, 1))
+    assert np.array_equal(got[f"{experts}.gate_up_proj"], expected)
+    assert np.array_equal(got[f"{experts}.down_proj"], down.transpose(0, 2, 1))
     assert got["model.norm.weight"] is norm
-    stacked = {"model.layers.stack0.mlp.experts.gate_up_proj": np.stack([gate_up, 2 * gate_up])}
-    back = layout.from_op(layout.to_op(stacked))
-    assert np.array_equal(back["model.layers.stack0.mlp.experts.gate_up_proj"], stacked["model.layers.stack0.mlp.experts.gate_up_proj"])
+    stacked = "model.layers.stack0.mlp.experts.gate_up_proj"
+    both = np.stack([gate_up, 2 * gate_up])
+    assert np.array_equal(layout.from_op(layout.to_op({stacked: both}))[stacked], both)
 
     # The experts trained, and frozen beside LoRA adapters on the linear layers (converted as inputs).
     tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 1, SEQ + 1)).astype(np.int32)

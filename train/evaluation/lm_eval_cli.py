@@ -105,7 +105,7 @@ def _run(lm_args: list[str]) -> int:
     finally:
         sys.argv = saved_argv
         multiprocessing.set_start_method(saved_method, force=True)
-    if any("loading the model" in phase for phase in startup.phases):      # our backend ran
+    if len(startup.phases) > 1:     # our backend marked its loading: it ran (not another lm-eval model)
         startup.mark("lm-eval's tasks and scoring")
         cache = jax.config.jax_compilation_cache_dir or None
         print(startup.line(cache, label="time"))

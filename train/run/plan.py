@@ -92,7 +92,6 @@ def run(args) -> int:
     from jax_bridge import registry, tpu_compile
     from jax_bridge.plan import ONE_CHIP, format_plan, plan
     from torch_model.config import ConfigError, get_preset
-    from torch_model.optim import OptimizerConfig
 
     model = _model_record(args)
     if model is not None:
@@ -125,7 +124,7 @@ def run(args) -> int:
                       seq_len=args.seq_len, batch_size=args.batch_size, micro_batches=args.micro_batches,
                       scan_layers=scan_layers, remat=args.remat, kernels=args.kernels, kernel_options=args.kernel_options,
                       compute_dtype=args.compute_dtype, model_overrides=overrides, roofline=args.roofline,
-                      optimizer=OptimizerConfig(ns_dtype=args.ns_dtype, optimizer=args.optimizer), packed=args.packed, lora=args.lora, rl=rl,
+                      optimizer=optimizer_of(args), packed=args.packed, lora=args.lora, rl=rl,
                       rollout=rollout, model_record=model, base_dtype=args.base_dtype,
                       moe_routing=args.moe_routing)
     except tpu_compile.TopologyError as e:
@@ -142,6 +141,13 @@ def run(args) -> int:
         write_atomic(args.json, (json.dumps(result.to_dict(), indent=1) + "\n").encode())
         print(f"wrote {args.json}")
     return 0
+
+
+def optimizer_of(args):
+    """The optimizer the planned step updates with (--optimizer, --ns-dtype), as train's."""
+    from torch_model.optim import OptimizerConfig
+
+    return OptimizerConfig(ns_dtype=args.ns_dtype, optimizer=args.optimizer)
 
 
 def _model_record(args):
@@ -181,13 +187,12 @@ def find_slice(args, overrides: dict, model=None) -> int:
     from jax_bridge import tpu_compile
     from jax_bridge.plan import format_plan, smallest_slice
     from torch_model.config import ConfigError
-    from torch_model.optim import OptimizerConfig
 
     try:
         plans = smallest_slice(args.preset, args.find_slice, seq_len=args.seq_len, micro_batches=args.micro_batches,
                                scan_layers=args.scan_layers, remat=args.remat, kernels=args.kernels,
                                kernel_options=args.kernel_options, compute_dtype=args.compute_dtype,
-                               model_overrides=overrides, optimizer=OptimizerConfig(ns_dtype=args.ns_dtype, optimizer=args.optimizer),
+                               model_overrides=overrides, optimizer=optimizer_of(args),
                                packed=args.packed, lora=args.lora, model_record=model, base_dtype=args.base_dtype,
                                **({"mesh": args.mesh} if args.mesh.strip() else {}),
                                report=lambda p: print(format_plan(p) if p.device_kind else
