@@ -4,7 +4,7 @@ run time per step. Settings come from the environment, to compare the test suite
 (tests/conftest.py) against others:
 
     XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false" \\
-      python scripts/compile_time.py --kernels pallas [--gc-threshold 50000,50,100]
+      python scripts/compile_time.py --kernels pallas [--optimizer adamw] [--gc-threshold 50000,50,100]
 
 `--compare-walks N`: instead, lower the step (trace + lower, no compile) N times with torchax's
 argument walks as jax_bridge/torchax_pytree.py does them and N times with torch's pytree,
@@ -26,6 +26,8 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "tracing", "/jax/core/compil
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", default="xla", help="a kernel set, e.g. xla or pallas")
+    parser.add_argument("--optimizer", default="muon", choices=("muon", "adamw"),
+                        help="the step's optimizer (default: muon; adamw: AdamW for every parameter)")
     parser.add_argument("--gc-threshold", default="", help="gc.set_threshold values, e.g. 50000,50,100")
     parser.add_argument("--compare-walks", type=int, default=0, metavar="N",
                         help="lower N times with each of torchax's argument walks (ours, torch's) instead")
@@ -40,17 +42,19 @@ def main() -> None:
     from jax_bridge.step import StepConfig, TrainStep
     from torch_model.config import get_preset
     from torch_model.model import GptOssForCausalLM
+    from torch_model.optim import OptimizerConfig
 
     seconds = collections.Counter()
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **_: seconds.update({EVENTS[event]: duration}) if event in EVENTS else None)
     torch.manual_seed(0)
     cfg = get_preset("tiny").replace(n_layers=2, sliding_window=16, max_seq_len=64)
-    step = TrainStep(GptOssForCausalLM(cfg), step_cfg=StepConfig(kernels=args.kernels))
+    step = TrainStep(GptOssForCausalLM(cfg), OptimizerConfig(optimizer=args.optimizer),
+                     StepConfig(kernels=args.kernels))
     state = step.init_state()
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 2, 65)).astype(np.int32)
     if args.compare_walks:
-        compare_walks(lambda: TrainStep(step.model, step_cfg=step.cfg), state, tokens, args.compare_walks)
+        compare_walks(lambda: TrainStep(step.model, step.opt_cfg, step.cfg), state, tokens, args.compare_walks)
         return
     start = time.perf_counter()
     state, metrics = step(state, tokens, 1.0)
@@ -62,7 +66,7 @@ def main() -> None:
     loss = float(metrics["loss"])
     per_step = (time.perf_counter() - start) / 3
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    print(f"kernels {args.kernels}, XLA_FLAGS {os.environ.get('XLA_FLAGS', '')!r}, gc {gc.get_threshold()}: "
+    print(f"kernels {args.kernels}, optimizer {args.optimizer}, XLA_FLAGS {os.environ.get('XLA_FLAGS', '')!r}, gc {gc.get_threshold()}: "
           f"first step {first:.1f} s (" + ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items())
           + f"), then {per_step * 1e3:.0f} ms/step, loss {loss:.6f}; process CPU {usage.ru_utime + usage.ru_stime:.1f} s")
 

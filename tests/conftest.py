@@ -42,8 +42,9 @@ if not ON_CHIP and "xla_backend_optimization_level" not in os.environ.get("XLA_F
     os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
                                " --xla_cpu_use_fusion_emitters=false").strip()
 # No Python traceback in each op's location (JAX's default keeps 10 frames): XLA:CPU turns them into
-# metadata at every compile; without them a Pallas step compiles in 2.0 instead of 2.2 s (the op
-# names that the roofline and the profile match stay). Tests only, inherited by subprocesses.
+# metadata at every compile; without them the Pallas `tiny` step's first step takes 5.3-5.5 s
+# instead of 5.7-5.9 s (scripts/compile_time.py; the op names that the roofline and the profile
+# match stay). Tests only, inherited by subprocesses.
 if not ON_CHIP:
     os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
 # Generation enables JAX's persistent compilation cache by default; tests that want it pass a
