@@ -19,6 +19,9 @@
 #                131,072 tokens a step, Muon, and AdamW with fewer experts (*-adamw.json) ~540 s
 #   tier-runs    the hardware tier's runs file (parity, demo, generation, LoRA, DPO)   ~460 s
 #   tier-kernels the hardware tier's kernels file                                     ~230 s
+#   startup      where a start goes: generate (64 tokens) cold and again on the 0.57 B Llama and a
+#                0.65 B Qwen3 shape (docs/models/qwen3-650m.json), each trained 1 step here; the read
+#                profiled; train --resume of small-o200k cold and again; the module's chip parity ~420 s
 #
 # Every log, metrics file and summary goes to the output folder $OUT (default /tmp/chip_out; packed
 # into $OUT/results.tgz past 8 files, for hosts that copy back only a few), runs to /tmp/r.
@@ -164,6 +167,53 @@ job_moe() {
         --batch-size 4 --micro-batches 16 --remat full --optimizer adamw
 }
 
+timed() {   # timed CMD...: CMD, then its wall in seconds as one line
+    local t; t=$(date +%s.%N); "$@"; local rc=$?
+    echo "wall $(python3 -c "import time; print(f'{time.time() - $t:.1f}')") s: rc $rc"; return $rc
+}
+
+train_1step() {   # train_1step RUN CONFIG: one step of 1 x 128 on the bundled corpus, uncached, a checkpoint to read
+    local data; data=$(shakespeare) || return 2
+    rm -rf "${R:?}/$1"
+    tl train --model-config "$2" --data "$data" --steps 1 --batch-size 1 --seq-len 128 --samples 0 \
+        --eval-every 1000 --compile-cache off --out "$R/$1"
+}
+
+generate_64() {   # generate_64 RUN: 64 greedy tokens with the start's breakdown, in the start-up job's cache
+    timed tl generate --checkpoint "$R/$1" --prompt "To be" --max-tokens 64 --temperature 0 --no-stream \
+        --timings --compile-cache "$R/startup_cache"
+}
+
+read_profile() {   # read_profile RUN: generate again under cProfile, the 40 costliest functions by own time
+    python3 -m cProfile -s tottime -m train.cli generate --checkpoint "$R/$1" --prompt "To be" --max-tokens 1 \
+        --timings --compile-cache "$R/startup_cache" | head -n 80
+}
+
+first_o200k() {   # small-o200k's run to 2 steps, uncached: the checkpoint --resume continues
+    rm -rf "${R:?}/s78_o200k"
+    timed run_o200k s78_o200k --steps 2 --compile-cache off
+}
+
+resume_o200k() {   # resume_o200k STEPS: small-o200k's run continued to STEPS, in the start-up job's cache
+    timed run_o200k s78_o200k --steps "$1" --resume --compile-cache "$R/startup_cache"
+}
+
+job_startup() {
+    rm -rf "${R:?}/startup_cache"
+    step llama_train 80 train_1step s78_llama docs/models/llama-570m.json
+    step llama_cold 45 generate_64 s78_llama
+    step llama_again 25 generate_64 s78_llama
+    step qwen_train 90 train_1step s78_qwen docs/models/qwen3-650m.json
+    step qwen_cold 60 generate_64 s78_qwen
+    step qwen_again 30 generate_64 s78_qwen
+    step qwen_read_profile 30 read_profile s78_qwen
+    step o200k_first 80 first_o200k
+    step o200k_resume_cold 70 resume_o200k 4
+    step o200k_resume_again 45 resume_o200k 6
+    step module_chip_parity 90 make test-tpu TPU_SETUP= PYTEST="python3 -m pytest -vv" \
+        TPU_TESTS="tests/test_chip_runs.py -k example_module"
+}
+
 job_tier_runs() { step tier_runs 460 tier test_chip_runs.py; }
 job_tier_kernels() { step tier_kernels 230 tier test_chip_kernels.py; }
 
@@ -178,11 +228,11 @@ pack_out() {   # more than 8 files in $OUT go into one archive, results.tgz, for
 if [ -n "${CHIP_DRY_RUN:-}" ]; then
     # each word quoted as the shell would need it, so that the printed line parses back to the same words
     tl() { echo "+ tl ${*@Q}"; }; python3() { echo "+ python3 ${*@Q}"; }; make() { echo "+ make ${*@Q}"; }
-    summary() { :; }; cp() { :; }; tar() { :; }; rm() { :; }
+    summary() { :; }; timed() { "$@"; }; cp() { :; }; tar() { :; }; rm() { :; }
 fi
 [ $# -gt 0 ] || { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 2; }   # the header above
 for job in "$@"; do
-    declare -F "job_${job//-/_}" >/dev/null || { echo "chip_measure: no job '$job' (train, decode, decode-ab, module, moe, tier-runs, tier-kernels)"; exit 2; }
+    declare -F "job_${job//-/_}" >/dev/null || { echo "chip_measure: no job '$job' (train, decode, decode-ab, module, moe, startup, tier-runs, tier-kernels)"; exit 2; }
 done
 for job in "$@"; do "job_${job//-/_}"; done
 pack_out
