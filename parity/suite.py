@@ -116,6 +116,20 @@ def _segments_summary(segment_ids) -> str:
     return "packed: " + "; ".join(rows)
 
 
+def _module_eager_run(truth, data: ParityBatch, opt_cfg, model_cfg):
+    """eager_run; for a user's module, its forward failing on the parity rows (a module built for
+    shorter rows than this platform's parity shape, say) is named in one line with the shape."""
+    if not isinstance(model_cfg, ModuleSpec):
+        return eager_run(truth, data, opt_cfg)
+    try:
+        return eager_run(truth, data, opt_cfg)
+    except Exception as e:  # noqa: BLE001 - the user's own code: any failure is named, with the shape
+        batch, seq_len = data.ids.shape
+        raise UserError(f"--module {model_cfg.spec}: its eager forward failed on {batch} x {seq_len} tokens "
+                        f"({type(e).__name__}: {first_line(e)}); a module that takes fewer tokens a row "
+                        f"needs --seq-len at most its length (this platform's parity shape is {seq_len})") from e
+
+
 def _check_request(dtypes, batch: int, seq_len: int, ignore_fraction: float, kernel_options) -> None:
     for dtype in dtypes:
         if dtype not in COMPUTE_DTYPES or dtype not in tolerances.TOLERANCES:
@@ -196,7 +210,7 @@ def run_parity(model_cfg, state_dict: Mapping | None = None, *, kernel_sets=None
 
     truth = reference_model(model)
     say(f"eager PyTorch float32 reference{'' if truth is model else ' (transformers eager attention and experts)'} ...")
-    reference = eager_run(truth, data, opt_cfg)
+    reference = _module_eager_run(truth, data, opt_cfg, model_cfg)
     router_names = [name for name, _ in routers(model)]
     shared = SharedLowered(model, opt_cfg, compiler_options)
     before = {n: to_numpy(p) for n, p in shared.params.items()}

@@ -159,6 +159,18 @@ def test_parity_passes_for_every_kernel_set_the_module_routes(run):
         assert bf16 and all(row.metrics["top1"] == 1.0 and row.metrics["kl_excess"] < 1e-5 for row in bf16), bf16
 
 
+def test_parity_names_a_module_whose_forward_fails_at_the_parity_shape():
+    """A module built for shorter rows than the parity run's (the chip's parity shape is 320 tokens
+    a row) is named in one line with the shape, not left as a traceback from inside its forward."""
+    from formats.errors import UserError
+    from formats.model_checks import module_record
+    from parity.suite import run_parity
+
+    with pytest.raises(UserError, match=r"--module examples/gpt.py:GPT: its eager forward failed on 2 x 200 tokens "
+                                        r"\(RuntimeError: .*\); a module that takes fewer tokens a row needs --seq-len"):
+        run_parity(module_record(*MODELS["gpt"], 0), kernel_sets=["xla"], segments=False, batch=2, seq_len=200)
+
+
 @pytest.fixture(scope="module")
 def mesh_runs(data, tmp_path_factory):
     """Every module trained as `run` trains it, on fsdp=2,tensor=2 over 4 simulated CPU devices (one
