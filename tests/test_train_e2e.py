@@ -56,6 +56,8 @@ def test_generate_from_the_checkpoint(run_dir, capsys):
     assert "compile:" in batch.err and "tokens/s" in batch.err
     assert re.search(r"stored bytes onto its devices in \d+\.\d s\n", batch.err)
     assert re.search(r"^load \d+\.\d s; bucket batch=2 ", batch.err, re.M)       # --timings: the load first
+    assert re.search(r"^start \d+\.\d s: imports \d+\.\d s, starting the devices \d+\.\d s, opening the checkpoint ",
+                     batch.err, re.M)
 
 
 def test_bad_input_is_one_line_naming_the_problem(run_dir, tmp_path, capsys):

@@ -44,7 +44,7 @@ def train(setup, out: str, *extra, cache: str = "cache") -> tuple[dict, str]:
 def test_a_second_process_loads_the_steps_programs_and_says_where_the_start_went(setup):
     first, _ = train(setup, "first")
     assert first["programs_compiled"] > 0 and first["programs_loaded"] == 0
-    for phase in ("imports_s", "model_s", "parameters_s", "first_evaluation_s", "first_step_s", "compile_s",
+    for phase in ("imports_s", "starting_the_devices_s", "model_s", "parameters_s", "first_evaluation_s", "first_step_s", "compile_s",
                   "trace_s", "hashing_s"):
         assert first[phase] >= 0, phase
     assert first["total_s"] >= first["first_step_s"] + first["imports_s"]
@@ -89,3 +89,25 @@ def test_a_cache_that_cannot_be_made_is_said_in_one_line_and_the_command_runs_un
     err = capsys.readouterr()
     lines = (err.out + err.err).strip().splitlines()
     assert len(lines) == 1 and "cannot be made" in lines[0], lines
+
+
+def test_modules_compiled_from_source_in_every_start_are_counted_and_named(monkeypatch, tmp_path):
+    """A Python that writes no bytecode (PYTHONDONTWRITEBYTECODE) over modules with none cached
+    compiles them again in every process: the start line says so, with the remedy; elsewhere the
+    count is 0 and the line says nothing."""
+    import importlib.machinery
+    import types
+
+    from train import startup
+
+    module = types.ModuleType("never_cached")
+    module.__spec__ = importlib.machinery.ModuleSpec("never_cached", None, origin=str(tmp_path / "never_cached.py"))
+    module.__spec__.cached = str(tmp_path / "__pycache__" / "never_cached.cpython-311.pyc")
+    monkeypatch.setitem(sys.modules, "never_cached", module)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert startup.modules_without_bytecode() == 0 and "compiled from source" not in startup.Startup().line()
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    count = startup.modules_without_bytecode()
+    assert count >= 1
+    assert f"; {count} modules compiled from source, as in every start: this Python writes no bytecode" in \
+        startup.Startup().line()

@@ -7,6 +7,7 @@ print the same line for the whole command."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 
@@ -18,6 +19,21 @@ def process_age() -> float:
         return max(0.0, time.time() - psutil.Process(os.getpid()).create_time())
     except (ImportError, OSError):
         return 0.0
+
+
+def modules_without_bytecode() -> int:
+    """Modules this process compiled from source and will compile again in the next one: counted
+    only where Python writes no bytecode (PYTHONDONTWRITEBYTECODE, -B) and finds none cached; 0
+    elsewhere. A TPU host that sets the variable over packages installed without bytecode compiled
+    3,186 modules from source in every `generate` (6.9 s of 39 s)."""
+    if not sys.dont_write_bytecode:
+        return 0
+    count = 0
+    for module in list(sys.modules.values()):
+        spec = getattr(module, "__spec__", None)
+        cached, origin = getattr(spec, "cached", None), getattr(spec, "origin", None) or ""
+        count += bool(cached and origin.endswith(".py") and not os.path.exists(cached))
+    return count
 
 
 _ACTIVE: "Startup | None" = None
@@ -50,6 +66,15 @@ class Startup:
         self.phases[name] = self.phases.get(name, 0.0) + now - self._last
         self._last = now
 
+    def start_devices(self) -> None:
+        """Start JAX's backend (the accelerator's runtime) as a phase of its own, once the cluster
+        is joined: on one TPU v5e host it took 10 s, hidden in whichever phase first asked for a
+        device."""
+        import jax
+
+        jax.devices()
+        self.mark("starting the devices")
+
     def record(self) -> dict:
         """The phases' seconds, then hashing's and JAX's (trace, lower, compile) inside them, and the
         programs the persistent cache loaded and compiled, since this Startup was made."""
@@ -61,7 +86,8 @@ class Startup:
                    hashing_s=round(HASHING["seconds"] - self._hashing["seconds"], 3),
                    hashed_bytes=HASHING["bytes"] - self._hashing["bytes"],
                    **{k: round(now[k] - self._jax[k], 3) for k in ("trace_s", "lower_s", "compile_s")},
-                   programs_loaded=now["hits"] - self._jax["hits"], programs_compiled=now["misses"] - self._jax["misses"])
+                   programs_loaded=now["hits"] - self._jax["hits"], programs_compiled=now["misses"] - self._jax["misses"],
+                   modules_without_bytecode=modules_without_bytecode())
         return out
 
     def line(self, cache_dir=None, label: str = "start") -> str:
@@ -74,4 +100,11 @@ class Startup:
                  f"{r['programs_compiled']} compiled")
         return (f"{label} {r['total_s']:.1f} s: {phases}; inside them hashing {r['hashing_s']:.1f} s "
                 f"({r['hashed_bytes'] / 1e6:,.0f} MB), trace {r['trace_s']:.1f} s, lower {r['lower_s']:.1f} s, "
-                f"compile {r['compile_s']:.1f} s" + cache)
+                f"compile {r['compile_s']:.1f} s" + cache + _bytecode_note(r["modules_without_bytecode"]))
+
+
+def _bytecode_note(count: int) -> str:
+    if not count:
+        return ""
+    return (f"; {count} modules compiled from source, as in every start: this Python writes no bytecode "
+            f"(PYTHONDONTWRITEBYTECODE or -B); `python -m compileall` over the installed packages once saves it")

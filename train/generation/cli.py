@@ -79,9 +79,10 @@ def run(args) -> int:
 
     # Every process runs the same calls (streamed chunks included: a stop string ends rows on all);
     # only process 0's output is shown.
-    with join.together("generate"), (contextlib.redirect_stdout(io.StringIO()) if jax.process_index()
-                                     else contextlib.nullcontext()):
-        return _run(args, startup)
+    with join.together("generate"):
+        startup.start_devices()
+        with contextlib.redirect_stdout(io.StringIO()) if jax.process_index() else contextlib.nullcontext():
+            return _run(args, startup)
 
 
 def _run(args, startup) -> int:

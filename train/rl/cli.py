@@ -164,6 +164,7 @@ def run_rl(cfg: RLConfig) -> dict:
 
     cache, before = compile_cache.enable(cfg.compile_cache or None), compile_cache.events()
     startup = Startup()             # where the start goes: printed and recorded after the first update
+    startup.start_devices()
     out = Path(cfg.out)
     step_dir = newest_checkpoint(out)
     meta = None

@@ -29,12 +29,16 @@ def run_training(cfg: TrainConfig, *, explicit: dict | None = None, show_progres
     the user gave (a resumed run takes the rest from its checkpoint)."""
     import jax
 
+    from train.startup import Startup
+
+    startup = Startup()             # where the start goes: printed and recorded at the first step
+    startup.start_devices()
     if jax.process_count() == 1:
-        return _train(cfg, explicit, show_progress)
+        return _train(cfg, explicit, show_progress, startup)
     # Every process ends together: none waits alone at JAX's shutdown (host_timeout_s) while
     # process 0 writes plots and samples; a failed collective may be a dead peer.
     with join.together("run", cfg.host_timeout_s):
-        return _train(cfg, explicit, show_progress)
+        return _train(cfg, explicit, show_progress, startup)
 
 
 def train_module(module, **settings) -> dict:
@@ -59,16 +63,13 @@ def train_module(module, **settings) -> dict:
         take_module_from(None)
 
 
-def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool) -> dict:
+def _train(cfg: TrainConfig, explicit: dict | None, show_progress: bool, startup) -> dict:
     from jax_bridge import compile_cache
     from train.cluster.preemption import StopSignals
     from train.run.profiling import StepProfiler
     from train.run.trainer import Trainer, resume_point
-    from train.startup import Startup
-
     from jax_bridge.distributed import say
 
-    startup = Startup()             # where the start goes: printed and recorded at the first step
     cache = compile_cache.enable(cfg.compile_cache or None)
     cfg, resume_dir, meta = resume_point(cfg, explicit or {})
     startup.mark("finding the checkpoint")
