@@ -17,6 +17,10 @@
 #                beside torchax's own documented step (scripts/torchax_peer_step.py)   ~480 s
 #   moe          gpt-oss-20b's and Qwen3-30B-A3B's layer shapes (docs/models/*-layers.json) at
 #                131,072 tokens a step, Muon, and AdamW with fewer experts (*-adamw.json) ~540 s
+#   bytecode     compiles the stack's Python modules to bytecode once (a host that sets
+#                PYTHONDONTWRITEBYTECODE over packages installed without it compiles ~3,200
+#                modules in every process): list it before startup to time starts as a pip
+#                install (which writes bytecode) would have them                        ~60 s
 #   tier-runs    the hardware tier's runs file (parity, demo, generation, LoRA, DPO)   ~460 s
 #   tier-kernels the hardware tier's kernels file                                     ~230 s
 #   startup      where a start goes: generate (64 tokens) cold and again on the 0.57 B Llama and a
@@ -214,6 +218,18 @@ job_startup() {
         TPU_TESTS="tests/test_chip_runs.py -k example_module"
 }
 
+compile_bytecode() {   # every writable folder on sys.path (the bundle's packages), and this checkout
+    python3 - <<'EOF'
+import compileall, os, sys
+dirs = [p for p in sys.path if p and os.path.isdir(p) and os.access(p, os.W_OK)] + ["."]
+print("compiling", " ".join(dirs))
+for d in dirs:      # a package's deliberately broken test files fail to compile: not this job's failure
+    compileall.compile_dir(d, quiet=2, workers=0)
+EOF
+}
+
+job_bytecode() { step bytecode 90 compile_bytecode; }
+
 job_tier_runs() { step tier_runs 460 tier test_chip_runs.py; }
 job_tier_kernels() { step tier_kernels 230 tier test_chip_kernels.py; }
 
@@ -231,8 +247,12 @@ if [ -n "${CHIP_DRY_RUN:-}" ]; then
     summary() { :; }; timed() { "$@"; }; cp() { :; }; tar() { :; }; rm() { :; }
 fi
 [ $# -gt 0 ] || { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 2; }   # the header above
+# The imports every job needs, before any job: a host's bundle without one (xxhash, which the
+# checkpoints' checksums use) trains for minutes and then fails at its first checkpoint.
+[ -n "${CHIP_DRY_RUN:-}" ] || python3 -c "import xxhash, tensorstore, orbax.checkpoint, transformers, torch" \
+    || { echo "chip_measure: this Python lacks a module the jobs need (above); install it from requirements.lock"; exit 3; }
 for job in "$@"; do
-    declare -F "job_${job//-/_}" >/dev/null || { echo "chip_measure: no job '$job' (train, decode, decode-ab, module, moe, startup, tier-runs, tier-kernels)"; exit 2; }
+    declare -F "job_${job//-/_}" >/dev/null || { echo "chip_measure: no job '$job' (train, decode, decode-ab, module, moe, startup, bytecode, tier-runs, tier-kernels)"; exit 2; }
 done
 for job in "$@"; do "job_${job//-/_}"; done
 pack_out
