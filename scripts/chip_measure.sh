@@ -16,7 +16,8 @@
 #                Llama row), beside the same config through --model-config, and the module
 #                beside torchax's own documented step (scripts/torchax_peer_step.py)   ~480 s
 #   moe          gpt-oss-20b's and Qwen3-30B-A3B's layer shapes (docs/models/*-layers.json) at
-#                131,072 tokens a step, Muon, and AdamW with fewer experts (*-adamw.json) ~540 s
+#                131,072 tokens a step, Muon (profiled beside the roofline), and AdamW with
+#                fewer experts (*-adamw.json)                                         ~580 s
 #   bytecode     compiles the stack's Python modules to bytecode once (a host that sets
 #                PYTHONDONTWRITEBYTECODE over packages installed without it compiles ~3,200
 #                modules in every process): list it before startup to time starts as a pip
@@ -52,12 +53,14 @@ step() {
     echo "== $name: rc $rc in $(( $(date +%s) - t )) s"
 }
 
-# The median step of a run's own records (steps 4 on, the profiled steps left out), as BENCHMARKS reads it.
+# summary RUN [PROFILED]: the median step of a run's own records (steps 4 on, the profiled steps,
+# "10:11" unless named, left out), as BENCHMARKS reads it.
 summary() {
-    python3 - "$1" <<'EOF'
+    python3 - "$1" "${2:-10:11}" <<'EOF'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
-steps = [r for r in rows if r.get("kind") == "train" and r["step"] >= 4 and r["step"] not in (10, 11) and r.get("mfu")]
+first, last = map(int, sys.argv[2].split(":"))
+steps = [r for r in rows if r.get("kind") == "train" and r["step"] >= 4 and not first <= r["step"] <= last and r.get("mfu")]
 med = lambda key: statistics.median(r[key] for r in steps)
 print(f"{sys.argv[1]}: {len(steps)} steps, {med('step_time_s'):.4f} s/step, "
       f"{med('tokens_per_s'):,.0f} tokens/s, MFU {100 * med('mfu'):.1f}%")
@@ -145,6 +148,17 @@ train_4096() {   # train_4096 RUN STEPS [FLAGS...]: a run on the bundled corpus,
         --samples 0 --out "$R/$run" "$@" && summary "$R/$run" && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl"
 }
 
+train_4096_profiled() {   # train_4096_profiled RUN STEPS [FLAGS...]: train_4096 with its last two steps
+    # profiled and set beside the step's roofline (`tl profile`; summary.json with every op kept)
+    local run=$1 steps=$2 data; shift 2
+    data=$(shakespeare) || return 2
+    rm -rf "${R:?}/$run"
+    tl train --data "$data" --seq-len 2048 --steps "$steps" --eval-every 1000 --eval-batches 1 --log-every 1 \
+        --samples 0 --out "$R/$run" --profile-steps "$((steps - 1)):$steps" "$@" && tl profile --top 12 "$R/$run" \
+      && summary "$R/$run" "$((steps - 1)):$steps" && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl" \
+      && tl profile --top 5000 "$R/$run" > /dev/null && cp "$R/$run/profile/summary.json" "$OUT/$run.summary.json"
+}
+
 GPT_570M='{"vocab_size": 4096, "dim": 2048, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "hidden": 5632, "tie_embeddings": true, "max_seq_len": 2048}'
 
 job_module() {
@@ -156,8 +170,8 @@ job_module() {
         --batch-size 4 --micro-batches 2 --seq-len 2048 --steps 8 --remat save-matmuls --json "$OUT/module_peer.json"
 }
 
-job_moe() {
-    step gpt_oss_layers 170 train_4096 gpt_oss_layers 8 --model-config docs/models/gpt-oss-20b-layers.json \
+job_moe() {   # each run's steps 9-10 profiled beside its roofline (the gaps the profile names)
+    step gpt_oss_layers 190 train_4096_profiled gpt_oss_layers 10 --model-config docs/models/gpt-oss-20b-layers.json \
         --batch-size 4 --micro-batches 16 --remat full --ns-dtype bfloat16
     # AdamW keeps two moments a parameter: the same shapes do not fit one v5e (plan: 16.65 GiB of
     # temporaries, 16.44 GiB); the -adamw configs take fewer experts at the same active fraction.
@@ -165,7 +179,7 @@ job_moe() {
         --batch-size 4 --micro-batches 16 --remat full --optimizer adamw
     # Qwen3's shapes fit 8 rows a micro-batch (plan: 14.67 GiB): half the gradient accumulations of
     # 4 x 16, roofline 1,438 -> 1,311 ms a step; gpt-oss's do not (17.67 GiB).
-    step qwen3_layers 130 train_4096 qwen3_layers 8 --model-config docs/models/qwen3-30b-a3b-layers.json \
+    step qwen3_layers 150 train_4096_profiled qwen3_layers 10 --model-config docs/models/qwen3-30b-a3b-layers.json \
         --batch-size 8 --micro-batches 8 --remat full --ns-dtype bfloat16
     step qwen3_layers_adamw 110 train_4096 qwen3_layers_adamw 8 --model-config docs/models/qwen3-30b-a3b-layers-adamw.json \
         --batch-size 4 --micro-batches 16 --remat full --optimizer adamw
