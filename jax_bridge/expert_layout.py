@@ -87,8 +87,6 @@ class ExpertLayout:
 
         kinds, modules = {}, []
         named = dict(model.named_modules())
-        if not any(is_experts(m) for m in named.values()):
-            return None
         adapted = [path for path, m in named.items() if _is_peft_layer(m)]
         for path, module in named.items():
             if not is_experts(module) or not hasattr(module, "torchlyra_activation") or \

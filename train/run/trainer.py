@@ -565,9 +565,10 @@ class Trainer:
         jax.block_until_ready(metrics["loss"])
         self.startup.mark("first step")
         self._starting = False
-        self.write_record({"kind": "startup", "step": self.done, **self.startup.record()})
+        record = self.startup.record()
+        self.write_record({"kind": "startup", "step": self.done, **record})
         if self.primary:
-            self.bar.write(self.startup.line(self.compile_cache))
+            self.bar.write(self.startup.line(self.compile_cache, record=record))
 
     def _count_skip(self, step: int, flag) -> None:
         c = self.counters
