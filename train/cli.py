@@ -88,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        # The module a command took (--module) is process state: the next command run in this
+        # process (a notebook's, a test's) builds its own run's. Loaded only if a command used it.
+        model_checks = sys.modules.get("formats.model_checks")
+        if model_checks is not None:
+            model_checks.take_module_from(None)
 
 
 if __name__ == "__main__":
