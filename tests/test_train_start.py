@@ -44,8 +44,8 @@ def train(setup, out: str, *extra, cache: str = "cache") -> tuple[dict, str]:
 def test_a_second_process_loads_the_steps_programs_and_says_where_the_start_went(setup):
     first, _ = train(setup, "first")
     assert first["programs_compiled"] > 0 and first["programs_loaded"] == 0
-    for phase in ("imports_s", "starting_the_devices_s", "model_s", "parameters_s", "first_evaluation_s", "first_step_s", "compile_s",
-                  "trace_s", "hashing_s"):
+    for phase in ("imports_s", "starting_the_devices_s", "model_s", "parameters_s", "first_evaluation_s",
+                  "first_step_s", "compile_s", "trace_s", "hashing_s"):
         assert first[phase] >= 0, phase
     assert first["total_s"] >= first["first_step_s"] + first["imports_s"]
     second, output = train(setup, "second")
